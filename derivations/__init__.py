@@ -1,0 +1,1 @@
+"""SymPy-checked algebra behind the chunked Gated DeltaNet kernels."""

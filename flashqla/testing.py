@@ -1,0 +1,160 @@
+"""Comparators, error budgets and input factories shared by tests, benchmarks and notebooks.
+
+Error metric (DESIGN.md section 5): relative RMS `||x - ref|| / ||ref||`, computed in fp64, per
+quantity. A comparison against an all-zero reference is refused: a check on zeros proves nothing.
+
+Inputs come from the valid domain, as real models make them: q and k L2-normalised per head,
+v ~ N(0, 1), beta = sigmoid(N(0, 1)), and the gate of Qwen3-Next,
+`g = -exp(A_log) * softplus(a + dt_bias)`. With `special_heads=True` value head 0 has g == 0 (no
+decay) and the last value head a very strong decay, so every test sees both extremes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "rel_rms",
+    "assert_close_rel",
+    "make_gdn_inputs",
+    "qwen3next_gate",
+    "random_cu_seqlens",
+    "BUDGETS",
+    "STRONG_DECAY_G",
+]
+
+#: Per-token log-decay of the strong-decay head made by `make_gdn_inputs` (exp(-30) ~ 1e-13: the
+#: state is wiped at every token).
+STRONG_DECAY_G = -30.0
+
+#: Relative-RMS budgets per (implementation, quantity) against the fp64 recurrence. Loosening an
+#: entry needs a reason in the commit. The kernel entries are filled by the kernel tiers.
+BUDGETS: dict[str, dict[str, float]] = {
+    # fp64 reference against fp64 recurrence: pure algebra, rounding only.
+    "reference_fp64": {"o": 1e-10, "ht": 1e-10, "dq": 1e-9, "dk": 1e-9, "dv": 1e-9, "dg": 1e-9, "dbeta": 1e-9, "dh0": 1e-9},
+}
+
+
+def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative RMS error `||x - ref||_2 / ||ref||_2`, computed in fp64.
+
+    Raises ValueError when shapes differ or when `ref` is identically zero (nothing to compare).
+    NaN or inf anywhere in `x` gives `inf`.
+    """
+    if tuple(x.shape) != tuple(ref.shape):
+        raise ValueError(f"shape mismatch: {tuple(x.shape)} vs reference {tuple(ref.shape)}")
+    xd = x.detach().to("cpu", torch.float64)
+    rd = ref.detach().to("cpu", torch.float64)
+    den = torch.linalg.vector_norm(rd)
+    if den == 0:
+        raise ValueError("reference is identically zero: a comparison on zeros proves nothing")
+    if not bool(torch.isfinite(xd).all()):
+        return math.inf
+    return float(torch.linalg.vector_norm(xd - rd) / den)
+
+
+def assert_close_rel(name: str, x: torch.Tensor, ref: torch.Tensor, budget: float) -> float:
+    """Asserts `rel_rms(x, ref) <= budget`; the message names the quantity. Returns the error."""
+    err = rel_rms(x, ref)
+    if not err <= budget:
+        raise AssertionError(f"{name}: relative RMS error {err:.3e} exceeds budget {budget:.1e}")
+    return err
+
+
+def qwen3next_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """Qwen3-Next's gate: `g = -exp(A_log) * softplus(a + dt_bias)`, natural log, <= 0.
+
+    a: [..., HV]; A_log, dt_bias: [HV]. Returns g with a's shape, in a's dtype.
+    """
+    return -A_log.exp() * F.softplus(a + dt_bias)
+
+
+def random_cu_seqlens(lengths, device="cpu", dtype=torch.int32) -> torch.Tensor:
+    """FlashAttention-style offsets `[0, l1, l1 + l2, ...]` for the given sequence lengths."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + int(n))
+    return torch.tensor(cu, dtype=dtype, device=device)
+
+
+def make_gdn_inputs(
+    B: int = 1,
+    T: int = 256,
+    H: int = 2,
+    HV: int = 4,
+    K: int = 128,
+    V: int = 128,
+    *,
+    cu_seqlens=None,
+    dtype: torch.dtype = torch.float64,
+    device="cpu",
+    gate: str | float = "qwen3next",
+    special_heads: bool = True,
+    initial_state: bool = True,
+    state_scale: float = 1.0,
+    beta_dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> dict:
+    """Random inputs of `chunk_gated_delta_rule` from the valid domain.
+
+    Args:
+        B, T, H, HV, K, V: sizes in FLA's names (q, k [B,T,H,K]; v [B,T,HV,V]; g, beta [B,T,HV]).
+        cu_seqlens: None, a list of sequence lengths (then B must be 1 and sum == T), or a tensor.
+        dtype: dtype of q, k, v (g is fp32, or fp64 when dtype is fp64; the state likewise).
+        gate: "qwen3next" (the real gate), "logsigmoid" (g = logsigmoid(x) / 16), "zero", or a
+            float used as a constant per-token g.
+        special_heads: value head 0 gets g == 0 and, when HV >= 2, the last value head gets
+            g == STRONG_DECAY_G.
+        initial_state: include an `initial_state` [N, HV, K, V] ~ N(0, state_scale^2).
+        beta_dtype: dtype of beta (default: g's dtype).
+        seed: generator seed (inputs are drawn on CPU, then moved to `device`).
+
+    Returns:
+        dict with q, k, v, g, beta, initial_state (or None), cu_seqlens (or None).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    fdt = torch.float64 if dtype == torch.float64 else torch.float32
+    if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
+        if B != 1 or sum(cu_seqlens) != T:
+            raise ValueError("cu_seqlens given as lengths needs B == 1 and sum(lengths) == T")
+        cu_seqlens = random_cu_seqlens(cu_seqlens, dtype=torch.int32)
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q = F.normalize(randn(B, T, H, K), dim=-1)
+    k = F.normalize(randn(B, T, H, K), dim=-1)
+    v = randn(B, T, HV, V)
+    beta = torch.sigmoid(randn(B, T, HV))
+    if gate == "qwen3next":
+        A_log = torch.log(torch.empty(HV, dtype=torch.float64).uniform_(1, 16, generator=gen))
+        dt = torch.exp(torch.empty(HV, dtype=torch.float64).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
+        dt_bias = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+        g = qwen3next_gate(randn(B, T, HV), A_log, dt_bias)
+    elif gate == "logsigmoid":
+        g = F.logsigmoid(randn(B, T, HV)) / 16
+    elif gate == "zero":
+        g = torch.zeros(B, T, HV, dtype=torch.float64)
+    elif isinstance(gate, (int, float)):
+        g = torch.full((B, T, HV), float(gate), dtype=torch.float64)
+    else:
+        raise ValueError(f"unknown gate {gate!r}")
+    if special_heads:
+        g[..., 0] = 0.0
+        if HV >= 2:
+            g[..., -1] = STRONG_DECAY_G
+    h0 = state_scale * randn(N, HV, K, V) if initial_state else None
+    out = dict(
+        q=q.to(device, dtype),
+        k=k.to(device, dtype),
+        v=v.to(device, dtype),
+        g=g.to(device, fdt),
+        beta=beta.to(device, beta_dtype or fdt),
+        initial_state=None if h0 is None else h0.to(device, fdt),
+        cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(device),
+    )
+    return out

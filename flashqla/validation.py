@@ -1,0 +1,184 @@
+"""Argument checks shared by the reference (`reference.chunk_gated_delta_rule`) and the production op
+(`flashqla.chunk_gated_delta_rule`).
+
+Every check runs before any device work and raises `TypeError` (wrong kind of object or dtype) or
+`ValueError` (wrong shape or value), naming the argument. Checks that would need to read device
+memory (the values of `cu_seqlens`, the sign of `g`) run only where they cost no host
+synchronisation: on CPU tensors, or when the caller asks for them (`check_values=True`, which the
+fp64 reference always does).
+
+Positive gates. `g` is a natural-log decay and real models produce `g <= 0` (Qwen3-Next:
+`g = -exp(A_log) * softplus(a + dt_bias)`). `g > 0` is outside the supported domain: with
+`check_values=True` (the reference, and any CPU `g`) it is rejected with a `ValueError`; the GPU op
+does not read `g` back to the host, so on device a positive `g` is the caller's responsibility and the
+result is undefined (it may overflow).
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["GDNDims", "check_gdn_inputs", "check_cu_seqlens_values", "check_gate_values", "FLOAT_DTYPES"]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class GDNDims:
+    """Problem sizes in FLA's names: B batch, T tokens, H q/k heads, HV value heads, K, V head
+    dims, N sequences (B without `cu_seqlens`, `len(cu_seqlens) - 1` with it)."""
+
+    B: int
+    T: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    N: int
+
+    @property
+    def group(self) -> int:
+        """Value heads per q/k head (GVA ratio HV // H)."""
+        return self.HV // self.H
+
+
+def _tensor(name: str, x, ndim: int, shape_doc: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {shape_doc}, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions {shape_doc}, got shape {tuple(x.shape)}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating-point tensor (fp16, bf16, fp32 or fp64), got {x.dtype}")
+    return x
+
+
+def check_cu_seqlens_values(cu_seqlens: torch.Tensor, T: int) -> None:
+    """Checks the values of `cu_seqlens` (reads them: call only where a host read is free or wanted).
+
+    Raises ValueError unless `cu_seqlens[0] == 0`, the entries are non-decreasing and
+    `cu_seqlens[-1] == T`.
+    """
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {int(cu[0])}")
+    if cu.numel() > 1 and bool((cu[1:] < cu[:-1]).any()):
+        i = int(torch.nonzero(cu[1:] < cu[:-1])[0, 0])
+        raise ValueError(
+            f"cu_seqlens must be non-decreasing, got cu_seqlens[{i}] = {int(cu[i])} > cu_seqlens[{i + 1}] = {int(cu[i + 1])}"
+        )
+    if int(cu[-1]) != T:
+        raise ValueError(f"cu_seqlens must end at T = {T} (the packed token count), got cu_seqlens[-1] = {int(cu[-1])}")
+
+
+def check_gate_values(g: torch.Tensor) -> None:
+    """Raises ValueError when `g` has a positive or non-finite entry (reads `g`: a host sync on GPU)."""
+    if not bool(torch.isfinite(g).all()):
+        raise ValueError("g must be finite (natural-log decay per token, g <= 0)")
+    if bool((g > 0).any()):
+        raise ValueError(f"g must be <= 0 (natural-log decay per token); got max(g) = {float(g.max()):.3g}")
+
+
+def check_gdn_inputs(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    *,
+    check_values: bool = False,
+) -> GDNDims:
+    """Validates the arguments of `chunk_gated_delta_rule` (FLA's layout) and returns the sizes.
+
+    Args (FLA's layout; see `flashqla.chunk_gated_delta_rule` for units):
+        q, k: [B, T, H, K] floating point, the same shape.
+        v: [B, T, HV, V] floating point, HV % H == 0.
+        g: [B, T, HV] floating point, natural-log decay per token.
+        beta: [B, T, HV] floating point.
+        scale: None or a finite real number.
+        initial_state: None or [N, HV, K, V] floating point.
+        output_final_state: bool.
+        cu_seqlens: None or a 1-D int32/int64 tensor [N + 1]; requires B == 1.
+        check_values: also read `cu_seqlens` and `g` and check their values (host sync on GPU).
+            The values of a CPU `cu_seqlens` are always checked (that costs no sync).
+
+    Returns:
+        GDNDims(B, T, H, HV, K, V, N).
+
+    Raises:
+        TypeError: an argument is not a tensor, or has a non-floating dtype (integer dtype for
+            cu_seqlens), or q, k, v dtypes differ, or scale is not a real number.
+        ValueError: wrong ranks, mismatched shapes, HV % H != 0, empty head dims, tensors on
+            different devices, cu_seqlens with B != 1 / not starting at 0 / decreasing / not ending
+            at T, initial_state of the wrong shape, and (check_values) positive or non-finite g.
+    """
+    q = _tensor("q", q, 4, "[B, T, H, K]")
+    k = _tensor("k", k, 4, "[B, T, H, K]")
+    v = _tensor("v", v, 4, "[B, T, HV, V]")
+    g = _tensor("g", g, 3, "[B, T, HV]")
+    beta = _tensor("beta", beta, 3, "[B, T, HV]")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must have the shape of q [B, T, H, K] = {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"v must be [B, T, HV, V] with B, T = {tuple(q.shape[:2])} as in q, got {tuple(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    if min(H, K, HV, V) == 0:
+        raise ValueError(f"head counts and head dims must be positive: H={H}, K={K}, HV={HV}, V={V}")
+    if HV % H != 0:
+        raise ValueError(
+            f"the value-head count HV = {HV} (v.shape[2]) must be a multiple of the q/k head count H = {H} (q.shape[2])"
+        )
+    if g.shape != (B, T, HV):
+        raise ValueError(f"g must be [B, T, HV] = {(B, T, HV)}, got {tuple(g.shape)}")
+    if beta.shape != (B, T, HV):
+        raise ValueError(f"beta must be [B, T, HV] = {(B, T, HV)}, got {tuple(beta.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    devices = {name: x.device for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta))}
+    if initial_state is not None:
+        devices["initial_state"] = getattr(initial_state, "device", None)
+    if cu_seqlens is not None:
+        devices["cu_seqlens"] = getattr(cu_seqlens, "device", None)
+    for name, dev in devices.items():
+        if dev is not None and dev != q.device:
+            raise ValueError(f"{name} is on {dev} but q is on {q.device}: all tensors must be on one device")
+
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale must be None or a real number, got {type(scale).__name__}")
+        if not (float(scale) == float(scale)) or abs(float(scale)) == float("inf"):
+            raise ValueError(f"scale must be finite, got {scale}")
+    if not isinstance(output_final_state, bool):
+        raise TypeError(f"output_final_state must be a bool, got {type(output_final_state).__name__}")
+
+    N = B
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor):
+            raise TypeError(f"cu_seqlens must be None or an int32/int64 tensor [N + 1], got {type(cu_seqlens).__name__}")
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"cu_seqlens must have dtype int32 or int64, got {cu_seqlens.dtype}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries [N + 1], got shape {tuple(cu_seqlens.shape)}")
+        if B != 1:
+            raise ValueError(f"cu_seqlens (packed variable-length input) requires B == 1, got B = {B}")
+        N = cu_seqlens.numel() - 1
+        if check_values or cu_seqlens.device.type == "cpu":
+            check_cu_seqlens_values(cu_seqlens, T)
+
+    if initial_state is not None:
+        _tensor("initial_state", initial_state, 4, "[N, HV, K, V]")
+        if tuple(initial_state.shape) != (N, HV, K, V):
+            raise ValueError(
+                f"initial_state must be [N, HV, K, V] = {(N, HV, K, V)} (N = number of sequences), "
+                f"got {tuple(initial_state.shape)}"
+            )
+    if check_values:
+        check_gate_values(g)
+    return GDNDims(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N)
