@@ -1,0 +1,78 @@
+"""Project contract: README quick start == CI, pins, markers, the main job's CLI."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"## Quick start.*?```bash\n(.*?)```", text, re.S)
+    assert block, "README has no quick-start bash block"
+    return [line.strip() for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_readme_has_exactly_two_quickstart_commands():
+    cmds = _readme_commands()
+    assert len(cmds) == 2, cmds
+    assert "flashqla verify" in cmds[0]
+    assert "pytest" in cmds[1]
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert _readme_commands()[1] in ci.splitlines(), "the README's test command must appear verbatim in .ci/run"
+
+
+def test_pins_match_the_device_bundle():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    deps = meta["project"]["dependencies"]
+    assert "tilelang==0.1.15" in deps
+    extras = meta["project"]["optional-dependencies"]
+    assert "flash-linear-attention==0.6.0" in extras["peers"]
+    bundle = ROOT.parent / "shared" / "device" / "make-bundle"
+    if bundle.exists():
+        pins = re.search(r"PINS=\((.*?)\)", bundle.read_text(), re.S).group(1).split()
+        for pin in ("tilelang==0.1.15", "flash-linear-attention==0.6.0", "flash-qla==0.1.3"):
+            assert pin in pins, f"{pin} differs from the device bundle's PINS"
+    env = (ROOT / "environment.yml").read_text()
+    assert "tilelang==0.1.15" in env and "flash-linear-attention==0.6.0" in env
+
+
+def test_markers_registered():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    markers = " ".join(meta["tool"]["pytest"]["ini_options"]["markers"])
+    for m in ("gpu:", "slow:", "multigpu:"):
+        assert m in markers
+
+
+def test_import_needs_no_gpu():
+    out = subprocess.run(
+        [sys.executable, "-c", "import flashqla, sys; print('tilelang' in sys.modules)"],
+        capture_output=True, text=True, check=True,
+    )
+    assert out.stdout.strip() == "False", "importing flashqla must not import tilelang eagerly"
+
+
+def test_verify_cli_reference_rung():
+    out = subprocess.run(
+        [sys.executable, "-m", "flashqla", "verify", "--skip-derivations"],
+        capture_output=True, text=True, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "reference: chunked" in out.stdout
+    assert "kernel checks need a CUDA GPU" in out.stdout or "kernels: sm_90" in out.stdout
+
+
+def test_cli_rejects_unknown_command():
+    out = subprocess.run([sys.executable, "-m", "flashqla", "frobnicate"], capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "invalid choice" in out.stderr
