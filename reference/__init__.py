@@ -2,8 +2,10 @@
 
 - `reference.gdn.recurrent`: the token recurrence, ground truth.
 - `reference.gdn.chunk` / `reference.gdn.chunk_bwd`: FLA's per-step chunked forward and backward.
+- `reference.gdn.op`: `chunk_gated_delta_rule`, the public op (FLA's signature) built on them.
 """
 
+from reference.gdn.op import chunk_gated_delta_rule
 from reference.gdn.recurrent import recurrent_gated_delta_rule
 
-__all__ = ["recurrent_gated_delta_rule"]
+__all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule"]

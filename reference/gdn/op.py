@@ -1,0 +1,141 @@
+"""The reference public op: FLA's chunked Gated DeltaNet prefill with its hand-written backward.
+
+`chunk_gated_delta_rule` has FLA's signature and return convention; forward and backward are the
+per-step functions of `reference.gdn.chunk` and `reference.gdn.chunk_bwd`, wired into autograd by
+`ChunkGatedDeltaRuleFunction` (no autograd through the chunked math itself).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashqla.validation import check_gdn_inputs
+from reference.gdn.chunk import check_chunk_size, chunk_gated_delta_rule_fwd
+from reference.gdn.chunk_bwd import chunk_gated_delta_rule_bwd
+from reference.gdn.recurrent import L2NORM_EPS, compute_dtype, l2norm
+
+__all__ = ["chunk_gated_delta_rule", "ChunkGatedDeltaRuleFunction", "l2norm_fwd", "l2norm_bwd"]
+
+
+def l2norm_fwd(x: torch.Tensor, eps: float = L2NORM_EPS):
+    """y = x * rstd with rstd = 1 / sqrt(sum(x^2) + eps) over the last dim. Returns (y, rstd [..., 1]).
+
+    Source: FLA `l2norm_fwd` (eps inside the sqrt, as `reference.gdn.recurrent.l2norm`).
+    """
+    rstd = torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+    return l2norm(x, eps), rstd
+
+
+def l2norm_bwd(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """dL/dx of y = l2norm(x): rstd * (dy - y * sum(dy * y)). Source: FLA `l2norm_bwd`."""
+    return rstd * (dy - y * (dy * y).sum(-1, keepdim=True))
+
+
+class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
+    """Autograd wiring of the reference chunked op (inputs are validated by `chunk_gated_delta_rule`).
+
+    Saves what FLA saves (q, k after the optional L2 norm and their rstd, v, g_cum, beta, A,
+    initial_state) and recomputes w, u, h, v_new in the backward. `dht` is the gradient of
+    final_state (None when final_state is not returned or not used).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel, chunk_size):
+        cdt = compute_dtype(q, k, v, g, beta, initial_state)
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, None if initial_state is None else initial_state.dtype)
+        q_rstd = k_rstd = None
+        if use_qk_l2norm_in_kernel:
+            q, q_rstd = l2norm_fwd(q.to(cdt))
+            k, k_rstd = l2norm_fwd(k.to(cdt))
+        g_cum, o, A, final_state, _, _ = chunk_gated_delta_rule_fwd(
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size
+        )
+        ctx.save_for_backward(q, k, v, g_cum, beta, A, initial_state, q_rstd, k_rstd)
+        ctx.scale, ctx.cu_seqlens, ctx.chunk_size, ctx.l2 = scale, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel
+        ctx.o_shape = o.shape
+        ctx.set_materialize_grads(False)
+        return o.to(ctx.dtypes[0]), final_state
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dht):
+        q, k, v, g_cum, beta, A, initial_state, q_rstd, k_rstd = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros(ctx.o_shape, dtype=g_cum.dtype, device=g_cum.device)
+        dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
+            q, k, v, g_cum, beta, A, ctx.scale, initial_state, do, dht, ctx.cu_seqlens, ctx.chunk_size
+        )
+        if ctx.l2:
+            dq, dk = l2norm_bwd(q, q_rstd, dq), l2norm_bwd(k, k_rstd, dk)
+        tq, tk, tv, tg, tb, th = ctx.dtypes
+        dh0 = None if dh0 is None else dh0.to(th)
+        return dq.to(tq), dk.to(tk), dv.to(tv), dg.to(tg), dbeta.to(tb), None, dh0, None, None, None, None
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    *,
+    chunk_size: int = 64,
+):
+    """Gated DeltaNet chunked prefill, reference (plain PyTorch, fp64-capable, differentiable).
+
+    Computes, per sequence and value head hv (q/k head hv // (HV // H)), per token t:
+
+        S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T      (S_{-1} = initial_state)
+        o_t = scale * S_t^T q_t
+
+    by FLA's chunked algorithm (chunks of `chunk_size` tokens, WY/UT representation; see
+    `reference.gdn.chunk`) and, under autograd, FLA's hand-written chunked backward
+    (`reference.gdn.chunk_bwd`). Equal to `reference.recurrent_gated_delta_rule` up to rounding.
+
+    Args:
+        q: [B, T, H, K] query, any float dtype (one dtype with k and v).
+        k: [B, T, H, K] key. Expected L2-normalised per head (or pass use_qk_l2norm_in_kernel).
+        v: [B, T, HV, V] value; HV % H == 0 (GVA: value head hv reads q/k head hv // (HV // H)).
+        g: [B, T, HV] decay per token in natural log (alpha_t = exp(g_t)), must be finite and <= 0.
+        beta: [B, T, HV] write strength (post-sigmoid, in [0, 1]).
+        scale: output scale (a real number), default K ** -0.5.
+        initial_state: None (zeros) or [N, HV, K, V], the state before each sequence's first token
+            (N = B, or len(cu_seqlens) - 1 with cu_seqlens).
+        output_final_state: also return the state after each sequence's last token.
+        cu_seqlens: None or [N + 1] int32/int64 offsets of sequences packed along T (B == 1),
+            FlashAttention style [0, l1, l1 + l2, ..., T]; empty sequences are allowed.
+        use_qk_l2norm_in_kernel: normalise q and k per head first, x / sqrt(sum(x^2) + 1e-6), and
+            differentiate through it.
+        chunk_size: C, a positive int (keyword only; FLA passes it through **kwargs; default 64).
+
+    Returns:
+        (o, final_state):
+            o: [B, T, HV, V] in q's dtype.
+            final_state: [N, HV, K, V] in fp32 (fp64 when any input is fp64), or None unless
+                output_final_state. Its gradient (dht) flows into the backward when it is used.
+        Arithmetic runs in fp64 when any input is fp64, else in fp32. Gradients come back in each
+        input's dtype (dg as dL/dg per token, natural log).
+
+    Raises:
+        TypeError, ValueError: from `flashqla.validation.check_gdn_inputs(..., check_values=True)`,
+            before any work: non-tensor or non-float arguments, mismatched dtypes, shapes, devices,
+            HV % H != 0, cu_seqlens with B != 1 or bad values, initial_state of the wrong shape,
+            a non-real or non-finite scale, a non-bool output_final_state, and a positive or
+            non-finite g. Each message names the argument.
+        ValueError: chunk_size not a positive int.
+
+    Source: FLA `chunk_gated_delta_rule` / `ChunkGatedDeltaRuleFunction`
+    (fla/ops/gated_delta_rule/chunk.py), `chunk_gated_delta_rule_fwd` and `chunk_gated_delta_rule_bwd`;
+    research/fla-gdn.md sections 2 and 3.
+    """
+    d = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, check_values=True)
+    check_chunk_size(chunk_size)
+    scale = d.K**-0.5 if scale is None else float(scale)
+    return ChunkGatedDeltaRuleFunction.apply(
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, bool(use_qk_l2norm_in_kernel), chunk_size
+    )
