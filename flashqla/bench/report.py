@@ -1,0 +1,303 @@
+"""Formatting of the results: console lines, the markdown table, geometric means, the plot.
+
+Speed-up of ours over a peer = peer ms / our ms (above 1: ours is faster), on rows where both
+passed the gate. TFLOP/s on DESIGN.md section 6's count (163,840 FLOP per token and value head)
+and as a percentage of the 726 TFLOP/s bf16 GEMM rate of our H200.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from flashqla.bench.breakdown import COPY_TBPS, STEP_NAMES
+from flashqla.bench.grid import FWD_HEADS, FWD_MIXES, PEAK_TFLOPS, parse_mix, pct_of_peak, tflops
+from flashqla.bench.peers import ENV_FIELDS, IMPLS, LABELS
+
+__all__ = [
+    "num",
+    "is_ok",
+    "speedup",
+    "geomean",
+    "grid_order",
+    "cell_ms",
+    "console_line",
+    "geomean_table",
+    "markdown",
+    "plot",
+]
+
+
+def num(x) -> float:
+    """A CSV cell (or a number) as float; empty or unparsable -> NaN."""
+    if isinstance(x, (int, float)):
+        return float(x)
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def is_ok(r: dict, impl: str) -> bool:
+    """True when `impl` passed the gate on row `r` and has a time."""
+    ms = num(r.get(f"{impl}_ms"))
+    return str(r.get(f"{impl}_status", "")) == "ok" and ms > 0
+
+
+def speedup(r: dict, a: str = "ours", b: str = "fla") -> float:
+    """b's time over a's time on row r (how many times faster a is); NaN unless both are ok."""
+    if not (is_ok(r, a) and is_ok(r, b)):
+        return math.nan
+    return num(r[f"{b}_ms"]) / num(r[f"{a}_ms"])
+
+
+def geomean(xs) -> float:
+    """Geometric mean of the finite positive values of xs (NaN when there are none)."""
+    v = [x for x in xs if x is not None and x > 0 and math.isfinite(x)]
+    if not v:
+        return math.nan
+    return math.exp(sum(math.log(x) for x in v) / len(v))
+
+
+def _is_cp(r: dict) -> bool:
+    return str(r.get("cp_row", "")).lower() in ("1", "true", "yes", "cp")
+
+
+def grid_order(r: dict) -> tuple:
+    """Sort key: the published grid's head-config order, then its mix order; extras last."""
+    heads = [(h.h_qk, h.h_v) for h in FWD_HEADS]
+    hk = (int(r["h_qk"]), int(r["h_v"]))
+    mixes = [m.lengths for m in FWD_MIXES]
+    try:
+        ml = parse_mix(str(r["mix"])).lengths
+    except ValueError:
+        ml = ()
+    return (heads.index(hk) if hk in heads else len(heads), hk,
+            mixes.index(ml) if ml in mixes else len(mixes), str(r["mix"]))
+
+
+def cell_ms(r: dict, impl: str) -> str:
+    """Table cell of one implementation's time: ms, FAIL (with the error), n/a, error, or '-'."""
+    st = str(r.get(f"{impl}_status", ""))
+    if st == "ok":
+        return f"{num(r[f'{impl}_ms']):.3f}"
+    if st == "FAIL":
+        errs = [num(r.get(f"{impl}_err_o")), num(r.get(f"{impl}_err_ht"))]
+        e = max((x for x in errs if not math.isnan(x)), default=math.nan)
+        return f"FAIL ({e:.1e})" if not math.isnan(e) else "FAIL"
+    if st.startswith("error"):
+        return "error"
+    if st.startswith("not available") or st == "n/a":
+        return "n/a"
+    return "-"
+
+
+def _tf_cell(r: dict, impl: str) -> str:
+    if not is_ok(r, impl):
+        return "-"
+    tf = tflops(num(r[f"{impl}_ms"]), int(r["T"]), int(r["h_v"]))
+    return f"{tf:.0f} ({pct_of_peak(tf):.1f}%)"
+
+
+def _x(v: float) -> str:
+    return "-" if math.isnan(v) else f"{v:.2f}x"
+
+
+def console_line(r: dict) -> str:
+    """One line per finished row for the terminal."""
+    parts = [f"{r['h_qk']}/{r['h_v']:<3} {r['mix']:<12}"]
+    for i in IMPLS:
+        st = str(r.get(f"{i}_status", ""))
+        if st == "ok":
+            parts.append(f"{LABELS[i]} {num(r[f'{i}_ms']):.3f} ms (err {num(r.get(f'{i}_err_o')):.1e})")
+        elif st == "FAIL":
+            parts.append(f"{LABELS[i]} FAIL (err o {num(r.get(f'{i}_err_o')):.1e}, ht {num(r.get(f'{i}_err_ht')):.1e})")
+        elif st:
+            parts.append(f"{LABELS[i]} {st}")
+    for p in ("fla", "flash_qla"):
+        s = speedup(r, "ours", p)
+        if not math.isnan(s):
+            parts.append(f"vs {LABELS[p]} {s:.2f}x")
+    return " | ".join(parts)
+
+
+def geomean_table(rows: list[dict]) -> list[str]:
+    """Markdown lines: geometric-mean speed-ups over all rows, CP rows and the other rows."""
+    pairs = [("ours", "fla"), ("ours", "flash_qla"), ("flash_qla", "fla")]
+    subsets = [("all rows", rows), ("CP rows", [r for r in rows if _is_cp(r)]),
+               ("other rows", [r for r in rows if not _is_cp(r)])]
+    out = ["| speed-up (geometric mean) | " + " | ".join(s for s, _ in subsets) + " |",
+           "| --- | " + " | ".join("---" for _ in subsets) + " |"]
+    for a, b in pairs:
+        cells = []
+        for _, rs in subsets:
+            xs = [speedup(r, a, b) for r in rs]
+            xs = [x for x in xs if not math.isnan(x)]
+            cells.append(f"{_x(geomean(xs))} (n={len(xs)})" if xs else "- (n=0)")
+        out.append(f"| {LABELS[a]} over {LABELS[b]} | " + " | ".join(cells) + " |")
+    return out
+
+
+def markdown(rows: list[dict], env: dict, commit: str, meta: dict, drift: list[dict] | None = None,
+             breakdown_rows: list[dict] | None = None) -> str:
+    """The results page: header, method, geometric means, the table, drift and breakdown."""
+    rows = sorted(rows, key=grid_order)
+    L = ["# GDN chunked prefill, forward: ours vs FLA vs FlashQLA", ""]
+    L += ["| | |", "| --- | --- |"]
+    names = {"gpu": "GPU", "driver": "driver", "cuda": "CUDA (torch build)", "torch": "torch", "triton": "triton",
+             "tilelang": "tilelang", "fla": "fla", "flash_qla": "flash_qla"}
+    for f in ENV_FIELDS:
+        L.append(f"| {names[f]} | {env.get(f, '')} |")
+    L.append(f"| our commit | {commit} |")
+    L.append(f"| date (UTC) | {meta.get('date', '')} |")
+    L.append("")
+    L.append("## Method")
+    L.append("")
+    for line in meta.get("method", []):
+        L.append(f"- {line}")
+    L.append("")
+    L.append("## Geometric-mean speed-ups")
+    L.append("")
+    L += geomean_table(rows)
+    L.append("")
+    L.append("CP rows (marked `CP` below) are the single-sequence few-head rows: the longest sequence holds at "
+             "least 3/4 of the tokens and the effective parallelism `par` = h_v x T / max length is below half "
+             "the SM count, so a kernel walking each (sequence, head) chunk chain on one SM leaves most SMs idle. "
+             "They belong to the context-parallel work; the other rows measure the fused kernel itself.")
+    L.append("")
+    L.append("## Forward, per row")
+    L.append("")
+    head = ["heads", "mix", "T", "N", "par", "CP", "ours ms", "FLA ms", "FlashQLA ms", "ours vs FLA",
+            "ours vs FlashQLA", "ours TFLOP/s (% of 726)", "FLA TFLOP/s", "FlashQLA TFLOP/s", "peers"]
+    L.append("| " + " | ".join(head) + " |")
+    L.append("|" + "|".join(" --- " for _ in head) + "|")
+    for r in rows:
+        cells = [f"{r['h_qk']}/{r['h_v']}", str(r["mix"]), str(r["T"]), str(r["N"]),
+                 f"{num(r.get('parallelism')):.0f}", "CP" if _is_cp(r) else "",
+                 cell_ms(r, "ours"), cell_ms(r, "fla"), cell_ms(r, "flash_qla"),
+                 _x(speedup(r, "ours", "fla")), _x(speedup(r, "ours", "flash_qla")),
+                 _tf_cell(r, "ours"), _tf_cell(r, "fla"), _tf_cell(r, "flash_qla"), str(r.get("peers_source", ""))]
+        L.append("| " + " | ".join(cells) + " |")
+    L.append("")
+    errs = []
+    for i in IMPLS:
+        e = [max(num(r.get(f"{i}_err_o")), num(r.get(f"{i}_err_ht"))) for r in rows if is_ok(r, i)]
+        e = [x for x in e if not math.isnan(x)]
+        if e:
+            errs.append(f"{LABELS[i]} max {max(e):.1e}")
+    if errs:
+        L.append("Gate errors (relative RMS of o and final state against the fp64 result, worst over the passing "
+                 "rows): " + "; ".join(errs) + ".")
+        L.append("")
+    if drift:
+        L.append("## Drift of the cached peer timings (re-timed this run)")
+        L.append("")
+        L.append("| impl | heads | mix | cached ms | now ms | drift |")
+        L.append("| --- | --- | --- | --- | --- | --- |")
+        for d in drift:
+            now, cached = num(d.get("now_ms")), num(d.get("cached_ms"))
+            dr = f"{100 * (now / cached - 1):+.1f}%" if now > 0 and cached > 0 else "-"
+            now_s = f"{now:.3f}" if now > 0 else str(d.get("status", "-"))
+            cached_s = f"{cached:.3f}" if cached > 0 else str(d.get("cached_status", "-"))
+            L.append(f"| {LABELS[d['impl']]} | {d['heads']} | {d['mix']} | {cached_s} | {now_s} | {dr} |")
+        L.append("")
+    if breakdown_rows:
+        L += breakdown_markdown(breakdown_rows, rows)
+    return "\n".join(L) + "\n"
+
+
+def breakdown_markdown(brows: list[dict], rows: list[dict]) -> list[str]:
+    """Markdown lines of the FLA step breakdown, one table per row."""
+    from collections import OrderedDict
+
+    L = ["## FLA's forward, kernel by kernel", "",
+         "Each FLA step timed alone (same CUDA-graph timer) on the previous steps' outputs. Bytes from shapes and "
+         "dtypes: inputs read once each (a lower bound), intermediates written to HBM by one step and read back by "
+         f"a later one, outputs. Round trip at the measured copy rate of {COPY_TBPS:.1f} TB/s.", ""]
+    by_row: dict = OrderedDict()
+    for b in sorted(brows, key=grid_order):
+        by_row.setdefault((b["h_qk"], b["h_v"], b["mix"]), {})[b["step"]] = b
+    res = {(str(r["h_qk"]), str(r["h_v"]), str(r["mix"])): r for r in rows}
+    MB = 1e6
+    for key, steps in by_row.items():
+        h_qk, h_v, mix = key
+        L.append(f"### {h_qk}/{h_v} {mix}")
+        L.append("")
+        L.append("| step | ms | share | inputs read MB | intermediates read MB | intermediates written MB | outputs MB | GB/s |")
+        L.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        total = sum(num(steps[s]["ms"]) for s in STEP_NAMES if s in steps)
+        inter = 0.0
+        for s in STEP_NAMES:
+            if s not in steps:
+                continue
+            b = steps[s]
+            ms = num(b["ms"])
+            nbytes = sum(num(b[f]) for f in ("inputs_read", "inter_read", "inter_written", "out_written"))
+            inter += num(b["inter_read"]) + num(b["inter_written"])
+            L.append(f"| {s}{' (' + b['note'] + ')' if b.get('note') else ''} | {ms:.3f} | {100 * ms / total:.0f}% | "
+                     f"{num(b['inputs_read']) / MB:.1f} | {num(b['inter_read']) / MB:.1f} | "
+                     f"{num(b['inter_written']) / MB:.1f} | {num(b['out_written']) / MB:.1f} | "
+                     f"{nbytes / (ms * 1e-3) / 1e9:.0f} |")
+        L.append("")
+        whole = res.get(key, {})
+        fla_ms = num(whole.get("fla_ms")) if is_ok(whole, "fla") else math.nan
+        rt_ms = inter / (COPY_TBPS * 1e12) * 1e3
+        L.append(f"- sum of the five steps: {total:.3f} ms; FLA's whole forward in one graph: "
+                 + (f"{fla_ms:.3f} ms" if fla_ms > 0 else "-"))
+        if "intra" in steps:
+            L.append(f"- `chunk_gated_delta_rule_fwd_intra` (kkt_solve + recompute_w_u_fwd in 0.6.0): {num(steps['intra']['ms']):.3f} ms")
+        L.append(f"- intermediates' HBM round trip (g_cum, A, w, u, h, v_new written and read back): "
+                 f"{inter / MB:.1f} MB = {rt_ms:.3f} ms at {COPY_TBPS:.1f} TB/s"
+                 + (f" ({100 * rt_ms / fla_ms:.0f}% of FLA's forward)" if fla_ms > 0 else ""))
+        for i in ("ours", "flash_qla"):
+            L.append(f"- {LABELS[i]} (whole forward): " + (f"{num(whole[f'{i}_ms']):.3f} ms" if is_ok(whole, i) else cell_ms(whole, i) if whole else "-"))
+        L.append("")
+    return L
+
+
+def plot(rows: list[dict], path) -> Path | None:
+    """TFLOP/s per row and implementation, one panel per head configuration; writes a PNG.
+
+    Returns the path, or None when matplotlib is missing or there is nothing to plot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = sorted(rows, key=grid_order)
+    heads = []
+    for r in rows:
+        h = (int(r["h_qk"]), int(r["h_v"]))
+        if h not in heads:
+            heads.append(h)
+    if not heads:
+        return None
+    ncol = min(3, len(heads))
+    nrow = math.ceil(len(heads) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(6.5 * ncol, 3.8 * nrow), squeeze=False)
+    colors = {"ours": "tab:red", "fla": "tab:blue", "flash_qla": "tab:green"}
+    width = 0.27
+    for ax, h in zip(axes.flat, heads):
+        rs = [r for r in rows if (int(r["h_qk"]), int(r["h_v"])) == h]
+        xs = range(len(rs))
+        for j, i in enumerate(IMPLS):
+            ys = [tflops(num(r[f"{i}_ms"]), int(r["T"]), int(r["h_v"])) if is_ok(r, i) else 0.0 for r in rs]
+            ax.bar([x + (j - 1) * width for x in xs], ys, width, label=LABELS[i], color=colors[i])
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([("*" if _is_cp(r) else "") + str(r["mix"]) for r in rs], rotation=60, ha="right", fontsize=7)
+        ax.set_title(f"h_qk/h_v = {h[0]}/{h[1]}")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(axis="y", alpha=0.3)
+    for ax in list(axes.flat)[len(heads):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(f"GDN forward, TFLOP/s on 163,840 FLOP per token-head\n(bf16 GEMM rate {PEAK_TFLOPS:.0f}; * = CP row)",
+                 fontsize=10)
+    fig.tight_layout()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p

@@ -1,0 +1,142 @@
+"""The trusted result of the correctness gate: GDN chunked prefill in fp64, on the inputs' device.
+
+`chunk_gdn_fp64` computes the chunked form of DESIGN.md section 1 (FLA's forward, research
+fla-gdn.md section 2.2) entirely in fp64 from the same (bf16 / fp32) inputs the kernels get:
+
+    gc = chunk-local cumsum of g;  Gamma_rs = exp(gc_r - gc_s) for r >= s (exponent masked first)
+    A = (I + strictly_lower(diag(beta) (K K^T) * Gamma))^-1
+    w = A diag(beta exp(gc)) K;  u = A diag(beta) V
+    per chunk, in order:  v_new = u - w S
+                          o = scale (exp(gc) * (Q S) + ((Q K^T) * Gamma) v_new)
+                          S = exp(gc_last) S + K^T (exp(gc_last - gc) * v_new)
+
+Sequences are padded to whole chunks with k = v = beta = g = 0: a padded token changes nothing
+(its row of A is the unit row, its w, u and v_new rows are zero, and gc stays at the last real
+token), so all sequences advance together chunk by chunk ([N, NT_max] layout), with one batched
+fp64 step per chunk index. It is exact algebra (rounding ~1e-15 relative), checked on CPU against
+the token recurrence in tests/test_bench.py; on an H200 the largest grid row takes well under a
+second and about 30 GB of device memory.
+
+`rel_rms` is `flashqla.testing.rel_rms` (||x - ref|| / ||ref||, fp64) computed on the tensors'
+device, so multi-GB outputs need not travel to the host.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["chunk_gdn_fp64", "rel_rms"]
+
+
+def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative RMS error `||x - ref||_2 / ||ref||_2` in fp64 on `ref`'s device; `inf` when `x`
+    has a NaN or inf. Raises ValueError on a shape mismatch or an all-zero reference."""
+    if tuple(x.shape) != tuple(ref.shape):
+        raise ValueError(f"shape mismatch: {tuple(x.shape)} vs reference {tuple(ref.shape)}")
+    rd = ref.detach().to(torch.float64)
+    den = float(torch.linalg.vector_norm(rd))
+    if den == 0:
+        raise ValueError("reference is identically zero: a comparison on zeros proves nothing")
+    xd = x.detach().to(rd.device, torch.float64)
+    if not bool(torch.isfinite(xd).all()):
+        return math.inf
+    return float(torch.linalg.vector_norm(xd - rd)) / den
+
+
+@torch.no_grad()
+def chunk_gdn_fp64(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens=None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDN forward in fp64 by the chunked algorithm (the trusted result of the benchmark gate).
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, HV, V] (HV % H == 0), any float dtype.
+        g: [B, T, HV] natural-log decay per token (<= 0); beta: [B, T, HV].
+        scale: output scale, default K ** -0.5.
+        initial_state: [N, HV, K, V] or None (zeros).
+        cu_seqlens: None (B sequences of T tokens), a tensor or a list of offsets [N + 1] (B == 1).
+        chunk_size: C, any positive integer (the result does not depend on it beyond rounding).
+
+    Returns:
+        (o, final_state): o [B, T, HV, V] fp64, final_state [N, HV, K, V] fp64, on q's device.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H:
+        raise ValueError(f"HV={HV} is not a multiple of H={H}")
+    dev, f64, C = q.device, torch.float64, int(chunk_size)
+    scale = K**-0.5 if scale is None else float(scale)
+    if cu_seqlens is None:
+        spans = [(b * T, T) for b in range(B)]
+    else:
+        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+        if B != 1:
+            raise ValueError("cu_seqlens needs B == 1")
+        spans = [(int(cu[n]), int(cu[n + 1]) - int(cu[n])) for n in range(len(cu) - 1)]
+    N = len(spans)
+    NT = max(1, max(math.ceil(n / C) for _, n in spans))
+    L = NT * C
+
+    pos = torch.arange(L, device=dev)
+    starts = torch.tensor([s for s, _ in spans], device=dev)
+    lens = torch.tensor([n for _, n in spans], device=dev)
+    valid = pos[None, :] < lens[:, None]                                    # [N, L]
+    idx = torch.where(valid, starts[:, None] + pos[None, :], torch.zeros_like(pos)[None, :])
+    head_of = torch.arange(HV, device=dev) // (HV // H)
+
+    def gather(x, heads):  # [B, T, h, ...] -> [N, NT, HV, C, ...] fp64, zero past each sequence
+        flat = x.reshape(B * T, *x.shape[2:])
+        if heads is not None:
+            flat = flat.index_select(1, heads)
+        y = flat.index_select(0, idx.reshape(-1)).to(f64).reshape(N, L, *flat.shape[1:])
+        y = y * valid.reshape(N, L, *([1] * (y.dim() - 2)))
+        y = y.reshape(N, NT, C, *y.shape[2:])
+        return y.transpose(2, 3).contiguous()
+
+    qc, kc, vc = gather(q, head_of), gather(k, head_of), gather(v, None)   # [N, NT, HV, C, D]
+    gc = gather(g, None).cumsum(-1)                                          # [N, NT, HV, C]
+    bc = gather(beta, None)
+
+    causal = torch.ones(C, C, dtype=torch.bool, device=dev).tril()
+    strict = causal.tril(-1)
+    diff = gc[..., :, None] - gc[..., None, :]
+    gamma = torch.exp(diff.masked_fill(~causal, -math.inf))                 # exponent masked first
+    del diff
+    kk = (kc @ kc.transpose(-1, -2)) * gamma
+    lower = (bc[..., :, None] * kk).masked_fill(~strict, 0.0)
+    del kk
+    eye = torch.eye(C, dtype=f64, device=dev)
+    A = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
+    del lower
+    w = A @ ((bc * gc.exp())[..., None] * kc)
+    u = A @ (bc[..., None] * vc)
+    del A
+    qk = (qc @ kc.transpose(-1, -2)) * gamma                               # causal, diagonal kept
+    del gamma
+    g_last = gc[..., -1]                                                    # [N, NT, HV]
+    decay_to_last = torch.exp(g_last[..., None] - gc)                       # exponent <= 0
+
+    if initial_state is None:
+        S = torch.zeros(N, HV, K, V, dtype=f64, device=dev)
+    else:
+        S = initial_state.to(dev, f64).clone()
+    o = torch.empty(N, NT, HV, C, V, dtype=f64, device=dev)
+    for j in range(NT):
+        v_new = u[:, j] - w[:, j] @ S
+        o[:, j] = scale * (gc[:, j].exp()[..., None] * (qc[:, j] @ S) + qk[:, j] @ v_new)
+        S = g_last[:, j].exp()[..., None, None] * S + kc[:, j].transpose(-1, -2) @ (decay_to_last[:, j][..., None] * v_new)
+
+    o = o.transpose(2, 3).reshape(N, L, HV, V)
+    out = torch.zeros(B * T, HV, V, dtype=f64, device=dev)
+    out[idx[valid]] = o[valid]
+    return out.reshape(B, T, HV, V), S

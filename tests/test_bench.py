@@ -1,0 +1,473 @@
+"""CPU tests of the benchmark harness: grid, FLOP counts, CP rows, the fp64 trusted result, CSV
+resume and the peers' cache, report formatting, the measuring loop with stand-in implementations,
+and the no-GPU exit. Fast (a few seconds), no GPU, no peer package needed."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashqla.bench import grid as G
+from flashqla.bench import report as R
+from flashqla.bench import store as S
+from flashqla.bench.breakdown import STEP_NAMES, step_bytes
+from flashqla.bench.peers import ENV_FIELDS, Impl, gpu_slug
+from flashqla.bench.timing import Timing, launches_for
+from flashqla.bench.trusted import chunk_gdn_fp64, rel_rms
+from flashqla.testing import make_gdn_inputs
+from flashqla.testing import rel_rms as rel_rms_host
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(gpu="Test GPU", driver="1.0", cuda="12.8", torch="2.x", triton="3.x", tilelang="0.1.15",
+           fla="0.6.0", flash_qla="0.1.3")
+
+
+# ---------------------------------------------------------------- grid
+
+
+def test_grid_is_flashqlas_published_table():
+    rows = G.fwd_rows()
+    assert len(G.FWD_HEADS) == 9 and len(G.FWD_MIXES) == 19 and len(rows) == 171
+    assert [h.label for h in G.FWD_HEADS] == ["2/8", "4/16", "8/32", "16/64", "16/32", "8/24", "16/48", "16/16", "32/32"]
+    assert len({r.key for r in rows}) == 171
+    assert all(m.T in (2048, 4096, 8192, 16384, 32768) for m in G.FWD_MIXES)
+
+
+@pytest.mark.parametrize("text, lengths", [
+    ("1x32768", (32768,)),
+    ("8192x4", (8192,) * 4),
+    ("1024x8", (1024,) * 8),
+    ("28672+4096", (28672, 4096)),
+    ("1024+7168", (1024, 7168)),
+    (" 64 + 100 + 3 ", (64, 100, 3)),
+    ("2048", (2048,)),
+])
+def test_parse_mix(text, lengths):
+    m = G.parse_mix(text)
+    assert m.lengths == lengths
+    assert m.T == sum(lengths) and m.N == len(lengths)
+    assert m.cu_seqlens[0] == 0 and m.cu_seqlens[-1] == m.T and len(m.cu_seqlens) == m.N + 1
+
+
+@pytest.mark.parametrize("bad", ["", "x", "8192x", "0x4", "4x0", "10+0", "1e3", "8192*4", "8192x4x2"])
+def test_parse_mix_rejects(bad):
+    with pytest.raises(ValueError):
+        G.parse_mix(bad)
+
+
+def test_parse_heads():
+    assert G.parse_heads("16/32") == G.HeadConfig(16, 32)
+    assert G.parse_heads(" 2 / 8 ").label == "2/8"
+    for bad in ("16", "16/33", "0/8", "a/b", "16-32"):
+        with pytest.raises(ValueError):
+            G.parse_heads(bad)
+
+
+def test_select_rows_quick_and_filters():
+    quick = G.select_rows(quick=True)
+    assert [r.label for r in quick] == ["16/32 1x8192", "16/32 8192x4", "2/8 1x32768", "16/64 1024x8"]
+    assert [r.label for r in G.select_rows(["16/32"], quick=True)] == ["16/32 1x8192", "16/32 8192x4"]
+    rows = G.select_rows(["16/32,2/8"], ["1x8192", "8192x4"])
+    assert [r.label for r in rows] == ["2/8 1x8192", "2/8 8192x4", "16/32 1x8192", "16/32 8192x4"]  # grid order
+    assert len(G.select_rows(["16/64"])) == 19
+    assert len(G.select_rows(mixes=["1024x8"])) == 9
+    extra = G.select_rows(["1/2"], ["64+100"])
+    assert [r.label for r in extra] == ["1/2 64+100"]
+
+
+def test_flop_count_and_tflops():
+    assert G.FWD_FLOP_PER_TOKEN_HEAD == 163_840
+    assert G.fwd_flop(32768, 64) == 163_840 * 32768 * 64
+    # 16/64 1x32768 in 1.0 ms: 343.6 TFLOP/s, 47.3 % of 726
+    tf = G.tflops(1.0, 32768, 64)
+    assert tf == pytest.approx(343.597383680, rel=1e-9)
+    assert G.pct_of_peak(tf) == pytest.approx(100 * 343.597383680 / 726, rel=1e-9)
+    # peers.md section 7: 1,032 B per token-head for MHA; state term N*HV*131,072
+    assert G.fwd_min_bytes(1000, 1, 4, 4) == 1000 * 4 * 1032 + 4 * 131_072
+
+
+def test_cp_rows():
+    cp = lambda h, m: G.is_cp_row(G.parse_mix(m).lengths, G.parse_heads(h).h_v)  # noqa: E731
+    assert cp("2/8", "1x32768") and cp("16/64", "1x32768") and cp("32/32", "28672+4096")
+    assert not cp("16/64", "28672+4096")      # 73 busy pairs: more than half the SMs
+    assert not cp("2/8", "8192x4")            # no dominant sequence
+    assert not cp("16/32", "16384+16384") and not cp("32/32", "1024x8")
+    assert G.effective_parallelism((28672, 4096), 64) == pytest.approx(64 * 32768 / 28672)
+    assert sum(G.is_cp_row(r.mix.lengths, r.heads.h_v) for r in G.fwd_rows()) == 109
+
+
+# ---------------------------------------------------------------- trusted result, metric
+
+
+@pytest.mark.parametrize("lengths, C, HV", [([37, 1, 90], 16, 4), ([64, 128], 64, 4), (None, 8, 2)])
+def test_trusted_matches_token_recurrence(lengths, C, HV):
+    from reference.gdn.recurrent import recurrent_gated_delta_rule
+
+    T = sum(lengths) if lengths else 50
+    x = make_gdn_inputs(B=1 if lengths else 2, T=T, H=2, HV=HV, K=16, V=8, cu_seqlens=lengths)
+    o_ref, ht_ref = recurrent_gated_delta_rule(**x, output_final_state=True)
+    o, ht = chunk_gdn_fp64(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                           cu_seqlens=x["cu_seqlens"], chunk_size=C)
+    assert o.dtype == torch.float64 and o.shape == o_ref.shape and ht.shape == ht_ref.shape
+    assert rel_rms(o, o_ref) < 1e-12
+    assert rel_rms(ht, ht_ref) < 1e-12
+
+
+def test_trusted_from_bf16_inputs_without_state():
+    from reference.gdn.recurrent import recurrent_gated_delta_rule
+
+    x = make_gdn_inputs(T=60, H=1, HV=2, K=32, V=16, cu_seqlens=[20, 40], dtype=torch.bfloat16,
+                        beta_dtype=torch.float32, initial_state=False)
+    up = {k: (v.double() if k in ("q", "k", "v") else v) for k, v in x.items()}
+    o_ref, ht_ref = recurrent_gated_delta_rule(**up, output_final_state=True)
+    o, ht = chunk_gdn_fp64(**x)
+    assert rel_rms(o, o_ref) < 1e-12 and rel_rms(ht, ht_ref) < 1e-12
+
+
+def test_device_rel_rms_is_the_testing_metric():
+    gen = torch.Generator().manual_seed(1)
+    ref = torch.randn(3, 50, generator=gen, dtype=torch.float64)
+    x = (ref + 1e-3 * torch.randn(3, 50, generator=gen, dtype=torch.float64)).to(torch.bfloat16)
+    assert rel_rms(x, ref) == pytest.approx(rel_rms_host(x, ref), rel=1e-12)
+    assert rel_rms(torch.full_like(ref, math.nan), ref) == math.inf
+    with pytest.raises(ValueError):
+        rel_rms(ref, torch.zeros_like(ref))
+    with pytest.raises(ValueError):
+        rel_rms(ref[:2], ref)
+
+
+# ---------------------------------------------------------------- timing helpers
+
+
+def test_launches_for():
+    assert launches_for(0.1, 25.0, 3, 200) == 200
+    assert launches_for(1.0, 25.0, 3, 200) == 25
+    assert launches_for(50.0, 25.0, 3, 200) == 3
+    assert launches_for(0.0, 25.0, 3, 200) == 200
+    t = Timing(ms=2.0, replays_ms=[1.9, 2.0, 2.2], launches=10)
+    assert t.spread == pytest.approx(0.15)
+
+
+def test_timer_refuses_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    from flashqla.bench.timing import time_cuda_graph
+
+    with pytest.raises(RuntimeError, match="CUDA"):
+        time_cuda_graph(lambda: None)
+
+
+# ---------------------------------------------------------------- CSV store
+
+
+def _result_line(env, commit, h_qk, h_v, mix, ours_ms=1.0, status="ok", date="2026-01-01T00:00:00Z"):
+    m = G.parse_mix(mix)
+    line = {**{f: env[f] for f in ENV_FIELDS}, "commit": commit, "h_qk": h_qk, "h_v": h_v, "mix": m.label,
+            "T": m.T, "N": m.N, "cp_row": int(G.is_cp_row(m.lengths, h_v)),
+            "parallelism": G.effective_parallelism(m.lengths, h_v), "date": date,
+            "ours_ms": ours_ms if status == "ok" else "", "ours_status": status, "ours_err_o": 1e-3, "ours_err_ht": 2e-3}
+    return line
+
+
+def test_csv_append_and_resume_keys(tmp_path):
+    p = tmp_path / "r.csv"
+    S.append_row(p, _result_line(ENV, "c1", 16, 32, "1x8192"), S.RESULT_FIELDS)
+    S.append_row(p, _result_line(ENV, "c1", 16, 32, "8192x4"), S.RESULT_FIELDS)
+    S.append_row(p, _result_line(ENV, "c2", 2, 8, "1x32768"), S.RESULT_FIELDS)
+    other = dict(ENV, driver="2.0")
+    S.append_row(p, _result_line(other, "c1", 16, 64, "1024x8"), S.RESULT_FIELDS)
+    rows = S.read_rows(p)
+    assert len(rows) == 4
+    assert S.done_keys(rows, ENV, "c1") == {(16, 32, "1x8192"), (16, 32, "8192x4")}
+    assert S.done_keys(rows, ENV, "c2") == {(2, 8, "1x32768")}
+    assert S.done_keys(rows, other, "c1") == {(16, 64, "1024x8")}
+    assert S.done_keys(rows, ENV, "c3") == set()
+    peers_only = _result_line(ENV, "c1", 8, 32, "1x2048")
+    peers_only["ours_status"] = ""
+    S.append_row(p, peers_only, S.RESULT_FIELDS)
+    assert (8, 32, "1x2048") not in S.done_keys(S.read_rows(p), ENV, "c1")
+    assert (8, 32, "1x2048") in S.done_keys(S.read_rows(p), ENV, "c1", need=())
+    # a row measured again keeps its last line
+    S.append_row(p, _result_line(ENV, "c1", 16, 32, "1x8192", ours_ms=0.5), S.RESULT_FIELDS)
+    got = [r for r in S.rows_for_key(S.read_rows(p), ENV, "c1") if r["ours_status"]]
+    assert len(got) == 2 and {R.num(r["ours_ms"]) for r in got} == {0.5, 1.0}
+    env, commit = S.latest_key(S.read_rows(p))
+    assert commit == "c1" and env == ENV
+    with pytest.raises(ValueError):
+        S.append_row(p, {"bogus": 1}, S.RESULT_FIELDS)
+
+
+def test_csv_schema_change_rewrites_with_union(tmp_path):
+    p = tmp_path / "r.csv"
+    S.append_row(p, {"a": 1, "b": 2}, ["a", "b"])
+    S.append_row(p, {"a": 3, "c": 4}, ["a", "c"])
+    rows = S.read_rows(p)
+    assert rows == [{"a": "1", "c": "", "b": "2"}, {"a": "3", "c": "4", "b": ""}]
+
+
+def test_peer_cache(tmp_path):
+    p = tmp_path / "peers.csv"
+    c = S.PeerCache(p, ENV)
+    rf = {"h_qk": 16, "h_v": 32, "mix": "1x8192", "T": 8192, "N": 1}
+    c.put("fla", rf, {"ms": 0.472, "status": "ok", "err_o": 3e-3, "err_ht": 1e-3}, "d1")
+    c.put("flash_qla", rf, {"ms": 0.28, "status": "ok"}, "d1")
+    c.put("fla", dict(rf, mix="8192x4", T=32768, N=4), {"status": "error: OutOfMemoryError: x"}, "d1")
+    c2 = S.PeerCache(p, ENV)
+    assert len(c2) == 3
+    assert R.num(c2.get("fla", (16, 32, "1x8192"))["ms"]) == pytest.approx(0.472)
+    assert c2.has_row((16, 32, "1x8192"))
+    assert c2.get("fla", (16, 32, "8192x4")) is None                       # errors are not results
+    assert c2.get("fla", (16, 32, "8192x4"), include_errors=True) is not None
+    assert not c2.has_row((16, 32, "8192x4"))
+    assert len(S.PeerCache(p, dict(ENV, flash_qla="0.1.4"))) == 0           # keyed by versions
+    # the last line of a key wins
+    c2.put("fla", rf, {"ms": 0.5, "status": "ok"}, "d2")
+    assert R.num(S.PeerCache(p, ENV).get("fla", (16, 32, "1x8192"))["ms"]) == pytest.approx(0.5)
+
+
+def test_pick_retime():
+    keys = list(range(10))
+    assert S.pick_retime(keys, 3) == [0, 4, 9] or S.pick_retime(keys, 3) == [0, 5, 9]
+    assert S.pick_retime(keys, 0) == [] and S.pick_retime([], 3) == []
+    assert S.pick_retime(keys[:2], 5) == [0, 1]
+    assert S.pick_retime(keys, 1) == [5]
+
+
+def test_gpu_slug():
+    assert gpu_slug("NVIDIA H200") == "h200"
+    assert gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+
+
+# ---------------------------------------------------------------- report
+
+
+def _row(h_qk, h_v, mix, ours, fla, fq, fla_status="ok"):
+    line = _result_line(ENV, "c", h_qk, h_v, mix, ours_ms=ours)
+    line.update({"fla_ms": fla if fla_status == "ok" else "", "fla_status": fla_status, "fla_err_o": 0.05 if fla_status == "FAIL" else 1e-3,
+                 "flash_qla_ms": fq, "flash_qla_status": "ok", "flash_qla_err_o": 2e-3, "flash_qla_err_ht": 1e-3,
+                 "peers_source": "live"})
+    return {k: S._fmt(v) for k, v in line.items()}
+
+
+def test_speedup_and_geomean():
+    r = _row(16, 32, "8192x4", 0.5, 1.9, 0.6)
+    assert R.speedup(r, "ours", "fla") == pytest.approx(3.8)
+    assert R.speedup(r, "ours", "flash_qla") == pytest.approx(1.2)
+    assert R.geomean([2.0, 8.0]) == pytest.approx(4.0)
+    assert math.isnan(R.geomean([]))
+    assert R.geomean([4.0, math.nan, -1.0]) == pytest.approx(4.0)
+    failed = _row(16, 32, "8192x4", 0.5, 1.9, 0.6, fla_status="FAIL")
+    assert math.isnan(R.speedup(failed, "ours", "fla"))
+    assert R.cell_ms(failed, "fla") == "FAIL (5.0e-02)"
+    assert R.cell_ms({"ours_status": "not available (ImportError: x)"}, "ours") == "n/a"
+    assert R.cell_ms({"ours_status": "error: timing: RuntimeError"}, "ours") == "error"
+    assert R.cell_ms({}, "ours") == "-"
+
+
+def test_markdown_report(tmp_path):
+    rows = [_row(16, 32, "8192x4", 0.5, 2.0, 0.5), _row(2, 8, "1x32768", 0.4, 0.9, 0.3),
+            _row(16, 32, "1x8192", 0.25, 0.5, 0.3, fla_status="FAIL"),
+            {**_row(16, 64, "1024x8", 1.0, 1.0, 1.0), "ours_status": "not available (ImportError: no op)", "ours_ms": ""}]
+    meta = {"date": "2026-11-29T00:00:00Z", "method": ["timer line"]}
+    drift = [{"impl": "fla", "heads": "16/32", "mix": "8192x4", "cached_ms": 2.0, "now_ms": 2.1, "status": "ok"},
+             {"impl": "flash_qla", "heads": "16/32", "mix": "8192x4", "cached_ms": math.nan, "cached_status": "FAIL",
+              "now_ms": math.nan, "status": "FAIL"}]
+    md = R.markdown(rows, ENV, "abc123", meta, drift)
+    for needle in ("| GPU | Test GPU |", "| driver | 1.0 |", "| CUDA (torch build) | 12.8 |", "| triton | 3.x |",
+                   "| tilelang | 0.1.15 |", "| fla | 0.6.0 |", "| flash_qla | 0.1.3 |", "| our commit | abc123 |",
+                   "2026-11-29", "- timer line", "FAIL (5.0e-02)", "| n/a |", "+5.0%", "single-sequence few-head"):
+        assert needle in md, needle
+    # grid order: 2/8 before 16/64 before 16/32 (FlashQLA's head order), 1x8192 before 8192x4
+    body = md[md.index("## Forward, per row"):]
+    assert body.index("| 2/8 | 1x32768") < body.index("| 16/64 | 1024x8") < body.index("| 16/32 | 1x8192") < body.index("| 16/32 | 8192x4")
+    # geometric means: ours over FLA on the two passing rows = sqrt(4 * 2.25) = 3.0; CP row 2/8 1x32768 alone 2.25
+    gm = md[md.index("## Geometric-mean"):md.index("## Forward, per row")]
+    assert "| ours over FLA | 3.00x (n=2) | 2.25x (n=1) | 4.00x (n=1) |" in gm
+    assert "| FlashQLA over FLA |" in gm
+    # the CP column and TFLOP/s: 2/8 1x32768 at 0.4 ms = 107 TFLOP/s = 14.8 %
+    line = [ln for ln in md.splitlines() if ln.startswith("| 2/8 | 1x32768")][0]
+    assert "| CP |" in line and "107 (14.8%)" in line
+    assert "Gate errors" in md
+
+
+def test_breakdown_bytes_and_markdown():
+    T, N, NT, H, HV = 8192, 4, 128, 16, 32
+    sb = step_bytes(T, N, NT, H, HV)
+    assert [s.step for s in sb] == list(STEP_NAMES)
+    by = {s.step: s for s in sb}
+    assert by["chunk_local_cumsum"].inter_written == 4 * T * HV
+    assert by["kkt_solve"].inter_written == 2 * 2 * T * HV * 64
+    assert by["recompute_w_u_fwd"].inter_written == 2 * 2 * T * HV * 128
+    assert by["chunk_gated_delta_rule_fwd_h"].inter_written == 2 * NT * HV * 128 * 128 + 2 * T * HV * 128
+    assert by["chunk_fwd_o"].out_written == 2 * T * HV * 128
+    # every intermediate written is read back at least once
+    written = sum(s.inter_written for s in sb) - by["kkt_solve"].inter_written // 2  # A's zero fill is not read
+    read = sum(s.inter_read for s in sb)
+    assert read >= written
+    base = {**ENV, "commit": "c", "h_qk": str(H), "h_v": str(HV), "mix": "8192", "T": str(T), "N": str(N)}
+    brows = [{**base, "step": s.step, "ms": "0.1", "inputs_read": str(s.inputs_read), "inter_read": str(s.inter_read),
+              "inter_written": str(s.inter_written), "out_written": str(s.out_written), "note": ""} for s in sb]
+    brows.append({**base, "step": "intra", "ms": "0.15", "inputs_read": "", "inter_read": "", "inter_written": "",
+                  "out_written": "", "note": "fwd_intra"})
+    rows = [{**_row(16, 32, "8192", 0.3, 0.6, 0.4)}]
+    md = "\n".join(R.breakdown_markdown(brows, rows))
+    assert "### 16/32 8192" in md and "sum of the five steps: 0.500 ms" in md
+    assert "FLA's whole forward in one graph: 0.600 ms" in md and "round trip" in md
+    assert "ours (whole forward): 0.300 ms" in md
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [_row(16, 32, "8192x4", 0.5, 2.0, 0.5), _row(2, 8, "1x32768", 0.4, 0.9, 0.3)]
+    out = R.plot(rows, tmp_path / "p.png")
+    assert out is not None and out.stat().st_size > 1000
+
+
+# ---------------------------------------------------------------- the measuring loop, on CPU
+
+
+def _good(x):
+    o, ht = chunk_gdn_fp64(x.q, x.k, x.v, x.g, x.beta, initial_state=x.h0, cu_seqlens=x.cu_seqlens)
+    return o.to(torch.bfloat16), ht.float()
+
+
+def _wrong(x):
+    o, ht = _good(x)
+    return o, ht * 1.5
+
+
+def _broken(x):
+    raise RuntimeError("kernel exploded")
+
+
+def _host_timer(counter):
+    def time_fn(fn, **kw):
+        fn()
+        counter.append(1)
+        return Timing(ms=1.0 + 0.25 * len(counter), replays_ms=[1.0], launches=3)
+    return time_fn
+
+
+def _run(tmp_path, argv, impls, commit="c1"):
+    from flashqla.bench.__main__ import parse_args, run_rows
+
+    args = parse_args(argv + ["--results-dir", str(tmp_path), "--no-plot"])
+    rows = G.select_rows(args.heads, args.mixes, args.quick)
+    calls = []
+    rc = run_rows(rows, args, impls, ENV, commit, device="cpu", time_fn=_host_timer(calls))
+    return rc, calls
+
+
+def test_loop_gate_resume_cache_and_drift(tmp_path, capsys):
+    impls = {"ours": Impl("ours", "ours", fn=_good), "fla": Impl("fla", "FLA", fn=_wrong),
+             "flash_qla": Impl("flash_qla", "FlashQLA", fn=_good)}
+    argv = ["--heads", "1/2", "--mixes", "16+20,9x2", "--peers", "live"]
+    rc, calls = _run(tmp_path, argv, impls)
+    assert rc == 0 and len(calls) == 4            # ours and FlashQLA timed on 2 rows; FLA failed its gate
+    res = S.rows_for_key(S.read_rows(tmp_path / "test-gpu-fwd.csv"), ENV, "c1")
+    assert len(res) == 2
+    for r in res:
+        assert r["ours_status"] == "ok" and r["flash_qla_status"] == "ok"
+        assert r["fla_status"] == "FAIL" and r["fla_ms"] == ""
+        assert R.num(r["ours_err_o"]) < 1e-2 and R.num(r["fla_err_ht"]) > 0.1
+    peers = S.read_rows(tmp_path / "peers-test-gpu-fwd.csv")
+    assert len(peers) == 4 and {p["impl"] for p in peers} == {"fla", "flash_qla"}
+    md = (tmp_path / "test-gpu-fwd.md").read_text()
+    assert "| 1/2 | 16+20 |" in md and "FAIL" in md
+
+    # rerun, same key: everything skipped
+    rc, calls = _run(tmp_path, argv, impls)
+    assert rc == 0 and calls == []
+    assert "resuming: 2 of 2 rows" in capsys.readouterr().out
+
+    # new commit, cached peers, one re-timed row, one extra row without cache (cached mode: '-')
+    rc, calls = _run(tmp_path, ["--heads", "1/2", "--mixes", "16+20,9x2,1x5", "--peers", "cached", "--retime", "1"],
+                     impls, commit="c2")
+    out = capsys.readouterr().out
+    res = {r["mix"]: r for r in S.rows_for_key(S.read_rows(tmp_path / "test-gpu-fwd.csv"), ENV, "c2")}
+    assert set(res) == {"16+20", "9x2", "1x5"}
+    assert res["1x5"]["fla_status"] == "not cached" and res["1x5"]["flash_qla_status"] == "not cached"
+    assert res["16+20"]["peers_source"].startswith("cached")
+    retimed = [m for m, r in res.items() if "re-timed" in r["peers_source"]]
+    assert len(retimed) == 1
+    assert "drift FlashQLA 1/2 " + retimed[0] in out and "drift FLA" in out
+    assert len(S.read_rows(tmp_path / "peers-test-gpu-fwd.csv")) == 4   # cached mode appends nothing
+    assert "## Drift" in (tmp_path / "test-gpu-fwd.md").read_text()
+
+
+def test_loop_unavailable_and_crashing(tmp_path):
+    impls = {"ours": Impl("ours", "ours", reason="not available (ModuleNotFoundError: No module named 'x')"),
+             "fla": Impl("fla", "FLA", fn=_broken), "flash_qla": Impl("flash_qla", "FlashQLA", fn=_good)}
+    rc, calls = _run(tmp_path, ["--heads", "1/2", "--mixes", "65", "--peers", "auto"], impls)
+    assert rc == 0 and len(calls) == 1
+    r = S.read_rows(tmp_path / "test-gpu-fwd.csv")[0]
+    assert r["ours_status"].startswith("not available")
+    assert r["fla_status"].startswith("error: RuntimeError: kernel exploded")
+    assert r["flash_qla_status"] == "ok"
+    # auto mode: the cached error counts as missing, so FLA is tried again on the next run
+    rc, calls = _run(tmp_path, ["--heads", "1/2", "--mixes", "65", "--peers", "auto", "--force"], impls)
+    assert len(S.read_rows(tmp_path / "peers-test-gpu-fwd.csv")) == 3
+
+
+def test_time_budget_stops_early(tmp_path, capsys):
+    impls = {"ours": Impl("ours", "ours", fn=_good)}
+    rc, calls = _run(tmp_path, ["--heads", "1/2", "--mixes", "64,65", "--peers", "none", "--time-budget", "0"], impls)
+    assert rc == 0 and calls == []
+    assert "time budget" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- command line
+
+
+def test_cli_without_cuda_exits_nonzero():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    out = subprocess.run([sys.executable, "-m", "flashqla.bench", "--quick"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2
+    assert "needs a CUDA GPU" in out.stderr
+
+
+def test_cli_list_and_bad_filters():
+    out = subprocess.run([sys.executable, "-m", "flashqla.bench", "--list"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.startswith("171 rows")
+    out = subprocess.run([sys.executable, "-m", "flashqla.bench", "--list", "--heads", "3/8"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2 and "3/8" in out.stderr
+
+
+def test_cli_report_only(tmp_path):
+    p = tmp_path / "test-gpu-fwd.csv"
+    for r in (_row(16, 32, "8192x4", 0.5, 2.0, 0.5), _row(2, 8, "1x32768", 0.4, 0.9, 0.3)):
+        S.append_row(p, r, S.RESULT_FIELDS)
+    out = subprocess.run([sys.executable, "-m", "flashqla.bench", "--report-only", "--no-plot",
+                          "--results-dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    md = (tmp_path / "test-gpu-fwd.md").read_text()
+    assert "| 16/32 | 8192x4 |" in md and "4.00x" in md
+
+
+def test_impl_selection_and_missing_peers():
+    from flashqla.bench.__main__ import parse_args, selected_impls
+    from flashqla.bench.peers import load_impls
+
+    assert selected_impls(parse_args([])) == ("ours", "fla", "flash_qla")
+    assert selected_impls(parse_args(["--peers", "none"])) == ("ours",)
+    assert selected_impls(parse_args(["--impls", "flash_qla,fla"])) == ("fla", "flash_qla")
+    with pytest.raises(SystemExit):
+        selected_impls(parse_args(["--impls", "flashinfer"]))
+    for name in ("fla", "flash_qla"):
+        if __import__("importlib").util.find_spec({"fla": "fla", "flash_qla": "flash_qla"}[name]) is None:
+            impl = load_impls((name,))[name]
+            assert not impl.available and impl.reason.startswith("not available (")
+
+
+def test_importing_the_harness_needs_no_peer():
+    code = ("import sys, flashqla.bench.__main__, flashqla.bench.report, flashqla.bench.runner; "
+            "print(any(m in sys.modules for m in ('fla', 'flash_qla', 'tilelang', 'triton', 'matplotlib')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "False"
