@@ -1,8 +1,31 @@
 """flashqla: Gated DeltaNet chunked prefill for NVIDIA Hopper.
 
-Public ops only. Importing this package never needs a GPU: kernels are built at their first launch.
+Public ops only. Importing this package never needs a GPU and does not import TileLang: the ops are
+resolved on first attribute access and kernels are built at their first launch.
+
+    from flashqla import chunk_gated_delta_rule
+    o, final_state = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "chunk_gated_delta_rule", "chunk_gated_delta_rule_fwd"]
+
+_LAZY = {
+    "chunk_gated_delta_rule": "flashqla.ops.gdn.api",
+    "chunk_gated_delta_rule_fwd": "flashqla.ops.gdn.api",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'flashqla' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + [n for n in _LAZY if n not in globals()])

@@ -35,6 +35,9 @@ STRONG_DECAY_G = -30.0
 BUDGETS: dict[str, dict[str, float]] = {
     # fp64 reference against fp64 recurrence: pure algebra, rounding only.
     "reference_fp64": {"o": 1e-10, "ht": 1e-10, "dq": 1e-9, "dk": 1e-9, "dv": 1e-9, "dg": 1e-9, "dbeta": 1e-9, "dh0": 1e-9},
+    # sm_90 forward, bf16 q/k/v, fp32 g/beta/state (tests/gpu/test_fwd_gpu.py; also held to FLA's own
+    # error on the same inputs). Provisional until measured on the H200.
+    "sm90_fwd_bf16": {"o": 1e-2, "ht": 1e-2, "g_cum": 1e-6, "A": 1e-2},
 }
 
 

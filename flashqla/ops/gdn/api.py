@@ -1,0 +1,225 @@
+"""Public Gated DeltaNet chunked-prefill op (forward) on Hopper: `chunk_gated_delta_rule`.
+
+Two kernel launches per call (`kernels.sm90.prepare`, `kernels.sm90.recurrent`), plus two small
+normalisation launches when `use_qk_l2norm_in_kernel=True`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from flashqla.validation import check_gdn_inputs
+
+__all__ = ["chunk_gated_delta_rule", "chunk_gated_delta_rule_fwd", "ChunkGDNForward", "SUPPORTED"]
+
+#: What the fast path supports; anything else raises before any device work.
+SUPPORTED = {
+    "qkv_dtypes": (torch.bfloat16, torch.float16),
+    "g_dtype": torch.float32,
+    "state_dtype": torch.float32,
+    "K": 128,
+    "V": 128,
+    "chunk_size": 64,
+    "compute_capability": (9, 0),
+}
+
+L2NORM_EPS = 1e-6
+
+_BUILT: set = set()
+
+
+class ChunkGDNForward(NamedTuple):
+    """What the forward produces and a backward will consume.
+
+    o: [B, T, HV, V] in q's dtype.
+    final_state: [N, HV, K, V] fp32, or None.
+    A: [HV, S * 64, 64] in q's dtype: per chunk slot, A diag(beta) with A FLA's gated WY inverse
+        (I + strictly_lower(diag(beta) (K K^T) * Gamma))^-1 (slot layout: `kernels.sm90._common`).
+    g_cum_log2: [HV, S * 64] fp32: chunk-local inclusive cumsum of g in base-2 units (g_cum / ln 2).
+    q, k: the q and k the kernels used (L2-normalised when use_qk_l2norm_in_kernel).
+    """
+
+    o: torch.Tensor
+    final_state: torch.Tensor | None
+    A: torch.Tensor
+    g_cum_log2: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+
+
+def _check_supported(q, k, v, g, beta, initial_state) -> None:
+    """Fast-path checks that need no device work (dtypes and head dims); raises TypeError/ValueError."""
+    if q.dtype not in SUPPORTED["qkv_dtypes"]:
+        raise TypeError(f"chunk_gated_delta_rule supports q, k, v in bfloat16 or float16, got {q.dtype}")
+    if g.dtype != torch.float32:
+        raise TypeError(f"chunk_gated_delta_rule supports g in float32 (natural-log decay), got {g.dtype}")
+    if beta.dtype not in (torch.float32, q.dtype):
+        raise TypeError(f"chunk_gated_delta_rule supports beta in float32 or q's dtype ({q.dtype}), got {beta.dtype}")
+    K, V = q.shape[-1], v.shape[-1]
+    if K != SUPPORTED["K"] or V != SUPPORTED["V"]:
+        raise ValueError(f"chunk_gated_delta_rule supports head dims K = V = 128 (chunk size 64), got K = {K}, V = {V}")
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        raise TypeError(f"chunk_gated_delta_rule supports initial_state in float32, got {initial_state.dtype}")
+
+
+def _check_device(q) -> None:
+    if q.device.type != "cuda":
+        raise RuntimeError(f"chunk_gated_delta_rule runs on a CUDA device of compute capability 9.0 (Hopper); the inputs are on {q.device}")
+    cap = torch.cuda.get_device_capability(q.device)
+    if tuple(cap) != SUPPORTED["compute_capability"]:
+        raise RuntimeError(
+            f"chunk_gated_delta_rule needs compute capability 9.0 (H100/H200, sm_90a kernels); {q.device} has {cap[0]}.{cap[1]}"
+        )
+
+
+def _check_no_grad(*tensors) -> None:
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise NotImplementedError(
+            "chunk_gated_delta_rule: the backward is not available yet; call it under torch.no_grad() "
+            "or with inputs that do not require grad"
+        )
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
+
+
+def chunk_gated_delta_rule_fwd(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    use_qk_l2norm_in_kernel=False,
+    *,
+    block_v: int | None = None,
+    poison_outputs: bool = False,
+) -> ChunkGDNForward:
+    """Forward of `chunk_gated_delta_rule` returning what a backward needs (see `ChunkGDNForward`).
+
+    Arguments, errors and units as in `chunk_gated_delta_rule` (autograd is not involved here: no
+    grad check). `block_v` forces the value slice width of the recurrent kernel (64 or 128; None
+    picks it from N * HV). `poison_outputs` (testing aid) fills every output with NaN before the
+    launches, so that an element a kernel fails to write shows up.
+    """
+    from flashqla.ops.gdn.kernels.sm90 import build_kernels
+    from flashqla.ops.gdn.kernels.sm90.prepare import chunk_prepare_fwd, prepare_kernel_args
+    from flashqla.ops.gdn.kernels.sm90.recurrent import chunk_recurrent_fwd, recurrent_kernel_args
+
+    d = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    _check_supported(q, k, v, g, beta, initial_state)
+    if not isinstance(use_qk_l2norm_in_kernel, bool):
+        raise TypeError(f"use_qk_l2norm_in_kernel must be a bool, got {type(use_qk_l2norm_in_kernel).__name__}")
+    _check_device(q)
+    scale = d.K**-0.5 if scale is None else float(scale)
+
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.contiguous()
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+
+    if d.T > 0 and d.N > 0:
+        key = (prepare_kernel_args(k, beta, cu_seqlens, d.HV), recurrent_kernel_args(q, v, cu_seqlens, block_v))
+        if key not in _BUILT:  # first use: compile both kernels concurrently
+            build_kernels([("prepare", key[0]), ("recurrent", key[1])])
+            _BUILT.add(key)
+    bufs = {}
+    if poison_outputs:
+        from flashqla.ops.gdn.kernels.sm90._common import CHUNK, num_slots
+
+        S = num_slots(d.B, d.T, d.N, cu_seqlens is not None)
+        nan = float("nan")
+        bufs = dict(
+            A=torch.full((d.HV, S * CHUNK, CHUNK), nan, dtype=k.dtype, device=k.device),
+            g_cum_log2=torch.full((d.HV, S * CHUNK), nan, dtype=torch.float32, device=k.device),
+            o=torch.full_like(v, nan),
+            final_state=torch.full((d.N, d.HV, d.K, d.V), nan, dtype=torch.float32, device=k.device),
+        )
+    A, g_cum_log2 = chunk_prepare_fwd(k, g, beta, cu_seqlens, d.HV, A=bufs.get("A"), g_cum_log2=bufs.get("g_cum_log2"))
+    o, final_state = chunk_recurrent_fwd(
+        q, k, v, A, g_cum_log2, scale, initial_state, output_final_state, cu_seqlens, block_v=block_v,
+        o=bufs.get("o"), final_state=bufs.get("final_state"),
+    )
+    return ChunkGDNForward(o=o, final_state=final_state, A=A, g_cum_log2=g_cum_log2, q=q, k=k)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+):
+    """Gated DeltaNet chunked prefill (forward), FLA's signature and return.
+
+    Computes, per sequence and value head hv (q/k head hv // (HV // H)), per token t:
+
+        S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T      (S in R^{K x V}, fp32)
+        o_t = scale * S_t^T q_t                                                 (inclusive of token t)
+
+    by the chunked form with chunk size 64 (DESIGN.md section 1; derivation records of
+    `derivations.chunk_form`, `derivations.wy`, `derivations.rewrites`), in two kernel launches:
+    a prepare kernel parallel over all chunks (chunk-local cumsum of g, K K^T, the gated WY inverse
+    A = (I + strictly_lower(diag(beta) (K K^T) * Gamma))^-1 by 16 x 16 blocks) and a recurrent
+    kernel per (sequence, value head, value slice) that keeps the fp32 state on chip.
+
+    Args:
+        q: [B, T, H, K] bfloat16 or float16, queries (L2-normalised by the caller unless
+            use_qk_l2norm_in_kernel).
+        k: [B, T, H, K], same dtype, keys (L2-normalised likewise).
+        v: [B, T, HV, V], same dtype, values; HV % H == 0 (GVA: HV // H value heads share one q/k head).
+        g: [B, T, HV] float32, natural-log decay per token, must be <= 0 (not checked on device: a
+            positive g is outside the supported domain and may overflow).
+        beta: [B, T, HV] float32 or q's dtype, write strength (sigmoid output, in [0, 1]).
+        scale: output scale, default K ** -0.5.
+        initial_state: [N, HV, K, V] float32 or None (zeros). N = B, or len(cu_seqlens) - 1.
+        output_final_state: also return the state after each sequence's last token.
+        cu_seqlens: [N + 1] int32/int64 offsets of packed sequences (B must be 1), starting at 0,
+            non-decreasing, ending at T; empty sequences are allowed. Read on device only (no host
+            synchronisation; its values are checked only when it is a CPU tensor).
+        use_qk_l2norm_in_kernel: L2-normalise q and k per head first (x * rsqrt(sum x^2 + 1e-6), in
+            fp32, rounded back to the input dtype; two extra launches).
+
+    Supported fast path: K = V = 128, chunk 64, compute capability 9.0 (H100/H200). T, the number of
+    sequences and cu_seqlens are run-time values: a new length or sequence mix never recompiles; the
+    kernels are compiled once per (H, HV, dtype, beta dtype, cu_seqlens dtype, flags).
+
+    Returns:
+        (o, final_state): o [B, T, HV, V] in q's dtype; final_state [N, HV, K, V] float32, or None
+        when output_final_state is False.
+
+    Raises:
+        TypeError: non-tensor arguments, q/k/v dtypes differ or are not bf16/fp16, g not float32,
+            beta not float32 or q's dtype, initial_state not float32, cu_seqlens not int32/int64.
+        ValueError: wrong ranks or shapes, HV % H != 0, K or V != 128, cu_seqlens with B != 1 (and
+            bad cu_seqlens values when it is a CPU tensor), tensors on different devices.
+        RuntimeError: inputs not on a CUDA device of compute capability 9.0 (raised after the
+            argument checks above, before any kernel is built or launched).
+        NotImplementedError: gradients were requested (autograd enabled and an input requires grad):
+            the backward is not available yet.
+
+    Source: FLA `fla.ops.gated_delta_rule.chunk_gated_delta_rule` (signature and semantics);
+    algorithm DESIGN.md section 1 and `reference.gdn.fused`.
+    """
+    check_gdn_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    _check_supported(q, k, v, g, beta, initial_state)
+    _check_no_grad(q, k, v, g, beta, initial_state)
+    out = chunk_gated_delta_rule_fwd(
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel
+    )
+    return out.o, out.final_state

@@ -1,0 +1,123 @@
+"""Shared pieces of the sm_90 kernels: compile target, pass configs, the compile counter, the base-2
+gate scale, and the chunk-slot layout shared by the prepare and recurrent kernels.
+
+Chunk slots. Both kernels address the chunks of all sequences through one flat "slot" index, so that
+no host synchronisation is needed to count chunks:
+
+- fixed length (no `cu_seqlens`): sequence n = batch row b, NT = ceil(T / 64) chunks each;
+  slot(n, c) = n * NT + c; the slot count is B * NT.
+- packed variable length (`cu_seqlens`, B == 1): slot(n, c) = floor(cu[n] / 64) + n + c. Sequence n
+  needs ceil(len_n / 64) slots and floor(cu[n+1] / 64) - floor(cu[n] / 64) + 1 >= ceil(len_n / 64)
+  are available before the next sequence starts, so the slots never collide, and the slot count
+  floor(T / 64) + N is known from shapes alone. A slot maps back to (n, c) by a binary search over
+  cu_seqlens inside the kernel (slot_base(n) is strictly increasing in n). Slots that fall in a gap
+  (or on an empty sequence) do nothing and are never read.
+
+Per-slot intermediates (`A`, `g_cum_log2`) are stored slot-major with all 64 rows written, rows past
+the end of the sequence filled with values that make them inert (A rows 0, g_cum_log2 repeating the
+last valid value), so the recurrent kernel can load whole 64-row tiles with TMA and mask nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+
+import torch
+
+__all__ = [
+    "CHUNK",
+    "RCP_LN2",
+    "to_log2_units",
+    "sm90_target",
+    "PASS_CONFIGS",
+    "compile_count",
+    "compile_kernel",
+    "num_slots",
+    "slot_index",
+    "tl_dtype",
+]
+
+#: Chunk length (tokens) of the fast path.
+CHUNK = 64
+
+#: 1 / ln 2: multiplies a natural-log gate into base-2 units for exp2.
+RCP_LN2 = 1.0 / math.log(2.0)
+
+
+def to_log2_units(x):
+    """Natural-log quantity -> base 2 (`x / ln 2`), so that `exp(x) == exp2(to_log2_units(x))`.
+
+    The one place where the base changes: the prepare kernel applies the same constant `RCP_LN2`
+    to the chunk-local cumsum of g it writes as `g_cum_log2`.
+    """
+    return x * RCP_LN2
+
+
+def sm90_target() -> dict:
+    """The compile target: Hopper with the architecture-specific features (wgmma, setmaxnreg)."""
+    return {"kind": "cuda", "arch": "sm_90a"}
+
+
+def _pass_configs():
+    import tilelang
+
+    return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+
+
+PASS_CONFIGS = None  # filled lazily (importing tilelang is slow; see compile_kernel)
+
+_lock = threading.Lock()
+_compiles = 0
+
+
+def compile_count() -> int:
+    """How many kernels this process has compiled so far (cache misses of the kernel builders).
+
+    Tests use it to prove that new sequence lengths and sequence mixes reuse compiled kernels.
+    """
+    return _compiles
+
+
+def compile_kernel(prim_func, name: str):
+    """Compiles a TileLang PrimFunc for sm_90a and counts the compile."""
+    global _compiles
+    import tilelang
+
+    kernel = tilelang.compile(prim_func, target=sm90_target(), pass_configs=_pass_configs(), out_idx=None)
+    with _lock:
+        _compiles += 1
+    if os.environ.get("FLASHQLA_DUMP_KERNELS"):
+        path = os.path.join(os.environ["FLASHQLA_DUMP_KERNELS"], f"{name}.cu")
+        with open(path, "w") as f:
+            f.write(kernel.get_kernel_source())
+    return kernel
+
+
+def tl_dtype(dtype: torch.dtype) -> str:
+    """TileLang dtype name of a torch dtype."""
+    names = {
+        torch.bfloat16: "bfloat16",
+        torch.float16: "float16",
+        torch.float32: "float32",
+        torch.int32: "int32",
+        torch.int64: "int64",
+    }
+    if dtype not in names:
+        raise TypeError(f"no kernel dtype for {dtype}")
+    return names[dtype]
+
+
+def num_slots(B: int, T: int, N: int, varlen: bool) -> int:
+    """Number of chunk slots (see the module docstring): B * ceil(T / 64), or floor(T / 64) + N."""
+    if varlen:
+        return T // CHUNK + N
+    return B * ((T + CHUNK - 1) // CHUNK)
+
+
+def slot_index(n: int, c: int, T: int, cu_seqlens_host=None) -> int:
+    """Slot of chunk c of sequence n (host-side helper for tests and tools; reads cu_seqlens)."""
+    if cu_seqlens_host is None:
+        return n * ((T + CHUNK - 1) // CHUNK) + c
+    return int(cu_seqlens_host[n]) // CHUNK + n + c

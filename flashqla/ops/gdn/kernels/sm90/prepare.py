@@ -1,0 +1,226 @@
+"""Fused prepare kernel (launch 1 of 2 of the forward): per (chunk, value head), fully parallel.
+
+Covers the reference stages (FLA's names, `reference.gdn.chunk`):
+    chunk_local_cumsum   -> g_cum_log2 (chunk-local inclusive cumsum of g, in base-2 units)
+    chunk_scaled_dot_kkt -> L = strictly_lower(diag(beta) (K K^T) * Gamma)
+    solve_tril           -> A = (I + L)^-1 (gated, as FLA's A)
+and folds beta into the columns of the stored inverse (`A_beta = A diag(beta)`), which turns the
+merged update v_new = A diag(beta) (V - diag(gamma) K S) of `reference.gdn.fused` into one GEMM
+with the stored operand.
+
+Derivation records relied on: the chunk form and the WY/UT inverse (`derivations.chunk_form`,
+`derivations.wy`), the merged v_new and base-2 rescaling (`derivations.rewrites`), and the block
+inverse below, which is exact algebra: with D the block-diagonal part of (I + L) in 16 x 16 blocks,
+E the strictly block-lower part and F = D^-1 E (nilpotent, F^4 = 0),
+    (I + L)^-1 = (I + F)^-1 D^-1 = (I - F) (I + F^2) D^-1.
+
+Per CTA (128 threads, one warpgroup):
+1. map the slot to (sequence, chunk) (binary search over cu_seqlens for packed input; see `_common`);
+2. load the chunk of k (rows past the sequence end are zero), g and beta (zero past the end);
+3. g_cum_log2 = cumsum(g) / ln 2 (fp32, in shared memory);
+4. K K^T on the tensor cores (bf16/fp16 operands, fp32 accumulate);
+5. L = beta_t (k_t . k_s) exp2(g_cum_log2[t] - g_cum_log2[s]) for t > s (the exponent is masked to
+   t > s before exp2, so only differences <= 0 are exponentiated);
+6. D^-1 by forward substitution, one thread per column of a 16 x 16 diagonal block (fp32, no syncs);
+7. four 64 x 64 x 64 GEMMs in tf32 (mma.sync): F = D^-1 E, X = I + F F, G = X - F X, A = G D^-1;
+8. store A diag(beta) (input dtype) and g_cum_log2 for all 64 rows of the slot.
+
+Shared memory: about 96 KB (two CTAs per SM).
+"""
+
+
+import functools
+
+import torch
+
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, RCP_LN2, compile_kernel, num_slots, tl_dtype
+
+__all__ = ["build_prepare_kernel", "chunk_prepare_fwd", "prepare_kernel_args"]
+
+
+def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool):
+    import tilelang.language as T
+
+    C = CHUNK
+    G = HV // H
+    B = T.dynamic("B")
+    Tn = T.dynamic("T")
+    R = T.dynamic("R")  # slot rows = slots * 64
+    Np1 = T.dynamic("Np1")
+    acc = "float32"
+
+    @T.prim_func
+    def gdn_prepare_fwd(
+        k: T.Tensor((B, Tn, H, K), dtype),
+        g: T.Tensor((B, Tn, HV), "float32"),
+        beta: T.Tensor((B, Tn, HV), beta_dtype),
+        cu_seqlens: T.Tensor((Np1,), seq_dtype),
+        A: T.Tensor((HV, R, C), dtype),
+        g_cum_log2: T.Tensor((HV, R), "float32"),
+    ):
+        with T.Kernel(R // C, HV, threads=128) as (slot, hv):  # slots on x (up to 2^31 - 1)
+            seq = T.alloc_var("int32")
+            chunk = T.alloc_var("int32")
+            bos = T.alloc_var("int32")
+            seqlen = T.alloc_var("int32")
+            bidx = T.alloc_var("int32")
+            lo = T.alloc_var("int32")
+            hi = T.alloc_var("int32")
+            mid = T.alloc_var("int32")
+            if varlen:
+                # largest n in [0, N) with floor(cu[n] / 64) + n <= slot
+                lo = 0
+                hi = Np1 - 1
+                for _ in T.serial(32):
+                    if hi - lo > 1:
+                        mid = (lo + hi) // 2
+                        if T.cast(cu_seqlens[mid], "int32") // C + mid <= slot:
+                            lo = mid
+                        else:
+                            hi = mid
+                seq = lo
+                bidx = 0
+                bos = T.cast(cu_seqlens[seq], "int32")
+                seqlen = T.cast(cu_seqlens[seq + 1], "int32") - bos
+                chunk = slot - (bos // C + seq)
+            else:
+                seq = slot // T.ceildiv(Tn, C)
+                chunk = slot % T.ceildiv(Tn, C)
+                bidx = seq
+                bos = 0
+                seqlen = Tn
+            nvalid = T.min(seqlen - chunk * C, C)
+            t0 = bos + chunk * C
+
+            k_s = T.alloc_shared((C, K), dtype)
+            gc_s = T.alloc_shared((C,), acc)
+            b_s = T.alloc_shared((C,), acc)
+            l_s = T.alloc_shared((C, C), acc)  # L, later F
+            et_s = T.alloc_shared((C, C), acc)  # E^T, later F^T, later G
+            dinv_s = T.alloc_shared((C, C), acc)
+            dinvt_s = T.alloc_shared((C, C), acc)
+            xt_s = T.alloc_shared((C, C), acc)
+            kk_f = T.alloc_fragment((C, C), acc)
+            f_f = T.alloc_fragment((C, C), acc)
+            x_f = T.alloc_fragment((C, C), acc)
+            a_f = T.alloc_fragment((C, C), acc)
+            xcol = T.alloc_local((16,), acc)
+
+            if nvalid > 0:
+                for t, d in T.Parallel(C, K):
+                    k_s[t, d] = T.if_then_else(t < nvalid, k[bidx, t0 + t, hv // G, d], T.cast(0, dtype))
+                for t in T.Parallel(C):
+                    gc_s[t] = T.if_then_else(t < nvalid, g[bidx, t0 + t, hv] * RCP_LN2, T.float32(0))
+                    b_s[t] = T.if_then_else(t < nvalid, T.cast(beta[bidx, t0 + t, hv], acc), T.float32(0))
+                T.cumsum(gc_s, dim=0)
+
+                T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+                for t, s in T.Parallel(C, C):
+                    l_s[t, s] = T.if_then_else(
+                        t > s,
+                        b_s[t] * kk_f[t, s] * T.exp2(T.if_then_else(t > s, gc_s[t] - gc_s[s], T.float32(0))),
+                        T.float32(0),
+                    )
+                for t, s in T.Parallel(C, C):
+                    et_s[s, t] = T.if_then_else(
+                        t // 16 > s // 16,
+                        b_s[t] * kk_f[t, s] * T.exp2(T.if_then_else(t > s, gc_s[t] - gc_s[s], T.float32(0))),
+                        T.float32(0),
+                    )
+
+                # D^-1: thread (blk, col) < 64 solves column col of diagonal block blk.
+                tx = T.get_thread_binding()
+                if tx < 64:
+                    blk = tx // 16
+                    col = tx % 16
+                    for r in T.unroll(16):
+                        xcol[r] = T.if_then_else(r == col, T.float32(1), T.float32(0))
+                        for m in T.unroll(16):
+                            if m < r:
+                                xcol[r] = xcol[r] - l_s[blk * 16 + r, blk * 16 + m] * xcol[m]
+                    for rr in T.unroll(C):
+                        dinv_s[rr, blk * 16 + col] = T.if_then_else(rr // 16 == blk, xcol[rr % 16], T.float32(0))
+                        dinvt_s[blk * 16 + col, rr] = T.if_then_else(rr // 16 == blk, xcol[rr % 16], T.float32(0))
+
+                # F = D^-1 E
+                T.gemm(dinv_s, et_s, f_f, transpose_B=True, clear_accum=True)
+                T.copy(f_f, l_s)
+                for t, s in T.Parallel(C, C):
+                    et_s[s, t] = f_f[t, s]
+                # X = I + F F
+                T.gemm(l_s, et_s, x_f, transpose_B=True, clear_accum=True)
+                for t, s in T.Parallel(C, C):
+                    x_f[t, s] = x_f[t, s] + T.if_then_else(t == s, T.float32(1), T.float32(0))
+                for t, s in T.Parallel(C, C):
+                    xt_s[s, t] = x_f[t, s]
+                # G = X - F X
+                T.gemm(l_s, xt_s, f_f, transpose_B=True, clear_accum=True)
+                for t, s in T.Parallel(C, C):
+                    et_s[t, s] = x_f[t, s] - f_f[t, s]
+                # A = G D^-1
+                T.gemm(et_s, dinvt_s, a_f, transpose_B=True, clear_accum=True)
+
+                for t, s in T.Parallel(C, C):
+                    A[hv, slot * C + t, s] = T.cast(T.if_then_else(t >= s, a_f[t, s] * b_s[s], T.float32(0)), dtype)
+                for t in T.Parallel(C):
+                    g_cum_log2[hv, slot * C + t] = gc_s[t]
+
+    return gdn_prepare_fwd
+
+
+@functools.lru_cache(maxsize=None)
+def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool):
+    """Compiled prepare kernel for one static configuration (cached).
+
+    Static key: head counts H, HV; head dim K; dtype of k (and of the stored A); beta's dtype;
+    cu_seqlens' dtype; whether input is packed (varlen). Sequence lengths, the number of sequences
+    and B are run-time values: a new T or sequence mix reuses the compiled kernel.
+    """
+    func = _prepare_prim_func(H, HV, K, dtype, beta_dtype, seq_dtype, varlen)
+    return compile_kernel(func, f"gdn_prepare_fwd_H{H}_HV{HV}_K{K}_{dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}")
+
+
+def prepare_kernel_args(k, beta, cu_seqlens, HV: int) -> tuple:
+    """The static key (`build_prepare_kernel` arguments) a launch with these inputs uses."""
+    H, K = k.shape[2], k.shape[3]
+    seq_dtype = tl_dtype(cu_seqlens.dtype) if cu_seqlens is not None else "int32"
+    return (H, HV, K, tl_dtype(k.dtype), tl_dtype(beta.dtype), seq_dtype, cu_seqlens is not None)
+
+
+_dummy_cache: dict = {}
+
+
+def dummy_cu_seqlens(device) -> torch.Tensor:
+    """A 1-element int32 placeholder for the cu_seqlens argument of fixed-length launches."""
+    key = ("cu", str(device))
+    if key not in _dummy_cache:
+        _dummy_cache[key] = torch.empty(1, dtype=torch.int32, device=device)  # never read
+    return _dummy_cache[key]
+
+
+def chunk_prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens, HV: int, A=None, g_cum_log2=None):
+    """Launches the prepare kernel. Arguments as in `chunk_gated_delta_rule` (already validated,
+    contiguous, on an sm_90 device). `A` and `g_cum_log2` may be given as preallocated outputs of
+    the shapes below (tests poison them to prove every used row is written).
+
+    Returns:
+        A: [HV, S * 64, 64] in k's dtype, S = number of chunk slots (`_common.num_slots`); rows
+            slot * 64 + t hold row t of chunk slot's A diag(beta) (lower triangular, zero rows past
+            the end of the sequence).
+        g_cum_log2: [HV, S * 64] fp32, chunk-local inclusive cumsum of g divided by ln 2 (rows past
+            the end of the sequence repeat the last valid value).
+    """
+    B, T, H, K = k.shape
+    varlen = cu_seqlens is not None
+    N = cu_seqlens.numel() - 1 if varlen else B
+    S = num_slots(B, T, N, varlen)
+    if A is None:
+        A = torch.empty(HV, S * CHUNK, CHUNK, dtype=k.dtype, device=k.device)
+    if g_cum_log2 is None:
+        g_cum_log2 = torch.empty(HV, S * CHUNK, dtype=torch.float32, device=k.device)
+    if S == 0 or T == 0:
+        return A, g_cum_log2
+    cu = cu_seqlens if varlen else dummy_cu_seqlens(k.device)
+    kernel = build_prepare_kernel(*prepare_kernel_args(k, beta, cu_seqlens, HV))
+    kernel(k, g, beta, cu, A, g_cum_log2)
+    return A, g_cum_log2

@@ -1,0 +1,267 @@
+"""Fused recurrent kernel (launch 2 of 2 of the forward): one CTA per (value slice, value head,
+sequence), walking the sequence's chunks with the fp32 state resident in registers.
+
+Covers the reference stages (FLA's names, `reference.gdn.chunk`):
+    recompute_w_u + chunk_fwd_h -> v_new, the chunk-start states h (never stored) and final_state
+    chunk_fwd_o                 -> o
+in the merged form of `reference.gdn.fused`:
+    W      = V - diag(gamma) K S                     (gamma_t = exp(g_cum[t]))
+    v_new  = A_beta W                                 (A_beta = A diag(beta), from the prepare kernel)
+    o      = scale (diag(gamma) Q S + (Q K^T * Gamma) v_new)     (Gamma_ts = exp(g_cum[t] - g_cum[s]), t >= s)
+    S'     = gamma_C S + K^T diag(exp(g_cum[C-1] - g_cum)) v_new
+Derivation records relied on: the chunk form (`derivations.chunk_form`), the WY/UT form and the
+merged v_new (`derivations.wy`, `derivations.rewrites`), base-2 rescaling (exp(x) = exp2(x / ln 2)).
+
+Orientation. The kernel keeps the transposed state S^T [BV, K] (value rows) so that every product on
+the serial chain takes its left operand from registers (wgmma with A in registers) and its right
+operand from shared memory, and nothing on the chain round-trips through shared memory:
+    U^T   = S^T K^T          (bf16 copy of S^T in registers; K from shared memory)
+    O^T   = S^T Q^T
+    W^T   = V^T - U^T diag(gamma)
+    vn^T  = W^T A_beta^T     (A_beta tile from shared memory)
+    O^T   = scale O^T diag(gamma) + vn^T Pg^T,   Pg = scale (Q K^T * Gamma), built per chunk in shared memory
+    S^T   = gamma_C S^T + (vn^T diag(r)) K,      r_s = exp2(g_cum_log2[C-1] - g_cum_log2[s]) <= 1
+Every exponent is a difference <= 0 (masked to the causal half before exp2 for Gamma).
+
+Threads: one producer warpgroup (TMA loads of q, k, v, A_beta, g_cum_log2, two stages, made by the
+TileLang pipeliner) plus one (BV = 64) or two (BV = 128; each owns 64 value rows of S^T) consumer
+warpgroups. Tail chunks load whole 64-row tiles: rows past the end of the sequence are inert because
+the prepare kernel wrote zero rows of A_beta there, and only valid rows of o are stored.
+"""
+
+import functools
+
+import torch
+
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slots, tl_dtype
+
+__all__ = ["build_recurrent_kernel", "chunk_recurrent_fwd", "pick_block_v", "recurrent_kernel_args"]
+
+
+def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, seq_dtype: str, varlen: bool):
+    import tilelang.language as T
+
+    C = CHUNK
+    G = HV // H
+    NV = V // BV
+    consumer_threads = 256 if BV == 128 else 128
+    row_policy = T.GemmWarpPolicy.FullRow
+    acc = "float32"
+
+    B = T.dynamic("B")
+    Tn = T.dynamic("T")
+    R = T.dynamic("R")
+    Np1 = T.dynamic("Np1")
+    N0 = T.dynamic("N0")  # rows of initial_state (N, or 1 for the placeholder)
+    N1 = T.dynamic("N1")  # rows of final_state (N, or 1 for the placeholder)
+
+    @T.prim_func
+    def gdn_recurrent_fwd(
+        q: T.Tensor((B, Tn, H, K), dtype),
+        k: T.Tensor((B, Tn, H, K), dtype),
+        v: T.Tensor((B, Tn, HV, V), dtype),
+        A: T.Tensor((HV, R, C), dtype),
+        g_cum_log2: T.Tensor((HV, R), "float32"),
+        h0: T.Tensor((N0, HV, K, V), "float32"),
+        cu_seqlens: T.Tensor((Np1,), seq_dtype),
+        scale: T.float32,
+        use_h0: T.int32,
+        store_ht: T.int32,
+        o: T.Tensor((B, Tn, HV, V), dtype),
+        ht: T.Tensor((N1, HV, K, V), "float32"),
+    ):
+        with T.Kernel(NV * HV * ((Np1 - 1) if varlen else B), threads=consumer_threads) as (bx,):
+            iv = bx % NV
+            hv = (bx // NV) % HV
+            n = bx // (NV * HV)
+            bos = T.alloc_var("int32")
+            seqlen = T.alloc_var("int32")
+            bidx = T.alloc_var("int32")
+            slot0 = T.alloc_var("int32")
+            if varlen:
+                bos = T.cast(cu_seqlens[n], "int32")
+                seqlen = T.cast(cu_seqlens[n + 1], "int32") - bos
+                bidx = 0
+                slot0 = bos // C + n
+            else:
+                bos = 0
+                seqlen = Tn
+                bidx = n
+                slot0 = n * T.ceildiv(Tn, C)
+            nchunks = T.ceildiv(seqlen, C)
+            hk = hv // G
+            v0 = iv * BV
+            if consumer_threads == 256:
+                T.annotate_producer_reg_dealloc(24)
+                T.annotate_consumer_reg_alloc(240)
+
+            q_s = T.alloc_shared((C, K), dtype)
+            k_s = T.alloc_shared((C, K), dtype)
+            v_s = T.alloc_shared((C, BV), dtype)
+            a_s = T.alloc_shared((C, C), dtype)
+            gc_s = T.alloc_shared((C,), acc)
+            p_s = T.alloc_shared((C, C), dtype)
+            o_s = T.alloc_shared((C, BV), dtype)
+
+            st = T.alloc_fragment((BV, K), acc)
+            st_b = T.alloc_fragment((BV, K), dtype)
+            ut = T.alloc_fragment((BV, C), acc)
+            ot = T.alloc_fragment((BV, C), acc)
+            nvt = T.alloc_fragment((BV, C), acc)
+            wt_b = T.alloc_fragment((BV, C), dtype)
+            nvt_b = T.alloc_fragment((BV, C), dtype)
+            vpt_b = T.alloc_fragment((BV, C), dtype)
+            p_f = T.alloc_fragment((C, C), acc)
+
+            if use_h0 != 0:
+                for i, j in T.Parallel(BV, K):
+                    st[i, j] = h0[n, hv, j, v0 + i]
+            else:
+                T.clear(st)
+
+            for c in T.Pipelined(nchunks, num_stages=2):
+                t0 = bos + c * C
+                row0 = (slot0 + c) * C
+                T.copy(q[bidx, t0 : t0 + C, hk, 0:K], q_s)
+                T.copy(k[bidx, t0 : t0 + C, hk, 0:K], k_s)
+                T.copy(v[bidx, t0 : t0 + C, hv, v0 : v0 + BV], v_s)
+                T.copy(A[hv, row0 : row0 + C, 0:C], a_s)
+                T.copy(g_cum_log2[hv, row0 : row0 + C], gc_s)
+
+                # Pg = scale * (Q K^T * Gamma), causal (t >= s); S-independent
+                T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
+                for t, s in T.Parallel(C, C):
+                    p_s[t, s] = T.cast(
+                        T.if_then_else(
+                            t >= s,
+                            scale * p_f[t, s] * T.exp2(T.if_then_else(t >= s, gc_s[t] - gc_s[s], T.float32(0))),
+                            T.float32(0),
+                        ),
+                        dtype,
+                    )
+                T.fence_proxy_async()
+
+                # U^T = S^T K^T and O^T = S^T Q^T from the bf16 copy of the state
+                T.copy(st, st_b)
+                T.gemm(st_b, k_s, ut, transpose_B=True, clear_accum=True, policy=row_policy)
+                T.gemm(st_b, q_s, ot, transpose_B=True, clear_accum=True, policy=row_policy)
+                # W^T = V^T - U^T diag(gamma)
+                for i, s in T.Parallel(BV, C):
+                    wt_b[i, s] = T.cast(T.cast(v_s[s, i], acc) - ut[i, s] * T.exp2(gc_s[s]), dtype)
+                # v_new^T = W^T A_beta^T
+                T.gemm(wt_b, a_s, nvt, transpose_B=True, clear_accum=True, policy=row_policy)
+                T.copy(nvt, nvt_b)
+                # O^T = scale O^T diag(gamma) + v_new^T Pg^T
+                for i, t in T.Parallel(BV, C):
+                    ot[i, t] = ot[i, t] * (scale * T.exp2(gc_s[t]))
+                T.gemm(nvt_b, p_s, ot, transpose_B=True, policy=row_policy)
+                # S^T = gamma_C S^T + (v_new^T diag(r)) K
+                for i, s in T.Parallel(BV, C):
+                    vpt_b[i, s] = T.cast(nvt[i, s] * T.exp2(T.min(gc_s[C - 1] - gc_s[s], T.float32(0))), dtype)
+                for i, j in T.Parallel(BV, K):
+                    st[i, j] = st[i, j] * T.exp2(gc_s[C - 1])
+                T.gemm(vpt_b, k_s, st, policy=row_policy)
+
+                # o rows of this chunk (only rows inside the sequence)
+                for t, i in T.Parallel(C, BV):
+                    o_s[t, i] = T.cast(ot[i, t], dtype)
+                nvalid = T.min(seqlen - c * C, C)
+                for t, i in T.Parallel(C, BV):
+                    if t < nvalid:
+                        o[bidx, t0 + t, hv, v0 + i] = o_s[t, i]
+
+            if store_ht != 0:
+                for i, j in T.Parallel(BV, K):
+                    ht[n, hv, j, v0 + i] = st[i, j]
+
+    return gdn_recurrent_fwd
+
+
+@functools.lru_cache(maxsize=None)
+def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str, seq_dtype: str, varlen: bool):
+    """Compiled recurrent kernel for one static configuration (cached).
+
+    Static key: head counts, head dims, the value slice width BV (64 or 128), the input dtype,
+    cu_seqlens' dtype and whether input is packed (varlen). T, B, the number of sequences, the
+    scale and the initial/final-state switches are run-time values.
+    """
+    if V % BV or BV not in (64, 128):
+        raise ValueError(f"value slice width BV must be 64 or 128 and divide V = {V}, got {BV}")
+    func = _recurrent_prim_func(H, HV, K, V, BV, dtype, seq_dtype, varlen)
+    name = f"gdn_recurrent_fwd_H{H}_HV{HV}_K{K}_V{V}_BV{BV}_{dtype}_{seq_dtype}_{int(varlen)}"
+    return compile_kernel(func, name)
+
+
+#: Number of streaming multiprocessors of the H200/H100 SXM; the slice heuristic aims at >= 70% of it.
+SM_COUNT = 132
+
+
+def pick_block_v(N: int, HV: int, V: int = 128, sm_count: int = SM_COUNT) -> int:
+    """Value slice width: 128 when N * HV fills >= 70% of the SMs, else 64 (two CTAs per head)."""
+    target = int(0.7 * sm_count)
+    if N * HV >= target or V < 128:
+        return min(V, 128)
+    return 64
+
+
+def recurrent_kernel_args(q, v, cu_seqlens, block_v=None) -> tuple:
+    """The static key (`build_recurrent_kernel` arguments) a launch with these inputs uses."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
+    BV = block_v or pick_block_v(N, HV, V)
+    seq_dtype = tl_dtype(cu_seqlens.dtype) if cu_seqlens is not None else "int32"
+    return (H, HV, K, V, BV, tl_dtype(q.dtype), seq_dtype, cu_seqlens is not None)
+
+
+_dummy_cache: dict = {}
+
+
+def _dummy(shape, dtype, device):
+    key = (tuple(shape), dtype, str(device))
+    if key not in _dummy_cache:
+        _dummy_cache[key] = torch.empty(shape, dtype=dtype, device=device)  # never read or written
+    return _dummy_cache[key]
+
+
+def chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale: float, initial_state, output_final_state: bool, cu_seqlens, block_v=None, o=None, final_state=None):
+    """Launches the recurrent kernel (arguments validated by the caller).
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, HV, V] (bf16 or fp16, contiguous).
+        A, g_cum_log2: outputs of `chunk_prepare_fwd` for the same inputs.
+        scale: output scale (float).
+        initial_state: [N, HV, K, V] fp32 contiguous, or None (zeros).
+        output_final_state: whether to return the state after each sequence.
+        cu_seqlens: [N + 1] int32/int64 or None.
+        block_v: value slice width (None: `pick_block_v`).
+        o, final_state: optional preallocated outputs of the shapes below (tests poison them).
+
+    Returns:
+        o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] fp32 or None.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    varlen = cu_seqlens is not None
+    N = cu_seqlens.numel() - 1 if varlen else B
+    if o is None:
+        o = torch.empty_like(v)
+    ht = None
+    if output_final_state:
+        ht = final_state if final_state is not None else torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
+    if N == 0:
+        return o, ht
+    if T == 0:  # no tokens: nothing to launch (TMA descriptors need non-empty tensors)
+        if ht is not None:
+            if initial_state is None:
+                ht.zero_()
+            else:
+                ht.copy_(initial_state)
+        return o, ht
+    use_h0 = initial_state is not None
+    h0 = initial_state if use_h0 else _dummy((1, HV, K, V), torch.float32, q.device)
+    ht_arg = ht if output_final_state else _dummy((1, HV, K, V), torch.float32, q.device)
+    cu = cu_seqlens if varlen else _dummy((1,), torch.int32, q.device)
+    kernel = build_recurrent_kernel(*recurrent_kernel_args(q, v, cu_seqlens, block_v))
+    kernel(q, k, v, A, g_cum_log2, h0, cu, float(scale), int(use_h0), int(output_final_state), o, ht_arg)
+    return o, ht

@@ -1,0 +1,272 @@
+"""GPU tier: the sm_90 forward against the fp64 token recurrence, per quantity, and against FLA's own
+error on the same inputs when `fla` is importable. Intermediates (g_cum, A) stage by stage against
+the chunked reference when it is importable. Outputs are poisoned with NaN before each launch.
+
+Run on the GPU machine: `pytest -m gpu tests/gpu`. Skips cleanly without a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from flashqla.testing import BUDGETS, make_gdn_inputs, rel_rms
+
+pytestmark = pytest.mark.gpu
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+if not HOPPER:
+    pytest.skip("needs a CUDA GPU of compute capability 9.0 (Hopper)", allow_module_level=True)
+
+from reference.gdn.recurrent import recurrent_gated_delta_rule  # noqa: E402
+
+try:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+except Exception:  # noqa: BLE001 - fla is optional
+    fla_chunk_gated_delta_rule = None
+
+#: ours may exceed FLA's error on the same inputs by at most this factor (rounding noise).
+FLA_MARGIN = 1.10
+
+DEV = "cuda"
+
+
+def _budget(q: str) -> float:
+    return BUDGETS["sm90_fwd_bf16"][q]
+
+
+def _to_device(x: dict, dtype=torch.bfloat16, beta_dtype=torch.float32) -> dict:
+    out = {}
+    for name, t in x.items():
+        if t is None:
+            out[name] = None
+        elif name in ("q", "k", "v"):
+            out[name] = t.to(DEV, dtype)
+        elif name == "beta":
+            out[name] = t.to(DEV, beta_dtype)
+        elif name == "cu_seqlens":
+            out[name] = t.to(DEV)
+        else:
+            out[name] = t.to(DEV, torch.float32)
+    return out
+
+
+def _reference(xd: dict, l2norm: bool = False):
+    """fp64 recurrence on the (rounded) device inputs."""
+    x64 = {n: (t.detach().cpu().double() if t is not None and t.is_floating_point() else (t.cpu() if t is not None else None)) for n, t in xd.items()}
+    return recurrent_gated_delta_rule(**x64, output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+
+
+def _ours(xd: dict, block_v=None, l2norm=False):
+    """The op through its launchers with NaN-poisoned outputs; checks every element was written."""
+    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
+
+    out = chunk_gated_delta_rule_fwd(**xd, output_final_state=True, block_v=block_v, use_qk_l2norm_in_kernel=l2norm, poison_outputs=True)
+    assert torch.isfinite(out.o.float()).all(), "o has unwritten (NaN) or non-finite elements"
+    assert torch.isfinite(out.final_state).all(), "final_state has unwritten or non-finite elements"
+    return out
+
+
+def _fla(xd: dict, l2norm=False):
+    if fla_chunk_gated_delta_rule is None:
+        return None
+    try:
+        return fla_chunk_gated_delta_rule(**xd, output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+    except Exception as exc:  # noqa: BLE001 - FLA does not cover every case (e.g. empty sequences)
+        return exc
+
+
+def _check(xd: dict, block_v=None, l2norm=False, record=None):
+    ref_o, ref_ht = _reference(xd, l2norm)
+    out = _ours(xd, block_v=block_v, l2norm=l2norm)
+    errs = {"o": rel_rms(out.o, ref_o), "ht": rel_rms(out.final_state, ref_ht)}
+    fla = _fla(xd, l2norm)
+    fla_errs = None
+    if fla is not None and not isinstance(fla, Exception):
+        fla_errs = {"o": rel_rms(fla[0], ref_o), "ht": rel_rms(fla[1], ref_ht)}
+    if record is not None:
+        record.append((errs, fla_errs))
+    for q in ("o", "ht"):
+        assert errs[q] <= _budget(q), f"{q}: relative RMS error {errs[q]:.3e} exceeds budget {_budget(q):.1e} (FLA: {fla_errs})"
+        if fla_errs is not None:
+            assert errs[q] <= FLA_MARGIN * fla_errs[q] + 1e-6, f"{q}: ours {errs[q]:.3e} worse than FLA's {fla_errs[q]:.3e}"
+    return errs, fla_errs, out
+
+
+# --------------------------------------------------------------------------------------------
+# outputs and final state against the fp64 recurrence
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 1000, 8192])
+def test_lengths(T):
+    xd = _to_device(make_gdn_inputs(B=1, T=T, H=2, HV=4, seed=T))
+    _check(xd)
+
+
+@pytest.mark.parametrize("H,HV", [(4, 4), (2, 4), (1, 4)], ids=["gva1", "gva2", "gva4"])
+def test_gva_batched(H, HV):
+    xd = _to_device(make_gdn_inputs(B=2, T=700, H=H, HV=HV, seed=HV + H))
+    _check(xd)
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [[5, 0, 63, 1, 64, 130], [3000, 7], [0, 0, 200], [1000]],
+    ids=["short-and-empty", "long-short", "leading-empty", "single"],
+)
+@pytest.mark.parametrize("h0", [True, False], ids=["h0", "no-h0"])
+def test_varlen(lengths, h0):
+    x = make_gdn_inputs(B=1, T=sum(lengths), H=2, HV=4, cu_seqlens=lengths, initial_state=h0, seed=len(lengths))
+    _check(_to_device(x))
+
+
+def test_no_initial_state_fixed_length():
+    _check(_to_device(make_gdn_inputs(B=2, T=333, H=1, HV=2, initial_state=False, seed=3)))
+
+
+@pytest.mark.parametrize("block_v", [64, 128])
+def test_value_slice_widths(block_v):
+    xd = _to_device(make_gdn_inputs(B=1, T=777, H=2, HV=4, cu_seqlens=[100, 677], seed=11))
+    _check(xd, block_v=block_v)
+
+
+def test_fp16_and_int64_offsets_and_beta_in_input_dtype():
+    x = make_gdn_inputs(B=1, T=500, H=1, HV=2, cu_seqlens=[250, 0, 250], seed=5)
+    x["cu_seqlens"] = x["cu_seqlens"].long()
+    xd = _to_device(x, dtype=torch.float16, beta_dtype=torch.float16)
+    _check(xd)
+
+
+def test_l2norm_in_kernel():
+    x = make_gdn_inputs(B=1, T=300, H=2, HV=4, seed=8)
+    g = torch.Generator().manual_seed(1)
+    x["q"] = x["q"] * (1 + 3 * torch.rand(x["q"].shape[:-1] + (1,), generator=g, dtype=torch.float64))
+    x["k"] = x["k"] * (1 + 3 * torch.rand(x["k"].shape[:-1] + (1,), generator=g, dtype=torch.float64))
+    _check(_to_device(x), l2norm=True)
+
+
+def test_public_op_matches_fwd():
+    from flashqla import chunk_gated_delta_rule
+
+    xd = _to_device(make_gdn_inputs(B=1, T=200, H=2, HV=4, seed=2))
+    o, ht = chunk_gated_delta_rule(**xd, output_final_state=True)
+    o2, ht2 = chunk_gated_delta_rule(**xd)
+    assert ht2 is None
+    assert o.dtype == xd["q"].dtype and ht.dtype == torch.float32
+    assert torch.equal(o, o2)
+
+
+# --------------------------------------------------------------------------------------------
+# stage by stage: g_cum and A against the chunked reference
+# --------------------------------------------------------------------------------------------
+
+
+def _token_slots(B, T, cu):
+    """Per token (in [B, T] order): its slot row, batch row, chunk start and chunk length."""
+    from flashqla.ops.gdn.kernels.sm90._common import CHUNK
+
+    out = []
+    if cu is None:
+        NT = (T + CHUNK - 1) // CHUNK
+        for b in range(B):
+            for t in range(T):
+                c = t // CHUNK
+                out.append(((b * NT + c) * CHUNK + t % CHUNK, b, c * CHUNK, min(CHUNK, T - c * CHUNK)))
+    else:
+        cu = cu.cpu().tolist()
+        for n in range(len(cu) - 1):
+            for t in range(cu[n], cu[n + 1]):
+                c = (t - cu[n]) // CHUNK
+                s0 = cu[n] + c * CHUNK
+                out.append(((cu[n] // CHUNK + n + c) * CHUNK + (t - s0), 0, s0, min(CHUNK, cu[n + 1] - s0)))
+    return out
+
+
+@pytest.mark.parametrize("lengths", [None, [70, 0, 129, 1]], ids=["fixed", "varlen"])
+def test_stages_g_cum_and_A(lengths):
+    chunk_ref = pytest.importorskip("reference.gdn.chunk")
+    T = 200 if lengths is None else sum(lengths)
+    B = 2 if lengths is None else 1
+    HV = 2
+    x = make_gdn_inputs(B=B, T=T, H=1, HV=HV, cu_seqlens=lengths, seed=21)
+    xd = _to_device(x)
+    out = _ours(xd)
+    x64 = {n: (t.detach().cpu().double() if t is not None and t.is_floating_point() else (t.cpu() if t is not None else None)) for n, t in xd.items()}
+    cu = x64["cu_seqlens"]
+    g_cum = chunk_ref.chunk_local_cumsum(x64["g"], cu_seqlens=cu)
+    A_ref = chunk_ref.solve_tril(chunk_ref.chunk_scaled_dot_kkt(x64["k"], x64["beta"], g_cum, cu_seqlens=cu), cu_seqlens=cu)
+    info = _token_slots(B, T, cu)
+    rows = torch.tensor([r for r, _, _, _ in info])
+    ours_gc = (out.g_cum_log2.cpu().double()[:, rows] * math.log(2.0)).T.reshape(B, T, HV)
+    err_gc = rel_rms(ours_gc, g_cum)
+    assert err_gc <= _budget("g_cum"), f"g_cum error {err_gc:.2e}"
+    A_ours = out.A.cpu().double()[:, rows].permute(1, 0, 2).reshape(B, T, HV, 64)
+    beta_cols = torch.zeros(B, T, HV, 64, dtype=torch.float64)
+    for i, (_, b, s0, m) in enumerate(info):
+        beta_cols[i // T, i % T, :, :m] = x64["beta"][b, s0 : s0 + m, :].T
+    err_A = rel_rms(A_ours, A_ref * beta_cols)
+    assert err_A <= _budget("A"), f"A diag(beta) error {err_A:.2e}"
+
+
+# --------------------------------------------------------------------------------------------
+# no recompiles, CUDA graphs
+# --------------------------------------------------------------------------------------------
+
+
+def test_new_lengths_and_mixes_do_not_recompile():
+    from flashqla import chunk_gated_delta_rule
+    from flashqla.ops.gdn.kernels.sm90._common import compile_count
+
+    def run(T, lengths):
+        xd = _to_device(make_gdn_inputs(B=1, T=T, H=2, HV=4, cu_seqlens=lengths, seed=T))
+        chunk_gated_delta_rule(**xd, output_final_state=True)
+
+    run(300, [100, 200])
+    run(300, None)
+    n = compile_count()
+    run(1234, [1000, 0, 234])
+    run(77, [7, 70])
+    run(4000, None)
+    run(65, None)
+    assert compile_count() == n, "a new T or sequence mix recompiled a kernel"
+
+
+def test_cuda_graph_replay_with_new_data():
+    from flashqla import chunk_gated_delta_rule
+
+    lengths = [300, 0, 129, 600]
+    xa = _to_device(make_gdn_inputs(B=1, T=sum(lengths), H=2, HV=4, cu_seqlens=lengths, seed=31))
+    xb = _to_device(make_gdn_inputs(B=1, T=sum(lengths), H=2, HV=4, cu_seqlens=[500, 529, 0, 0], seed=32))
+    static = {n: (t.clone() if t is not None else None) for n, t in xa.items()}
+    chunk_gated_delta_rule(**static, output_final_state=True)  # build and warm up
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        chunk_gated_delta_rule(**static, output_final_state=True)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g, ht_g = chunk_gated_delta_rule(**static, output_final_state=True)
+    for n, t in xb.items():  # new data, new sequence mix, same shapes
+        if t is not None:
+            static[n].copy_(t)
+    graph.replay()
+    torch.cuda.synchronize()
+    o_b, ht_b = chunk_gated_delta_rule(**xb, output_final_state=True)
+    assert torch.equal(o_g, o_b) and torch.equal(ht_g, ht_b), "graph replay with new data differs from an eager call"
+    ref_o, ref_ht = _reference(xb)
+    assert rel_rms(o_g, ref_o) <= _budget("o")
+
+
+@pytest.mark.skipif(os.environ.get("FLASHQLA_DETERMINISM") is None, reason="set FLASHQLA_DETERMINISM=1 to run")
+def test_bitwise_repeat():
+    from flashqla import chunk_gated_delta_rule
+
+    xd = _to_device(make_gdn_inputs(B=1, T=3000, H=2, HV=4, seed=41))
+    a = chunk_gated_delta_rule(**xd, output_final_state=True)
+    b = chunk_gated_delta_rule(**xd, output_final_state=True)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
