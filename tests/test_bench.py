@@ -449,6 +449,11 @@ def test_cli_report_only(tmp_path):
     assert out.returncode == 0, out.stderr
     md = (tmp_path / "test-gpu-fwd.md").read_text()
     assert "| 16/32 | 8192x4 |" in md and "4.00x" in md
+    # a rebuild keeps the method lines of the page it replaces
+    (tmp_path / "test-gpu-fwd.md").write_text(md.replace("method of the measuring run unknown", "timer X"))
+    subprocess.run([sys.executable, "-m", "flashqla.bench", "--report-only", "--no-plot", "--results-dir", str(tmp_path)],
+                   capture_output=True, text=True, cwd=ROOT, check=True)
+    assert "- Rebuilt from the CSV (--report-only); timer X." in (tmp_path / "test-gpu-fwd.md").read_text()
 
 
 def test_impl_selection_and_missing_peers():

@@ -195,7 +195,9 @@ def main(argv=None) -> int:
             print(f"no results in {paths['csv']}", file=sys.stderr)
             return 1
         env, commit = key
-        meta = {"date": now_utc(), "method": ["Rebuilt from the CSV (--report-only); see the run that measured it."]}
+        method = R.method_from_markdown(paths["md"].read_text()) if paths["md"].exists() else []
+        dates = [r.get("date", "") for r in S.rows_for_key(S.read_rows(paths["csv"]), env, commit)]
+        meta = {"date": max(dates, default=now_utc()), "method": method or ["Rebuilt from the CSV (--report-only); method of the measuring run unknown."]}
         write_outputs(paths, env, commit, meta, [], not args.no_plot)
         print(f"wrote {paths['md']}")
         return 0

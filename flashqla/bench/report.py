@@ -24,6 +24,7 @@ __all__ = [
     "console_line",
     "geomean_table",
     "markdown",
+    "method_from_markdown",
     "plot",
 ]
 
@@ -204,6 +205,18 @@ def markdown(rows: list[dict], env: dict, commit: str, meta: dict, drift: list[d
     if breakdown_rows:
         L += breakdown_markdown(breakdown_rows, rows)
     return "\n".join(L) + "\n"
+
+
+def method_from_markdown(md: str) -> list[str]:
+    """The bullet lines of the '## Method' section of an earlier page (for --report-only)."""
+    out, inside = [], False
+    for line in md.splitlines():
+        if line.startswith("## "):
+            inside = line.strip() == "## Method"
+            continue
+        if inside and line.startswith("- "):
+            out.append(line[2:])
+    return out
 
 
 def breakdown_markdown(brows: list[dict], rows: list[dict]) -> list[str]:
