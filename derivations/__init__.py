@@ -1,1 +1,56 @@
-"""SymPy-checked algebra behind the chunked Gated DeltaNet kernels."""
+"""SymPy-checked algebra behind the chunked Gated DeltaNet kernels.
+
+Each algebraic step is an `Identity` record (derivations/_core.py) with an id, a statement, its LaTeX,
+its kind (exact, or bounded with its bound and condition), a builder of SymPy matrices at tiny sizes
+and the names of its two numeric twins in `reference/`. Families:
+
+    CF   derivations/chunk_form.py  chunk form == token recurrence (outputs, end state, v_new)
+    WY   derivations/wy.py          WY/UT representation; solve_tril's blockwise inverse
+    RW   derivations/rewrites.py    the hardware-friendly rewrites of the fused kernels
+    BWD  derivations/backward.py    hand-written chunk gradients == sympy.diff of the loss
+    CP   derivations/cp.py          affine segment maps, composition, output correction, truncation bounds
+
+    python -m derivations            proves every record, prints the table, exit status 1 on a failure
+    derivations.run_all()            the rows (`Result`: id, statement, kind, sizes, seconds, status, ok)
+    derivations.format_table(rows)   the table as text
+"""
+
+from derivations._core import Bound, Identity, Result, check, format_table, get, is_zero, register, registry, run_all, run_one
+from derivations import chunk_form, wy, rewrites, backward, cp  # noqa: E402,F401  (registers the records)
+
+__all__ = [
+    "Identity",
+    "Bound",
+    "Result",
+    "register",
+    "registry",
+    "get",
+    "check",
+    "is_zero",
+    "run_one",
+    "run_all",
+    "format_table",
+    "main",
+]
+
+
+def main(argv=None) -> int:
+    """``python -m derivations [-j N] [ID ...]``: prove the records, print the table, return the exit
+    status (0 when every record is proved)."""
+    import argparse
+    import time
+
+    parser = argparse.ArgumentParser(prog="python -m derivations", description="prove the identity records")
+    parser.add_argument("ids", nargs="*", help="record ids (default: all)")
+    parser.add_argument("-j", "--processes", type=int, default=1, help="worker processes (default 1)")
+    args = parser.parse_args(argv)
+    known = {r.id for r in registry()}
+    unknown = [i for i in args.ids if i not in known]
+    if unknown:
+        parser.error(f"unknown record id(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    t0 = time.perf_counter()
+    rows = run_all(args.ids or None, processes=args.processes)
+    print(format_table(rows))
+    n_ok = sum(r.ok for r in rows)
+    print(f"{n_ok}/{len(rows)} proved in {time.perf_counter() - t0:.1f} s")
+    return 0 if n_ok == len(rows) else 1

@@ -1,0 +1,5 @@
+import sys
+
+from derivations import main
+
+sys.exit(main())

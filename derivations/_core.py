@@ -1,0 +1,289 @@
+"""Identity records, the checker that proves them, and the registry.
+
+A record (`Identity`) names one algebraic step of the chunked algorithm: an id (`CF-1`, `WY-2`,
+`RW-3`, `BWD-dk`, `CP-4`, ...), a one-line statement, its LaTeX form, its kind, a builder of SymPy
+objects at tiny concrete sizes, and the dotted names of the two numeric twins in `reference/` that
+compute its left and right sides at full size (tests/test_twins.py runs them in fp64).
+
+Kinds and what the checker proves:
+
+- ``exact``: the builder returns ``(lhs, rhs)``, each a SymPy matrix or a tuple of matrices of the same
+  shapes. The checker proves ``lhs - rhs == 0`` entry by entry: expand, and if that is not already
+  zero, put the entry over a common denominator and expand the numerator (gates are written
+  multiplicatively, ``a_t = exp(g_t)`` as positive symbols, so every entry is a polynomial or a
+  rational function and this decides zero exactly). Entries with transcendental functions left
+  (the exp2 rescaling) fall back to ``sympy.simplify``.
+- ``bounded``: the builder returns a `Bound` claiming ``small <= large`` (two scalar expressions) with a
+  certificate: terms ``(coef, base)`` and condition multipliers ``(m, h)`` such that
+  ``large - small == sum(coef * base**2) + sum(m * h)`` identically, where every ``coef`` is
+  nonnegative by SymPy's assumptions (products and sums of positive symbols and squares of real
+  symbols, after substituting the record's `domain`, e.g. beta = 1 / (1 + p) with p >= 0 for beta in
+  (0, 1]) and ``h == 0`` is the stated condition (``1 - k^T k`` for a unit key). The equality is proved
+  like an exact identity, so the inequality is proved under the condition, not sampled.
+
+Adding a record is a few lines: write a builder ``build(*size) -> (lhs, rhs)`` (or a `Bound`) and call
+`register(Identity(...))` in a module listed in `derivations/__init__.py`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import sympy as sp
+
+__all__ = [
+    "Identity",
+    "Bound",
+    "Result",
+    "register",
+    "registry",
+    "get",
+    "check",
+    "is_zero",
+    "run_all",
+    "format_table",
+]
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The claim ``small <= large`` with a sum-of-squares certificate.
+
+    small, large: scalar SymPy expressions.
+    terms: ``[(coef, base), ...]``, every ``coef`` >= 0 and every ``base`` real.
+    conditions: ``[(multiplier, h), ...]`` where ``h == 0`` is the record's condition (for example
+        ``1 - k^T k`` for a unit key).
+    domain: ``{symbol: expr}``, the range of a symbol as the image of ``expr`` over its own symbols'
+        assumptions (``beta: 1 / (1 + p)`` with ``p >= 0`` says beta in (0, 1]); used only to decide the
+        sign of the coefficients, so the identity itself stays polynomial.
+    Certificate: ``large - small == sum(coef * base**2) + sum(multiplier * h)`` identically, so under the
+    condition (every ``h == 0``) ``large - small`` is a sum of nonnegative terms.
+    """
+
+    small: sp.Expr
+    large: sp.Expr
+    terms: Sequence[tuple[sp.Expr, sp.Expr]]
+    conditions: Sequence[tuple[sp.Expr, sp.Expr]] = ()
+    domain: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """One algebraic step, proved symbolically at tiny sizes and matched numerically at full size.
+
+    id: short stable name, ``<FAMILY>-<n>`` or ``BWD-<grad>`` (CF chunk form, WY the WY/UT
+        representation, RW hardware-friendly rewrites, BWD backward, CP context parallelism).
+    statement: one line, plain text.
+    latex: the identity in LaTeX (no surrounding ``$``).
+    build: ``build(*size)`` returns ``(lhs, rhs)`` (exact) or a `Bound` (bounded).
+    sizes: the tiny sizes the checker proves it at, each a tuple passed to ``build``.
+    size_names: names of the entries of a size tuple, for the table (``C K V`` by default).
+    twins: dotted names of the reference functions computing the left and the right side.
+    kind: ``"exact"`` or ``"bounded"``.
+    bound: for bounded records, the bound in words or LaTeX.
+    condition: for bounded records, when the bound holds.
+    source: where the step comes from (paper, FLA / FlashQLA function, research note).
+    """
+
+    id: str
+    statement: str
+    latex: str
+    build: Callable
+    sizes: tuple[tuple[int, ...], ...]
+    twins: tuple[str, str]
+    kind: str = "exact"
+    bound: str | None = None
+    condition: str | None = None
+    size_names: tuple[str, ...] = ("C", "K", "V")
+    source: str = ""
+
+    def __post_init__(self):
+        if self.kind not in ("exact", "bounded"):
+            raise ValueError(f"{self.id}: kind must be 'exact' or 'bounded', got {self.kind!r}")
+        if self.kind == "bounded" and not (self.bound and self.condition):
+            raise ValueError(f"{self.id}: a bounded record states its bound and its condition")
+        if len(self.twins) != 2 or not all(t.startswith("reference.") for t in self.twins):
+            raise ValueError(f"{self.id}: twins are two dotted names under reference/, got {self.twins}")
+        if not self.sizes:
+            raise ValueError(f"{self.id}: give at least one size to prove it at")
+
+    def size_str(self, size: tuple[int, ...]) -> str:
+        return ",".join(f"{n}={s}" for n, s in zip(self.size_names, size))
+
+
+@dataclass
+class Result:
+    """One row of the table: a record proved at all of its sizes (or the first failure)."""
+
+    id: str
+    statement: str
+    kind: str
+    sizes: str
+    seconds: float
+    status: str
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "proved"
+
+
+_REGISTRY: dict[str, Identity] = {}
+
+
+def register(identity: Identity) -> Identity:
+    """Adds a record to the registry (ids are unique). Returns it, so modules can keep a handle."""
+    if identity.id in _REGISTRY and _REGISTRY[identity.id] is not identity:
+        raise ValueError(f"duplicate identity id {identity.id}")
+    _REGISTRY[identity.id] = identity
+    return identity
+
+
+def registry() -> list[Identity]:
+    """All registered records, in registration order."""
+    return list(_REGISTRY.values())
+
+
+def get(id: str) -> Identity:
+    """The record with this id. Raises KeyError naming the known ids."""
+    try:
+        return _REGISTRY[id]
+    except KeyError:
+        raise KeyError(f"no identity {id!r}; known: {', '.join(_REGISTRY)}") from None
+
+
+def _rational_zero(e: sp.Expr) -> bool:
+    e = sp.expand(e)
+    if e == 0:
+        return True
+    num, _ = sp.fraction(sp.together(e))
+    return sp.expand(num) == 0
+
+
+def is_zero(e) -> bool:
+    """Exact zero test of one scalar SymPy expression (see the module docstring)."""
+    e = sp.sympify(e)
+    if e == 0:
+        return True
+    if e.is_rational_function():
+        return _rational_zero(e)
+    return sp.simplify(e) == 0
+
+
+def _as_tuple(x) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _check_exact(lhs, rhs) -> str:
+    lhs, rhs = _as_tuple(lhs), _as_tuple(rhs)
+    if len(lhs) != len(rhs):
+        return f"{len(lhs)} left-hand parts vs {len(rhs)} right-hand parts"
+    for p, (L, R) in enumerate(zip(lhs, rhs)):
+        L, R = sp.Matrix(L), sp.Matrix(R)
+        if L.shape != R.shape:
+            return f"part {p}: shape {L.shape} vs {R.shape}"
+        for i in range(L.rows):
+            for j in range(L.cols):
+                if not is_zero(L[i, j] - R[i, j]):
+                    return f"part {p} entry ({i},{j}) differs"
+    return ""
+
+
+def _check_bound(b: Bound) -> str:
+    for n, (coef, base) in enumerate(b.terms):
+        coef = sp.factor(sp.together(sp.sympify(coef).subs(b.domain)))
+        if coef.is_nonnegative is not True:
+            return f"term {n}: coefficient not provably nonnegative: {coef}"
+        if sp.sympify(base).is_extended_real is not True:
+            return f"term {n}: base not provably real"
+    sos = sp.Add(*[c * s**2 for c, s in b.terms])
+    ideal = sp.Add(*[m * h for m, h in b.conditions])
+    if not is_zero(b.large - b.small - sos - ideal):
+        return "large - small != certificate"
+    return ""
+
+
+def check(identity: Identity, size: tuple[int, ...]) -> str:
+    """Proves `identity` at one size. Returns "" when proved, else why not (it never raises for a
+    false identity; an exception in a builder propagates)."""
+    built = identity.build(*size)
+    if identity.kind == "exact":
+        if isinstance(built, Bound):
+            return "exact record built a Bound"
+        lhs, rhs = built
+        return _check_exact(lhs, rhs)
+    if not isinstance(built, Bound):
+        return "bounded record must build a Bound"
+    return _check_bound(built)
+
+
+def run_one(identity: Identity, sizes: Sequence[tuple[int, ...]] | None = None) -> Result:
+    """Proves one record at its sizes (or the given ones) and times it."""
+    sizes = tuple(sizes or identity.sizes)
+    t0 = time.perf_counter()
+    status, detail, done = "proved", "", []
+    for size in sizes:
+        try:
+            why = check(identity, size)
+        except Exception as exc:  # a broken builder is a failure of that record, not of the run
+            status, detail = "ERROR", f"{identity.size_str(size)}: {type(exc).__name__}: {exc}"
+            break
+        if why:
+            status, detail = "FAIL", f"{identity.size_str(size)}: {why}"
+            break
+        done.append(identity.size_str(size))
+    return Result(
+        id=identity.id,
+        statement=identity.statement,
+        kind=identity.kind,
+        sizes="; ".join(done) if done else "-",
+        seconds=time.perf_counter() - t0,
+        status=status,
+        detail=detail,
+    )
+
+
+def _run_one_by_id(id: str) -> Result:
+    import derivations  # noqa: F401  (registers every record in the worker process)
+
+    return run_one(get(id))
+
+
+def run_all(ids: Sequence[str] | None = None, processes: int = 1) -> list[Result]:
+    """Proves every registered record (or those in `ids`); one `Result` row per record, in
+    registration order. Raises KeyError for an unknown id.
+
+    processes: worker processes (1: in this process). The records are independent, so a pool
+    shortens the wall time where the cores are real; the default is serial because on a shared
+    2-core machine a pool measured no faster.
+    """
+    ids = list(ids) if ids is not None else [r.id for r in registry()]
+    for i in ids:
+        get(i)
+    if processes <= 1 or len(ids) <= 1:
+        return [run_one(get(i)) for i in ids]
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(processes) as pool:
+        return pool.map(_run_one_by_id, ids, chunksize=1)
+
+
+def format_table(rows: Sequence[Result], width: int = 72) -> str:
+    """The table printed by ``python -m derivations`` and ``flashqla verify``:
+    id, statement, kind, sizes proved, seconds, status (failures add a detail line)."""
+    header = ("id", "statement", "kind", "sizes proved", "s", "status")
+
+    def clip(s: str) -> str:
+        return s if len(s) <= width else s[: width - 3] + "..."
+
+    body = [(r.id, clip(r.statement), r.kind, r.sizes, f"{r.seconds:.2f}", r.status) for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    for r, b in zip(rows, body):
+        lines.append("  ".join(str(x).ljust(w) for x, w in zip(b, widths)).rstrip())
+        if r.detail:
+            lines.append(" " * (widths[0] + 2) + "-> " + r.detail)
+    return "\n".join(lines)

@@ -1,0 +1,197 @@
+"""CP: the algebra of context parallelism (a long sequence split into segments).
+
+A segment of chunks maps the state that enters it affinely:
+
+    S_end = P S_start + Q,   P = M_{n-1} ... M_0,  M_c = gamma_C I - T_c (RW-3),  Q = S_end from S_start = 0
+
+(CP-1). Maps compose, (P2, Q2) o (P1, Q1) = (P2 P1, P2 Q1 + Q2), and the composition is associative,
+so the entering states of all segments follow from a scan of per-segment maps computed in parallel
+(CP-2). A segment's outputs are affine in its entering state too,
+O_c(S) = O_c(0) + scale D_c R_c P_{<c} S with R_c = Q_c - tril_0(Q_c K_c^T) A_c B_c K_c, so segments
+run from zero and are corrected afterwards (CP-3).
+
+The gate-driven shortcut drops the state S_w that enters a warm-up window of chunks whose summed
+log-decay is G (= sum of g over the window) and restarts from zero there. By CP-1 the error it makes
+at any later point is P S_w, P the product of every gated factor a_t (I - beta_t k_t k_t^T) from the
+window start on. With ||k_t|| = 1 and beta_t in [0, 1] each factor I - beta k k^T is symmetric with
+eigenvalues 1 and 1 - beta in [0, 1], so its spectral norm is <= 1 and ||P||_2 <= exp(G):
+
+    CP-4  ||S_true - S_trunc||_F <= exp(G) ||S_w||_F                  (every later state)
+    CP-5  ||o_t,true - o_t,trunc||_2 <= scale ||q_t||_2 exp(G) ||S_w||_F  (every later output)
+
+(G over the window; tokens further on decay more, which only tightens both.) The checker proves each
+inequality for one value column (columns are independent; the Frobenius norm sums them) from a
+sum-of-squares certificate: per token a^2 ||x||^2 - ||a (I - beta k k^T) x||^2 = a^2 beta (2 - beta) (k^T x)^2,
+telescoped over the window, plus Lagrange's identity ||q||^2 ||x||^2 - (q^T x)^2 = sum_{i<j} (q_i x_j - q_j x_i)^2
+for the outputs. The unit-key condition enters as the multiple beta^2 (k^T x)^2 (1 - k^T k) of its
+defining polynomial (zero when ||k|| = 1); the coefficients' signs are decided with beta = 1 / (1 + p),
+p >= 0 (beta in (0, 1]; beta = 0 makes the factor the identity).
+"""
+
+from __future__ import annotations
+
+import sympy as sp
+
+from derivations._chunk import Chunk, mat, prod, tril
+from derivations._core import Bound, Identity, register
+
+
+def _maps(chunks):
+    """Per-chunk maps (M_c, B_c) from the transition form."""
+    out = []
+    for ch in chunks:
+        T_c, B_c = ch.transition()
+        out.append((ch.gamma_C * sp.eye(ch.K) - T_c, B_c))
+    return out
+
+
+def combine(first, second):
+    """(P2, Q2) o (P1, Q1): first the `first` segment, then the `second`."""
+    (P1, Q1), (P2, Q2) = first, second
+    return P2 * P1, P2 * Q1 + Q2
+
+
+def _run(chunks, S, scale=1):
+    """Recurrence through consecutive chunks. Returns (per-chunk outputs, end state)."""
+    outs = []
+    for ch in chunks:
+        O, S, _ = ch.recurrence(S, scale)
+        outs.append(O)
+    return outs, S
+
+
+def _segment(C, K, V, n):
+    chunks = [Chunk(C, K, V, prefix=f"c{i}") for i in range(n)]
+    S = mat("s", K, V)
+    _, lhs = _run(chunks, S)
+    _, Q = _run(chunks, sp.zeros(K, V))
+    P = prod(M for M, _ in reversed(_maps(chunks)))
+    return lhs, P * S + Q
+
+
+def _compose(C, K, V):
+    chunks = [Chunk(C, K, V, prefix=f"c{i}") for i in range(3)]
+    # the map of the concatenation, read off runs of the recurrence: P from the homogeneous run of I
+    # (values zeroed), Q from the zero-start run
+    homog = [Chunk(C, K, K, prefix=f"c{i}") for i in range(3)]
+    for h, ch in zip(homog, chunks):
+        h.v = sp.zeros(C, K)
+    _, P_cat = _run(homog, sp.eye(K))
+    _, Q_cat = _run(chunks, sp.zeros(K, V))
+    m1, m2, m3 = _maps(chunks)
+    left = combine(combine(m1, m2), m3)
+    right = combine(m1, combine(m2, m3))
+    return (P_cat, Q_cat, P_cat, Q_cat), (*left, *right)
+
+
+def _outputs(C, K, V, n):
+    chunks = [Chunk(C, K, V, prefix=f"c{i}") for i in range(n)]
+    S = mat("s", K, V)
+    scale = sp.Symbol("scale", positive=True)
+    lhs, _ = _run(chunks, S, scale)
+    zero, _ = _run(chunks, sp.zeros(K, V), scale)
+    rhs, P = [], sp.eye(K)
+    for ch, O0, (M, _) in zip(chunks, zero, _maps(chunks)):
+        R = ch.q - tril(ch.q * ch.k.T) * ch.A_free() * ch.B * ch.k
+        rhs.append(O0 + scale * ch.D * R * P * S)
+        P = M * P
+    return tuple(lhs), tuple(rhs)
+
+
+def _window(C, K):
+    """One value column x through C gated factors a_t (I - beta_t k_t k_t^T), beta_t in (0, 1].
+
+    Returns (x0, x_C, gate product, sum-of-squares terms, condition multipliers, domain) certifying
+    (prod a)^2 ||x0||^2 - ||x_C||^2 = sum_t (prod_{s>=t} a_s)^2 [beta_t (2 - beta_t) (k_t^T x_{t-1})^2
+    + beta_t^2 (k_t^T x_{t-1})^2 (1 - k_t^T k_t)] (telescoped per-token steps)."""
+    a = [sp.Symbol(f"a_{t}", positive=True) for t in range(C)]
+    b = [sp.Symbol(f"beta_{t}", positive=True) for t in range(C)]
+    domain = {b[t]: 1 / (1 + sp.Symbol(f"p_{t}", nonnegative=True)) for t in range(C)}
+    x0 = sp.Matrix([sp.Symbol(f"x_{i}", real=True) for i in range(K)])
+    x, terms, conditions = x0, [], []
+    for t in range(C):
+        k = mat(f"k{t}", K, 1)
+        beta = b[t]
+        kx = (k.T * x)[0]
+        carry = prod(a[t:]) ** 2
+        terms.append((carry * beta * (2 - beta), kx))
+        conditions.append((carry * beta**2 * kx**2, 1 - (k.T * k)[0]))
+        x = a[t] * (x - beta * k * kx)
+    return x0, x, prod(a), terms, conditions, domain
+
+
+def _state_bound(C, K):
+    x0, x, G, terms, conditions, domain = _window(C, K)
+    return Bound(small=(x.T * x)[0], large=G**2 * (x0.T * x0)[0], terms=terms, conditions=conditions, domain=domain)
+
+
+def _output_bound(C, K):
+    x0, x, G, terms, conditions, domain = _window(C, K)
+    q = sp.Matrix([sp.Symbol(f"q_{i}", real=True) for i in range(K)])
+    scale = sp.Symbol("scale", positive=True)
+    qq = (q.T * q)[0]
+    sos = [(scale**2 * qq * c, b) for c, b in terms]
+    sos += [(scale**2, q[i] * x[j] - q[j] * x[i]) for i in range(K) for j in range(i + 1, K)]
+    conditions = [(scale**2 * qq * m, h) for m, h in conditions]
+    return Bound(small=(scale * (q.T * x)[0]) ** 2, large=scale**2 * qq * G**2 * (x0.T * x0)[0], terms=sos, conditions=conditions, domain=domain)
+
+
+CP_1 = register(Identity(
+    id="CP-1",
+    statement="a segment maps its entering state affinely: S_end = P S_start + Q, Q from a zero-start run",
+    latex=r"S_{end} = P S_{start} + Q,\quad P = \prod_{c} (\gamma_{C,c} I - T_c),\quad Q = S_{end}|_{S_{start}=0}",
+    build=_segment,
+    sizes=((2, 2, 2, 2), (3, 2, 1, 2)),
+    size_names=("C", "K", "V", "chunks"),
+    twins=("reference.gdn.recurrent.recurrent_gated_delta_rule", "reference.gdn.cp.segment_maps"),
+    source="FLA cp pre_process_fwd (S_ext, M); FlashQLA cp_fwd; research/flashqla-design.md 4.3",
+))
+
+CP_2 = register(Identity(
+    id="CP-2",
+    statement="segment maps compose, (P2,Q2)o(P1,Q1) = (P2 P1, P2 Q1 + Q2), into the concatenation's map, associatively",
+    latex=r"(P_3,Q_3)\circ((P_2,Q_2)\circ(P_1,Q_1)) = ((P_3,Q_3)\circ(P_2,Q_2))\circ(P_1,Q_1) = (P_{1:3}, Q_{1:3})",
+    build=_compose,
+    sizes=((2, 2, 1),),
+    twins=("reference.gdn.cp.segment_maps", "reference.gdn.cp.combine"),
+    source="FLA merge_fwd_bwd_kernel; FlashQLA correct_initial_states; research/flashqla-design.md 4.3",
+))
+
+CP_3 = register(Identity(
+    id="CP-3",
+    statement="segment outputs are affine in S_start: O_c(S) = O_c(0) + scale D_c R_c P_<c S",
+    latex=r"O_c(S) = O_c(0) + \mathrm{scale}\, D_c R_c P_{<c} S,\quad R_c = Q_c - \operatorname{tril}_0(Q_c K_c^\top) A_c B_c K_c",
+    build=_outputs,
+    sizes=((2, 2, 2, 2), (3, 2, 1, 1)),
+    size_names=("C", "K", "V", "chunks"),
+    twins=("reference.gdn.recurrent.recurrent_gated_delta_rule", "reference.gdn.cp.output_correction"),
+    source="FlashQLA intra-card CP (segments from zero, corrected); research/flashqla-design.md 4.3",
+))
+
+CP_4 = register(Identity(
+    id="CP-4",
+    statement="dropping the state S_w entering a window of summed log-decay G moves later states by <= exp(G) ||S_w||",
+    latex=r"\|S_{true} - S_{trunc}\|_F = \|P S_w\|_F \le e^{G} \|S_w\|_F",
+    build=_state_bound,
+    sizes=((3, 2), (2, 3)),
+    size_names=("C", "K"),
+    kind="bounded",
+    bound="||dS||_F <= exp(G) ||S_w||_F, G = sum of g over the dropped window",
+    condition="||k_t||_2 = 1 and beta_t in [0, 1] (any a_t = exp(g_t) > 0)",
+    twins=("reference.gdn.cp.cp_gated_delta_rule_fwd", "reference.gdn.recurrent.recurrent_gated_delta_rule"),
+    source="FlashQLA warm-up truncation (threshold sum g < -10); research/flashqla-design.md 4.3",
+))
+
+CP_5 = register(Identity(
+    id="CP-5",
+    statement="the same dropped state moves each later output o_t by <= scale ||q_t|| exp(G) ||S_w||",
+    latex=r"\|o_t^{true} - o_t^{trunc}\|_2 \le \mathrm{scale}\, \|q_t\|_2\, e^{G} \|S_w\|_F",
+    build=_output_bound,
+    sizes=((3, 2), (2, 3)),
+    size_names=("C", "K"),
+    kind="bounded",
+    bound="||do_t||_2 <= scale ||q_t||_2 exp(G) ||S_w||_F",
+    condition="||k_t||_2 = 1 and beta_t in [0, 1] (any a_t = exp(g_t) > 0)",
+    twins=("reference.gdn.cp.cp_gated_delta_rule_fwd", "reference.gdn.recurrent.recurrent_gated_delta_rule"),
+    source="FlashQLA warm-up truncation; research/flashqla-design.md 4.3, 4.5",
+))
