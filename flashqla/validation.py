@@ -106,7 +106,7 @@ def check_gdn_inputs(
         output_final_state: bool.
         cu_seqlens: None or a 1-D int32/int64 tensor [N + 1]; requires B == 1.
         check_values: also read `cu_seqlens` and `g` and check their values (host sync on GPU).
-            The values of a CPU `cu_seqlens` are always checked (that costs no sync).
+            The values of a CPU `cu_seqlens` or a CPU `g` are always checked (that costs no sync).
 
     Returns:
         GDNDims(B, T, H, HV, K, V, N).
@@ -116,7 +116,8 @@ def check_gdn_inputs(
             cu_seqlens), or q, k, v dtypes differ, or scale is not a real number.
         ValueError: wrong ranks, mismatched shapes, HV % H != 0, empty head dims, tensors on
             different devices, cu_seqlens with B != 1 / not starting at 0 / decreasing / not ending
-            at T, initial_state of the wrong shape, and (check_values) positive or non-finite g.
+            at T, initial_state of the wrong shape, and (check_values or a CPU g) positive or
+            non-finite g.
     """
     q = _tensor("q", q, 4, "[B, T, H, K]")
     k = _tensor("k", k, 4, "[B, T, H, K]")
@@ -179,6 +180,6 @@ def check_gdn_inputs(
                 f"initial_state must be [N, HV, K, V] = {(N, HV, K, V)} (N = number of sequences), "
                 f"got {tuple(initial_state.shape)}"
             )
-    if check_values:
+    if check_values or g.device.type == "cpu":
         check_gate_values(g)
     return GDNDims(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N)
