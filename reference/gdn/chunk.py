@@ -96,6 +96,11 @@ class ChunkLayout:
     def NC(self) -> int:
         return int(self.seq.numel())
 
+    @property
+    def dense(self) -> bool:
+        """No partial chunk: the chunks tile the B * T tokens in order (gather is a reshape)."""
+        return self.NC * self.C == self.B * self.T
+
     def causal_mask(self, strict: bool) -> torch.Tensor:
         """[NC, 1, C, C] bool: r >= s (r > s when strict), both slots valid."""
         r = torch.arange(self.C, device=self.valid.device)
@@ -157,14 +162,18 @@ def layout_like(x: torch.Tensor, cu_seqlens, chunk_size) -> ChunkLayout:
 
 
 def gather_chunks(x: torch.Tensor, lay: ChunkLayout) -> torch.Tensor:
-    """[B, T, *rest] -> [NC, C, *rest], padding slots zero."""
+    """[B, T, *rest] -> [NC, C, *rest], padding slots zero (a view when no chunk is partial)."""
     flat = x.reshape(lay.B * lay.T, *x.shape[2:])
+    if lay.dense:
+        return flat.view(lay.NC, lay.C, *x.shape[2:])
     flat = torch.cat([flat, flat.new_zeros((1, *flat.shape[1:]))])
     return flat[lay.index]
 
 
 def scatter_chunks(y: torch.Tensor, lay: ChunkLayout) -> torch.Tensor:
     """[NC, C, *rest] -> [B, T, *rest] (inverse of `gather_chunks` on valid slots)."""
+    if lay.dense:
+        return y.reshape(lay.B, lay.T, *y.shape[2:])
     out = y.new_zeros((lay.B * lay.T, *y.shape[2:]))
     out[lay.index[lay.valid]] = y[lay.valid]
     return out.view(lay.B, lay.T, *y.shape[2:])
@@ -220,7 +229,9 @@ def gate_factors(G: torch.Tensor, lay: ChunkLayout):
 # ----------------------------------------------------------------------------------------------
 
 
-def chunk_local_cumsum(g: torch.Tensor, chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None, reverse: bool = False) -> torch.Tensor:
+def chunk_local_cumsum(
+    g: torch.Tensor, chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None, reverse: bool = False
+) -> torch.Tensor:
     """Chunk-local cumulative sum of a per-token quantity (FLA step F1; B6 with reverse=True).
 
     Forward: g_cum[t] = sum of g[s] for s <= t in t's chunk (restarting at every chunk of every
@@ -247,7 +258,9 @@ def chunk_local_cumsum(g: torch.Tensor, chunk_size: int = 64, cu_seqlens: torch.
     return scatter_chunks(y, lay)
 
 
-def chunk_scaled_dot_kkt(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor, chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+def chunk_scaled_dot_kkt(
+    k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor, chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None
+) -> torch.Tensor:
     """The strictly lower gated, beta-scaled key Gram matrix of every chunk (FLA step F2, first half).
 
     L_rs = beta_r (k_r . k_s) exp(g_cum_r - g_cum_s) for r > s inside a chunk, 0 otherwise.
@@ -260,6 +273,10 @@ def chunk_scaled_dot_kkt(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tenso
     Returns:
         L: [B, T, HV, C]; row t holds row (t - chunk start) of its chunk's C x C matrix (columns past
         a partial chunk's end are 0). Compute dtype (fp64 if any input is fp64, else fp32).
+
+    Raises:
+        ValueError: chunk_size not a positive int. Shapes are not checked here (a stage, fed by
+            the validated entry points).
 
     Source: FLA `chunk_scaled_dot_kkt_fwd` (fla/ops/common/chunk_scaled_dot_kkt.py).
     """
@@ -283,6 +300,10 @@ def solve_tril(L: torch.Tensor, chunk_size: int = 64, cu_seqlens: torch.Tensor |
     Returns:
         A: [B, T, HV, C], unit lower triangular per chunk (a partial chunk uses only its valid rows and
         columns; the rest of its columns are 0). fp64 for fp64 L, else fp32.
+
+    Raises:
+        ValueError: chunk_size not a positive int. Shapes are not checked here (a stage, fed by
+            the validated entry points).
 
     Source: FLA `solve_tril` (fla/ops/utils/solve_tril.py): 16 x 16 diagonal blocks by forward
     substitution, then block rows (`unit_lower_inverse`).
@@ -323,7 +344,15 @@ def unit_lower_inverse(L: torch.Tensor, block: int = 16) -> torch.Tensor:
     return A
 
 
-def recompute_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, A: torch.Tensor, g_cum: torch.Tensor, chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None):
+def recompute_w_u(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    A: torch.Tensor,
+    g_cum: torch.Tensor,
+    chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
+):
     """The WY factors of every chunk (FLA step F3).
 
     w = A diag(beta exp(g_cum)) K  (w carries the decay), u = A diag(beta) V, per chunk.
@@ -334,6 +363,10 @@ def recompute_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, A: torch
 
     Returns:
         (w [B, T, HV, K], u [B, T, HV, V]) in the compute dtype.
+
+    Raises:
+        ValueError: chunk_size not a positive int. Shapes are not checked here (a stage, fed by
+            the validated entry points).
 
     Source: FLA `recompute_w_u_fwd` (fla/ops/gated_delta_rule/wy_fast.py).
     """
@@ -376,6 +409,10 @@ def chunk_fwd_h(
         v_new: [B, T, HV, V].
         final_state: [N, HV, K, V] (an empty sequence returns its initial state), or None.
         All in the compute dtype.
+
+    Raises:
+        ValueError: chunk_size not a positive int. Shapes are not checked here (a stage, fed by
+            the validated entry points).
 
     Source: FLA `chunk_gated_delta_rule_fwd_h` (fla/ops/common/chunk_delta_h.py).
     """
@@ -423,6 +460,10 @@ def chunk_fwd_o(
 
     Returns:
         o: [B, T, HV, V] in the compute dtype.
+
+    Raises:
+        ValueError: chunk_size not a positive int. Shapes are not checked here (a stage, fed by
+            the validated entry points).
 
     Source: FLA `chunk_fwd_o` (fla/ops/common/chunk_o.py).
     """

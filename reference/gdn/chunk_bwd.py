@@ -76,6 +76,10 @@ def chunk_bwd_dv_local(
     Returns:
         dv: [B, T, HV, V] in the compute dtype (fp64 if any input is fp64, else fp32).
 
+    Raises:
+        ValueError: chunk_size not a positive int. Shapes are not checked here (a stage, fed by
+            the validated entry points).
+
     Source: FLA `chunk_bwd_dv_local` (fla/ops/common/chunk_o.py).
     """
     HV = do.shape[2]
@@ -118,6 +122,10 @@ def chunk_bwd_dhu(
         dh0: [N, HV, K, V] or None when initial_state is None (an empty sequence passes dht through);
         dv2: [B, T, HV, V], the total dL/dv_new.
         All in the compute dtype.
+
+    Raises:
+        ValueError: chunk_size not a positive int. Shapes are not checked here (a stage, fed by
+            the validated entry points).
 
     Source: FLA `chunk_gated_delta_rule_bwd_dhu` (fla/ops/common/chunk_delta_h.py).
     """
@@ -167,6 +175,9 @@ def chunk_bwd_dqkwg(
         dk = diag(E) v_new D^T + scale M^T Q
         dg = rowsum(dq * Q) - rowsum(dk * K), plus at l: gamma_l <S0, D> + sum(diag(E) v_new D^T * K)
     (dg is dL/dg_cum through o and the state update; dq, dk per value head before the GVA sum).
+    The dg terms that cancel exactly in that form (the diagonal of Gamma, and E at r == l, are 1
+    and do not depend on G) are left out: the same value up to rounding, but accurate to the last
+    digits where dg is tiny (strong decay), where FLA's form loses it to cancellation.
 
     Args:
         q, k: [B, T, H, K]; v_new: [B, T, HV, V]; w: [B, T, HV, K]; g_cum: [B, T, HV];
@@ -177,6 +188,10 @@ def chunk_bwd_dqkwg(
     Returns:
         (dq [B, T, H, K], dk [B, T, H, K], dw [B, T, HV, K], dg [B, T, HV]) in the compute dtype;
         dq and dk summed over each GVA group.
+
+    Raises:
+        ValueError: chunk_size not a positive int. Shapes are not checked here (a stage, fed by
+            the validated entry points).
 
     Source: FLA `chunk_bwd_dqkwg` (fla/ops/common/chunk_o.py); its dg is in natural units already.
     """
@@ -193,12 +208,22 @@ def chunk_bwd_dqkwg(
 
     M = (doc @ _t(vn)) * decay_matrix(G, lay, strict=False)
     dw = -(dvc @ _t(S0))
-    dq = scale * (gamma[..., None] * (doc @ _t(S0)) + M @ kc)
+    dq_state = gamma[..., None] * (doc @ _t(S0))
+    dq = scale * (dq_state + M @ kc)
     dk_state = E[..., None] * (vn @ _t(D))
     dk = dk_state + scale * (_t(M) @ qc)
-    dg = (dq * qc).sum(-1) - (dk * kc).sum(-1)
-    at_last = gamma_last * (S0 * D).sum((-2, -1)) + (dk_state * kc).sum((-2, -1))  # [NC, HV]
-    dg = dg.scatter_add(-1, lay.last()[:, None, None].expand(-1, HV, 1), at_last[..., None])
+
+    # dg = rowsum(dq * Q) - rowsum(dk * K) + at l: gamma_l <S0, D> + sum(dk_state * K), written with
+    # the terms that cancel exactly left out: the diagonal of Gamma (r == s) and E at r == l are 1 and
+    # do not depend on G, yet FLA's form adds and subtracts their O(1) products. Leaving them out
+    # changes only rounding, and keeps dg accurate where it is tiny (strong decay).
+    last = lay.last()[:, None, None].expand(-1, HV, 1)
+    not_last = lay.valid[:, None, :] & (torch.arange(lay.C, device=q.device) != last)
+    Z = M * (qc @ _t(kc)) * lay.causal_mask(strict=True)  # off-diagonal pair terms
+    s = torch.where(not_last, (dk_state * kc).sum(-1), torch.zeros((), dtype=cdt, device=q.device))
+    dg = scale * ((dq_state * qc).sum(-1) + Z.sum(-1) - Z.sum(-2)) - s
+    at_last = gamma_last * (S0 * D).sum((-2, -1)) + s.sum(-1)  # [NC, HV]
+    dg = dg.scatter_add(-1, last, at_last[..., None])
     return (
         sum_groups(scatter_heads(dq, lay), H),
         sum_groups(scatter_heads(dk, lay), H),
@@ -236,6 +261,10 @@ def prepare_wy_repr_bwd(
     Returns:
         (dk [B, T, H, K] summed over GVA groups, dv [B, T, HV, V], dbeta [B, T, HV],
         dg [B, T, HV] = dL/dg_cum through w and A) in the compute dtype.
+
+    Raises:
+        ValueError: chunk_size not a positive int. Shapes are not checked here (a stage, fed by
+            the validated entry points).
 
     Source: FLA `prepare_wy_repr_bwd` (fla/ops/gated_delta_rule/wy_fast.py).
     """

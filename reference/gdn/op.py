@@ -127,6 +127,7 @@ def chunk_gated_delta_rule(
             HV % H != 0, cu_seqlens with B != 1 or bad values, initial_state of the wrong shape,
             a non-real or non-finite scale, a non-bool output_final_state, and a positive or
             non-finite g. Each message names the argument.
+        TypeError: use_qk_l2norm_in_kernel not a bool.
         ValueError: chunk_size not a positive int.
 
     Source: FLA `chunk_gated_delta_rule` / `ChunkGatedDeltaRuleFunction`
@@ -134,8 +135,10 @@ def chunk_gated_delta_rule(
     research/fla-gdn.md sections 2 and 3.
     """
     d = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, check_values=True)
+    if not isinstance(use_qk_l2norm_in_kernel, bool):
+        raise TypeError(f"use_qk_l2norm_in_kernel must be a bool, got {type(use_qk_l2norm_in_kernel).__name__}")
     check_chunk_size(chunk_size)
     scale = d.K**-0.5 if scale is None else float(scale)
     return ChunkGatedDeltaRuleFunction.apply(
-        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, bool(use_qk_l2norm_in_kernel), chunk_size
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel, chunk_size
     )
