@@ -131,7 +131,7 @@ for _name, (_statement, _latex) in _RECORDS.items():
         statement=_statement,
         latex=_latex,
         build=_builder(_name),
-        sizes=((3, 2, 2),),
+        sizes=((3, 2, 2), (4, 2, 1)),
         twins=TWINS,
         source="FLA chunk_gated_delta_rule_bwd (chunk_bwd_dqkwg, prepare_wy_repr_bwd, bwd_dhu); research/fla-gdn.md 3.1",
     ))

@@ -44,7 +44,7 @@ CF_1 = register(Identity(
     statement="chunk-form outputs equal the token recurrence's, for a chunk entered with a state S",
     latex=r"o_t = \mathrm{scale}\, S_t^\top q_t \;\Longleftrightarrow\; O = \mathrm{scale}\,(D Q S + (Q K^\top \odot \Gamma)(U - W S))",
     build=_outputs,
-    sizes=((3, 2, 2), (4, 2, 1)),
+    sizes=((3, 2, 2), (4, 2, 1), (4, 3, 2)),
     twins=TWINS,
     source="FLA chunk_gated_delta_rule_fwd; research/fla-gdn.md 2.2",
 ))

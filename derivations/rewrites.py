@@ -130,7 +130,7 @@ RW_6 = register(Identity(
     latex=r"\frac{\partial \mathcal{L}}{\partial S} = (\gamma_C I - T_c)^\top dS' + \mathrm{scale}\,(D R)^\top dO,"
     r"\quad R = Q - \operatorname{tril}_0(Q K^\top) A B K",
     build=_state_grad,
-    sizes=((3, 2, 2),),
+    sizes=((3, 2, 2), (4, 2, 1)),
     twins=("reference.gdn.chunk_bwd.chunk_gated_delta_rule_bwd", "reference.gdn.fused.chunk_state_grad"),
     source="FlashQLA cp_bwd (fused_gdr_dh); research/flashqla-design.md 1.3, 3 R7",
 ))

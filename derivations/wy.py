@@ -133,7 +133,7 @@ WY_4 = register(Identity(
     statement="solve_tril block merge: Ai_ij = -Ai_ii sum_m L_im Ai_mj from diagonal-block inverses gives (I+L)^-1",
     latex=r"A_{ij} = -A_{ii} \sum_{m=j}^{i-1} L_{im} A_{mj}\ (i>j),\ A_{ii} = (I + L_{ii})^{-1} \;\Rightarrow\; (I + L) A = I",
     build=_merge,
-    sizes=((4, 2), (2, 3), (4, 1)),
+    sizes=((4, 2), (3, 3), (4, 1)),
     size_names=("blocks", "block"),
     twins=("reference.gdn.fused.solve_tril_blocks", "reference.gdn.chunk.solve_tril"),
     source="FLA merge_16x16_to_64x64_inverse_kernel, fused kkt+solve kernel; research/fla-gdn.md 5.3",

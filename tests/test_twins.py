@@ -351,6 +351,30 @@ def test_cp_forward_equals_unsplit(case):
     assert rel_rms(ht, ht_ref) <= EXACT_TOL
 
 
+@pytest.mark.parametrize("use_exp2", [False, True], ids=["exp", "exp2"])
+@pytest.mark.parametrize("state_update", ["direct", "transition", "xy"])
+def test_fused_forward_end_to_end(state_update, use_exp2):
+    case = "varlen-130+1+64+105-H1-HV2"
+    x = inputs(case)
+    o_ref, ht_ref, _ = recurrence(case)
+    g_cum, o, A, ht, h, v_new = fused.fused_gated_delta_rule_fwd(
+        **fwd_args(x), output_final_state=True, state_update=state_update, use_exp2=use_exp2
+    )
+    assert rel_rms(o, o_ref) <= EXACT_TOL and rel_rms(ht, ht_ref) <= EXACT_TOL
+    assert rel_rms(h, fla_fwd(case)[4]) <= EXACT_TOL and rel_rms(v_new, fla_fwd(case)[5]) <= EXACT_TOL
+
+
+@pytest.mark.parametrize("segment_len", [64, 128])
+def test_cp_empty_sequence(segment_len):
+    x = make_gdn_inputs(1, 150, 2, 4, 128, 128, cu_seqlens=[100, 0, 50], seed=5)
+    o_ref, ht_ref = recurrent_gated_delta_rule(**x, output_final_state=True)
+    o, ht = cp.cp_gated_delta_rule_fwd(**x, output_final_state=True, segment_len=segment_len)
+    assert rel_rms(o, o_ref) <= EXACT_TOL and rel_rms(ht, ht_ref) <= EXACT_TOL
+    assert torch.equal(ht[1], x["initial_state"][1])  # the empty sequence keeps its initial state
+    with pytest.raises(ValueError):
+        cp.plan_segments(1, 150, x["cu_seqlens"], 100)
+
+
 # ------------------------------------------------------------------------------------------------
 # Bounded records: the truncated warm-up against CP-4 / CP-5 at adversarial gates
 # ------------------------------------------------------------------------------------------------
