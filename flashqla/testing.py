@@ -35,8 +35,14 @@ STRONG_DECAY_G = -30.0
 BUDGETS: dict[str, dict[str, float]] = {
     # fp64 reference against fp64 recurrence: pure algebra, rounding only.
     "reference_fp64": {"o": 1e-10, "ht": 1e-10, "dq": 1e-9, "dk": 1e-9, "dv": 1e-9, "dg": 1e-9, "dbeta": 1e-9, "dh0": 1e-9},
-    # sm_90 forward, bf16 q/k/v, fp32 g/beta/state (tests/gpu/test_fwd_gpu.py; also held to FLA's own
-    # error on the same inputs). Provisional until measured on the H200.
+    # sm_90 forward, bf16 q/k/v, fp32 g/beta/state, against the fp64 recurrence (tests/gpu/test_fwd_gpu.py;
+    # each case is also held to FLA 0.6.0's own error on the same inputs, x1.1 + 1e-4). Measured on the
+    # H200 (2026-11-29), ours / FLA: T=1000 2/4 heads o 3.97e-3 / 3.96e-3, ht 3.72e-3 / 3.69e-3;
+    # B=2 T=700 4/4 o 3.84e-3 / 3.84e-3, ht 3.76e-3 / 3.81e-3; varlen 5,0,63,1,64,130 o 2.73e-3 / 2.73e-3,
+    # ht 9.98e-4 / 9.95e-4; largest of ours seen 3.99e-3 (o) and 3.88e-3 (ht): o and ht at 2.5x margin
+    # (the bound every GPU case, T up to 8192, passed on the H200).
+    # g_cum (fp32 cumsum) and A (A diag(beta) rounded to bf16, ~1.6e-3 in a CPU model of the kernel)
+    # passed these bounds on the H200; their values were not recorded.
     "sm90_fwd_bf16": {"o": 1e-2, "ht": 1e-2, "g_cum": 1e-6, "A": 1e-2},
 }
 

@@ -535,3 +535,33 @@ def recurrent_deltas(k, v, g, beta, initial_state=None, cu_seqlens=None):
             S = S + ke[b, t][:, :, None] * u[:, None, :]
             out[b, t] = u
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Appended for the sm_90 prepare kernel (flashqla/ops/gdn/kernels/sm90/prepare.py): the block
+# inverse it computes. Needs a derivation record (proposed id WY-5):
+#     (I + L)^-1 = (I - F)(I + F^2) D^-1,   D = blockdiag(I + L_ii),  E = L - blocks(L_ii),  F = D^-1 E,
+# exact because F is strictly block-lower with 4 blocks (F^4 = 0), so (I + F)^-1 = I - F + F^2 - F^3.
+# Twins: this function and `solve_tril_blocks` (WY-4).
+# ----------------------------------------------------------------------------------------------
+
+
+def solve_tril_nilpotent(L: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """(I + L)^-1 for strictly lower L [..., n, n] with n == 4 * block, as the sm_90 prepare kernel
+    computes it: D^-1 by forward substitution in the diagonal blocks (WY-3), then four n x n products
+    F = D^-1 E, X = I + F F, G = X - F X, A = G D^-1 (proposed record WY-5: (I + F)^-1 = (I - F)(I + F^2)
+    when F^4 = 0).
+
+    Entries on and above the diagonal of L are ignored. Returns [..., n, n], unit lower triangular.
+    Raises ValueError unless n == 4 * block.
+    """
+    n = L.shape[-1]
+    if n != 4 * block:
+        raise ValueError(f"solve_tril_nilpotent needs n == 4 * block, got n = {n}, block = {block}")
+    L = torch.where(_causal(n, True, L.device), L, torch.zeros((), dtype=L.dtype, device=L.device))
+    Dinv = solve_tril_diagonal_blocks(L, block)
+    blk = torch.arange(n, device=L.device) // block
+    E = torch.where(blk[:, None] > blk[None, :], L, torch.zeros((), dtype=L.dtype, device=L.device))
+    F = Dinv @ E
+    X = torch.eye(n, dtype=L.dtype, device=L.device) + F @ F
+    return (X - F @ X) @ Dinv

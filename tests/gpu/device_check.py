@@ -56,17 +56,29 @@ def gen_inputs(H, HV, lengths, varlen, dtype=torch.bfloat16, seed=0, h0=True):
     return dict(q=q, k=k, v=v, g=gg, beta=beta, initial_state=h0t, cu_seqlens=cu)
 
 
-def precompile(out):
+def precompile(out, tests_only=False):
+    """Compiles (in parallel worker processes) the kernels the GPU tests and the bench rows use."""
     from flashqla.ops.gdn.kernels.sm90 import precompile as pc
 
+    bf, f32, i32 = "bfloat16", "float32", "int32"
     specs = []
-    for (H, HV) in [(2, 4), (4, 4), (1, 4), (1, 2), (16, 64), (16, 32), (32, 32), (2, 8)]:
-        for varlen in (False, True):
-            specs.append(("prepare", (H, HV, 128, "bfloat16", "float32", "int32", varlen)))
-            for BV in (64, 128):
-                if (H, HV) in [(16, 64), (16, 32)] and BV == 64:
-                    continue
-                specs.append(("recurrent", (H, HV, 128, 128, BV, "bfloat16", "int32", varlen)))
+    for (H, HV), varlens, bvs in [
+        ((2, 4), (False, True), (64, 128)),  # tests
+        ((4, 4), (False,), (64,)),
+        ((1, 4), (False,), (64,)),
+        ((1, 2), (False, True), (64,)),
+        ((32, 32), (False,), (64, 128)),  # block_v comparison row
+    ] + ([] if tests_only else [
+        ((16, 64), (False,), (128,)),  # bench rows
+        ((16, 32), (False,), (128,)),
+        ((32, 32), (False,), (64,)),
+        ((2, 8), (False,), (64,)),
+        ((16, 64), (False,), (64,)),
+    ]):
+        for varlen in varlens:
+            specs.append(("prepare", (H, HV, 128, bf, f32, i32, varlen)))
+            for BV in bvs:
+                specs.append(("recurrent", (H, HV, 128, 128, BV, bf, i32, varlen)))
     specs += [("prepare", (1, 2, 128, "float16", "float16", "int64", True)), ("recurrent", (1, 2, 128, 128, 64, "float16", "int64", True))]
     t = time.time()
     pc(specs, max_workers=min(len(specs), os.cpu_count() or 8))
@@ -113,6 +125,7 @@ def correct(out):
                     fe = (f"err {type(exc).__name__}", "-")
             rows.append((name, bv, f"{e[0]:.2e}", f"{e[1]:.2e}", *fe))
             print(rows[-1], flush=True)
+            out["max_err"] = max(out.get("max_err", 0.0), *e)
     out["correct"] = rows
 
 
@@ -142,8 +155,8 @@ def time_graph(fn, reps=20, iters=5):
     return times[len(times) // 2]
 
 
-def bench(out, rows, with_fla=True):
-    from flashqla import chunk_gated_delta_rule
+def bench(out, rows, with_fla=True, fla_rows=None, block_vs=(None,)):
+    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
 
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
@@ -154,9 +167,12 @@ def bench(out, rows, with_fla=True):
         H, HV, lengths = BENCH_ROWS[name]
         for varlen in (False,) if len(set(lengths)) == 1 else (True,):
             x = gen_inputs(H, HV, lengths, varlen)
-            ours = time_graph(lambda: chunk_gated_delta_rule(**x, output_final_state=True))
+            for bv in block_vs:
+                ours = time_graph(lambda: chunk_gated_delta_rule_fwd(**x, output_final_state=True, block_v=bv))
+                print(name, "block_v", bv, f"{ours:.3f} ms", flush=True)
+                out.setdefault("bench_bv", []).append((name, bv, round(ours, 4)))
             f = float("nan")
-            if fla is not None and with_fla:
+            if fla is not None and with_fla and (not fla_rows or name in fla_rows):
                 try:
                     f = time_graph(lambda: fla(**x, output_final_state=True))
                 except Exception as exc:  # noqa: BLE001
@@ -190,21 +206,25 @@ def cold(out):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--precompile", action="store_true")
+    ap.add_argument("--precompile-tests", action="store_true")
     ap.add_argument("--correct", action="store_true")
     ap.add_argument("--bench", nargs="*", default=None)
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--fla-rows", nargs="*", default=None)
+    ap.add_argument("--block-v", nargs="*", type=int, default=None)
     ap.add_argument("--cold", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if a.cold:
         cold(out)
-    if a.precompile:
-        precompile(out)
+    if a.precompile or a.precompile_tests:
+        precompile(out, tests_only=a.precompile_tests)
     if a.correct:
         correct(out)
     if a.bench is not None:
-        bench(out, a.bench or list(BENCH_ROWS), with_fla=not a.no_fla)
+        bench(out, a.bench or list(BENCH_ROWS), with_fla=not a.no_fla, fla_rows=a.fla_rows,
+              block_vs=tuple(a.block_v) if a.block_v else (None,))
     with open(os.path.join(a.out, "device_check.json"), "w") as f:
         json.dump(out, f, indent=1, default=str)
     print("\n== summary")
@@ -215,6 +235,8 @@ def main():
                 print("  ", row)
         else:
             print(k, v)
+    if a.correct and not out.get("max_err", 1.0) < 0.05:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,13 @@ and folds beta into the columns of the stored inverse (`A_beta = A diag(beta)`),
 merged update v_new = A diag(beta) (V - diag(gamma) K S) of `reference.gdn.fused` into one GEMM
 with the stored operand.
 
-Derivation records relied on: the chunk form and the WY/UT inverse (`derivations.chunk_form`,
-`derivations.wy`), the merged v_new and base-2 rescaling (`derivations.rewrites`), and the block
-inverse below, which is exact algebra: with D the block-diagonal part of (I + L) in 16 x 16 blocks,
-E the strictly block-lower part and F = D^-1 E (nilpotent, F^4 = 0),
+Derivation records relied on (`python -m derivations`): CF-1..CF-3 (chunk form with FLA's gated A),
+WY-3 (forward substitution in the diagonal blocks), RW-2 (v_new = A_g diag(beta) W, so beta can be
+folded into the stored operand), RW-4 (exp2 of base-2 differences), and the block inverse below,
+exact algebra whose record is still to be written (proposed WY-5; stage twin
+`reference.gdn.fused.solve_tril_nilpotent`, checked against `solve_tril_blocks` / WY-4): with D the
+block-diagonal part of (I + L) in 16 x 16 blocks, E the strictly block-lower part and F = D^-1 E
+(nilpotent, F^4 = 0),
     (I + L)^-1 = (I + F)^-1 D^-1 = (I - F) (I + F^2) D^-1.
 
 Per CTA (128 threads, one warpgroup):
@@ -25,7 +28,8 @@ Per CTA (128 threads, one warpgroup):
 7. four 64 x 64 x 64 GEMMs in tf32 (mma.sync): F = D^-1 E, X = I + F F, G = X - F X, A = G D^-1;
 8. store A diag(beta) (input dtype) and g_cum_log2 for all 64 rows of the slot.
 
-Shared memory: about 96 KB (two CTAs per SM).
+Shared memory: 65 KB after TileLang's liveness-based reuse (k with L, D^-1 with X^T): three CTAs
+per SM; 116 registers per thread.
 """
 
 

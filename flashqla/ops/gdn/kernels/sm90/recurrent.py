@@ -9,8 +9,9 @@ in the merged form of `reference.gdn.fused`:
     v_new  = A_beta W                                 (A_beta = A diag(beta), from the prepare kernel)
     o      = scale (diag(gamma) Q S + (Q K^T * Gamma) v_new)     (Gamma_ts = exp(g_cum[t] - g_cum[s]), t >= s)
     S'     = gamma_C S + K^T diag(exp(g_cum[C-1] - g_cum)) v_new
-Derivation records relied on: the chunk form (`derivations.chunk_form`), the WY/UT form and the
-merged v_new (`derivations.wy`, `derivations.rewrites`), base-2 rescaling (exp(x) = exp2(x / ln 2)).
+Derivation records relied on (`python -m derivations`): CF-1..CF-3 (chunk form: outputs, chunk-end
+state, v_new = the recurrence's deltas), RW-2 (merged v_new), RW-4 (exp2 of base-2 differences).
+Stage twins in `reference.gdn.fused`: `chunk_v_new`, `chunk_state_update`, `chunk_output`.
 
 Orientation. The kernel keeps the transposed state S^T [BV, K] (value rows) so that every product on
 the serial chain takes its left operand from registers (wgmma with A in registers) and its right
@@ -23,10 +24,14 @@ operand from shared memory, and nothing on the chain round-trips through shared 
     S^T   = gamma_C S^T + (vn^T diag(r)) K,      r_s = exp2(g_cum_log2[C-1] - g_cum_log2[s]) <= 1
 Every exponent is a difference <= 0 (masked to the causal half before exp2 for Gamma).
 
-Threads: one producer warpgroup (TMA loads of q, k, v, A_beta, g_cum_log2, two stages, made by the
-TileLang pipeliner) plus one (BV = 64) or two (BV = 128; each owns 64 value rows of S^T) consumer
-warpgroups. Tail chunks load whole 64-row tiles: rows past the end of the sequence are inert because
-the prepare kernel wrote zero rows of A_beta there, and only valid rows of o are stored.
+Threads: one producer warpgroup (TMA loads of q, k, v, A_beta, g_cum_log2, two stages, mbarriers;
+made by TileLang's pipeliner from `T.Pipelined`) plus one (BV = 64; 256 threads, 113 KB shared
+memory, 202 registers) or two (BV = 128; 384 threads, 137 KB, setmaxnreg 24 / 240, 168 registers at
+entry, no spills) consumer warpgroups, each owning 64 value rows of S^T. One CTA per SM. The
+consumer runs the chunk's products one after another (each wgmma waited before the next step); the
+output path (Q K^T, Gamma, Pg) is not yet overlapped with the state chain (see NOTES.md).
+Tail chunks load whole 64-row tiles: rows past the end of the sequence are inert because the prepare
+kernel wrote zero rows of A_beta there, and only valid rows of o are stored.
 """
 
 import functools
