@@ -21,8 +21,18 @@ Kinds and what the checker proves:
   (0, 1]) and ``h == 0`` is the stated condition (``1 - k^T k`` for a unit key). The equality is proved
   like an exact identity, so the inequality is proved under the condition, not sampled.
 
-Adding a record is a few lines: write a builder ``build(*size) -> (lhs, rhs)`` (or a `Bound`) and call
-`register(Identity(...))` in a module listed in `derivations/__init__.py`.
+Adding a record is a few lines in one of the family modules (or a new module imported by
+`derivations/__init__.py`), with the symbols of `derivations._chunk`:
+
+    def _build(C, K):
+        ch = Chunk(C, K, 1)
+        return ch.A_gated(), hadamard(ch.Gamma(), ch.A_free())
+
+    register(Identity(id="RW-1", statement="...", latex=r"...", build=_build, sizes=((4, 2),),
+                      size_names=("C", "K"), twins=("reference.gdn.chunk.solve_tril",
+                      "reference.gdn.fused.regate"), source="..."))
+
+then a driver for its twins in tests/test_twins.py (a test fails while one is missing).
 """
 
 from __future__ import annotations

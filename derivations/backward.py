@@ -25,6 +25,10 @@ A = (I + L)^-1, L = tril_-1(diag(beta)(K K^T * Gamma)), v_new = u - w S, E = r =
 dG is the gradient with respect to the chunk-local cumulative gate g_cum (ln): with the cumulative
 gates c_i = exp(g_cum_i) as independent symbols it is c_i d loss / d c_i (BWD-dG). With the token gates
 a_t = exp(g_t), d loss / d g_t = a_t d loss / d a_t = sum_{i >= t} dG_i (BWD-dg).
+
+Numeric twins: FLA's hand-written backward (`reference.gdn.chunk_bwd`) against torch.autograd through
+the token recurrence; for BWD-dG, the per-position dL/dg_cum of `chunk_bwd_dqkwg` plus
+`prepare_wy_repr_bwd` against torch.autograd through `reference.gdn.fused.fused_chunk_fwd` in g_cum.
 """
 
 from __future__ import annotations
@@ -125,6 +129,8 @@ _RECORDS = {
     "dg": ("per-token dg is the reverse chunk-local cumsum of dG: a_t d loss / d a_t = sum_{i>=t} dG_i", r"dg_t = a_t \,\partial \mathcal{L} / \partial a_t = \sum_{i \ge t} dG_i"),
 }
 
+TWINS_DG = ("reference.gdn.chunk_bwd.chunk_bwd_dqkwg", "reference.gdn.fused.fused_chunk_fwd")
+
 for _name, (_statement, _latex) in _RECORDS.items():
     register(Identity(
         id=f"BWD-{_name}",
@@ -132,6 +138,6 @@ for _name, (_statement, _latex) in _RECORDS.items():
         latex=_latex,
         build=_builder(_name),
         sizes=((3, 2, 2), (4, 2, 1)),
-        twins=TWINS,
+        twins=TWINS_DG if _name == "dG" else TWINS,
         source="FLA chunk_gated_delta_rule_bwd (chunk_bwd_dqkwg, prepare_wy_repr_bwd, bwd_dhu); research/fla-gdn.md 3.1",
     ))
