@@ -12,6 +12,12 @@ A = (I + tril_-1(diag(beta) (K K^T * Gamma)))^-1:
 diagonal block (WY-3), then the off-diagonal blocks of the inverse from the diagonal ones (WY-4):
 
     Ai_ii = (I + L_ii)^-1,   Ai_ij = -Ai_ii sum_{m=j}^{i-1} L_im Ai_mj   (i > j)
+
+The sm_90 prepare kernel merges the four diagonal-block inverses with four dense n x n products
+instead (WY-5): with D the block-diagonal part of I + L and E the strictly block-lower part,
+I + L = D (I + F), F = D^-1 E, and F^4 = 0 for four blocks, so
+
+    (I + L)^-1 = (I - F + F^2 - F^3) D^-1 = (I - F)(I + F^2) D^-1          (WY-5)
 """
 
 from __future__ import annotations
@@ -137,4 +143,39 @@ WY_4 = register(Identity(
     size_names=("blocks", "block"),
     twins=("reference.gdn.fused.solve_tril_blocks", "reference.gdn.chunk.solve_tril"),
     source="FLA merge_16x16_to_64x64_inverse_kernel, fused kkt+solve kernel; research/fla-gdn.md 5.3",
+))
+
+
+def nilpotent_merge(L: sp.Matrix, block: int) -> sp.Matrix:
+    """(I + L)^-1 as the sm_90 prepare kernel forms it from the diagonal-block inverses D^-1:
+    F = D^-1 E (E the strictly block-lower part of L), then (I - F)(I + F^2) D^-1 (needs 4 blocks)."""
+    n = L.rows
+    Dinv = sp.zeros(n, n)
+    E = sp.zeros(n, n)
+    for i in range(n // block):
+        sl = slice(i * block, (i + 1) * block)
+        Dinv[sl, sl] = forward_substitution(L[sl, sl])
+    for r in range(n):
+        for c in range(n):
+            if r // block > c // block:
+                E[r, c] = L[r, c]
+    F = Dinv * E
+    return (sp.eye(n) - F) * (sp.eye(n) + F * F) * Dinv
+
+
+def _nilpotent(block):
+    n = 4 * block
+    L = _strictly_lower(n)
+    return (sp.eye(n) + L) * nilpotent_merge(L, block), sp.eye(n)
+
+
+WY_5 = register(Identity(
+    id="WY-5",
+    statement="4-block inverse by a nilpotent series: (I+L)^-1 = (I-F)(I+F^2) D^-1, F = D^-1 E, F^4 = 0",
+    latex=r"I + L = D (I + F),\ F = D^{-1} E,\ F^4 = 0 \;\Rightarrow\; (I + L)^{-1} = (I - F)(I + F^2) D^{-1}",
+    build=_nilpotent,
+    sizes=((1,), (2,)),
+    size_names=("block",),
+    twins=("reference.gdn.fused.solve_tril_nilpotent", "reference.gdn.chunk.solve_tril"),
+    source="flashqla sm_90 prepare kernel (flashqla/ops/gdn/kernels/sm90/prepare.py)",
 ))

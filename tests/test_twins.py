@@ -178,6 +178,13 @@ def _wy4(case):
     ]
 
 
+@driver("WY-5")
+def _wy5(case):
+    lay = chunked(case)["lay"]
+    L, A = (fused.to_chunks(t, lay) for t in _fla_L_and_A(case))
+    return [("A (vs solve_tril)", on_valid(fused.solve_tril_nilpotent(L, 16), lay), on_valid(A, lay))]
+
+
 @driver("RW-1")
 def _rw1(case):
     c = chunked(case)
