@@ -243,6 +243,14 @@ def _wy4(s, lhs_fn, rhs_fn):
     return [TwinPair("A", s.on_valid(lhs_fn(L, block)), s.on_valid(A))]
 
 
+@_driver("WY-5")
+def _wy5(s, lhs_fn, rhs_fn):
+    # the sm_90 prepare kernel's product form needs four blocks: block = C / 4
+    L = fused.to_chunks(s.L_fla, s.lay)
+    A = fused.to_chunks(rhs_fn(s.L_fla, **s.cs), s.lay)
+    return [TwinPair("A", s.on_valid(lhs_fn(L, s.C // 4)), s.on_valid(A))]
+
+
 # ---- RW: the rewrites (left: FLA's formulation, right: ours) ------------------------------------
 
 
@@ -328,7 +336,8 @@ for _n in ("dq", "dk", "dv", "dbeta", "dh0", "dg"):
 
 @_driver("BWD-dG")
 def _bwd_dG(s, lhs_fn, rhs_fn):
-    # hand-written dL/dg_cum (before the reverse cumsum) against autograd of the chunk form in g_cum
+    # hand-written dL/dg_cum (before the reverse cumsum; lhs_fn = chunk_bwd_dqkwg plus the WY part)
+    # against autograd of the chunk form in g_cum (rhs_fn = fused_chunk_fwd)
     x, cs = s.x, s.cs
     g_cum, _, A, _, _, _ = s.fla_fwd
     h0 = x.get("initial_state")
@@ -336,11 +345,11 @@ def _bwd_dG(s, lhs_fn, rhs_fn):
     h, v_new, _ = chunk.chunk_fwd_h(x["k"], w, u, g_cum, h0, False, **cs)
     dv_local = chunk_bwd.chunk_bwd_dv_local(x["q"], x["k"], x["do"], g_cum, s.scale, **cs)
     dh, _, dv2 = chunk_bwd.chunk_bwd_dhu(x["q"], x["k"], w, g_cum, h0, x.get("dht"), x["do"], dv_local, s.scale, **cs)
-    _, _, dw, dg1 = chunk_bwd.chunk_bwd_dqkwg(x["q"], x["k"], v_new, w, g_cum, h, dv2, x["do"], dh, s.scale, **cs)
+    _, _, dw, dg1 = lhs_fn(x["q"], x["k"], v_new, w, g_cum, h, dv2, x["do"], dh, s.scale, **cs)
     _, _, _, dg2 = chunk_bwd.prepare_wy_repr_bwd(x["k"], x["v"], x["beta"], g_cum, A, dw, dv2, **cs)
     G = g_cum.detach().clone().requires_grad_(True)
     with torch.enable_grad():
-        out = fused.fused_chunk_fwd(x["q"], x["k"], x["v"], G, x["beta"], s.scale, h0, s.cu, s.C)
+        out = rhs_fn(x["q"], x["k"], x["v"], G, x["beta"], s.scale, h0, s.cu, s.C)
         outs, cots = [out["o"]], [x["do"].to(out["o"].dtype)]
         if x.get("dht") is not None:
             outs.append(out["final_state"])

@@ -1,0 +1,298 @@
+"""Numerical studies of the chunked algorithm (plain PyTorch): conditioning of the WY inverse, errors of
+the rewrites in low precision, and the truncation error of the context-parallel warm-up against its
+bound. The notebooks plot these; the functions return plain numbers and tensors.
+
+    round_inputs            bf16 (or fp16) rounding of q, k, v, do; fp32 elsewhere (the kernels' precisions)
+    unit_keys               L2-normalised keys with a tunable mutual correlation
+    kkt_matrix              L = tril_-1(diag(beta) K K^T) (optionally gated): the matrix solve_tril inverts
+    conditioning            2-norm condition number of I + L and the norm of its inverse
+    inverse_error           (I + L)^-1 computed in low precision (fp32, bf16, the kernel's tf32 GEMMs) against fp64
+    solve_tril_sweep        both of the above over write strengths and key correlations
+    rewrite_errors          each side of a rewrite record in low precision against fp64
+    truncation_errors       CP warm-up: measured state / output error against the CP-4 / CP-5 bounds
+
+Errors are relative RMS (`flashqla.testing.rel_rms`), computed in fp64. Shapes follow
+`reference.gdn.fused` (chunk tensors [..., C, K]) and FLA (input dicts as `flashqla.testing.make_gdn_inputs`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from flashqla.testing import rel_rms
+from reference.gdn import chunk, cp, fused, twins
+from reference.gdn.chunk import prepare_chunk_layout
+from reference.gdn.recurrent import recurrent_gated_delta_rule
+
+__all__ = [
+    "UNIT_ROUNDOFF",
+    "round_inputs",
+    "to_fp64",
+    "unit_keys",
+    "kkt_matrix",
+    "conditioning",
+    "round_tf32",
+    "INVERSE_METHODS",
+    "inverse_error",
+    "SWEEP_PRECISIONS",
+    "solve_tril_sweep",
+    "rewrite_errors",
+    "truncation_errors",
+]
+
+#: Unit roundoff u = 2^-p (p = stored mantissa bits + 1) of the dtypes studied.
+UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, "tf32": 2.0**-11, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+_ROUNDED = ("q", "k", "v", "do")  # stored in the input dtype by the kernels
+_FP32 = ("g", "beta", "initial_state", "dht")  # kept in fp32
+
+
+def round_inputs(x: dict, dtype: torch.dtype = torch.bfloat16, compute: torch.dtype = torch.float32) -> dict:
+    """The inputs as a kernel sees them: q, k, v (and the cotangent do) rounded to `dtype`, then held in
+    `compute`; g, beta, initial_state, dht cast to `compute` (fp32 in the kernels). Other keys are
+    passed through. Reference functions fed the result compute in `compute` (fp32 arithmetic)."""
+    out = dict(x)
+    for n in _ROUNDED:
+        if x.get(n) is not None:
+            out[n] = x[n].to(dtype).to(compute)
+    for n in _FP32:
+        if x.get(n) is not None:
+            out[n] = x[n].to(compute)
+    return out
+
+
+def to_fp64(x: dict) -> dict:
+    """Every floating tensor of an input dict in fp64 (other entries passed through)."""
+    return {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in x.items()}
+
+
+def unit_keys(n: int, C: int, K: int, rho: float = 0.0, seed: int = 0, dtype=torch.float64) -> torch.Tensor:
+    """[n, C, K] L2-normalised keys k_t = normalize(sqrt(rho) s + sqrt(1 - rho) z_t) with one shared
+    random direction s per matrix and z_t ~ N(0, I / K): the expected cosine between two keys is
+    about rho (rho = 0: independent, nearly orthogonal keys; rho -> 1: all keys alike)."""
+    gen = torch.Generator().manual_seed(seed)
+    s = F.normalize(torch.randn(n, 1, K, generator=gen, dtype=torch.float64), dim=-1)
+    z = torch.randn(n, C, K, generator=gen, dtype=torch.float64) / math.sqrt(K)
+    return F.normalize(math.sqrt(rho) * s + math.sqrt(1.0 - rho) * z, dim=-1).to(dtype)
+
+
+def kkt_matrix(k: torch.Tensor, beta, g_cum: torch.Tensor | None = None) -> torch.Tensor:
+    """L = tril_-1(diag(beta) (K K^T * Gamma)) for keys k [..., C, K], beta a float or [..., C], and
+    optionally the chunk-local cumulative gates g_cum [..., C] (ln; None: gate-free, FlashQLA's
+    kkt_solve input). Computed in k's dtype; strictly lower."""
+    beta = torch.as_tensor(beta, dtype=k.dtype)
+    if beta.dim() == 0:
+        beta = beta.expand(k.shape[:-1])
+    L = beta[..., None] * (k @ k.transpose(-1, -2))
+    if g_cum is not None:
+        L = L * fused.decay_mask(g_cum.to(k.dtype), strict=True)
+    return torch.tril(L, -1)
+
+
+def conditioning(L: torch.Tensor) -> dict:
+    """For a batch of strictly lower L [..., C, C], in fp64: `cond` = ||I + L||_2 ||(I + L)^-1||_2,
+    `inv_norm` = ||(I + L)^-1||_2 and `inv_max` = max |(I + L)^-1| entry, each a tensor of the batch
+    shape."""
+    Ld = L.double()
+    M = torch.eye(L.shape[-1], dtype=torch.float64) + Ld
+    A = fused.solve_tril_blocks(Ld, _block(L.shape[-1]))
+    inv_norm = _spectral_norm(A)
+    return dict(cond=_spectral_norm(M) * inv_norm, inv_norm=inv_norm, inv_max=A.abs().amax((-1, -2)))
+
+
+def _spectral_norm(X: torch.Tensor) -> torch.Tensor:
+    # numpy's batched SVD: torch's multithreaded CPU svdvals is two orders slower on small shared hosts
+    return torch.from_numpy(np.linalg.svd(X.detach().cpu().double().numpy(), compute_uv=False)[..., 0].copy())
+
+
+def _block(C: int) -> int:
+    return 16 if C % 16 == 0 else C
+
+
+def round_tf32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 x rounded to TF32 (10 stored mantissa bits, round to nearest): what a tf32 tensor-core
+    GEMM reads of an fp32 operand. Returns fp32."""
+    bits = x.float().contiguous().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+def _nilpotent_tf32(L: torch.Tensor, block: int) -> torch.Tensor:
+    """`fused.solve_tril_nilpotent` as the sm_90 prepare kernel runs it: L and D^-1 (forward
+    substitution in the diagonal blocks) in fp32, the four n x n GEMMs with tf32 operands and fp32
+    accumulation."""
+    n = L.shape[-1]
+    L = torch.tril(L.float(), -1)
+    Dinv = fused.solve_tril_diagonal_blocks(L, block)
+    blk = torch.arange(n) // block
+    E = torch.where(blk[:, None] > blk[None, :], L, torch.zeros((), dtype=L.dtype))
+    mm = lambda a, b: round_tf32(a) @ round_tf32(b)  # noqa: E731
+    F = mm(Dinv, E)
+    X = torch.eye(n) + mm(F, F)
+    return mm(X - mm(F, X), Dinv)
+
+
+#: The inverse algorithms `inverse_error` can run: FLA's blockwise merge (WY-3, WY-4) and the
+#: product form of the sm_90 prepare kernel (I - F)(I + F^2) D^-1.
+INVERSE_METHODS = ("blocks", "nilpotent")
+
+
+def inverse_error(L: torch.Tensor, precision, method: str = "blocks") -> torch.Tensor:
+    """Relative RMS error, per matrix, of (I + L)^-1 computed in low precision against the fp64
+    inverse of the uncast L.
+
+    Args:
+        L: [..., C, C] strictly lower (any float dtype; the truth is computed from it in fp64).
+        precision: a torch dtype (L cast to it and every operation run in it: fp32, bf16, fp16), or
+            "tf32" (L in fp32, GEMM operands rounded to tf32, fp32 accumulation: the kernel's mma.sync;
+            only with method "nilpotent").
+        method: "blocks" (`fused.solve_tril_blocks`, FLA's merge) or "nilpotent"
+            (`fused.solve_tril_nilpotent`, needs C == 64 with 16-wide blocks).
+
+    Returns:
+        float64 tensor of the batch shape. Raises ValueError for an unknown method or precision.
+    """
+    if method not in INVERSE_METHODS:
+        raise ValueError(f"method must be one of {INVERSE_METHODS}, got {method!r}")
+    block = _block(L.shape[-1])
+    ref = fused.solve_tril_blocks(L.double(), block)
+    if precision == "tf32":
+        if method != "nilpotent":
+            raise ValueError("precision 'tf32' models the kernel's GEMMs: use method='nilpotent'")
+        low = _nilpotent_tf32(L, block)
+    elif isinstance(precision, torch.dtype):
+        fn = fused.solve_tril_blocks if method == "blocks" else fused.solve_tril_nilpotent
+        low = fn(L.to(precision), block)
+    else:
+        raise ValueError(f"precision must be a torch dtype or 'tf32', got {precision!r}")
+    return torch.linalg.matrix_norm(low.double() - ref) / torch.linalg.matrix_norm(ref)
+
+
+#: The precisions `solve_tril_sweep` measures: (label, precision, method) for `inverse_error`.
+SWEEP_PRECISIONS = (
+    ("fp32", torch.float32, "blocks"),
+    ("bf16", torch.bfloat16, "blocks"),
+    ("kernel (tf32 GEMMs)", "tf32", "nilpotent"),
+)
+
+
+def solve_tril_sweep(betas, rhos, n: int = 8, C: int = 64, K: int = 128, g: float | None = None, seed: int = 0) -> list[dict]:
+    """Conditioning and low-precision inverse error of I + L over write strengths and key correlations.
+
+    For every rho in `rhos` and beta in `betas`: n key sets `unit_keys(n, C, K, rho)` (the same keys for
+    every beta), L = `kkt_matrix(k, beta)` (gate-free, or gated by a constant per-token g when given),
+    `conditioning(L)` and `inverse_error(L, ...)` for each of `SWEEP_PRECISIONS`.
+
+    Returns one dict per matrix: rho, beta, sample, cond, inv_norm, inv_max and one error per
+    precision label (relative RMS against fp64).
+    """
+    betas, rhos = [float(b) for b in betas], [float(r) for r in rhos]
+    g_cum = None if g is None else torch.full((n, C), float(g), dtype=torch.float64).cumsum(-1)
+    k = torch.stack([unit_keys(n, C, K, rho=rho, seed=seed) for rho in rhos])  # [R, n, C, K]
+    L = torch.stack([kkt_matrix(k, beta, g_cum) for beta in betas], dim=1)  # [R, nb, n, C, C]
+    c = conditioning(L)
+    errs = {label: inverse_error(L, p, m) for label, p, m in SWEEP_PRECISIONS}
+    rows = []
+    for a, rho in enumerate(rhos):
+        for b, beta in enumerate(betas):
+            for i in range(n):
+                at = (a, b, i)
+                row = dict(rho=rho, beta=beta, sample=i, cond=float(c["cond"][at]),
+                           inv_norm=float(c["inv_norm"][at]), inv_max=float(c["inv_max"][at]))
+                row.update({label: float(e[at]) for label, e in errs.items()})
+                rows.append(row)
+    return rows
+
+
+def rewrite_errors(record_id: str, x: dict, dtype: torch.dtype = torch.bfloat16, chunk_size: int = 64) -> list[dict]:
+    """Both sides of a record (FLA's formulation on the left, the rewrite on the right) in low precision,
+    each against the fp64 truth.
+
+    The inputs are rounded as the kernels store them (`round_inputs`: q, k, v, do in `dtype`, the rest
+    fp32) and both sides computed in fp32 by `reference.gdn.twins.pairs`; the truth is the fp64 left
+    side on the unrounded inputs (in fp64 both sides agree to ~1e-15). Per quantity, two errors:
+    `lhs` / `rhs`, the total error a user sees (input rounding included), and `lhs_arith` /
+    `rhs_arith`, against fp64 on the *rounded* inputs: the error the fp32 arithmetic of the formulation
+    adds.
+
+    Args:
+        record_id: an exact record with a twin driver (`twins.has_driver`).
+        x: fp64 input dict (with `do`, `dht` for RW-6 / BWD records).
+        dtype: the storage dtype of q, k, v (bf16 or fp16).
+        chunk_size: C.
+
+    Returns:
+        list of dicts (record, quantity, lhs, rhs, lhs_arith, rhs_arith), one per compared quantity.
+    """
+    truth = twins.pairs(record_id, x, chunk_size)
+    xl = round_inputs(x, dtype)
+    low = twins.pairs(record_id, xl, chunk_size)
+    truth_r = twins.pairs(record_id, to_fp64(xl), chunk_size)
+    rows = []
+    for t, lo, tr in zip(truth, low, truth_r):
+        rows.append(dict(
+            record=record_id, quantity=t.quantity,
+            lhs=rel_rms(lo.lhs, t.lhs), rhs=rel_rms(lo.rhs, t.lhs),
+            lhs_arith=rel_rms(lo.lhs, tr.lhs), rhs_arith=rel_rms(lo.rhs, tr.lhs),
+        ))
+    return rows
+
+
+def truncation_errors(x: dict, segment_len: int, warmup_chunks: int, chunk_size: int = 64) -> list[dict]:
+    """The context-parallel warm-up shortcut measured against its bounds (CP-4 states, CP-5 outputs).
+
+    Runs `cp.cp_gated_delta_rule_fwd` with `warmup_chunks` (every segment after a sequence's first
+    starts from the zero-start run over the previous segment's last `warmup_chunks` chunks; the state
+    S_w entering that window is dropped) and the exact token recurrence. For every segment boundary
+    j -> j + 1 inside a sequence and every value head:
+
+        state_err  = ||S_trunc - S_exact||_F at the start of segment j + 1
+        state_bound = exp(G_w) ||S_w||_F                                    (CP-4)
+        out_ratio  = max over the tokens t of segment j + 1 of ||o_t,trunc - o_t,exact||_2 / (scale ||q_t||_2),
+        out_bound  = exp(G_w) ||S_w||_F                                     (CP-5, divided by scale ||q_t||)
+
+    with G_w the window's summed log-decay. Tokens further on decay more, so these are the worst case
+    of each segment. Returns one dict per (boundary, head): segment (j + 1), head, G_w, S_w_norm,
+    state_err, state_bound, out_ratio, out_bound, state_norm (||S_exact||_F, for a rounding floor).
+
+    x: fp64 input dict (q, k unit-norm; beta in [0, 1]: the bounds' condition). segment_len: a
+    multiple of chunk_size.
+    """
+    args = {n: x.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens")}
+    scale = float(x["scale"]) if x.get("scale") is not None else x["q"].shape[-1] ** -0.5
+    o, _, info = cp.cp_gated_delta_rule_fwd(**args, scale=scale, segment_len=segment_len, warmup_chunks=warmup_chunks,
+                                            chunk_size=chunk_size, return_info=True)
+    o_ref, _ = recurrent_gated_delta_rule(**args, scale=scale)
+    _, _, _, _, h, _ = chunk.chunk_gated_delta_rule_fwd(**args, scale=scale, chunk_size=chunk_size)
+    plan = info["plan"]
+    B, T, HV = x["v"].shape[:3]
+    lay = prepare_chunk_layout(B, T, x.get("cu_seqlens"), chunk_size)
+    h = h.reshape(lay.NC, *h.shape[2:])
+    first_token = lay.index[:, 0].tolist()  # flat index b * T + t of each chunk's first token
+    qf = x["q"].reshape(B * T, *x["q"].shape[2:]).repeat_interleave(HV // x["q"].shape[2], dim=1)  # [BT, HV, K]
+    of, of_ref = o.reshape(B * T, HV, -1), o_ref.reshape(B * T, HV, -1)
+    rows = []
+    for j in range(plan.M - 1):
+        if bool(plan.last[j]):
+            continue
+        hi = int(plan.cu_seqlens[j + 1])
+        # the window: the segment's last warmup_chunks chunks (a segment that is not its sequence's
+        # last holds whole chunks); when it covers the segment, S_w is the state entering it
+        lo_w = max(int(plan.cu_seqlens[j]), hi - warmup_chunks * chunk_size)
+        S_w = h[first_token.index(lo_w)]  # [HV, K, V], exact state entering the window
+        lo, end = int(plan.cu_seqlens[j + 1]), int(plan.cu_seqlens[j + 2])
+        d_state = torch.linalg.matrix_norm(info["S_start"][j + 1] - info["S_start_exact"][j + 1])
+        d_out = torch.linalg.vector_norm(of[lo:end] - of_ref[lo:end], dim=-1) / (scale * torch.linalg.vector_norm(qf[lo:end], dim=-1))
+        S_norm = torch.linalg.matrix_norm(S_w)
+        for hv in range(HV):
+            G = float(info["G_w"][j, hv])
+            rows.append(dict(
+                segment=j + 1, head=hv, G_w=G, S_w_norm=float(S_norm[hv]),
+                state_err=float(d_state[hv]), state_bound=math.exp(G) * float(S_norm[hv]),
+                out_ratio=float(d_out[:, hv].max()), out_bound=math.exp(G) * float(S_norm[hv]),
+                state_norm=float(torch.linalg.matrix_norm(info["S_start_exact"][j + 1][hv])),
+            ))
+    return rows
