@@ -9,6 +9,7 @@ bound. The notebooks plot these; the functions return plain numbers and tensors.
     inverse_error           (I + L)^-1 computed in low precision (fp32, bf16, the kernel's tf32 GEMMs) against fp64
     solve_tril_sweep        both of the above over write strengths and key correlations
     rewrite_errors          each side of a rewrite record in low precision against fp64
+    rewrite_error_sweep     the same over gate strengths and key correlations
     truncation_errors       CP warm-up: measured state / output error against the CP-4 / CP-5 bounds
 
 Errors are relative RMS (`flashqla.testing.rel_rms`), computed in fp64. Shapes follow
@@ -41,6 +42,8 @@ __all__ = [
     "SWEEP_PRECISIONS",
     "solve_tril_sweep",
     "rewrite_errors",
+    "correlate_keys",
+    "rewrite_error_sweep",
     "truncation_errors",
 ]
 
@@ -238,6 +241,40 @@ def rewrite_errors(record_id: str, x: dict, dtype: torch.dtype = torch.bfloat16,
             lhs=rel_rms(lo.lhs, t.lhs), rhs=rel_rms(lo.rhs, t.lhs),
             lhs_arith=rel_rms(lo.lhs, tr.lhs), rhs_arith=rel_rms(lo.rhs, tr.lhs),
         ))
+    return rows
+
+
+def correlate_keys(x: dict, rho: float, seed: int = 0) -> dict:
+    """x with its keys replaced by unit keys of mutual correlation about rho: per q/k head h,
+    k_t = normalize(sqrt(rho) s_h + sqrt(1 - rho) z_t), s_h one random unit direction, z_t ~ N(0, I / K)
+    (as `unit_keys`). Correlated keys make I + L worse conditioned (notebook 20). Other entries are
+    passed through; k keeps its dtype."""
+    B, T, H, K = x["k"].shape
+    gen = torch.Generator().manual_seed(seed)
+    s = F.normalize(torch.randn(1, 1, H, K, generator=gen, dtype=torch.float64), dim=-1)
+    z = torch.randn(B, T, H, K, generator=gen, dtype=torch.float64) / math.sqrt(K)
+    return {**x, "k": F.normalize(math.sqrt(rho) * s + math.sqrt(1.0 - rho) * z, dim=-1).to(x["k"].dtype)}
+
+
+def rewrite_error_sweep(record_ids, gates, rhos=(0.0,), dtype: torch.dtype = torch.bfloat16, chunk_size: int = 64,
+                        seed: int = 0, **input_kw) -> list[dict]:
+    """`rewrite_errors` for every record over gate strengths and key correlations.
+
+    For each gate in `gates` (a `make_gdn_inputs` gate: "qwen3next" with its g = 0 and g = -30 heads, or
+    a constant per-token g on every head) and each rho in `rhos` (`correlate_keys`; 0 keeps the
+    independent keys), inputs `make_gdn_inputs(**input_kw, gate=gate, seed=seed)` in fp64 with
+    cotangents (`twins.with_cotangents`). Returns the rows of `rewrite_errors` with `gate` and `rho` added.
+    """
+    from flashqla.testing import make_gdn_inputs
+
+    rows = []
+    for gate in gates:
+        base = make_gdn_inputs(**input_kw, gate=gate, special_heads=(gate == "qwen3next"), seed=seed)
+        for rho in rhos:
+            x = twins.with_cotangents(correlate_keys(base, rho, seed) if rho else base)
+            for rid in record_ids:
+                for r in rewrite_errors(rid, x, dtype, chunk_size):
+                    rows.append({**r, "gate": gate, "rho": float(rho)})
     return rows
 
 
