@@ -10,6 +10,9 @@ bound. The notebooks plot these; the functions return plain numbers and tensors.
     solve_tril_sweep        both of the above over write strengths and key correlations
     rewrite_errors          each side of a rewrite record in low precision against fp64
     rewrite_error_sweep     the same over gate strengths and key correlations
+    gradients               the hand-written chunked backward or autograd of the recurrence, per input
+    gradient_errors         both in fp32 against the fp64 recurrence, per gradient
+    gradient_error_sweep    the same over gate strengths
     truncation_errors       CP warm-up: measured state / output error against the CP-4 / CP-5 bounds
 
 Errors are relative RMS (`flashqla.testing.rel_rms`), computed in fp64. Shapes follow
@@ -44,6 +47,10 @@ __all__ = [
     "rewrite_errors",
     "correlate_keys",
     "rewrite_error_sweep",
+    "GRAD_NAMES",
+    "gradients",
+    "gradient_errors",
+    "gradient_error_sweep",
     "truncation_errors",
 ]
 
@@ -275,6 +282,62 @@ def rewrite_error_sweep(record_ids, gates, rhos=(0.0,), dtype: torch.dtype = tor
             for rid in record_ids:
                 for r in rewrite_errors(rid, x, dtype, chunk_size):
                     rows.append({**r, "gate": gate, "rho": float(rho)})
+    return rows
+
+
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def gradients(x: dict, op: str = "chunk") -> dict:
+    """The gradients of <do, o> + <dht, final_state> with respect to q, k, v, g, beta, initial_state.
+
+    op: "chunk" (the reference op `reference.chunk_gated_delta_rule`: FLA's hand-written chunked
+    backward) or "recurrent" (torch.autograd through the token recurrence). Computed in x's dtype
+    (fp64 or fp32); x needs `do` and `dht` (`twins.with_cotangents`). Returns {name: tensor} for
+    `GRAD_NAMES` (dh0 only when x has an initial state)."""
+    from reference import chunk_gated_delta_rule, recurrent_gated_delta_rule as recurrent
+
+    fn = {"chunk": chunk_gated_delta_rule, "recurrent": recurrent}[op]
+    names = [n for n in ("q", "k", "v", "g", "beta", "initial_state") if x.get(n) is not None]
+    leaves = {n: x[n].detach().clone().requires_grad_(True) for n in names}
+    with torch.enable_grad():
+        o, ht = fn(**leaves, scale=x.get("scale"), cu_seqlens=x.get("cu_seqlens"), output_final_state=True)
+        outs, cots = [o], [x["do"].to(o.dtype)]
+        if x.get("dht") is not None:
+            outs.append(ht)
+            cots.append(x["dht"].to(ht.dtype))
+        torch.autograd.backward(outs, cots)
+    return {("dh0" if n == "initial_state" else f"d{n}"): leaves[n].grad for n in names}
+
+
+def gradient_errors(x: dict, dtype: torch.dtype | None = torch.bfloat16) -> dict:
+    """Per gradient, the relative RMS error in fp32 of the hand-written chunked backward (`chunk`) and of
+    autograd through the token recurrence (`recurrent`), both against the fp64 recurrence's gradients.
+
+    x: fp64 inputs with cotangents. dtype: None (inputs cast to fp32 only) or the storage dtype that q, k,
+    v, do are rounded to first (`round_inputs`). The truth uses the same (rounded) inputs in fp64, so
+    the errors are those of the fp32 arithmetic. Returns {grad: {"chunk": err, "recurrent": err}}."""
+    xl = round_inputs(x, dtype) if dtype is not None else round_inputs(x, torch.float32)
+    truth = gradients(to_fp64(xl), "recurrent")
+    out = {}
+    low = {op: gradients(xl, op) for op in ("chunk", "recurrent")}
+    for n, ref in truth.items():
+        out[n] = {op: rel_rms(low[op][n], ref) for op in low}
+    return out
+
+
+def gradient_error_sweep(gates, dtype: torch.dtype | None = torch.bfloat16, seed: int = 0, **input_kw) -> list[dict]:
+    """`gradient_errors` over gate strengths: for each gate of `gates` ("qwen3next" with its g = 0 and
+    g = -30 heads, or a constant per-token g on every head), fp64 inputs
+    `make_gdn_inputs(**input_kw, gate=gate, seed=seed)` with cotangents. Returns one dict per
+    (gate, gradient): gate, grad, chunk, recurrent."""
+    from flashqla.testing import make_gdn_inputs
+
+    rows = []
+    for gate in gates:
+        x = twins.with_cotangents(make_gdn_inputs(**input_kw, gate=gate, special_heads=(gate == "qwen3next"), seed=seed))
+        for n, e in gradient_errors(x, dtype).items():
+            rows.append(dict(gate=gate, grad=n, **e))
     return rows
 
 

@@ -36,7 +36,7 @@ from reference.gdn import chunk, chunk_bwd, cp, fused
 from reference.gdn.chunk import prepare_chunk_layout
 from reference.gdn.recurrent import compute_dtype, recurrent_gated_delta_rule
 
-__all__ = ["TwinPair", "resolve", "twin_functions", "pairs", "has_driver", "with_cotangents", "INPUT_NAMES"]
+__all__ = ["TwinPair", "resolve", "twin_functions", "pairs", "pairs_many", "has_driver", "with_cotangents", "INPUT_NAMES"]
 
 #: The keys of an input dict the drivers read.
 INPUT_NAMES = ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens", "do", "dht", "scale")
@@ -446,12 +446,23 @@ def pairs(record_id: str, x: dict, chunk_size: int = 64) -> list[TwinPair]:
         KeyError: unknown record, or a record without a driver (the bounded CP-4, CP-5).
         ValueError: BWD-* / RW-6 without `do` in x.
     """
+    return pairs_many([record_id], x, chunk_size)[record_id]
+
+
+def pairs_many(record_ids, x: dict, chunk_size: int = 64) -> dict[str, list[TwinPair]]:
+    """`pairs` for several records on the same inputs, sharing the upstream stages (FLA's forward and
+    backward, the recurrence and its autograd gradients) between them. Returns {record_id: pairs}.
+    Raises as `pairs`."""
     import derivations
 
-    record = derivations.get(record_id)
-    if record_id not in _DRIVERS:
-        raise KeyError(f"{record_id} has no twin driver (bounded records are measured by reference.gdn.numerics)")
-    if (record_id.startswith("BWD-") or record_id == "RW-6") and x.get("do") is None:
-        raise ValueError(f"{record_id} needs the cotangent `do` in x (see with_cotangents)")
-    lhs_fn, rhs_fn = twin_functions(record)
-    return _DRIVERS[record_id](_Inputs(x, chunk_size), lhs_fn, rhs_fn)
+    shared = _Inputs(x, chunk_size)
+    out = {}
+    for record_id in record_ids:
+        record = derivations.get(record_id)
+        if record_id not in _DRIVERS:
+            raise KeyError(f"{record_id} has no twin driver (bounded records are measured by reference.gdn.numerics)")
+        if (record_id.startswith("BWD-") or record_id == "RW-6") and x.get("do") is None:
+            raise ValueError(f"{record_id} needs the cotangent `do` in x (see with_cotangents)")
+        lhs_fn, rhs_fn = twin_functions(record)
+        out[record_id] = _DRIVERS[record_id](shared, lhs_fn, rhs_fn)
+    return out
