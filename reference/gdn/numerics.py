@@ -14,6 +14,8 @@ bound. The notebooks plot these; the functions return plain numbers and tensors.
     gradient_errors         both in fp32 against the fp64 recurrence, per gradient
     gradient_error_sweep    the same over gate strengths
     truncation_errors       CP warm-up: measured state / output error against the CP-4 / CP-5 bounds
+    truncation_sweep        the same over gate strengths
+    segment_contraction     ||P||_2 of each segment's state map against exp(summed log-decay)
 
 Errors are relative RMS (`flashqla.testing.rel_rms`), computed in fp64. Shapes follow
 `reference.gdn.fused` (chunk tensors [..., C, K]) and FLA (input dicts as `flashqla.testing.make_gdn_inputs`).
@@ -52,6 +54,8 @@ __all__ = [
     "gradient_errors",
     "gradient_error_sweep",
     "truncation_errors",
+    "truncation_sweep",
+    "segment_contraction",
 ]
 
 #: Unit roundoff u = 2^-p (p = stored mantissa bits + 1) of the dtypes studied.
@@ -396,3 +400,38 @@ def truncation_errors(x: dict, segment_len: int, warmup_chunks: int, chunk_size:
                 state_norm=float(torch.linalg.matrix_norm(info["S_start_exact"][j + 1][hv])),
             ))
     return rows
+
+
+def truncation_sweep(gates, segment_len: int, warmup_chunks: int, chunk_size: int = 64, seed: int = 0, **input_kw) -> list[dict]:
+    """`truncation_errors` over gate strengths: for each constant per-token g in `gates` (every head),
+    fp64 inputs `make_gdn_inputs(**input_kw, gate=g, special_heads=False, seed=seed)`. Returns the rows
+    of `truncation_errors` with `gate` added."""
+    from flashqla.testing import make_gdn_inputs
+
+    rows = []
+    for g in gates:
+        x = make_gdn_inputs(**input_kw, gate=float(g), special_heads=False, seed=seed)
+        rows += [{**r, "gate": float(g)} for r in truncation_errors(x, segment_len, warmup_chunks, chunk_size)]
+    return rows
+
+
+def segment_contraction(x: dict, segment_len: int, chunk_size: int = 64) -> list[dict]:
+    """How much each segment's state map P shrinks the state that enters it.
+
+    Cuts every sequence into segments (`cp.plan_segments`), computes each segment's map S_end = P S + Q
+    (`cp.segment_maps`, CP-1) and returns one dict per (segment, head): segment, head, G (the segment's
+    summed log-decay), P_norm (||P||_2) and exp_G. With unit keys and beta in [0, 1] every factor
+    a_t (I - beta_t k_t k_t^T) has norm <= a_t, so ||P||_2 <= exp(G): the fact CP-4 rests on."""
+    B, T = x["q"].shape[:2]
+    plan = cp.plan_segments(B, T, x.get("cu_seqlens"), segment_len, chunk_size)
+    flat = lambda t: t.reshape(1, B * T, *t.shape[2:])  # noqa: E731
+    P, _ = cp.segment_maps(flat(x["k"]), flat(x["v"]), flat(x["g"]), flat(x["beta"]), plan.cu_seqlens, chunk_size)
+    norms = _spectral_norm(P)  # [M, HV]
+    gf = flat(x["g"])[0].double()
+    rows = []
+    for j in range(plan.M):
+        G = gf[int(plan.cu_seqlens[j]) : int(plan.cu_seqlens[j + 1])].sum(0)
+        for hv in range(P.shape[1]):
+            rows.append(dict(segment=j, head=hv, G=float(G[hv]), P_norm=float(norms[j, hv]), exp_G=math.exp(float(G[hv]))))
+    return rows
+
