@@ -97,6 +97,7 @@ def make_gdn_inputs(
     K: int = 128,
     V: int = 128,
     *,
+    seqlens=None,
     cu_seqlens=None,
     dtype: torch.dtype = torch.float64,
     device="cpu",
@@ -111,7 +112,10 @@ def make_gdn_inputs(
 
     Args:
         B, T, H, HV, K, V: sizes in FLA's names (q, k [B,T,H,K]; v [B,T,HV,V]; g, beta [B,T,HV]).
-        cu_seqlens: None, a list of sequence lengths (then B must be 1 and sum == T), or a tensor.
+        seqlens: None, or the list of sequence LENGTHS of a packed batch (B must be 1 and
+            sum(seqlens) == T); the returned `cu_seqlens` holds their offsets [0, l1, l1 + l2, ..., T].
+        cu_seqlens: None, or an int32/int64 tensor of OFFSETS [0, ..., T] as the op takes them. For
+            compatibility a plain list here is read as lengths, like `seqlens`.
         dtype: dtype of q, k, v (g is fp32, or fp64 when dtype is fp64; the state likewise).
         gate: "qwen3next" (the real gate), "logsigmoid" (g = logsigmoid(x) / 16), "zero", or a
             float used as a constant per-token g.
@@ -125,6 +129,10 @@ def make_gdn_inputs(
         dict with q, k, v, g, beta, initial_state (or None), cu_seqlens (or None).
     """
     gen = torch.Generator().manual_seed(seed)
+    if seqlens is not None:
+        if cu_seqlens is not None:
+            raise ValueError("give seqlens (lengths) or cu_seqlens (offsets), not both")
+        cu_seqlens = list(seqlens)
     fdt = torch.float64 if dtype == torch.float64 else torch.float32
     if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
         if B != 1 or sum(cu_seqlens) != T:
