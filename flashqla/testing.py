@@ -24,6 +24,7 @@ __all__ = [
     "random_cu_seqlens",
     "BUDGETS",
     "STRONG_DECAY_G",
+    "kernel_chunks",
 ]
 
 #: Per-token log-decay of the strong-decay head made by `make_gdn_inputs` (exp(-30) ~ 1e-13: the
@@ -175,3 +176,30 @@ def make_gdn_inputs(
         cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(device),
     )
     return out
+
+
+def kernel_chunks(x: torch.Tensor, seq, pos, T: int, cu_seqlens=None) -> torch.Tensor:
+    """A slot-major intermediate of the sm_90 kernels, reordered into the reference's chunks.
+
+    The kernels store per-chunk results in "slots" (`flashqla.ops.gdn.kernels.sm90._common`: slot
+    (n, c) = n * ceil(T / 64) + c for fixed length, floor(cu[n] / 64) + n + c for packed sequences), 64
+    rows each. The reference numbers its chunks by sequence, then position
+    (`reference.gdn.chunk.prepare_chunk_layout`: `seq`, `pos`).
+
+    Args:
+        x: [HV, S * 64, ...] (A: [HV, S * 64, 64]; g_cum_log2: [HV, S * 64]).
+        seq, pos: [NC] sequence index and position in the sequence of every chunk (ints or tensors).
+        T: tokens per batch row (packed: the total). cu_seqlens: None or [N + 1] offsets (read on the host).
+
+    Returns:
+        [NC, HV, 64, ...] on x's device (a gather: rows past a sequence's end hold the kernel's inert
+        values, see the kernels' docstrings).
+    """
+    from flashqla.ops.gdn.kernels.sm90._common import CHUNK, slot_index
+
+    cu = None if cu_seqlens is None else [int(c) for c in cu_seqlens.detach().cpu().tolist()]
+    slots = [slot_index(int(n), int(c), T, cu) for n, c in zip(seq, pos)]
+    HV = x.shape[0]
+    xs = x.reshape(HV, x.shape[1] // CHUNK, CHUNK, *x.shape[2:])
+    return xs[:, torch.tensor(slots, device=x.device)].transpose(0, 1)
+
