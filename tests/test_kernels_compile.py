@@ -50,6 +50,37 @@ def test_recurrent_kernel_compiles(BV, dtype, seq_dtype, varlen):
 
 
 @needs_nvcc
+@pytest.mark.parametrize("BV,varlen", [(128, True), (64, False)], ids=["bv128-varlen", "bv64-fixed"])
+def test_recurrent_overlap_schedule_compiles(BV, varlen):
+    from flashqla.ops.gdn.kernels.sm90.recurrent import build_recurrent_kernel
+
+    kernel = build_recurrent_kernel(1, 2, 128, 128, BV, "bfloat16", "int32", varlen, "overlap")
+    src = kernel.get_kernel_source()
+    assert "wgmma_rs" in src and "tma_load" in src
+    assert "wait_wgmma<2>" in src and "wait_wgmma<1>" in src, "independent wgmma should be issued back to back"
+    # the pipeliner must release a stage only after the wgmma reading it completed: the release of
+    # k (its last reader is the state update) follows the last wait of the loop body
+    body = src[src.rindex("wait_wgmma<0>") :]
+    assert ".arrive();" in body.split("\n    }")[0]
+
+
+@needs_nvcc
+def test_recurrent_serial_schedule_compiles():
+    from flashqla.ops.gdn.kernels.sm90.recurrent import build_recurrent_kernel
+
+    src = build_recurrent_kernel(1, 2, 128, 128, 128, "bfloat16", "int32", True, "serial").get_kernel_source()
+    assert "wgmma_rs" in src and "wait_wgmma" not in src
+
+
+def test_recurrent_schedule_is_checked():
+    from flashqla.ops.gdn.kernels.sm90.recurrent import SCHEDULES, build_recurrent_kernel
+
+    assert SCHEDULES == ("serial", "overlap")
+    with pytest.raises(ValueError, match="schedule"):
+        build_recurrent_kernel(1, 2, 128, 128, 64, "bfloat16", "int32", False, "bogus")
+
+
+@needs_nvcc
 def test_compile_cache_hit_does_not_recompile():
     from flashqla.ops.gdn.kernels.sm90._common import compile_count
     from flashqla.ops.gdn.kernels.sm90.recurrent import build_recurrent_kernel
