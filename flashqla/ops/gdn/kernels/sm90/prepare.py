@@ -42,7 +42,10 @@ from flashqla.ops.gdn.kernels.sm90._common import CHUNK, RCP_LN2, compile_kernel
 __all__ = ["build_prepare_kernel", "chunk_prepare_fwd", "prepare_kernel_args"]
 
 
-def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool):
+def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
+                       _skip: frozenset = frozenset()):
+    """`_skip` is a measuring aid only (results are wrong; `tests/gpu/prepare_breakdown.py`): "subst"
+    replaces D^-1 by the identity, "gemms" stores D^-1 instead of running the four inverse GEMMs."""
     import tilelang.language as T
 
     C = CHUNK
@@ -139,30 +142,34 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
                     col = tx % 16
                     for r in T.unroll(16):
                         xcol[r] = T.if_then_else(r == col, T.float32(1), T.float32(0))
-                        for m in T.unroll(16):
-                            if m < r:
-                                xcol[r] = xcol[r] - l_s[blk * 16 + r, blk * 16 + m] * xcol[m]
+                        if "subst" not in _skip:
+                            for m in T.unroll(16):
+                                if m < r:
+                                    xcol[r] = xcol[r] - l_s[blk * 16 + r, blk * 16 + m] * xcol[m]
                     for rr in T.unroll(C):
                         dinv_s[rr, blk * 16 + col] = T.if_then_else(rr // 16 == blk, xcol[rr % 16], T.float32(0))
                         dinvt_s[blk * 16 + col, rr] = T.if_then_else(rr // 16 == blk, xcol[rr % 16], T.float32(0))
 
-                # F = D^-1 E
-                T.gemm(dinv_s, et_s, f_f, transpose_B=True, clear_accum=True)
-                T.copy(f_f, l_s)
-                for t, s in T.Parallel(C, C):
-                    et_s[s, t] = f_f[t, s]
-                # X = I + F F
-                T.gemm(l_s, et_s, x_f, transpose_B=True, clear_accum=True)
-                for t, s in T.Parallel(C, C):
-                    x_f[t, s] = x_f[t, s] + T.if_then_else(t == s, T.float32(1), T.float32(0))
-                for t, s in T.Parallel(C, C):
-                    xt_s[s, t] = x_f[t, s]
-                # G = X - F X
-                T.gemm(l_s, xt_s, f_f, transpose_B=True, clear_accum=True)
-                for t, s in T.Parallel(C, C):
-                    et_s[t, s] = x_f[t, s] - f_f[t, s]
-                # A = G D^-1
-                T.gemm(et_s, dinvt_s, a_f, transpose_B=True, clear_accum=True)
+                if "gemms" in _skip:
+                    T.copy(dinv_s, a_f)
+                else:
+                    # F = D^-1 E
+                    T.gemm(dinv_s, et_s, f_f, transpose_B=True, clear_accum=True)
+                    T.copy(f_f, l_s)
+                    for t, s in T.Parallel(C, C):
+                        et_s[s, t] = f_f[t, s]
+                    # X = I + F F
+                    T.gemm(l_s, et_s, x_f, transpose_B=True, clear_accum=True)
+                    for t, s in T.Parallel(C, C):
+                        x_f[t, s] = x_f[t, s] + T.if_then_else(t == s, T.float32(1), T.float32(0))
+                    for t, s in T.Parallel(C, C):
+                        xt_s[s, t] = x_f[t, s]
+                    # G = X - F X
+                    T.gemm(l_s, xt_s, f_f, transpose_B=True, clear_accum=True)
+                    for t, s in T.Parallel(C, C):
+                        et_s[t, s] = x_f[t, s] - f_f[t, s]
+                    # A = G D^-1
+                    T.gemm(et_s, dinvt_s, a_f, transpose_B=True, clear_accum=True)
 
                 for t, s in T.Parallel(C, C):
                     A[hv, slot * C + t, s] = T.cast(T.if_then_else(t >= s, a_f[t, s] * b_s[s], T.float32(0)), dtype)
