@@ -16,6 +16,7 @@ result is undefined (it may overflow).
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 
@@ -55,12 +56,18 @@ def _tensor(name: str, x, ndim: int, shape_doc: str) -> torch.Tensor:
     return x
 
 
+def _check_readable(name: str, x: torch.Tensor) -> None:
+    if x.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device, which holds no values: its values cannot be checked")
+
+
 def check_cu_seqlens_values(cu_seqlens: torch.Tensor, T: int) -> None:
     """Checks the values of `cu_seqlens` (reads them: call only where a host read is free or wanted).
 
     Raises ValueError unless `cu_seqlens[0] == 0`, the entries are non-decreasing and
     `cu_seqlens[-1] == T`.
     """
+    _check_readable("cu_seqlens", cu_seqlens)
     cu = cu_seqlens.detach().to("cpu", torch.int64)
     if int(cu[0]) != 0:
         raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {int(cu[0])}")
@@ -74,7 +81,10 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, T: int) -> None:
 
 
 def check_gate_values(g: torch.Tensor) -> None:
-    """Raises ValueError when `g` has a positive or non-finite entry (reads `g`: a host sync on GPU)."""
+    """Raises ValueError when `g` has a positive or non-finite entry (reads `g`: a host sync on GPU),
+    or is on the meta device (no values to read)."""
+    _check_readable("g", g)
+    g = g.detach()
     if not bool(torch.isfinite(g).all()):
         raise ValueError("g must be finite (natural-log decay per token, g <= 0)")
     if bool((g > 0).any()):
@@ -117,7 +127,7 @@ def check_gdn_inputs(
         ValueError: wrong ranks, mismatched shapes, HV % H != 0, empty head dims, tensors on
             different devices, cu_seqlens with B != 1 / not starting at 0 / decreasing / not ending
             at T, initial_state of the wrong shape, and (check_values or a CPU g) positive or
-            non-finite g.
+            non-finite g; a value check asked of a meta tensor (it holds no values).
     """
     q = _tensor("q", q, 4, "[B, T, H, K]")
     k = _tensor("k", k, 4, "[B, T, H, K]")
@@ -154,7 +164,11 @@ def check_gdn_inputs(
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             raise TypeError(f"scale must be None or a real number, got {type(scale).__name__}")
-        if not (float(scale) == float(scale)) or abs(float(scale)) == float("inf"):
+        try:
+            fscale = float(scale)
+        except OverflowError:
+            raise ValueError(f"scale must be finite, got an {type(scale).__name__} beyond the float range") from None
+        if not math.isfinite(fscale):
             raise ValueError(f"scale must be finite, got {scale}")
     if not isinstance(output_final_state, bool):
         raise TypeError(f"output_final_state must be a bool, got {type(output_final_state).__name__}")

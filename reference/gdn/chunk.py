@@ -14,7 +14,9 @@ Pipeline (FLA `chunk_gated_delta_rule_fwd`), per sequence and value head, chunks
 
 with Gamma_rs = exp(G_r - G_s) for r >= s (0 above the diagonal) and l the last valid position of the
 chunk. Every exponent is masked *before* `exp` (only differences that are <= 0 for g <= 0 are ever
-exponentiated), so per-token gates down to -300 and beyond stay finite.
+exponentiated), so per-token gates down to -300 and beyond stay finite. Per-token gates below
+`G_FLOOR` are raised to it before the cumsum (`floor_gates`): their decay exp(g) is exactly 0 either
+way, and the cumsum stays finite and keeps the gates after them.
 
 Layout and units follow FLA (research/fla-gdn.md sections 2 and 5), except that the cumulative gate
 is kept in natural log (`g_cum`) instead of FLA's base-2 `g * RCP_LN2`. All arithmetic runs in fp64
@@ -42,6 +44,8 @@ from flashqla.validation import check_gdn_inputs
 from reference.gdn.recurrent import compute_dtype, seq_bounds
 
 __all__ = [
+    "G_FLOOR",
+    "floor_gates",
     "ChunkLayout",
     "prepare_chunk_layout",
     "layout_like",
@@ -54,6 +58,22 @@ __all__ = [
     "chunk_fwd_o",
     "chunk_gated_delta_rule_fwd",
 ]
+
+
+#: Per-token log-decay floor applied before any chunk-local cumsum. exp(G_FLOOR) == 0 exactly in fp64
+#: and fp32 (fp64 underflows below about -745.1), so a token's decay is the same with or without it.
+#: Without it a finite g absorbs the gates after it in its chunk (g = -1e30: g_cum_r - g_cum_s == 0,
+#: decay 1 instead of exp(sum g)) or overflows the cumsum (two fp32 tokens of -3e38: -inf, then NaN).
+G_FLOOR = -1000.0
+
+
+def floor_gates(g: torch.Tensor) -> torch.Tensor:
+    """`max(g, G_FLOOR)` per token: the gate that enters the chunk-local cumsum (see `G_FLOOR`).
+
+    Under autograd its gradient is 0 below the floor, as the recurrence's (d exp(g) / dg = exp(g) == 0
+    there). Returns a tensor of g's shape and dtype (g itself when no entry is below the floor).
+    """
+    return g.clamp(min=G_FLOOR) if bool((g < G_FLOOR).any()) else g
 
 
 # ----------------------------------------------------------------------------------------------
@@ -508,13 +528,15 @@ def chunk_gated_delta_rule_fwd(
         TypeError, ValueError: `flashqla.validation.check_gdn_inputs(..., check_values=True)`
         (positive or non-finite g included); ValueError for a non-positive chunk_size.
 
+    Gates below `G_FLOOR` are raised to it before the cumsum (`floor_gates`; g_cum is of the floored g).
+
     Source: FLA `chunk_gated_delta_rule_fwd` (fla/ops/gated_delta_rule/chunk.py).
     """
     d = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, check_values=True)
     check_chunk_size(chunk_size)
     scale = d.K**-0.5 if scale is None else float(scale)
     cs = dict(chunk_size=chunk_size, cu_seqlens=cu_seqlens)
-    g_cum = chunk_local_cumsum(g.to(compute_dtype(q, k, v, g, beta, initial_state)), **cs)
+    g_cum = chunk_local_cumsum(floor_gates(g.to(compute_dtype(q, k, v, g, beta, initial_state))), **cs)
     A = solve_tril(chunk_scaled_dot_kkt(k, beta, g_cum, **cs), **cs)
     w, u = recompute_w_u(k, v, beta, A, g_cum, **cs)
     h, v_new, final_state = chunk_fwd_h(k, w, u, g_cum, initial_state, output_final_state, **cs)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from flashqla.validation import check_gdn_inputs
-from reference.gdn.chunk import prepare_chunk_layout
+from reference.gdn.chunk import floor_gates, prepare_chunk_layout
 from reference.gdn.fused import (
     chunk_transition,
     fused_chunk_fwd,
@@ -266,6 +266,7 @@ def cp_gated_delta_rule_fwd(
     """
     d = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, check_values=True)
     scale = d.K**-0.5 if scale is None else float(scale)
+    g = floor_gates(g)  # every stage below cumsums g chunk-locally (see reference.gdn.chunk.G_FLOOR)
     plan = plan_segments(d.B, d.T, cu_seqlens, segment_len, chunk_size)
     qf, kf, vf, gf, bf = (_flat(x) for x in (q, k, v, g, beta))
     cdt = compute_dtype(q, k, v, g, beta, initial_state)

@@ -45,7 +45,7 @@ import math
 import torch
 
 from flashqla.validation import check_gdn_inputs
-from reference.gdn.chunk import ChunkLayout, gather_chunks, prepare_chunk_layout, scatter_chunks
+from reference.gdn.chunk import ChunkLayout, floor_gates, gather_chunks, prepare_chunk_layout, scatter_chunks
 from reference.gdn.recurrent import compute_dtype, seq_bounds
 
 __all__ = [
@@ -475,12 +475,14 @@ def fused_gated_delta_rule_fwd(
 
     Raises:
         TypeError, ValueError: `flashqla.validation.check_gdn_inputs(..., check_values=True)`.
+
+    g is floored at `reference.gdn.chunk.G_FLOOR` before the cumsum (`floor_gates`).
     """
     d = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, check_values=True)
     scale = d.K**-0.5 if scale is None else float(scale)
     cdt = compute_dtype(q, k, v, g, beta, initial_state)
     lay = prepare_chunk_layout(d.B, d.T, cu_seqlens, chunk_size, q.device)
-    g_cum = from_chunks(gate_cumsum(to_chunks(g, lay, dtype=cdt)), lay)
+    g_cum = from_chunks(gate_cumsum(to_chunks(floor_gates(g), lay, dtype=cdt)), lay)
     out = fused_chunk_fwd(q, k, v, g_cum, beta, scale, initial_state, cu_seqlens, chunk_size, state_update, use_exp2)
     final = out["final_state"] if output_final_state else None
     return g_cum, out["o"], out["A"], final, out["h"], out["v_new"]
@@ -490,9 +492,9 @@ def fused_state_grad(q, k, g, beta, scale, do, dht=None, cu_seqlens=None, chunk_
     """The reverse state-gradient pass in gate-light form (RW-6), sequential over chunks.
 
     Args:
-        q, k: [B, T, H, K]; g: [B, T, HV] (ln, per token); beta: [B, T, HV]; scale: float;
-        do: [B, T, HV, V] gradient of o; dht: None (0) or [N, HV, K, V] gradient of the final state;
-        cu_seqlens, chunk_size: as the forward.
+        q, k: [B, T, H, K]; g: [B, T, HV] (ln, per token; floored at G_FLOOR as in the forward);
+        beta: [B, T, HV]; scale: float; do: [B, T, HV, V] gradient of o; dht: None (0) or
+        [N, HV, K, V] gradient of the final state; cu_seqlens, chunk_size: as the forward.
 
     Returns:
         (dh [B, NT, HV, K, V] gradient of the state at the END of each chunk (FLA's `dh`),
@@ -503,7 +505,7 @@ def fused_state_grad(q, k, g, beta, scale, do, dht=None, cu_seqlens=None, chunk_
     lay = prepare_chunk_layout(q.shape[0], q.shape[1], cu_seqlens, chunk_size, q.device)
     qc, kc = to_chunks(q, lay, HV, cdt), to_chunks(k, lay, HV, cdt)
     bc, doc = to_chunks(beta, lay, dtype=cdt), to_chunks(do, lay, dtype=cdt)
-    G = gate_cumsum(to_chunks(g, lay, dtype=cdt))
+    G = gate_cumsum(to_chunks(floor_gates(g), lay, dtype=cdt))
     A = kkt_solve(kc, bc)
     D = _initial(dht, lay.N, HV, K, V, cdt, q.device)
     dh = torch.zeros(lay.NC, HV, K, V, dtype=cdt, device=q.device)

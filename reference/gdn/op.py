@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from flashqla.validation import check_gdn_inputs
-from reference.gdn.chunk import check_chunk_size, chunk_gated_delta_rule_fwd
+from reference.gdn.chunk import G_FLOOR, check_chunk_size, chunk_gated_delta_rule_fwd
 from reference.gdn.chunk_bwd import chunk_gated_delta_rule_bwd
 from reference.gdn.recurrent import L2NORM_EPS, compute_dtype, l2norm
 
@@ -31,18 +31,44 @@ def l2norm_bwd(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.T
     return rstd * (dy - y * (dy * y).sum(-1, keepdim=True))
 
 
+class _NoSecondDerivative(torch.autograd.Function):
+    """Passes the first-order gradients of `ChunkGatedDeltaRuleFunction` through unchanged when they
+    are built with `create_graph=True`, tied to the op's inputs, and raises when differentiated.
+
+    The chunked backward is written by hand and not itself differentiable. `once_differentiable`
+    refuses a second derivative only on `.backward()`: its error node is not connected to the op's
+    inputs, so `torch.autograd.grad(dq, k, allow_unused=True)` returned None and
+    `materialize_grads=True` returned zeros for a second derivative that is not zero. Tied to the
+    inputs, every such request reaches `backward` below and raises.
+    """
+
+    @staticmethod
+    def forward(ctx, n, *tensors):
+        return tuple(t.view_as(t) for t in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            "reference.chunk_gated_delta_rule has no second derivative (its chunked backward is written "
+            "by hand); use reference.recurrent_gated_delta_rule (plain autograd) for higher-order gradients"
+        )
+
+
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     """Autograd wiring of the reference chunked op (inputs are validated by `chunk_gated_delta_rule`).
 
     Saves what FLA saves (q, k after the optional L2 norm and their rstd, v, g_cum, beta, A,
-    initial_state) and recomputes w, u, h, v_new in the backward. `dht` is the gradient of
-    final_state (None when final_state is not returned or not used).
+    initial_state), plus the inputs q, k, g themselves, and recomputes w, u, h, v_new in the backward.
+    `dht` is the gradient of final_state (None when final_state is not returned or not used).
+    dg is 0 where g < G_FLOOR (the forward floors g there; see `reference.gdn.chunk.G_FLOOR`).
+    First order only: a second derivative raises NotImplementedError (`_NoSecondDerivative`).
     """
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel, chunk_size):
         cdt = compute_dtype(q, k, v, g, beta, initial_state)
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, None if initial_state is None else initial_state.dtype)
+        q_in, k_in = q, k
         q_rstd = k_rstd = None
         if use_qk_l2norm_in_kernel:
             q, q_rstd = l2norm_fwd(q.to(cdt))
@@ -50,26 +76,36 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         g_cum, o, A, final_state, _, _ = chunk_gated_delta_rule_fwd(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size
         )
-        ctx.save_for_backward(q, k, v, g_cum, beta, A, initial_state, q_rstd, k_rstd)
+        ctx.save_for_backward(q, k, v, g_cum, beta, A, initial_state, q_rstd, k_rstd, q_in, k_in, g)
         ctx.scale, ctx.cu_seqlens, ctx.chunk_size, ctx.l2 = scale, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel
         ctx.o_shape = o.shape
         ctx.set_materialize_grads(False)
         return o.to(ctx.dtypes[0]), final_state
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, do, dht):
-        q, k, v, g_cum, beta, A, initial_state, q_rstd, k_rstd = ctx.saved_tensors
-        if do is None:
-            do = torch.zeros(ctx.o_shape, dtype=g_cum.dtype, device=g_cum.device)
-        dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
-            q, k, v, g_cum, beta, A, ctx.scale, initial_state, do, dht, ctx.cu_seqlens, ctx.chunk_size
-        )
-        if ctx.l2:
-            dq, dk = l2norm_bwd(q, q_rstd, dq), l2norm_bwd(k, k_rstd, dk)
-        tq, tk, tv, tg, tb, th = ctx.dtypes
-        dh0 = None if dh0 is None else dh0.to(th)
-        return dq.to(tq), dk.to(tk), dv.to(tv), dg.to(tg), dbeta.to(tb), None, dh0, None, None, None, None
+        q, k, v, g_cum, beta, A, initial_state, q_rstd, k_rstd, q_in, k_in, g = ctx.saved_tensors
+        anchors = [t for t in (q_in, k_in, v, g, beta, initial_state, do, dht) if t is not None and t.requires_grad]
+        with torch.no_grad():
+            if do is None:
+                do = torch.zeros(ctx.o_shape, dtype=g_cum.dtype, device=g_cum.device)
+            do = do.contiguous()  # o.sum() gives an expanded do: one layout, as the inputs
+            dht = None if dht is None else dht.contiguous()
+            dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
+                q, k, v, g_cum, beta, A, ctx.scale, initial_state, do, dht, ctx.cu_seqlens, ctx.chunk_size
+            )
+            if ctx.l2:
+                dq, dk = l2norm_bwd(q, q_rstd, dq), l2norm_bwd(k, k_rstd, dk)
+            dg = dg.masked_fill(g < G_FLOOR, 0.0)
+            tq, tk, tv, tg, tb, th = ctx.dtypes
+            grads = [dq.to(tq), dk.to(tk), dv.to(tv), dg.to(tg), dbeta.to(tb), None if dh0 is None else dh0.to(th)]
+        if torch.is_grad_enabled() and anchors:  # create_graph=True: keep the graph honest (_NoSecondDerivative)
+            idx = [i for i, t in enumerate(grads) if t is not None]
+            tied = _NoSecondDerivative.apply(len(idx), *(grads[i] for i in idx), *anchors)
+            for i, t in zip(idx, tied):
+                grads[i] = t
+        dq, dk, dv, dg, dbeta, dh0 = grads
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None, None
 
 
 def chunk_gated_delta_rule(
@@ -129,6 +165,11 @@ def chunk_gated_delta_rule(
             non-finite g. Each message names the argument.
         TypeError: use_qk_l2norm_in_kernel not a bool.
         ValueError: chunk_size not a positive int.
+        NotImplementedError: (in a later backward) a second derivative through the op: gradients
+            built with create_graph=True are first order and raise when differentiated.
+
+    Gates below `reference.gdn.chunk.G_FLOOR` (-1000, whose decay exp(g) is exactly 0 in fp64) are
+    raised to it before the chunk-local cumsum; their dg is 0, as the recurrence's.
 
     Source: FLA `chunk_gated_delta_rule` / `ChunkGatedDeltaRuleFunction`
     (fla/ops/gated_delta_rule/chunk.py), `chunk_gated_delta_rule_fwd` and `chunk_gated_delta_rule_bwd`;
@@ -139,6 +180,11 @@ def chunk_gated_delta_rule(
         raise TypeError(f"use_qk_l2norm_in_kernel must be a bool, got {type(use_qk_l2norm_in_kernel).__name__}")
     check_chunk_size(chunk_size)
     scale = d.K**-0.5 if scale is None else float(scale)
+    # one memory layout, so that the rounding (BLAS paths) and the result do not depend on the strides
+    # of views (transposes, slices, expanded tensors); autograd carries the gradients back through it
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
     return ChunkGatedDeltaRuleFunction.apply(
         q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel, chunk_size
     )

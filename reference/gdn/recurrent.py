@@ -105,5 +105,8 @@ def recurrent_gated_delta_rule(
         o = o_full.view(d.B, d.T, d.HV, d.V)
     else:
         o = torch.zeros(d.B, d.T, d.HV, d.V, dtype=cdt, device=q.device)
-    final = torch.stack(finals) if output_final_state else None
+    if output_final_state:
+        final = torch.stack(finals) if finals else torch.zeros(0, d.HV, d.K, d.V, dtype=cdt, device=q.device)
+    else:
+        final = None
     return o.to(q.dtype), final
