@@ -42,7 +42,7 @@ SIZE = os.environ.get("FLASHQLA_NB_SIZE", "small")
 if SIZE == "small":
     torch.set_num_threads(1)  # tiny tensors on a shared CPU: threads cost more than they give
 K = V = 16 if SIZE == "small" else 128
-T = 200 if SIZE == "small" else 1000
+T = 200 if SIZE == "small" else 512
 FIG = pathlib.Path("figures")
 FIG.mkdir(exist_ok=True)
 RW = [r.id for r in derivations.registry() if r.id.startswith("RW-")]
@@ -149,10 +149,13 @@ for r in sweep:
 # 2. The error both formulations make is the rounding of their inputs: the fp32 arithmetic adds less than
 #    a thousandth of one bf16 rounding, before and after.
 assert max(max(r["lhs_arith"], r["rhs_arith"]) for r in sweep) <= FLOOR
-# 3. In fp32 arithmetic alone, every rewrite but the base change is within a factor 2 of FLA's.
+# 3. In fp32 arithmetic alone the rewrites do reorder rounding: every one but the base change stays within
+#    a factor 10 of FLA's arithmetic error (observed: up to 1.5 at K = 16, up to about 5 at K = 128, where
+#    the transition form's K x K products and the gate-light state gradient sum over more terms).
+ARITH_FACTOR = 10
 for r in sweep:
     if r["record"] != "RW-4":
-        assert r["rhs_arith"] <= 2 * r["lhs_arith"] + 2**-24, f"{r['record']} {r['quantity']} gate={r['gate']}"
+        assert r["rhs_arith"] <= ARITH_FACTOR * r["lhs_arith"] + 2**-24, f"{r['record']} {r['quantity']} gate={r['gate']}"
 # 4. The base change (RW-4) is the one rewrite that costs fp32 accuracy, and it is measurable only under
 #    strong decay: rounding G / ln 2 to fp32 moves each exponent by about |G| u_fp32.
 rw4 = [r for r in sweep if r["record"] == "RW-4"]
@@ -172,7 +175,9 @@ assert max(r["rhs"] for r in rw4 if r["quantity"] == "Gamma") <= 64 * 2**-24 * 1
 #   has an error within 5% of FLA's formulation (observed at the small size: within 0.01%), at every gate
 #   strength and with correlated keys. Both are dominated by the bf16 rounding of the inputs; fp32 arithmetic adds under
 #   $10^{-3}$ of one bf16 rounding.
-# - In fp32 arithmetic alone, RW-1, -2, -3, -5, -6 stay within a factor 2 of FLA's error. The base-2 gates
-#   (RW-4) cost up to two orders on the decay mask itself under strong decay (the rounding of $G/\ln 2$
-#   grows with $|G|$), a few times on o: real, and invisible next to bf16. FLA's own kernels use the
+# - In fp32 arithmetic alone the rewrites reorder rounding by small factors: RW-1, -2, -3, -5, -6 stay
+#   within a factor 10 of FLA's arithmetic error (about 1.5 at K = 16; up to about 5 at K = 128 for the
+#   transition form and the gate-light state gradient). The base-2 gates (RW-4) cost up to two orders on
+#   the decay mask itself under strong decay (the rounding of $G/\ln 2$ grows with $|G|$), up to about 8
+#   times on o: real, and invisible next to bf16. FLA's own kernels use the
 #   same base-2 cumsum, so against FLA's kernels this is no cost at all.
