@@ -5,7 +5,8 @@ row with `ours_*`, `fla_*`, `flash_qla_*` columns; `<prefix>-breakdown.csv`, FLA
 step) and draws, with matplotlib's Agg backend:
 
     plot_times       ms per row, ours / FLA / FlashQLA side by side
-    plot_roofline    achieved TFLOP/s against the row's arithmetic intensity, under the H200's two roofs
+    plot_roofline    achieved TFLOP/s against the row's arithmetic intensity under the H200's two roofs,
+                     and the share of that roofline per row
     plot_breakdown   FLA's five kernels stacked, against FlashQLA's and our whole forward
 
 Any implementation or column may be missing (an implementation not timed yet, an older harness): the
@@ -24,7 +25,7 @@ from flashqla.bench.breakdown import COPY_TBPS, STEP_NAMES
 from flashqla.bench.grid import PEAK_TFLOPS, fwd_flop, fwd_min_bytes, tflops
 from flashqla.bench.peers import IMPLS, LABELS
 from flashqla.bench.report import grid_order, is_ok, num
-from flashqla.bench.store import read_rows
+from flashqla.bench.store import read_rows, row_key
 
 __all__ = [
     "COLORS",
@@ -43,11 +44,18 @@ COLORS = {"ours": "tab:red", "fla": "tab:blue", "flash_qla": "tab:green"}
 
 
 def load(results_dir, prefix: str = "h200-fwd") -> tuple[list[dict], list[dict]]:
-    """(result rows, breakdown rows) of `<results_dir>/<prefix>.csv` and `<prefix>-breakdown.csv`, the
-    result rows in the published grid's order. Missing files give empty lists."""
+    """(result rows, breakdown rows) of `<results_dir>/<prefix>.csv` and `<prefix>-breakdown.csv`.
+
+    A row (h_qk, h_v, mix) measured more than once (another commit or environment) keeps its most
+    recently dated line; result rows come in the published grid's order, each with its own `commit`
+    and environment columns. Missing files give empty lists."""
     d = Path(results_dir)
-    rows = sorted(read_rows(d / f"{prefix}.csv"), key=grid_order)
-    return rows, read_rows(d / f"{prefix}-breakdown.csv")
+    latest: dict[tuple, dict] = {}
+    for r in read_rows(d / f"{prefix}.csv"):
+        k = row_key(r)
+        if k not in latest or str(r.get("date", "")) >= str(latest[k].get("date", "")):
+            latest[k] = r
+    return sorted(latest.values(), key=grid_order), read_rows(d / f"{prefix}-breakdown.csv")
 
 
 def coverage(rows: list[dict]) -> dict[str, dict]:
@@ -141,14 +149,18 @@ def plot_times(rows: list[dict], path) -> Path | None:
 
 
 def plot_roofline(rows: list[dict], path, peak: float = PEAK_TFLOPS, copy_tbps: float = COPY_TBPS) -> Path | None:
-    """Roofline chart: each timed (row, implementation) at (intensity, achieved TFLOP/s), under the
-    compute roof (`peak`) and the bandwidth roof (intensity x `copy_tbps`). Returns the path, or None
-    when nothing is timed."""
+    """Two panels. Left, the roofline chart: each timed (row, implementation) at (intensity, achieved
+    TFLOP/s) under the compute roof (`peak`) and the bandwidth roof (intensity x `copy_tbps`). Right,
+    the percentage of its row's roof each implementation reaches (`roofline_pct`), per row. Returns the
+    path, or None when nothing is timed."""
     pts = [(impl, r) for r in rows for impl in IMPLS if is_ok(r, impl)]
     if not pts:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    from matplotlib.ticker import NullFormatter
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(6.0 + 0.45 * len(rows) + 2, 4.4),
+                                 gridspec_kw=dict(width_ratios=[6.0, 0.45 * len(rows) + 2]))
     ai = [intensity(r) for _, r in pts]
     lo, hi = min(ai + [peak / copy_tbps]) / 4, max(ai + [peak / copy_tbps]) * 4
     xs = [lo * (hi / lo) ** (i / 100) for i in range(101)]
@@ -170,9 +182,18 @@ def plot_roofline(rows: list[dict], path, peak: float = PEAK_TFLOPS, copy_tbps: 
     ax.set_title("forward against the H200 roofline", fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="upper left")
-    from matplotlib.ticker import NullFormatter
-
     ax.xaxis.set_minor_formatter(NullFormatter())
+
+    width = 0.8 / len(IMPLS)
+    for j, impl in enumerate(IMPLS):
+        idx = [i for i, r in enumerate(rows) if is_ok(r, impl)]
+        bx.bar([i + (j - (len(IMPLS) - 1) / 2) * width for i in idx], [roofline_pct(rows[i], impl) for i in idx], width,
+               color=COLORS[impl], label=LABELS[impl])
+    bx.set_xticks(range(len(rows)))
+    bx.set_xticklabels([row_label(r) for r in rows], rotation=60, ha="right", fontsize=7)
+    bx.set_ylabel("% of the row's roofline")
+    bx.set_title("share of the roofline per row", fontsize=10)
+    bx.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     p = _save(fig, path)
     plt.close(fig)
