@@ -78,3 +78,17 @@ if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
     assert rel_rms(o_k, o_r) < 1e-2 and rel_rms(ht_k, ht_r) < 1e-2
 else:
     print("skipped: the kernels need a CUDA GPU of compute capability 9.0 (Hopper); none here")
+
+# %% [markdown]
+# ## Where next
+# Each numbered notebook narrates one step and asserts its claims:
+#
+# | notebook | what it shows |
+# | --- | --- |
+# | `10_recurrence_to_chunks` | the chunk-form records (CF) rendered and proved, their twins in fp64, fp32 per token |
+# | `20_wy_representation` | the WY/UT records, conditioning of $I + L$, the inverse's error in fp32, bf16 and the kernel's tf32 |
+# | `30_rewrites` | every hardware-friendly rewrite (RW): proved, and no less accurate than FLA's form in bf16/fp32 |
+# | `40_backward` | the hand-written backward (BWD) against autograd of the recurrence, per gradient, fp64 and fp32 |
+# | `50_context_parallel` | segment maps (CP) and the truncation bound against the measured error |
+# | `60_kernels` | the sm_90 kernels against the reference stage by stage (GPU) |
+# | `70_benchmarks` | the committed H200 timings: ours, FLA, FlashQLA, roofline, FLA's kernels one by one |
