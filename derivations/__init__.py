@@ -16,7 +16,7 @@ and the names of its two numeric twins in `reference/`. Families:
 """
 
 from derivations._core import Bound, Identity, Result, check, format_table, get, is_zero, register, registry, run_all, run_one
-from derivations import chunk_form, wy, rewrites, backward, cp  # noqa: E402,F401  (registers the records)
+from derivations import chunk_form, wy, rewrites, backward, backward_fused, cp  # noqa: E402,F401  (registers the records)
 
 __all__ = [
     "Identity",

@@ -1,7 +1,7 @@
 """Every derivation record's numeric twins, in fp64 at full size (C = 64, K = V = 128).
 
 Each record in `derivations` names the two reference functions computing its left and right sides;
-a driver below runs them on valid-domain inputs (`make_gdn_inputs`: L2-normalised q, k, sigmoid
+its driver in `reference.gdn.twins` runs them on valid-domain inputs (`make_gdn_inputs`: L2-normalised q, k, sigmoid
 beta, Qwen3-Next gates with a g == 0 head and a g == -30 head, GVA, an initial state) with T not a
 multiple of 64, batched and varlen, and returns the pairs to compare. Exact records agree to <= 1e-12
 relative RMS; bounded records (CP-4, CP-5) are checked against their bound at per-token g of 0,
@@ -19,7 +19,7 @@ import torch
 
 import derivations
 from flashqla.testing import make_gdn_inputs, rel_rms
-from reference.gdn import chunk, chunk_bwd, cp, fused
+from reference.gdn import chunk, cp, fused, twins
 from reference.gdn.chunk import prepare_chunk_layout
 from reference.gdn.recurrent import recurrent_gated_delta_rule
 
@@ -67,260 +67,10 @@ def recurrence(case: str):
 
 
 @functools.lru_cache(maxsize=None)
-def fla_bwd(case: str):
-    """The hand-written backward (reference.gdn.chunk_bwd): dict dq dk dv dg dbeta dh0."""
-    x = inputs(case)
-    g_cum, _, A, _, _, _ = fla_fwd(case)
-    out = chunk_bwd.chunk_gated_delta_rule_bwd(
-        x["q"], x["k"], x["v"], g_cum, x["beta"], A, x["scale"], x["initial_state"], x["do"], x["dht"], x["cu_seqlens"]
-    )
-    return dict(zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), out))
-
-
-def chunked(case: str):
-    """Chunk tensors [NC, HV, C, ...] of a case: layout, q, k, v, beta, g_cum (padding = last valid)."""
-    x = inputs(case)
-    HV = x["v"].shape[2]
-    lay = prepare_chunk_layout(x["q"].shape[0], x["q"].shape[1], x["cu_seqlens"], C)
-    g_cum = fla_fwd(case)[0]
-    return dict(
-        lay=lay,
-        q=fused.to_chunks(x["q"], lay, HV),
-        k=fused.to_chunks(x["k"], lay, HV),
-        v=fused.to_chunks(x["v"], lay),
-        beta=fused.to_chunks(x["beta"], lay),
-        g_cum=fused.pad_g_cum(fused.to_chunks(g_cum, lay), lay),
-    )
-
-
-def valid_square(lay) -> torch.Tensor:
-    """[NC, 1, C, C] bool: both slots valid (partial chunks compare on their valid part only)."""
-    return (lay.valid[:, :, None] & lay.valid[:, None, :])[:, None]
-
-
-def on_valid(A: torch.Tensor, lay) -> torch.Tensor:
-    return torch.where(valid_square(lay), A, torch.zeros((), dtype=A.dtype))
-
-
-# ------------------------------------------------------------------------------------------------
-# Drivers: record id -> function(case) -> list of (quantity, lhs, rhs)
-# ------------------------------------------------------------------------------------------------
-
-DRIVERS = {}
-
-
-def driver(*ids):
-    def deco(fn):
-        for i in ids:
-            DRIVERS[i] = fn
-        return fn
-
-    return deco
-
-
-@driver("CF-1")
-def _cf1(case):
-    return [("o", recurrence(case)[0], fla_fwd(case)[1])]
-
-
-@driver("CF-2")
-def _cf2(case):
-    return [("final_state", recurrence(case)[1], fla_fwd(case)[3])]
-
-
-@driver("CF-3")
-def _cf3(case):
-    x = inputs(case)
-    u = fused.recurrent_deltas(x["k"], x["v"], x["g"], x["beta"], x["initial_state"], x["cu_seqlens"])
-    return [("v_new", u, fla_fwd(case)[5])]
-
-
-def _wy(case):
-    x, c = inputs(case), chunked(case)
-    g_cum, _, A, _, _, _ = fla_fwd(case)
-    w, u = chunk.recompute_w_u(x["k"], x["v"], x["beta"], A, g_cum, cu_seqlens=x["cu_seqlens"])
-    wc, uc = fused.to_chunks(w, c["lay"]), fused.to_chunks(u, c["lay"])
-    return [
-        ("M", fused.chunk_transition_rank1(c["k"], c["beta"], c["g_cum"]), fused.chunk_transition_wy(c["k"], wc, c["g_cum"])),
-        ("F", fused.chunk_state_input_rank1(c["k"], c["v"], c["beta"], c["g_cum"]), fused.chunk_state_input_wy(c["k"], uc, c["g_cum"])),
-    ]
-
-
-DRIVERS["WY-1"] = lambda case: _wy(case)[:1]
-DRIVERS["WY-2"] = lambda case: _wy(case)[1:]
-
-
-def _fla_L_and_A(case):
-    x = inputs(case)
-    g_cum = fla_fwd(case)[0]
-    L = chunk.chunk_scaled_dot_kkt(x["k"], x["beta"], g_cum, cu_seqlens=x["cu_seqlens"])
-    A = chunk.solve_tril(L, cu_seqlens=x["cu_seqlens"])
-    return L, A
-
-
-@driver("WY-3")
-def _wy3(case):
-    lay = chunked(case)["lay"]
-    L, A = (fused.to_chunks(t, lay) for t in _fla_L_and_A(case))
-    blockdiag = torch.block_diag(*[torch.ones(16, 16, dtype=torch.bool)] * 4)
-    lhs = fused.solve_tril_diagonal_blocks(L, 16)
-    return [("diag blocks of A", on_valid(lhs, lay), on_valid(torch.where(blockdiag, A, torch.zeros((), dtype=A.dtype)), lay))]
-
-
-@driver("WY-4")
-def _wy4(case):
-    lay = chunked(case)["lay"]
-    L, A = (fused.to_chunks(t, lay) for t in _fla_L_and_A(case))
-    dense = torch.linalg.solve_triangular(torch.eye(C, dtype=L.dtype) + torch.tril(L, -1), torch.eye(C, dtype=L.dtype), upper=False)
-    return [
-        ("A (vs solve_tril)", on_valid(fused.solve_tril_blocks(L, 16), lay), on_valid(A, lay)),
-        ("A (vs dense solve)", on_valid(fused.solve_tril_blocks(L, 16), lay), on_valid(dense, lay)),
-    ]
-
-
-@driver("WY-5")
-def _wy5(case):
-    lay = chunked(case)["lay"]
-    L, A = (fused.to_chunks(t, lay) for t in _fla_L_and_A(case))
-    return [("A (vs solve_tril)", on_valid(fused.solve_tril_nilpotent(L, 16), lay), on_valid(A, lay))]
-
-
-@driver("RW-1")
-def _rw1(case):
-    c = chunked(case)
-    A_gated = fused.to_chunks(_fla_L_and_A(case)[1], c["lay"])
-    A_g = fused.regate(fused.kkt_solve(c["k"], c["beta"]), c["g_cum"])
-    return [("A_gated", on_valid(A_gated, c["lay"]), on_valid(A_g, c["lay"]))]
-
-
-@driver("RW-2")
-def _rw2(case):
-    c = chunked(case)
-    _, _, _, _, h, v_new = fla_fwd(case)
-    A_g = fused.regate(fused.kkt_solve(c["k"], c["beta"]), c["g_cum"])
-    hc = h.reshape(c["lay"].NC, *h.shape[2:])
-    rhs = fused.from_chunks(fused.chunk_v_new(c["k"], c["v"], c["beta"], A_g, c["g_cum"], hc), c["lay"])
-    return [("v_new", v_new, rhs)]
-
-
-def _fused_states(case, state_update, use_exp2=False):
-    x = inputs(case)
-    _, _, _, ht, h, _ = fla_fwd(case)
-    out = fused.fused_chunk_fwd(
-        x["q"], x["k"], x["v"], fla_fwd(case)[0], x["beta"], x["scale"], x["initial_state"], x["cu_seqlens"],
-        state_update=state_update, use_exp2=use_exp2,
-    )
-    return [("h", h, out["h"]), ("final_state", ht, out["final_state"]), ("o", fla_fwd(case)[1], out["o"])]
-
-
-@driver("RW-3")
-def _rw3(case):
-    c = chunked(case)
-    _, _, _, _, h, _ = fla_fwd(case)
-    hc = h.reshape(c["lay"].NC, *h.shape[2:])
-    A = fused.kkt_solve(c["k"], c["beta"])
-    T_c, gamma_C = fused.chunk_transition(c["k"], c["beta"], A, c["g_cum"])
-    B_c = fused.chunk_state_input(c["k"], c["v"], c["beta"], A, c["g_cum"])
-    eye = torch.eye(128, dtype=torch.float64)
-    one_step = (gamma_C[..., None, None] * eye - T_c) @ hc + B_c
-    # the chunk-end state from FLA's own update of the same entering state
-    lhs = fused.chunk_state_update(hc, c["k"], fused.to_chunks(fla_fwd(case)[5], c["lay"]), c["g_cum"])
-    return [("S' (one chunk)", lhs, one_step)] + _fused_states(case, "transition")
-
-
-@driver("RW-4")
-def _rw4(case):
-    c = chunked(case)
-    lhs = fused.decay_mask(c["g_cum"])
-    rhs = fused.decay_mask_exp2(fused.g_cum_to_log2(c["g_cum"]))
-    return [("Gamma", lhs, rhs)] + _fused_states(case, "direct", use_exp2=True)
-
-
-@driver("RW-5")
-def _rw5(case):
-    return _fused_states(case, "xy")
-
-
-@driver("RW-6")
-def _rw6(case):
-    x = inputs(case)
-    dh, dh0 = fused.fused_state_grad(x["q"], x["k"], x["g"], x["beta"], x["scale"], x["do"], x["dht"], x["cu_seqlens"])
-    return [("dh0", fla_bwd(case)["dh0"], dh0), ("dh0 (autograd)", recurrence(case)[2]["dh0"], dh0)]
-
-
-def _bwd(name):
-    def run(case):
-        return [(name, fla_bwd(case)[name], recurrence(case)[2][name])]
-
-    return run
-
-
-for _n in ("dq", "dk", "dv", "dbeta", "dh0", "dg"):
-    DRIVERS[f"BWD-{_n}"] = _bwd(_n)
-
-
-@driver("BWD-dG")
-def _bwd_dG(case):
-    # hand-written dL/dg_cum (before the reverse cumsum) against autograd of the chunk form in g_cum
-    x = inputs(case)
-    g_cum, _, A, _, _, _ = fla_fwd(case)
-    cs = dict(cu_seqlens=x["cu_seqlens"])
-    w, u = chunk.recompute_w_u(x["k"], x["v"], x["beta"], A, g_cum, **cs)
-    h, v_new, _ = chunk.chunk_fwd_h(x["k"], w, u, g_cum, x["initial_state"], False, **cs)
-    dv_local = chunk_bwd.chunk_bwd_dv_local(x["q"], x["k"], x["do"], g_cum, x["scale"], **cs)
-    dh, _, dv2 = chunk_bwd.chunk_bwd_dhu(x["q"], x["k"], w, g_cum, x["initial_state"], x["dht"], x["do"], dv_local, x["scale"], **cs)
-    _, _, dw, dg1 = chunk_bwd.chunk_bwd_dqkwg(x["q"], x["k"], v_new, w, g_cum, h, dv2, x["do"], dh, x["scale"], **cs)
-    _, _, _, dg2 = chunk_bwd.prepare_wy_repr_bwd(x["k"], x["v"], x["beta"], g_cum, A, dw, dv2, **cs)
-    G = g_cum.clone().requires_grad_(True)
-    out = fused.fused_chunk_fwd(x["q"], x["k"], x["v"], G, x["beta"], x["scale"], x["initial_state"], x["cu_seqlens"])
-    torch.autograd.backward([out["o"], out["final_state"]], [x["do"], x["dht"]])
-    return [("dG", dg1 + dg2, G.grad)]
-
-
-@driver("CP-1")
-def _cp1(case):
-    x = inputs(case)
-    P, Q = cp.segment_maps(x["k"], x["v"], x["g"], x["beta"], x["cu_seqlens"])
-    return [("S_end", recurrence(case)[1], cp.apply_map((P, Q), x["initial_state"]))]
-
-
-@driver("CP-2")
-def _cp2(case):
-    # every sequence cut into 64-token segments; the maps of the pieces, folded from the left and
-    # from the right, against the map of the whole sequence
-    x = inputs(case)
-    B, T = x["q"].shape[:2]
-    whole = cp.segment_maps(x["k"], x["v"], x["g"], x["beta"], x["cu_seqlens"])
-    plan = cp.plan_segments(B, T, x["cu_seqlens"], 64)
-    flat = lambda t: t.reshape(1, B * T, *t.shape[2:])  # noqa: E731
-    P, Q = cp.segment_maps(flat(x["k"]), flat(x["v"]), flat(x["g"]), flat(x["beta"]), plan.cu_seqlens)
-    left, right = [], []
-    for n in range(plan.N):
-        js = [j for j in range(plan.M) if int(plan.seq[j]) == n]
-        maps = [(P[j], Q[j]) for j in js]
-        acc = maps[0]
-        for m in maps[1:]:
-            acc = cp.combine(acc, m)
-        left.append(acc)
-        acc = maps[-1]
-        for m in reversed(maps[:-1]):
-            acc = cp.combine(m, acc)
-        right.append(acc)
-    stack = lambda ms, i: torch.stack([m[i] for m in ms])  # noqa: E731
-    return [
-        ("P (left fold)", whole[0], stack(left, 0)),
-        ("Q (left fold)", whole[1], stack(left, 1)),
-        ("P (right fold)", whole[0], stack(right, 0)),
-        ("Q (right fold)", whole[1], stack(right, 1)),
-    ]
-
-
-@driver("CP-3")
-def _cp3(case):
-    x = inputs(case)
-    o0, _ = recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], None, False, x["cu_seqlens"])
-    corr = cp.output_correction(x["q"], x["k"], x["g"], x["beta"], x["initial_state"], x["scale"], x["cu_seqlens"])
-    return [("o", recurrence(case)[0], o0 + corr)]
+def twin_pairs(case: str) -> dict:
+    """record id -> [TwinPair] for every exact record, both sides evaluated by reference.gdn.twins
+    (which calls the twins by the dotted names the records give)."""
+    return twins.pairs_many(EXACT, inputs(case), chunk_size=C)
 
 
 EXACT = [r.id for r in derivations.registry() if r.kind == "exact"]
@@ -328,7 +78,7 @@ BOUNDED = [r.id for r in derivations.registry() if r.kind == "bounded"]
 
 
 def test_every_record_has_a_driver():
-    missing = [r.id for r in derivations.registry() if r.id not in DRIVERS and r.kind == "exact"]
+    missing = [r.id for r in derivations.registry() if r.kind == "exact" and not twins.has_driver(r.id)]
     assert not missing, f"records without a numeric twin test: {missing}"
     assert set(BOUNDED) <= set(BOUNDED_TESTED), f"bounded records without a bound test: {set(BOUNDED) - set(BOUNDED_TESTED)}"
 
@@ -343,10 +93,12 @@ def test_twins_importable(rid):
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("rid", EXACT)
 def test_exact_twins(rid, case):
-    for name, lhs, rhs in DRIVERS[rid](case):
-        assert lhs.dtype == rhs.dtype == torch.float64
-        err = rel_rms(rhs, lhs)
-        assert err <= EXACT_TOL, f"{rid} {name} [{case}]: relative RMS {err:.2e} > {EXACT_TOL:.0e}"
+    pairs = twin_pairs(case)[rid]
+    assert pairs, f"{rid}: no pair to compare"
+    for p in pairs:
+        assert p.lhs.dtype == p.rhs.dtype == torch.float64
+        err = rel_rms(p.rhs, p.lhs)
+        assert err <= EXACT_TOL, f"{rid} {p.quantity} [{case}]: relative RMS {err:.2e} > {EXACT_TOL:.0e}"
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -334,6 +334,28 @@ for _n in ("dq", "dk", "dv", "dbeta", "dh0", "dg"):
     _DRIVERS[f"BWD-{_n}"] = _bwd(_n)
 
 
+@_driver("BWD-Abeta")
+def _bwd_abeta(s, lhs_fn, rhs_fn):
+    # left: FLA's gated A as the regated gate-free inverse; right: A from the stored A diag(beta)
+    c = s.chunks
+    A = lhs_fn(fused.kkt_solve(c["k"], c["beta"]), c["g_cum"])
+    return [TwinPair("A", A, rhs_fn(A * c["beta"][..., None, :], c["k"], c["g_cum"]))]
+
+
+@_driver("BWD-fused")
+def _bwd_fused(s, lhs_fn, rhs_fn):
+    # left: autograd of the recurrence (lhs_fn); right: the kernels' backward (rhs_fn) from the
+    # sm_90 forward's slot-major A diag(beta) and g_cum_log2, computed by the reference
+    from reference.gdn import fused_bwd
+
+    x = s.x
+    Ab, G2 = fused_bwd.forward_slot_products(x["k"], x["g"], x["beta"], s.HV, s.cu, s.C)
+    out = rhs_fn(x["q"], x["k"], x["v"], x["beta"], Ab, G2, s.scale, x.get("initial_state"), x["do"], x.get("dht"),
+                 s.cu, g=x["g"], chunk_size=s.C)
+    ref = s.recurrence[2]
+    return [TwinPair(n, ref[n], o) for n, o in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), out) if n in ref]
+
+
 @_driver("BWD-dG")
 def _bwd_dG(s, lhs_fn, rhs_fn):
     # hand-written dL/dg_cum (before the reverse cumsum; lhs_fn = chunk_bwd_dqkwg plus the WY part)
