@@ -4,6 +4,11 @@ Forward (two launches):
     prepare.py    `chunk_prepare_fwd`:   chunk-local cumsum of g, K K^T, the gated WY inverse A (x beta)
     recurrent.py  `chunk_recurrent_fwd`: the state recurrence and the output, state on chip
 
+Backward (three launches; EXPERIMENTAL: compiled for sm_90a, not yet run on a GPU; NOTES-bwd.md):
+    states_bwd.py `chunk_states_bwd`:    the chunk-start states h, recomputed and stored
+    chunk_bwd.py  `chunk_fused_bwd`:     every per-chunk gradient, chunks in reverse, dS on chip
+    finish_bwd.py `chunk_finish_bwd`:    reverse chunk-local cumsum of dG, GVA sum of dq and dk
+
 `build_kernels` compiles the kernels of one configuration concurrently; `precompile` fills TileLang's
 disk cache for many configurations in worker processes (a warm start for test suites and servers).
 Nothing here imports TileLang until a kernel is built.
@@ -23,6 +28,22 @@ def _build(kind: str, args: tuple):
         from flashqla.ops.gdn.kernels.sm90.recurrent import build_recurrent_kernel
 
         return build_recurrent_kernel(*args)
+    if kind == "states_bwd":
+        from flashqla.ops.gdn.kernels.sm90.states_bwd import build_states_kernel
+
+        return build_states_kernel(*args)
+    if kind == "chunk_bwd":
+        from flashqla.ops.gdn.kernels.sm90.chunk_bwd import build_chunk_bwd_kernel
+
+        return build_chunk_bwd_kernel(*args)
+    if kind == "dg_cumsum":
+        from flashqla.ops.gdn.kernels.sm90.finish_bwd import build_dg_cumsum_kernel
+
+        return build_dg_cumsum_kernel(*args)
+    if kind == "gva_reduce":
+        from flashqla.ops.gdn.kernels.sm90.finish_bwd import build_gva_reduce_kernel
+
+        return build_gva_reduce_kernel(*args)
     raise ValueError(f"unknown kernel kind {kind!r}")
 
 
@@ -34,7 +55,8 @@ def _build_in_worker(spec) -> str:
 def build_kernels(specs) -> list:
     """Builds (or fetches from cache) the kernels [(kind, args), ...] concurrently in threads.
 
-    kind is "prepare" (args of `build_prepare_kernel`) or "recurrent" (`build_recurrent_kernel`).
+    kind is "prepare" (args of `build_prepare_kernel`), "recurrent" (`build_recurrent_kernel`),
+    "states_bwd", "chunk_bwd", "dg_cumsum" or "gva_reduce" (the backward's builders).
     Threads overlap the external compiler runs; the first call of the op uses this for its two
     kernels.
     """

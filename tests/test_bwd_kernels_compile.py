@@ -1,0 +1,92 @@
+"""CPU tier: the sm_90 backward kernels (experimental; `flashqla/ops/gdn/kernels/sm90/NOTES-bwd.md`)
+lower and compile for sm_90a without a GPU (TileLang + nvcc), and the experimental backward refuses
+to run unless opted in."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+import torch
+
+HAVE_NVCC = shutil.which("nvcc") is not None
+needs_nvcc = pytest.mark.skipif(not HAVE_NVCC, reason="compiling for sm_90a needs nvcc (the CUDA toolkit) on PATH")
+
+#: Hopper's dynamic shared memory per block (227 KB).
+SMEM_LIMIT = 232448
+
+
+def _smem_high_water(src: str) -> int:
+    """Largest byte offset into the dynamic shared-memory buffer in the generated source (a lower
+    bound of the kernel's dynamic shared memory; the last buffer's size is not added)."""
+    offs = [int(m) for m in re.findall(r"buf_dyn_shmem \+ (\d+)", src)]
+    offs += [int(m) for m in re.findall(r"\(\(uchar\*\)buf_dyn_shmem\)\[(\d+)\]", src)]
+    return max(offs, default=0)
+
+
+@needs_nvcc
+@pytest.mark.parametrize(
+    "h_dtype,seq_dtype,varlen", [("bfloat16", "int32", True), ("float32", "int32", False)], ids=["h-bf16-varlen", "h-fp32-fixed"]
+)
+def test_states_kernel_compiles(h_dtype, seq_dtype, varlen):
+    from flashqla.ops.gdn.kernels.sm90.states_bwd import build_states_kernel
+
+    src = build_states_kernel(2, 4, 128, 128, "bfloat16", h_dtype, seq_dtype, varlen).get_kernel_source()
+    assert "wgmma" in src and "exp2" in src
+
+
+def test_states_kernel_rejects_h_dtype():
+    from flashqla.ops.gdn.kernels.sm90.states_bwd import build_states_kernel
+
+    with pytest.raises(ValueError, match="h_dtype"):
+        build_states_kernel(2, 4, 128, 128, "bfloat16", "int32", "int32", False)
+
+
+@needs_nvcc
+@pytest.mark.parametrize(
+    "dtype,h_dtype,beta_dtype,seq_dtype,varlen",
+    [("bfloat16", "bfloat16", "float32", "int32", True), ("float16", "float32", "float16", "int64", False)],
+    ids=["bf16-hbf16-varlen", "fp16-hfp32-fixed"],
+)
+def test_chunk_bwd_kernel_compiles(dtype, h_dtype, beta_dtype, seq_dtype, varlen):
+    from flashqla.ops.gdn.kernels.sm90.chunk_bwd import build_chunk_bwd_kernel
+
+    src = build_chunk_bwd_kernel(1, 2, 128, 128, dtype, h_dtype, beta_dtype, seq_dtype, varlen).get_kernel_source()
+    assert "wgmma" in src and "exp2" in src
+    assert _smem_high_water(src) < SMEM_LIMIT, "shared memory over Hopper's 227 KB per block"
+
+
+@needs_nvcc
+def test_finish_kernels_compile():
+    from flashqla.ops.gdn.kernels.sm90.finish_bwd import build_dg_cumsum_kernel, build_gva_reduce_kernel
+
+    assert "dg" in build_dg_cumsum_kernel(4, "int32", True).get_kernel_source()
+    assert "dg" in build_dg_cumsum_kernel(4, "int64", False).get_kernel_source()
+    src = build_gva_reduce_kernel(2, 4, 128, "bfloat16").get_kernel_source()
+    assert "dq_hv" in src
+
+
+def test_build_kernels_knows_the_backward_kinds():
+    from flashqla.ops.gdn.kernels import sm90
+
+    with pytest.raises(ValueError, match="unknown kernel kind"):
+        sm90._build("bogus", ())
+
+
+def test_experimental_bwd_needs_opt_in(monkeypatch):
+    from flashqla.ops.gdn.bwd_experimental import EXPERIMENTAL_ENV, chunk_gated_delta_rule_bwd
+
+    monkeypatch.delenv(EXPERIMENTAL_ENV, raising=False)
+    x = torch.zeros(1, 1, 1, 128)
+    with pytest.raises(NotImplementedError, match="not verified"):
+        chunk_gated_delta_rule_bwd(x, x, x, x[..., 0], x[..., 0], None, None, x)
+
+
+def test_public_op_still_refuses_gradients():
+    import flashqla
+
+    x = torch.zeros(1, 4, 1, 128, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.zeros(1, 4, 1)
+    with pytest.raises(NotImplementedError):
+        flashqla.chunk_gated_delta_rule(x, x, x, g, g)
