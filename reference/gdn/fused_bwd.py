@@ -180,7 +180,7 @@ def recompute_states(k, v, A_beta, g_cum, h0, lay: ChunkLayout, *, log2: bool = 
 
 
 def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, last=None, log2: bool = False,
-                    ds_dtype=None) -> dict:
+                    ds_dtype=None, operand_dtype=None) -> dict:
     """Pass 2, one chunk (all chunks at once here; the kernel walks them in reverse): every gradient of
     the chunk from its chunk-start state h and the gradient dh of its chunk-end state.
 
@@ -192,7 +192,10 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
         terms of dG that belong to the chunk end go there, so that in a partial chunk they do not
         cancel O(1) terms across the padding slots (2.6e-4 relative error in dg on a g = -30 head,
         fp64, when placed at C - 1). ds_dtype: rounds dh where it is a product operand (the
-        kernel's bf16 copy).
+        kernel's bf16 copy). operand_dtype: rounds every other operand the sm_90 kernel
+        (`flashqla/ops/gdn/kernels/sm90/chunk_bwd.py`) feeds to a tensor-core product from shared
+        memory (Kg, A, Pg, W, v_new, dv_new, X, dLk, diag(beta) dLk, -D dv, scale M, scale D dO):
+        a model of the kernel's roundings (None: exact).
 
     Returns dict of chunk tensors: dq, dk [NC, HV, C, K] (per value head, before the GVA sum);
     dv [NC, HV, C, V]; dbeta [NC, HV, C]; dG [NC, HV, C] (dL/dg_cum per position, before the
@@ -205,28 +208,32 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
     Gs = decay_mask(g_cum, strict=True, log2=log2)
     D = dh
     Dop = _round(D, ds_dtype)
+    o_ = lambda x: _round(x, operand_dtype)  # noqa: E731
 
     KK = k @ _t(k)
     Kg = KK * Gs
-    A = torch.eye(C, dtype=cdt, device=k.device) - A_beta @ Kg  # BWD-Abeta
+    A = o_(torch.eye(C, dtype=cdt, device=k.device) - A_beta @ o_(Kg))  # BWD-Abeta
     U = k @ h
     W = v - gamma[..., None] * U
-    v_new = A_beta @ W
+    v_new = o_(A_beta @ o_(W))
 
-    dv_new = scale * ((k @ _t(q)) * _t(Gam)) @ do + r[..., None] * (k @ Dop)
+    dv_new = o_(o_(scale * ((q @ _t(k)) * Gam)).transpose(-1, -2) @ do + r[..., None] * (k @ Dop))
     X = _t(A) @ dv_new
     dv = _t(A_beta) @ dv_new
-    dh_prev = gamma_C[..., None, None] * D + scale * _t(q) @ (gamma[..., None] * do) - _t(k) @ (gamma[..., None] * dv)
+    dvg = o_(-gamma[..., None] * dv)
+    dog = o_(scale * gamma[..., None] * do)
+    dh_prev = gamma_C[..., None, None] * D + _t(q) @ dog + _t(k) @ dvg
 
     M = (do @ _t(v_new)) * Gam
-    dq_state = gamma[..., None] * (do @ _t(h))
-    dq = scale * (dq_state + M @ k)
+    sM = o_(scale * M)
+    dq_state = (dog @ _t(h)) / scale
+    dq = scale * dq_state + sM @ k
     dk_state = r[..., None] * (v_new @ _t(Dop))
-    dL = -torch.tril(X @ _t(v_new), -1)  # BWD-fused
-    dLk = dL * Gs
+    dL = -torch.tril(o_(X) @ _t(v_new), -1)  # BWD-fused
+    dLk = o_(dL * Gs)
     dLk_K = dLk @ k
-    dk = dk_state + scale * (_t(M) @ q) - gamma[..., None] * (dv @ _t(h)) + beta[..., None] * dLk_K + _t(dLk) @ (beta[..., None] * k)
-    dbeta = (X * W).sum(-1) + (dLk_K * k).sum(-1)
+    dk = dk_state + _t(sM) @ q + dvg @ _t(h) + beta[..., None] * dLk_K + _t(o_(beta[..., None] * dLk)) @ k
+    dbeta = (X * o_(W)).sum(-1) + (dLk_K * k).sum(-1)
 
     # dG, with the exactly-cancelling terms left out (see reference.gdn.chunk_bwd.chunk_bwd_dqkwg)
     Z = M * (q @ _t(k)) * torch.tril(torch.ones(C, C, dtype=torch.bool, device=k.device), -1)
@@ -235,7 +242,7 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
         last = torch.full(k.shape[:1], C - 1, dtype=torch.long, device=k.device)
     not_last = torch.arange(C, device=k.device) != last[:, None, None]  # [NC, 1, C]
     s_nl = torch.where(not_last, s, torch.zeros((), dtype=cdt))
-    dLL = dL * (beta[..., None] * Kg)
+    dLL = dL * (beta[..., None] * o_(Kg))
     dG = (
         scale * ((dq_state * q).sum(-1) + Z.sum(-1) - Z.sum(-2))
         - s_nl
@@ -260,7 +267,7 @@ def reverse_chunk_cumsum(dG: torch.Tensor) -> torch.Tensor:
 
 def fused_gated_delta_rule_bwd(
     q, k, v, beta, A_beta, g_cum_log2, scale: float, initial_state, do, dht, cu_seqlens=None,
-    *, g=None, chunk_size: int = 64, h_dtype=None, ds_dtype=None, log2: bool = True,
+    *, g=None, chunk_size: int = 64, h_dtype=None, ds_dtype=None, operand_dtype=None, log2: bool = True,
 ):
     """The backward our kernels compute, end to end, from the sm_90 forward's slot-major products.
 
@@ -270,7 +277,7 @@ def fused_gated_delta_rule_bwd(
         g_cum_log2: [HV, S * C] (the forward's); scale: float; initial_state: None or [N, HV, K, V];
         do: [B, T, HV, V]; dht: None (0) or [N, HV, K, V]; cu_seqlens: None or [N + 1] offsets.
         h_dtype: storage dtype of the recomputed states (None: exact); ds_dtype: operand dtype of
-        the state gradient in products (None: exact). log2: run the stages in base 2 (the kernels).
+        the state gradient in products (None: exact); operand_dtype: see `chunk_bwd_fused`. log2: run the stages in base 2 (the kernels).
         g: None, or the forward's per-token g [B, T, HV]: tokens with g < G_FLOOR (floored in the
         forward) get dg = 0, as `reference.gdn.op`.
 
@@ -300,7 +307,7 @@ def fused_gated_delta_rule_bwd(
     for ids in reversed(lay.chunks_at):
         sq = lay.seq[ids]
         out = chunk_bwd_fused(qc[ids], kc[ids], vc[ids], bc[ids], Ab[ids], G[ids], h[ids], Dn[sq], doc[ids], scale,
-                              last=lay.length[ids] - 1, ds_dtype=ds_dtype, **gk)
+                              last=lay.length[ids] - 1, ds_dtype=ds_dtype, operand_dtype=operand_dtype, **gk)
         for n in names:
             if acc[n] is None:
                 acc[n] = torch.zeros(lay.NC, *out[n].shape[1:], dtype=cdt, device=q.device)
