@@ -35,6 +35,78 @@ def test_prepare_kernel_compiles(varlen):
 
 @needs_nvcc
 @pytest.mark.parametrize(
+    "H,HV,dtype,beta_dtype,varlen",
+    [(2, 4, "bfloat16", "float32", True), (1, 1, "float16", "float16", False)],
+    ids=["gva2-bf16-varlen", "gva1-fp16-fixed"],
+)
+def test_prepare_v2_kernel_compiles(H, HV, dtype, beta_dtype, varlen):
+    """Variant v2: one CTA per (slot, q/k head); k by TMA, K K^T by wgmma once, the inverse in tf32
+    mma, A diag(beta) stored by TMA from a staged tile, one exp2 per L element, <= 56 KB shared
+    memory and 128 registers (four CTAs per SM)."""
+    from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
+    from flashqla.ops.gdn.kernels.sm90.prepare import build_prepare_kernel
+
+    kernel = build_prepare_kernel(H, HV, 128, dtype, beta_dtype, "int32", varlen, "v2")
+    src = kernel.get_kernel_source()
+    assert "tma_load" in src and "tma_store" in src, "k should be loaded and A stored by the copy engine"
+    assert "wgmma" in src and "kTensorFloat32" in src
+    assert src.count("exp2f(") == 1, "L should be formed with one exp2 per element"
+    assert "__launch_bounds__(128, 4)" in src
+    # about a dozen barriers per value head; an in-place elementwise update of a shared tile once put
+    # a barrier in each of its 32 unrolled iterations
+    assert src.count("__syncthreads") <= 20, "a barrier inside an element loop"
+    r = ptxas_report(kernel)
+    print(r)
+    assert r["registers"] <= 128
+    assert r["dynamic_smem"] is not None and r["dynamic_smem"] + r["static_smem"] <= 56 * 1024
+    # ptxas hoists loop-invariant shared-memory addresses out of the value-head loop and spills some
+    # of them (G > 1; NOTES.md); nothing else may spill
+    assert r["spill_stores"] <= 256 and r["spill_loads"] <= 256
+
+
+def test_prepare_variant_is_checked():
+    from flashqla.ops.gdn.kernels.sm90.prepare import VARIANTS, build_prepare_kernel, prepare_kernel_args
+
+    assert VARIANTS == ("v1", "v2")
+    with pytest.raises(ValueError, match="variant"):
+        build_prepare_kernel(1, 2, 128, "bfloat16", "float32", "int32", False, "bogus")
+    k = torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16)
+    beta = torch.zeros(1, 8, 2)
+    assert prepare_kernel_args(k, beta, None, 2, "v2")[-1] == "v2"
+    assert prepare_kernel_args(k, beta, None, 2)[-1] in VARIANTS
+
+
+@pytest.mark.parametrize("nvalid", [64, 37, 1])
+def test_prepare_group_stage_matches_chunk_reference(nvalid):
+    """The v2 kernel's stage twin (`reference.gdn.fused.prepare_group`: K K^T once per q/k head, the
+    inverse as WY-5 in the kernel's order) equals FLA's stages in fp64, masked rows included."""
+    import math
+
+    from reference.gdn import chunk as cr
+    from reference.gdn.fused import prepare_group
+
+    gen = torch.Generator().manual_seed(nvalid)
+    H, HV, C, K = 2, 8, 64, 16
+    G = HV // H
+    k = torch.nn.functional.normalize(torch.randn(1, C, H, K, dtype=torch.float64, generator=gen), dim=-1)
+    k[:, nvalid:] = 3 * torch.randn(1, C - nvalid, H, K, dtype=torch.float64, generator=gen)  # next sequence's keys
+    g = 2 * torch.nn.functional.logsigmoid(torch.randn(1, C, HV, dtype=torch.float64, generator=gen))
+    beta = torch.rand(1, C, HV, dtype=torch.float64, generator=gen)
+    cu = torch.tensor([0, nvalid, C]) if nvalid < C else None
+    g_cum = cr.chunk_local_cumsum(g, cu_seqlens=cu)
+    A = cr.solve_tril(cr.chunk_scaled_dot_kkt(k, beta, g_cum, cu_seqlens=cu), cu_seqlens=cu)
+    for hk in range(H):
+        heads = slice(hk * G, (hk + 1) * G)
+        gcl, A_beta = prepare_group(k[0, :, hk], g[0, :, heads].T, beta[0, :, heads].T, nvalid)
+        ref = A[0, :nvalid, heads, :nvalid].permute(1, 0, 2) * beta[0, :nvalid, heads].T[:, None, :]
+        torch.testing.assert_close(A_beta[:, :nvalid, :nvalid], ref, rtol=0, atol=1e-12)
+        torch.testing.assert_close(gcl[:, :nvalid] * math.log(2.0), g_cum[0, :nvalid, heads].T, rtol=0, atol=1e-12)
+        assert (A_beta[:, nvalid:] == 0).all() and (A_beta[:, :, nvalid:] == 0).all()
+        assert (gcl[:, nvalid:] == gcl[:, nvalid - 1 : nvalid]).all()
+
+
+@needs_nvcc
+@pytest.mark.parametrize(
     "BV,dtype,seq_dtype,varlen",
     [(128, "bfloat16", "int32", True), (64, "bfloat16", "int32", False), (64, "float16", "int64", True)],
     ids=["bv128-bf16-varlen", "bv64-bf16-fixed", "bv64-fp16-int64-varlen"],

@@ -567,3 +567,57 @@ def solve_tril_nilpotent(L: torch.Tensor, block: int = 16) -> torch.Tensor:
     F = Dinv @ E
     X = torch.eye(n, dtype=L.dtype, device=L.device) + F @ F
     return (X - F @ X) @ Dinv
+
+
+# ----------------------------------------------------------------------------------------------
+# Appended for the sm_90 prepare kernel's variant "v2" (flashqla/ops/gdn/kernels/sm90/prepare_v2.py):
+# one chunk of one q/k head for all G value heads of its group, K K^T formed once, each value head's
+# inverse in the kernel's order. Records: CF-1..CF-3 (FLA's gated A), WY-3 (diagonal blocks), WY-5
+# ((I - F)(I + F^2) D^-1, with G = (I - F) X taken literally as one product), RW-2 (beta folded into
+# the stored columns), RW-4 (base 2). No new record: sharing K K^T is the op's GVA definition.
+# Twins: `solve_tril_nilpotent` (same inverse) and reference.gdn.chunk's chunk_local_cumsum,
+# chunk_scaled_dot_kkt, solve_tril (FLA's stages).
+# ----------------------------------------------------------------------------------------------
+
+
+def prepare_group(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, nvalid: int | None = None, block: int = 16):
+    """What the v2 prepare kernel computes for one chunk of one q/k head and its G value heads.
+
+    Args:
+        k: [..., C, K], the chunk of the q/k head (rows past `nvalid` may hold anything finite: they
+            are masked, as the kernel masks the next sequence's keys it loads).
+        g: [..., G, C], natural-log per-token gates of the G value heads (hv = hk * G + j).
+        beta: [..., G, C].
+        nvalid: number of valid rows (None: C); g and beta past it are treated as 0.
+        block: diagonal block size (C == 4 * block).
+
+    Returns:
+        g_cum_log2 [..., G, C]: chunk-local cumsum of g / ln 2 (rows past nvalid repeat the last value);
+        A_beta [..., G, C, C]: A diag(beta) with A = (I + L)^-1, L = strictly_lower(diag(beta)
+        (K K^T) * Gamma) restricted to the valid rows, by D^-1 (WY-3) and, in order, F = D^-1 E,
+        X = I + F F, G = (I - F) X, A = G D^-1 (WY-5); rows past nvalid are 0.
+    """
+    C = k.shape[-2]
+    if C != 4 * block:
+        raise ValueError(f"prepare_group needs C == 4 * block, got C = {C}, block = {block}")
+    nvalid = C if nvalid is None else int(nvalid)
+    t = torch.arange(C, device=k.device)
+    valid = t < nvalid
+    zero = torch.zeros((), dtype=g.dtype, device=g.device)
+    g = torch.where(valid, g, zero)
+    beta = torch.where(valid, beta, zero)
+    gcl = g_cum_to_log2(torch.cumsum(g, dim=-1))  # [..., G, C]
+    kk = (k @ _t(k)).unsqueeze(-3)  # [..., 1, C, C]: once for the group
+    strict = (t[:, None] > t[None, :]) & valid[:, None]
+    expo = torch.where(strict, gcl[..., :, None] - gcl[..., None, :], zero)
+    L = torch.where(strict, beta[..., :, None] * kk * torch.exp2(expo), zero)  # [..., G, C, C]
+    Dinv = solve_tril_diagonal_blocks(L, block)
+    blk = t // block
+    E = torch.where(blk[:, None] > blk[None, :], L, zero)
+    eye = torch.eye(C, dtype=L.dtype, device=L.device)
+    F = Dinv @ E
+    X = eye + F @ F
+    Gm = (eye - F) @ X
+    A = Gm @ Dinv
+    A_beta = torch.where(t[:, None] >= t[None, :], A * beta[..., None, :], zero)
+    return gcl, A_beta

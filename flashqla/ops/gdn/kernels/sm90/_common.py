@@ -34,6 +34,7 @@ __all__ = [
     "PASS_CONFIGS",
     "compile_count",
     "compile_kernel",
+    "ptxas_report",
     "num_slots",
     "slot_index",
     "tl_dtype",
@@ -93,6 +94,51 @@ def compile_kernel(prim_func, name: str):
         with open(path, "w") as f:
             f.write(kernel.get_kernel_source())
     return kernel
+
+
+def ptxas_report(kernel) -> dict:
+    """Resource usage of a compiled kernel as ptxas reports it (CPU only, needs nvcc on PATH).
+
+    Compiles the kernel's generated CUDA source again for sm_90a with TileLang's include paths and
+    `--ptxas-options=--verbose`, and reads the dynamic shared-memory size from the launch in the host
+    source. Returns {"registers", "spill_stores", "spill_loads", "stack", "static_smem",
+    "dynamic_smem"} (bytes, except registers; dynamic_smem None when it cannot be read).
+    """
+    import re
+    import subprocess
+    import tempfile
+
+    from tilelang import env
+
+    src = kernel.get_kernel_source()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cu")
+        with open(path, "w") as f:
+            f.write(src)
+        cmd = ["nvcc", "-std=c++20", f"-I{env.TILELANG_TEMPLATE_PATH}", f"-I{env.CUTLASS_INCLUDE_DIR}", "--use_fast_math",
+               "-gencode", "arch=compute_90a,code=sm_90a", "-cubin", "-o", os.path.join(d, "k.cubin"),
+               "--ptxas-options=--verbose", "-w", path]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    text = out.stdout + out.stderr
+
+    def num(pattern, default=0):
+        m = re.search(pattern, text)
+        return int(m.group(1)) if m else default
+
+    dyn = None
+    host = kernel.get_host_source()
+    call = host.rfind("_kernel_packed, (TVMFFIAny*)")
+    if call > 0:
+        vals = re.findall(r"v_int64\) = \(\(int64_t\)(\d+)\);", host[:call])
+        dyn = int(vals[-1]) if vals else None
+    return {
+        "registers": num(r"Used (\d+) registers"),
+        "spill_stores": num(r"(\d+) bytes spill stores"),
+        "spill_loads": num(r"(\d+) bytes spill loads"),
+        "stack": num(r"(\d+) bytes stack frame"),
+        "static_smem": num(r"(\d+) bytes smem"),
+        "dynamic_smem": dyn,
+    }
 
 
 def tl_dtype(dtype: torch.dtype) -> str:

@@ -30,16 +30,30 @@ Per CTA (128 threads, one warpgroup):
 
 Shared memory: 65 KB after TileLang's liveness-based reuse (k with L, D^-1 with X^T): three CTAs
 per SM; 116 registers per thread.
+
+This kernel is variant "v1", the default. Variant "v2" (`prepare_v2.py`: one CTA per (chunk slot,
+q/k head) for all its value heads, TMA in and out, 56 KB, four CTAs per SM) writes the same outputs;
+pick it with `chunk_prepare_fwd(variant="v2")` or FLASHQLA_PREPARE=v2. It is compiled, not yet run on
+a GPU.
 """
 
 
 import functools
+import os
 
 import torch
 
 from flashqla.ops.gdn.kernels.sm90._common import CHUNK, RCP_LN2, compile_kernel, num_slots, tl_dtype
 
-__all__ = ["build_prepare_kernel", "chunk_prepare_fwd", "prepare_kernel_args"]
+__all__ = ["DEFAULT_VARIANT", "VARIANTS", "build_prepare_kernel", "chunk_prepare_fwd", "prepare_kernel_args"]
+
+#: Prepare kernel variants: "v1" (this module's kernel: one CTA per (chunk slot, value head)) and
+#: "v2" (`prepare_v2`: one CTA per (chunk slot, q/k head) for all its value heads; compiled and
+#: inspected on CPU, not yet run on a GPU: NOTES.md). Same outputs, same layout.
+VARIANTS = ("v1", "v2")
+#: The variant `chunk_prepare_fwd` uses when none is given (read at every call; the environment
+#: variable FLASHQLA_PREPARE sets it at import). v1 stays the default until v2 is proven on a GPU.
+DEFAULT_VARIANT = os.environ.get("FLASHQLA_PREPARE", "v1")
 
 
 def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
@@ -180,22 +194,32 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
 
 
 @functools.lru_cache(maxsize=None)
-def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool):
+def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
+                         variant: str = "v1"):
     """Compiled prepare kernel for one static configuration (cached).
 
     Static key: head counts H, HV; head dim K; dtype of k (and of the stored A); beta's dtype;
-    cu_seqlens' dtype; whether input is packed (varlen). Sequence lengths, the number of sequences
-    and B are run-time values: a new T or sequence mix reuses the compiled kernel.
+    cu_seqlens' dtype; whether input is packed (varlen); the variant (`VARIANTS`). Sequence lengths,
+    the number of sequences and B are run-time values: a new T or sequence mix reuses the compiled
+    kernel.
     """
+    if variant not in VARIANTS:
+        raise ValueError(f"prepare variant must be one of {VARIANTS}, got {variant!r}")
+    if variant == "v2":
+        from flashqla.ops.gdn.kernels.sm90.prepare_v2 import prepare_v2_prim_func
+
+        func = prepare_v2_prim_func(H, HV, K, dtype, beta_dtype, seq_dtype, varlen)
+        return compile_kernel(func, f"gdn_prepare_v2_fwd_H{H}_HV{HV}_K{K}_{dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}")
     func = _prepare_prim_func(H, HV, K, dtype, beta_dtype, seq_dtype, varlen)
     return compile_kernel(func, f"gdn_prepare_fwd_H{H}_HV{HV}_K{K}_{dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}")
 
 
-def prepare_kernel_args(k, beta, cu_seqlens, HV: int) -> tuple:
-    """The static key (`build_prepare_kernel` arguments) a launch with these inputs uses."""
+def prepare_kernel_args(k, beta, cu_seqlens, HV: int, variant: str | None = None) -> tuple:
+    """The static key (`build_prepare_kernel` arguments) a launch with these inputs uses
+    (variant None: `DEFAULT_VARIANT`)."""
     H, K = k.shape[2], k.shape[3]
     seq_dtype = tl_dtype(cu_seqlens.dtype) if cu_seqlens is not None else "int32"
-    return (H, HV, K, tl_dtype(k.dtype), tl_dtype(beta.dtype), seq_dtype, cu_seqlens is not None)
+    return (H, HV, K, tl_dtype(k.dtype), tl_dtype(beta.dtype), seq_dtype, cu_seqlens is not None, variant or DEFAULT_VARIANT)
 
 
 _dummy_cache: dict = {}
@@ -209,10 +233,12 @@ def dummy_cu_seqlens(device) -> torch.Tensor:
     return _dummy_cache[key]
 
 
-def chunk_prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens, HV: int, A=None, g_cum_log2=None):
+def chunk_prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens, HV: int, A=None, g_cum_log2=None,
+                      variant: str | None = None):
     """Launches the prepare kernel. Arguments as in `chunk_gated_delta_rule` (already validated,
     contiguous, on an sm_90 device). `A` and `g_cum_log2` may be given as preallocated outputs of
-    the shapes below (tests poison them to prove every used row is written).
+    the shapes below (tests poison them to prove every used row is written). `variant` picks the
+    kernel (`VARIANTS`; None: `DEFAULT_VARIANT`, env FLASHQLA_PREPARE); both write the same outputs.
 
     Returns:
         A: [HV, S * 64, 64] in k's dtype, S = number of chunk slots (`_common.num_slots`); rows
@@ -232,6 +258,6 @@ def chunk_prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_s
     if S == 0 or T == 0:
         return A, g_cum_log2
     cu = cu_seqlens if varlen else dummy_cu_seqlens(k.device)
-    kernel = build_prepare_kernel(*prepare_kernel_args(k, beta, cu_seqlens, HV))
+    kernel = build_prepare_kernel(*prepare_kernel_args(k, beta, cu_seqlens, HV, variant))
     kernel(k, g, beta, cu, A, g_cum_log2)
     return A, g_cum_log2
