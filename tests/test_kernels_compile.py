@@ -76,6 +76,14 @@ def test_prepare_variant_is_checked():
     assert prepare_kernel_args(k, beta, None, 2)[-1] in VARIANTS
 
 
+@needs_nvcc
+def test_prepare_default_variant_shares_the_cache_entry():
+    from flashqla.ops.gdn.kernels.sm90.prepare import build_prepare_kernel
+
+    args = (2, 4, 128, "bfloat16", "float32", "int32", True)
+    assert build_prepare_kernel(*args) is build_prepare_kernel(*args, "v1")
+
+
 @pytest.mark.parametrize("nvalid", [64, 37, 1])
 def test_prepare_group_stage_matches_chunk_reference(nvalid):
     """The v2 kernel's stage twin (`reference.gdn.fused.prepare_group`: K K^T once per q/k head, the

@@ -193,7 +193,6 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
     return gdn_prepare_fwd
 
 
-@functools.lru_cache(maxsize=None)
 def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
                          variant: str = "v1"):
     """Compiled prepare kernel for one static configuration (cached).
@@ -205,6 +204,12 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
     """
     if variant not in VARIANTS:
         raise ValueError(f"prepare variant must be one of {VARIANTS}, got {variant!r}")
+    return _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, variant)
+
+
+@functools.lru_cache(maxsize=None)
+def _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, variant):
+    """One cache entry per key, whether or not the caller spelled out the default variant."""
     if variant == "v2":
         from flashqla.ops.gdn.kernels.sm90.prepare_v2 import prepare_v2_prim_func
 
