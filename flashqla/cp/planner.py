@@ -1,0 +1,489 @@
+"""Intra-device context-parallel (CP) planner: when to split, where, and the segment tables.
+
+The sm_90 recurrent kernel runs one CTA per (value slice, value head, sequence) and walks that
+sequence's chunks serially (`flashqla/ops/gdn/kernels/sm90/NOTES.md`). A few long sequences with few
+value heads leave most SMs idle: 2/8 heads, 1 x 32768 tokens launches 16 CTAs (BV = 64) on 132 SMs,
+each 512 chunks long. CP cuts every long sequence into segments, runs the segments as independent
+sequences, and stitches the states back (derivations CP-1 .. CP-5, `reference/gdn/cp.py`).
+
+This module decides (a pure function of static facts, cached) and builds the tables a segmented
+launch needs (torch ops on the device, no host synchronisation). No kernel here launches anything;
+the CP kernels are future work (see "Kernel launches" below).
+
+Rule (`plan_cp`)
+----------------
+Inputs are static facts only: HV, V, N (number of sequences), T (total tokens), the SM count, and
+optionally `max_seqlen`, a host-side hint a caller may already know (a serving scheduler does).
+Sequence lengths are never read from `cu_seqlens` (that would be a device-to-host sync), so without
+the hint the model assumes balanced sequences of ceil(T / N) tokens, the case least favourable to
+splitting (an unbalanced mix only gains more from a split; `force` covers a caller who knows).
+
+Cost model, in units of one chunk step of the recurrent kernel at BV = 128 (~3.3 us on the H200):
+
+    t(BV)        per-CTA cost of one chunk: t(128) = 1.0, t(64) = 0.8 (NOTES.md: 32/32 1x4096, the
+                 recurrent kernel at BV = 64 took 0.236 ms, at BV = 128 0.296 ms, same chunk count)
+    slots        SMs x CTAs per SM; both widths fit one CTA per SM (137 KB / 113 KB shared memory,
+                 384 x 168 / 256 x 202 registers)
+    unsplit      t(BV) * max(ceil(l_max / 64), ceil(NV HV N / slots) * ceil(l_avg / 64))
+    split(L)     passes * t(BV) * ceil(NV HV m / slots) * ceil(min(L, l_max) / 64)
+                 + SCAN_STEP_COST * ceil(l_max / L) + EXTRA_LAUNCHES * LAUNCH_COST
+                 m = number of segments; passes = PASSES_EXACT = 3 (segment run, segment transition
+                 P, output correction, each a chunk-serial pass over a segment) or PASSES_GATED = 2
+                 in gate-driven mode (transition and correction shortened on decaying heads; the
+                 figure is a provisional estimate until the kernels are measured: g == 0 heads
+                 still pay 3)
+
+The planner evaluates both BV choices (only those dividing V), no split, and every segment length
+L = SEGMENT_QUANTUM * j (512 tokens = 8 chunks, as FlashInfer's exact CP; always a multiple of the
+64-token chunk) with L < l_max, and splits when the best split is predicted at least MIN_GAIN = 1.2x
+faster than the best unsplit launch (among split candidates within TIE = 3% of the best, the
+longest L wins: fewer waves, fewer scan steps, less overhead the model leaves out). The optimum
+lands where the segment CTAs fill one or a few whole waves: shorter segments do not shorten the critical path below total work / slots and add
+scan steps; longer ones leave SMs idle. Examples at 132 SMs (exact mode / gate-driven default):
+2/8 1x32768 -> split, L = 2048, BV = 128, 16 segments x 8 heads = 128 CTAs (one wave), predicted
+3.8x / 5.5x; 32/32 1x4096 -> no split / L = 1024 (1.4x); 16/64 4x8192 (256 CTAs unsplit) ->
+no split. `disable=True` never splits; `force=True` always splits (the best split, or
+`segment_len`); `segment_len` fixes L (a multiple of 64); `exact=True` forces exact mode (no
+gate-driven shortcut in the kernels). The constants are module-level and named below.
+
+Segment tables (`build_segment_tables`)
+----------------------------------------
+With segment length L (a multiple of 64) sequence n = [cu[n], cu[n+1]) is cut from its start into
+ceil(len_n / L) segments (the last one shorter; an empty sequence has none), exactly as
+`reference.gdn.cp.plan_segments`. Segment j of sequence n occupies slot
+
+    slot(n, j) = floor(cu[n] / L) + n + j
+
+(the forward's chunk-slot trick with L for 64: floor(cu[n+1] / L) - floor(cu[n] / L) + 1 >=
+ceil(len_n / L) slots are free before sequence n + 1 starts, so slots never collide), and the slot
+count M = floor(T / L) + N is known from shapes alone. Slots are in token order; a slot beyond its
+sequence's last segment is inert: an empty segment at the sequence's end (start == end == cu[n+1]).
+Every table is computed by torch ops from `cu_seqlens` on its device (searchsorted over the strictly
+increasing slot bases, no `.item()`, `.tolist()`, `.cpu()`, no data-dependent Python branch):
+
+    cu_seqlens [M + 1]  pseudo offsets: the segments (inert ones empty) as M independent sequences;
+                        the existing kernels run them with N' = M from zero (or h0_index) state
+    seq [M]             sequence of each slot; index [M] its position j in the sequence
+    start, end [M]      token offsets (inert: start == end); valid, first, last [M] bool
+    prev [M]            slot of the previous segment of the same sequence, -1 if none: the combine
+                        order (segments of a sequence are consecutive slots, first to last)
+    h0_index [M]        the sequence whose initial state a first segment starts from, else -1
+    need_transition [M] valid and the sequence has > 1 segment (P is needed)
+    need_correction [M] valid and not first (its entering state is not known at launch)
+    seq_first, seq_num, seq_last [N]  first slot, segment count, last slot (-1 when empty): the final
+                        state of sequence n is the state leaving slot seq_last[n] (h0 when empty)
+
+Cache
+-----
+`get_cp_plan` keys the plan on static facts only: shapes, dtypes, device, SM count and the flags
+(`PlanKey`). It never looks at, hashes or identifies the cu_seqlens tensor (not its values, not its
+data pointer), so a caller that reuses a cu_seqlens buffer and edits it in place cannot get a stale
+plan; the tables, which do depend on the values, are rebuilt on every call (a handful of small
+device ops, no sync).
+
+Gate-driven shortcut (kernel-side, per (segment, value head), decided on device from g)
+-----------------------------------------------------------------------------------------
+By CP-4 / CP-5 a state carried across a window whose summed log-decay is G contributes at most
+exp(G) ||S||_F to every later state and scale ||q|| exp(G) ||S||_F to every later output. So:
+  - transition: if segment j's total decay G_j < GATE_THRESHOLD (-10, FlashQLA's), ||P_j||_2 <=
+    e^-10 ~ 4.5e-5, below bf16 resolution relative to ||S||: skip P_j and take S_{j+1} ~ Q_j (the
+    scan chain breaks there, later segments do not wait);
+  - output correction: O_c(S) - O_c(0) = scale D_c R_c P_<c S is bounded by exp(G_<=c) ||S||: stop
+    correcting a segment at the first chunk whose accumulated decay from the segment start is below
+    the threshold (the correction shrinks to a few chunks on decaying heads);
+  - heads with g == 0 (or any head not reaching the threshold) take the exact path; `exact=True`
+    disables the shortcut entirely. The reference (`cp_gated_delta_rule_fwd(warmup_chunks=,
+    fallback_threshold=)`) measures this error against the bound.
+
+Kernel launches (future work; nothing below exists yet as a kernel)
+-------------------------------------------------------------------
+1. prepare kernel over the pseudo `cu_seqlens` (slot count floor(T / 64) + M): segments are
+   chunk-aligned within their sequence, so every chunk's g_cum and A diag(beta) are unchanged;
+2. segment run: the existing recurrent kernel with the pseudo `cu_seqlens`, N' = M, from zero state
+   (or h0[h0_index] for first segments), giving O(0) and Q (the zero-start end state) per slot;
+   inert slots exit at once;
+3. segment transition: P_j = prod_c (gamma_C I - T_c) per (slot, head) where need_transition;
+4. combine scan: per (sequence, head, value slice) walk seq_first[n] .. seq_first[n] + seq_num[n]
+   - 1, S <- P_j S + Q_j (CP-2), writing the entering state of each slot and the final state
+   (`flashqla.cp.merge.scan_segment_states` is its torch twin);
+5. output correction: o += scale D R P_<c S_start per chunk where need_correction (CP-3), or
+   equivalently a second recurrent run from the entering states.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "CHUNK",
+    "SEGMENT_QUANTUM",
+    "BV_CHOICES",
+    "CHUNK_COST",
+    "CTAS_PER_SM",
+    "PASSES_EXACT",
+    "PASSES_GATED",
+    "SCAN_STEP_COST",
+    "LAUNCH_COST",
+    "EXTRA_LAUNCHES",
+    "MIN_GAIN",
+    "TIE",
+    "GATE_THRESHOLD",
+    "DEFAULT_SM_COUNT",
+    "CPPlan",
+    "plan_cp",
+    "PlanKey",
+    "plan_key",
+    "get_cp_plan",
+    "clear_plan_cache",
+    "plan_cache_info",
+    "sm_count",
+    "num_segment_slots",
+    "SegmentTables",
+    "build_segment_tables",
+]
+
+#: Tokens per chunk of the kernels.
+CHUNK = 64
+#: Segment lengths the rule picks are multiples of this many tokens (8 chunks).
+SEGMENT_QUANTUM = 512
+#: Value-slice widths of the recurrent kernel, preferred first on a tie.
+BV_CHOICES = (128, 64)
+#: Per-CTA cost of one chunk step, relative to BV = 128 (NOTES.md, 32/32 1x4096).
+CHUNK_COST = {128: 1.0, 64: 0.8}
+#: Resident CTAs per SM of the recurrent kernel.
+CTAS_PER_SM = {128: 1, 64: 1}
+#: Chunk-serial passes over a segment in exact CP: run, transition P, output correction.
+PASSES_EXACT = 3.0
+#: Same in gate-driven mode (provisional estimate until the kernels are measured).
+PASSES_GATED = 2.0
+#: Cost of one combine-scan step (one K x K by K x BV product per CTA) in chunk units.
+SCAN_STEP_COST = 0.5
+#: Cost of one extra launch in chunk units, and the extra launches of a CP forward.
+LAUNCH_COST = 1.0
+EXTRA_LAUNCHES = 3
+#: Split only when the predicted time improves at least this much.
+MIN_GAIN = 1.2
+#: Split candidates within this fraction of the best are ties; the longest segment wins.
+TIE = 0.03
+#: Summed log-decay below which a carried state is dropped by the gate-driven shortcut (FlashQLA's).
+GATE_THRESHOLD = -10.0
+#: SM count assumed for a device that is not a CUDA GPU (an H200 / H100 SXM has 132).
+DEFAULT_SM_COUNT = 132
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class CPPlan:
+    """A planning decision (static; hashable).
+
+    split: whether to cut sequences into segments. segment_len: L in tokens (a multiple of 64) when
+    split, else None. BV: value-slice width for the recurrent kernel. exact: no gate-driven shortcut.
+    sm_count: SMs assumed. est_unsplit, est_split: predicted times in chunk units (est_split None
+    when no split candidate exists). reason: one line saying why.
+    """
+
+    split: bool
+    segment_len: int | None
+    BV: int
+    exact: bool
+    sm_count: int
+    est_unsplit: float
+    est_split: float | None
+    reason: str
+
+    def num_slots(self, T: int, N: int) -> int:
+        """Segment slots for T total tokens and N sequences (0 when not split)."""
+        return num_segment_slots(T, N, self.segment_len) if self.split else 0
+
+
+def _unsplit_time(BV: int, HV: int, V: int, N: int, l_avg: int, l_max: int, sms: int) -> float:
+    ctas = _cdiv(V, BV) * HV * N
+    slots = sms * CTAS_PER_SM[BV]
+    return CHUNK_COST[BV] * max(_cdiv(l_max, CHUNK), _cdiv(ctas, slots) * _cdiv(l_avg, CHUNK))
+
+
+def _segments(T: int, N: int, L: int, l_avg: int, l_max: int, balanced: bool) -> int:
+    if balanced:
+        return N * _cdiv(l_avg, L)
+    others, rest = N - 1, max(T - l_max, 0)
+    return _cdiv(l_max, L) + (others * _cdiv(_cdiv(rest, others), L) if others and rest else 0)
+
+
+def _split_time(BV, HV, V, T, N, L, l_avg, l_max, balanced, sms, passes) -> float:
+    ctas = _cdiv(V, BV) * HV * _segments(T, N, L, l_avg, l_max, balanced)
+    slots = sms * CTAS_PER_SM[BV]
+    run = passes * CHUNK_COST[BV] * _cdiv(ctas, slots) * _cdiv(min(L, l_max), CHUNK)
+    return run + SCAN_STEP_COST * _cdiv(l_max, L) + EXTRA_LAUNCHES * LAUNCH_COST
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_cp(
+    HV: int,
+    N: int,
+    T: int,
+    V: int = 128,
+    sm_count: int = DEFAULT_SM_COUNT,
+    *,
+    force: bool = False,
+    disable: bool = False,
+    exact: bool = False,
+    segment_len: int | None = None,
+    max_seqlen: int | None = None,
+) -> CPPlan:
+    """Whether and how to split (the rule in the module docstring). Pure and cached.
+
+    Args:
+        HV: value heads. N: sequences (batch rows, or cu_seqlens.numel() - 1). T: total tokens (B * T).
+        V: value head dim. sm_count: SMs of the device.
+        force: always split (the best split, or `segment_len`). disable: never split.
+        exact: exact mode (no gate-driven shortcut; costed with PASSES_EXACT).
+        segment_len: fix L (tokens, positive multiple of 64) instead of searching.
+        max_seqlen: optional host-side bound on the longest sequence (else balanced lengths).
+
+    Returns a `CPPlan`. Raises ValueError for non-positive sizes, force with disable, a segment_len
+    that is not a positive multiple of 64, or a V no BV choice divides.
+    """
+    if HV <= 0 or N < 0 or T < 0 or V <= 0 or sm_count <= 0:
+        raise ValueError(f"plan_cp needs HV, V, sm_count > 0 and N, T >= 0, got HV={HV} N={N} T={T} V={V} sm_count={sm_count}")
+    if force and disable:
+        raise ValueError("force and disable are exclusive")
+    if segment_len is not None and (segment_len <= 0 or segment_len % CHUNK):
+        raise ValueError(f"segment_len must be a positive multiple of {CHUNK}, got {segment_len}")
+    bvs = [bv for bv in BV_CHOICES if bv <= V and V % bv == 0] or ([V] if V < min(BV_CHOICES) else [])
+    if not bvs:
+        raise ValueError(f"no value-slice width in {BV_CHOICES} divides V={V}")
+    cost = {bv: CHUNK_COST.get(bv, CHUNK_COST[min(CHUNK_COST)]) for bv in bvs}
+    balanced = max_seqlen is None
+    l_avg = _cdiv(T, max(N, 1))
+    l_max = l_avg if balanced else max(0, min(int(max_seqlen), T))
+    passes = PASSES_EXACT if exact else PASSES_GATED
+
+    def unsplit(bv):
+        return _unsplit_time(bv, HV, V, N, l_avg, l_max, sm_count) if bv in CHUNK_COST else cost[bv] * l_max
+
+    bv_u = min(bvs, key=lambda bv: (unsplit(bv), bvs.index(bv)))
+    t_u = unsplit(bv_u)
+    if segment_len is not None:
+        lens = [segment_len]
+    else:
+        lens = [SEGMENT_QUANTUM * j for j in range(1, _cdiv(l_max, SEGMENT_QUANTUM))]
+    cands = [
+        (_split_time(bv, HV, V, T, N, L, l_avg, l_max, balanced, sm_count, passes), L, bv)
+        for L in lens
+        for bv in bvs
+        if bv in CHUNK_COST
+    ]
+    best = None
+    if cands:  # among near-ties (within TIE), the longest segments: fewest waves and scan steps
+        t_min = min(c[0] for c in cands)
+        best = max((c for c in cands if c[0] <= t_min * (1 + TIE)), key=lambda c: (c[1], -bvs.index(c[2])))
+    if disable or N == 0 or T == 0:
+        return CPPlan(False, None, bv_u, exact, sm_count, t_u, best and best[0], "disabled" if disable else "empty input")
+    if best is None:  # no L shorter than the longest sequence
+        if force:
+            L = segment_len or SEGMENT_QUANTUM
+            return CPPlan(True, L, bv_u, exact, sm_count, t_u, None, "forced; sequences fit one segment")
+        return CPPlan(False, None, bv_u, exact, sm_count, t_u, None, f"sequences of <= {l_max} tokens fit one segment")
+    t_s, L, bv_s = best
+    if force or t_u >= MIN_GAIN * t_s:
+        why = "forced" if force and t_u < MIN_GAIN * t_s else f"split predicted {t_u / t_s:.2f}x faster"
+        return CPPlan(True, L, bv_s, exact, sm_count, t_u, t_s, why)
+    return CPPlan(False, None, bv_u, exact, sm_count, t_u, t_s, f"split predicted only {t_u / t_s:.2f}x (< {MIN_GAIN})")
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device) -> int:
+    """SMs of `device` (a CUDA device's property, read once per device; no sync), else DEFAULT_SM_COUNT."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return DEFAULT_SM_COUNT
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+class PlanKey(NamedTuple):
+    """The static facts a plan is cached on: shapes, dtypes, device, SM count and flags. It holds no
+    tensor and nothing derived from cu_seqlens' values or storage (its dtype and length only)."""
+
+    B: int
+    T: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    N: int
+    dtype: torch.dtype
+    cu_dtype: torch.dtype | None
+    device: torch.device
+    sm_count: int
+    force: bool
+    disable: bool
+    exact: bool
+    segment_len: int | None
+    max_seqlen: int | None
+
+
+def plan_key(q, v, cu_seqlens=None, *, sm_count_override=None, force=False, disable=False, exact=False,
+             segment_len=None, max_seqlen=None) -> PlanKey:
+    """`PlanKey` from q [B, T, H, K], v [B, T, HV, V] and cu_seqlens (None or [N + 1]); shapes only."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    sms = sm_count(q.device) if sm_count_override is None else int(sm_count_override)
+    cu_dtype = None if cu_seqlens is None else cu_seqlens.dtype
+    return PlanKey(B, T, H, HV, K, V, N, q.dtype, cu_dtype, q.device, sms, bool(force), bool(disable), bool(exact),
+                   segment_len, max_seqlen)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_for_key(key: PlanKey) -> CPPlan:
+    return plan_cp(key.HV, key.N, key.B * key.T, key.V, key.sm_count, force=key.force, disable=key.disable,
+                   exact=key.exact, segment_len=key.segment_len, max_seqlen=key.max_seqlen)
+
+
+def get_cp_plan(q, v, cu_seqlens=None, *, sm_count_override=None, force=False, disable=False, exact=False,
+                segment_len=None, max_seqlen=None, build_tables=True):
+    """The plan for these inputs (cached on `plan_key`) and, when it splits, the segment tables for
+    the current values of cu_seqlens (rebuilt every call, on cu_seqlens' device, no host sync).
+
+    Args: q [B, T, H, K], v [B, T, HV, V] (only shapes, dtype and device are read); cu_seqlens None or
+        [N + 1] int32/int64 offsets (B == 1); the flags as in `plan_cp`; sm_count_override replaces
+        the device's SM count; build_tables=False returns tables None.
+    Returns (CPPlan, SegmentTables or None).
+    """
+    key = plan_key(q, v, cu_seqlens, sm_count_override=sm_count_override, force=force, disable=disable,
+                   exact=exact, segment_len=segment_len, max_seqlen=max_seqlen)
+    plan = _plan_for_key(key)
+    tables = None
+    if plan.split and build_tables:
+        tables = build_segment_tables(cu_seqlens, plan.segment_len, T=key.T, B=key.B, device=q.device)
+    return plan, tables
+
+
+def clear_plan_cache() -> None:
+    """Empties both plan caches."""
+    _plan_for_key.cache_clear()
+    plan_cp.cache_clear()
+
+
+def plan_cache_info():
+    """`functools` cache statistics of the keyed plan cache."""
+    return _plan_for_key.cache_info()
+
+
+def num_segment_slots(T: int, N: int, segment_len: int) -> int:
+    """Upper bound on the segments of N sequences with T tokens in all: floor(T / L) + N (shapes only)."""
+    return T // segment_len + N
+
+
+@dataclass(frozen=True)
+class SegmentTables:
+    """Segment tables over M = floor(T / L) + N slots (see the module docstring for each field).
+
+    cu_seqlens [M + 1] (cu_seqlens' dtype, int64 when built from B rows); every other index tensor
+    int64; valid, first, last, need_transition, need_correction bool. seq_first, seq_num, seq_last
+    [N]. segment_len: L. N, M: ints from shapes.
+    """
+
+    cu_seqlens: torch.Tensor
+    seq: torch.Tensor
+    index: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+    valid: torch.Tensor
+    first: torch.Tensor
+    last: torch.Tensor
+    prev: torch.Tensor
+    h0_index: torch.Tensor
+    need_transition: torch.Tensor
+    need_correction: torch.Tensor
+    seq_first: torch.Tensor
+    seq_num: torch.Tensor
+    seq_last: torch.Tensor
+    segment_len: int
+    N: int
+    M: int
+
+    def max_segments_per_sequence(self, T: int) -> int:
+        """ceil(T / L): a shape-only bound on any sequence's segment count (T total tokens)."""
+        return _cdiv(T, self.segment_len)
+
+
+def build_segment_tables(cu_seqlens, segment_len: int, *, T: int | None = None, B: int = 1, device=None) -> SegmentTables:
+    """Segment tables for segments of `segment_len` tokens, by torch ops only (no host sync).
+
+    Args:
+        cu_seqlens: [N + 1] int32/int64 offsets (non-decreasing, cu[0] == 0), or None for B rows of
+            T tokens (offsets b * T, built on `device`).
+        segment_len: L, a positive multiple of 64.
+        T: tokens per row, from the inputs' shape [B, T, ...] (required: with cu_seqlens the slot
+            count floor(T / L) + N bounds the segments because cu[N] <= T).
+        B: batch rows when cu_seqlens is None.
+    Returns `SegmentTables`. Raises ValueError for a bad segment_len or a missing T.
+    """
+    if segment_len <= 0 or segment_len % CHUNK:
+        raise ValueError(f"segment_len must be a positive multiple of {CHUNK}, got {segment_len}")
+    if T is None:
+        raise ValueError("T (tokens per row, from the inputs' shape) is required")
+    L = int(segment_len)
+    if cu_seqlens is None:
+        dev = torch.device("cpu") if device is None else torch.device(device)
+        cu = torch.arange(B + 1, dtype=torch.int64, device=dev) * T
+        total, out_dtype = B * T, torch.int64
+    else:
+        cu, total, out_dtype = cu_seqlens.to(torch.int64), T, cu_seqlens.dtype
+        dev = cu.device
+    N = cu.shape[0] - 1
+    M = num_segment_slots(total, N, L)
+    i64 = dict(dtype=torch.int64, device=dev)
+    lo, hi = cu[:-1], cu[1:]
+    base = torch.div(lo, L, rounding_mode="floor") + torch.arange(N, **i64)  # strictly increasing
+    nseg = torch.div(hi - lo + (L - 1), L, rounding_mode="floor").clamp(min=0)
+    slot = torch.arange(M, **i64)
+    if N > 0:  # a shape, not a value
+        n = (torch.searchsorted(base.contiguous(), slot, right=True) - 1).clamp(min=0)
+    else:
+        n = torch.zeros(M, **i64)
+    base_n = base[n] if N > 0 else n
+    lo_n = lo[n] if N > 0 else n
+    hi_n = hi[n] if N > 0 else n
+    nseg_n = nseg[n] if N > 0 else n
+    j = slot - base_n
+    valid = (j >= 0) & (j < nseg_n)
+    start = torch.minimum(lo_n + j * L, hi_n)
+    end = torch.minimum(start + L, hi_n)
+    first = valid & (j == 0)
+    last = valid & (j == nseg_n - 1)
+    neg = torch.full_like(slot, -1)
+    pseudo = torch.cat([start, cu[-1:]]).to(out_dtype)
+    return SegmentTables(
+        cu_seqlens=pseudo,
+        seq=n,
+        index=j,
+        start=start,
+        end=end,
+        valid=valid,
+        first=first,
+        last=last,
+        prev=torch.where(valid & (j > 0), slot - 1, neg),
+        h0_index=torch.where(first, n, neg),
+        need_transition=valid & ~(first & last),
+        need_correction=valid & ~first,
+        seq_first=base,
+        seq_num=nseg,
+        seq_last=torch.where(nseg > 0, base + nseg - 1, torch.full_like(base, -1)),
+        segment_len=L,
+        N=N,
+        M=M,
+    )

@@ -1,0 +1,346 @@
+"""flashqla.cp planner: the split rule, the segment tables (against reference.gdn.cp's plan and its
+exact CP forward in fp64), no host sync while building tables, and a plan cache that cannot go stale."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import pytest
+import torch
+
+from flashqla.cp import (
+    SEGMENT_QUANTUM,
+    build_segment_tables,
+    clear_plan_cache,
+    get_cp_plan,
+    num_segment_slots,
+    plan_cache_info,
+    plan_cp,
+    plan_key,
+    scan_segment_states,
+)
+from flashqla.testing import make_gdn_inputs
+from reference.gdn.chunk import prepare_chunk_layout
+from reference.gdn.cp import cp_gated_delta_rule_fwd, output_correction, plan_segments, segment_maps
+from reference.gdn.fused import from_chunks, fused_chunk_fwd, gate_cumsum, to_chunks
+from reference.gdn.recurrent import recurrent_gated_delta_rule
+
+
+def _cu(lengths, dtype=torch.int32):
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=dtype)
+
+
+# Length mixes: only some sequences split, empty sequences (first, middle, last), sequences shorter
+# than a segment, totals not a multiple of 64.
+MIXES = [
+    [300],
+    [0, 130, 0, 7, 257, 0],
+    [64, 64, 65, 1, 200],
+    [5, 0, 63, 1, 64, 130],
+    [511, 513, 0, 1025, 3],
+    [0],
+    [0, 0, 190],
+]
+
+
+# ---------------------------------------------------------------------------------------------- rule
+
+
+@pytest.mark.parametrize(
+    "HV,N,T,exact,split,L,BV",
+    [
+        (8, 1, 32768, True, True, 2048, 128),  # 2/8 1x32768: 16 CTAs unsplit -> one wave of 128
+        (8, 1, 32768, False, True, 2048, 128),
+        (64, 4, 32768, True, False, None, 128),  # 16/64 4x8192: 256 CTAs already
+        (64, 4, 32768, False, False, None, 128),
+        (32, 1, 4096, True, False, None, 64),  # 32/32 1x4096: BV = 64 fills 64 SMs, split not worth 3 passes
+        (64, 1, 65536, True, False, None, 64),
+        (16, 8, 8192, False, False, None, 128),  # short sequences
+    ],
+)
+def test_rule_examples(HV, N, T, exact, split, L, BV):
+    p = plan_cp(HV, N, T, 128, 132, exact=exact)
+    assert (p.split, p.segment_len, p.BV) == (split, L, BV), p
+
+
+@pytest.mark.parametrize("HV", [1, 2, 4, 8, 16, 32, 64])
+@pytest.mark.parametrize("N", [1, 2, 3, 8])
+@pytest.mark.parametrize("T", [4096, 20000, 65536, 262144])
+@pytest.mark.parametrize("exact", [False, True])
+def test_rule_properties(HV, N, T, exact):
+    sms = 132
+    p = plan_cp(HV, N, T, 128, sms, exact=exact)
+    if not p.split:
+        assert p.segment_len is None
+        return
+    L = p.segment_len
+    assert L % SEGMENT_QUANTUM == 0 and L < -(-T // N)
+    assert p.est_unsplit >= 1.2 * p.est_split
+    ctas = (128 // p.BV) * HV * N * -(-(-(-T // N)) // L)
+    # the chosen split fills at least a good part of one wave and at most a few waves
+    assert ctas >= sms // 2 or L == SEGMENT_QUANTUM, (ctas, p)
+    assert ctas <= 4 * sms or L == SEGMENT_QUANTUM, (ctas, p)
+    # few heads, one long sequence: always split
+    if HV * N <= 8 and T >= 16384:
+        assert p.split
+
+
+def test_rule_overrides():
+    assert not plan_cp(8, 1, 32768, disable=True).split
+    p = plan_cp(64, 4, 32768, force=True)
+    assert p.split and p.segment_len % SEGMENT_QUANTUM == 0 and "forced" in p.reason
+    p = plan_cp(64, 4, 32768, force=True, segment_len=192)
+    assert p.split and p.segment_len == 192
+    p = plan_cp(8, 1, 32768, segment_len=4096)
+    assert p.split and p.segment_len == 4096
+    assert plan_cp(8, 1, 32768, exact=True).exact and not plan_cp(8, 1, 32768).exact
+    assert not plan_cp(8, 1, 400).split  # shorter than one quantum
+    assert plan_cp(8, 1, 400, force=True).split
+    hint = plan_cp(16, 16, 16 * 2048)  # balanced 2 K-token sequences: no split
+    skew = plan_cp(16, 16, 16 * 2048, max_seqlen=30000)  # one sequence holds almost all tokens
+    assert not hint.split and skew.split
+    for bad in (dict(segment_len=100), dict(segment_len=0), dict(force=True, disable=True)):
+        with pytest.raises(ValueError):
+            plan_cp(8, 1, 4096, **bad)
+    with pytest.raises(ValueError):
+        plan_cp(0, 1, 4096)
+    assert plan_cp(8, 1, 4096, 64).BV == 64  # V = 64 has one slice width
+
+
+# -------------------------------------------------------------------------------------------- tables
+
+
+def _check_tables(tab, cu_list, T, L, B=1):
+    """Valid slots in slot order are reference.gdn.cp.plan_segments' segments; inert slots empty."""
+    if cu_list is None:
+        ref = plan_segments(B, T, None, L)
+        N, total = B, B * T
+    else:
+        ref = plan_segments(1, T, torch.tensor(cu_list, dtype=torch.int64), L)
+        N, total = len(cu_list) - 1, T
+    M = num_segment_slots(total, N, L)
+    assert tab.M == M and tab.cu_seqlens.shape == (M + 1,) and tab.N == N
+    pcu = tab.cu_seqlens.tolist()
+    assert pcu[0] == 0 and pcu[-1] == total and all(a <= b for a, b in zip(pcu, pcu[1:]))
+    assert tab.start.tolist() == pcu[:-1] and tab.end.tolist() == pcu[1:]
+    v = tab.valid
+    assert ((tab.end > tab.start) == v).all()  # inert slots are exactly the empty ones
+    rcu = ref.cu_seqlens.tolist()
+    assert tab.start[v].tolist() == rcu[:-1] and tab.end[v].tolist() == rcu[1:]
+    assert tab.seq[v].tolist() == ref.seq.tolist()
+    assert tab.first[v].tolist() == ref.first.tolist() and tab.last[v].tolist() == ref.last.tolist()
+    assert not (tab.first | tab.last)[~v].any()
+    # combine order: consecutive slots of one sequence; prev links them
+    slots = torch.arange(M)
+    assert (tab.prev[v & ~tab.first] == slots[v & ~tab.first] - 1).all()
+    assert (tab.prev[tab.first | ~v] == -1).all()
+    assert (tab.seq[tab.prev[tab.prev >= 0]] == tab.seq[tab.prev >= 0]).all()
+    assert (tab.h0_index == torch.where(tab.first, tab.seq, -1)).all()
+    assert (tab.need_correction == (v & ~tab.first)).all()
+    for n in range(N):
+        mine = slots[v & (tab.seq == n)].tolist()
+        k = int(tab.seq_num[n])
+        assert mine == list(range(int(tab.seq_first[n]), int(tab.seq_first[n]) + k))
+        assert int(tab.seq_last[n]) == (mine[-1] if mine else -1)
+        assert bool(tab.need_transition[mine].all()) == (k > 1) or not mine
+    assert int(tab.seq_num.max() if N else 0) <= tab.max_segments_per_sequence(total)
+
+
+@pytest.mark.parametrize("lengths", MIXES)
+@pytest.mark.parametrize("L", [64, 128, 192, 512])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_tables_match_reference_plan(lengths, L, dtype):
+    cu = _cu(lengths, dtype)
+    T = sum(lengths)
+    tab = build_segment_tables(cu, L, T=T)
+    assert tab.cu_seqlens.dtype == dtype
+    _check_tables(tab, cu.tolist(), T, L)
+
+
+@pytest.mark.parametrize("B,T,L", [(1, 300, 128), (3, 200, 64), (2, 1000, 512), (2, 63, 64)])
+def test_tables_fixed_length_rows(B, T, L):
+    tab = build_segment_tables(None, L, T=T, B=B)
+    _check_tables(tab, None, T, L, B=B)
+
+
+def test_tables_random_mixes():
+    rng = random.Random(0)
+    for _ in range(200):
+        lengths = [rng.choice([0, 1, 63, 64, 65]) if rng.random() < 0.4 else rng.randrange(0, 1500) for _ in range(rng.randrange(1, 9))]
+        L = 64 * rng.randrange(1, 12)
+        cu = _cu(lengths)
+        _check_tables(build_segment_tables(cu, L, T=sum(lengths)), cu.tolist(), sum(lengths), L)
+
+
+def test_tables_errors():
+    with pytest.raises(ValueError):
+        build_segment_tables(_cu([10]), 100, T=10)
+    with pytest.raises(ValueError):
+        build_segment_tables(_cu([10]), 64)
+
+
+# ----------------------------------------------------------------------------------- no host sync
+
+_GUARDED = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__index__", "__float__", "__len__", "__iter__")
+
+
+@contextlib.contextmanager
+def _no_host_reads():
+    """Every way to pull a tensor's value into Python raises (shape reads stay allowed)."""
+    saved = {name: getattr(torch.Tensor, name) for name in _GUARDED}
+
+    def deny(name):
+        def f(self, *a, **k):
+            raise RuntimeError(f"host read of a tensor value: Tensor.{name}")
+
+        return f
+
+    try:
+        for name in _GUARDED:
+            setattr(torch.Tensor, name, deny(name))
+        yield
+    finally:
+        for name, f in saved.items():
+            setattr(torch.Tensor, name, f)
+
+
+def test_guard_catches_host_reads():
+    cu = _cu([3, 4])
+    for read in (lambda: cu[1].item(), lambda: cu.tolist(), lambda: cu.cpu(), lambda: bool(cu[0] == 0), lambda: int(cu[1]), lambda: range(10)[cu[1]]):
+        with _no_host_reads(), pytest.raises(RuntimeError, match="host read"):
+            read()
+
+
+@pytest.mark.parametrize("lengths", MIXES)
+def test_tables_without_host_sync(lengths):
+    cu = _cu(lengths)
+    T = sum(lengths)
+    expect = build_segment_tables(cu, 128, T=T)
+    q = torch.zeros(1, T, 2, 16)
+    v = torch.zeros(1, T, 4, 16)
+    with _no_host_reads():
+        tab = build_segment_tables(cu, 128, T=T)
+        plan, tab2 = get_cp_plan(q, v, cu, force=True, segment_len=128, sm_count_override=132)
+        rows = build_segment_tables(None, 64, T=T, B=2)
+    assert rows.M == num_segment_slots(2 * T, 2, 64)
+    assert plan.split == (T > 0) and (tab2 is None) == (T == 0)  # nothing to split in an empty input
+    for f in ("cu_seqlens", "seq", "start", "end", "valid", "first", "last", "prev", "h0_index", "seq_first", "seq_num", "seq_last"):
+        assert torch.equal(getattr(tab, f), getattr(expect, f)), f
+        assert tab2 is None or torch.equal(getattr(tab2, f), getattr(expect, f)), f
+
+
+def test_scan_without_host_sync():
+    cu = _cu([5, 200, 0, 70])
+    tab = build_segment_tables(cu, 64, T=275)
+    P = torch.randn(tab.M, 2, 4, 4, dtype=torch.float64) / 4
+    Q = torch.randn(tab.M, 2, 4, 3, dtype=torch.float64)
+    h0 = torch.randn(4, 2, 4, 3, dtype=torch.float64)
+    expect = scan_segment_states(P, Q, tab, 275, h0)
+    with _no_host_reads():
+        got = scan_segment_states(P, Q, tab, 275, h0)
+    assert all(torch.equal(a, b) for a, b in zip(got, expect))
+
+
+# -------------------------------------------------------------------------------------------- cache
+
+
+def test_cache_keys_static_facts_and_follows_in_place_edits():
+    clear_plan_cache()
+    cu = _cu([100, 300, 0, 150])
+    T = 550
+    q = torch.zeros(1, T, 2, 16)
+    v = torch.zeros(1, T, 4, 16)
+    kw = dict(force=True, segment_len=128, sm_count_override=132)
+    key = plan_key(q, v, cu, **kw)
+    assert not any(isinstance(x, torch.Tensor) for x in key)
+    plan1, tab1 = get_cp_plan(q, v, cu, **kw)
+    _check_tables(tab1, cu.tolist(), T, 128)
+    before = plan_cache_info()
+    cu[1:4] = torch.tensor([400, 410, 420], dtype=cu.dtype)  # same buffer, new lengths 400, 10, 10, 130
+    plan2, tab2 = get_cp_plan(q, v, cu, **kw)
+    after = plan_cache_info()
+    assert after.hits == before.hits + 1 and after.misses == before.misses  # served from the cache
+    assert plan2 is plan1
+    _check_tables(tab2, cu.tolist(), T, 128)  # ... and the tables follow the new values
+    assert not torch.equal(tab1.cu_seqlens, tab2.cu_seqlens)
+    assert plan_key(q, v, cu, **kw) == key
+    # a fresh tensor with the same values and a copy elsewhere give the same key too
+    assert plan_key(q, v, cu.clone(), **kw) == key
+    # static facts do change the key
+    assert plan_key(q, v, cu.to(torch.int64), **kw) != key
+    assert plan_key(q, v, cu, **{**kw, "sm_count_override": 114}) != key
+    assert plan_key(q, v, cu, **{**kw, "exact": True}) != key
+    assert plan_key(q.double(), v, cu, **kw) != key
+
+
+def test_unsplit_plan_has_no_tables():
+    q = torch.zeros(1, 1024, 16, 16)
+    v = torch.zeros(1, 1024, 64, 16)
+    plan, tab = get_cp_plan(q, v, _cu([512, 512]), sm_count_override=132)
+    assert not plan.split and tab is None
+
+
+# -------------------------------------------------------------------------- exact CP forward in fp64
+
+
+def _segmented_forward(d, tab, T_row, scale):
+    """The exact CP forward assembled from the reference's stages on the planner's segments:
+    segment run from zero (pseudo cu_seqlens), maps (CP-1), the planner's combine scan (CP-2),
+    output correction (CP-3)."""
+    flat = lambda x: x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:])  # noqa: E731
+    q, k, v, g, beta = (flat(d[n]) for n in ("q", "k", "v", "g", "beta"))
+    pcu = tab.cu_seqlens.to(torch.int64)
+    lay = prepare_chunk_layout(1, q.shape[1], pcu, 64, q.device)
+    g_cum = from_chunks(gate_cumsum(to_chunks(g, lay, dtype=torch.float64)), lay)
+    o0 = fused_chunk_fwd(q, k, v, g_cum, beta, scale, None, pcu, 64)["o"]
+    P, Q = segment_maps(k, v, g, beta, pcu, 64)
+    S_start, final = scan_segment_states(P, Q, tab, T_row * d["q"].shape[0], d["initial_state"])
+    o = o0 + output_correction(q, k, g, beta, S_start, scale, pcu, 64)
+    return o.reshape(d["v"].shape), final
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+@pytest.mark.parametrize(
+    "lengths,L",
+    [
+        ([300], 128),  # T not a multiple of 64, split in three
+        ([0, 130, 0, 7, 257, 0], 128),  # empty first / middle / last, one short, two split
+        ([5, 0, 63, 1, 64, 130], 64),  # only the last two split
+        ([200, 45], 192),  # a segment longer than the short sequence
+    ],
+)
+def test_exact_cp_on_planner_segments_fp64(lengths, L):
+    T = sum(lengths)
+    d = make_gdn_inputs(1, T, 1, 2, 32, 16, seqlens=lengths, dtype=torch.float64, seed=len(lengths) + L)
+    cu = d["cu_seqlens"]
+    scale = 32**-0.5
+    o_ref, ht_ref = recurrent_gated_delta_rule(
+        d["q"], d["k"], d["v"], d["g"], d["beta"], scale, d["initial_state"], True, cu
+    )
+    tab = build_segment_tables(cu, L, T=T)
+    _check_tables(tab, cu.tolist(), T, L)
+    o, ht = _segmented_forward(d, tab, T, scale)
+    assert _rel(o, o_ref) <= 1e-12, ("o", _rel(o, o_ref))
+    assert _rel(ht, ht_ref) <= 1e-12, ("final_state", _rel(ht, ht_ref))
+    # reference.gdn.cp's own exact CP forward on the same segment length agrees too
+    o_cp, ht_cp = cp_gated_delta_rule_fwd(
+        d["q"], d["k"], d["v"], d["g"], d["beta"], scale, d["initial_state"], True, cu, segment_len=L
+    )
+    assert _rel(o, o_cp) <= 1e-12 and _rel(ht, ht_cp) <= 1e-12
+
+
+def test_exact_cp_fixed_length_rows_fp64():
+    B, T, L = 2, 150, 64
+    d = make_gdn_inputs(B, T, 1, 2, 32, 16, dtype=torch.float64, seed=7)
+    scale = 32**-0.5
+    o_ref, ht_ref = recurrent_gated_delta_rule(d["q"], d["k"], d["v"], d["g"], d["beta"], scale, d["initial_state"], True)
+    tab = build_segment_tables(None, L, T=T, B=B)
+    o, ht = _segmented_forward(d, tab, T, scale)
+    assert _rel(o, o_ref) <= 1e-12 and _rel(ht, ht_ref) <= 1e-12
