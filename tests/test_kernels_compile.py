@@ -59,9 +59,9 @@ def test_prepare_v2_kernel_compiles(H, HV, dtype, beta_dtype, varlen):
     print(r)
     assert r["registers"] <= 128
     assert r["dynamic_smem"] is not None and r["dynamic_smem"] + r["static_smem"] <= 56 * 1024
-    # ptxas hoists loop-invariant shared-memory addresses out of the value-head loop and spills some
-    # of them (G > 1; NOTES.md); nothing else may spill
-    assert r["spill_stores"] <= 256 and r["spill_loads"] <= 256
+    # with the inverse GEMMs' K loops unrolled, ptxas hoisted their swizzled operand addresses out of
+    # the value-head loop and spilled ~136 B (`gemm_nt` keeps the slice loop rolled)
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0
 
 
 def test_prepare_variant_is_checked():

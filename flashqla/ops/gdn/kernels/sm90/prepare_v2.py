@@ -28,18 +28,19 @@ What changes against v1 (NOTES.md, "Prepare kernel: where its time goes"):
    transposed (E^T) to the GEMM operand;
 4. D^-1 is kept as a compact [64, 17] tile and expanded into the GEMM operands (D^-1 for
    F = D^-1 E, D^-T for A = G D^-1) by all 128 threads, instead of 64 threads writing two full tiles;
-5. one accumulator fragment live per GEMM (F goes to shared memory, G = (I - F) X), so the kernel
-   fits 128 registers with K K^T held;
+5. one accumulator fragment live per GEMM (F goes to shared memory, G = (I - F) X) and the GEMMs'
+   K loops kept rolled, so the kernel fits 128 registers with K K^T held;
 6. A diag(beta) is staged as a bf16 tile in shared memory and stored by one TMA store per value
    head, instead of 32 scalar 2-byte stores per thread;
 7. three fp32 64 x 64 tiles reused by hand (the value-head loop hides lifetimes from TileLang's
    planner): 54.25 KB dynamic + 1 KB static shared memory at G = 4, launch bounds (128, 4):
    four CTAs per SM (v1: 64.5 KB, three).
-ptxas (sm_90a, CUDA 13.0; `_common.ptxas_report`): 128 registers; for G > 1 it hoists the
-loop-invariant shared-memory addresses of the GEMM operands out of the value-head loop and spills
-about 30 of them (~136 B of stack, reloaded per value head; no data value spills; G = 1: none).
-`min_blocks=3` gives 168 registers and ~36 B, `min_blocks=2` 243 registers and no spills
-(`tests/gpu/prepare_v2_check.py` times all three).
+ptxas (sm_90a, CUDA 13.0; `_common.ptxas_report`): 128 registers, no spills at G = 1, 2 (H = 2),
+4 and 8; 4 B (one value) at H = 1, HV = 2 packed. The inverse GEMMs run their K loop as a rolled
+loop over 16-wide slices (`gemm_nt`, same products in the same order): with TileLang's fully
+unrolled K loop ptxas hoisted the ~32 swizzled operand addresses out of the value-head loop and
+spilled them (~136 B). `min_blocks=3` (or less) builds it uncapped: 161 registers, three CTAs per
+SM (`tests/gpu/prepare_v2_check.py` times both).
 
 Per CTA (128 threads, one warpgroup):
 1. map the slot to (sequence, chunk) (binary search over cu_seqlens for packed input; `_common`);
@@ -62,12 +63,14 @@ _PAD = BLOCK + 1  # 17 floats per row: rows of different diagonal blocks fall in
 #: CTAs per SM the kernel is built for (registers capped at 65536 / (128 * MIN_BLOCKS) per thread;
 #: shared memory <= 56 KB)
 MIN_BLOCKS = 4
+#: K slice of the tf32 inverse GEMMs (`gemm_nt`)
+KSLICE = 16
 
 
 def prepare_v2_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
                          min_blocks: int = MIN_BLOCKS, _skip: frozenset = frozenset()):
     """The v2 kernel for one static configuration. `min_blocks` is the CTAs-per-SM hint of the launch
-    bounds (4: 128 registers; 3: 168; 2: no cap in practice), a tuning knob for the GPU timing
+    bounds (4: 128 registers; 3 or less: 161, uncapped), a tuning knob for the GPU timing
     (`tests/gpu/prepare_v2_check.py`). `_skip` is a measuring aid only (results are wrong), as in
     v1: "subst" replaces D^-1 by the identity, "gemms" stores D^-1 instead of running the four
     inverse GEMMs."""
@@ -82,6 +85,14 @@ def prepare_v2_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
     Tn = T.dynamic("T")
     R = T.dynamic("R")  # slot rows = slots * 64
     Np1 = T.dynamic("Np1")
+
+    @T.macro
+    def gemm_nt(a, b, c):
+        """c = a b^T over K = 64 in slices of KSLICE, the slice loop kept rolled (unrolled, ptxas
+        hoists every slice's swizzled operand addresses out of the value-head loop and spills them)."""
+        T.clear(c)
+        for kk in T.unroll(C // KSLICE, unroll_factor=1):
+            T.gemm(a[:, kk * KSLICE : (kk + 1) * KSLICE], b[:, kk * KSLICE : (kk + 1) * KSLICE], c, transpose_B=True)
 
     @T.prim_func
     def gdn_prepare_v2_fwd(
@@ -193,23 +204,23 @@ def prepare_v2_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
                         # F = D^-1 E (WY-5)
                         for t, s in T.Parallel(C, C):
                             d_s[t, s] = T.if_then_else(t // BS == s // BS, di_s[t, s % BS], T.float32(0))
-                        T.gemm(d_s, et_s, f_f, transpose_B=True, clear_accum=True)
+                        gemm_nt(d_s, et_s, f_f)
                         T.copy(f_f, f_s)
                         for t, s in T.Parallel(C, C):
                             et_s[s, t] = f_f[t, s]
                         # X = I + F F  (F no longer held in registers: one accumulator per GEMM)
-                        T.gemm(f_s, et_s, x_f, transpose_B=True, clear_accum=True)
+                        gemm_nt(f_s, et_s, x_f)
                         for t, s in T.Parallel(C, C):
                             d_s[s, t] = x_f[t, s] + T.if_then_else(t == s, T.float32(1), T.float32(0))
                         # G = X - F X = (I - F) X  (WY-5's (I - F) factor as the left operand)
                         for t, s in T.Parallel(C, C):
                             et_s[t, s] = T.if_then_else(t == s, T.float32(1), T.float32(0)) - f_s[t, s]
-                        T.gemm(et_s, d_s, x_f, transpose_B=True, clear_accum=True)
+                        gemm_nt(et_s, d_s, x_f)
                         T.copy(x_f, f_s)
                         # A = G D^-1 (right operand D^-T, expanded from the compact blocks)
                         for t, s in T.Parallel(C, C):
                             d_s[s, t] = T.if_then_else(t // BS == s // BS, di_s[t, s % BS], T.float32(0))
-                        T.gemm(f_s, d_s, a_f, transpose_B=True, clear_accum=True)
+                        gemm_nt(f_s, d_s, a_f)
 
                     # A diag(beta), lower triangle, through shared memory to whole-row stores
                     for t, s in T.Parallel(C, C):
