@@ -109,6 +109,8 @@ def test_rule_overrides():
     with pytest.raises(ValueError):
         plan_cp(0, 1, 4096)
     assert plan_cp(8, 1, 4096, 64).BV == 64  # V = 64 has one slice width
+    with pytest.raises(ValueError):
+        plan_cp(8, 1, 4096, 96)
 
 
 # -------------------------------------------------------------------------------------------- tables
@@ -146,7 +148,7 @@ def _check_tables(tab, cu_list, T, L, B=1):
         k = int(tab.seq_num[n])
         assert mine == list(range(int(tab.seq_first[n]), int(tab.seq_first[n]) + k))
         assert int(tab.seq_last[n]) == (mine[-1] if mine else -1)
-        assert bool(tab.need_transition[mine].all()) == (k > 1) or not mine
+    assert (tab.need_transition == (v & ~tab.first & ~tab.last)).all()
     assert int(tab.seq_num.max() if N else 0) <= tab.max_segments_per_sequence(total)
 
 
@@ -221,7 +223,7 @@ def test_tables_without_host_sync(lengths):
     T = sum(lengths)
     expect = build_segment_tables(cu, 128, T=T)
     q = torch.zeros(1, T, 2, 16)
-    v = torch.zeros(1, T, 4, 16)
+    v = torch.zeros(1, T, 4, 128)
     with _no_host_reads():
         tab = build_segment_tables(cu, 128, T=T)
         plan, tab2 = get_cp_plan(q, v, cu, force=True, segment_len=128, sm_count_override=132)
@@ -231,6 +233,19 @@ def test_tables_without_host_sync(lengths):
     for f in ("cu_seqlens", "seq", "start", "end", "valid", "first", "last", "prev", "h0_index", "seq_first", "seq_num", "seq_last"):
         assert torch.equal(getattr(tab, f), getattr(expect, f)), f
         assert tab2 is None or torch.equal(getattr(tab2, f), getattr(expect, f)), f
+
+
+def test_tables_and_scan_on_meta_tensors():
+    """Meta tensors carry shapes and no values: anything that read a value would fail here."""
+    cu = torch.empty(5, dtype=torch.int32, device="meta")
+    tab = build_segment_tables(cu, 128, T=1000)
+    M = num_segment_slots(1000, 4, 128)
+    assert tab.M == M and tab.cu_seqlens.shape == (M + 1,) and tab.cu_seqlens.device.type == "meta"
+    assert tab.seq_first.shape == (4,) and tab.valid.dtype == torch.bool
+    P = torch.empty(M, 2, 4, 4, device="meta")
+    Q = torch.empty(M, 2, 4, 3, device="meta")
+    S, final = scan_segment_states(P, Q, tab, 1000, torch.empty(4, 2, 4, 3, device="meta"))
+    assert S.shape == (M, 2, 4, 3) and final.shape == (4, 2, 4, 3)
 
 
 def test_scan_without_host_sync():
@@ -253,7 +268,7 @@ def test_cache_keys_static_facts_and_follows_in_place_edits():
     cu = _cu([100, 300, 0, 150])
     T = 550
     q = torch.zeros(1, T, 2, 16)
-    v = torch.zeros(1, T, 4, 16)
+    v = torch.zeros(1, T, 4, 128)
     kw = dict(force=True, segment_len=128, sm_count_override=132)
     key = plan_key(q, v, cu, **kw)
     assert not any(isinstance(x, torch.Tensor) for x in key)
@@ -279,7 +294,7 @@ def test_cache_keys_static_facts_and_follows_in_place_edits():
 
 def test_unsplit_plan_has_no_tables():
     q = torch.zeros(1, 1024, 16, 16)
-    v = torch.zeros(1, 1024, 64, 16)
+    v = torch.zeros(1, 1024, 64, 128)
     plan, tab = get_cp_plan(q, v, _cu([512, 512]), sm_count_override=132)
     assert not plan.split and tab is None
 
@@ -287,19 +302,31 @@ def test_unsplit_plan_has_no_tables():
 # -------------------------------------------------------------------------- exact CP forward in fp64
 
 
-def _segmented_forward(d, tab, T_row, scale):
+def _segmented_forward(d, tab, T_row, scale, first_from_h0=False):
     """The exact CP forward assembled from the reference's stages on the planner's segments:
-    segment run from zero (pseudo cu_seqlens), maps (CP-1), the planner's combine scan (CP-2),
-    output correction (CP-3)."""
+    segment run (pseudo cu_seqlens; from zero, or from h0[h0_index] on first segments), maps (CP-1),
+    the planner's combine scan (CP-2), output correction (CP-3). With first_from_h0, P is poisoned
+    (NaN) on every slot the tables say needs no transition (last slots keep theirs for the final
+    state), and only need_correction slots are corrected."""
     flat = lambda x: x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:])  # noqa: E731
     q, k, v, g, beta = (flat(d[n]) for n in ("q", "k", "v", "g", "beta"))
     pcu = tab.cu_seqlens.to(torch.int64)
     lay = prepare_chunk_layout(1, q.shape[1], pcu, 64, q.device)
     g_cum = from_chunks(gate_cumsum(to_chunks(g, lay, dtype=torch.float64)), lay)
-    o0 = fused_chunk_fwd(q, k, v, g_cum, beta, scale, None, pcu, 64)["o"]
-    P, Q = segment_maps(k, v, g, beta, pcu, 64)
-    S_start, final = scan_segment_states(P, Q, tab, T_row * d["q"].shape[0], d["initial_state"])
-    o = o0 + output_correction(q, k, g, beta, S_start, scale, pcu, 64)
+    h0 = d["initial_state"]
+    h0_slots = None
+    if first_from_h0 and h0 is not None:
+        h0_slots = torch.where((tab.h0_index >= 0)[:, None, None, None], h0[tab.h0_index.clamp(min=0)], 0.0)
+    run = fused_chunk_fwd(q, k, v, g_cum, beta, scale, h0_slots, pcu, 64)
+    P, Q0 = segment_maps(k, v, g, beta, pcu, 64)
+    Q = Q0
+    if first_from_h0:
+        Q = run["final_state"]
+        P = torch.where((tab.need_transition | tab.last)[:, None, None, None], P, float("nan"))
+    S_start, final = scan_segment_states(P, Q, tab, T_row * d["q"].shape[0], h0, first_from_h0=first_from_h0)
+    if first_from_h0:
+        S_start = torch.where(tab.need_correction[:, None, None, None], S_start, 0.0)
+    o = run["o"] + output_correction(q, k, g, beta, S_start, scale, pcu, 64)
     return o.reshape(d["v"].shape), final
 
 
@@ -316,7 +343,8 @@ def _rel(a, b):
         ([200, 45], 192),  # a segment longer than the short sequence
     ],
 )
-def test_exact_cp_on_planner_segments_fp64(lengths, L):
+@pytest.mark.parametrize("first_from_h0", [False, True])
+def test_exact_cp_on_planner_segments_fp64(lengths, L, first_from_h0):
     T = sum(lengths)
     d = make_gdn_inputs(1, T, 1, 2, 32, 16, seqlens=lengths, dtype=torch.float64, seed=len(lengths) + L)
     cu = d["cu_seqlens"]
@@ -326,7 +354,7 @@ def test_exact_cp_on_planner_segments_fp64(lengths, L):
     )
     tab = build_segment_tables(cu, L, T=T)
     _check_tables(tab, cu.tolist(), T, L)
-    o, ht = _segmented_forward(d, tab, T, scale)
+    o, ht = _segmented_forward(d, tab, T, scale, first_from_h0)
     assert _rel(o, o_ref) <= 1e-12, ("o", _rel(o, o_ref))
     assert _rel(ht, ht_ref) <= 1e-12, ("final_state", _rel(ht, ht_ref))
     # reference.gdn.cp's own exact CP forward on the same segment length agrees too
@@ -336,11 +364,12 @@ def test_exact_cp_on_planner_segments_fp64(lengths, L):
     assert _rel(o, o_cp) <= 1e-12 and _rel(ht, ht_cp) <= 1e-12
 
 
-def test_exact_cp_fixed_length_rows_fp64():
+@pytest.mark.parametrize("first_from_h0", [False, True])
+def test_exact_cp_fixed_length_rows_fp64(first_from_h0):
     B, T, L = 2, 150, 64
     d = make_gdn_inputs(B, T, 1, 2, 32, 16, dtype=torch.float64, seed=7)
     scale = 32**-0.5
     o_ref, ht_ref = recurrent_gated_delta_rule(d["q"], d["k"], d["v"], d["g"], d["beta"], scale, d["initial_state"], True)
     tab = build_segment_tables(None, L, T=T, B=B)
-    o, ht = _segmented_forward(d, tab, T, scale)
+    o, ht = _segmented_forward(d, tab, T, scale, first_from_h0)
     assert _rel(o, o_ref) <= 1e-12 and _rel(ht, ht_ref) <= 1e-12

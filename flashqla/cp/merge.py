@@ -4,6 +4,14 @@
 segments in slot order, S <- P_j S + Q_j, from the sequence's initial state (or zeros). Its loop
 count is ceil(T / L), a bound from shapes alone, and every step is a masked gather / scatter over all
 sequences at once, so it needs no host synchronisation either.
+
+Two launch schemes fit the tables:
+  first_from_h0=False  every segment runs from zero; Q_j is its zero-start end state and every valid
+                       slot (first ones included, when there is an initial state) is corrected;
+  first_from_h0=True   first segments run from h0[h0_index] (their outputs and end state are then
+                       exact: Q_j of a first slot IS its end state and its P is never read); only
+                       slots with need_correction are corrected, and P is read only where
+                       need_transition or for the last segment's final state.
 """
 
 from __future__ import annotations
@@ -15,27 +23,30 @@ from flashqla.cp.planner import SegmentTables
 __all__ = ["scan_segment_states"]
 
 
-def scan_segment_states(P: torch.Tensor, Q: torch.Tensor, tables: SegmentTables, T: int, initial_state=None):
+def scan_segment_states(P: torch.Tensor, Q: torch.Tensor, tables: SegmentTables, T: int, initial_state=None,
+                        first_from_h0: bool = False):
     """The exact state entering every segment slot and every sequence's final state.
 
     Args:
-        P: [M, HV, K, K] each slot's transition (any value on slots that need none: it is not read
-            there, except that inert slots are skipped by the mask); Q: [M, HV, K, V] each slot's
-            zero-start end state; tables: `build_segment_tables`; T: tokens per row (the shape-only
-            bound ceil(T / L) on segments per sequence); initial_state: None or [N, HV, K, V].
+        P: [M, HV, K, K] each slot's transition (read only on valid slots, and not on first slots when
+            first_from_h0); Q: [M, HV, K, V] each slot's end state from its run (zero start, or h0 for
+            first slots when first_from_h0); tables: `build_segment_tables`; T: tokens per row (the
+            shape-only bound ceil(T / L) on segments per sequence); initial_state: None or
+            [N, HV, K, V]; first_from_h0: see the module docstring.
     Returns:
-        (S_start [M, HV, K, V] (zeros on inert slots), final_state [N, HV, K, V]) in Q's dtype.
+        (S_start [M, HV, K, V] (the entering state of each valid slot, zeros on inert slots),
+        final_state [N, HV, K, V] (initial state, or zeros, for an empty sequence)) in Q's dtype.
     """
     M, HV, K, V = Q.shape
     N = tables.N
     S = Q.new_zeros(N, HV, K, V) if initial_state is None else initial_state.to(Q.dtype).clone()
-    starts = Q.new_zeros(M + 1, HV, K, V)  # row M collects the writes of inactive sequences
+    starts = Q.new_zeros(M + 1, HV, K, V)  # row M takes the writes of sequences with no segment j
     dummy = torch.full_like(tables.seq_first, M)
-    for j in range(tables.max_segments_per_sequence(T)):
+    for j in range(tables.max_segments_per_sequence(T) if M else 0):
         active = j < tables.seq_num  # [N]
         slot = torch.where(active, tables.seq_first + j, dummy)
         starts = starts.index_copy(0, slot, S)
-        src = slot.clamp(max=max(M - 1, 0))
-        if M:
-            S = torch.where(active[:, None, None, None], P[src] @ S + Q[src], S)
+        src = slot.clamp(max=M - 1)
+        nxt = Q[src] if (first_from_h0 and j == 0) else P[src] @ S + Q[src]
+        S = torch.where(active[:, None, None, None], nxt, S)
     return starts[:M], S

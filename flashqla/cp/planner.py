@@ -38,8 +38,8 @@ L = SEGMENT_QUANTUM * j (512 tokens = 8 chunks, as FlashInfer's exact CP; always
 64-token chunk) with L < l_max, and splits when the best split is predicted at least MIN_GAIN = 1.2x
 faster than the best unsplit launch (among split candidates within TIE = 3% of the best, the
 longest L wins: fewer waves, fewer scan steps, less overhead the model leaves out). The optimum
-lands where the segment CTAs fill one or a few whole waves: shorter segments do not shorten the critical path below total work / slots and add
-scan steps; longer ones leave SMs idle. Examples at 132 SMs (exact mode / gate-driven default):
+lands where the segment CTAs fill one or a few whole waves: shorter segments do not shorten the
+critical path below total work / slots and add scan steps; longer ones leave SMs idle. Examples at 132 SMs (exact mode / gate-driven default):
 2/8 1x32768 -> split, L = 2048, BV = 128, 16 segments x 8 heads = 128 CTAs (one wave), predicted
 3.8x / 5.5x; 32/32 1x4096 -> no split / L = 1024 (1.4x); 16/64 4x8192 (256 CTAs unsplit) ->
 no split. `disable=True` never splits; `force=True` always splits (the best split, or
@@ -68,7 +68,10 @@ increasing slot bases, no `.item()`, `.tolist()`, `.cpu()`, no data-dependent Py
     prev [M]            slot of the previous segment of the same sequence, -1 if none: the combine
                         order (segments of a sequence are consecutive slots, first to last)
     h0_index [M]        the sequence whose initial state a first segment starts from, else -1
-    need_transition [M] valid and the sequence has > 1 segment (P is needed)
+    need_transition [M] valid, not first, not last: P_j is needed for the next segment's entering
+                        state (a first segment runs from h0 and ends exact; a last one's P S only
+                        feeds the final state, which its correction pass produces: X = P_<c S
+                        walks to P S at the segment's end)
     need_correction [M] valid and not first (its entering state is not known at launch)
     seq_first, seq_num, seq_last [N]  first slot, segment count, last slot (-1 when empty): the final
                         state of sequence n is the state leaving slot seq_last[n] (h0 when empty)
@@ -99,15 +102,19 @@ Kernel launches (future work; nothing below exists yet as a kernel)
 -------------------------------------------------------------------
 1. prepare kernel over the pseudo `cu_seqlens` (slot count floor(T / 64) + M): segments are
    chunk-aligned within their sequence, so every chunk's g_cum and A diag(beta) are unchanged;
-2. segment run: the existing recurrent kernel with the pseudo `cu_seqlens`, N' = M, from zero state
-   (or h0[h0_index] for first segments), giving O(0) and Q (the zero-start end state) per slot;
-   inert slots exit at once;
-3. segment transition: P_j = prod_c (gamma_C I - T_c) per (slot, head) where need_transition;
-4. combine scan: per (sequence, head, value slice) walk seq_first[n] .. seq_first[n] + seq_num[n]
-   - 1, S <- P_j S + Q_j (CP-2), writing the entering state of each slot and the final state
-   (`flashqla.cp.merge.scan_segment_states` is its torch twin);
-5. output correction: o += scale D R P_<c S_start per chunk where need_correction (CP-3), or
-   equivalently a second recurrent run from the entering states.
+2. segment run: the existing recurrent kernel with the pseudo `cu_seqlens`, N' = M, from h0[h0_index]
+   for first segments and zero state elsewhere (the kernel needs an initial-state index, or a
+   gathered [M, HV, K, V] h0), giving o (exact for first segments, O(0) elsewhere) and each slot's
+   end state Q; inert slots exit at once;
+3. segment transition: P_j = prod_c (gamma_C I - T_c) per (slot, head) where need_transition
+   (could be fused into launch 2 as an extra K x K "state");
+4. combine scan: per (sequence, head, value slice) walk seq_first[n] + 1 .. seq_first[n] +
+   seq_num[n] - 1, S <- P_j S + Q_j (CP-2), writing the entering state of each slot
+   (`flashqla.cp.merge.scan_segment_states(first_from_h0=True)` is its torch twin; the gate-driven
+   shortcut cuts the chain where P_j is skipped);
+5. output correction: o += scale D R P_<c S_start per chunk where need_correction (CP-3), ending
+   with the last segment's final state Q + P S; or equivalently a second recurrent run of those
+   segments from their entering states.
 """
 
 from __future__ import annotations
@@ -249,7 +256,7 @@ def plan_cp(
         max_seqlen: optional host-side bound on the longest sequence (else balanced lengths).
 
     Returns a `CPPlan`. Raises ValueError for non-positive sizes, force with disable, a segment_len
-    that is not a positive multiple of 64, or a V no BV choice divides.
+    that is not a positive multiple of 64, or a V that no width in BV_CHOICES divides.
     """
     if HV <= 0 or N < 0 or T < 0 or V <= 0 or sm_count <= 0:
         raise ValueError(f"plan_cp needs HV, V, sm_count > 0 and N, T >= 0, got HV={HV} N={N} T={T} V={V} sm_count={sm_count}")
@@ -257,17 +264,16 @@ def plan_cp(
         raise ValueError("force and disable are exclusive")
     if segment_len is not None and (segment_len <= 0 or segment_len % CHUNK):
         raise ValueError(f"segment_len must be a positive multiple of {CHUNK}, got {segment_len}")
-    bvs = [bv for bv in BV_CHOICES if bv <= V and V % bv == 0] or ([V] if V < min(BV_CHOICES) else [])
+    bvs = [bv for bv in BV_CHOICES if V % bv == 0]
     if not bvs:
         raise ValueError(f"no value-slice width in {BV_CHOICES} divides V={V}")
-    cost = {bv: CHUNK_COST.get(bv, CHUNK_COST[min(CHUNK_COST)]) for bv in bvs}
     balanced = max_seqlen is None
     l_avg = _cdiv(T, max(N, 1))
     l_max = l_avg if balanced else max(0, min(int(max_seqlen), T))
     passes = PASSES_EXACT if exact else PASSES_GATED
 
     def unsplit(bv):
-        return _unsplit_time(bv, HV, V, N, l_avg, l_max, sm_count) if bv in CHUNK_COST else cost[bv] * l_max
+        return _unsplit_time(bv, HV, V, N, l_avg, l_max, sm_count)
 
     bv_u = min(bvs, key=lambda bv: (unsplit(bv), bvs.index(bv)))
     t_u = unsplit(bv_u)
@@ -279,7 +285,6 @@ def plan_cp(
         (_split_time(bv, HV, V, T, N, L, l_avg, l_max, balanced, sm_count, passes), L, bv)
         for L in lens
         for bv in bvs
-        if bv in CHUNK_COST
     ]
     best = None
     if cands:  # among near-ties (within TIE), the longest segments: fewest waves and scan steps
@@ -478,7 +483,7 @@ def build_segment_tables(cu_seqlens, segment_len: int, *, T: int | None = None, 
         last=last,
         prev=torch.where(valid & (j > 0), slot - 1, neg),
         h0_index=torch.where(first, n, neg),
-        need_transition=valid & ~(first & last),
+        need_transition=valid & ~first & ~last,
         need_correction=valid & ~first,
         seq_first=base,
         seq_num=nseg,
