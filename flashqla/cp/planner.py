@@ -20,8 +20,9 @@ splitting (an unbalanced mix only gains more from a split; `force` covers a call
 
 Cost model, in units of one chunk step of the recurrent kernel at BV = 128 (~3.3 us on the H200):
 
-    t(BV)        per-CTA cost of one chunk: t(128) = 1.0, t(64) = 0.8 (NOTES.md: 32/32 1x4096, the
-                 recurrent kernel at BV = 64 took 0.236 ms, at BV = 128 0.296 ms, same chunk count)
+    t(BV)        per-CTA cost of one chunk: t(128) = 1.0, t(64) = 0.8 (NOTES.md, 32/32 1x4096, both
+                 launches under one wave: the op took 0.318 ms at BV = 64 and 0.378 ms at BV = 128;
+                 less the 0.082 ms prepare kernel, 0.236 vs 0.296 ms for the same chunk count)
     slots        SMs x CTAs per SM; both widths fit one CTA per SM (137 KB / 113 KB shared memory,
                  384 x 168 / 256 x 202 registers)
     unsplit      t(BV) * max(ceil(l_max / 64), ceil(NV HV N / slots) * ceil(l_avg / 64))
@@ -39,7 +40,8 @@ L = SEGMENT_QUANTUM * j (512 tokens = 8 chunks, as FlashInfer's exact CP; always
 faster than the best unsplit launch (among split candidates within TIE = 3% of the best, the
 longest L wins: fewer waves, fewer scan steps, less overhead the model leaves out). The optimum
 lands where the segment CTAs fill one or a few whole waves: shorter segments do not shorten the
-critical path below total work / slots and add scan steps; longer ones leave SMs idle. Examples at 132 SMs (exact mode / gate-driven default):
+critical path below total work / slots and add scan steps; longer ones leave SMs idle.
+Examples at 132 SMs (exact mode / gate-driven default):
 2/8 1x32768 -> split, L = 2048, BV = 128, 16 segments x 8 heads = 128 CTAs (one wave), predicted
 3.8x / 5.5x; 32/32 1x4096 -> no split / L = 1024 (1.4x); 16/64 4x8192 (256 CTAs unsplit) ->
 no split. `disable=True` never splits; `force=True` always splits (the best split, or
@@ -120,7 +122,6 @@ Kernel launches (future work; nothing below exists yet as a kernel)
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
