@@ -13,6 +13,9 @@ no host synchronisation is needed to count chunks:
   cu_seqlens inside the kernel (slot_base(n) is strictly increasing in n). Slots that fall in a gap
   (or on an empty sequence) do nothing and are never read.
 
+Inside the kernels, `sequence_span` (one CTA per sequence: its token range and first slot) and
+`locate_slot` (one CTA per slot: the binary search back to (n, c)) emit this bookkeeping.
+
 Per-slot intermediates (`A`, `g_cum_log2`) are stored slot-major with all 64 rows written, rows past
 the end of the sequence filled with values that make them inert (A rows 0, g_cum_log2 repeating the
 last valid value), so the recurrent kernel can load whole 64-row tiles with TMA and mask nothing.
@@ -37,6 +40,8 @@ __all__ = [
     "ptxas_report",
     "num_slots",
     "slot_index",
+    "locate_slot",
+    "sequence_span",
     "tl_dtype",
 ]
 
@@ -167,3 +172,104 @@ def slot_index(n: int, c: int, T: int, cu_seqlens_host=None) -> int:
     if cu_seqlens_host is None:
         return n * ((T + CHUNK - 1) // CHUNK) + c
     return int(cu_seqlens_host[n]) // CHUNK + n + c
+
+
+# --------------------------------------------------------------------------------------------
+# chunk-slot bookkeeping emitted inside kernels (called while a kernel body is traced)
+# --------------------------------------------------------------------------------------------
+
+
+def _int32_vars(*names):
+    """One `T.alloc_var("int32")` per name, named as `name = T.alloc_var("int32")` in a kernel body
+    names it. The macros below take these as arguments and assign them: a T.macro returns a scalar
+    variable's current value, not the variable. Expressions (`n`, `slot`) and tensors reach the macros
+    through the closure instead, since binding a macro argument renames a TIR variable after the
+    parameter."""
+    import tilelang.language as T
+    from tvm.script.ir_builder import IRBuilder
+
+    out = []
+    for name in names:
+        var = T.alloc_var("int32")
+        IRBuilder.name(name, var)
+        out.append(var)
+    return out
+
+
+def sequence_span(n, cu_seqlens, Tn, varlen: bool):
+    """Token range and first slot of sequence `n`, for kernels with one CTA per sequence.
+
+    Call inside a kernel body (`with T.Kernel(...)`): `bos, seqlen, bidx, slot0, nchunks =
+    sequence_span(n, cu_seqlens, Tn, varlen)`, `Tn` being the dynamic T dimension. Returns the int32
+    variables bos (first token in the batch row), seqlen, bidx (batch row) and slot0 (slot of chunk
+    0, see the module docstring), and nchunks = ceil(seqlen / 64).
+    """
+    import tilelang.language as T
+
+    C = CHUNK
+    bos, seqlen, bidx, slot0 = _int32_vars("bos", "seqlen", "bidx", "slot0")
+
+    @T.macro
+    def span(bos, seqlen, bidx, slot0):
+        if varlen:
+            bos = T.cast(cu_seqlens[n], "int32")
+            seqlen = T.cast(cu_seqlens[n + 1], "int32") - bos
+            bidx = 0
+            slot0 = bos // C + n
+        else:
+            bos = 0
+            seqlen = Tn
+            bidx = n
+            slot0 = n * T.ceildiv(Tn, C)
+        nchunks = T.ceildiv(seqlen, C)
+        return nchunks
+
+    nchunks = span(bos, seqlen, bidx, slot0)
+    return bos, seqlen, bidx, slot0, nchunks
+
+
+def locate_slot(slot, cu_seqlens, Tn, Np1, varlen: bool):
+    """Sequence and chunk of chunk slot `slot`, for kernels with one CTA per slot.
+
+    Call inside a kernel body: `seq, chunk, bos, seqlen, bidx, nvalid, t0 = locate_slot(slot,
+    cu_seqlens, Tn, Np1, varlen)`, `Tn` and `Np1` being the dynamic T and len(cu_seqlens)
+    dimensions. Packed input: a binary search over cu_seqlens for the largest n in [0, N) with
+    floor(cu[n] / 64) + n <= slot (32 halvings, any N < 2^31). Returns the int32 variables seq,
+    chunk, bos, seqlen, bidx (as in `sequence_span`) and nvalid = min(seqlen - 64 chunk, 64) (<= 0 for
+    a slot in a gap), t0 = bos + 64 chunk.
+    """
+    import tilelang.language as T
+
+    C = CHUNK
+    seq, chunk, bos, seqlen, bidx, lo, hi, mid = _int32_vars("seq", "chunk", "bos", "seqlen", "bidx", "lo", "hi", "mid")
+
+    @T.macro
+    def locate(seq, chunk, bos, seqlen, bidx, lo, hi, mid):
+        if varlen:
+            # largest n in [0, N) with floor(cu[n] / 64) + n <= slot
+            lo = 0
+            hi = Np1 - 1
+            for _ in T.serial(32):
+                if hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if T.cast(cu_seqlens[mid], "int32") // C + mid <= slot:
+                        lo = mid
+                    else:
+                        hi = mid
+            seq = lo
+            bidx = 0
+            bos = T.cast(cu_seqlens[seq], "int32")
+            seqlen = T.cast(cu_seqlens[seq + 1], "int32") - bos
+            chunk = slot - (bos // C + seq)
+        else:
+            seq = slot // T.ceildiv(Tn, C)
+            chunk = slot % T.ceildiv(Tn, C)
+            bidx = seq
+            bos = 0
+            seqlen = Tn
+        nvalid = T.min(seqlen - chunk * C, C)
+        t0 = bos + chunk * C
+        return nvalid, t0
+
+    nvalid, t0 = locate(seq, chunk, bos, seqlen, bidx, lo, hi, mid)
+    return seq, chunk, bos, seqlen, bidx, nvalid, t0

@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slots, tl_dtype
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, locate_slot, num_slots, tl_dtype
 
 __all__ = ["build_dg_cumsum_kernel", "build_gva_reduce_kernel", "chunk_finish_bwd"]
 
@@ -39,37 +39,7 @@ def _dg_cumsum_prim_func(HV: int, seq_dtype: str, varlen: bool):
         dg: T.Tensor((B, Tn, HV), "float32"),
     ):
         with T.Kernel(R // C, HV, threads=C) as (slot, hv):
-            seq = T.alloc_var("int32")
-            chunk = T.alloc_var("int32")
-            bos = T.alloc_var("int32")
-            seqlen = T.alloc_var("int32")
-            bidx = T.alloc_var("int32")
-            lo = T.alloc_var("int32")
-            hi = T.alloc_var("int32")
-            mid = T.alloc_var("int32")
-            if varlen:
-                lo = 0
-                hi = Np1 - 1
-                for _ in T.serial(32):
-                    if hi - lo > 1:
-                        mid = (lo + hi) // 2
-                        if T.cast(cu_seqlens[mid], "int32") // C + mid <= slot:
-                            lo = mid
-                        else:
-                            hi = mid
-                seq = lo
-                bidx = 0
-                bos = T.cast(cu_seqlens[seq], "int32")
-                seqlen = T.cast(cu_seqlens[seq + 1], "int32") - bos
-                chunk = slot - (bos // C + seq)
-            else:
-                seq = slot // T.ceildiv(Tn, C)
-                chunk = slot % T.ceildiv(Tn, C)
-                bidx = seq
-                bos = 0
-                seqlen = Tn
-            nvalid = T.min(seqlen - chunk * C, C)
-            t0 = bos + chunk * C
+            seq, chunk, bos, seqlen, bidx, nvalid, t0 = locate_slot(slot, cu_seqlens, Tn, Np1, varlen)
             d_s = T.alloc_shared((C,), "float32")
             if nvalid > 0:
                 # reversed copy, inclusive cumsum, reversed store: dg_t = sum_{i >= t} dG_i

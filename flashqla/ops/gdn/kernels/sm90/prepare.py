@@ -43,7 +43,7 @@ import os
 
 import torch
 
-from flashqla.ops.gdn.kernels.sm90._common import CHUNK, RCP_LN2, compile_kernel, num_slots, tl_dtype
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, RCP_LN2, compile_kernel, locate_slot, num_slots, tl_dtype
 
 __all__ = ["DEFAULT_VARIANT", "VARIANTS", "build_prepare_kernel", "chunk_prepare_fwd", "prepare_kernel_args"]
 
@@ -80,38 +80,7 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
         g_cum_log2: T.Tensor((HV, R), "float32"),
     ):
         with T.Kernel(R // C, HV, threads=128) as (slot, hv):  # slots on x (up to 2^31 - 1)
-            seq = T.alloc_var("int32")
-            chunk = T.alloc_var("int32")
-            bos = T.alloc_var("int32")
-            seqlen = T.alloc_var("int32")
-            bidx = T.alloc_var("int32")
-            lo = T.alloc_var("int32")
-            hi = T.alloc_var("int32")
-            mid = T.alloc_var("int32")
-            if varlen:
-                # largest n in [0, N) with floor(cu[n] / 64) + n <= slot
-                lo = 0
-                hi = Np1 - 1
-                for _ in T.serial(32):
-                    if hi - lo > 1:
-                        mid = (lo + hi) // 2
-                        if T.cast(cu_seqlens[mid], "int32") // C + mid <= slot:
-                            lo = mid
-                        else:
-                            hi = mid
-                seq = lo
-                bidx = 0
-                bos = T.cast(cu_seqlens[seq], "int32")
-                seqlen = T.cast(cu_seqlens[seq + 1], "int32") - bos
-                chunk = slot - (bos // C + seq)
-            else:
-                seq = slot // T.ceildiv(Tn, C)
-                chunk = slot % T.ceildiv(Tn, C)
-                bidx = seq
-                bos = 0
-                seqlen = Tn
-            nvalid = T.min(seqlen - chunk * C, C)
-            t0 = bos + chunk * C
+            seq, chunk, bos, seqlen, bidx, nvalid, t0 = locate_slot(slot, cu_seqlens, Tn, Np1, varlen)
 
             k_s = T.alloc_shared((C, K), dtype)
             gc_s = T.alloc_shared((C,), acc)

@@ -53,7 +53,7 @@ Per CTA (128 threads, one warpgroup):
 5. g_cum_log2 of the G heads (64 contiguous floats per head).
 """
 
-from flashqla.ops.gdn.kernels.sm90._common import CHUNK, RCP_LN2
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, RCP_LN2, locate_slot
 
 __all__ = ["prepare_v2_prim_func"]
 
@@ -105,38 +105,7 @@ def prepare_v2_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
     ):
         with T.Kernel(R // C, H, threads=128) as (slot, hk):  # slots on x (up to 2^31 - 1)
             T.annotate_min_blocks_per_sm(min_blocks)
-            seq = T.alloc_var("int32")
-            chunk = T.alloc_var("int32")
-            bos = T.alloc_var("int32")
-            seqlen = T.alloc_var("int32")
-            bidx = T.alloc_var("int32")
-            lo = T.alloc_var("int32")
-            hi = T.alloc_var("int32")
-            mid = T.alloc_var("int32")
-            if varlen:
-                # largest n in [0, N) with floor(cu[n] / 64) + n <= slot
-                lo = 0
-                hi = Np1 - 1
-                for _ in T.serial(32):
-                    if hi - lo > 1:
-                        mid = (lo + hi) // 2
-                        if T.cast(cu_seqlens[mid], "int32") // C + mid <= slot:
-                            lo = mid
-                        else:
-                            hi = mid
-                seq = lo
-                bidx = 0
-                bos = T.cast(cu_seqlens[seq], "int32")
-                seqlen = T.cast(cu_seqlens[seq + 1], "int32") - bos
-                chunk = slot - (bos // C + seq)
-            else:
-                seq = slot // T.ceildiv(Tn, C)
-                chunk = slot % T.ceildiv(Tn, C)
-                bidx = seq
-                bos = 0
-                seqlen = Tn
-            nvalid = T.min(seqlen - chunk * C, C)
-            t0 = bos + chunk * C
+            seq, chunk, bos, seqlen, bidx, nvalid, t0 = locate_slot(slot, cu_seqlens, Tn, Np1, varlen)
             row0 = slot * C
 
             # Three fp32 64 x 64 tiles, reused by hand (the value-head loop hides the lifetimes from

@@ -30,7 +30,7 @@ made by TileLang's pipeliner from `T.Pipelined`) plus one (BV = 64; 256 threads,
 memory, 202 registers) or two (BV = 128; 384 threads, 137 KB, setmaxnreg 24 / 240, 168 registers at
 entry, no spills) consumer warpgroups, each owning 64 value rows of S^T. One CTA per SM.
 Two schedules of the same products (`SCHEDULES`; bitwise-identical results on the H200):
-"overlap" (default, `_recurrent_overlap_prim_func`) issues independent wgmma back to back and hides
+"overlap" (default) issues independent wgmma back to back and hides
 the output path (Q K^T, Gamma, Pg, the o store) under the state chain; "serial" (the first version,
 kept for comparison) waits for each wgmma before the next step. Timings in NOTES.md.
 Tail chunks load whole 64-row tiles: rows past the end of the sequence are inert because the prepare
@@ -42,20 +42,41 @@ import os
 
 import torch
 
-from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slots, tl_dtype
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slots, sequence_span, tl_dtype
 
 __all__ = ["DEFAULT_SCHEDULE", "SCHEDULES", "build_recurrent_kernel", "chunk_recurrent_fwd", "pick_block_v", "recurrent_kernel_args"]
 
 
-def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, seq_dtype: str, varlen: bool):
-    import tilelang.language as T
+def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, seq_dtype: str, varlen: bool,
+                         schedule: str):
+    """The recurrent kernel in one of its two schedules (`SCHEDULES`): the same products and stages,
+    one signature, prologue, chunk loads and final-state store, two chunk-loop bodies.
 
+    "serial" (the first version) waits for each wgmma before the next step. "overlap" runs
+    independent wgmma back to back and hides the output path under the state chain:
+
+        1. issue U^T = S^T K^T, P = Q K^T, O^T = S^T Q^T; wait for U^T; W^T; wait for the other two
+        2. issue v_new^T = W^T A_beta^T; meanwhile Pg -> shared memory, O^T *= scale gamma,
+           S^T *= gamma_C; wait
+        3. issue O^T += v_new^T Pg^T, then S^T += (v_new^T diag(r)) K; wait for O^T only, store o
+           while the state update runs; wait
+    In "overlap", v and o go through 128-byte-swizzled shared tiles (no bank conflicts on the
+    transposed accesses), and each issue-and-wait group is one statement of the pipelined loop body,
+    so the pipeliner releases a stage buffer only after the last wgmma that reads it has completed.
+    """
+    import tilelang.language as T
+    from tilelang.layout import make_swizzled_layout
+
+    overlap = schedule == "overlap"
     C = CHUNK
     G = HV // H
     NV = V // BV
     consumer_threads = 256 if BV == 128 else 128
     row_policy = T.GemmWarpPolicy.FullRow
     acc = "float32"
+    # per-thread 32-bit registers of the fragments (each consumer warpgroup owns 64 rows of S^T)
+    r_acc = 64 * C // 128  # [64, 64] fp32 accumulator slice per warpgroup
+    r_st = 64 * K // 128
 
     B = T.dynamic("B")
     Tn = T.dynamic("T")
@@ -83,21 +104,7 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, s
             iv = bx % NV
             hv = (bx // NV) % HV
             n = bx // (NV * HV)
-            bos = T.alloc_var("int32")
-            seqlen = T.alloc_var("int32")
-            bidx = T.alloc_var("int32")
-            slot0 = T.alloc_var("int32")
-            if varlen:
-                bos = T.cast(cu_seqlens[n], "int32")
-                seqlen = T.cast(cu_seqlens[n + 1], "int32") - bos
-                bidx = 0
-                slot0 = bos // C + n
-            else:
-                bos = 0
-                seqlen = Tn
-                bidx = n
-                slot0 = n * T.ceildiv(Tn, C)
-            nchunks = T.ceildiv(seqlen, C)
+            bos, seqlen, bidx, slot0, nchunks = sequence_span(n, cu_seqlens, Tn, varlen)
             hk = hv // G
             v0 = iv * BV
             if consumer_threads == 256:
@@ -111,6 +118,8 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, s
             gc_s = T.alloc_shared((C,), acc)
             p_s = T.alloc_shared((C, C), dtype)
             o_s = T.alloc_shared((C, BV), dtype)
+            if overlap:
+                T.annotate_layout({v_s: make_swizzled_layout(v_s), o_s: make_swizzled_layout(o_s)})
 
             st = T.alloc_fragment((BV, K), acc)
             st_b = T.alloc_fragment((BV, K), dtype)
@@ -121,6 +130,9 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, s
             nvt_b = T.alloc_fragment((BV, C), dtype)
             vpt_b = T.alloc_fragment((BV, C), dtype)
             p_f = T.alloc_fragment((C, C), acc)
+            if overlap:
+                gam_f = T.alloc_fragment((C,), acc)  # gamma_s = exp2(g_cum_log2[s]) at this thread's columns
+                r_f = T.alloc_fragment((C,), acc)  # r_s = exp2(g_cum_log2[C-1] - g_cum_log2[s]) <= 1
 
             if use_h0 != 0:
                 for i, j in T.Parallel(BV, K):
@@ -137,186 +149,68 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, s
                 T.copy(A[hv, row0 : row0 + C, 0:C], a_s)
                 T.copy(g_cum_log2[hv, row0 : row0 + C], gc_s)
 
-                # Pg = scale * (Q K^T * Gamma), causal (t >= s); S-independent
-                T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
-                for t, s in T.Parallel(C, C):
-                    p_s[t, s] = T.cast(
-                        T.if_then_else(
-                            t >= s,
-                            scale * p_f[t, s] * T.exp2(T.if_then_else(t >= s, gc_s[t] - gc_s[s], T.float32(0))),
-                            T.float32(0),
-                        ),
-                        dtype,
-                    )
-                T.fence_proxy_async()
+                if overlap:  # schedule "overlap" (see the docstring)
+                    T.copy(st, st_b)
+                    for _ in T.serial(1):  # one statement of the loop body (see docstring)
+                        # U^T = S^T K^T (on the chain), P = Q K^T, O^T = S^T Q^T
+                        T.wgmma_gemm(st_b, k_s, ut, transpose_B=True, clear_accum=True, policy=row_policy)
+                        T.wgmma_gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
+                        T.wgmma_gemm(st_b, q_s, ot, transpose_B=True, clear_accum=True, policy=row_policy)
+                        for s in T.Parallel(C):
+                            gam_f[s] = T.exp2(gc_s[s])
+                            r_f[s] = T.exp2(T.min(gc_s[C - 1] - gc_s[s], T.float32(0)))
+                        T.wait_wgmma(2)
+                        T.warpgroup_fence_operand(ut, num_regs=r_acc)
+                        # W^T = V^T - U^T diag(gamma)
+                        for i, s in T.Parallel(BV, C):
+                            wt_b[i, s] = T.cast(T.cast(v_s[s, i], acc) - ut[i, s] * gam_f[s], dtype)
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(p_f, num_regs=C * C // consumer_threads)
+                        T.warpgroup_fence_operand(ot, num_regs=r_acc)
 
-                # U^T = S^T K^T and O^T = S^T Q^T from the bf16 copy of the state
-                T.copy(st, st_b)
-                T.gemm(st_b, k_s, ut, transpose_B=True, clear_accum=True, policy=row_policy)
-                T.gemm(st_b, q_s, ot, transpose_B=True, clear_accum=True, policy=row_policy)
-                # W^T = V^T - U^T diag(gamma)
-                for i, s in T.Parallel(BV, C):
-                    wt_b[i, s] = T.cast(T.cast(v_s[s, i], acc) - ut[i, s] * T.exp2(gc_s[s]), dtype)
-                # v_new^T = W^T A_beta^T
-                T.gemm(wt_b, a_s, nvt, transpose_B=True, clear_accum=True, policy=row_policy)
-                T.copy(nvt, nvt_b)
-                # O^T = scale O^T diag(gamma) + v_new^T Pg^T
-                for i, t in T.Parallel(BV, C):
-                    ot[i, t] = ot[i, t] * (scale * T.exp2(gc_s[t]))
-                T.gemm(nvt_b, p_s, ot, transpose_B=True, policy=row_policy)
-                # S^T = gamma_C S^T + (v_new^T diag(r)) K
-                for i, s in T.Parallel(BV, C):
-                    vpt_b[i, s] = T.cast(nvt[i, s] * T.exp2(T.min(gc_s[C - 1] - gc_s[s], T.float32(0))), dtype)
-                for i, j in T.Parallel(BV, K):
-                    st[i, j] = st[i, j] * T.exp2(gc_s[C - 1])
-                T.gemm(vpt_b, k_s, st, policy=row_policy)
+                    for _ in T.serial(1):
+                        # v_new^T = W^T A_beta^T (on the chain); the S-independent work runs meanwhile
+                        T.wgmma_gemm(wt_b, a_s, nvt, transpose_B=True, clear_accum=True, policy=row_policy)
+                        # Pg = scale * (Q K^T * Gamma), causal (t >= s)
+                        for t, s in T.Parallel(C, C):
+                            p_s[t, s] = T.cast(
+                                T.if_then_else(
+                                    t >= s,
+                                    scale * p_f[t, s] * T.exp2(T.if_then_else(t >= s, gc_s[t] - gc_s[s], T.float32(0))),
+                                    T.float32(0),
+                                ),
+                                dtype,
+                            )
+                        T.fence_proxy_async()
+                        for i, t in T.Parallel(BV, C):
+                            ot[i, t] = ot[i, t] * (scale * gam_f[t])
+                        for i, j in T.Parallel(BV, K):
+                            st[i, j] = st[i, j] * T.exp2(gc_s[C - 1])
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(nvt, num_regs=r_acc)
 
-                # o rows of this chunk (only rows inside the sequence)
-                for t, i in T.Parallel(C, BV):
-                    o_s[t, i] = T.cast(ot[i, t], dtype)
-                nvalid = T.min(seqlen - c * C, C)
-                for t, i in T.Parallel(C, BV):
-                    if t < nvalid:
-                        o[bidx, t0 + t, hv, v0 + i] = o_s[t, i]
-
-            if store_ht != 0:
-                for i, j in T.Parallel(BV, K):
-                    ht[n, hv, j, v0 + i] = st[i, j]
-
-    return gdn_recurrent_fwd
-
-
-def _recurrent_overlap_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, seq_dtype: str, varlen: bool):
-    """Same products and stages as `_recurrent_prim_func`, scheduled so that independent wgmma run
-    back to back and the output path hides under the state chain (schedule "overlap"):
-
-        1. issue U^T = S^T K^T, P = Q K^T, O^T = S^T Q^T; wait for U^T; W^T; wait for the other two
-        2. issue v_new^T = W^T A_beta^T; meanwhile Pg -> shared memory, O^T *= scale gamma,
-           S^T *= gamma_C; wait
-        3. issue O^T += v_new^T Pg^T, then S^T += (v_new^T diag(r)) K; wait for O^T only, store o
-           while the state update runs; wait
-    v and o go through 128-byte-swizzled shared tiles (no bank conflicts on the transposed
-    accesses). Each issue-and-wait group is one statement of the pipelined loop body, so the
-    pipeliner releases a stage buffer only after the last wgmma that reads it has completed.
-    """
-    import tilelang.language as T
-    from tilelang.layout import make_swizzled_layout
-
-    C = CHUNK
-    G = HV // H
-    NV = V // BV
-    consumer_threads = 256 if BV == 128 else 128
-    row_policy = T.GemmWarpPolicy.FullRow
-    acc = "float32"
-    # per-thread 32-bit registers of the fragments (each consumer warpgroup owns 64 rows of S^T)
-    r_acc = 64 * C // 128  # [64, 64] fp32 accumulator slice per warpgroup
-    r_st = 64 * K // 128
-
-    B = T.dynamic("B")
-    Tn = T.dynamic("T")
-    R = T.dynamic("R")
-    Np1 = T.dynamic("Np1")
-    N0 = T.dynamic("N0")
-    N1 = T.dynamic("N1")
-
-    @T.prim_func
-    def gdn_recurrent_fwd(
-        q: T.Tensor((B, Tn, H, K), dtype),
-        k: T.Tensor((B, Tn, H, K), dtype),
-        v: T.Tensor((B, Tn, HV, V), dtype),
-        A: T.Tensor((HV, R, C), dtype),
-        g_cum_log2: T.Tensor((HV, R), "float32"),
-        h0: T.Tensor((N0, HV, K, V), "float32"),
-        cu_seqlens: T.Tensor((Np1,), seq_dtype),
-        scale: T.float32,
-        use_h0: T.int32,
-        store_ht: T.int32,
-        o: T.Tensor((B, Tn, HV, V), dtype),
-        ht: T.Tensor((N1, HV, K, V), "float32"),
-    ):
-        with T.Kernel(NV * HV * ((Np1 - 1) if varlen else B), threads=consumer_threads) as (bx,):
-            iv = bx % NV
-            hv = (bx // NV) % HV
-            n = bx // (NV * HV)
-            bos = T.alloc_var("int32")
-            seqlen = T.alloc_var("int32")
-            bidx = T.alloc_var("int32")
-            slot0 = T.alloc_var("int32")
-            if varlen:
-                bos = T.cast(cu_seqlens[n], "int32")
-                seqlen = T.cast(cu_seqlens[n + 1], "int32") - bos
-                bidx = 0
-                slot0 = bos // C + n
-            else:
-                bos = 0
-                seqlen = Tn
-                bidx = n
-                slot0 = n * T.ceildiv(Tn, C)
-            nchunks = T.ceildiv(seqlen, C)
-            hk = hv // G
-            v0 = iv * BV
-            if consumer_threads == 256:
-                T.annotate_producer_reg_dealloc(24)
-                T.annotate_consumer_reg_alloc(240)
-
-            q_s = T.alloc_shared((C, K), dtype)
-            k_s = T.alloc_shared((C, K), dtype)
-            v_s = T.alloc_shared((C, BV), dtype)
-            a_s = T.alloc_shared((C, C), dtype)
-            gc_s = T.alloc_shared((C,), acc)
-            p_s = T.alloc_shared((C, C), dtype)
-            o_s = T.alloc_shared((C, BV), dtype)
-            T.annotate_layout({v_s: make_swizzled_layout(v_s), o_s: make_swizzled_layout(o_s)})
-
-            st = T.alloc_fragment((BV, K), acc)
-            st_b = T.alloc_fragment((BV, K), dtype)
-            ut = T.alloc_fragment((BV, C), acc)
-            ot = T.alloc_fragment((BV, C), acc)
-            nvt = T.alloc_fragment((BV, C), acc)
-            wt_b = T.alloc_fragment((BV, C), dtype)
-            nvt_b = T.alloc_fragment((BV, C), dtype)
-            vpt_b = T.alloc_fragment((BV, C), dtype)
-            p_f = T.alloc_fragment((C, C), acc)
-            gam_f = T.alloc_fragment((C,), acc)  # gamma_s = exp2(g_cum_log2[s]) at this thread's columns
-            r_f = T.alloc_fragment((C,), acc)  # r_s = exp2(g_cum_log2[C-1] - g_cum_log2[s]) <= 1
-
-            if use_h0 != 0:
-                for i, j in T.Parallel(BV, K):
-                    st[i, j] = h0[n, hv, j, v0 + i]
-            else:
-                T.clear(st)
-
-            for c in T.Pipelined(nchunks, num_stages=2):
-                t0 = bos + c * C
-                row0 = (slot0 + c) * C
-                T.copy(q[bidx, t0 : t0 + C, hk, 0:K], q_s)
-                T.copy(k[bidx, t0 : t0 + C, hk, 0:K], k_s)
-                T.copy(v[bidx, t0 : t0 + C, hv, v0 : v0 + BV], v_s)
-                T.copy(A[hv, row0 : row0 + C, 0:C], a_s)
-                T.copy(g_cum_log2[hv, row0 : row0 + C], gc_s)
-
-                T.copy(st, st_b)
-                for _ in T.serial(1):  # one statement of the loop body (see docstring)
-                    # U^T = S^T K^T (on the chain), P = Q K^T, O^T = S^T Q^T
-                    T.wgmma_gemm(st_b, k_s, ut, transpose_B=True, clear_accum=True, policy=row_policy)
-                    T.wgmma_gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
-                    T.wgmma_gemm(st_b, q_s, ot, transpose_B=True, clear_accum=True, policy=row_policy)
-                    for s in T.Parallel(C):
-                        gam_f[s] = T.exp2(gc_s[s])
-                        r_f[s] = T.exp2(T.min(gc_s[C - 1] - gc_s[s], T.float32(0)))
-                    T.wait_wgmma(2)
-                    T.warpgroup_fence_operand(ut, num_regs=r_acc)
-                    # W^T = V^T - U^T diag(gamma)
                     for i, s in T.Parallel(BV, C):
-                        wt_b[i, s] = T.cast(T.cast(v_s[s, i], acc) - ut[i, s] * gam_f[s], dtype)
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(p_f, num_regs=C * C // consumer_threads)
-                    T.warpgroup_fence_operand(ot, num_regs=r_acc)
+                        nvt_b[i, s] = T.cast(nvt[i, s], dtype)
+                        vpt_b[i, s] = T.cast(nvt[i, s] * r_f[s], dtype)
 
-                for _ in T.serial(1):
-                    # v_new^T = W^T A_beta^T (on the chain); the S-independent work runs meanwhile
-                    T.wgmma_gemm(wt_b, a_s, nvt, transpose_B=True, clear_accum=True, policy=row_policy)
-                    # Pg = scale * (Q K^T * Gamma), causal (t >= s)
+                    for _ in T.serial(1):
+                        # O^T += v_new^T Pg^T, then S^T = gamma_C S^T + (v_new^T diag(r)) K
+                        T.wgmma_gemm(nvt_b, p_s, ot, transpose_B=True, policy=row_policy)
+                        T.wgmma_gemm(vpt_b, k_s, st, policy=row_policy)
+                        T.wait_wgmma(1)
+                        T.warpgroup_fence_operand(ot, num_regs=r_acc)
+                        # o rows of this chunk (only rows inside the sequence) while S^T updates
+                        for t, i in T.Parallel(C, BV):
+                            o_s[t, i] = T.cast(ot[i, t], dtype)
+                        nvalid = T.min(seqlen - c * C, C)
+                        for t, i in T.Parallel(C, BV):
+                            if t < nvalid:
+                                o[bidx, t0 + t, hv, v0 + i] = o_s[t, i]
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(st, num_regs=r_st)
+                else:  # schedule "serial"
+                    # Pg = scale * (Q K^T * Gamma), causal (t >= s); S-independent
+                    T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
                     for t, s in T.Parallel(C, C):
                         p_s[t, s] = T.cast(
                             T.if_then_else(
@@ -327,32 +221,35 @@ def _recurrent_overlap_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype
                             dtype,
                         )
                     T.fence_proxy_async()
+
+                    # U^T = S^T K^T and O^T = S^T Q^T from the bf16 copy of the state
+                    T.copy(st, st_b)
+                    T.gemm(st_b, k_s, ut, transpose_B=True, clear_accum=True, policy=row_policy)
+                    T.gemm(st_b, q_s, ot, transpose_B=True, clear_accum=True, policy=row_policy)
+                    # W^T = V^T - U^T diag(gamma)
+                    for i, s in T.Parallel(BV, C):
+                        wt_b[i, s] = T.cast(T.cast(v_s[s, i], acc) - ut[i, s] * T.exp2(gc_s[s]), dtype)
+                    # v_new^T = W^T A_beta^T
+                    T.gemm(wt_b, a_s, nvt, transpose_B=True, clear_accum=True, policy=row_policy)
+                    T.copy(nvt, nvt_b)
+                    # O^T = scale O^T diag(gamma) + v_new^T Pg^T
                     for i, t in T.Parallel(BV, C):
-                        ot[i, t] = ot[i, t] * (scale * gam_f[t])
+                        ot[i, t] = ot[i, t] * (scale * T.exp2(gc_s[t]))
+                    T.gemm(nvt_b, p_s, ot, transpose_B=True, policy=row_policy)
+                    # S^T = gamma_C S^T + (v_new^T diag(r)) K
+                    for i, s in T.Parallel(BV, C):
+                        vpt_b[i, s] = T.cast(nvt[i, s] * T.exp2(T.min(gc_s[C - 1] - gc_s[s], T.float32(0))), dtype)
                     for i, j in T.Parallel(BV, K):
                         st[i, j] = st[i, j] * T.exp2(gc_s[C - 1])
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(nvt, num_regs=r_acc)
+                    T.gemm(vpt_b, k_s, st, policy=row_policy)
 
-                for i, s in T.Parallel(BV, C):
-                    nvt_b[i, s] = T.cast(nvt[i, s], dtype)
-                    vpt_b[i, s] = T.cast(nvt[i, s] * r_f[s], dtype)
-
-                for _ in T.serial(1):
-                    # O^T += v_new^T Pg^T, then S^T = gamma_C S^T + (v_new^T diag(r)) K
-                    T.wgmma_gemm(nvt_b, p_s, ot, transpose_B=True, policy=row_policy)
-                    T.wgmma_gemm(vpt_b, k_s, st, policy=row_policy)
-                    T.wait_wgmma(1)
-                    T.warpgroup_fence_operand(ot, num_regs=r_acc)
-                    # o rows of this chunk (only rows inside the sequence) while S^T updates
+                    # o rows of this chunk (only rows inside the sequence)
                     for t, i in T.Parallel(C, BV):
                         o_s[t, i] = T.cast(ot[i, t], dtype)
                     nvalid = T.min(seqlen - c * C, C)
                     for t, i in T.Parallel(C, BV):
                         if t < nvalid:
                             o[bidx, t0 + t, hv, v0 + i] = o_s[t, i]
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(st, num_regs=r_st)
 
             if store_ht != 0:
                 for i, j in T.Parallel(BV, K):
@@ -362,7 +259,7 @@ def _recurrent_overlap_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype
 
 
 #: Recurrent kernel schedules: "serial" (each wgmma waited before the next step) and "overlap"
-#: (`_recurrent_overlap_prim_func`).
+#: (both built by `_recurrent_prim_func`).
 SCHEDULES = ("serial", "overlap")
 #: The schedule `chunk_recurrent_fwd` uses when none is given (read at every call; the environment
 #: variable FLASHQLA_RECURRENT_SCHEDULE sets it at import).
@@ -381,8 +278,7 @@ def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str,
         raise ValueError(f"value slice width BV must be 64 or 128 and divide V = {V}, got {BV}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    make = _recurrent_overlap_prim_func if schedule == "overlap" else _recurrent_prim_func
-    func = make(H, HV, K, V, BV, dtype, seq_dtype, varlen)
+    func = _recurrent_prim_func(H, HV, K, V, BV, dtype, seq_dtype, varlen, schedule)
     name = f"gdn_recurrent_fwd_H{H}_HV{HV}_K{K}_V{V}_BV{BV}_{dtype}_{seq_dtype}_{int(varlen)}_{schedule}"
     return compile_kernel(func, name)
 

@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slots, tl_dtype
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slots, sequence_span, tl_dtype
 
 __all__ = ["build_states_kernel", "chunk_states_bwd", "states_kernel_args"]
 
@@ -56,21 +56,7 @@ def _states_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str,
             iv = bx % NV
             hv = (bx // NV) % HV
             n = bx // (NV * HV)
-            bos = T.alloc_var("int32")
-            seqlen = T.alloc_var("int32")
-            bidx = T.alloc_var("int32")
-            slot0 = T.alloc_var("int32")
-            if varlen:
-                bos = T.cast(cu_seqlens[n], "int32")
-                seqlen = T.cast(cu_seqlens[n + 1], "int32") - bos
-                bidx = 0
-                slot0 = bos // C + n
-            else:
-                bos = 0
-                seqlen = Tn
-                bidx = n
-                slot0 = n * T.ceildiv(Tn, C)
-            nchunks = T.ceildiv(seqlen, C)
+            bos, seqlen, bidx, slot0, nchunks = sequence_span(n, cu_seqlens, Tn, varlen)
             hk = hv // G
             v0 = iv * BV
 
