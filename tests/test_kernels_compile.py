@@ -80,8 +80,10 @@ def test_prepare_variant_is_checked():
 def test_prepare_default_variant_shares_the_cache_entry():
     from flashqla.ops.gdn.kernels.sm90.prepare import build_prepare_kernel
 
+    from flashqla.ops.gdn.kernels.sm90.prepare import DEFAULT_VARIANT
+
     args = (2, 4, 128, "bfloat16", "float32", "int32", True)
-    assert build_prepare_kernel(*args) is build_prepare_kernel(*args, "v1")
+    assert build_prepare_kernel(*args) is build_prepare_kernel(*args, DEFAULT_VARIANT)
 
 
 @pytest.mark.parametrize("nvalid", [64, 37, 1])
