@@ -74,19 +74,34 @@ def test_build_kernels_knows_the_backward_kinds():
         sm90._build("bogus", ())
 
 
-def test_experimental_bwd_needs_opt_in(monkeypatch):
-    from flashqla.ops.gdn.bwd_experimental import EXPERIMENTAL_ENV, chunk_gated_delta_rule_bwd
+def test_custom_ops_fake_shapes_on_meta():
+    """The torch.library fake implementations (what torch.compile traces) give the kernels' output
+    shapes and dtypes: fixed length and packed, with and without states."""
+    import flashqla.ops.gdn.autograd  # noqa: F401 - registers flashqla::gdn_fwd / gdn_bwd
 
-    monkeypatch.delenv(EXPERIMENTAL_ENV, raising=False)
-    x = torch.zeros(1, 1, 1, 128)
-    with pytest.raises(NotImplementedError, match="not verified"):
-        chunk_gated_delta_rule_bwd(x, x, x, x[..., 0], x[..., 0], None, None, x)
+    m = dict(device="meta")
+    for B, T, cu, N in ((2, 130, None, 2), (1, 300, torch.tensor([0, 5, 5, 300], **m), 3)):
+        q = torch.empty(B, T, 2, 128, dtype=torch.bfloat16, **m)
+        v = torch.empty(B, T, 4, 128, dtype=torch.bfloat16, **m)
+        g = torch.empty(B, T, 4, **m)
+        h0 = torch.empty(N, 4, 128, 128, **m)
+        S = B * 3 if cu is None else 300 // 64 + 3
+        o, ht, A, gc = torch.ops.flashqla.gdn_fwd(q, q, v, g, g, 0.1, h0, True, cu)
+        assert o.shape == v.shape and o.dtype == torch.bfloat16
+        assert ht.shape == (N, 4, 128, 128) and ht.dtype == torch.float32
+        assert A.shape == (4, S * 64, 64) and A.dtype == torch.bfloat16
+        assert gc.shape == (4, S * 64) and gc.dtype == torch.float32
+        _, ht, _, _ = torch.ops.flashqla.gdn_fwd(q, q, v, g, g, 0.1, None, False, cu)
+        assert ht.numel() == 0
+        dq, dk, dv, dg, dbeta, dh0 = torch.ops.flashqla.gdn_bwd(q, q, v, g, g, A, gc, v, h0, 0.1, h0, cu)
+        assert dq.shape == q.shape and dv.shape == v.shape and dg.dtype == torch.float32
+        assert dbeta.shape == g.shape and dh0.shape == h0.shape
 
 
-def test_public_op_still_refuses_gradients():
+def test_public_op_with_gradients_needs_a_hopper_gpu():
     import flashqla
 
     x = torch.zeros(1, 4, 1, 128, dtype=torch.bfloat16, requires_grad=True)
     g = torch.zeros(1, 4, 1)
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(RuntimeError, match="CUDA device of compute capability 9.0"):
         flashqla.chunk_gated_delta_rule(x, x, x, g, g)

@@ -1,7 +1,9 @@
-"""Public Gated DeltaNet chunked-prefill op (forward) on Hopper: `chunk_gated_delta_rule`.
+"""Public Gated DeltaNet chunked-prefill op on Hopper: `chunk_gated_delta_rule`, forward and backward.
 
-Two kernel launches per call (`kernels.sm90.prepare`, `kernels.sm90.recurrent`), plus two small
-normalisation launches when `use_qk_l2norm_in_kernel=True`.
+Forward: two kernel launches (`kernels.sm90.prepare`, `kernels.sm90.recurrent`), plus a few small
+elementwise launches when `use_qk_l2norm_in_kernel=True`. Backward (autograd; `flashqla.ops.gdn.bwd`):
+four launches. Both are `torch.library` custom ops (`flashqla.ops.gdn.autograd`), so the op works
+under `torch.compile`.
 """
 
 from __future__ import annotations
@@ -71,14 +73,6 @@ def _check_device(q) -> None:
     if tuple(cap) != SUPPORTED["compute_capability"]:
         raise RuntimeError(
             f"chunk_gated_delta_rule needs compute capability 9.0 (H100/H200, sm_90a kernels); {q.device} has {cap[0]}.{cap[1]}"
-        )
-
-
-def _check_no_grad(*tensors) -> None:
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        raise NotImplementedError(
-            "chunk_gated_delta_rule: the backward is not available yet; call it under torch.no_grad() "
-            "or with inputs that do not require grad"
         )
 
 
@@ -165,7 +159,7 @@ def chunk_gated_delta_rule(
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
 ):
-    """Gated DeltaNet chunked prefill (forward), FLA's signature and return.
+    """Gated DeltaNet chunked prefill, forward and backward (autograd), FLA's signature and return.
 
     Computes, per sequence and value head hv (q/k head hv // (HV // H)), per token t:
 
@@ -199,6 +193,14 @@ def chunk_gated_delta_rule(
     sequences and cu_seqlens are run-time values: a new length or sequence mix never recompiles; the
     kernels are compiled once per (H, HV, dtype, beta dtype, cu_seqlens dtype, flags).
 
+    Gradients (autograd, when any input requires grad): dq, dk in q's dtype, dv in v's dtype, dg
+    float32, dbeta in beta's dtype, d initial_state float32; the final state's gradient flows in when
+    the final state is used. The forward keeps A diag(beta) [HV, S * 64, 64] (q's dtype) and
+    g_cum_log2 [HV, S * 64] fp32 for the backward (S chunk slots, about T / 64 per sequence), and
+    the backward recomputes the chunk states (`flashqla.ops.gdn.bwd`, NOTES-bwd.md). Under
+    `torch.compile` the op is one opaque custom op per direction (`flashqla::gdn_fwd`,
+    `flashqla::gdn_bwd`).
+
     Returns:
         (o, final_state): o [B, T, HV, V] in q's dtype; final_state [N, HV, K, V] float32, or None
         when output_final_state is False.
@@ -210,16 +212,19 @@ def chunk_gated_delta_rule(
             bad cu_seqlens values when it is a CPU tensor), tensors on different devices.
         RuntimeError: inputs not on a CUDA device of compute capability 9.0 (raised after the
             argument checks above, before any kernel is built or launched).
-        NotImplementedError: gradients were requested (autograd enabled and an input requires grad):
-            the backward is not available yet.
 
     Source: FLA `fla.ops.gated_delta_rule.chunk_gated_delta_rule` (signature and semantics);
     algorithm DESIGN.md section 1 and `reference.gdn.fused`.
     """
-    check_gdn_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    from flashqla.ops.gdn.autograd import gdn_fwd
+
+    d = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     _check_supported(q, k, v, g, beta, initial_state)
-    _check_no_grad(q, k, v, g, beta, initial_state)
-    out = chunk_gated_delta_rule_fwd(
-        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel
-    )
-    return out.o, out.final_state
+    if not isinstance(use_qk_l2norm_in_kernel, bool):
+        raise TypeError(f"use_qk_l2norm_in_kernel must be a bool, got {type(use_qk_l2norm_in_kernel).__name__}")
+    _check_device(q)
+    scale = d.K**-0.5 if scale is None else float(scale)
+    if use_qk_l2norm_in_kernel:  # differentiable torch ops: autograd carries dq, dk through the norm
+        q, k = _l2norm(q), _l2norm(k)
+    o, final_state, _, _ = gdn_fwd(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens)
+    return o, (final_state if output_final_state else None)

@@ -4,7 +4,7 @@ Forward (two launches):
     prepare.py    `chunk_prepare_fwd`:   chunk-local cumsum of g, K K^T, the gated WY inverse A (x beta)
     recurrent.py  `chunk_recurrent_fwd`: the state recurrence and the output, state on chip
 
-Backward (three launches; EXPERIMENTAL: compiled for sm_90a, not yet run on a GPU; NOTES-bwd.md):
+Backward (three passes, four launches; `flashqla.ops.gdn.bwd`; NOTES-bwd.md):
     states_bwd.py `chunk_states_bwd`:    the chunk-start states h, recomputed and stored
     chunk_bwd.py  `chunk_fused_bwd`:     every per-chunk gradient, chunks in reverse, dS on chip
     finish_bwd.py `chunk_finish_bwd`:    reverse chunk-local cumsum of dG, GVA sum of dq and dk

@@ -1,4 +1,4 @@
-"""Backward pass 2 of 3 (experimental, compiled for sm_90a, not yet run on a GPU): every gradient
+"""Backward pass 2 of 3: every gradient
 of every chunk, one CTA per (sequence, value head), chunks in reverse order, the state gradient dS
 [K, V] fp32 in registers.
 

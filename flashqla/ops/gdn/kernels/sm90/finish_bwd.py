@@ -1,4 +1,4 @@
-"""Backward pass 3 of 3 (experimental, compiled for sm_90a, not yet run on a GPU): the reverse
+"""Backward pass 3 of 3: the reverse
 chunk-local cumsum of the gate gradient and the GVA reduction of dq and dk.
 
 Reference stages (`reference.gdn.fused_bwd`): `reverse_chunk_cumsum` (record BWD-dg: dg_t =

@@ -1,4 +1,4 @@
-"""Backward pass 1 of 3 (experimental, compiled for sm_90a, not yet run on a GPU): recompute the
+"""Backward pass 1 of 3: recompute the
 chunk-start states h from the forward's A diag(beta) and g_cum_log2, and store them.
 
 Reference stage: `reference.gdn.fused_bwd.recompute_states` (records CF-2, RW-2, RW-4):

@@ -1,9 +1,7 @@
-"""EXPERIMENTAL, UNVERIFIED: the chunked Gated DeltaNet backward on Hopper in three launches.
+"""The chunked Gated DeltaNet backward on Hopper in three passes (four launches).
 
-The kernels compile for sm_90a but have not been run on a GPU; until the GPU tier
-(`tests/gpu/test_bwd_gpu.py`) passes, `chunk_gated_delta_rule_bwd` refuses to run unless it is
-called with `experimental=True` or with the environment variable FLASHQLA_EXPERIMENTAL_BWD=1, and
-`flashqla.chunk_gated_delta_rule` keeps raising NotImplementedError when gradients are requested.
+Checked on the H200 against the fp64 reference (`tests/gpu/test_bwd_gpu.py`; NOTES-bwd.md has the
+measured errors). `flashqla.chunk_gated_delta_rule` runs it through autograd.
 
 Launches (kernels in `flashqla.ops.gdn.kernels.sm90`; reference `reference.gdn.fused_bwd`):
     1. states_bwd.chunk_states_bwd  h, the chunk-start states, recomputed from the forward's
@@ -14,20 +12,16 @@ Launches (kernels in `flashqla.ops.gdn.kernels.sm90`; reference `reference.gdn.f
 (3 is two small kernels.) No host synchronisation: every size comes from shapes.
 """
 
-import os
-
 import torch
 
-__all__ = ["chunk_gated_delta_rule_bwd", "EXPERIMENTAL_ENV"]
-
-EXPERIMENTAL_ENV = "FLASHQLA_EXPERIMENTAL_BWD"
+__all__ = ["chunk_gated_delta_rule_bwd"]
 
 
 def chunk_gated_delta_rule_bwd(
     q, k, v, g, beta, A, g_cum_log2, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
-    *, h_dtype: torch.dtype = torch.bfloat16, experimental: bool = False,
+    *, h_dtype: torch.dtype = torch.bfloat16,
 ):
-    """Gradients of `chunk_gated_delta_rule` from the forward's products (EXPERIMENTAL, UNVERIFIED).
+    """Gradients of `chunk_gated_delta_rule` from the forward's products.
 
     Args:
         q, k: [B, T, H, K] as the forward used them (`ChunkGDNForward.q`, `.k`: after any L2 norm;
@@ -37,21 +31,14 @@ def chunk_gated_delta_rule_bwd(
             scale: the forward's (default K ** -0.5); initial_state: None or [N, HV, K, V] fp32 (only
             decides whether dh0 is returned); cu_seqlens: None or [N + 1] offsets.
         h_dtype: storage dtype of the recomputed states (bf16 or fp32).
-        experimental: must be True (or FLASHQLA_EXPERIMENTAL_BWD=1): the kernels are not verified.
 
     Returns:
         (dq [B, T, H, K] q's dtype, dk [B, T, H, K] q's dtype, dv [B, T, HV, V] v's dtype,
         dg [B, T, HV] fp32, dbeta [B, T, HV] beta's dtype, dh0 [N, HV, K, V] fp32 or None).
-        FLA's dtypes.
+        FLA's dtypes. Gradients of tokens past cu_seqlens[-1] are zero.
 
-    Raises:
-        NotImplementedError: not opted in.
+    Source: `reference.gdn.fused_bwd.fused_gated_delta_rule_bwd` (records BWD-*, NOTES-bwd.md).
     """
-    if not (experimental or os.environ.get(EXPERIMENTAL_ENV) == "1"):
-        raise NotImplementedError(
-            "chunk_gated_delta_rule_bwd: the sm_90 backward kernels compile but are not verified on a GPU; "
-            f"pass experimental=True or set {EXPERIMENTAL_ENV}=1 to run them anyway"
-        )
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_fused_bwd
     from flashqla.ops.gdn.kernels.sm90.finish_bwd import chunk_finish_bwd
     from flashqla.ops.gdn.kernels.sm90.states_bwd import chunk_states_bwd
@@ -61,5 +48,7 @@ def chunk_gated_delta_rule_bwd(
     h = chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype)
     dq_hv, dk_hv, dv, dbeta, dG, dh0 = chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens)
     dq, dk, dg = chunk_finish_bwd(dG, dq_hv, dk_hv, cu_seqlens, q.shape[2], q.dtype)
+    if do.dtype != q.dtype:
+        do = do.to(q.dtype)
     del g  # the forward kernels do not floor g (unlike the reference op), so neither does dg
     return dq, dk, dv, dg, dbeta.to(beta.dtype), (dh0 if initial_state is not None else None)

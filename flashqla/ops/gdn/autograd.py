@@ -1,0 +1,122 @@
+"""Autograd and `torch.compile` support for the sm_90 Gated DeltaNet op.
+
+Two `torch.library` custom ops wrap the kernels, so that `torch.compile` sees opaque calls with
+known output shapes (fake implementations below) instead of tracing into TileLang:
+
+    flashqla::gdn_fwd(q, k, v, g, beta, scale, initial_state?, output_final_state, cu_seqlens?)
+        -> (o [B, T, HV, V] q's dtype, final_state [N, HV, K, V] fp32 (or [0] when not requested),
+            A [HV, S * 64, 64] q's dtype, g_cum_log2 [HV, S * 64] fp32)
+    flashqla::gdn_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht?, scale, initial_state?, cu_seqlens?)
+        -> (dq, dk, dv, dg fp32, dbeta in beta's dtype, dh0 [N, HV, K, V] fp32 (or [0]))
+
+S is the number of chunk slots (`kernels.sm90._common.num_slots`: B * ceil(T / 64), or
+floor(T / 64) + N for packed input), a function of shapes only. `gdn_fwd` has a registered
+autograd formula that calls `gdn_bwd` with the saved forward products (A diag(beta), g_cum_log2;
+nothing state-sized is kept: the backward recomputes the chunk states, NOTES-bwd.md).
+
+The L2 normalisation of q and k (`use_qk_l2norm_in_kernel`) happens before these ops, in plain
+differentiable torch (`flashqla.ops.gdn.api._l2norm`), so its gradient comes from autograd.
+"""
+
+from typing import Optional
+
+import torch
+
+__all__ = ["gdn_fwd", "gdn_bwd", "num_slots_for"]
+
+_EMPTY_SHAPE = (0,)
+
+
+def num_slots_for(q: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> int:
+    """Chunk slots of the forward's A / g_cum_log2 for q [B, T, H, K] (shapes only)."""
+    from flashqla.ops.gdn.kernels.sm90._common import num_slots
+
+    B, T = q.shape[0], q.shape[1]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return num_slots(B, T, N, cu_seqlens is not None)
+
+
+@torch.library.custom_op("flashqla::gdn_fwd", mutates_args=())
+def gdn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: Optional[torch.Tensor],
+    output_final_state: bool,
+    cu_seqlens: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
+
+    f = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    final_state = f.final_state if f.final_state is not None else q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
+    return f.o, final_state, f.A, f.g_cum_log2
+
+
+@gdn_fwd.register_fake
+def _gdn_fwd_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    S = num_slots_for(q, cu_seqlens)
+    o = v.new_empty(v.shape, dtype=q.dtype)
+    final_state = q.new_empty((N, HV, K, V) if output_final_state else _EMPTY_SHAPE, dtype=torch.float32)
+    A = q.new_empty((HV, S * 64, 64))
+    g_cum_log2 = q.new_empty((HV, S * 64), dtype=torch.float32)
+    return o, final_state, A, g_cum_log2
+
+
+@torch.library.custom_op("flashqla::gdn_bwd", mutates_args=())
+def gdn_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A: torch.Tensor,
+    g_cum_log2: torch.Tensor,
+    do: torch.Tensor,
+    dht: Optional[torch.Tensor],
+    scale: float,
+    initial_state: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
+
+    dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
+        q, k, v, g, beta, A, g_cum_log2, do.contiguous(), dht, scale, initial_state, cu_seqlens
+    )
+    if dh0 is None:
+        dh0 = q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+@gdn_bwd.register_fake
+def _gdn_bwd_fake(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens):
+    dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g, dtype=torch.float32),
+            torch.empty_like(beta), dh0)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens = inputs
+    _, _, A, g_cum_log2 = output
+    ctx.save_for_backward(q, k, v, g, beta, A, g_cum_log2, initial_state, cu_seqlens)
+    ctx.scale = scale
+    ctx.output_final_state = output_final_state
+
+
+def _backward(ctx, do, dht, dA, dg_cum):
+    del dA, dg_cum  # A and g_cum_log2 are saved products, not differentiable outputs
+    q, k, v, g, beta, A, g_cum_log2, initial_state, cu_seqlens = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(v, dtype=q.dtype)
+    if not ctx.output_final_state or dht is None or dht.numel() == 0:
+        dht = None
+    dq, dk, dv, dg, dbeta, dh0 = gdn_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, ctx.scale, initial_state, cu_seqlens)
+    return dq, dk, dv, dg.to(g.dtype), dbeta, None, (dh0 if initial_state is not None else None), None, None
+
+
+gdn_fwd.register_autograd(_backward, setup_context=_setup_context)
