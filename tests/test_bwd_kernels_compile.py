@@ -105,3 +105,26 @@ def test_public_op_with_gradients_needs_a_hopper_gpu():
     g = torch.zeros(1, 4, 1)
     with pytest.raises(RuntimeError, match="CUDA device of compute capability 9.0"):
         flashqla.chunk_gated_delta_rule(x, x, x, g, g)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_op_kernel_specs_match_the_launch_keys(varlen):
+    """`op_kernel_specs` (what precompiling uses) names exactly the kernels a call builds."""
+    from flashqla.ops.gdn.kernels.sm90 import op_kernel_specs
+    from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_bwd_kernel_args
+    from flashqla.ops.gdn.kernels.sm90.prepare import prepare_kernel_args
+    from flashqla.ops.gdn.kernels.sm90.recurrent import recurrent_kernel_args
+    from flashqla.ops.gdn.kernels.sm90.states_bwd import states_kernel_args
+
+    q = torch.empty(1, 10, 2, 128, dtype=torch.bfloat16)
+    v = torch.empty(1, 10, 4, 128, dtype=torch.bfloat16)
+    beta = torch.empty(1, 10, 4)
+    cu = torch.tensor([0, 3, 10]) if varlen else None
+    h = torch.empty(1, dtype=torch.bfloat16)
+    N = 2 if varlen else 1
+    specs = dict(op_kernel_specs(2, 4, N=N, varlen=varlen, seq_dtype="int64" if varlen else "int32"))
+    assert specs["prepare"] == prepare_kernel_args(q, beta, cu, 4)
+    assert specs["recurrent"] == recurrent_kernel_args(q, v, cu)
+    assert specs["states_bwd"] == states_kernel_args(q, v, cu, torch.bfloat16)
+    assert specs["chunk_bwd"] == chunk_bwd_kernel_args(q, v, beta, h, cu)
+    assert specs["gva_reduce"] == (2, 4, 128, "bfloat16") and specs["dg_cumsum"][-1] == varlen

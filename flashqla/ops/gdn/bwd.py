@@ -16,6 +16,8 @@ import torch
 
 __all__ = ["chunk_gated_delta_rule_bwd"]
 
+_BUILT: set = set()
+
 
 def chunk_gated_delta_rule_bwd(
     q, k, v, g, beta, A, g_cum_log2, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
@@ -44,6 +46,7 @@ def chunk_gated_delta_rule_bwd(
     from flashqla.ops.gdn.kernels.sm90.states_bwd import chunk_states_bwd
 
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    _build_once(q, v, beta, cu_seqlens, h_dtype)
     q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
     h = chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype)
     dq_hv, dk_hv, dv, dbeta, dG, dh0 = chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens)
@@ -52,3 +55,24 @@ def chunk_gated_delta_rule_bwd(
         do = do.to(q.dtype)
     del g  # the forward kernels do not floor g (unlike the reference op), so neither does dg
     return dq, dk, dv, dg, dbeta.to(beta.dtype), (dh0 if initial_state is not None else None)
+
+
+def _build_once(q, v, beta, cu_seqlens, h_dtype) -> None:
+    """First use of a configuration: compile the four backward kernels concurrently (each later
+    launch finds them in the builders' caches)."""
+    from flashqla.ops.gdn.kernels.sm90 import build_kernels, op_kernel_specs
+    from flashqla.ops.gdn.kernels.sm90._common import tl_dtype
+
+    if q.shape[0] * q.shape[1] == 0:
+        return
+    key = (q.shape[2], v.shape[2], q.shape[3], v.shape[3], q.dtype, beta.dtype, h_dtype,
+           None if cu_seqlens is None else cu_seqlens.dtype)
+    if key in _BUILT:
+        return
+    specs = op_kernel_specs(
+        q.shape[2], v.shape[2], K=q.shape[3], V=v.shape[3], dtype=tl_dtype(q.dtype), beta_dtype=tl_dtype(beta.dtype),
+        seq_dtype=tl_dtype(cu_seqlens.dtype) if cu_seqlens is not None else "int32", varlen=cu_seqlens is not None,
+        h_dtype=tl_dtype(h_dtype),
+    )[2:]
+    build_kernels(specs)
+    _BUILT.add(key)

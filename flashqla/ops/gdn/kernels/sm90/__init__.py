@@ -16,7 +16,7 @@ Nothing here imports TileLang until a kernel is built.
 
 from __future__ import annotations
 
-__all__ = ["build_kernels", "precompile"]
+__all__ = ["build_kernels", "op_kernel_specs", "precompile"]
 
 
 def _build(kind: str, args: tuple):
@@ -83,3 +83,29 @@ def precompile(specs, max_workers: int | None = None) -> None:
             list(ex.map(_build_in_worker, specs))
     for s in specs:
         _build(*s)
+
+
+def op_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype: str = "bfloat16",
+                    beta_dtype: str = "float32", seq_dtype: str = "int32", backward: bool = True,
+                    h_dtype: str = "bfloat16", block_v: int | None = None, K: int = 128, V: int = 128) -> list:
+    """The kernels (`[(kind, args), ...]`, for `build_kernels` / `precompile`) that one call of
+    `flashqla.chunk_gated_delta_rule` uses for H q/k heads, HV value heads, N sequences (the
+    recurrent kernel's value slice width depends on N * HV: `recurrent.pick_block_v`), packed or not,
+    q/k/v in `dtype`, beta in `beta_dtype`, cu_seqlens in `seq_dtype`; with the backward's four when
+    `backward`. Pure Python: needs neither a GPU nor TileLang."""
+    from flashqla.ops.gdn.kernels.sm90.prepare import DEFAULT_VARIANT
+    from flashqla.ops.gdn.kernels.sm90.recurrent import DEFAULT_SCHEDULE, pick_block_v
+
+    BV = block_v or pick_block_v(N, HV, V)
+    specs = [
+        ("prepare", (H, HV, K, dtype, beta_dtype, seq_dtype, varlen, DEFAULT_VARIANT)),
+        ("recurrent", (H, HV, K, V, BV, dtype, seq_dtype, varlen, DEFAULT_SCHEDULE)),
+    ]
+    if backward:
+        specs += [
+            ("states_bwd", (H, HV, K, V, dtype, h_dtype, seq_dtype, varlen)),
+            ("chunk_bwd", (H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen)),
+            ("dg_cumsum", (HV, seq_dtype, varlen)),
+            ("gva_reduce", (H, HV, K, dtype)),
+        ]
+    return specs
