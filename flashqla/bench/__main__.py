@@ -9,6 +9,7 @@
     python -m flashqla.bench --time-budget 500     # start no new row after 500 s (fits a 10-min slot)
     python -m flashqla.bench --list                # the selected rows (no GPU needed)
     python -m flashqla.bench --report-only         # rebuild the markdown and plot from the CSVs
+    python -m flashqla.bench --bwd [--quick] ...   # backward and training step (bwd_main.py)
 
 Per row: inputs from `make_gdn_inputs` (bf16, packed varlen, h0 given, final state returned), the
 fp64 chunked result on the GPU, then for each implementation a correctness gate (relative RMS of o
@@ -58,8 +59,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="implementations to run, comma-separated from ours,fla,flash_qla (default all)")
     p.add_argument("--breakdown", action="store_true", help="also time FLA's forward kernel by kernel")
     p.add_argument("--force", action="store_true", help="re-measure rows already in the results CSV")
-    p.add_argument("--time-budget", type=float, default=None, metavar="S", help="start no new row after S seconds")
-    p.add_argument("--tol", type=float, default=None, help="gate tolerance (relative RMS) for o and final state (default 2e-2)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="S",
+                   help="start no new row after S seconds (--bwd: nor a live peer within a row)")
+    p.add_argument("--tol", type=float, default=None,
+                   help="gate tolerance (relative RMS) for o and final state (default 2e-2); with --bwd for every "
+                        "quantity (default 2e-2, dg 3e-2)")
     p.add_argument("--warmup", type=int, default=DEFAULTS["warmup"], help="eager warm-up calls before capture")
     p.add_argument("--replays", type=int, default=DEFAULTS["replays"], help="timed graph replays (median taken)")
     p.add_argument("--target-ms", type=float, default=DEFAULTS["target_ms"], help="device time of one replay")
@@ -72,6 +76,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--list", action="store_true", help="print the selected rows and exit")
     p.add_argument("--report-only", action="store_true", help="rebuild markdown and plot from the CSVs and exit")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failing implementations")
+    b = p.add_argument_group("backward (--bwd)")
+    b.add_argument("--bwd", action="store_true",
+                   help="the backward and training-step benchmark (FlashQLA's backward grid; `--mixes` also takes "
+                        "names such as 8k_4seq); see flashqla/bench/bwd_main.py")
+    b.add_argument("--ref", choices=("fp64", "pairwise"), default="fp64",
+                   help="gate against the fp64 gradients (default) or only between implementations")
+    b.add_argument("--ref-limit", type=int, default=0, metavar="N",
+                   help="rows above N padded token-heads use the pairwise gate (default 0: none)")
+    b.add_argument("--ref-batch", type=int, default=None, metavar="N",
+                   help="padded token-heads per batch of value heads of the fp64 gradients (default 2^20, ~30 GB)")
+    b.add_argument("--no-step", action="store_true", help="time the backward only, not the training step")
     return p.parse_args(argv)
 
 
@@ -179,6 +194,10 @@ def write_outputs(paths: dict, env: dict, commit: str, meta: dict, drift, plot: 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.bwd:
+        from flashqla.bench.bwd_main import main_bwd
+
+        return main_bwd(args)
     try:
         rows = G.select_rows(args.heads, args.mixes, args.quick)
     except ValueError as exc:

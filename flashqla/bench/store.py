@@ -129,11 +129,16 @@ def latest_key(rows: list[dict]) -> tuple[dict, str] | None:
 
 
 class PeerCache:
-    """Peer timings of one environment key, read from the peers CSV: `get(impl, row_key)`."""
+    """Peer timings of one environment key, read from the peers CSV: `get(impl, row_key)`.
 
-    def __init__(self, path, env: dict):
+    `impl_fields`: the per-implementation columns (the forward's `IMPL_FIELDS` by default; the
+    backward benchmark passes its own)."""
+
+    def __init__(self, path, env: dict, impl_fields=IMPL_FIELDS):
         self.path = Path(path)
         self.env = dict(env)
+        self.impl_fields = tuple(impl_fields)
+        self.fields = ENV_FIELDS + ("impl",) + ROW_FIELDS + self.impl_fields + ("date",)
         key = env_key(env)
         self._rows: dict[tuple, dict] = {}
         for r in read_rows(self.path):
@@ -154,10 +159,9 @@ class PeerCache:
 
     def put(self, impl: str, row_fields: dict, result: dict, date: str) -> None:
         """Appends one peer line to the CSV and to this cache."""
-        line = {**{f: self.env[f] for f in ENV_FIELDS}, "impl": impl, **row_fields,
-                **{f: result.get(f, "") for f in ("ms", "status", "err_o", "err_ht", "launches", "spread")},
-                "date": date}
-        append_row(self.path, line, PEER_FIELDS)
+        line = {**{f: self.env[f] for f in ENV_FIELDS}, "impl": impl, **{f: row_fields[f] for f in ROW_FIELDS},
+                **{f: result.get(f, "") for f in self.impl_fields}, "date": date}
+        append_row(self.path, line, self.fields)
         self._rows[(impl,) + row_key(line)] = {k: _fmt(v) for k, v in line.items()}
 
     def __len__(self) -> int:

@@ -17,6 +17,11 @@ fp64 step per chunk index. It is exact algebra (rounding ~1e-15 relative), check
 the token recurrence in tests/test_bench.py; on an H200 the largest grid row takes well under a
 second and about 30 GB of device memory.
 
+`chunk_gdn_fp64_grads` is the trusted result of the backward gate: the gradients of the same fp64
+chunked forward by torch autograd (exact gradients of exact algebra), value heads in batches so
+that device memory stays bounded on the largest rows; checked on CPU against autograd of the
+token recurrence in tests/test_bench_bwd.py.
+
 `rel_rms` is `flashqla.testing.rel_rms` (||x - ref|| / ||ref||, fp64) computed on the tensors'
 device, so multi-GB outputs need not travel to the host.
 """
@@ -27,7 +32,7 @@ import math
 
 import torch
 
-__all__ = ["chunk_gdn_fp64", "rel_rms"]
+__all__ = ["chunk_gdn_fp64", "chunk_gdn_fp64_autograd", "chunk_gdn_fp64_grads", "GRAD_NAMES", "rel_rms"]
 
 
 def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -58,6 +63,24 @@ def chunk_gdn_fp64(
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GDN forward in fp64 by the chunked algorithm (the trusted result of the benchmark gate).
+    Arguments and return as `chunk_gdn_fp64_autograd`, without autograd."""
+    return chunk_gdn_fp64_autograd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
+
+
+def chunk_gdn_fp64_autograd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens=None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDN forward in fp64 by the chunked algorithm, differentiable by torch autograd when its fp64
+    inputs require grad (every step is a plain torch op; exponents are masked before `exp`, so
+    no inf enters a product whose gradient is taken).
 
     Args:
         q, k: [B, T, H, K]; v: [B, T, HV, V] (HV % H == 0), any float dtype.
@@ -140,3 +163,110 @@ def chunk_gdn_fp64(
     out = torch.zeros(B * T, HV, V, dtype=f64, device=dev)
     out[idx[valid]] = o[valid]
     return out.reshape(B, T, HV, V), S
+
+
+#: Gradient names in the order every backward of the benchmark returns them.
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def chunk_gdn_fp64_grads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    do: torch.Tensor,
+    dht: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens=None,
+    chunk_size: int = 64,
+    max_token_heads: int = 1 << 20,
+) -> dict[str, torch.Tensor | None]:
+    """The trusted gradients of the backward gate: autograd of `chunk_gdn_fp64_autograd` in fp64.
+
+    Computes o, the final state and the gradients of L = <o, do> + <final_state, dht> with respect
+    to q, k, v, g (the per-token natural-log gate, through the chunk-local cumsum), beta and
+    initial_state, all in fp64 from the same (bf16 / fp32) inputs the kernels get. Value heads are
+    independent except for the q/k head they share, so they are processed in batches of value
+    heads (each batch reads its q/k heads through an index, whose gradient autograd sums back):
+    a batch holds at most `max_token_heads` padded token-heads (every sequence padded to the
+    longest one's chunks), which bounds device memory (about 1 GB per 32768 padded token-heads, so
+    about 30 GB at the default 2^20).
+
+    Args:
+        q, k: [B, T, H, K]; v, do: [B, T, HV, V]; g, beta: [B, T, HV]; dht: [N, HV, K, V] or None;
+        scale (default K ** -0.5), initial_state ([N, HV, K, V] or None), cu_seqlens and
+        chunk_size as in `chunk_gdn_fp64`.
+        max_token_heads: padded token-heads per batch of value heads (at least one head per batch).
+
+    Returns:
+        dict with `o` [B, T, HV, V], `ht` [N, HV, K, V], `dq`, `dk` [B, T, H, K], `dv`
+        [B, T, HV, V], `dg`, `dbeta` [B, T, HV] and `dh0` ([N, HV, K, V], None without
+        initial_state), fp64 on q's device.
+    """
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    if HV % H:
+        raise ValueError(f"HV={HV} is not a multiple of H={H}")
+    f64, dev = torch.float64, q.device
+    scale = K**-0.5 if scale is None else float(scale)
+    if cu_seqlens is None:
+        lengths = [T] * B
+    else:
+        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+        lengths = [int(b) - int(a) for a, b in zip(cu[:-1], cu[1:])]
+        cu_seqlens = [int(c) for c in cu]
+    C = int(chunk_size)
+    padded = len(lengths) * max(1, max(math.ceil(n / C) for n in lengths)) * C
+    per_batch = max(1, min(HV, int(max_token_heads) // max(1, padded)))
+    group = HV // H
+
+    with torch.enable_grad():
+        q64 = q.detach().to(f64).requires_grad_(True)
+        k64 = k.detach().to(f64).requires_grad_(True)
+        out = {
+            "o": torch.empty(v.shape, dtype=f64, device=dev),
+            "ht": None,
+            "dq": torch.zeros(q.shape, dtype=f64, device=dev),
+            "dk": torch.zeros(k.shape, dtype=f64, device=dev),
+            "dv": torch.empty(v.shape, dtype=f64, device=dev),
+            "dg": torch.empty(g.shape, dtype=f64, device=dev),
+            "dbeta": torch.empty(beta.shape, dtype=f64, device=dev),
+            "dh0": None if initial_state is None else torch.empty(initial_state.shape, dtype=f64, device=dev),
+        }
+        for a in range(0, HV, per_batch):
+            b = min(HV, a + per_batch)
+            heads = torch.arange(a, b, device=dev) // group
+            leaves = {
+                "v": v[:, :, a:b].detach().to(f64).requires_grad_(True),
+                "g": g[:, :, a:b].detach().to(f64).requires_grad_(True),
+                "beta": beta[:, :, a:b].detach().to(f64).requires_grad_(True),
+            }
+            if initial_state is not None:
+                leaves["h0"] = initial_state[:, a:b].detach().to(f64).requires_grad_(True)
+            o, ht = chunk_gdn_fp64_autograd(
+                q64.index_select(2, heads), k64.index_select(2, heads), leaves["v"], leaves["g"], leaves["beta"],
+                scale, leaves.get("h0"), cu_seqlens, C,
+            )
+            outputs, grad_outputs = [o], [do[:, :, a:b].detach().to(f64)]
+            if dht is not None:
+                outputs.append(ht)
+                grad_outputs.append(dht[:, a:b].detach().to(f64))
+            inputs = [q64, k64] + list(leaves.values())
+            grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
+            gq, gk, gv, gg, gb = grads[:5]
+            for name, gr in (("dq", gq), ("dk", gk)):
+                if gr is not None:
+                    out[name] += gr
+            out["dv"][:, :, a:b] = gv if gv is not None else 0
+            out["dg"][:, :, a:b] = gg if gg is not None else 0
+            out["dbeta"][:, :, a:b] = gb if gb is not None else 0
+            if initial_state is not None:
+                out["dh0"][:, a:b] = grads[5] if grads[5] is not None else 0
+            out["o"][:, :, a:b] = o.detach()
+            if out["ht"] is None:
+                out["ht"] = torch.empty((ht.shape[0], HV) + tuple(ht.shape[2:]), dtype=f64, device=dev)
+            out["ht"][:, a:b] = ht.detach()
+            del o, ht, grads, leaves, outputs, grad_outputs
+    return out

@@ -1,0 +1,543 @@
+"""CPU tests of the backward benchmark (`python -m flashqla.bench --bwd`): grid and row keys, the
+fp64 gradients of the gate against autograd of the token recurrence, the gate's decisions, the
+peers' cache keying, the report, the measuring loop with stand-in implementations (resume, cached
+peers, drift, pairwise gate, failures) and the command line. No GPU, no peer package."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import math
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashqla.bench import bwd_grid as BG
+from flashqla.bench import bwd_report as BR
+from flashqla.bench import bwd_runner as BRun
+from flashqla.bench import grid as G
+from flashqla.bench import store as S
+from flashqla.bench.bwd_impls import BwdImpl, FwdOut, patch_flash_qla_bwd
+from flashqla.bench.peers import ENV_FIELDS
+from flashqla.bench.timing import Timing
+from flashqla.bench.trusted import GRAD_NAMES, chunk_gdn_fp64_grads, rel_rms
+from flashqla.testing import make_gdn_inputs
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(gpu="Test GPU", driver="1.0", cuda="12.8", torch="2.x", triton="3.x", tilelang="0.1.15",
+           fla="0.6.0", flash_qla="0.1.3")
+PREFIX = "test-gpu-bwd"
+
+
+# ---------------------------------------------------------------- grid and row keys
+
+
+def test_grid_is_flashqlas_backward_table():
+    rows = BG.bwd_rows()
+    assert len(rows) == 32 and len({r.key for r in rows}) == 32
+    assert [h.label for h in BG.BWD_HEADS] == ["16/32", "8/16", "4/8", "2/4"]
+    names = [BG.short_name(m.lengths) for m in BG.bwd_mixes()]
+    assert names == ["8k_1seq", "8k_2seq", "8k_4seq", "8k_8seq", "32k_1seq", "32k_2seq", "32k_4seq", "32k_8seq"]
+    for m in BG.bwd_mixes():
+        assert m.T in (8192, 32768) and m.N in (1, 2, 4, 8) and min(m.lengths) > 0
+        # the key carries the lengths: the label parses back to them
+        assert G.parse_mix(m.label).lengths == m.lengths
+    assert rows[0].key == (16, 32, "1x8192")
+    assert rows[3].key == (16, 32, "161+1928+3157+563+1244+229+177+733")
+
+
+@pytest.mark.parametrize("T, n", sorted(BG.BWD_SPLITS))
+def test_random_split_reproduces_the_pinned_lengths(T, n):
+    got = BG.random_split(T, n, BG.BWD_SEED)
+    assert got == BG.BWD_SPLITS[(T, n)]
+    assert sum(got) == T and len(got) == n and min(got) > 0
+
+
+def test_random_split_is_seeded_and_checked():
+    assert BG.random_split(1000, 5, 1) == BG.random_split(1000, 5, 1)
+    assert BG.random_split(1000, 5, 1) != BG.random_split(1000, 5, 2)
+    assert BG.random_split(3, 3) == (1, 1, 1)
+    for bad in ((10, 0), (3, 4)):
+        with pytest.raises(ValueError):
+            BG.random_split(*bad)
+    assert BG.bwd_mix(8192, 4, seed=7).lengths == BG.random_split(8192, 4, 7)
+
+
+def test_parse_bwd_mix_and_select():
+    assert BG.parse_bwd_mix("8k_4seq").lengths == (5809, 1244, 406, 733)
+    assert BG.parse_bwd_mix("32k_1seq").label == "1x32768"
+    assert BG.parse_bwd_mix("5000+3192").label == "5000+3192"
+    assert BG.parse_bwd_mix("8192x2").label == "8192+8192"
+    for bad in ("8k_0seq", "x", "0k_1seq"):
+        with pytest.raises(ValueError):
+            BG.parse_bwd_mix(bad)
+    quick = BG.select_bwd_rows(quick=True)
+    assert [(r.heads.label, BG.short_name(r.mix.lengths)) for r in quick] == [
+        ("16/32", "32k_1seq"), ("16/32", "8k_8seq"), ("2/4", "32k_1seq")]
+    assert len({r.heads for r in quick}) == 2
+    assert len(BG.select_bwd_rows(["2/4"])) == 8
+    rows = BG.select_bwd_rows(["2/4,16/32"], ["32k_1seq", "8k_2seq"])
+    assert [(r.heads.label, r.mix.label) for r in rows] == [
+        ("16/32", "7053+1139"), ("16/32", "1x32768"), ("2/4", "7053+1139"), ("2/4", "1x32768")]
+    extra = BG.select_bwd_rows(["1/2"], ["64+100"])
+    assert [r.label for r in extra] == ["1/2 64+100"]
+
+
+def test_flop_counts():
+    assert BG.BWD_FLOP_PER_TOKEN_HEAD == 491_520 and BG.STEP_FLOP_PER_TOKEN_HEAD == 655_360
+    # 16/32 1x32768 backward in 2.515 ms (FlashQLA's published row): 205 TFLOP/s, 28.2 % of 726
+    tf = BG.bwd_tflops(2.515, 32768, 32)
+    assert tf == pytest.approx(491_520 * 32768 * 32 / 2.515e-3 / 1e12)
+    assert 204 < tf < 206
+    assert BG.step_tflops(1.0, 1000, 2) == pytest.approx(655_360 * 2000 / 1e-3 / 1e12)
+    assert BG.padded_tokens((8192,)) == 8192 and BG.padded_tokens((100, 1)) == 2 * 128
+    assert BG.mix_name(8192, 4) == "8k_4seq" and BG.mix_name(1000, 2) == "1000_2seq"
+
+
+# ---------------------------------------------------------------- fp64 gradients
+
+
+def _recurrence_grads(x, do, dht):
+    from reference.gdn.recurrent import recurrent_gated_delta_rule
+
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    leaves = {n: x[n].clone().requires_grad_() for n in names if x[n] is not None}
+    o, ht = recurrent_gated_delta_rule(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+                                       initial_state=leaves.get("initial_state"), output_final_state=True,
+                                       cu_seqlens=x["cu_seqlens"])
+    outs, gouts = [o], [do]
+    if dht is not None:
+        outs.append(ht)
+        gouts.append(dht)
+    torch.autograd.backward(outs, gouts)
+    grads = {f"d{n}": leaves[n].grad for n in ("q", "k", "v", "g", "beta")}
+    grads["dh0"] = leaves["initial_state"].grad if "initial_state" in leaves else None
+    return o.detach(), ht.detach(), grads
+
+
+@pytest.mark.parametrize("lengths, H, HV, h0, with_dht, batch", [
+    ([37, 1, 90, 22], 2, 4, True, True, 1 << 20),   # varlen with a 1-token sequence, GVA 2, one batch of heads
+    ([37, 1, 90, 22], 2, 4, True, True, 1),         # one value head per batch
+    ([70, 50], 1, 4, False, True, 300),             # GVA 4, two heads per batch, no h0
+    ([65], 2, 2, True, False, 1),                    # no dht
+])
+def test_fp64_grads_match_autograd_of_the_recurrence(lengths, H, HV, h0, with_dht, batch):
+    T = sum(lengths)
+    x = make_gdn_inputs(B=1, T=T, H=H, HV=HV, K=16, V=8, seqlens=lengths, initial_state=h0, seed=len(lengths))
+    gen = torch.Generator().manual_seed(5)
+    do = torch.randn(1, T, HV, 8, generator=gen, dtype=torch.float64)
+    dht = torch.randn(len(lengths), HV, 16, 8, generator=gen, dtype=torch.float64) if with_dht else None
+    o, ht, ref = _recurrence_grads(x, do, dht)
+    got = chunk_gdn_fp64_grads(x["q"], x["k"], x["v"], x["g"], x["beta"], do, dht, initial_state=x["initial_state"],
+                               cu_seqlens=x["cu_seqlens"], chunk_size=16, max_token_heads=batch)
+    assert rel_rms(got["o"], o) < 1e-12 and rel_rms(got["ht"], ht) < 1e-12
+    for n in GRAD_NAMES:
+        if ref[n] is None:
+            assert got[n] is None
+            continue
+        assert got[n].dtype == torch.float64 and got[n].shape == ref[n].shape, n
+        assert rel_rms(got[n], ref[n]) < 1e-12, n
+
+
+def test_fp64_grads_from_bf16_inputs():
+    # the gate's situation: rounded inputs, fp64 arithmetic; equal to the recurrence on the same rounded values
+    x = make_gdn_inputs(T=80, H=1, HV=2, K=32, V=16, seqlens=[30, 50], dtype=torch.bfloat16, beta_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    do = torch.randn(1, 80, 2, 16, generator=gen).to(torch.bfloat16)
+    dht = torch.randn(2, 2, 32, 16, generator=gen)
+    up = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in x.items()}
+    o, ht, ref = _recurrence_grads(up, do.double(), dht.double())
+    got = chunk_gdn_fp64_grads(x["q"], x["k"], x["v"], x["g"], x["beta"], do, dht, initial_state=x["initial_state"],
+                               cu_seqlens=x["cu_seqlens"])
+    for n in GRAD_NAMES:
+        assert rel_rms(got[n], ref[n]) < 1e-12, n
+
+
+# ---------------------------------------------------------------- gate
+
+
+def test_decide_against_fp64():
+    tol = BRun.GATE_TOL_BWD
+    ok = {"o": 4e-3, "dq": 5e-3, "dg": 2.5e-2}
+    bad = {"o": 4e-3, "dg": 3.5e-2}
+    st = BRun.decide(["ours", "fla"], {"ours": ok, "fla": bad}, {}, tol)
+    assert st == {"ours": "ok", "fla": "FAIL"}
+    assert BRun.decide(["ours"], {"ours": {}}, {}, tol) == {"ours": "FAIL"}           # nothing compared
+    assert BRun.decide(["ours"], {"ours": {"dv": math.inf}}, {}, tol) == {"ours": "FAIL"}
+
+
+def test_decide_pairwise():
+    tol = BRun.GATE_TOL_BWD
+    good, far = {"dq": 6e-3, "dg": 1e-2}, {"dq": 0.4}
+    # FLA disagrees with both others, which agree with each other: FLA fails
+    pairs = {("ours", "fla"): far, ("ours", "flash_qla"): good, ("fla", "flash_qla"): far}
+    st = BRun.decide(["ours", "fla", "flash_qla"], None, pairs, tol)
+    assert st == {"ours": "ok", "fla": "FAIL", "flash_qla": "ok"}
+    # two that disagree: neither can be trusted
+    assert BRun.decide(["ours", "fla"], None, {("ours", "fla"): far}, tol) == {"ours": "FAIL", "fla": "FAIL"}
+    assert BRun.decide(["ours"], None, {}, tol) == {"ours": "unchecked"}
+
+
+def test_errs_text_and_worst():
+    errs = {"dg": 2.5e-2, "o": 3.9e-3, "dq": 1e-2}
+    text = BRun.format_errs(errs)
+    assert text == "o=3.9e-03 dq=1.0e-02 dg=2.5e-02"                  # report order
+    assert BRun.parse_errs(text) == pytest.approx(errs, rel=1e-2)
+    assert BRun.parse_errs("junk dq=x o=1e-3") == {"o": 1e-3}
+    assert BRun.worst(errs, BRun.GATE_TOL_BWD)[0] == "dg"              # 2.5e-2 / 3e-2 is the nearest
+    assert BRun.worst({}, BRun.GATE_TOL_BWD)[0] == ""
+
+
+def test_errors_and_pairwise_on_tensors():
+    a = {"o": torch.ones(4), "dq": torch.ones(3), "dh0": None}
+    b = {"o": torch.ones(4) * 1.01, "dq": torch.ones(3)}
+    e = BRun.errors(a, b)
+    assert set(e) == {"o", "dq"} and e["o"] == pytest.approx(1 / 101, rel=1e-6) and e["dq"] == 0
+    pairs = BRun.pairwise({"ours": a, "fla": b, "flash_qla": b})
+    assert set(pairs) == {("ours", "fla"), ("ours", "flash_qla"), ("fla", "flash_qla")}
+    with pytest.raises(ValueError):
+        BRun.errors({"o": torch.ones(3)}, {"o": torch.ones(4)})
+
+
+# ---------------------------------------------------------------- peers' cache and adapters
+
+
+def test_bwd_peer_cache_keying(tmp_path):
+    p = tmp_path / "peers.csv"
+    c = S.PeerCache(p, ENV, BR.IMPL_FIELDS_BWD)
+    rf = {"h_qk": 16, "h_v": 32, "mix": "7053+1139", "T": 8192, "N": 2}
+    c.put("flash_qla", rf, {"bwd_ms": 0.75, "step_ms": 1.1, "status": "ok", "err": 4e-3, "errs": "dq=4.0e-03"}, "d1")
+    c.put("fla", rf, {"status": "error: OutOfMemoryError: x"}, "d1")
+    header = p.read_text().splitlines()[0].split(",")
+    assert header == list(ENV_FIELDS) + ["impl", "h_qk", "h_v", "mix", "T", "N"] + list(BR.IMPL_FIELDS_BWD) + ["date"]
+    c2 = S.PeerCache(p, ENV, BR.IMPL_FIELDS_BWD)
+    line = c2.get("flash_qla", (16, 32, "7053+1139"))
+    assert BR.num(line["bwd_ms"]) == 0.75 and line["errs"] == "dq=4.0e-03"
+    assert c2.get("fla", (16, 32, "7053+1139")) is None                      # an error is not a result
+    assert c2.get("flash_qla", (16, 32, "1x8192")) is None                   # the lengths are the key
+    for field in ENV_FIELDS:                                                 # keyed by GPU and every version
+        assert len(S.PeerCache(p, dict(ENV, **{field: "other"}), BR.IMPL_FIELDS_BWD)) == 0
+    # the forward's cache is unchanged
+    assert S.PeerCache(tmp_path / "fwd.csv", ENV).fields == S.PEER_FIELDS
+
+
+def _fake_module(monkeypatch, name, fn=None):
+    mod = types.ModuleType(name)
+    mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    if fn is not None:
+        mod.chunk_gated_delta_rule_bwd = fn
+    monkeypatch.setitem(sys.modules, name, mod)
+    return mod
+
+
+def test_ours_adapter_prefers_the_new_location(monkeypatch):
+    from flashqla.bench.bwd_impls import ours_bwd_source
+
+    new, old = "fake_flashqla_bwd_new", "fake_flashqla_bwd_old"
+    _fake_module(monkeypatch, old, lambda *a, **k: ("old", k))
+    fn, extra, name = ours_bwd_source(new, old)                          # new location absent: the experimental one
+    assert fn() == ("old", {}) and extra == {"experimental": True}
+    assert name == f"{old}.chunk_gated_delta_rule_bwd(experimental=True)"
+    mod = _fake_module(monkeypatch, new, lambda *a: "new")
+    fn, extra, name = ours_bwd_source(new, old)                          # new location present: it wins, no flag
+    assert fn() == "new" and extra == {} and name == f"{new}.chunk_gated_delta_rule_bwd"
+    del mod.chunk_gated_delta_rule_bwd                                   # present without the function: fall back
+    assert ours_bwd_source(new, old)[1] == {"experimental": True}
+    monkeypatch.delitem(sys.modules, old)
+    with pytest.raises(ImportError):
+        ours_bwd_source(new, old)
+    # the real package has one of the two
+    fn, extra, name = ours_bwd_source()
+    assert callable(fn) and name.startswith("flashqla.ops.gdn.bwd")
+
+
+def test_patch_flash_qla_bwd_adds_the_pass_config(monkeypatch):
+    class FakeJit:
+        def __init__(self, configs):
+            self.pass_configs = configs
+
+        def compile(self):
+            return None
+
+    mod = types.ModuleType("fake_fused_bwd")
+    mod.kernel = FakeJit({"tl.enable_fast_math": True})
+    mod.bare = FakeJit(None)
+    mod.other = object()
+    mod.torch = torch
+    monkeypatch.setitem(sys.modules, "fake_fused_bwd", mod)
+    patched = patch_flash_qla_bwd(("fake_fused_bwd", "no_such_module_xyz"))
+    assert sorted(patched) == ["fake_fused_bwd.bare", "fake_fused_bwd.kernel"]
+    assert mod.kernel.pass_configs == {"tl.enable_fast_math": True, "tl.disable_buffer_init_check": True}
+    assert mod.bare.pass_configs == {"tl.disable_buffer_init_check": True}
+
+
+def test_missing_peers_are_not_available():
+    from flashqla.bench.bwd_impls import load_bwd_impls
+
+    for name, mod in (("fla", "fla"), ("flash_qla", "flash_qla")):
+        if importlib.util.find_spec(mod) is None:
+            impl = load_bwd_impls((name,))[name]
+            assert not impl.available and impl.reason.startswith("not available (")
+    ours = load_bwd_impls(("ours",))["ours"]
+    assert ours.available and "chunk_gated_delta_rule_fwd" in ours.source
+
+
+# ---------------------------------------------------------------- report
+
+
+def _line(h_qk, h_v, name, ours, fla, fq, commit="c", fla_status="ok", date="2026-12-01T00:00:00Z"):
+    m = BG.parse_bwd_mix(name)
+    line = {**ENV, "commit": commit, "h_qk": h_qk, "h_v": h_v, "mix": m.label, "T": m.T, "N": m.N,
+            "name": BG.short_name(m.lengths), "parallelism": G.effective_parallelism(m.lengths, h_v), "gate": "fp64",
+            "peers_source": "live", "date": date}
+    for impl, (bwd, step), st in (("ours", ours, "ok"), ("fla", fla, fla_status), ("flash_qla", fq, "ok")):
+        line.update({f"{impl}_status": st, f"{impl}_bwd_ms": bwd if st == "ok" else "",
+                     f"{impl}_step_ms": step if st == "ok" else "",
+                     f"{impl}_err": 5e-2 if st == "FAIL" else 4e-3,
+                     f"{impl}_errs": "o=4.0e-03 dg=5.0e-02" if st == "FAIL" else "o=4.0e-03 dq=3.0e-03"})
+    line["pair_ours_fla"] = 6e-3
+    return {k: S._fmt(v) for k, v in line.items()}
+
+
+def test_markdown_report():
+    rows = [_line(16, 32, "32k_1seq", (2.0, 2.8), (6.0, 9.0), (3.0, 4.0)),
+            _line(2, 4, "8k_4seq", (0.5, 0.7), (1.0, 1.4), (0.5, 0.6)),
+            _line(16, 32, "8k_8seq", (0.6, 0.9), (1.6, 2.5), (0.75, 1.0), fla_status="FAIL")]
+    meta = {"date": "2026-12-01T00:00:00Z", "method": ["timer line"]}
+    drift = [{"impl": "fla", "heads": "16/32", "mix": "32k_1seq", "cached_ms": 6.0, "now_ms": 6.3, "status": "ok"}]
+    md = BR.markdown(rows, ENV, "abc123", meta, drift)
+    for needle in ("| GPU | Test GPU |", "| driver | 1.0 |", "| CUDA (torch build) | 12.8 |", "| torch | 2.x |",
+                   "| tilelang | 0.1.15 |", "| fla | 0.6.0 |", "| flash_qla | 0.1.3 |", "| our commit | abc123 |",
+                   "2026-12-01", "- timer line", "## Backward, per row",
+                   "## Training step (forward + backward), per row",
+                   "## Correctness gate", "FAIL (dg 5.0e-02)", "+5.0%", "| ours ~ FLA |"):
+        assert needle in md, needle
+    bwd = md[md.index("## Backward, per row"):md.index("## Training step")]
+    # grid order: 16/32 8k_8seq before 16/32 32k_1seq before 2/4
+    assert bwd.index("| 16/32 | 8k_8seq |") < bwd.index("| 16/32 | 32k_1seq |") < bwd.index("| 2/4 | 8k_4seq |")
+    row = [ln for ln in bwd.splitlines() if ln.startswith("| 16/32 | 32k_1seq |")][0]
+    # 491,520 x 32768 x 32 FLOP in 2.0 ms = 257.7 TFLOP/s = 35.5 % of 726; ours 3.00x FLA, 1.50x FlashQLA
+    assert "| 32768 |" in row and "| 3.00x | 1.50x |" in row and "258 (35.5%)" in row
+    step = md[md.index("## Training step"):md.index("## Correctness gate")]
+    row = [ln for ln in step.splitlines() if ln.startswith("| 16/32 | 32k_1seq |")][0]
+    assert "| 2.800 |" in row and "| 3.21x | 1.43x |" in row
+    gm = md[md.index("## Geometric-mean"):md.index("## Backward, per row")]
+    # ours over FLA, backward, on the two passing rows: sqrt(3 * 2) = 2.449
+    assert "| backward: ours over FLA | 2.45x (n=2) |" in gm
+    assert "| training step: ours over FlashQLA |" in gm
+    gate = md[md.index("## Correctness gate"):]
+    assert "dg 5.0e-02 FAIL" in gate and "6.0e-03" in gate
+
+
+def test_console_line_and_plot(tmp_path):
+    r = _line(16, 32, "32k_1seq", (2.0, 2.8), (6.0, 9.0), (3.0, 4.0))
+    text = BR.console_line(r)
+    assert text.startswith("16/32 32k_1seq ") and "ours 2.000/2.800 ms" in text and "vs FLA 3.00x/3.21x" in text
+    pytest.importorskip("matplotlib")
+    out = BR.plot([r, _line(2, 4, "8k_4seq", (0.5, 0.7), (1.0, 1.4), (0.5, 0.6))], tmp_path / "p.png")
+    assert out is not None and out.stat().st_size > 1000
+
+
+# ---------------------------------------------------------------- the measuring loop, on CPU
+
+
+def _reference(x):
+    return chunk_gdn_fp64_grads(x.q, x.k, x.v, x.g, x.beta, x.do, x.dht, scale=x.scale, initial_state=x.h0,
+                                cu_seqlens=x.cu_seqlens)
+
+
+def _stand_in(name, scale_dg=1.0, broken=False, calls=None):
+    """An implementation built on the fp64 result, rounded like a kernel's outputs."""
+
+    def fwd(x):
+        if broken:
+            raise RuntimeError("kernel exploded")
+        ref = _reference(x)
+        if calls is not None:
+            calls.append((name, "fwd"))
+        return FwdOut(ref["o"].to(torch.bfloat16), ref["ht"].float(), ref)
+
+    def bwd(x, ref):
+        return (ref["dq"].to(torch.bfloat16), ref["dk"].to(torch.bfloat16), ref["dv"].to(torch.bfloat16),
+                ref["dg"].float() * scale_dg, ref["dbeta"].float(), ref["dh0"].float())
+
+    return BwdImpl(name, name, fwd=fwd, bwd=bwd, source=f"stand-in {name}")
+
+
+def _host_timer(counter):
+    def time_fn(fn, **kw):
+        fn()
+        counter.append(1)
+        return Timing(ms=1.0 + 0.25 * len(counter), replays_ms=[1.0], launches=3)
+    return time_fn
+
+
+def _run(tmp_path, argv, impls, commit="c1"):
+    from flashqla.bench.__main__ import parse_args
+    from flashqla.bench.bwd_main import run_bwd_rows, select_rows
+
+    args = parse_args(["--bwd"] + argv + ["--results-dir", str(tmp_path), "--no-plot"])
+    calls = []
+    rc = run_bwd_rows(select_rows(args), args, impls, ENV, commit, device="cpu", time_fn=_host_timer(calls))
+    return rc, calls
+
+
+def _rows(tmp_path, commit="c1"):
+    return {r["mix"]: r for r in S.rows_for_key(S.read_rows(tmp_path / f"{PREFIX}.csv"), ENV, commit)}
+
+
+def test_loop_gate_resume_cache_and_drift(tmp_path, capsys):
+    impls = {"ours": _stand_in("ours"), "fla": _stand_in("fla", scale_dg=1.5), "flash_qla": _stand_in("flash_qla")}
+    argv = ["--heads", "1/2", "--mixes", "40+30,1x65", "--peers", "live"]
+    rc, calls = _run(tmp_path, argv, impls)
+    assert rc == 0 and len(calls) == 8            # ours and FlashQLA: backward + step on 2 rows; FLA failed its gate
+    res = _rows(tmp_path)
+    assert set(res) == {"40+30", "1x65"}
+    for r in res.values():
+        assert r["gate"] == "fp64" and r["name"] in ("70_2seq", "65_1seq")
+        for i in ("ours", "flash_qla"):
+            assert r[f"{i}_status"] == "ok" and BR.num(r[f"{i}_bwd_ms"]) > 0 and BR.num(r[f"{i}_step_ms"]) > 0
+            assert BR.num(r[f"{i}_err"]) < 1e-2 and "dg=" in r[f"{i}_errs"]
+        assert r["fla_status"] == "FAIL" and r["fla_bwd_ms"] == "" and BRun.parse_errs(r["fla_errs"])["dg"] > 0.4
+        assert BR.num(r["pair_ours_flash_qla"]) < 1e-2 and BR.num(r["pair_ours_fla"]) > 0.3
+    peers = S.read_rows(tmp_path / f"peers-{PREFIX}.csv")
+    assert len(peers) == 4 and {p["impl"] for p in peers} == {"fla", "flash_qla"}
+    md = (tmp_path / f"{PREFIX}.md").read_text()
+    assert "| 1/2 | 70_2seq | 40+30 |" in md and "FAIL (dg" in md
+
+    # rerun, same key: everything skipped
+    rc, calls = _run(tmp_path, argv, impls)
+    assert rc == 0 and calls == []
+    assert "resuming: 2 of 2 rows" in capsys.readouterr().out
+
+    # new commit: cached peers, one row re-timed (drift), an extra row without cache ('not cached')
+    rc, calls = _run(tmp_path, ["--heads", "1/2", "--mixes", "40+30,1x65,1x20", "--peers", "cached", "--retime", "1"],
+                     impls, commit="c2")
+    out = capsys.readouterr().out
+    res = _rows(tmp_path, "c2")
+    assert set(res) == {"40+30", "1x65", "1x20"}
+    assert res["1x20"]["fla_status"] == "not cached" and res["1x20"]["flash_qla_status"] == "not cached"
+    assert res["1x20"]["ours_status"] == "ok"
+    retimed = [m for m, r in res.items() if "re-timed" in r["peers_source"]]
+    assert len(retimed) == 1 and "drift FlashQLA 1/2 " in out and "drift FLA" in out
+    assert res["40+30"]["flash_qla_status"] == "ok" and res["40+30"]["peers_source"].startswith("cached")
+    assert len(S.read_rows(tmp_path / f"peers-{PREFIX}.csv")) == 4      # cached mode appends nothing
+    assert "## Drift" in (tmp_path / f"{PREFIX}.md").read_text()
+
+
+def test_loop_pairwise_gate_and_failures(tmp_path):
+    impls = {"ours": _stand_in("ours"), "fla": _stand_in("fla", broken=True), "flash_qla": _stand_in("flash_qla")}
+    rc, calls = _run(tmp_path, ["--heads", "1/2", "--mixes", "33", "--peers", "live", "--ref", "pairwise", "--no-step"],
+                     impls)
+    assert rc == 0 and len(calls) == 2                                   # backward only, ours and FlashQLA
+    r = _rows(tmp_path)["1x33"]
+    assert r["gate"] == "pairwise"
+    assert r["ours_status"] == "ok" and r["flash_qla_status"] == "ok" and r["ours_step_ms"] == ""
+    assert r["fla_status"].startswith("error: RuntimeError: kernel exploded")
+    assert BR.num(r["ours_err"]) < 1e-2 and r["pair_fla_flash_qla"] == ""
+    # alone under the pairwise gate: unchecked, not timed
+    rc, calls = _run(tmp_path, ["--heads", "1/2", "--mixes", "34", "--peers", "none", "--ref", "pairwise"],
+                     {"ours": _stand_in("ours")})
+    assert calls == [] and _rows(tmp_path)["1x34"]["ours_status"] == "unchecked"
+    # --ref-limit: a row above it uses the pairwise gate
+    rc, calls = _run(tmp_path, ["--heads", "1/2", "--mixes", "35", "--peers", "none", "--ref-limit", "10"],
+                     {"ours": _stand_in("ours"), "fla": _stand_in("fla")})
+    assert _rows(tmp_path)["1x35"]["gate"] == "pairwise" and _rows(tmp_path)["1x35"]["ours_status"] == "unchecked"
+
+
+def test_loop_peers_only_then_ours(tmp_path):
+    # fill the peers' cache alone, then time ours against it: the peers-only rows do not count as done
+    peers = {"fla": _stand_in("fla"), "flash_qla": _stand_in("flash_qla")}
+    rc, calls = _run(tmp_path, ["--heads", "1/2", "--mixes", "20+20", "--peers", "live", "--impls", "fla,flash_qla"],
+                     peers)
+    assert len(calls) == 4 and _rows(tmp_path)["20+20"]["ours_status"] == ""
+    rc, calls = _run(tmp_path, ["--heads", "1/2", "--mixes", "20+20", "--peers", "cached", "--retime", "0"],
+                     {"ours": _stand_in("ours"), **peers})
+    r = _rows(tmp_path)["20+20"]
+    assert len(calls) == 2 and r["ours_status"] == "ok" and r["fla_status"] == "ok" and r["peers_source"] == "cached"
+    assert BR.speedup(r, "ours", "fla") > 0
+
+
+def test_time_budget_defers_peers_to_the_next_run(tmp_path, capsys):
+    import time as _time
+
+    slow = _stand_in("ours")
+    fwd = slow.fwd
+    slow.fwd = lambda x: (_time.sleep(0.6), fwd(x))[1]
+    impls = {"ours": slow, "fla": _stand_in("fla"), "flash_qla": _stand_in("flash_qla")}
+    rc, calls = _run(tmp_path, ["--heads", "1/2", "--mixes", "20,21", "--time-budget", "0.3"], impls)
+    out = capsys.readouterr().out
+    r = _rows(tmp_path)["1x20"]
+    assert r["ours_status"] == "ok" and r["fla_status"] == "deferred" and r["flash_qla_status"] == "deferred"
+    assert "1x21" not in _rows(tmp_path) and "FLA deferred" in out and len(calls) == 2
+    # the next run measures the deferred peers on that row and the row left over
+    rc, calls = _run(tmp_path, ["--heads", "1/2", "--mixes", "20,21"], impls)
+    res = _rows(tmp_path)
+    assert all(res[m][f"{i}_status"] == "ok" for m in ("1x20", "1x21") for i in ("ours", "fla", "flash_qla"))
+    rc, calls = _run(tmp_path, ["--heads", "1/2", "--mixes", "20,21"], impls)
+    assert calls == []
+
+
+def test_time_budget_stops_early(tmp_path, capsys):
+    rc, calls = _run(tmp_path, ["--heads", "1/2", "--mixes", "20,21", "--peers", "none", "--time-budget", "0"],
+                     {"ours": _stand_in("ours")})
+    assert rc == 0 and calls == [] and "time budget" in capsys.readouterr().out
+
+
+def test_inputs_are_seeded_and_sliced():
+    rows = BG.select_bwd_rows(["1/2"], ["30+20", "50"])
+    f1 = BRun.BwdInputFactory("cpu", 50, seed=3)
+    a, b = f1.get(rows[0]), f1.get(rows[1])
+    assert a.do.shape == (1, 50, 2, 128) and a.do.dtype == torch.bfloat16 and a.dht.shape == (2, 2, 128, 128)
+    assert torch.equal(a.do, b.do) and torch.equal(a.q, b.q)             # one draw per head config, first T tokens
+    assert a.cu_seqlens.tolist() == [0, 30, 50] and a.scale == 128**-0.5
+    again = BRun.BwdInputFactory("cpu", 50, seed=3).get(rows[0])
+    assert torch.equal(again.dht, a.dht) and torch.equal(again.do, a.do)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def test_cli_bwd_list_and_errors():
+    out = subprocess.run([sys.executable, "-m", "flashqla.bench", "--bwd", "--list"], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.startswith("32 rows")
+    assert "161+1928+3157+563+1244+229+177+733" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "flashqla.bench", "--bwd", "--list", "--mixes", "8k_0seq"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2
+    out = subprocess.run([sys.executable, "-m", "flashqla.bench", "--bwd", "--breakdown"], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 2 and "forward" in out.stderr
+
+
+def test_cli_bwd_without_cuda_exits_nonzero():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    out = subprocess.run([sys.executable, "-m", "flashqla.bench", "--bwd", "--quick"], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
+
+
+def test_cli_bwd_report_only(tmp_path):
+    p = tmp_path / f"{PREFIX}.csv"
+    for r in (_line(16, 32, "32k_1seq", (2.0, 2.8), (6.0, 9.0), (3.0, 4.0)),
+              _line(2, 4, "8k_4seq", (0.5, 0.7), (1.0, 1.4), (0.5, 0.6))):
+        S.append_row(p, r, BR.RESULT_FIELDS_BWD)
+    S.append_row(tmp_path / "test-gpu-fwd.csv", {"gpu": "x"}, ["gpu"])    # a forward file beside it is ignored
+    out = subprocess.run([sys.executable, "-m", "flashqla.bench", "--bwd", "--report-only", "--no-plot",
+                          "--results-dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    md = (tmp_path / f"{PREFIX}.md").read_text()
+    assert "| 16/32 | 32k_1seq |" in md and "3.00x" in md and "Rebuilt from the CSV" in md
+
+
+def test_importing_the_bwd_harness_needs_no_peer():
+    code = ("import sys, flashqla.bench.__main__, flashqla.bench.bwd_main, flashqla.bench.bwd_report, "
+            "flashqla.bench.bwd_runner, flashqla.bench.bwd_impls; "
+            "print(any(m in sys.modules for m in ('fla', 'flash_qla', 'tilelang', 'triton', 'matplotlib')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "False"
