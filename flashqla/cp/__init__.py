@@ -1,16 +1,31 @@
 """Context parallelism on one device: the planner (when and where to split, segment tables without
-host sync, a plan cache keyed on static facts) and the state merge (combine scan)."""
+host sync, a plan cache keyed on static facts), the state merge (combine scan) and the driver that
+runs the existing sm_90 forward launches over segments (`chunk_gated_delta_rule_cp_fwd`)."""
 
+from flashqla.cp.driver import (
+    CP_ENV,
+    CP_MODES,
+    CORRECTIONS,
+    CPInfo,
+    Sm90Backend,
+    chunk_gated_delta_rule_cp_fwd,
+    cp_forward,
+    cp_splits,
+    segment_slots_to_sequence_slots,
+)
 from flashqla.cp.merge import scan_segment_states
 from flashqla.cp.planner import (
     BV_CHOICES,
     CHUNK_COST,
+    CORRECTION_COST,
+    DEFAULT_GATE_CHUNKS,
     DEFAULT_SM_COUNT,
     GATE_THRESHOLD,
     MIN_GAIN,
     PASSES_EXACT,
     PASSES_GATED,
     SEGMENT_QUANTUM,
+    TIE,
     CPPlan,
     PlanKey,
     SegmentTables,
@@ -25,14 +40,26 @@ from flashqla.cp.planner import (
 )
 
 __all__ = [
+    "CP_ENV",
+    "CP_MODES",
+    "CORRECTIONS",
+    "CPInfo",
+    "Sm90Backend",
+    "chunk_gated_delta_rule_cp_fwd",
+    "cp_forward",
+    "cp_splits",
+    "segment_slots_to_sequence_slots",
     "BV_CHOICES",
     "CHUNK_COST",
+    "CORRECTION_COST",
+    "DEFAULT_GATE_CHUNKS",
     "DEFAULT_SM_COUNT",
     "GATE_THRESHOLD",
     "MIN_GAIN",
     "PASSES_EXACT",
     "PASSES_GATED",
     "SEGMENT_QUANTUM",
+    "TIE",
     "CPPlan",
     "PlanKey",
     "SegmentTables",

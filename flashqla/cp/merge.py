@@ -1,9 +1,11 @@
 """State merge of a segmented run: the combine scan (CP-2) over the planner's segment tables.
 
-`scan_segment_states` is the torch twin of the future combine-scan kernel: per sequence it walks the
-segments in slot order, S <- P_j S + Q_j, from the sequence's initial state (or zeros). Its loop
-count is ceil(T / L), a bound from shapes alone, and every step is a masked gather / scatter over all
-sequences at once, so it needs no host synchronisation either.
+`scan_segment_states` is the combine scan the CP forward (`flashqla.cp.driver`) runs in torch: per
+sequence it walks the segments in slot order, S <- P_j S + Q_j, from the sequence's initial state
+(or zeros). Its loop count is ceil(T / L), a bound from shapes alone, and every step is a masked
+gather / scatter over all sequences at once, so it needs no host synchronisation either. With one
+sequence (N == 1, the case context parallelism is for) segment j sits in slot j, and each step is a
+single batched product written in place (`torch.baddbmm(..., out=)`): ceil(T / L) - 1 launches.
 
 Two launch schemes fit the tables:
   first_from_h0=False  every segment runs from zero; Q_j is its zero-start end state and every valid
@@ -39,6 +41,8 @@ def scan_segment_states(P: torch.Tensor, Q: torch.Tensor, tables: SegmentTables,
     """
     M, HV, K, V = Q.shape
     N = tables.N
+    if N == 1:
+        return _scan_one_sequence(P, Q, tables, T, initial_state, first_from_h0)
     S = Q.new_zeros(N, HV, K, V) if initial_state is None else initial_state.to(Q.dtype).clone()
     starts = Q.new_zeros(M + 1, HV, K, V)  # row M takes the writes of sequences with no segment j
     dummy = torch.full_like(tables.seq_first, M)
@@ -50,3 +54,23 @@ def scan_segment_states(P: torch.Tensor, Q: torch.Tensor, tables: SegmentTables,
         nxt = Q[src] if (first_from_h0 and j == 0) else P[src] @ S + Q[src]
         S = torch.where(active[:, None, None, None], nxt, S)
     return starts[:M], S
+
+
+def _scan_one_sequence(P, Q, tables: SegmentTables, T: int, initial_state, first_from_h0: bool):
+    """`scan_segment_states` for N == 1: segment j in slot j (seq_first[0] = floor(cu[0] / L) = 0),
+    at most ceil(T / L) segments; each step one product into the slot's end-state row."""
+    M, HV, K, V = Q.shape
+    S0 = Q.new_zeros(1, HV, K, V) if initial_state is None else initial_state.to(Q.dtype)
+    ends = Q.new_empty(M, HV, K, V)
+    S = S0[0]
+    for j in range(min(tables.max_segments_per_sequence(T), M)):
+        if first_from_h0 and j == 0:
+            ends[0] = Q[0]
+        else:
+            torch.baddbmm(Q[j], P[j], S, out=ends[j])
+        S = ends[j]
+    starts = torch.cat([S0, ends[: M - 1]]) if M else ends
+    starts = torch.where(tables.valid[:, None, None, None], starts, starts.new_zeros(()))
+    last = tables.seq_last
+    final = torch.where((last >= 0)[:, None, None, None], ends[last.clamp(min=0)] if M else S0, S0)
+    return starts, final

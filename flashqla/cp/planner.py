@@ -7,8 +7,8 @@ each 512 chunks long. CP cuts every long sequence into segments, runs the segmen
 sequences, and stitches the states back (derivations CP-1 .. CP-5, `reference/gdn/cp.py`).
 
 This module decides (a pure function of static facts, cached) and builds the tables a segmented
-launch needs (torch ops on the device, no host synchronisation). No kernel here launches anything;
-the CP kernels are future work (see "Kernel launches" below).
+launch needs (torch ops on the device, no host synchronisation). `flashqla.cp.driver` runs the
+existing kernels over those tables (see "Kernel launches" below).
 
 Rule (`plan_cp`)
 ----------------
@@ -18,7 +18,8 @@ Sequence lengths are never read from `cu_seqlens` (that would be a device-to-hos
 the hint the model assumes balanced sequences of ceil(T / N) tokens, the case least favourable to
 splitting (an unbalanced mix only gains more from a split; `force` covers a caller who knows).
 
-Cost model, in units of one chunk step of the recurrent kernel at BV = 128 (~3.3 us on the H200):
+Cost model, in units of one chunk step of the recurrent kernel at BV = 128 (~3.3 us on the H200),
+for the launches `flashqla.cp.driver` makes:
 
     t(BV)        per-CTA cost of one chunk: t(128) = 1.0, t(64) = 0.8 (NOTES.md, 32/32 1x4096, both
                  launches under one wave: the op took 0.318 ms at BV = 64 and 0.378 ms at BV = 128;
@@ -26,14 +27,19 @@ Cost model, in units of one chunk step of the recurrent kernel at BV = 128 (~3.3
     slots        SMs x CTAs per SM; both widths fit one CTA per SM (137 KB / 113 KB shared memory,
                  384 x 168 / 256 x 202 registers)
     unsplit      t(BV) * max(ceil(l_max / 64), ceil(NV HV N / slots) * ceil(l_avg / 64))
-    split(L)     passes * t(BV) * ceil(NV HV m / slots) * ceil(min(L, l_max) / 64)
-                 + SCAN_STEP_COST * ceil(l_max / L) + EXTRA_LAUNCHES * LAUNCH_COST
-                 m = number of segments; passes = PASSES_EXACT = 3 (segment run, segment transition
-                 P, output correction, each a chunk-serial pass over a segment) or PASSES_GATED = 2
-                 in gate-driven mode (transition and correction shortened on decaying heads; the
-                 figure is a provisional estimate until the kernels are measured: g == 0 heads
-                 still pay 3)
+    run(L)       t(BV) * ceil(NV HV m / slots) * ceil(min(L, l_max) / 64), m = number of segments
+    exact        PASSES_EXACT * run(L)                          run + transition launches
+                 + SCAN_STEP_COST * (ceil(l_max / L) - 1)        sequential combine products
+                 + CORRECTION_COST * HV * (tokens past first segments)   the correction GEMMs
+                 + LAUNCH_COST * (EXTRA_LAUNCHES + HV)           small launches, one GEMM per head
+    gated        PASSES_GATED * run(L) + t(BV) ceil(NV HV m' / slots) * gate_chunks   (m' non-first
+                 segments, the compact transition launch) + CORRECTION_COST * HV * m' * 64 gate_chunks
+                 + LAUNCH_COST * EXTRA_LAUNCHES_GATED (gate_chunks defaults to DEFAULT_GATE_CHUNKS)
 
+SCAN_STEP_COST, CORRECTION_COST and the launch counts are estimates (one small fp32 batched GEMM of
+[HV, 128, 128] x [HV, 128, 128] per combine step, ~5 us with its launch; the correction reads U and o
+and writes o in bf16, 768 B per token and value head at ~3 TB/s) until `tests/gpu/cp_bench.py`
+measures them.
 The planner evaluates both BV choices (only those dividing V), no split, and every segment length
 L = SEGMENT_QUANTUM * j (512 tokens = 8 chunks, as FlashInfer's exact CP; always a multiple of the
 64-token chunk) with L < l_max, and splits when the best split is predicted at least MIN_GAIN = 1.2x
@@ -41,12 +47,12 @@ faster than the best unsplit launch (among split candidates within TIE = 3% of t
 longest L wins: fewer waves, fewer scan steps, less overhead the model leaves out). The optimum
 lands where the segment CTAs fill one or a few whole waves: shorter segments do not shorten the
 critical path below total work / slots and add scan steps; longer ones leave SMs idle.
-Examples at 132 SMs (exact mode / gate-driven default):
-2/8 1x32768 -> split, L = 2048, BV = 128, 16 segments x 8 heads = 128 CTAs (one wave), predicted
-3.8x / 5.5x; 32/32 1x4096 -> no split / L = 1024 (1.4x); 16/64 4x8192 (256 CTAs unsplit) ->
-no split. `disable=True` never splits; `force=True` always splits (the best split, or
-`segment_len`); `segment_len` fixes L (a multiple of 64); `exact=True` forces exact mode (no
-gate-driven shortcut in the kernels). The constants are module-level and named below.
+Examples at 132 SMs (exact mode / gate-driven with 4 chunks): 2/8 1x32768 -> split, L = 2048,
+BV = 128, 16 segments x 8 heads = 128 CTAs (one wave), predicted 3.4x / 8x; 32/32 1x4096 -> no
+split; 16/64 4x8192 (256 CTAs unsplit) -> no split. `disable=True` never splits; `force=True`
+always splits (the best split, or `segment_len`); `segment_len` fixes L (a multiple of 64);
+`exact=True` costs exact mode, `exact=False` the gate-driven mode with `gate_chunks` chunks. The
+constants are module-level and named below.
 
 Segment tables (`build_segment_tables`)
 ----------------------------------------
@@ -86,37 +92,33 @@ data pointer), so a caller that reuses a cu_seqlens buffer and edits it in place
 plan; the tables, which do depend on the values, are rebuilt on every call (a handful of small
 device ops, no sync).
 
-Gate-driven shortcut (kernel-side, per (segment, value head), decided on device from g)
------------------------------------------------------------------------------------------
+Gate-driven shortcut (opt-in; `flashqla.cp.driver`, gate_chunks = m)
+---------------------------------------------------------------------
 By CP-4 / CP-5 a state carried across a window whose summed log-decay is G contributes at most
-exp(G) ||S||_F to every later state and scale ||q|| exp(G) ||S||_F to every later output. So:
-  - transition: if segment j's total decay G_j < GATE_THRESHOLD (-10, FlashQLA's), ||P_j||_2 <=
-    e^-10 ~ 4.5e-5, below bf16 resolution relative to ||S||: skip P_j and take S_{j+1} ~ Q_j (the
-    scan chain breaks there, later segments do not wait);
-  - output correction: O_c(S) - O_c(0) = scale D_c R_c P_<c S is bounded by exp(G_<=c) ||S||: stop
-    correcting a segment at the first chunk whose accumulated decay from the segment start is below
-    the threshold (the correction shrinks to a few chunks on decaying heads);
-  - heads with g == 0 (or any head not reaching the threshold) take the exact path; `exact=True`
-    disables the shortcut entirely. The reference (`cp_gated_delta_rule_fwd(warmup_chunks=,
-    fallback_threshold=)`) measures this error against the bound.
+exp(G) ||S||_F to every later state and scale ||q|| exp(G) ||S||_F to every later output. The
+gate-driven mode drops the transition (the state entering segment j + 1 is taken as the zero-start
+end state of segment j: error <= exp(G_j) ||S_in(j)||) and corrects only the first m chunks of each
+segment (error <= exp(G_<m) ||S_in||). It is exact only where those decays are negligible; heads with
+g == 0 are not. The existing recurrent kernel walks the same chunks for every value head of a
+sequence, so a per-(segment, head) fallback decided on the device would still pay the full-length
+transition launch: the mode is therefore a host-side choice (never taken by the rule), and the driver
+reports the decays and a per-(slot, head) flag on the device. GATE_THRESHOLD (-10, FlashQLA's) is
+the level below which the bound is below bf16 resolution (e^-10 ~ 4.5e-5).
 
-Kernel launches (future work; nothing below exists yet as a kernel)
--------------------------------------------------------------------
-1. prepare kernel over the pseudo `cu_seqlens` (slot count floor(T / 64) + M): segments are
-   chunk-aligned within their sequence, so every chunk's g_cum and A diag(beta) are unchanged;
-2. segment run: the existing recurrent kernel with the pseudo `cu_seqlens`, N' = M, from h0[h0_index]
-   for first segments and zero state elsewhere (the kernel needs an initial-state index, or a
-   gathered [M, HV, K, V] h0), giving o (exact for first segments, O(0) elsewhere) and each slot's
-   end state Q; inert slots exit at once;
-3. segment transition: P_j = prod_c (gamma_C I - T_c) per (slot, head) where need_transition
-   (could be fused into launch 2 as an extra K x K "state");
-4. combine scan: per (sequence, head, value slice) walk seq_first[n] + 1 .. seq_first[n] +
-   seq_num[n] - 1, S <- P_j S + Q_j (CP-2), writing the entering state of each slot
-   (`flashqla.cp.merge.scan_segment_states(first_from_h0=True)` is its torch twin; the gate-driven
-   shortcut cuts the chain where P_j is skipped);
-5. output correction: o += scale D R P_<c S_start per chunk where need_correction (CP-3), ending
-   with the last segment's final state Q + P S; or equivalently a second recurrent run of those
-   segments from their entering states.
+Kernel launches (`flashqla.cp.driver`, existing kernels only)
+-------------------------------------------------------------
+1. prepare over the pseudo `cu_seqlens` (slot count floor(T / 64) + M): segments are chunk-aligned
+   within their sequence, so every chunk's g_cum and A diag(beta) are unchanged, and the products
+   serve every launch below;
+2. run: the recurrent kernel over the pseudo offsets, N' = M, from h0[h0_index] on first segments and
+   zero elsewhere (a gathered [M, HV, K, V] initial state): o (exact on first segments, O(0)
+   elsewhere) and each slot's end state Q; inert slots exit at once;
+3. transition: the recurrent kernel with v = 0 from the identity on every non-first segment: its end
+   state is P_j, its output U_t = scale Phi_t^T q_t (K = V = 128);
+4. combine scan (`flashqla.cp.merge.scan_segment_states(first_from_h0=True)`, torch): S <- P_j S + Q_j
+   per sequence, the entering state of every slot and every final state;
+5. output correction o_t += S_in^T U_t on non-first segments (CP-3 by linearity; torch GEMMs), or a
+   third recurrent launch from the entering states (correction="rerun").
 """
 
 from __future__ import annotations
@@ -136,8 +138,11 @@ __all__ = [
     "PASSES_EXACT",
     "PASSES_GATED",
     "SCAN_STEP_COST",
+    "CORRECTION_COST",
     "LAUNCH_COST",
     "EXTRA_LAUNCHES",
+    "EXTRA_LAUNCHES_GATED",
+    "DEFAULT_GATE_CHUNKS",
     "MIN_GAIN",
     "TIE",
     "GATE_THRESHOLD",
@@ -165,15 +170,21 @@ BV_CHOICES = (128, 64)
 CHUNK_COST = {128: 1.0, 64: 0.8}
 #: Resident CTAs per SM of the recurrent kernel.
 CTAS_PER_SM = {128: 1, 64: 1}
-#: Chunk-serial passes over a segment in exact CP: run, transition P, output correction.
-PASSES_EXACT = 3.0
-#: Same in gate-driven mode (provisional estimate until the kernels are measured).
-PASSES_GATED = 2.0
-#: Cost of one combine-scan step (one K x K by K x BV product per CTA) in chunk units.
-SCAN_STEP_COST = 0.5
-#: Cost of one extra launch in chunk units, and the extra launches of a CP forward.
+#: Full-length recurrent launches over the segments in exact CP: run and transition (the output
+#: correction is a GEMM).
+PASSES_EXACT = 2.0
+#: Same in gate-driven mode: the run (the transition launch covers gate_chunks chunks only).
+PASSES_GATED = 1.0
+#: Cost of one combine-scan step (one fp32 [HV, K, K] x [HV, K, V] product and its launch), chunk units.
+SCAN_STEP_COST = 1.5
+#: Cost of the output correction per corrected token and value head, chunk units (bf16 o, U, o).
+CORRECTION_COST = 8e-5
+#: Cost of one extra launch in chunk units, and the extra small launches of a CP forward.
 LAUNCH_COST = 1.0
-EXTRA_LAUNCHES = 3
+EXTRA_LAUNCHES = 6
+EXTRA_LAUNCHES_GATED = 12
+#: Chunks the gate-driven mode's transition launch covers when the plan is costed without a value.
+DEFAULT_GATE_CHUNKS = 4
 #: Split only when the predicted time improves at least this much.
 MIN_GAIN = 1.2
 #: Split candidates within this fraction of the best are ties; the longest segment wins.
@@ -225,11 +236,28 @@ def _segments(T: int, N: int, L: int, l_avg: int, l_max: int, balanced: bool) ->
     return _cdiv(l_max, L) + (others * _cdiv(_cdiv(rest, others), L) if others and rest else 0)
 
 
-def _split_time(BV, HV, V, T, N, L, l_avg, l_max, balanced, sms, passes) -> float:
-    ctas = _cdiv(V, BV) * HV * _segments(T, N, L, l_avg, l_max, balanced)
+def _first_tokens(T: int, N: int, L: int, l_avg: int, l_max: int, balanced: bool) -> int:
+    """Tokens in first segments (never corrected), under the same length model."""
+    if balanced:
+        return N * min(L, l_avg)
+    others, rest = N - 1, max(T - l_max, 0)
+    return min(L, l_max) + (min(rest, others * L) if others else 0)
+
+
+def _split_time(BV, HV, V, T, N, L, l_avg, l_max, balanced, sms, exact, gate_chunks) -> float:
+    NV = _cdiv(V, BV)
+    segs = _segments(T, N, L, l_avg, l_max, balanced)
     slots = sms * CTAS_PER_SM[BV]
-    run = passes * CHUNK_COST[BV] * _cdiv(ctas, slots) * _cdiv(min(L, l_max), CHUNK)
-    return run + SCAN_STEP_COST * _cdiv(l_max, L) + EXTRA_LAUNCHES * LAUNCH_COST
+    run = CHUNK_COST[BV] * _cdiv(NV * HV * segs, slots) * _cdiv(min(L, l_max), CHUNK)
+    later = max(segs - N, 0)  # non-first segments
+    if exact:
+        corrected = max(T - _first_tokens(T, N, L, l_avg, l_max, balanced), 0)
+        return (PASSES_EXACT * run + SCAN_STEP_COST * max(_cdiv(l_max, L) - 1, 0)
+                + CORRECTION_COST * HV * corrected + LAUNCH_COST * (EXTRA_LAUNCHES + HV))
+    m = DEFAULT_GATE_CHUNKS if gate_chunks is None else gate_chunks
+    compact = CHUNK_COST[BV] * _cdiv(NV * HV * later, slots) * min(m, _cdiv(min(L, l_max), CHUNK)) if later else 0.0
+    return (PASSES_GATED * run + compact + CORRECTION_COST * HV * later * CHUNK * m
+            + LAUNCH_COST * EXTRA_LAUNCHES_GATED)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -245,6 +273,7 @@ def plan_cp(
     exact: bool = False,
     segment_len: int | None = None,
     max_seqlen: int | None = None,
+    gate_chunks: int | None = None,
 ) -> CPPlan:
     """Whether and how to split (the rule in the module docstring). Pure and cached.
 
@@ -252,12 +281,14 @@ def plan_cp(
         HV: value heads. N: sequences (batch rows, or cu_seqlens.numel() - 1). T: total tokens (B * T).
         V: value head dim. sm_count: SMs of the device.
         force: always split (the best split, or `segment_len`). disable: never split.
-        exact: exact mode (no gate-driven shortcut; costed with PASSES_EXACT).
+        exact: exact mode (no gate-driven shortcut), else the gate-driven mode is costed.
         segment_len: fix L (tokens, positive multiple of 64) instead of searching.
         max_seqlen: optional host-side bound on the longest sequence (else balanced lengths).
+        gate_chunks: chunks the gate-driven transition launch covers (None: DEFAULT_GATE_CHUNKS).
 
     Returns a `CPPlan`. Raises ValueError for non-positive sizes, force with disable, a segment_len
-    that is not a positive multiple of 64, or a V that no width in BV_CHOICES divides.
+    that is not a positive multiple of 64, a gate_chunks < 1, or a V that no width in BV_CHOICES
+    divides.
     """
     if HV <= 0 or N < 0 or T < 0 or V <= 0 or sm_count <= 0:
         raise ValueError(f"plan_cp needs HV, V, sm_count > 0 and N, T >= 0, got HV={HV} N={N} T={T} V={V} sm_count={sm_count}")
@@ -265,13 +296,14 @@ def plan_cp(
         raise ValueError("force and disable are exclusive")
     if segment_len is not None and (segment_len <= 0 or segment_len % CHUNK):
         raise ValueError(f"segment_len must be a positive multiple of {CHUNK}, got {segment_len}")
+    if gate_chunks is not None and gate_chunks < 1:
+        raise ValueError(f"gate_chunks must be a positive number of chunks, got {gate_chunks}")
     bvs = [bv for bv in BV_CHOICES if V % bv == 0]
     if not bvs:
         raise ValueError(f"no value-slice width in {BV_CHOICES} divides V={V}")
     balanced = max_seqlen is None
     l_avg = _cdiv(T, max(N, 1))
     l_max = l_avg if balanced else max(0, min(int(max_seqlen), T))
-    passes = PASSES_EXACT if exact else PASSES_GATED
 
     def unsplit(bv):
         return _unsplit_time(bv, HV, V, N, l_avg, l_max, sm_count)
@@ -283,7 +315,7 @@ def plan_cp(
     else:
         lens = [SEGMENT_QUANTUM * j for j in range(1, _cdiv(l_max, SEGMENT_QUANTUM))]
     cands = [
-        (_split_time(bv, HV, V, T, N, L, l_avg, l_max, balanced, sm_count, passes), L, bv)
+        (_split_time(bv, HV, V, T, N, L, l_avg, l_max, balanced, sm_count, exact, gate_chunks), L, bv)
         for L in lens
         for bv in bvs
     ]
@@ -338,10 +370,11 @@ class PlanKey(NamedTuple):
     exact: bool
     segment_len: int | None
     max_seqlen: int | None
+    gate_chunks: int | None = None
 
 
 def plan_key(q, v, cu_seqlens=None, *, sm_count_override=None, force=False, disable=False, exact=False,
-             segment_len=None, max_seqlen=None) -> PlanKey:
+             segment_len=None, max_seqlen=None, gate_chunks=None) -> PlanKey:
     """`PlanKey` from q [B, T, H, K], v [B, T, HV, V] and cu_seqlens (None or [N + 1]); shapes only."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -349,17 +382,18 @@ def plan_key(q, v, cu_seqlens=None, *, sm_count_override=None, force=False, disa
     sms = sm_count(q.device) if sm_count_override is None else int(sm_count_override)
     cu_dtype = None if cu_seqlens is None else cu_seqlens.dtype
     return PlanKey(B, T, H, HV, K, V, N, q.dtype, cu_dtype, q.device, sms, bool(force), bool(disable), bool(exact),
-                   segment_len, max_seqlen)
+                   segment_len, max_seqlen, gate_chunks)
 
 
 @functools.lru_cache(maxsize=256)
 def _plan_for_key(key: PlanKey) -> CPPlan:
     return plan_cp(key.HV, key.N, key.B * key.T, key.V, key.sm_count, force=key.force, disable=key.disable,
-                   exact=key.exact, segment_len=key.segment_len, max_seqlen=key.max_seqlen)
+                   exact=key.exact, segment_len=key.segment_len, max_seqlen=key.max_seqlen,
+                   gate_chunks=key.gate_chunks)
 
 
 def get_cp_plan(q, v, cu_seqlens=None, *, sm_count_override=None, force=False, disable=False, exact=False,
-                segment_len=None, max_seqlen=None, build_tables=True):
+                segment_len=None, max_seqlen=None, gate_chunks=None, build_tables=True):
     """The plan for these inputs (cached on `plan_key`) and, when it splits, the segment tables for
     the current values of cu_seqlens (rebuilt every call, on cu_seqlens' device, no host sync).
 
@@ -369,7 +403,7 @@ def get_cp_plan(q, v, cu_seqlens=None, *, sm_count_override=None, force=False, d
     Returns (CPPlan, SegmentTables or None).
     """
     key = plan_key(q, v, cu_seqlens, sm_count_override=sm_count_override, force=force, disable=disable,
-                   exact=exact, segment_len=segment_len, max_seqlen=max_seqlen)
+                   exact=exact, segment_len=segment_len, max_seqlen=max_seqlen, gate_chunks=gate_chunks)
     plan = _plan_for_key(key)
     tables = None
     if plan.split and build_tables:

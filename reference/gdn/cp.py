@@ -13,6 +13,9 @@ The algebra (derivations CP-1 .. CP-5, research/flashqla-design.md section 4, FL
                        ||P_w S_w||_F <= exp(G_w) ||S_w||_F with G_w the window's summed log-decay
                        (CP-4, CP-5)
     cp_gated_delta_rule_fwd   the whole simulated CP forward
+    ReferenceCPBackend the two sm_90 forward launches (prepare, recurrent) in fp64 on the kernels'
+                       slot layout, so that `flashqla.cp.driver` (which orchestrates those launches
+                       over segments) runs on CPU against this file's algebra
 
 Segments are sub-sequences: `plan_segments` cuts every sequence (each batch row, or each
 `cu_seqlens` span) into consecutive pieces of `segment_len` tokens (a multiple of the chunk size, so
@@ -32,6 +35,7 @@ from flashqla.validation import check_gdn_inputs
 from reference.gdn.chunk import floor_gates, prepare_chunk_layout
 from reference.gdn.fused import (
     chunk_transition,
+    decay_mask,
     fused_chunk_fwd,
     from_chunks,
     gate_cumsum,
@@ -39,6 +43,7 @@ from reference.gdn.fused import (
     kkt_solve,
     to_chunks,
 )
+from reference.gdn.fused_bwd import forward_slot_products, slots_to_chunks
 from reference.gdn.recurrent import compute_dtype, seq_bounds
 
 __all__ = [
@@ -52,6 +57,8 @@ __all__ = [
     "window_decay",
     "warmup_states",
     "cp_gated_delta_rule_fwd",
+    "recurrent_from_slots",
+    "ReferenceCPBackend",
 ]
 
 
@@ -296,3 +303,79 @@ def cp_gated_delta_rule_fwd(
     if return_info:
         return (*out, dict(plan=plan, S_start=S_start, S_start_exact=S_exact, G_w=G_w, P=P, Q=Q))
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The sm_90 forward's two launches on the kernels' slot layout (a backend for flashqla.cp.driver)
+# ----------------------------------------------------------------------------------------------
+
+
+def recurrent_from_slots(q, k, v, A_beta, g_cum_log2, scale: float, initial_state=None, cu_seqlens=None,
+                         chunk_size: int = 64):
+    """What the sm_90 recurrent kernel computes, from the prepare kernel's slot-major products.
+
+    Per chunk (RW-2, CF-1..CF-3, RW-4; `flashqla/ops/gdn/kernels/sm90/recurrent.py`):
+        v_new = A_beta (V - diag(gamma) K S),   o = scale (diag(gamma) Q S + (Q K^T * Gamma) v_new),
+        S'    = gamma_C S + K^T diag(r) v_new,  gamma = exp2(g_cum_log2), r = exp2(g_last - g_cum_log2).
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, HV, V'] (any value width V'); A_beta: [HV, S * C, C] and
+        g_cum_log2: [HV, S * C] in the slot layout of `cu_seqlens` (`reference.gdn.fused_bwd.
+        forward_slot_products`); scale: float; initial_state: None or [N, HV, K, V'];
+        cu_seqlens: None or [N + 1] offsets (read on the host); chunk_size: C.
+    Returns:
+        (o [B, T, HV, V'], final_state [N, HV, K, V']) in the compute dtype.
+    """
+    HV, Vw, K = v.shape[2], v.shape[3], k.shape[3]
+    cdt = compute_dtype(q, k, v, A_beta, g_cum_log2, initial_state)
+    lay = prepare_chunk_layout(q.shape[0], q.shape[1], cu_seqlens, chunk_size, q.device)
+    S = torch.zeros(lay.N, HV, K, Vw, dtype=cdt, device=q.device)
+    if initial_state is not None:
+        S = initial_state.to(cdt).clone()
+    if lay.NC == 0:
+        return torch.zeros(v.shape, dtype=cdt, device=q.device), S
+    Ab = slots_to_chunks(A_beta, lay, cu_seqlens).to(cdt)
+    G2 = slots_to_chunks(g_cum_log2, lay, cu_seqlens).to(cdt)
+    qc, kc, vc = to_chunks(q, lay, HV, cdt), to_chunks(k, lay, HV, cdt), to_chunks(v, lay, dtype=cdt)
+    gamma, gamma_C, r = gate_vectors(G2, log2=True)
+    Pg = scale * (qc @ kc.transpose(-1, -2)) * decay_mask(G2, log2=True)
+    o = torch.zeros(lay.NC, HV, lay.C, Vw, dtype=cdt, device=q.device)
+    for ids in lay.chunks_at:
+        sq = lay.seq[ids]
+        S0 = S[sq]
+        vn = Ab[ids] @ (vc[ids] - gamma[ids][..., None] * (kc[ids] @ S0))
+        o = o.index_copy(0, ids, scale * gamma[ids][..., None] * (qc[ids] @ S0) + Pg[ids] @ vn)
+        S = S.index_copy(0, sq, gamma_C[ids][..., None, None] * S0 + kc[ids].transpose(-1, -2) @ (r[ids][..., None] * vn))
+    return from_chunks(o, lay), S
+
+
+class ReferenceCPBackend:
+    """The sm_90 forward's launches in plain PyTorch (any device, fp64 when the inputs are fp64), with
+    the interface `flashqla.cp.driver` orchestrates (see `flashqla.cp.driver.CPBackend`).
+
+    prepare(k, g, beta, cu_seqlens, HV) -> (A_beta [HV, S * 64, 64], g_cum_log2 [HV, S * 64]) in the
+        slot layout of cu_seqlens (`forward_slot_products`, gates floored as the op does).
+    recurrent(q, k, v, A, g_cum_log2, scale, initial_state, output_final_state, cu_seqlens, block_v, o=None)
+        -> (o, final_state or None) (`recurrent_from_slots`; written into `o` when given).
+    Counts its launches in `launches` (a list of (kind, number of sequences)) for tests.
+    """
+
+    name = "reference"
+
+    def __init__(self, state_dtype: torch.dtype = torch.float64):
+        self.state_dtype = state_dtype
+        self.launches: list = []
+
+    def prepare(self, k, g, beta, cu_seqlens, HV: int):
+        self.launches.append(("prepare", k.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1))
+        return forward_slot_products(k, g, beta, HV, cu_seqlens)
+
+    def recurrent(self, q, k, v, A, g_cum_log2, scale, initial_state, output_final_state, cu_seqlens, block_v=None,
+                  o=None):
+        self.launches.append(("recurrent", q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1))
+        out, S = recurrent_from_slots(q, k, v, A, g_cum_log2, scale, initial_state, cu_seqlens)
+        out = out.to(v.dtype) if o is None else o.copy_(out)
+        return out, (S.to(self.state_dtype) if output_final_state else None)
+
+    def zeros(self, shape, dtype, device):
+        return torch.zeros(shape, dtype=dtype, device=device)

@@ -1,0 +1,643 @@
+"""Intra-device context-parallel (CP) forward: the existing sm_90 launches orchestrated over segments.
+
+No new kernel. The planner (`flashqla.cp.planner`) cuts every long sequence into segments of L tokens
+(L a multiple of 64, from each sequence start) and lays them out as M pseudo sequences
+(`build_segment_tables(...).cu_seqlens`, inert empty slots allowed). Segments are chunk-aligned, so
+the prepare kernel's per-chunk A diag(beta) and g_cum_log2 do not depend on the cut: one prepare
+launch over the pseudo offsets serves every recurrent launch below, and every recurrent launch runs
+all segments (and value heads) side by side.
+
+Exact mode (the default), four steps (derivations CP-1, CP-2, CP-3):
+
+    1. run         recurrent(v, h0[h0_index] on first segments, zero elsewhere) -> o, Q
+                   o is exact on first segments and O(0) elsewhere; Q_j is slot j's end state
+                   (exact on first segments, the zero-start end state elsewhere)
+    2. transition  recurrent(v = 0, identity on every non-first segment) -> U, P
+                   the recurrence is affine in (S_0, v) (CP-1), so from S_0 = I with v = 0 the end
+                   state is the segment's transition P_j [K, K] (K = V = 128: the [K, V] state holds
+                   I), and the output is U_t = scale Phi_t^T q_t [K], Phi_t the map from the segment
+                   start to token t
+    3. scan        S_in(j + 1) = P_j S_in(j) + Q_j per sequence (CP-2; `scan_segment_states`,
+                   first segments from h0), also giving every final state P_last S_in + Q_last
+    4. correction  o_t += S_in^T U_t on non-first segments (CP-3 in the form o(S) = o(0) + o_{v=0}(S),
+                   and o_{v=0}(S)_t = S^T o_{v=0}(I)_t by linearity): one product of the [L, K] rows
+                   of U with the segment's [K, V] entering state (torch GEMMs, in o's dtype), or, with
+                   correction="rerun", a third recurrent launch from the entering states
+
+Gate-driven mode (opt-in, `gate_chunks = m`; FlashQLA's truncation, CP-4 / CP-5). Step 2 runs only
+over the first m chunks of each non-first segment (gathered into a compact layout; P is not formed),
+the entering state of segment j + 1 is taken as Q_j (the zero-start end state of segment j: the
+dropped term is P_j S_in(j), ||P_j S||_F <= exp(G_j) ||S||_F with G_j segment j's summed log-decay),
+and only those m chunks are corrected (the dropped correction at any later token t is bounded by
+scale ||q_t|| exp(G_m) ||S_in||_F, G_m the summed log-decay of the segment's first m chunks). The
+final state adds P_last S_in where the last segment has at most m chunks (there the compact pass
+covers it entirely) and drops it otherwise. No scan products remain: segments do not wait on one
+another. The error is bounded only where the gates decay: a head with g == 0 (or any head whose
+decay does not reach the threshold) is NOT exact in this mode, and this cannot be repaired on the
+device without paying a full-length transition launch, because the existing recurrent kernel walks
+the same number of chunks for every value head of a sequence (only a kernel that takes a chunk count
+per (sequence, head) could shorten the launch for some heads). So the mode is a host-side choice:
+the planner never picks it, exact mode is the default, and the mode reports on the device, per
+(segment slot, value head), the two decays and whether both are below `GATE_THRESHOLD` (info
+"gate_ok"), so a caller or a test can check the bound without a synchronisation in the hot path.
+
+No host synchronisation: every size comes from shapes (M = floor(T / L) + N slots; at most
+floor(T / L) non-first segments), every index is computed by torch ops on the device, the scan runs a
+shape-bound number of steps. Planning reads static facts only (`get_cp_plan`).
+
+Backends. The orchestration is written against `CPBackend` (prepare, recurrent, zeros, state_dtype);
+`Sm90Backend` launches the sm_90 kernels; `reference.gdn.cp.ReferenceCPBackend` computes the same
+launches in fp64 on any device, which is how the CPU tests prove the orchestration exact.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import NamedTuple, Protocol
+
+import torch
+
+from flashqla.cp.merge import scan_segment_states
+from flashqla.cp.planner import CHUNK, GATE_THRESHOLD, SegmentTables, get_cp_plan
+
+__all__ = [
+    "CP_ENV",
+    "CP_MODES",
+    "CORRECTIONS",
+    "CPBackend",
+    "Sm90Backend",
+    "CPInfo",
+    "cp_forward",
+    "cp_splits",
+    "chunk_gated_delta_rule_cp_fwd",
+    "segment_slots_to_sequence_slots",
+]
+
+#: Environment variable with the default `cp` mode of `chunk_gated_delta_rule_cp_fwd` / `cp_splits`.
+CP_ENV = "FLASHQLA_CP"
+#: "auto": the planner decides (exact mode); "on": always split (the planner's best split, or
+#: `segment_len`); "off": never split.
+CP_MODES = ("auto", "on", "off")
+#: Output correction of exact mode: "gemm" (step 4 above) or "rerun" (a third recurrent launch).
+CORRECTIONS = ("gemm", "rerun")
+
+_LN2 = math.log(2.0)
+#: One sequence (N == 1) corrects by in-place GEMMs on views of o and U (no gather); tests turn it off
+#: to check it against the general path.
+_ONE_SEQUENCE_FAST_PATH = True
+
+
+class CPBackend(Protocol):
+    """The launches the CP forward orchestrates (shapes as the sm_90 launchers).
+
+    state_dtype: dtype of states (fp32 for the kernels).
+    prepare(k [1, T, H, K], g [1, T, HV], beta [1, T, HV], cu_seqlens [N + 1], HV)
+        -> (A [HV, S * 64, 64], g_cum_log2 [HV, S * 64]) in the slot layout of cu_seqlens
+        (S = floor(T / 64) + N; `flashqla.ops.gdn.kernels.sm90._common`).
+    recurrent(q, k, v [1, T, HV, V'], A, g_cum_log2, scale, initial_state [N, HV, K, V'] or None,
+              output_final_state, cu_seqlens, block_v) -> (o [1, T, HV, V'], final_state or None).
+        V' is V for the run and K for the transition pass (K == V on the kernels).
+    zeros(shape, dtype, device) -> a zero tensor the launches only read (may be cached).
+    """
+
+    state_dtype: torch.dtype
+
+    def prepare(self, k, g, beta, cu_seqlens, HV: int): ...
+
+    def recurrent(self, q, k, v, A, g_cum_log2, scale, initial_state, output_final_state, cu_seqlens, block_v=None): ...
+
+    def zeros(self, shape, dtype, device): ...
+
+
+class Sm90Backend:
+    """`CPBackend` on the sm_90 kernels (`chunk_prepare_fwd`, `chunk_recurrent_fwd`). Compiles the two
+    kernels of a configuration concurrently on first use. `zeros` keeps the last few zero value
+    tensors it made (the transition pass reads v = 0; a [1, T, HV, K] bf16 buffer per shape)."""
+
+    name = "sm90"
+    state_dtype = torch.float32
+    ZERO_CACHE = 4
+
+    def __init__(self):
+        self._built: set = set()
+        self._zeros: dict = {}
+
+    def warm(self, k, beta, q, v, cu_seqlens, HV: int, block_v) -> None:
+        from flashqla.ops.gdn.kernels.sm90 import build_kernels
+        from flashqla.ops.gdn.kernels.sm90.prepare import prepare_kernel_args
+        from flashqla.ops.gdn.kernels.sm90.recurrent import recurrent_kernel_args
+
+        key = (prepare_kernel_args(k, beta, cu_seqlens, HV), recurrent_kernel_args(q, v, cu_seqlens, block_v))
+        if key not in self._built:
+            build_kernels([("prepare", key[0]), ("recurrent", key[1])])
+            self._built.add(key)
+
+    def prepare(self, k, g, beta, cu_seqlens, HV: int):
+        from flashqla.ops.gdn.kernels.sm90.prepare import chunk_prepare_fwd
+
+        return chunk_prepare_fwd(k, g, beta, cu_seqlens, HV)
+
+    def recurrent(self, q, k, v, A, g_cum_log2, scale, initial_state, output_final_state, cu_seqlens, block_v=None, o=None):
+        from flashqla.ops.gdn.kernels.sm90.recurrent import chunk_recurrent_fwd
+
+        return chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale, initial_state, output_final_state, cu_seqlens,
+                                   block_v=block_v, o=o)
+
+    def zeros(self, shape, dtype, device):
+        key = (tuple(shape), dtype, str(device))
+        z = self._zeros.pop(key, None)
+        if z is None:
+            z = torch.zeros(shape, dtype=dtype, device=device)
+        self._zeros[key] = z  # most recent last
+        while len(self._zeros) > self.ZERO_CACHE:
+            self._zeros.pop(next(iter(self._zeros)))
+        return z
+
+
+class CPInfo(NamedTuple):
+    """What a CP forward did (for tests and benchmarks; tensors stay on the device).
+
+    plan: the `CPPlan`. tables: the `SegmentTables`. mode: "exact" or "gated". S_in: [M, HV, K, V]
+    the entering state each slot was corrected from (zeros where not corrected). P: [M, HV, K, K]
+    transitions (exact mode; None in gated mode). Q: [M, HV, K, V] end states of the run.
+    gate_decay_window, gate_decay_segment: [M, HV] fp64 summed log-decay (natural log) of each slot's
+    first min(m, chunks) chunks and of the whole segment (gated mode, else None). gate_ok: [M, HV]
+    bool, gated mode: both decays that bound this slot's error are below GATE_THRESHOLD (the window
+    of the slot itself when it has more than m chunks, the whole previous segment of its sequence),
+    True where nothing was dropped.
+    """
+
+    plan: object
+    tables: SegmentTables
+    mode: str
+    S_in: torch.Tensor
+    P: torch.Tensor | None
+    Q: torch.Tensor
+    gate_decay_window: torch.Tensor | None
+    gate_decay_segment: torch.Tensor | None
+    gate_ok: torch.Tensor | None
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, ...] -> [1, B * T, ...] (a view of a contiguous tensor)."""
+    return x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _ext(x: torch.Tensor, fill) -> torch.Tensor:
+    """x with one extra row `fill` at index len(x) (the target of "no slot" indices)."""
+    return torch.cat([x, torch.full((1, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)])
+
+
+def _corrected_slots(tab: SegmentTables, Mc: int) -> torch.Tensor:
+    """[Mc] int64: the slots with need_correction in slot order, then M ("none") for the rest.
+
+    Mc = floor(total / L) bounds the non-first segments (each follows a full segment of its sequence).
+    A cumsum and one scatter; the dummy row Mc takes the writes of the other slots."""
+    M = tab.M
+    dev = tab.valid.device
+    nc = tab.need_correction
+    rank = torch.cumsum(nc.to(torch.int64), 0) - 1
+    dst = torch.where(nc, rank, torch.full_like(rank, Mc))
+    sel = torch.full((Mc + 1,), M, dtype=torch.int64, device=dev)
+    sel = sel.index_copy(0, dst, torch.arange(M, dtype=torch.int64, device=dev))
+    return sel[:Mc]
+
+
+def _token_rows(tab: SegmentTables, sel: torch.Tensor, width: int):
+    """Token index [Mc, width] of the first `width` tokens of each selected slot (0 where past the
+    segment's end or for "none"), and the validity mask [Mc, width]."""
+    start = _ext(tab.start, 0)[sel]
+    length = _ext(tab.end - tab.start, 0)[sel]
+    pos = torch.arange(width, dtype=torch.int64, device=sel.device)
+    valid = pos[None, :] < length[:, None]
+    tok = torch.where(valid, start[:, None] + pos[None, :], torch.zeros((), dtype=torch.int64, device=sel.device))
+    return tok, valid
+
+
+def _correct_one_sequence(o, U, S_c, total: int, L: int) -> None:
+    """o += U @ S_c over segment j >= 1 of a single sequence [0, total) (segment j = slot j = tokens
+    [jL, min((j + 1) L, total))), in place, one GEMM per value head per block shape (no copies)."""
+    nseg = -(-total // L)
+    if nseg <= 1:
+        return
+    HV, V, K = o.shape[2], o.shape[3], U.shape[3]
+    of, Uf = o.view(total, HV, V), U.view(total, HV, K)
+    nfull = total // L
+    if nfull >= 2:
+        ob = of[: nfull * L].view(nfull, L, HV, V)
+        Ub = Uf[: nfull * L].view(nfull, L, HV, K)
+        for h in range(HV):
+            ob[1:, :, h].baddbmm_(Ub[1:, :, h], S_c[1:nfull, h])
+    if total % L and nfull >= 1:
+        op, Up = of[nfull * L :], Uf[nfull * L :]
+        for h in range(HV):
+            op[:, h].addmm_(Up[:, h], S_c[nfull, h])
+
+
+def _correct_gathered(o, Ug, S_sel, tok, valid) -> None:
+    """o[tok] += Ug @ S_sel per selected slot: token rows `tok` [Mc, W] of o, their U rows Ug
+    [Mc, W, HV, K], entering states S_sel [Mc, HV, K, V]; rows with valid False add zero. One batched
+    GEMM and an index_add (each valid token appears once)."""
+    Mc, W = tok.shape
+    HV, V, K = o.shape[2], o.shape[3], Ug.shape[3]
+    if Mc == 0:
+        return
+    of = o.view(-1, HV, V)
+    Ug = torch.where(valid[:, :, None, None], Ug, Ug.new_zeros(()))
+    R = torch.matmul(Ug.permute(0, 2, 1, 3), S_sel)  # [Mc, HV, W, V]
+    of.index_add_(0, tok.reshape(-1), R.permute(0, 2, 1, 3).reshape(Mc * W, HV, V))
+
+
+def _chunk_end_decay(g_cum_log2: torch.Tensor, slot_rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Sum over the given chunk slots [R, C'] (valid mask) of each chunk's total log-decay (natural
+    log, fp64) per value head: [R, HV]. A chunk's total is its g_cum at row 63 (rows past a sequence's
+    end repeat the last valid value)."""
+    HV = g_cum_log2.shape[0]
+    ends = g_cum_log2.view(HV, -1, CHUNK)[:, :, CHUNK - 1].to(torch.float64)  # [HV, S]
+    S = ends.shape[1]
+    vals = ends[:, slot_rows.clamp(0, max(S - 1, 0)).reshape(-1)].view(HV, *slot_rows.shape)
+    vals = torch.where(valid[None], vals, vals.new_zeros(()))
+    return (vals.sum(-1) * _LN2).transpose(0, 1)
+
+
+def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens,
+               tables: SegmentTables, *, block_v: int, gate_chunks: int | None = None, correction: str = "gemm",
+               poison_outputs: bool = False):
+    """The CP forward over the planner's segment tables (the steps in the module docstring).
+
+    Args:
+        backend: a `CPBackend`. q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV] (validated,
+            contiguous; g natural log); scale: float; initial_state: None or [N, HV, K, V];
+            output_final_state: bool; cu_seqlens: None or [N + 1] (B == 1).
+        tables: `build_segment_tables` for these offsets (or B rows of T tokens); its pseudo offsets
+            are used as given (their dtype picks the compiled kernel).
+        block_v: value-slice width of every recurrent launch. gate_chunks: None (exact) or m >= 1
+            (gated mode). correction: "gemm" or "rerun" (exact mode). poison_outputs: fill o with NaN
+            before the first launch (every token is written by the run).
+    Returns:
+        (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] in backend.state_dtype or None,
+        A, g_cum_log2 (slot layout of tables.cu_seqlens), CPInfo without plan (plan=None)).
+    Raises:
+        ValueError: unknown correction, gate_chunks < 1, or K != V in exact mode with correction
+            "gemm" applied to a kernel backend (the transition pass needs a [K, K] state; the
+            reference backend takes any K, V).
+    """
+    if correction not in CORRECTIONS:
+        raise ValueError(f"correction must be one of {CORRECTIONS}, got {correction!r}")
+    if gate_chunks is not None and int(gate_chunks) < 1:
+        raise ValueError(f"gate_chunks must be a positive number of chunks, got {gate_chunks}")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    total = B * T
+    tab = tables
+    M, N, L = tab.M, tab.N, tab.segment_len
+    dev = q.device
+    sd = backend.state_dtype
+    pcu = tab.cu_seqlens
+    qf, kf, vf, gf, bf = (_flat(x) for x in (q, k, v, g, beta))
+    A, G2 = backend.prepare(kf, gf, bf, pcu, HV)
+
+    # 1. run: first segments from h0, the others from zero
+    h0_run = None
+    h0 = None if initial_state is None else initial_state.to(sd)
+    if h0 is not None and N > 0:
+        h0_run = torch.where(tab.first[:, None, None, None], h0.index_select(0, tab.h0_index.clamp(min=0)), h0.new_zeros(()))
+    o_buf = torch.full_like(vf, float("nan")) if poison_outputs else None
+    o, Q = _recurrent(backend, qf, kf, vf, A, G2, scale, h0_run, True, pcu, block_v, o_buf)
+    mask = lambda b: b[:, None, None, None]  # noqa: E731
+    eye = torch.eye(K, dtype=sd, device=dev)
+    Mc = total // L  # bound on non-first segments
+
+    if gate_chunks is None:
+        # 2. transition: v = 0 from I on every non-first segment -> U (o rows), P (end states)
+        h0_tr = torch.where(mask(tab.need_correction), eye, eye.new_zeros(())).expand(M, HV, K, K).contiguous()
+        vz = backend.zeros((1, total, HV, K), v.dtype, dev)
+        U, P = _recurrent(backend, qf, kf, vz, A, G2, scale, h0_tr, True, pcu, block_v, None)
+        # 3. scan
+        S_in, final = scan_segment_states(P, Q, tab, T, h0, first_from_h0=True)
+        # 4. correction
+        if correction == "rerun":
+            o, _ = _recurrent(backend, qf, kf, vf, A, G2, scale, S_in.contiguous(), False, pcu, block_v, None)
+            S_c = S_in
+        else:
+            S_c = torch.where(mask(tab.need_correction), S_in, S_in.new_zeros(()))
+            Sx = S_c.to(o.dtype)
+            if N == 1 and B == 1 and _ONE_SEQUENCE_FAST_PATH:
+                _correct_one_sequence(o, U, Sx, total, L)
+            else:
+                sel = _corrected_slots(tab, Mc)
+                tok, valid = _token_rows(tab, sel, L)
+                Ug = U.view(total, HV, K).index_select(0, tok.reshape(-1)).view(Mc, L, HV, K)
+                _correct_gathered(o, Ug, _ext(Sx, 0)[sel], tok, valid)
+        info = CPInfo(None, tab, "exact", S_c, P, Q, None, None, None)
+    else:
+        m = int(gate_chunks)
+        W = m * CHUNK
+        sel = _corrected_slots(tab, Mc)  # compact sequence i <- slot sel[i]
+        tok, valid = _token_rows(tab, sel, W)
+        # entering states: the zero-start end state of the previous segment (P dropped, CP-4)
+        prev = _ext(tab.prev, -1)[sel]
+        Qx = _ext(Q, 0)
+        S_sel = Qx[torch.where(prev >= 0, prev, torch.full_like(prev, M))]  # [Mc, HV, K, V]
+        # chunk slots of the compact layout (varlen, Mc sequences of W tokens: slot base i (m + 1))
+        nchunks = -(-(tab.end - tab.start) // CHUNK)  # [M]
+        base = torch.div(tab.start, CHUNK, rounding_mode="floor") + torch.arange(M, device=dev)
+        cpos = torch.arange(m, dtype=torch.int64, device=dev)
+        src = _ext(base, 0)[sel][:, None] + cpos[None, :]  # [Mc, m] slot in the pseudo layout
+        cvalid = cpos[None, :] < _ext(nchunks, 0)[sel][:, None]
+        S_slots = A.shape[1] // CHUNK
+        src_c = src.clamp(0, max(S_slots - 1, 0))
+        dst = (torch.arange(Mc, device=dev)[:, None] * (m + 1) + cpos[None, :]).reshape(-1)
+        Sc = Mc * (m + 1)
+        A4 = A.view(HV, S_slots, CHUNK, CHUNK)
+        Ac = A.new_zeros(HV, Sc, CHUNK, CHUNK)
+        Ac[:, dst] = torch.where(cvalid.reshape(1, -1, 1, 1), A4[:, src_c.reshape(-1)], A.new_zeros(()))
+        G3 = G2.view(HV, S_slots, CHUNK)
+        Gc = G2.new_zeros(HV, Sc, CHUNK)
+        Gc[:, dst] = torch.where(cvalid.reshape(1, -1, 1), G3[:, src_c.reshape(-1)], G2.new_zeros(()))
+        if Mc > 0:
+            rows = lambda x: torch.where(valid.reshape(-1)[:, None, None], x, x.new_zeros(()))  # noqa: E731
+            qc = rows(qf[0].index_select(0, tok.reshape(-1)))[None]
+            kc = rows(kf[0].index_select(0, tok.reshape(-1)))[None]
+            vz = backend.zeros((1, Mc * W, HV, K), v.dtype, dev)
+            cu_c = torch.arange(Mc + 1, dtype=pcu.dtype, device=dev) * W
+            h0_c = eye.expand(Mc, HV, K, K).contiguous()
+            Uc, X = _recurrent(backend, qc, kc, vz, Ac.view(HV, Sc * CHUNK, CHUNK), Gc.view(HV, Sc * CHUNK), scale,
+                               h0_c, True, cu_c, block_v, None)
+            _correct_gathered(o, Uc.view(Mc, W, HV, K), S_sel.to(o.dtype), tok, valid)
+        # final states: Q of the last segment, plus P S_in where the compact pass covered it whole
+        last = tab.seq_last.clamp(min=0)
+        final = Q[last] if N > 0 else Q.new_zeros(0, HV, K, V)
+        if Mc > 0 and N > 0:
+            rank = torch.cumsum(tab.need_correction.to(torch.int64), 0) - 1
+            ri = rank[last].clamp(0, Mc - 1)
+            covered = (tab.seq_num >= 2) & (nchunks[last] <= m)
+            extra = X[ri] @ Qx[(last - 1).clamp(min=0)]
+            final = final + torch.where(mask(covered), extra, extra.new_zeros(()))
+        if N > 0:
+            empty = h0 if h0 is not None else final.new_zeros(())
+            final = torch.where(mask(tab.seq_num >= 1), final, empty)
+        # the certificate: summed log-decay of each slot's first min(m, chunks) chunks and segment
+        win = _chunk_end_decay(G2, base[:, None] + cpos[None, :], cpos[None, :] < nchunks[:, None])
+        nmax = -(-L // CHUNK)
+        fpos = torch.arange(nmax, dtype=torch.int64, device=dev)
+        seg = _chunk_end_decay(G2, base[:, None] + fpos[None, :], fpos[None, :] < nchunks[:, None])
+        thr = GATE_THRESHOLD
+        own_ok = (~tab.need_correction | (nchunks <= m))[:, None] | (win < thr)
+        prev_seg = _ext(seg, 0.0)[torch.where(tab.prev >= 0, tab.prev, torch.full_like(tab.prev, M))]
+        in_ok = ~tab.need_correction[:, None] | (prev_seg < thr)
+        ok = own_ok & in_ok | ~tab.valid[:, None]
+        S_full = torch.zeros(M + 1, HV, K, V, dtype=sd, device=dev)
+        S_full = S_full.index_copy(0, sel, S_sel.to(sd)) if Mc > 0 else S_full
+        info = CPInfo(None, tab, "gated", S_full[:M], None, Q, win, seg, ok)
+
+    o = o.view(B, T, HV, V)
+    if not output_final_state:
+        final = None
+    return o, final, A, G2, info
+
+
+def _recurrent(backend, q, k, v, A, G2, scale, h0, want_final, cu, block_v, o):
+    if o is None:
+        return backend.recurrent(q, k, v, A, G2, scale, h0, want_final, cu, block_v)
+    return backend.recurrent(q, k, v, A, G2, scale, h0, want_final, cu, block_v, o=o)
+
+
+def segment_slots_to_sequence_slots(A: torch.Tensor, g_cum_log2: torch.Tensor, tables: SegmentTables, cu_seqlens,
+                                    B: int, T: int):
+    """The prepare products of a segmented launch in the slot layout of the original sequences.
+
+    A chunk of sequence n at position c lies in segment j = c // (L / 64) at chunk c' = c % (L / 64);
+    its rows are identical in both layouts (segments are chunk-aligned), so this is a gather.
+
+    Args:
+        A: [HV, S' * 64, 64], g_cum_log2: [HV, S' * 64] in the layout of tables.cu_seqlens;
+        tables: `SegmentTables`; cu_seqlens: None (B rows of T tokens) or [N + 1] offsets; B, T: the
+        inputs' first two dims.
+    Returns:
+        (A [HV, S * 64, 64], g_cum_log2 [HV, S * 64]) in the layout of cu_seqlens
+        (S = B * ceil(T / 64), or floor(T / 64) + N); slots no chunk uses hold zeros. No host sync.
+    """
+    HV = A.shape[0]
+    dev = A.device
+    L = tables.segment_len
+    per = L // CHUNK
+    i64 = dict(dtype=torch.int64, device=dev)
+    if cu_seqlens is None:
+        NT = -(-T // CHUNK)
+        S = B * NT
+        o_slot = torch.arange(S, **i64)
+        n = torch.div(o_slot, max(NT, 1), rounding_mode="floor")
+        c = o_slot - n * NT
+        length = torch.full((max(B, 0),), T, **i64)
+    else:
+        cu = cu_seqlens.to(torch.int64)
+        N = cu.shape[0] - 1
+        S = T // CHUNK + N
+        o_slot = torch.arange(S, **i64)
+        obase = torch.div(cu[:-1], CHUNK, rounding_mode="floor") + torch.arange(N, **i64)
+        if N > 0:
+            n = (torch.searchsorted(obase.contiguous(), o_slot, right=True) - 1).clamp(min=0)
+        else:
+            n = torch.zeros_like(o_slot)
+        c = o_slot - (obase[n] if N > 0 else n)
+        length = cu[1:] - cu[:-1]
+    nchunks = -(-length // CHUNK)
+    valid = (c >= 0) & (c < (nchunks[n] if nchunks.numel() else c))
+    j = torch.div(c.clamp(min=0), per, rounding_mode="floor")
+    p = (tables.seq_first[n] if tables.seq_first.numel() else n) + j
+    pbase = torch.div(_ext(tables.start, 0), CHUNK, rounding_mode="floor") + torch.arange(tables.M + 1, **i64)
+    src = pbase[p.clamp(0, tables.M)] + (c.clamp(min=0) - j * per)
+    Sp = A.shape[1] // CHUNK
+    src = torch.where(valid, src, torch.zeros_like(src)).clamp(0, max(Sp - 1, 0))
+    A_out = torch.where(valid[None, :, None, None], A.view(HV, Sp, CHUNK, CHUNK)[:, src], A.new_zeros(()))
+    G_out = torch.where(valid[None, :, None], g_cum_log2.view(HV, Sp, CHUNK)[:, src], g_cum_log2.new_zeros(()))
+    return A_out.reshape(HV, S * CHUNK, CHUNK), G_out.reshape(HV, S * CHUNK)
+
+
+# ------------------------------------------------------------------------------------------------
+# entry points
+# ------------------------------------------------------------------------------------------------
+
+
+def _mode(cp) -> str:
+    cp = os.environ.get(CP_ENV, "auto") if cp is None else cp
+    if cp is True:
+        cp = "on"
+    if cp is False:
+        cp = "off"
+    if cp not in CP_MODES:
+        raise ValueError(f"cp must be one of {CP_MODES} (or None for ${CP_ENV}, default 'auto'), got {cp!r}")
+    return cp
+
+
+def _plan(q, v, cu_seqlens, cp, segment_len, gate_chunks, max_seqlen, sm_count, build_tables):
+    mode = _mode(cp)
+    return get_cp_plan(q, v, cu_seqlens, sm_count_override=sm_count, force=mode == "on", disable=mode == "off",
+                       exact=gate_chunks is None, segment_len=segment_len, max_seqlen=max_seqlen,
+                       gate_chunks=gate_chunks, build_tables=build_tables)
+
+
+def cp_splits(q, v, cu_seqlens=None, cp=None, *, segment_len=None, gate_chunks=None, max_seqlen=None,
+              sm_count=None) -> bool:
+    """Whether `chunk_gated_delta_rule_cp_fwd` would split these inputs (a cached plan lookup on
+    static facts: shapes, dtypes, device, SM count, options; no host read of any tensor value).
+
+    q: [B, T, H, K]; v: [B, T, HV, V]; cu_seqlens: None or [N + 1]; cp: None ($FLASHQLA_CP, default
+    "auto"), "auto", "on" or "off"; the other options as in `chunk_gated_delta_rule_cp_fwd`.
+    Returns False for inputs whose shapes the planner cannot read (the op's checks then report them).
+    Raises ValueError for an unknown cp mode."""
+    mode = _mode(cp)
+    if mode == "off":
+        return False
+    try:
+        plan, _ = _plan(q, v, cu_seqlens, mode, segment_len, gate_chunks, max_seqlen, sm_count, False)
+    except (AttributeError, TypeError, ValueError, IndexError):
+        return False
+    return plan.split
+
+
+def chunk_gated_delta_rule_cp_fwd(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    use_qk_l2norm_in_kernel=False,
+    *,
+    cp=None,
+    segment_len: int | None = None,
+    gate_chunks: int | None = None,
+    max_seqlen: int | None = None,
+    correction: str = "gemm",
+    relayout: bool = True,
+    block_v: int | None = None,
+    poison_outputs: bool = False,
+    sm_count: int | None = None,
+    backend=None,
+    return_info: bool = False,
+):
+    """`flashqla.ops.gdn.api.chunk_gated_delta_rule_fwd` with intra-device context parallelism.
+
+    Computes the same o and final state (FLA's semantics; see `flashqla.chunk_gated_delta_rule`) and
+    returns the same `ChunkGDNForward`. When the plan splits (`flashqla.cp.planner.plan_cp`: few value
+    heads x sequences, long sequences), sequences are cut into segments run side by side and stitched
+    exactly (module docstring; derivations CP-1..CP-3), else the two unsplit launches run.
+
+    Args:
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+        use_qk_l2norm_in_kernel: as `chunk_gated_delta_rule` (q, k [B, T, H, K] bf16/fp16; v
+            [B, T, HV, V]; g [B, T, HV] fp32 natural log; beta [B, T, HV]; initial_state
+            [N, HV, K, V] fp32; cu_seqlens [N + 1] int32/int64 with B == 1).
+        cp: None (environment variable FLASHQLA_CP, default "auto"), "auto" (the planner decides),
+            "on" (always split) or "off" (never).
+        segment_len: fix the segment length L (a positive multiple of 64) when splitting.
+        gate_chunks: None (exact) or m >= 1: gate-driven mode (module docstring; opt-in, not exact
+            on heads whose gates do not decay below GATE_THRESHOLD within m chunks).
+        max_seqlen: optional host-side bound on the longest sequence (planning hint).
+        correction: "gemm" (default) or "rerun" (exact mode's output correction).
+        relayout: return A and g_cum_log2 in the slot layout of the caller's cu_seqlens (what a
+            backward needs; one gather); False keeps the segments' layout (A, g_cum_log2 then match
+            `info.tables.cu_seqlens`, not cu_seqlens).
+        block_v: value-slice width of the recurrent launches (64 or 128; None: the plan's).
+        poison_outputs: fill o (and the unsplit path's outputs) with NaN before the launches.
+        sm_count: SMs assumed by the planner (None: the device's).
+        backend: None (the sm_90 kernels; inputs checked for the fast path and a Hopper GPU) or a
+            `CPBackend` (e.g. `reference.gdn.cp.ReferenceCPBackend()`: any device and dtype).
+        return_info: also return a `CPInfo` (None when not split).
+
+    Returns:
+        `ChunkGDNForward(o, final_state, A, g_cum_log2, q, k)` (o [B, T, HV, V] in q's dtype;
+        final_state [N, HV, K, V] fp32 or None), and the `CPInfo` when return_info.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: as `chunk_gated_delta_rule_fwd` (argument checks, the
+            fast path's dtypes and head dims, a non-Hopper device); ValueError for an unknown cp
+            mode or correction, a bad segment_len or gate_chunks.
+    """
+    from flashqla.ops.gdn.api import ChunkGDNForward
+    from flashqla.validation import check_gdn_inputs
+
+    d = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    if correction not in CORRECTIONS:
+        raise ValueError(f"correction must be one of {CORRECTIONS}, got {correction!r}")
+    if gate_chunks is not None and (not isinstance(gate_chunks, int) or gate_chunks < 1):
+        raise ValueError(f"gate_chunks must be None or a positive int (chunks of 64 tokens), got {gate_chunks!r}")
+    if not isinstance(use_qk_l2norm_in_kernel, bool):
+        raise TypeError(f"use_qk_l2norm_in_kernel must be a bool, got {type(use_qk_l2norm_in_kernel).__name__}")
+    if backend is None:
+        from flashqla.ops.gdn.api import _check_device, _check_supported
+
+        _check_supported(q, k, v, g, beta, initial_state)
+        _check_device(q)
+        backend = _default_backend()
+    scale = d.K**-0.5 if scale is None else float(scale)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.contiguous()
+    if use_qk_l2norm_in_kernel:
+        from flashqla.ops.gdn.api import _l2norm
+
+        q, k = _l2norm(q), _l2norm(k)
+
+    plan, tables = _plan(q, v, cu_seqlens, cp, segment_len, gate_chunks, None if max_seqlen is None else int(max_seqlen),
+                         sm_count, True)
+    if not plan.split:
+        out = _unsplit(backend, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, block_v,
+                       poison_outputs, d)
+        return (out, None) if return_info else out
+
+    BV = block_v or plan.BV
+    pcu = tables.cu_seqlens
+    if cu_seqlens is None and d.B * d.T < 2**31:
+        pcu = pcu.to(torch.int32)  # the kernels the caller's int32 packed inputs use
+        tables = _with_cu(tables, pcu)
+    if hasattr(backend, "warm"):
+        backend.warm(_flat(k), _flat(beta), _flat(q), _flat(v), pcu, d.HV, BV)
+    o, final, A, G2, info = cp_forward(backend, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                       tables, block_v=BV, gate_chunks=gate_chunks, correction=correction,
+                                       poison_outputs=poison_outputs)
+    if relayout:
+        A, G2 = segment_slots_to_sequence_slots(A, G2, tables, cu_seqlens, d.B, d.T)
+    out = ChunkGDNForward(o=o, final_state=final, A=A, g_cum_log2=G2, q=q, k=k)
+    return (out, info._replace(plan=plan)) if return_info else out
+
+
+def _with_cu(tables: SegmentTables, pcu: torch.Tensor) -> SegmentTables:
+    from dataclasses import replace
+
+    return replace(tables, cu_seqlens=pcu)
+
+
+_BACKEND = None
+
+
+def _default_backend():
+    global _BACKEND
+    if _BACKEND is None:
+        _BACKEND = Sm90Backend()
+    return _BACKEND
+
+
+def _unsplit(backend, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, block_v, poison, d):
+    """The two launches of the unsplit forward through the backend (the op's own path, without the
+    op's CP decision, so that cp="off" is honoured whatever the op's default)."""
+    from flashqla.ops.gdn.api import ChunkGDNForward
+
+    if hasattr(backend, "warm") and d.T > 0 and d.N > 0:
+        from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
+
+        block_v = block_v or pick_block_v(d.N, d.HV, d.V)
+        backend.warm(k, beta, q, v, cu_seqlens, d.HV, block_v)
+    A, G2 = backend.prepare(k, g, beta, cu_seqlens, d.HV)
+    h0 = None if initial_state is None else initial_state.to(backend.state_dtype)
+    o_buf = torch.full_like(v, float("nan")) if poison else None
+    o, final = _recurrent(backend, q, k, v, A, G2, scale, h0, output_final_state, cu_seqlens, block_v, o_buf)
+    return ChunkGDNForward(o=o, final_state=final, A=A, g_cum_log2=G2, q=q, k=k)
