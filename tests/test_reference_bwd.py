@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from flashqla.testing import BUDGETS, assert_close_rel, make_gdn_inputs
+from flashqla.testing import BUDGETS, assert_close_rel, make_gdn_inputs, rel_rms
 from reference import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from reference.gdn.chunk import chunk_fwd_h, chunk_gated_delta_rule_fwd, recompute_w_u
 from reference.gdn.chunk_bwd import (
@@ -368,3 +368,22 @@ def test_stage_full_bwd_function(stage):
         x["q"], x["k"], x["v"], g_cum, x["beta"], A, 0.25, None, do, None, cu_seqlens=x["cu_seqlens"], chunk_size=C_STAGE
     )
     assert none[5] is None
+
+
+def test_l2norm_in_kernel_with_bf16_inputs():
+    """bf16 q/k/v with the in-kernel L2 norm: q and k are normalised in the compute dtype and v
+    joins them (it used to raise "q, k and v must share one dtype"); outputs and gradients keep the
+    input dtypes and agree with the fp64 run on the same rounded values."""
+    x = make_gdn_inputs(B=1, T=70, H=1, HV=2, K=16, V=16, seed=3)
+    q, k, v = (x[n].to(torch.bfloat16) for n in "qkv")
+    args = (x["g"].float(), x["beta"].float())
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    o, _ = chunk_gated_delta_rule(*leaves, *args, use_qk_l2norm_in_kernel=True)
+    o.float().sum().backward()
+    leaves64 = [t.double().requires_grad_(True) for t in (q, k, v)]
+    o64, _ = chunk_gated_delta_rule(*leaves64, x["g"], x["beta"], use_qk_l2norm_in_kernel=True)
+    o64.sum().backward()
+    assert o.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in leaves)
+    assert rel_rms(o, o64) < 1e-2
+    for a, b in zip(leaves, leaves64):
+        assert b.grad.abs().sum() > 0 and rel_rms(a.grad, b.grad) < 2e-2

@@ -73,6 +73,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         if use_qk_l2norm_in_kernel:
             q, q_rstd = l2norm_fwd(q.to(cdt))
             k, k_rstd = l2norm_fwd(k.to(cdt))
+            v = v.to(cdt)  # q, k are now in the compute dtype: v joins them (bf16/fp16 inputs)
         g_cum, o, A, final_state, _, _ = chunk_gated_delta_rule_fwd(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size
         )
