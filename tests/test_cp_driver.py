@@ -118,9 +118,13 @@ def test_one_sequence_fast_path_equals_gathered_path(monkeypatch):
     agree, and so must the scan's one-sequence path and its general path."""
     d = _inputs(1, 1000, seed=9)
     o1, ht1, *_ = _run(d, 128)
+    g1 = [_run(d, 128, gate_chunks=m)[:2] for m in (1, 3)]  # the gated mode's view path too
     monkeypatch.setattr(driver, "_ONE_SEQUENCE_FAST_PATH", False)
     o2, ht2, *_ = _run(d, 128)
     assert _rel(o1, o2) <= 1e-14 and _rel(ht1, ht2) <= 1e-14
+    for m, (og, hg) in zip((1, 3), g1):
+        og2, hg2, *_ = _run(d, 128, gate_chunks=m)
+        assert _rel(og, og2) <= 1e-14 and _rel(hg, hg2) <= 1e-14
     # scan: one sequence vs the same sequence followed by an empty one (general path)
     tab1 = build_segment_tables(torch.tensor([0, 1000]), 128, T=1000)
     tab2 = build_segment_tables(torch.tensor([0, 1000, 1000]), 128, T=1000)
@@ -255,6 +259,19 @@ def test_entry_point_modes(cp, split, monkeypatch):
     assert cp_splits(d["q"], d["v"], d["cu_seqlens"], cp, segment_len=256) == split
     monkeypatch.setenv(driver.CP_ENV, cp)
     assert cp_splits(d["q"], d["v"], d["cu_seqlens"], segment_len=256) == split
+
+
+def test_entry_point_shape_cache_serves_new_values():
+    """Fixed-length input: the segmentation's index tensors are built once per shape; a second call
+    with other values (same shapes) is exact too, in both modes, as is a batch of two rows."""
+    for B, T in [(1, 1000), (1, 1000), (2, 600), (2, 600)]:
+        d = _big(B=B, T=T, seed=B * T + len(driver._LAYOUTS))
+        o_ref, ht_ref = _truth(d)
+        out = chunk_gated_delta_rule_cp_fwd(**d, output_final_state=True, cp="on", segment_len=256, backend=ReferenceCPBackend())
+        assert _rel(out.o, o_ref) <= 1e-12 and _rel(out.final_state, ht_ref) <= 1e-12
+        out = chunk_gated_delta_rule_cp_fwd(**d, output_final_state=True, cp="on", segment_len=256, gate_chunks=1,
+                                            backend=ReferenceCPBackend())
+        assert _rel(out.o[..., 1, :], o_ref[..., 1, :]) <= 1e-12  # the g = -30 head
 
 
 def test_entry_point_fixed_length_l2norm_and_segment_layout():

@@ -41,9 +41,19 @@ the planner never picks it, exact mode is the default, and the mode reports on t
 (segment slot, value head), the two decays and whether both are below `GATE_THRESHOLD` (info
 "gate_ok"), so a caller or a test can check the bound without a synchronisation in the hot path.
 
+Measured on the H200 (2/8 heads, 1 x 32768 tokens, `tests/gpu/cp_bench.py`, CUDA graphs; before
+the shape-keyed index cache and the on-demand certificate below): unsplit 1.58 ms; exact CP
+0.68-0.72 ms (prepare 0.115, each recurrent launch 0.111, scan 0.157, correction 0.08-0.09, the
+rest small torch launches); correction="rerun" 0.69-0.73 ms; gated mode 0.705 ms, of which ~0.4 ms
+were small index and certificate launches (now built once per shape for fixed-length input, and
+the certificate only when asked for). FlashQLA: 0.390 ms. Exact mode cannot go below prepare + two
+recurrent launches (~0.34 ms) with these kernels.
+
 No host synchronisation: every size comes from shapes (M = floor(T / L) + N slots; at most
 floor(T / L) non-first segments), every index is computed by torch ops on the device, the scan runs a
-shape-bound number of steps. Planning reads static facts only (`get_cp_plan`).
+shape-bound number of steps. Planning reads static facts only (`get_cp_plan`). For fixed-length
+input (no cu_seqlens) the segment tables and every index tensor depend on shapes alone and are built
+once per shape (`_LAYOUTS`); with cu_seqlens they are rebuilt from its current values on every call.
 
 Backends. The orchestration is written against `CPBackend` (prepare, recurrent, zeros, state_dtype);
 `Sm90Backend` launches the sm_90 kernels; `reference.gdn.cp.ReferenceCPBackend` computes the same
@@ -59,7 +69,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from flashqla.cp.merge import scan_segment_states
-from flashqla.cp.planner import CHUNK, GATE_THRESHOLD, SegmentTables, get_cp_plan
+from flashqla.cp.planner import CHUNK, GATE_THRESHOLD, SegmentTables, build_segment_tables, get_cp_plan
 
 __all__ = [
     "CP_ENV",
@@ -261,9 +271,49 @@ def _chunk_end_decay(g_cum_log2: torch.Tensor, slot_rows: torch.Tensor, valid: t
     return (vals.sum(-1) * _LN2).transpose(0, 1)
 
 
+#: Index tensors of a segmentation that depends on shapes alone (fixed-length input), kept per key.
+_LAYOUTS: dict = {}
+_LAYOUT_CACHE = 32
+
+
+def _memo(key, fn):
+    """fn() once per key (None: no caching). Only shape-determined products are keyed."""
+    if key is None:
+        return fn()
+    hit = _LAYOUTS.pop(key, None)
+    if hit is None:
+        hit = fn()
+    _LAYOUTS[key] = hit
+    while len(_LAYOUTS) > _LAYOUT_CACHE:
+        _LAYOUTS.pop(next(iter(_LAYOUTS)))
+    return hit
+
+
+def _gated_layout(tab: SegmentTables, Mc: int, m: int, S_slots: int):
+    """Indices of the gate-driven mode's compact layout (Mc sequences of m chunks, one per non-first
+    segment in slot order; compact slot of chunk c of sequence i: i (m + 1) + c)."""
+    M = tab.M
+    dev = tab.valid.device
+    W = m * CHUNK
+    sel = _corrected_slots(tab, Mc)
+    tok, valid = _token_rows(tab, sel, W)
+    prev = _ext(tab.prev, -1)[sel].clamp(0, max(M - 1, 0))  # "none" rows: any slot (they add nothing)
+    nchunks = -(-(tab.end - tab.start) // CHUNK)  # [M]
+    base = torch.div(tab.start, CHUNK, rounding_mode="floor") + torch.arange(M, device=dev)
+    cpos = torch.arange(m, dtype=torch.int64, device=dev)
+    src = (_ext(base, 0)[sel][:, None] + cpos[None, :]).clamp(0, max(S_slots - 1, 0))  # [Mc, m] pseudo slots
+    cvalid = cpos[None, :] < _ext(nchunks, 0)[sel][:, None]
+    last = tab.seq_last.clamp(min=0)
+    rank = torch.cumsum(tab.need_correction.to(torch.int64), 0) - 1
+    covered = (tab.seq_num >= 2) & (nchunks[last] <= m)
+    return dict(sel=sel, tok=tok, valid=valid, prev=prev, nchunks=nchunks, base=base, cpos=cpos, src=src.reshape(-1),
+                cvalid=cvalid.reshape(-1), last=last, last_prev=(last - 1).clamp(min=0),
+                ri=rank[last].clamp(0, max(Mc - 1, 0)), covered=covered, nonempty=tab.seq_num >= 1)
+
+
 def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens,
                tables: SegmentTables, *, block_v: int, gate_chunks: int | None = None, correction: str = "gemm",
-               poison_outputs: bool = False):
+               poison_outputs: bool = False, want_info: bool = True, static_key=None):
     """The CP forward over the planner's segment tables (the steps in the module docstring).
 
     Args:
@@ -274,14 +324,15 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
             are used as given (their dtype picks the compiled kernel).
         block_v: value-slice width of every recurrent launch. gate_chunks: None (exact) or m >= 1
             (gated mode). correction: "gemm" or "rerun" (exact mode). poison_outputs: fill o with NaN
-            before the first launch (every token is written by the run).
+            before the first launch (every token is written by the run). want_info: build the
+            `CPInfo` (in gated mode that includes the per-(slot, head) decays and flag: a few dozen
+            small launches). static_key: a hashable key of the static facts when the tables depend on
+            shapes alone (fixed-length input): the index tensors are then built once per key.
     Returns:
         (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] in backend.state_dtype or None,
-        A, g_cum_log2 (slot layout of tables.cu_seqlens), CPInfo without plan (plan=None)).
+        A, g_cum_log2 (slot layout of tables.cu_seqlens), CPInfo with plan=None, or None).
     Raises:
-        ValueError: unknown correction, gate_chunks < 1, or K != V in exact mode with correction
-            "gemm" applied to a kernel backend (the transition pass needs a [K, K] state; the
-            reference backend takes any K, V).
+        ValueError: unknown correction, gate_chunks < 1.
     """
     if correction not in CORRECTIONS:
         raise ValueError(f"correction must be one of {CORRECTIONS}, got {correction!r}")
@@ -297,21 +348,25 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
     pcu = tab.cu_seqlens
     qf, kf, vf, gf, bf = (_flat(x) for x in (q, k, v, g, beta))
     A, G2 = backend.prepare(kf, gf, bf, pcu, HV)
+    key = lambda *parts: None if static_key is None else (static_key, *parts)  # noqa: E731
+    mask = lambda b: b[:, None, None, None]  # noqa: E731
+    one_sequence = N == 1 and B == 1 and _ONE_SEQUENCE_FAST_PATH
+    Mc = total // L  # bound on non-first segments
 
     # 1. run: first segments from h0, the others from zero
     h0_run = None
     h0 = None if initial_state is None else initial_state.to(sd)
     if h0 is not None and N > 0:
-        h0_run = torch.where(tab.first[:, None, None, None], h0.index_select(0, tab.h0_index.clamp(min=0)), h0.new_zeros(()))
+        h0_run = torch.where(mask(tab.first), h0.index_select(0, tab.h0_index.clamp(min=0)), h0.new_zeros(()))
     o_buf = torch.full_like(vf, float("nan")) if poison_outputs else None
     o, Q = _recurrent(backend, qf, kf, vf, A, G2, scale, h0_run, True, pcu, block_v, o_buf)
-    mask = lambda b: b[:, None, None, None]  # noqa: E731
-    eye = torch.eye(K, dtype=sd, device=dev)
-    Mc = total // L  # bound on non-first segments
 
+    info = None
     if gate_chunks is None:
         # 2. transition: v = 0 from I on every non-first segment -> U (o rows), P (end states)
-        h0_tr = torch.where(mask(tab.need_correction), eye, eye.new_zeros(())).expand(M, HV, K, K).contiguous()
+        h0_tr = _memo(key("h0_tr", HV, K, sd, str(dev)), lambda: torch.where(
+            mask(tab.need_correction), torch.eye(K, dtype=sd, device=dev), torch.zeros((), dtype=sd, device=dev)
+        ).expand(M, HV, K, K).contiguous())
         vz = backend.zeros((1, total, HV, K), v.dtype, dev)
         U, P = _recurrent(backend, qf, kf, vz, A, G2, scale, h0_tr, True, pcu, block_v, None)
         # 3. scan
@@ -319,83 +374,101 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
         # 4. correction
         if correction == "rerun":
             o, _ = _recurrent(backend, qf, kf, vf, A, G2, scale, S_in.contiguous(), False, pcu, block_v, None)
-            S_c = S_in
+        elif one_sequence:  # reads slots 1 .. nseg - 1 only
+            _correct_one_sequence(o, U, S_in.to(o.dtype), total, L)
         else:
+            sel, tok, valid = _memo(key("rows", L), lambda: (lambda s: (s, *_token_rows(tab, s, L)))(_corrected_slots(tab, Mc)))
+            Ug = U.view(total, HV, K).index_select(0, tok.reshape(-1)).view(Mc, L, HV, K)
+            Sx = torch.where(mask(tab.need_correction), S_in, S_in.new_zeros(())).to(o.dtype)
+            _correct_gathered(o, Ug, _ext(Sx, 0)[sel], tok, valid)
+        if want_info:
             S_c = torch.where(mask(tab.need_correction), S_in, S_in.new_zeros(()))
-            Sx = S_c.to(o.dtype)
-            if N == 1 and B == 1 and _ONE_SEQUENCE_FAST_PATH:
-                _correct_one_sequence(o, U, Sx, total, L)
-            else:
-                sel = _corrected_slots(tab, Mc)
-                tok, valid = _token_rows(tab, sel, L)
-                Ug = U.view(total, HV, K).index_select(0, tok.reshape(-1)).view(Mc, L, HV, K)
-                _correct_gathered(o, Ug, _ext(Sx, 0)[sel], tok, valid)
-        info = CPInfo(None, tab, "exact", S_c, P, Q, None, None, None)
+            info = CPInfo(None, tab, "exact", S_c, P, Q, None, None, None)
     else:
-        m = int(gate_chunks)
+        m = min(int(gate_chunks), L // CHUNK)  # a segment has at most L / 64 chunks
         W = m * CHUNK
-        sel = _corrected_slots(tab, Mc)  # compact sequence i <- slot sel[i]
-        tok, valid = _token_rows(tab, sel, W)
-        # entering states: the zero-start end state of the previous segment (P dropped, CP-4)
-        prev = _ext(tab.prev, -1)[sel]
-        Qx = _ext(Q, 0)
-        S_sel = Qx[torch.where(prev >= 0, prev, torch.full_like(prev, M))]  # [Mc, HV, K, V]
-        # chunk slots of the compact layout (varlen, Mc sequences of W tokens: slot base i (m + 1))
-        nchunks = -(-(tab.end - tab.start) // CHUNK)  # [M]
-        base = torch.div(tab.start, CHUNK, rounding_mode="floor") + torch.arange(M, device=dev)
-        cpos = torch.arange(m, dtype=torch.int64, device=dev)
-        src = _ext(base, 0)[sel][:, None] + cpos[None, :]  # [Mc, m] slot in the pseudo layout
-        cvalid = cpos[None, :] < _ext(nchunks, 0)[sel][:, None]
         S_slots = A.shape[1] // CHUNK
-        src_c = src.clamp(0, max(S_slots - 1, 0))
-        dst = (torch.arange(Mc, device=dev)[:, None] * (m + 1) + cpos[None, :]).reshape(-1)
-        Sc = Mc * (m + 1)
-        A4 = A.view(HV, S_slots, CHUNK, CHUNK)
-        Ac = A.new_zeros(HV, Sc, CHUNK, CHUNK)
-        Ac[:, dst] = torch.where(cvalid.reshape(1, -1, 1, 1), A4[:, src_c.reshape(-1)], A.new_zeros(()))
-        G3 = G2.view(HV, S_slots, CHUNK)
-        Gc = G2.new_zeros(HV, Sc, CHUNK)
-        Gc[:, dst] = torch.where(cvalid.reshape(1, -1, 1), G3[:, src_c.reshape(-1)], G2.new_zeros(()))
+        lay = _memo(key("gated", m, S_slots), lambda: _gated_layout(tab, Mc, m, S_slots))
+        # entering states: the zero-start end state of the previous segment (P dropped, CP-4)
+        S_sel = Q.index_select(0, lay["prev"]) if M else Q  # [Mc, HV, K, V]
+        X = None
         if Mc > 0:
-            rows = lambda x: torch.where(valid.reshape(-1)[:, None, None], x, x.new_zeros(()))  # noqa: E731
-            qc = rows(qf[0].index_select(0, tok.reshape(-1)))[None]
-            kc = rows(kf[0].index_select(0, tok.reshape(-1)))[None]
+            # the compact layout: first m chunks of each non-first segment, gap slot i (m + 1) + m unread
+            Sc = Mc * (m + 1)
+            cv = lay["cvalid"]
+            Ac = A.new_empty(HV, Mc, m + 1, CHUNK, CHUNK)
+            Ac[:, :, :m] = torch.where(cv[None, :, None, None], A.view(HV, S_slots, CHUNK, CHUNK)[:, lay["src"]],
+                                       A.new_zeros(())).view(HV, Mc, m, CHUNK, CHUNK)
+            Gc = G2.new_empty(HV, Mc, m + 1, CHUNK)
+            Gc[:, :, :m] = torch.where(cv[None, :, None], G2.view(HV, S_slots, CHUNK)[:, lay["src"]],
+                                       G2.new_zeros(())).view(HV, Mc, m, CHUNK)
+            tok = lay["tok"].reshape(-1)  # rows past a segment's end read token 0: finite, multiplied by 0
+            qc = qf[0].index_select(0, tok)[None]
+            kc = kf[0].index_select(0, tok)[None]
             vz = backend.zeros((1, Mc * W, HV, K), v.dtype, dev)
-            cu_c = torch.arange(Mc + 1, dtype=pcu.dtype, device=dev) * W
-            h0_c = eye.expand(Mc, HV, K, K).contiguous()
+            cu_c = _memo(("cu_c", Mc, W, pcu.dtype, str(dev)), lambda: torch.arange(Mc + 1, dtype=pcu.dtype, device=dev) * W)
+            h0_c = _memo(("eye", Mc, HV, K, sd, str(dev)), lambda: torch.eye(K, dtype=sd, device=dev).expand(Mc, HV, K, K).contiguous())
             Uc, X = _recurrent(backend, qc, kc, vz, Ac.view(HV, Sc * CHUNK, CHUNK), Gc.view(HV, Sc * CHUNK), scale,
                                h0_c, True, cu_c, block_v, None)
-            _correct_gathered(o, Uc.view(Mc, W, HV, K), S_sel.to(o.dtype), tok, valid)
+            if one_sequence:
+                _correct_one_sequence_head(o, Uc.view(Mc, W, HV, K), S_sel.to(o.dtype), total, L, W)
+            else:
+                _correct_gathered(o, Uc.view(Mc, W, HV, K), S_sel.to(o.dtype), lay["tok"], lay["valid"])
         # final states: Q of the last segment, plus P S_in where the compact pass covered it whole
-        last = tab.seq_last.clamp(min=0)
-        final = Q[last] if N > 0 else Q.new_zeros(0, HV, K, V)
-        if Mc > 0 and N > 0:
-            rank = torch.cumsum(tab.need_correction.to(torch.int64), 0) - 1
-            ri = rank[last].clamp(0, Mc - 1)
-            covered = (tab.seq_num >= 2) & (nchunks[last] <= m)
-            extra = X[ri] @ Qx[(last - 1).clamp(min=0)]
-            final = final + torch.where(mask(covered), extra, extra.new_zeros(()))
+        final = Q.index_select(0, lay["last"]) if N > 0 else Q.new_zeros(0, HV, K, V)
+        if X is not None and N > 0:
+            extra = X.index_select(0, lay["ri"]) @ Q.index_select(0, lay["last_prev"])
+            final = torch.where(mask(lay["covered"]), final + extra, final)
         if N > 0:
-            empty = h0 if h0 is not None else final.new_zeros(())
-            final = torch.where(mask(tab.seq_num >= 1), final, empty)
-        # the certificate: summed log-decay of each slot's first min(m, chunks) chunks and segment
-        win = _chunk_end_decay(G2, base[:, None] + cpos[None, :], cpos[None, :] < nchunks[:, None])
-        nmax = -(-L // CHUNK)
-        fpos = torch.arange(nmax, dtype=torch.int64, device=dev)
-        seg = _chunk_end_decay(G2, base[:, None] + fpos[None, :], fpos[None, :] < nchunks[:, None])
-        thr = GATE_THRESHOLD
-        own_ok = (~tab.need_correction | (nchunks <= m))[:, None] | (win < thr)
-        prev_seg = _ext(seg, 0.0)[torch.where(tab.prev >= 0, tab.prev, torch.full_like(tab.prev, M))]
-        in_ok = ~tab.need_correction[:, None] | (prev_seg < thr)
-        ok = own_ok & in_ok | ~tab.valid[:, None]
-        S_full = torch.zeros(M + 1, HV, K, V, dtype=sd, device=dev)
-        S_full = S_full.index_copy(0, sel, S_sel.to(sd)) if Mc > 0 else S_full
-        info = CPInfo(None, tab, "gated", S_full[:M], None, Q, win, seg, ok)
+            final = torch.where(mask(lay["nonempty"]), final, h0 if h0 is not None else final.new_zeros(()))
+        if want_info:
+            info = _gated_info(tab, lay, G2, Q, S_sel, m, Mc, sd)
 
     o = o.view(B, T, HV, V)
     if not output_final_state:
         final = None
     return o, final, A, G2, info
+
+
+def _correct_one_sequence_head(o, Uc, S_sel, total: int, L: int, W: int) -> None:
+    """Gated mode, one sequence: o += Uc @ S over the first W tokens of segments 1 .. nseg - 1
+    (compact row block i <- segment i + 1), one in-place GEMM per value head per block shape."""
+    HV, V, K = o.shape[2], o.shape[3], Uc.shape[3]
+    of = o.view(total, HV, V)
+    nfull = total // L
+    if nfull >= 2:
+        ob = of[: nfull * L].view(nfull, L, HV, V)[1:, :W]
+        for h in range(HV):
+            ob[:, :, h].baddbmm_(Uc[: nfull - 1, :, h], S_sel[: nfull - 1, h])
+    rem = total - nfull * L
+    if rem and nfull >= 1:
+        w = min(W, rem)
+        op = of[nfull * L : nfull * L + w]
+        for h in range(HV):
+            op[:, h].addmm_(Uc[nfull - 1, :w, h], S_sel[nfull - 1, h])
+
+
+def _gated_info(tab, lay, G2, Q, S_sel, m, Mc, sd) -> CPInfo:
+    """The gated mode's certificate: summed log-decay of each slot's first min(m, chunks) chunks and of
+    the whole segment, and the per-(slot, head) flag (module docstring)."""
+    M = tab.M
+    dev = G2.device
+    HV = G2.shape[0]
+    nchunks, base, cpos = lay["nchunks"], lay["base"], lay["cpos"]
+    win = _chunk_end_decay(G2, base[:, None] + cpos[None, :], cpos[None, :] < nchunks[:, None])
+    nmax = -(-tab.segment_len // CHUNK)
+    fpos = torch.arange(nmax, dtype=torch.int64, device=dev)
+    seg = _chunk_end_decay(G2, base[:, None] + fpos[None, :], fpos[None, :] < nchunks[:, None])
+    thr = GATE_THRESHOLD
+    own_ok = (~tab.need_correction | (nchunks <= m))[:, None] | (win < thr)
+    prev_seg = _ext(seg, 0.0)[torch.where(tab.prev >= 0, tab.prev, torch.full_like(tab.prev, M))]
+    in_ok = ~tab.need_correction[:, None] | (prev_seg < thr)
+    ok = own_ok & in_ok | ~tab.valid[:, None]
+    K, V = Q.shape[2], Q.shape[3]
+    S_full = torch.zeros(M + 1, HV, K, V, dtype=sd, device=dev)
+    if Mc > 0:
+        S_full = S_full.index_copy(0, lay["sel"], S_sel.to(sd))
+    return CPInfo(None, tab, "gated", S_full[:M], None, Q, win, seg, ok)
 
 
 def _recurrent(backend, q, k, v, A, G2, scale, h0, want_final, cu, block_v, o):
@@ -587,33 +660,37 @@ def chunk_gated_delta_rule_cp_fwd(
 
         q, k = _l2norm(q), _l2norm(k)
 
-    plan, tables = _plan(q, v, cu_seqlens, cp, segment_len, gate_chunks, None if max_seqlen is None else int(max_seqlen),
-                         sm_count, True)
+    plan, _ = _plan(q, v, cu_seqlens, cp, segment_len, gate_chunks, None if max_seqlen is None else int(max_seqlen),
+                    sm_count, False)
     if not plan.split:
         out = _unsplit(backend, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, block_v,
                        poison_outputs, d)
         return (out, None) if return_info else out
 
     BV = block_v or plan.BV
+    L = plan.segment_len
+    static_key = None
+    if cu_seqlens is None:  # tables from shapes alone: built once (int32 offsets: the kernels packed int32 input uses)
+        static_key = ("rows", d.B, d.T, L, str(q.device))
+        tables = _memo(static_key + ("tables",), lambda: _int32_tables(build_segment_tables(None, L, T=d.T, B=d.B, device=q.device), d.B * d.T))
+    else:  # rebuilt from the current values on every call (a reused, edited cu_seqlens is never stale)
+        tables = build_segment_tables(cu_seqlens, L, T=d.T)
     pcu = tables.cu_seqlens
-    if cu_seqlens is None and d.B * d.T < 2**31:
-        pcu = pcu.to(torch.int32)  # the kernels the caller's int32 packed inputs use
-        tables = _with_cu(tables, pcu)
     if hasattr(backend, "warm"):
         backend.warm(_flat(k), _flat(beta), _flat(q), _flat(v), pcu, d.HV, BV)
     o, final, A, G2, info = cp_forward(backend, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                        tables, block_v=BV, gate_chunks=gate_chunks, correction=correction,
-                                       poison_outputs=poison_outputs)
+                                       poison_outputs=poison_outputs, want_info=return_info, static_key=static_key)
     if relayout:
         A, G2 = segment_slots_to_sequence_slots(A, G2, tables, cu_seqlens, d.B, d.T)
     out = ChunkGDNForward(o=o, final_state=final, A=A, g_cum_log2=G2, q=q, k=k)
     return (out, info._replace(plan=plan)) if return_info else out
 
 
-def _with_cu(tables: SegmentTables, pcu: torch.Tensor) -> SegmentTables:
+def _int32_tables(tables: SegmentTables, total: int) -> SegmentTables:
     from dataclasses import replace
 
-    return replace(tables, cu_seqlens=pcu)
+    return replace(tables, cu_seqlens=tables.cu_seqlens.to(torch.int32)) if total < 2**31 else tables
 
 
 _BACKEND = None

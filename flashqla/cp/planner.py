@@ -36,10 +36,12 @@ for the launches `flashqla.cp.driver` makes:
                  segments, the compact transition launch) + CORRECTION_COST * HV * m' * 64 gate_chunks
                  + LAUNCH_COST * EXTRA_LAUNCHES_GATED (gate_chunks defaults to DEFAULT_GATE_CHUNKS)
 
-SCAN_STEP_COST, CORRECTION_COST and the launch counts are estimates (one small fp32 batched GEMM of
-[HV, 128, 128] x [HV, 128, 128] per combine step, ~5 us with its launch; the correction reads U and o
-and writes o in bf16, 768 B per token and value head at ~3 TB/s) until `tests/gpu/cp_bench.py`
-measures them.
+Measured on the H200 at 2/8 heads, 1 x 32768 tokens, L = 2048 (`tests/gpu/cp_bench.py --breakdown`,
+CUDA graphs): prepare 0.115 ms, one recurrent launch over the 16 segments 0.111 ms (predicted 32
+chunk units, ~3.5 us each), the combine scan 0.157 ms (15 fp32 [8, 128, 128] x [8, 128, 128]
+products, hence SCAN_STEP_COST = 3), the correction 0.080-0.089 ms (8 per-head GEMMs; predicted
+19 + 8 units); whole exact CP call 0.68-0.72 ms against 1.58 ms unsplit (predicted 3.4x, measured
+2.2-2.3x: the rest is small torch launches the model counts only as EXTRA_LAUNCHES).
 The planner evaluates both BV choices (only those dividing V), no split, and every segment length
 L = SEGMENT_QUANTUM * j (512 tokens = 8 chunks, as FlashInfer's exact CP; always a multiple of the
 64-token chunk) with L < l_max, and splits when the best split is predicted at least MIN_GAIN = 1.2x
@@ -176,7 +178,8 @@ PASSES_EXACT = 2.0
 #: Same in gate-driven mode: the run (the transition launch covers gate_chunks chunks only).
 PASSES_GATED = 1.0
 #: Cost of one combine-scan step (one fp32 [HV, K, K] x [HV, K, V] product and its launch), chunk units.
-SCAN_STEP_COST = 1.5
+#: Measured on the H200 at 2/8 heads, 1 x 32768 (CUDA graphs): 15 steps 0.157 ms, ~3 chunk steps each.
+SCAN_STEP_COST = 3.0
 #: Cost of the output correction per corrected token and value head, chunk units (bf16 o, U, o).
 CORRECTION_COST = 8e-5
 #: Cost of one extra launch in chunk units, and the extra small launches of a CP forward.
