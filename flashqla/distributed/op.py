@@ -1,0 +1,384 @@
+"""`chunk_gated_delta_rule_cp`: Gated DeltaNet over a packed batch sharded across the ranks of a
+process group, forward and backward (autograd), exchanging only state-sized summaries.
+
+Per rank (plan: `flashqla.distributed.context`; compute: a `flashqla.distributed.backends` backend;
+`n` local pieces, piece 0 possibly continuing a sequence from an earlier rank, piece n - 1 possibly
+continuing on a later one):
+
+Forward
+    1. main run        every piece from its own initial state (piece 0 from zero when it continues):
+                       outputs o(0), end states E (exact for every piece but a continuing piece 0)
+    2. transition run  if piece 0 continues: piece 0 again with v = 0 from S_0 = I (a [K, K] state,
+                       value width K): end state P_0 and outputs U (CP-1: the recurrence is affine in
+                       (S_0, v), so P_0 is the piece's transition and U_t = scale Phi_t^T q_t)
+    3. publish         the map S_out = P S_in + Q of the rank's boundary-crossing piece:
+                       (P_0, E_0) when the shard lies inside one sequence (piece 0 continues both
+                       ways); (0, E_{n-1}) when the last piece starts here (its end state is exact);
+                       (I, 0) for an empty shard (the sequence passes through); zeros otherwise
+    4. all-gather      one buffer [HV, K, K + V] per rank, state dtype
+    5. scan            S_in = the state entering piece 0: from the rank where its sequence starts,
+                       C <- P_r C + Q_r over the ranks in between (CP-2)
+    6. correct         o_t += S_in^T U_t on piece 0 (CP-3 in the form o(S) = o(0) + o_{v=0}(S) and
+                       o_{v=0}(S)_t = S^T o_{v=0}(I)_t by linearity), E_0 <- P_0 S_in + E_0
+
+Backward (the same, reversed; the VJP is linear in the cotangents (do, dht) and the adjoint of
+S -> P S + Q is X -> P^T X)
+    1. local backward  every piece with its true entering state (S_in for piece 0), the cotangent do,
+                       and dht = the final-state gradient on pieces that end their sequence here, 0 on
+                       a last piece that continues: gradients of every local input, and
+                       D = dS_in (the gradient reaching piece 0's entering state)
+    2. all-gather      D, one buffer [HV, K, V] per rank
+    3. reverse scan    X = the gradient of the state leaving the last piece: from the rank holding
+                       the sequence's last token, X <- D_r + P_r^T X over the ranks in between (their
+                       P from the forward's all-gather)
+    4. correct         the last piece's backward with do = 0, dht = X, added to its gradients
+
+Exchanged volume per call, independent of T: the forward sends HV * K * (K + V) and the backward
+HV * K * V elements of the state dtype per rank (fp32 with the kernels: 4 MiB and 2 MiB per rank at
+HV = 32, K = V = 128), and each rank receives W times that. Extra compute: a continuing piece 0 is run
+twice in the forward (step 2), and a continuing last piece twice in the backward (step 4); the
+critical path of W ranks over one long sequence is about two local forwards (two local backwards)
+of T / W tokens.
+
+Derivations: CP-1 (affine map of a segment), CP-2 (composition, the scan), CP-3 (output correction)
+in `derivations/cp.py`; the simulated single-device form is `reference.gdn.cp`, the intra-device
+driver `flashqla.cp.driver`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashqla.distributed.backends import resolve_backend
+from flashqla.distributed.context import CPContext, build_cp_context
+from flashqla.validation import FLOAT_DTYPES, check_gdn_inputs
+
+__all__ = ["chunk_gated_delta_rule_cp", "exchange_bytes"]
+
+#: Tokens per block of the forward's output correction (bounds its fp32 temporaries).
+_CORRECTION_BLOCK = 32768
+
+
+def exchange_bytes(HV: int, K: int, V: int, world_size: int, state_dtype: torch.dtype = torch.float32) -> dict:
+    """Bytes moved by one call: {"fwd_send", "bwd_send"} per rank and {"fwd_recv", "bwd_recv"} per
+    rank (all-gathers: each rank receives world_size buffers, its own included)."""
+    e = torch.empty((), dtype=state_dtype).element_size()
+    f, b = HV * K * (K + V) * e, HV * K * V * e
+    return dict(fwd_send=f, bwd_send=b, fwd_recv=world_size * f, bwd_recv=world_size * b)
+
+
+def _all_gather(x: torch.Tensor, ctx: CPContext) -> torch.Tensor:
+    """[W, *x.shape]: every rank's x, by one all-gather over ctx.group (no communication for W == 1)."""
+    if ctx.world_size == 1:
+        return x.unsqueeze(0)
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    out = x.new_empty((ctx.world_size * x.shape[0], *x.shape[1:]))  # rank-major concatenation (gloo and NCCL)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=ctx.group)
+    return out.view(ctx.world_size, *x.shape)
+
+
+def _acc_dtype(dt: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dt, torch.float32)
+
+
+def _add_rows(dst: torch.Tensor, lo: int, src: torch.Tensor) -> None:
+    """dst[:, lo:] += src, accumulated in at least fp32."""
+    acc = _acc_dtype(dst.dtype)
+    part = dst[:, lo:]
+    part.copy_((part.to(acc) + src.to(acc)).to(dst.dtype))
+
+
+@dataclass(eq=False)
+class _Run:
+    ctx: CPContext
+    backend: object
+    scale: float
+    output_final_state: bool
+    state_dtype: torch.dtype
+
+
+def _entering_states(run: _Run, h0, S_in, device):
+    """[n, HV, K, V] entering states of the local pieces (S_in, or zero when None, on a continuing
+    piece 0; initial_state rows elsewhere), or None when all are zero."""
+    ctx = run.ctx
+    if h0 is None and S_in is None:
+        return None
+    if h0 is not None:
+        rows = h0.index_select(0, ctx._tensor("piece_seqs", ctx.piece_seqs, device)).clone()
+    else:
+        HV, K, V = S_in.shape
+        rows = S_in.new_zeros(ctx.num_pieces, HV, K, V)
+    if ctx.first_continues:
+        if S_in is None:
+            rows[0].zero_()
+        else:
+            rows[0] = S_in.to(rows.dtype)
+    return rows
+
+
+def _cp_forward(run: _Run, q, k, v, g, beta, h0):
+    ctx, be, sdt = run.ctx, run.backend, run.state_dtype
+    dev = q.device
+    HV, V, K = v.shape[2], v.shape[3], k.shape[3]
+    n = ctx.num_pieces
+    keep = dict(saved_main=None, S_in=None, P_between=None)
+    E = P0 = U = None
+    if n:
+        cu = ctx._tensor("local_offsets", ctx.local_offsets, dev, torch.int32)
+        o, E, keep["saved_main"] = be.forward(q, k, v, g, beta, run.scale, _entering_states(run, h0, None, dev), cu)
+        E = E.to(sdt)
+    else:
+        o = torch.empty((1, 0, HV, V), dtype=q.dtype, device=dev)
+    if ctx.first_continues:
+        T0 = ctx.local_offsets[1]
+        cu0 = ctx._tensor("first_piece", (0, T0), dev, torch.int32)
+        eye = torch.eye(K, dtype=sdt, device=dev).expand(1, HV, K, K).contiguous()
+        v0 = v.new_zeros((1, T0, HV, K))
+        U, P0, _ = be.forward(q[:, :T0], k[:, :T0], v0, g[:, :T0], beta[:, :T0], run.scale, eye, cu0)
+        P0 = P0[0].to(sdt)
+
+    send = torch.zeros(HV, K, K + V, dtype=sdt, device=dev)
+    if n == 0:
+        send[:, :, :K] = torch.eye(K, dtype=sdt, device=dev)
+    elif ctx.last_continues:
+        if ctx.first_continues and n == 1:
+            send[:, :, :K] = P0
+        send[:, :, K:] = E[-1]
+    maps = _all_gather(send, ctx)  # [W, HV, K, K + V]
+
+    if ctx.first_continues:
+        C = maps[ctx.start_rank, :, :, K:]
+        for r in range(ctx.start_rank + 1, ctx.rank):
+            C = torch.baddbmm(maps[r, :, :, K:], maps[r, :, :, :K], C)
+        S_in = C.clone()
+        keep["S_in"] = S_in
+        T0 = ctx.local_offsets[1]
+        for lo in range(0, T0, _CORRECTION_BLOCK):
+            hi = min(T0, lo + _CORRECTION_BLOCK)
+            corr = torch.einsum("bthk,hkv->bthv", U[:, lo:hi].to(sdt), S_in)
+            o[:, lo:hi] = (o[:, lo:hi].to(_acc_dtype(o.dtype)) + corr).to(o.dtype)
+        E[0] = torch.baddbmm(E[0], P0, S_in)
+    if ctx.last_continues:
+        keep["P_between"] = maps[ctx.rank + 1 : ctx.end_rank, :, :, :K].clone()
+
+    final = None
+    if run.output_final_state:
+        final = torch.zeros(ctx.N, HV, K, V, dtype=sdt, device=dev)
+        ends_here = n - 1 if ctx.last_continues else n
+        if ends_here:
+            seqs = ctx._tensor("final_seqs", ctx.piece_seqs[:ends_here], dev)
+            final.index_copy_(0, seqs, E[:ends_here])
+        if ctx.empty_seqs and h0 is not None:
+            idx = ctx._tensor("empty_seqs", ctx.empty_seqs, dev)
+            final.index_copy_(0, idx, h0.index_select(0, idx).to(sdt))
+    return o, final, keep
+
+
+def _cp_backward(run: _Run, keep, q, k, v, g, beta, h0, do, dfinal):
+    ctx, be, sdt = run.ctx, run.backend, run.state_dtype
+    dev = q.device
+    HV, V, K = v.shape[2], v.shape[3], k.shape[3]
+    n = ctx.num_pieces
+    S_in = keep["S_in"]
+    if not run.output_final_state:
+        dfinal = None
+    grads = None if n else [torch.zeros_like(x) for x in (q, k, v, g, beta)]  # empty shard: empty gradients
+    dh0_loc = None
+    D = torch.zeros(HV, K, V, dtype=sdt, device=dev)
+    if n:
+        cu = ctx._tensor("local_offsets", ctx.local_offsets, dev, torch.int32)
+        if do is None:
+            do = torch.zeros(v.shape, dtype=q.dtype, device=dev)
+        dht = None
+        if dfinal is not None:
+            dht = dfinal.index_select(0, ctx._tensor("piece_seqs", ctx.piece_seqs, dev)).to(sdt)
+            if ctx.last_continues:
+                dht[-1].zero_()
+        h_in = _entering_states(run, h0, S_in, dev)
+        *grads, dh0_loc = be.backward(q, k, v, g, beta, run.scale, h_in, cu, do, dht, keep["saved_main"])
+        grads = list(grads)
+        if ctx.first_continues:
+            D = dh0_loc[0].to(sdt)
+    dS = _all_gather(D, ctx)  # [W, HV, K, V]
+
+    if ctx.last_continues:
+        X = dS[ctx.end_rank]
+        P_between = keep["P_between"]
+        for i in range(P_between.shape[0] - 1, -1, -1):  # ranks end_rank - 1 .. rank + 1
+            X = torch.baddbmm(dS[ctx.rank + 1 + i], P_between[i].transpose(-1, -2), X)
+        L0 = ctx.local_offsets[-2]
+        last = slice(L0, None)
+        if ctx.first_continues and n == 1:
+            h_last = S_in[None]
+        elif h0 is not None:
+            h_last = h0[ctx.piece_seqs[-1]][None]
+        else:
+            h_last = None
+        saved = keep["saved_main"] if n == 1 else None
+        cu_last = ctx._tensor("last_piece", (0, ctx.local_len - L0), dev, torch.int32)
+        zeros_do = torch.zeros((1, ctx.local_len - L0, HV, V), dtype=q.dtype, device=dev)
+        xs = [x[:, last] for x in (q, k, v, g, beta)]
+        *g2, dh0_2 = be.backward(*xs, run.scale, h_last, cu_last, zeros_do, X[None].to(sdt), saved)
+        for dst, src in zip(grads, g2):
+            _add_rows(dst, L0, src)
+        if dh0_2 is not None and not (ctx.first_continues and n == 1) and dh0_loc is not None:
+            dh0_loc[-1] = (dh0_loc[-1].to(_acc_dtype(dh0_loc.dtype)) + dh0_2[0]).to(dh0_loc.dtype)
+
+    dh0 = None
+    if h0 is not None:
+        dh0 = torch.zeros_like(h0)
+        lo = 1 if ctx.first_continues else 0
+        if n > lo:
+            seqs = ctx._tensor("start_seqs", ctx.piece_seqs[lo:], dev)
+            dh0.index_copy_(0, seqs, dh0_loc[lo:].to(dh0.dtype))
+        if ctx.empty_seqs and dfinal is not None:
+            idx = ctx._tensor("empty_seqs", ctx.empty_seqs, dev)
+            dh0.index_copy_(0, idx, dfinal.index_select(0, idx).to(dh0.dtype))
+    return (*grads, dh0)
+
+
+class _CPFunction(torch.autograd.Function):
+    """Autograd wiring of the cross-rank CP op (wiring only: `_cp_forward`, `_cp_backward`). Its
+    backward runs one collective: every rank of the group must backpropagate through the op. First
+    order only (a second derivative raises)."""
+
+    @staticmethod
+    def forward(fctx, q, k, v, g, beta, initial_state, run):
+        o, final, keep = _cp_forward(run, q, k, v, g, beta, initial_state)
+        fctx.run, fctx.keep = run, keep
+        fctx.save_for_backward(q, k, v, g, beta, initial_state)
+        fctx.set_materialize_grads(False)
+        if final is None:
+            final = o.new_empty((0,), dtype=run.state_dtype)
+            fctx.mark_non_differentiable(final)
+        return o, final
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(fctx, do, dfinal):
+        q, k, v, g, beta, h0 = fctx.saved_tensors
+        dq, dk, dv, dg, dbeta, dh0 = _cp_backward(fctx.run, fctx.keep, q, k, v, g, beta, h0, do, dfinal)
+        return dq, dk, dv, dg, dbeta, dh0, None
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    xf = x.to(_acc_dtype(x.dtype))
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def chunk_gated_delta_rule_cp(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens=None,
+    use_qk_l2norm_in_kernel: bool = False,
+    *,
+    cp_context: CPContext | None = None,
+    group=None,
+    backend=None,
+):
+    """Gated DeltaNet chunked prefill with the tokens of one packed batch sharded across the ranks of a
+    torch.distributed process group (context parallelism), forward and backward (autograd).
+
+    Computes exactly what `flashqla.chunk_gated_delta_rule` computes on the whole batch (per sequence
+    and value head: S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,
+    o_t = scale S_t^T q_t), each rank holding a contiguous token shard; sequences may cross ranks.
+    Algorithm and exchanged volume: this module's docstring (derivations CP-1, CP-2, CP-3). Every
+    rank of the group must call it with the same global cu_seqlens and shapes, and must
+    backpropagate through it (its backward runs a collective).
+
+    Args (FLA's layout; each rank passes ITS OWN SHARD, tokens [start, end) of the global batch):
+        q, k: [1, T_r, H, K]; v: [1, T_r, HV, V]; g: [1, T_r, HV] natural-log decay (<= 0);
+            beta: [1, T_r, HV]. T_r = this rank's shard length (may be 0). Dtypes as the backend
+            needs: the kernels take bf16/fp16 q, k, v, fp32 g, fp32 or q's dtype beta, K = V = 128.
+        scale: default K ** -0.5.
+        initial_state: None or the GLOBAL [N, HV, K, V] (the same tensor on every rank, fp32 for the
+            kernels); a rank reads the rows of the sequences whose first token it holds.
+        output_final_state: also return the global final states (see Returns).
+        cu_seqlens: the GLOBAL offsets [0, ..., T] (int32/int64, any device; read on the host), or
+            None for a single sequence. Not allowed together with cp_context (which holds them).
+        use_qk_l2norm_in_kernel: L2-normalise q and k per head first (x * rsqrt(sum x^2 + 1e-6),
+            differentiable torch ops).
+        cp_context: a `build_cp_context` plan (reuse it across calls and layers). Without it the op
+            builds one from cu_seqlens and group with local_len = T_r, which all-gathers the ranks'
+            shard lengths (one small collective and a host synchronisation per call).
+        group: the process group (default: the world) when cp_context is None.
+        backend: per-rank compute (`flashqla.distributed.backends.resolve_backend`): None (the
+            sm_90 kernels for CUDA inputs), "kernels", a backend object, or any op with FLA's
+            signature and autograd (for instance reference.chunk_gated_delta_rule on CPU).
+
+    Returns:
+        (o, final_state): o [1, T_r, HV, V] in q's dtype, this rank's tokens. final_state: None
+        unless output_final_state; else [N, HV, K, V] in the backend's state dtype (fp32 for the
+        kernels) holding the final state of every sequence whose last token this rank holds (and of
+        the empty sequences it owns, `CPContext.empty_seqs`), zeros in the other rows: the sum over
+        the ranks (torch.distributed.all_reduce) is the full tensor. Gradients: dq, dk, dv, dg, dbeta
+        of this rank's tokens; d initial_state nonzero on the rows this rank reads, so that the sum
+        over the ranks is the full gradient (as data parallelism sums a replicated parameter's).
+
+    Raises:
+        TypeError, ValueError: `flashqla.validation.check_gdn_inputs` on the local tensors; B != 1
+            (q); T_r != the context's shard length (q); initial_state not [N, HV, K, V] with the
+            global N; cu_seqlens given with cp_context; cp_context and group both given; cu_seqlens
+            or shard lengths invalid (`build_cp_context`); backend unknown or None on a non-CUDA
+            device; the backend's own checks (dtypes, head dims).
+        RuntimeError: torch.distributed not initialized (no cp_context), a context without a process
+            group on more than one rank, the kernels' device check.
+
+    Source: FLA's context parallelism (`fla.ops.cp`: per-rank transition and zero-start state,
+    all-gather, merge; its `build_cp_context` / `cp_context=` API shape); algorithm here by derivation
+    records CP-1..CP-3.
+    """
+    if cp_context is not None:
+        if not isinstance(cp_context, CPContext):
+            raise TypeError(f"cp_context must be a CPContext from build_cp_context, got {type(cp_context).__name__}")
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens must be None when cp_context is given (the context holds the global offsets)")
+        if group is not None:
+            raise ValueError("give cp_context or group, not both (the context holds its group)")
+    d = check_gdn_inputs(q, k, v, g, beta, scale, None, output_final_state, None)
+    if d.B != 1:
+        raise ValueError(f"q: context parallelism takes one packed batch row, B == 1 (pack sequences with cu_seqlens), got B = {d.B}")
+    if not isinstance(use_qk_l2norm_in_kernel, bool):
+        raise TypeError(f"use_qk_l2norm_in_kernel must be a bool, got {type(use_qk_l2norm_in_kernel).__name__}")
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor) or initial_state.dtype not in FLOAT_DTYPES:
+            raise TypeError("initial_state must be None or a floating-point tensor [N, HV, K, V] (global N)")
+        if initial_state.device != q.device:
+            raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}: all tensors must be on one device")
+    if cp_context is None:
+        cp_context = build_cp_context(cu_seqlens, group, local_len=d.T, device=q.device)
+    ctx = cp_context
+    if d.T != ctx.local_len:
+        raise ValueError(
+            f"q holds T = {d.T} tokens but this rank's shard (rank {ctx.rank} of {ctx.world_size}) is tokens "
+            f"[{ctx.start}, {ctx.end}) of the global batch ({ctx.local_len} tokens; shard_lens {list(ctx.shard_lens)})"
+        )
+    if initial_state is not None and tuple(initial_state.shape) != (ctx.N, d.HV, d.K, d.V):
+        raise ValueError(
+            f"initial_state must be the global [N, HV, K, V] = {(ctx.N, d.HV, d.K, d.V)} (N = sequences of the whole "
+            f"batch), got {tuple(initial_state.shape)}"
+        )
+    be = resolve_backend(backend, q)
+    be.check(q, k, v, g, beta, initial_state)
+    if ctx.group is None and ctx.world_size > 1:
+        raise RuntimeError("cp_context was built without a process group (rank=, world_size=): it cannot run across ranks")
+    scale = d.K**-0.5 if scale is None else float(scale)
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    run = _Run(ctx, be, scale, bool(output_final_state), be.state_dtype(q, g, beta, initial_state))
+    o, final = _CPFunction.apply(q, k, v, g, beta, initial_state, run)
+    return o, (final if output_final_state else None)
