@@ -508,10 +508,10 @@ def test_production_op_rejects_before_device_work(case, no_device_work):
             flashqla.ops.gdn.api.chunk_gated_delta_rule_fwd(**x)
 
 
-def test_production_op_grad_request_rejected_on_cpu(no_device_work):
+def test_production_op_grad_request_on_cpu_gets_the_device_error(no_device_work):
     x = _prod()
     x["q"].requires_grad_(True)
-    with pytest.raises(NotImplementedError, match=r"the backward is not available yet"):
+    with pytest.raises(RuntimeError, match=r"CUDA device of compute capability 9.0"):
         flashqla.chunk_gated_delta_rule(**x)
 
 
