@@ -8,12 +8,15 @@ from flashqla.cp.driver import (
     CORRECTIONS,
     CPInfo,
     Sm90Backend,
+    chunk_gated_delta_rule_cp_bwd,
     chunk_gated_delta_rule_cp_fwd,
+    cp_backward,
     cp_forward,
     cp_splits,
     segment_slots_to_sequence_slots,
+    sequence_slots_to_segment_slots,
 )
-from flashqla.cp.merge import scan_segment_states
+from flashqla.cp.merge import scan_segment_grads, scan_segment_states
 from flashqla.cp.planner import (
     BV_CHOICES,
     CHUNK_COST,
@@ -45,10 +48,14 @@ __all__ = [
     "CORRECTIONS",
     "CPInfo",
     "Sm90Backend",
+    "chunk_gated_delta_rule_cp_bwd",
     "chunk_gated_delta_rule_cp_fwd",
+    "cp_backward",
     "cp_forward",
     "cp_splits",
     "segment_slots_to_sequence_slots",
+    "sequence_slots_to_segment_slots",
+    "scan_segment_grads",
     "BV_CHOICES",
     "CHUNK_COST",
     "CORRECTION_COST",

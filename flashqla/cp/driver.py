@@ -41,6 +41,16 @@ the planner never picks it, exact mode is the default, and the mode reports on t
 (segment slot, value head), the two decays and whether both are below `GATE_THRESHOLD` (info
 "gate_ok"), so a caller or a test can check the bound without a synchronisation in the hot path.
 
+Backward (`cp_backward`, `chunk_gated_delta_rule_cp_bwd`; exact). The state gradient crosses segments
+in reverse: with S_in(j + 1) = P_j S_in(j) + Q_j, dS_in(j) = P_j^T G_j + E_j, where G_j, the gradient
+reaching segment j's end state, is dS_in(j + 1) (dht for the last segment), and E_j, the part through
+the segment's own outputs, is sum_t U_t do_t^T (o_t = o0_t + S_in^T U_t). So: the forward's run and
+transition launches and scan give S_in, P and U; GEMMs give E; a reverse scan gives G; then the
+unsplit backward (recompute states, fused chunk backward, finish) runs once over all segments as
+sequences, from initial states S_in and terminal gradients G, and yields every token's gradient and
+each first segment's dh0 (the sequence's). The forward's A and g_cum_log2 arrive in the caller's
+layout (what autograd saves) and are gathered into the segments' layout.
+
 Measured on the H200 (2/8 heads, 1 x 32768 tokens, `tests/gpu/cp_bench.py`, CUDA graphs; before
 the shape-keyed index cache and the on-demand certificate below): unsplit 1.58 ms; exact CP
 0.68-0.72 ms (prepare 0.115, each recurrent launch 0.111, scan 0.157, correction 0.08-0.09, the
@@ -68,7 +78,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from flashqla.cp.merge import scan_segment_states
+from flashqla.cp.merge import scan_segment_grads, scan_segment_states
 from flashqla.cp.planner import CHUNK, GATE_THRESHOLD, SegmentTables, build_segment_tables, get_cp_plan
 
 __all__ = [
@@ -79,9 +89,12 @@ __all__ = [
     "Sm90Backend",
     "CPInfo",
     "cp_forward",
+    "cp_backward",
     "cp_splits",
     "chunk_gated_delta_rule_cp_fwd",
+    "chunk_gated_delta_rule_cp_bwd",
     "segment_slots_to_sequence_slots",
+    "sequence_slots_to_segment_slots",
 ]
 
 #: Environment variable with the default `cp` mode of `chunk_gated_delta_rule_cp_fwd` / `cp_splits`.
@@ -109,6 +122,9 @@ class CPBackend(Protocol):
               output_final_state, cu_seqlens, block_v) -> (o [1, T, HV, V'], final_state or None).
         V' is V for the run and K for the transition pass (K == V on the kernels).
     zeros(shape, dtype, device) -> a zero tensor the launches only read (may be cached).
+    bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens)
+        -> (dq, dk, dv, dg, dbeta, dh0 or None): the unsplit backward from the forward's products
+        (`flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd`), needed by `cp_backward` only.
     """
 
     state_dtype: torch.dtype
@@ -153,6 +169,11 @@ class Sm90Backend:
 
         return chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale, initial_state, output_final_state, cu_seqlens,
                                    block_v=block_v, o=o)
+
+    def bwd(self, q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens):
+        from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
+
+        return chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens)
 
     def zeros(self, shape, dtype, device):
         key = (tuple(shape), dtype, str(device))
@@ -250,7 +271,7 @@ def _correct_gathered(o, Ug, S_sel, tok, valid) -> None:
     [Mc, W, HV, K], entering states S_sel [Mc, HV, K, V]; rows with valid False add zero. One batched
     GEMM and an index_add (each valid token appears once)."""
     Mc, W = tok.shape
-    HV, V, K = o.shape[2], o.shape[3], Ug.shape[3]
+    HV, V = o.shape[2], o.shape[3]
     if Mc == 0:
         return
     of = o.view(-1, HV, V)
@@ -363,14 +384,8 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
 
     info = None
     if gate_chunks is None:
-        # 2. transition: v = 0 from I on every non-first segment -> U (o rows), P (end states)
-        h0_tr = _memo(key("h0_tr", HV, K, sd, str(dev)), lambda: torch.where(
-            mask(tab.need_correction), torch.eye(K, dtype=sd, device=dev), torch.zeros((), dtype=sd, device=dev)
-        ).expand(M, HV, K, K).contiguous())
-        vz = backend.zeros((1, total, HV, K), v.dtype, dev)
-        U, P = _recurrent(backend, qf, kf, vz, A, G2, scale, h0_tr, True, pcu, block_v, None)
-        # 3. scan
-        S_in, final = scan_segment_states(P, Q, tab, T, h0, first_from_h0=True)
+        # 2. transition (U, P) and 3. scan
+        U, P, S_in, final = _transition_and_scan(backend, qf, kf, v.dtype, A, G2, scale, Q, h0, tab, T, pcu, block_v, key)
         # 4. correction
         if correction == "rerun":
             o, _ = _recurrent(backend, qf, kf, vf, A, G2, scale, S_in.contiguous(), False, pcu, block_v, None)
@@ -430,10 +445,26 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
     return o, final, A, G2, info
 
 
+def _transition_and_scan(backend, qf, kf, vdtype, A, G2, scale, Q, h0, tab, T, pcu, block_v, key):
+    """Exact mode's steps 2 and 3: the transition launch (v = 0 from I on non-first segments: U rows,
+    P end states) and the combine scan. Returns (U, P, S_in, final)."""
+    M, HV, K = tab.M, G2.shape[0], kf.shape[3]
+    total = qf.shape[1]
+    sd = backend.state_dtype
+    dev = qf.device
+    h0_tr = _memo(key("h0_tr", HV, K, sd, str(dev)), lambda: torch.where(
+        tab.need_correction[:, None, None, None], torch.eye(K, dtype=sd, device=dev), torch.zeros((), dtype=sd, device=dev)
+    ).expand(M, HV, K, K).contiguous())
+    vz = backend.zeros((1, total, HV, K), vdtype, dev)
+    U, P = _recurrent(backend, qf, kf, vz, A, G2, scale, h0_tr, True, pcu, block_v, None)
+    S_in, final = scan_segment_states(P, Q, tab, T, h0, first_from_h0=True)
+    return U, P, S_in, final
+
+
 def _correct_one_sequence_head(o, Uc, S_sel, total: int, L: int, W: int) -> None:
     """Gated mode, one sequence: o += Uc @ S over the first W tokens of segments 1 .. nseg - 1
     (compact row block i <- segment i + 1), one in-place GEMM per value head per block shape."""
-    HV, V, K = o.shape[2], o.shape[3], Uc.shape[3]
+    HV, V = o.shape[2], o.shape[3]
     of = o.view(total, HV, V)
     nfull = total // L
     if nfull >= 2:
@@ -527,6 +558,122 @@ def segment_slots_to_sequence_slots(A: torch.Tensor, g_cum_log2: torch.Tensor, t
     A_out = torch.where(valid[None, :, None, None], A.view(HV, Sp, CHUNK, CHUNK)[:, src], A.new_zeros(()))
     G_out = torch.where(valid[None, :, None], g_cum_log2.view(HV, Sp, CHUNK)[:, src], g_cum_log2.new_zeros(()))
     return A_out.reshape(HV, S * CHUNK, CHUNK), G_out.reshape(HV, S * CHUNK)
+
+
+def sequence_slots_to_segment_slots(A: torch.Tensor, g_cum_log2: torch.Tensor, tables: SegmentTables, cu_seqlens,
+                                    B: int, T: int):
+    """The inverse of `segment_slots_to_sequence_slots`: prepare products stored in the slot layout of
+    the caller's sequences (what autograd saves) laid out for the segments of `tables` (a gather).
+
+    Args: A [HV, S * 64, 64], g_cum_log2 [HV, S * 64] in the layout of cu_seqlens (None: B rows of T
+        tokens); tables: `SegmentTables` for the same offsets. Returns (A [HV, S' * 64, 64],
+        g_cum_log2 [HV, S' * 64]) with S' = floor(B T / 64) + M; slots no chunk uses hold zeros.
+    """
+    HV = A.shape[0]
+    dev = A.device
+    L, M = tables.segment_len, tables.M
+    per = L // CHUNK
+    i64 = dict(dtype=torch.int64, device=dev)
+    total = B * T
+    Sp = total // CHUNK + M
+    p_slot = torch.arange(Sp, **i64)
+    pbase = torch.div(tables.start, CHUNK, rounding_mode="floor") + torch.arange(M, **i64)
+    s = (torch.searchsorted(pbase.contiguous(), p_slot, right=True) - 1).clamp(min=0) if M else torch.zeros_like(p_slot)
+    c_loc = p_slot - (pbase[s] if M else s)
+    nch = -(-(tables.end - tables.start) // CHUNK)
+    valid = (c_loc >= 0) & (c_loc < (nch[s] if M else c_loc))
+    n = tables.seq[s] if M else s
+    c = tables.index[s] * per + c_loc if M else c_loc
+    if cu_seqlens is None:
+        obase = n * (-(-T // CHUNK))
+    else:
+        cu = cu_seqlens.to(torch.int64)
+        N = cu.shape[0] - 1
+        ob = torch.div(cu[:-1], CHUNK, rounding_mode="floor") + torch.arange(N, **i64)
+        obase = ob[n.clamp(max=max(N - 1, 0))] if N else n
+    So = A.shape[1] // CHUNK
+    src = torch.where(valid, obase + c, torch.zeros_like(c)).clamp(0, max(So - 1, 0))
+    A_out = torch.where(valid[None, :, None, None], A.view(HV, So, CHUNK, CHUNK)[:, src], A.new_zeros(()))
+    G_out = torch.where(valid[None, :, None], g_cum_log2.view(HV, So, CHUNK)[:, src], g_cum_log2.new_zeros(()))
+    return A_out.reshape(HV, Sp * CHUNK, CHUNK), G_out.reshape(HV, Sp * CHUNK)
+
+
+def _state_grads_from_outputs(U, do, tab: SegmentTables, total: int, L: int, one_sequence: bool, key):
+    """E [M, HV, K, V]: E_j = sum over segment j's tokens of U_t do_t^T (the gradient reaching the
+    segment's entering state through its own outputs, o_t = o0_t + S_in^T U_t), on non-first slots
+    (zeros elsewhere); computed in U's dtype, returned in fp32 (or U's dtype if wider)."""
+    HV, K, V = U.shape[2], U.shape[3], do.shape[3]
+    M = tab.M
+    edt = torch.float64 if U.dtype == torch.float64 else torch.float32
+    E = torch.zeros(M + 1, HV, K, V, dtype=edt, device=U.device)
+    Uf, Df = U.reshape(total, HV, K), do.reshape(total, HV, V)
+    nseg = -(-total // L)
+    if one_sequence:
+        nfull = total // L
+        if nfull >= 2:
+            Ub, Db = Uf[: nfull * L].view(nfull, L, HV, K), Df[: nfull * L].view(nfull, L, HV, V)
+            for h in range(HV):
+                E[1:nfull, h] = torch.bmm(Ub[1:, :, h].transpose(-1, -2), Db[1:, :, h]).to(edt)
+        if total % L and nfull >= 1 and nseg >= 2:
+            Up, Dp = Uf[nfull * L :], Df[nfull * L :]
+            for h in range(HV):
+                E[nfull, h] = (Up[:, h].transpose(0, 1) @ Dp[:, h]).to(edt)
+        return E[:M]
+    Mc = total // L
+    if Mc == 0:
+        return E[:M]
+    sel, tok, valid = _memo(key("rows", L), lambda: (lambda s: (s, *_token_rows(tab, s, L)))(_corrected_slots(tab, Mc)))
+    t = tok.reshape(-1)
+    Ug = torch.where(valid.reshape(-1)[:, None, None], Uf.index_select(0, t), Uf.new_zeros(())).view(Mc, L, HV, K)
+    Dg = Df.index_select(0, t).view(Mc, L, HV, V)
+    Es = torch.matmul(Ug.permute(0, 2, 3, 1), Dg.permute(0, 2, 1, 3).to(Ug.dtype)).to(edt)  # [Mc, HV, K, V]
+    return E.index_copy(0, sel, Es)[:M]
+
+
+def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float, initial_state, cu_seqlens,
+                tables: SegmentTables, *, block_v: int, static_key=None):
+    """Gradients of the forward over the planner's segments (every launch runs all segments at once).
+
+    1. entering states S_in: run (v, h0 on first segments) -> Q; transition (v = 0 from I) -> U, P;
+       the combine scan (exactly the forward's steps 1-3; the run's o is not used);
+    2. E_j = sum_t U_t do_t^T over segment j (the gradient through its outputs, o = o0 + S_in^T U);
+    3. reverse scan G_j = P_{j+1}^T G_{j+1} + E_{j+1}, G_last = dht: the gradient reaching each
+       segment's end state (`scan_segment_grads`);
+    4. the unsplit backward over the segments as sequences, from initial states S_in and terminal
+       gradients G (`backend.bwd`: recompute states, fused chunk backward, finish): every token's
+       gradient, and each first segment's dh0, the sequence's.
+
+    Args: as `chunk_gated_delta_rule_bwd`, with A, g_cum_log2 in the slot layout of
+    tables.cu_seqlens, and tables, block_v, static_key as `cp_forward`.
+    Returns (dq, dk, dv, dg, dbeta, dh0 [N, HV, K, V] or None when initial_state is None).
+    """
+    B, T = q.shape[0], q.shape[1]
+    total = B * T
+    tab = tables
+    M, N, L = tab.M, tab.N, tab.segment_len
+    sd = backend.state_dtype
+    pcu = tab.cu_seqlens
+    qf, kf, vf, gf, bf, dof = (_flat(x) for x in (q, k, v, g, beta, do))
+    key = lambda *parts: None if static_key is None else (static_key, *parts)  # noqa: E731
+    one_sequence = N == 1 and B == 1 and _ONE_SEQUENCE_FAST_PATH
+    h0 = None if initial_state is None else initial_state.to(sd)
+    h0_run = None
+    if h0 is not None and N > 0:
+        h0_run = torch.where(tab.first[:, None, None, None], h0.index_select(0, tab.h0_index.clamp(min=0)), h0.new_zeros(()))
+    _, Q = _recurrent(backend, qf, kf, vf, A, g_cum_log2, scale, h0_run, True, pcu, block_v, None)
+    U, P, S_in, _ = _transition_and_scan(backend, qf, kf, v.dtype, A, g_cum_log2, scale, Q, h0, tab, T, pcu, block_v, key)
+    E = _state_grads_from_outputs(U, dof, tab, total, L, one_sequence, key)
+    D = None if dht is None else dht.to(E.dtype)
+    G = scan_segment_grads(P.to(E.dtype), E, tab, T, D).to(sd)
+    dq, dk, dv, dg, dbeta, dh0s = backend.bwd(qf, kf, vf, gf, bf, A, g_cum_log2, dof, G.contiguous(), scale,
+                                              S_in.to(sd).contiguous(), pcu)
+    dh0 = None
+    if initial_state is not None:
+        first = dh0s.index_select(0, tab.seq_first.clamp(0, max(M - 1, 0))) if N > 0 else dh0s[:0]
+        empty = dht.to(first.dtype) if dht is not None else first.new_zeros(())
+        dh0 = torch.where((tab.seq_num >= 1)[:, None, None, None], first, empty) if N > 0 else first
+    shape = lambda x, like: x.reshape(like.shape)  # noqa: E731
+    return shape(dq, q), shape(dk, k), shape(dv, v), shape(dg, g), shape(dbeta, beta), dh0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -718,3 +865,47 @@ def _unsplit(backend, q, k, v, g, beta, scale, initial_state, output_final_state
     o_buf = torch.full_like(v, float("nan")) if poison else None
     o, final = _recurrent(backend, q, k, v, A, G2, scale, h0, output_final_state, cu_seqlens, block_v, o_buf)
     return ChunkGDNForward(o=o, final_state=final, A=A, g_cum_log2=G2, q=q, k=k)
+
+
+def chunk_gated_delta_rule_cp_bwd(
+    q, k, v, g, beta, A, g_cum_log2, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
+    *, cp=None, segment_len: int | None = None, max_seqlen: int | None = None, block_v: int | None = None,
+    sm_count: int | None = None, backend=None,
+):
+    """`flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd` with intra-device context parallelism.
+
+    Same arguments and returns (A, g_cum_log2 as the forward saved them, in the slot layout of the
+    caller's cu_seqlens; q, k after any L2 norm). When the plan splits (the forward's planner, exact
+    mode), the backward runs over segments (`cp_backward`: the entering states are recomputed by the
+    forward's run and transition launches and the combine scan, the state gradient crosses segments
+    by the reverse scan with P^T, and one unsplit backward runs all segments side by side); else it
+    is the unsplit backward.
+
+    Args: q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; A [HV, S * 64, 64]; g_cum_log2
+        [HV, S * 64]; do [B, T, HV, V]; dht None or [N, HV, K, V]; scale; initial_state None or
+        [N, HV, K, V]; cu_seqlens None or [N + 1]; cp, segment_len, max_seqlen, block_v, sm_count,
+        backend as `chunk_gated_delta_rule_cp_fwd`.
+    Returns (dq, dk, dv, dg, dbeta, dh0 or None), the unsplit backward's dtypes.
+    Raises ValueError for an unknown cp mode or a bad segment_len.
+    """
+    if backend is None:
+        backend = _default_backend()
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    plan, _ = _plan(q, v, cu_seqlens, cp, segment_len, None, max_seqlen, sm_count, False)
+    B, T = q.shape[0], q.shape[1]
+    if not plan.split:
+        return backend.bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens)
+    q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
+    L = plan.segment_len
+    static_key = None
+    if cu_seqlens is None:
+        static_key = ("rows", B, T, L, str(q.device))
+        tables = _memo(static_key + ("tables",), lambda: _int32_tables(build_segment_tables(None, L, T=T, B=B, device=q.device), B * T))
+    else:
+        tables = build_segment_tables(cu_seqlens, L, T=T)
+    A_p, G_p = sequence_slots_to_segment_slots(A, g_cum_log2, tables, cu_seqlens, B, T)
+    BV = block_v or plan.BV
+    if hasattr(backend, "warm"):
+        backend.warm(_flat(k), _flat(beta), _flat(q), _flat(v), tables.cu_seqlens, v.shape[2], BV)
+    return cp_backward(backend, q, k, v, g, beta, A_p, G_p, do, dht, scale, initial_state, cu_seqlens, tables,
+                       block_v=BV, static_key=static_key)

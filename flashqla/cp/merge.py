@@ -22,7 +22,7 @@ import torch
 
 from flashqla.cp.planner import SegmentTables
 
-__all__ = ["scan_segment_states"]
+__all__ = ["scan_segment_states", "scan_segment_grads"]
 
 
 #: Row-block height of the one-sequence scan's products (None: one [K, K] x [K, V] product per value
@@ -89,3 +89,42 @@ def _scan_one_sequence(P, Q, tables: SegmentTables, T: int, initial_state, first
     last = tables.seq_last
     final = torch.where((last >= 0)[:, None, None, None], ends[last.clamp(min=0)] if M else S0, S0)
     return starts, final
+
+
+def scan_segment_grads(P: torch.Tensor, E: torch.Tensor, tables: SegmentTables, T: int, dht=None):
+    """The reverse combine scan of the CP backward: the gradient reaching each segment's end state.
+
+    With S_in(j + 1) = P_j S_in(j) + Q_j, the loss's gradient with respect to a segment's entering
+    state is dS_in(j) = P_j^T G_j + E_j, E_j the part through the segment's own outputs and G_j the
+    gradient reaching its end state; G_j = dS_in(j + 1) and G_last = dht (the final state's
+    gradient, or zero). Walks each sequence's segments last to first (ceil(T / L) steps, shapes only;
+    one sequence: one product per step, in place).
+
+    Args:
+        P: [M, HV, K, K] transitions (read on valid non-first slots); E: [M, HV, K, V] (read on valid
+            non-first slots); tables: `build_segment_tables`; T: tokens per row; dht: None or [N, HV, K, V].
+    Returns:
+        G [M, HV, K, V] in E's dtype: the gradient reaching each valid slot's end state (zeros on inert
+        slots).
+    """
+    M, HV, K, V = E.shape
+    N = tables.N
+    J = min(tables.max_segments_per_sequence(T), M) if M else 0
+    G = E.new_zeros(M + 1, HV, K, V)
+    D = E.new_zeros(N, HV, K, V) if dht is None else dht.to(E.dtype)
+    if N == 1 and J:
+        G[J - 1] = D[0]
+        for j in range(J - 2, -1, -1):
+            torch.baddbmm(E[j + 1], P[j + 1].transpose(-1, -2), G[j + 1], out=G[j])
+        return torch.where(tables.valid[:, None, None, None], G[:M], G.new_zeros(()))
+    R = D.clone()
+    dummy = torch.full_like(tables.seq_first, M)
+    for j in range(J - 1, -1, -1):
+        active = j < tables.seq_num
+        is_last = (j == tables.seq_num - 1)[:, None, None, None]
+        slot = torch.where(active, tables.seq_first + j, dummy)
+        nxt = (slot + 1).clamp(max=M - 1)
+        step = P[nxt].transpose(-1, -2) @ R + E[nxt]
+        R = torch.where(is_last, D, torch.where(active[:, None, None, None], step, R))
+        G = G.index_copy(0, slot, R)
+    return G[:M]

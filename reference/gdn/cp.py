@@ -43,7 +43,7 @@ from reference.gdn.fused import (
     kkt_solve,
     to_chunks,
 )
-from reference.gdn.fused_bwd import forward_slot_products, slots_to_chunks
+from reference.gdn.fused_bwd import forward_slot_products, fused_gated_delta_rule_bwd, slots_to_chunks
 from reference.gdn.recurrent import compute_dtype, seq_bounds
 
 __all__ = [
@@ -357,6 +357,8 @@ class ReferenceCPBackend:
         slot layout of cu_seqlens (`forward_slot_products`, gates floored as the op does).
     recurrent(q, k, v, A, g_cum_log2, scale, initial_state, output_final_state, cu_seqlens, block_v, o=None)
         -> (o, final_state or None) (`recurrent_from_slots`; written into `o` when given).
+    bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens)
+        -> (dq, dk, dv, dg, dbeta, dh0 or None) (`reference.gdn.fused_bwd.fused_gated_delta_rule_bwd`).
     Counts its launches in `launches` (a list of (kind, number of sequences)) for tests.
     """
 
@@ -376,6 +378,10 @@ class ReferenceCPBackend:
         out, S = recurrent_from_slots(q, k, v, A, g_cum_log2, scale, initial_state, cu_seqlens)
         out = out.to(v.dtype) if o is None else o.copy_(out)
         return out, (S.to(self.state_dtype) if output_final_state else None)
+
+    def bwd(self, q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens):
+        self.launches.append(("bwd", q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1))
+        return fused_gated_delta_rule_bwd(q, k, v, beta, A, g_cum_log2, scale, initial_state, do, dht, cu_seqlens, g=g)
 
     def zeros(self, shape, dtype, device):
         return torch.zeros(shape, dtype=dtype, device=device)

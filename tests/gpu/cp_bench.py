@@ -2,7 +2,7 @@
 gate-driven mode) on single long sequences.
 
     python tests/gpu/cp_bench.py [--rows 2/8 4/16 8/32 16/64] [--lengths 8192 32768] [--gate-chunks 4]
-                                 [--breakdown] [--out DIR]
+                                 [--breakdown [--profile]] [--bwd] [--out DIR]
 
 Times with CUDA graphs (`tests/gpu/device_check.py` time_graph: warm-up, capture of several calls,
 median of replays). Inputs: `device_check.gen_inputs` (q, k L2-normalised, logsigmoid / 16 gates on
@@ -11,7 +11,9 @@ Before timing, every CP variant is compared with the unsplit output (relative RM
 a variant that disagrees by more than 2e-2 is reported as failed instead of timed. `--breakdown`
 also times the pieces of one exact CP call (prepare over the segments, one recurrent launch over the
 segments, the combine scan, the output correction). Prints a short table last; writes
-cp_bench.json to --out. All configurations compile first, concurrently in worker processes.
+cp_bench.json to --out. All forward configurations compile first, concurrently in worker processes.
+`--bwd` also times the backward from the forward's products: the unsplit backward vs the CP backward
+(`chunk_gated_delta_rule_cp_bwd`, exact), after checking every gradient agrees within 2e-2.
 """
 
 from __future__ import annotations
@@ -82,6 +84,35 @@ def _breakdown(x, plan, tables):
     return out
 
 
+def _bwd_times(x, row):
+    """Backward from the forward's products: unsplit vs CP (ms), after an agreement check."""
+    from flashqla.cp import chunk_gated_delta_rule_cp_bwd
+    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
+    from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
+
+    out = {}
+    try:
+        f = chunk_gated_delta_rule_fwd(**x, output_final_state=True)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        do = torch.randn(x["v"].shape, device="cuda", generator=gen).to(x["v"].dtype)
+        dht = torch.randn(f.final_state.shape, device="cuda", generator=gen)
+        args = (f.q, f.k, x["v"], x["g"], x["beta"], f.A, f.g_cum_log2, do, dht, None, x["initial_state"], x["cu_seqlens"])
+        base = chunk_gated_delta_rule_bwd(*args)
+        cp = chunk_gated_delta_rule_cp_bwd(*args, cp="on")
+        torch.cuda.synchronize()
+        agree = max(rel_rms(a, b) for a, b in zip(cp, base) if b is not None)
+        out["agree"] = agree
+        if not agree <= AGREE:
+            out["failed"] = f"CP backward disagrees with unsplit: {agree:.2e}"
+        else:
+            out["unsplit_ms"] = time_graph(lambda: chunk_gated_delta_rule_bwd(*args))
+            out["cp_ms"] = time_graph(lambda: chunk_gated_delta_rule_cp_bwd(*args, cp="on"))
+    except Exception as exc:  # noqa: BLE001 - report and go on
+        out["failed"] = f"{type(exc).__name__}: {exc}"
+    print(row, "backward", out, flush=True)
+    return out
+
+
 def _profile(x, gate_chunks):
     """CUDA kernel time per kernel name of one exact and one gated CP call (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -106,6 +137,7 @@ def main():
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--profile", action="store_true", help="with --breakdown: per-kernel CUDA times of one call")
     ap.add_argument("--no-precompile", action="store_true")
+    ap.add_argument("--bwd", action="store_true", help="also time the backward, unsplit vs CP")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
@@ -158,6 +190,8 @@ def main():
                                 "predicted_x": (plan.est_unsplit / plan.est_split) if plan.est_split else None,
                                 "agree_o": agree[0], "agree_ht": agree[1]}
                 print(row, vname, f"{ms:.3f} ms", plan.reason, f"o vs unsplit {agree[0]:.1e}", flush=True)
+            if args.bwd:
+                entry["bwd"] = _bwd_times(x, row)
             if args.breakdown:
                 plan, tables = get_cp_plan(x["q"], x["v"], None, force=True, exact=True)
                 try:
@@ -185,6 +219,12 @@ def main():
     print("ms (CUDA graphs)  unsplit  cp-auto cp-exact cp-rerun cp-gated  exact-x  FlashQLA")
     for line in lines:
         print(line)
+    if args.bwd:
+        print("backward ms    unsplit       cp")
+        for e in res["rows"]:
+            b = e.get("bwd", {})
+            cells = [f"{b[k]:.3f}" if k in b else "fail" for k in ("unsplit_ms", "cp_ms")]
+            print(f"{e['row']:<14} {cells[0]:>8} {cells[1]:>8}")
     return 0
 
 
