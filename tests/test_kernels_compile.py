@@ -271,14 +271,14 @@ def test_valid_inputs_off_gpu_raise_device_error_without_building():
         _no_compile(lambda: _call(x, output_final_state=True))
 
 
-def test_backward_not_available():
+def test_gradient_request_off_hopper_fails_before_any_compile():
     x = _inputs()
     x["q"] = x["q"].requires_grad_()
-    with pytest.raises(NotImplementedError, match="backward is not available yet"):
+    with pytest.raises(RuntimeError, match="compute capability"):
         _no_compile(lambda: _call(x))
-    with torch.no_grad():  # no grad requested: the check passes and the device check fires
+    with torch.no_grad():
         with pytest.raises(RuntimeError, match="compute capability"):
-            _call(x)
+            _no_compile(lambda: _call(x))
 
 
 def test_import_does_not_load_tilelang():
