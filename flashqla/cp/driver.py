@@ -170,10 +170,20 @@ class Sm90Backend:
         return chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale, initial_state, output_final_state, cu_seqlens,
                                    block_v=block_v, o=o)
 
-    def bwd(self, q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens):
-        from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
+    def bwd(self, q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens, h_dtype=torch.bfloat16):
+        """The unsplit backward's launches (`flashqla.ops.gdn.bwd`), called directly so that a CP
+        decision placed in `chunk_gated_delta_rule_bwd` is not taken again on the segments."""
+        from flashqla.ops.gdn.bwd import _build_once
+        from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_fused_bwd
+        from flashqla.ops.gdn.kernels.sm90.finish_bwd import chunk_finish_bwd
+        from flashqla.ops.gdn.kernels.sm90.states_bwd import chunk_states_bwd
 
-        return chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens)
+        _build_once(q, v, beta, cu_seqlens, h_dtype)
+        q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
+        h = chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype)
+        dq_hv, dk_hv, dv, dbeta, dG, dh0 = chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens)
+        dq, dk, dg = chunk_finish_bwd(dG, dq_hv, dk_hv, cu_seqlens, q.shape[2], q.dtype)
+        return dq, dk, dv, dg, dbeta.to(beta.dtype), (dh0 if initial_state is not None else None)
 
     def zeros(self, shape, dtype, device):
         key = (tuple(shape), dtype, str(device))
