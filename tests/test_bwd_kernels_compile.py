@@ -128,3 +128,20 @@ def test_op_kernel_specs_match_the_launch_keys(varlen):
     assert specs["states_bwd"] == states_kernel_args(q, v, cu, torch.bfloat16)
     assert specs["chunk_bwd"] == chunk_bwd_kernel_args(q, v, beta, h, cu)
     assert specs["gva_reduce"] == (2, 4, 128, "bfloat16") and specs["dg_cumsum"][-1] == varlen
+
+
+def test_cp_mode_is_checked_before_device_work(monkeypatch):
+    import flashqla
+    from flashqla.ops.gdn.api import CP_ENV, cp_mode
+
+    monkeypatch.delenv(CP_ENV, raising=False)
+    assert cp_mode(None) == "off" and cp_mode("auto") == "auto"
+    monkeypatch.setenv(CP_ENV, "on")
+    assert cp_mode(None) == "on"
+    x = torch.zeros(1, 4, 1, 128, dtype=torch.bfloat16)
+    g = torch.zeros(1, 4, 1)
+    with pytest.raises(ValueError, match="cp must be"):
+        flashqla.chunk_gated_delta_rule(x, x, x, g, g, cp="sometimes")
+    monkeypatch.setenv(CP_ENV, "bogus")
+    with pytest.raises(ValueError, match="cp must be"):
+        flashqla.chunk_gated_delta_rule(x, x, x, g, g)

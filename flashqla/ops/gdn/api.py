@@ -8,6 +8,7 @@ under `torch.compile`.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -76,6 +77,21 @@ def _check_device(q) -> None:
         )
 
 
+#: Environment variable with the op's default context-parallel mode (`cp_mode`).
+CP_ENV = "FLASHQLA_CP"
+
+
+def cp_mode(cp: str | None) -> str:
+    """The intra-device context-parallel mode of a call: "off" (never split), "auto" (the planner of
+    `flashqla.cp` splits long sequences with few value heads, exact mode) or "on" (always split).
+    None reads $FLASHQLA_CP, default "off": the split forward ran on the H200 (tests/gpu/test_cp_gpu.py),
+    the split backward only on CPU so far. Raises ValueError naming `cp` for anything else."""
+    mode = os.environ.get(CP_ENV, "off") if cp is None else cp
+    if mode not in ("off", "auto", "on"):
+        raise ValueError(f"cp must be 'off', 'auto', 'on' or None (${CP_ENV}, default 'off'), got {mode!r}")
+    return mode
+
+
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
@@ -95,12 +111,13 @@ def chunk_gated_delta_rule_fwd(
     *,
     block_v: int | None = None,
     poison_outputs: bool = False,
+    cp: str | None = None,
 ) -> ChunkGDNForward:
     """Forward of `chunk_gated_delta_rule` returning what a backward needs (see `ChunkGDNForward`).
 
     Arguments, errors and units as in `chunk_gated_delta_rule` (autograd is not involved here: no
     grad check). `block_v` forces the value slice width of the recurrent kernel (64 or 128; None
-    picks it from N * HV). `poison_outputs` (testing aid) fills every output with NaN before the
+    picks it from N * HV). `cp`: intra-device context parallelism (`cp_mode`). `poison_outputs` (testing aid) fills every output with NaN before the
     launches, so that an element a kernel fails to write shows up.
     """
     from flashqla.ops.gdn.kernels.sm90 import build_kernels
@@ -111,8 +128,16 @@ def chunk_gated_delta_rule_fwd(
     _check_supported(q, k, v, g, beta, initial_state)
     if not isinstance(use_qk_l2norm_in_kernel, bool):
         raise TypeError(f"use_qk_l2norm_in_kernel must be a bool, got {type(use_qk_l2norm_in_kernel).__name__}")
+    cp = cp_mode(cp)
     _check_device(q)
     scale = d.K**-0.5 if scale is None else float(scale)
+    if cp != "off":
+        from flashqla.cp.driver import chunk_gated_delta_rule_cp_fwd, cp_splits
+
+        if cp_splits(q, v, cu_seqlens, cp):
+            return chunk_gated_delta_rule_cp_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                                 use_qk_l2norm_in_kernel, cp=cp, block_v=block_v,
+                                                 poison_outputs=poison_outputs)
 
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
@@ -158,6 +183,8 @@ def chunk_gated_delta_rule(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    *,
+    cp: str | None = None,
 ):
     """Gated DeltaNet chunked prefill, forward and backward (autograd), FLA's signature and return.
 
@@ -188,6 +215,11 @@ def chunk_gated_delta_rule(
             synchronisation; its values are checked only when it is a CPU tensor).
         use_qk_l2norm_in_kernel: L2-normalise q and k per head first (x * rsqrt(sum x^2 + 1e-6), in
             fp32, rounded back to the input dtype; two extra launches).
+        cp: keyword-only, intra-device context parallelism for long sequences with few value heads:
+            "off", "auto" (`flashqla.cp` planner, exact: segments from zero state, transitions,
+            combine scan, output correction; derivations CP-1..CP-3) or "on"; None reads
+            $FLASHQLA_CP, default "off" (`cp_mode`). Measured on the H200, 2/8 heads 1 x 32768:
+            1.58 ms unsplit, 0.68-0.72 ms split.
 
     Supported fast path: K = V = 128, chunk 64, compute capability 9.0 (H100/H200). T, the number of
     sequences and cu_seqlens are run-time values: a new length or sequence mix never recompiles; the
@@ -222,9 +254,10 @@ def chunk_gated_delta_rule(
     _check_supported(q, k, v, g, beta, initial_state)
     if not isinstance(use_qk_l2norm_in_kernel, bool):
         raise TypeError(f"use_qk_l2norm_in_kernel must be a bool, got {type(use_qk_l2norm_in_kernel).__name__}")
+    cp = cp_mode(cp)
     _check_device(q)
     scale = d.K**-0.5 if scale is None else float(scale)
     if use_qk_l2norm_in_kernel:  # differentiable torch ops: autograd carries dq, dk through the norm
         q, k = _l2norm(q), _l2norm(k)
-    o, final_state, _, _ = gdn_fwd(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens)
+    o, final_state, _, _ = gdn_fwd(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens, cp)
     return o, (final_state if output_final_state else None)

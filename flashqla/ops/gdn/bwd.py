@@ -21,7 +21,7 @@ _BUILT: set = set()
 
 def chunk_gated_delta_rule_bwd(
     q, k, v, g, beta, A, g_cum_log2, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
-    *, h_dtype: torch.dtype = torch.bfloat16,
+    *, h_dtype: torch.dtype = torch.bfloat16, cp: str | None = None,
 ):
     """Gradients of `chunk_gated_delta_rule` from the forward's products.
 
@@ -33,6 +33,9 @@ def chunk_gated_delta_rule_bwd(
             scale: the forward's (default K ** -0.5); initial_state: None or [N, HV, K, V] fp32 (only
             decides whether dh0 is returned); cu_seqlens: None or [N + 1] offsets.
         h_dtype: storage dtype of the recomputed states (bf16 or fp32).
+        cp: context-parallel mode as in the forward (`flashqla.ops.gdn.api.cp_mode`; None reads
+            $FLASHQLA_CP, default "off"): "auto"/"on" split long sequences as the forward does
+            (`flashqla.cp.driver.chunk_gated_delta_rule_cp_bwd`; checked on CPU, not yet on a GPU).
 
     Returns:
         (dq [B, T, H, K] q's dtype, dk [B, T, H, K] q's dtype, dv [B, T, HV, V] v's dtype,
@@ -45,7 +48,16 @@ def chunk_gated_delta_rule_bwd(
     from flashqla.ops.gdn.kernels.sm90.finish_bwd import chunk_finish_bwd
     from flashqla.ops.gdn.kernels.sm90.states_bwd import chunk_states_bwd
 
+    from flashqla.ops.gdn.api import cp_mode
+
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    cp = cp_mode(cp)
+    if cp != "off":
+        from flashqla.cp.driver import chunk_gated_delta_rule_cp_bwd, cp_splits
+
+        if cp_splits(q, v, cu_seqlens, cp):
+            return chunk_gated_delta_rule_cp_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens,
+                                                 cp=cp)
     _build_once(q, v, beta, cu_seqlens, h_dtype)
     q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
     h = chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype)
