@@ -181,7 +181,10 @@ def find_prefix(args, env: dict | None) -> str:
     cands = sorted(p.stem for p in args.results_dir.glob("*-fwd.csv") if not p.stem.startswith("peers-"))
     if len(cands) == 1:
         return cands[0]
-    raise SystemExit(f"--report-only: give --prefix (results files found: {cands or 'none'})")
+    if not cands:
+        raise SystemExit(f"--report-only: no forward results in {args.results_dir} yet (no *-fwd.csv); "
+                         "run `python -m flashqla.bench` on a Hopper GPU first")
+    raise SystemExit(f"--report-only: several results files, give --prefix (found: {cands})")
 
 
 def write_outputs(paths: dict, env: dict, commit: str, meta: dict, drift, plot: bool) -> None:

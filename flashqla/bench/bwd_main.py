@@ -91,7 +91,10 @@ def find_prefix(args, env: dict | None) -> str:
     cands = sorted(p.stem for p in Path(args.results_dir).glob("*-bwd.csv") if not p.stem.startswith("peers-"))
     if len(cands) == 1:
         return cands[0]
-    raise SystemExit(f"--report-only --bwd: give --prefix (results files found: {cands or 'none'})")
+    if not cands:
+        raise SystemExit(f"--report-only --bwd: no backward results in {args.results_dir} yet (no *-bwd.csv); "
+                         "run `python -m flashqla.bench --bwd` on a Hopper GPU first")
+    raise SystemExit(f"--report-only --bwd: several results files, give --prefix (found: {cands})")
 
 
 def tolerances(args) -> dict:
