@@ -5,6 +5,7 @@ and the no-GPU exit. Fast (a few seconds), no GPU, no peer package needed."""
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -476,3 +477,14 @@ def test_importing_the_harness_needs_no_peer():
             "print(any(m in sys.modules for m in ('fla', 'flash_qla', 'tilelang', 'triton', 'matplotlib')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_cp_mode_reaches_ours_and_the_commit_column(monkeypatch):
+    from flashqla.bench.__main__ import apply_cp_mode, commit_with_cp
+
+    monkeypatch.delenv("FLASHQLA_CP", raising=False)
+    assert apply_cp_mode(None) == "auto" and os.environ["FLASHQLA_CP"] == "auto"
+    assert apply_cp_mode("off") == "off" and os.environ["FLASHQLA_CP"] == "off"
+    monkeypatch.setenv("FLASHQLA_CP", "on")
+    assert apply_cp_mode(None) == "on"
+    assert commit_with_cp("abc123", "off") == "abc123" and commit_with_cp("abc123", "auto") == "abc123+cp-auto"

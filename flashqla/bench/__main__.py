@@ -57,6 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--retime", type=int, default=3, help="cached peer rows re-timed to show drift (default 3)")
     p.add_argument("--impls", default=",".join(IMPLS),
                    help="implementations to run, comma-separated from ours,fla,flash_qla (default all)")
+    p.add_argument("--cp", choices=("off", "auto", "on"), default=None,
+                   help="our intra-device context-parallel mode (sets $FLASHQLA_CP for ours; default: $FLASHQLA_CP, "
+                        "else auto); a mode other than off is recorded in the commit column as +cp-<mode>")
     p.add_argument("--breakdown", action="store_true", help="also time FLA's forward kernel by kernel")
     p.add_argument("--force", action="store_true", help="re-measure rows already in the results CSV")
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
@@ -88,6 +91,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="padded token-heads per batch of value heads of the fp64 gradients (default 2^20, ~30 GB)")
     b.add_argument("--no-step", action="store_true", help="time the backward only, not the training step")
     return p.parse_args(argv)
+
+
+def apply_cp_mode(mode: str | None) -> str:
+    """Our context-parallel mode for this call: `mode`, else $FLASHQLA_CP, else "auto" (the
+    planner splits the rows that need it, as a user would run it); exported as $FLASHQLA_CP so that
+    ours (`flashqla.chunk_gated_delta_rule`, cp=None) runs in it."""
+    mode = mode or os.environ.get("FLASHQLA_CP") or "auto"
+    os.environ["FLASHQLA_CP"] = mode
+    return mode
+
+
+def commit_with_cp(commit: str, mode: str) -> str:
+    """The commit column: our commit, with "+cp-<mode>" unless the mode is off (rows timed in
+    different modes never mix under one key)."""
+    return commit if mode == "off" else f"{commit}+cp-{mode}"
 
 
 def our_commit(explicit: str | None = None) -> str:
@@ -165,7 +183,8 @@ def method_lines(args, impls: dict, fla_target: str, tol: dict) -> list[str]:
         "FlashQLA: public `flash_qla.chunk_gated_delta_rule` with its defaults (`auto_cp=True`, its intra-card "
         "context parallelism).",
         "ours: " + ("not run in this call (--impls); its rows come from earlier calls (see the commit column)" if "ours" not in impls else
-                    "`flashqla.ops.gdn.api.chunk_gated_delta_rule`" if impls["ours"].available
+                    f"`flashqla.ops.gdn.api.chunk_gated_delta_rule` with cp={os.environ.get('FLASHQLA_CP', 'off')!r} "
+                    "(intra-device context parallelism, `flashqla.cp`)" if impls["ours"].available
                     else (impls["ours"].reason or "not available")) + ".",
         "Peers column: `live` = timed in this process on the same inputs; `cached` = read from the peers CSV of this "
         "environment key (re-timed rows are listed under Drift).",
@@ -242,8 +261,8 @@ def main(argv=None) -> int:
     if fla_target not in ("triton", "n/a", "unknown"):
         impls["fla"].fn, impls["fla"].reason = None, f"not available (FLA would dispatch to {fla_target})"
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    return run_rows(rows, args, impls, env, our_commit(args.commit), device="cuda", sm_count=sm_count,
-                    fla_target=fla_target)
+    return run_rows(rows, args, impls, env, commit_with_cp(our_commit(args.commit), apply_cp_mode(args.cp)),
+                    device="cuda", sm_count=sm_count, fla_target=fla_target)
 
 
 def run_rows(rows, args, impls: dict, env: dict, commit: str, device="cuda", sm_count: int = G.H200_SMS,
