@@ -6,6 +6,12 @@
 # usage (from the repo root): bash tests/gpu/run_device.sh [LOG_DIR] [FILE ...]
 #   FILE: test files under tests/gpu (default: fwd, bwd, autograd, cp, qwen3_next)
 #   PRECOMPILE=0 skips the precompile step; BOX=<seconds> sets each file's time box (default 150).
+#   SANITIZE=1 adds a last stage: tests/gpu/sanitize.py (forward + backward on tiny edge shapes against
+#   fp64) once plainly, which builds its kernels, then under compute-sanitizer's memcheck (every case)
+#   and racecheck (--tiny), each with PYTORCH_NO_CUDA_MEMORY_CACHING=1; SANITIZE=only runs that stage
+#   alone. Time boxes: SANITIZE_BOX (plain run, 150 s), MEMCHECK_BOX (240 s), RACECHECK_BOX (240 s);
+#   COMPUTE_SANITIZER=<path> if it is not on the PATH. Logs: sanitize.log, sanitize_memcheck.log,
+#   sanitize_racecheck.log (rc 3: the sanitizer reported an error; rc 1: a case failed its check).
 #
 # Why: the tier builds ~6 kernels per (H, HV, N, packed, dtype) configuration, ~40 s when built one
 # after another; the precompile step builds every configuration the tier uses in worker processes
@@ -14,6 +20,7 @@ OUT=${1:-.}
 shift || true
 FILES=("$@")
 [ ${#FILES[@]} -eq 0 ] && FILES=(test_fwd_gpu.py test_bwd_gpu.py test_autograd_gpu.py test_cp_gpu.py test_qwen3_next_gpu.py)
+if [ "${SANITIZE:-0}" = only ]; then FILES=(); PRECOMPILE=0; fi
 filter() { grep -v "TileLang:"; }
 
 if [ "${PRECOMPILE:-1}" != 0 ]; then
@@ -42,3 +49,27 @@ for f in "${FILES[@]}"; do
   echo "== $f: rc $rc, $(( $(date +%s) - start )) s: $(grep -cE ' PASSED' "$OUT/$name.log") passed, $(grep -cE ' FAILED|^FAILED' "$OUT/$name.log") failed"
   grep -E "^FAILED|^E  " "$OUT/$name.log" | cut -c1-240 | head -8
 done
+
+if [ "${SANITIZE:-0}" != 0 ]; then
+  SAN=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
+  verdict() { grep -E 'cases passed' "$1" | tail -1 | grep . || tail -1 "$1" | cut -c1-200; }
+  start=$(date +%s)
+  timeout ${SANITIZE_BOX:-150} python tests/gpu/sanitize.py 2>&1 | filter > "$OUT/sanitize.log"
+  rc=${PIPESTATUS[0]}
+  echo "== sanitize.py (plain, builds the kernels): rc $rc, $(( $(date +%s) - start )) s: $(verdict "$OUT/sanitize.log")"
+  grep -E "FAILED" "$OUT/sanitize.log" | cut -c1-240 | head -8
+  if [ ! -x "$SAN" ]; then
+    echo "== compute-sanitizer not found (set COMPUTE_SANITIZER=<path>): memcheck and racecheck skipped"
+  else
+    for tool in memcheck racecheck; do
+      if [ $tool = memcheck ]; then args=(); box=${MEMCHECK_BOX:-240}; else args=(--tiny); box=${RACECHECK_BOX:-240}; fi
+      start=$(date +%s)
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout $box "$SAN" --tool $tool --error-exitcode 3 \
+        python tests/gpu/sanitize.py "${args[@]}" 2>&1 | filter > "$OUT/sanitize_$tool.log"
+      rc=${PIPESTATUS[0]}
+      echo "== compute-sanitizer --tool $tool: rc $rc, $(( $(date +%s) - start )) s: $(grep -E 'SUMMARY' "$OUT/sanitize_$tool.log" | tail -1 | sed 's/^=* *//'); $(verdict "$OUT/sanitize_$tool.log")"
+      grep -E "^=+ +(Invalid|Error|Warning|Program hit|Race|Uninitialized)" "$OUT/sanitize_$tool.log" | cut -c1-240 | head -8
+      grep -E "FAILED" "$OUT/sanitize_$tool.log" | cut -c1-240 | head -4
+    done
+  fi
+fi
