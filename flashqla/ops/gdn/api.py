@@ -212,7 +212,9 @@ def chunk_gated_delta_rule(
         output_final_state: also return the state after each sequence's last token.
         cu_seqlens: [N + 1] int32/int64 offsets of packed sequences (B must be 1), starting at 0,
             non-decreasing, ending at T; empty sequences are allowed. Read on device only (no host
-            synchronisation; its values are checked only when it is a CPU tensor).
+            synchronisation; its values are checked only when it is a CPU tensor). Should a device
+            cu_seqlens end before T, the tokens past cu_seqlens[-1] belong to no sequence: their
+            outputs are left unwritten and their gradients are zero.
         use_qk_l2norm_in_kernel: L2-normalise q and k per head first (x * rsqrt(sum x^2 + 1e-6), in
             fp32, rounded back to the input dtype; two extra launches).
         cp: keyword-only, intra-device context parallelism for long sequences with few value heads:
