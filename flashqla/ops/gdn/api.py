@@ -131,6 +131,11 @@ def chunk_gated_delta_rule_fwd(
     cp = cp_mode(cp)
     _check_device(q)
     scale = d.K**-0.5 if scale is None else float(scale)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.contiguous()
     if cp != "off":
         from flashqla.cp.driver import chunk_gated_delta_rule_cp_fwd, cp_splits
 
@@ -139,11 +144,6 @@ def chunk_gated_delta_rule_fwd(
                                                  use_qk_l2norm_in_kernel, cp=cp, block_v=block_v,
                                                  poison_outputs=poison_outputs)
 
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    if initial_state is not None:
-        initial_state = initial_state.contiguous()
-    if cu_seqlens is not None:
-        cu_seqlens = cu_seqlens.contiguous()
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
 
