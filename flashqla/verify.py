@@ -3,8 +3,9 @@
 1. derivations: every SymPy record proved (`derivations.run_all`), as a table.
 2. reference: the chunked reference (FLA's steps, hand-written backward) against the fp64 token
    recurrence (autograd for the gradients), per quantity, on a few valid-domain cases.
-3. kernels: the sm_90 TileLang op against the fp64 reference, per quantity, within the budgets of
-   `flashqla.testing.BUDGETS`; on a machine without a Hopper GPU this rung says so and is skipped.
+3. kernels: the sm_90 TileLang op (forward and, through autograd, backward) against the fp64
+   recurrence, per quantity, within the budgets of `flashqla.testing.BUDGETS`; on a machine without a
+   Hopper GPU this rung says so and is skipped.
 
 This command is the one place where the production package calls the other two faces of the
 project (`reference`, `derivations`); the ops themselves never import them.
@@ -129,26 +130,40 @@ def _kernel_rung(size: str) -> bool | None:
     except ImportError as exc:
         print(f"\n== kernels: the sm_90 op is not available in this build ({exc})")
         return None
+    return kernel_checks(size, chunk_gated_delta_rule, "cuda")
+
+
+def kernel_checks(size: str, op, device, low: torch.dtype = torch.bfloat16) -> bool:
+    """The kernel rung's table: `op` (FLA's signature, autograd) on `low`-precision q, k, v and fp32
+    g, beta, states on `device`, against the fp64 token recurrence (autograd for the gradients), per
+    quantity o, ht, dq, dk, dv, dg, dbeta, dh0, within `BUDGETS["sm90_fwd_bf16"]` and
+    `BUDGETS["sm90_bwd_bf16"]`. Cases: `CASES[size]` at K = V = 128 (the fast path). Device-generic
+    so that its logic can be exercised off the GPU with another op standing in."""
     import reference
 
-    budget = BUDGETS.get("sm90_fwd_bf16")
+    budget = {**BUDGETS["sm90_fwd_bf16"], **BUDGETS["sm90_bwd_bf16"]}
     rows, ok = [], True
     for c in CASES[size]:
         if c.K != 128 or c.V != 128:
             c = Case(c.name.split(" K=")[0] + " K=V=128", c.T, c.H, c.HV, 128, 128, c.lengths, c.gate)
         x = make_gdn_inputs(1, c.T, c.H, c.HV, 128, 128, cu_seqlens=list(c.lengths) if c.lengths else None, gate=c.gate)
-        ref_o, ref_ht = reference.recurrent_gated_delta_rule(**x, output_final_state=True)
-        xd = {n: (t.cuda() if t is not None else None) for n, t in x.items()}
+        gen = torch.Generator().manual_seed(1)
+        do = torch.randn(1, c.T, c.HV, 128, generator=gen, dtype=torch.float64)
+        dht = torch.randn(x["initial_state"].shape, generator=gen, dtype=torch.float64)
+        truth = _grads(reference.recurrent_gated_delta_rule, x, do, dht)
+        xd = {n: (t.to(device) if t is not None else None) for n, t in x.items()}
         for n in ("q", "k", "v"):
-            xd[n] = xd[n].to(torch.bfloat16)
+            xd[n] = xd[n].to(low)
         for n in ("g", "beta", "initial_state"):
             xd[n] = xd[n].float()
-        o, ht = chunk_gated_delta_rule(**xd, output_final_state=True)
-        errs = {"o": rel_rms(o, ref_o), "ht": rel_rms(ht, ref_ht)}
-        passed = budget is not None and all(errs[q] <= budget[q] for q in errs)
+        got = _grads(op, xd, do.to(device, low), dht.to(device, torch.float32))
+        errs = {q: rel_rms(got[q], truth[q]) for q in QUANTITIES_FWD + QUANTITIES_BWD}
+        passed = all(errs[q] <= budget[q] for q in errs)
         ok &= passed
         rows.append((c.name, *(_fmt_err(errs[q]) for q in errs), "ok" if passed else "FAIL"))
-    _print_rows("kernels: sm_90 bf16 op vs fp64 recurrence", ("case", "o", "ht", "status"), rows)
+    _print_rows("kernels: sm_90 bf16 op vs fp64 recurrence (forward and autograd)",
+                ("case", *QUANTITIES_FWD, *QUANTITIES_BWD, "status"), rows)
+    print(f"budgets: o, ht <= {budget['o']:.0e}; gradients <= {budget['dq']:.0e} (dg {budget['dg']:.0e}) relative RMS")
     return ok
 
 

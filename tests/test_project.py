@@ -9,6 +9,7 @@ import sys
 import tomllib
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -76,3 +77,28 @@ def test_cli_rejects_unknown_command():
     out = subprocess.run([sys.executable, "-m", "flashqla", "frobnicate"], capture_output=True, text=True)
     assert out.returncode != 0
     assert "invalid choice" in out.stderr
+
+
+def test_verify_kernel_rung_logic_with_a_stand_in(capsys):
+    """The kernel rung's table (forward and autograd, per quantity, against the fp64 recurrence)
+    with the reference op on bf16 q/k/v standing in for the sm_90 op on CPU: it passes, and a
+    stand-in with a wrong gradient fails it."""
+    import reference
+    from flashqla.verify import kernel_checks
+
+    assert kernel_checks("small", reference.chunk_gated_delta_rule, "cpu")
+    assert "dbeta" in capsys.readouterr().out
+
+    class _Broken(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, g):
+            return g.clone()
+
+        @staticmethod
+        def backward(ctx, dg):
+            return 2 * dg
+
+    def broken(q, k, v, g, beta, **kw):
+        return reference.chunk_gated_delta_rule(q, k, v, _Broken.apply(g), beta, **kw)
+
+    assert not kernel_checks("small", broken, "cpu")
