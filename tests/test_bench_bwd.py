@@ -233,25 +233,14 @@ def _fake_module(monkeypatch, name, fn=None):
     return mod
 
 
-def test_ours_adapter_prefers_the_new_location(monkeypatch):
+def test_ours_adapter_finds_the_backward(monkeypatch):
     from flashqla.bench.bwd_impls import ours_bwd_source
 
-    new, old = "fake_flashqla_bwd_new", "fake_flashqla_bwd_old"
-    _fake_module(monkeypatch, old, lambda *a, **k: ("old", k))
-    fn, extra, name = ours_bwd_source(new, old)                          # new location absent: the experimental one
-    assert fn() == ("old", {}) and extra == {"experimental": True}
-    assert name == f"{old}.chunk_gated_delta_rule_bwd(experimental=True)"
-    mod = _fake_module(monkeypatch, new, lambda *a: "new")
-    fn, extra, name = ours_bwd_source(new, old)                          # new location present: it wins, no flag
-    assert fn() == "new" and extra == {} and name == f"{new}.chunk_gated_delta_rule_bwd"
-    del mod.chunk_gated_delta_rule_bwd                                   # present without the function: fall back
-    assert ours_bwd_source(new, old)[1] == {"experimental": True}
-    monkeypatch.delitem(sys.modules, old)
-    with pytest.raises(ImportError):
-        ours_bwd_source(new, old)
-    # the real package has one of the two
     fn, extra, name = ours_bwd_source()
-    assert callable(fn) and name.startswith("flashqla.ops.gdn.bwd")
+    assert callable(fn) and extra == {} and name == "flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd"
+    _fake_module(monkeypatch, "fake_flashqla_bwd_empty")
+    with pytest.raises(ImportError, match="no chunk_gated_delta_rule_bwd"):
+        ours_bwd_source("fake_flashqla_bwd_empty")
 
 
 def test_patch_flash_qla_bwd_adds_the_pass_config(monkeypatch):

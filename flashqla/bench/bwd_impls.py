@@ -13,9 +13,8 @@ stream rules inside graph capture. Inputs: packed varlen (B = 1, `cu_seqlens` in
 `initial_state` given, final state returned, `dht` given.
 
 - `ours`: forward `flashqla.ops.gdn.api.chunk_gated_delta_rule_fwd` (its `A`, `g_cum_log2`, `q`,
-  `k` are the saved products); backward `flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd` when
-  that module exists (the op with autograd), else
-  `flashqla.ops.gdn.bwd_experimental.chunk_gated_delta_rule_bwd(..., experimental=True)`.
+  `k` are the saved products); backward `flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd` (what
+  the op's autograd calls).
 - `fla`: FLA 0.6.0's `fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule_fwd` /
   `chunk_gated_delta_rule_bwd`, exactly as its `ChunkGatedDeltaRuleFunction` calls them (the
   forward's chunk-local cumsum of g in log2 units, its bf16 A, and `chunk_indices` from
@@ -40,7 +39,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import sys
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
@@ -50,9 +48,8 @@ from flashqla.bench.peers import IMPLS, LABELS
 __all__ = ["FwdOut", "BwdImpl", "load_bwd_impls", "patch_flash_qla_bwd", "ours_bwd_source", "fla_bwd_dispatch",
            "BUFFER_INIT_CHECK"]
 
-#: Where our backward lives once the op has autograd, and where it lived before (opt-in).
+#: Where our backward lives (what the op's autograd calls).
 OURS_BWD_MODULE = "flashqla.ops.gdn.bwd"
-OURS_BWD_EXPERIMENTAL = "flashqla.ops.gdn.bwd_experimental"
 #: The TileLang pass config that turns the buffer-initialisation check off.
 BUFFER_INIT_CHECK = "tl.disable_buffer_init_check"
 #: FlashQLA modules whose kernels get that pass config.
@@ -93,25 +90,14 @@ class BwdImpl:
         return self.bwd(x, self.fwd(x).saved)
 
 
-def ours_bwd_source(new: str = OURS_BWD_MODULE, old: str = OURS_BWD_EXPERIMENTAL) -> tuple[Callable, dict, str]:
-    """Our backward: `chunk_gated_delta_rule_bwd` of module `new` (`flashqla.ops.gdn.bwd`) when that
-    module exists and defines it, else that of `old` (`flashqla.ops.gdn.bwd_experimental`) called
-    with `experimental=True`. Returns (function, extra keyword arguments, dotted name). Raises
-    ImportError when neither has it; an error raised while importing an existing `new` module
-    propagates (the fallback does not hide it)."""
+def ours_bwd_source(module: str = OURS_BWD_MODULE) -> tuple[Callable, dict, str]:
+    """Our backward: `chunk_gated_delta_rule_bwd` of `module`. Returns (function, extra keyword
+    arguments (none), dotted name); ImportError when the module does not have it."""
     try:
-        exists = importlib.util.find_spec(new) is not None
-    except (ImportError, ValueError):  # a parent that does not import, or a module without a spec
-        exists = sys.modules.get(new) is not None
-    if exists:
-        fn = getattr(importlib.import_module(new), "chunk_gated_delta_rule_bwd", None)
-        if fn is not None:
-            return fn, {}, f"{new}.chunk_gated_delta_rule_bwd"
-    try:
-        fn = importlib.import_module(old).chunk_gated_delta_rule_bwd
+        fn = importlib.import_module(module).chunk_gated_delta_rule_bwd
     except (ImportError, AttributeError) as exc:
-        raise ImportError(f"no chunk_gated_delta_rule_bwd in {new} or {old}: {exc}") from exc
-    return fn, {"experimental": True}, f"{old}.chunk_gated_delta_rule_bwd(experimental=True)"
+        raise ImportError(f"no chunk_gated_delta_rule_bwd in {module}: {exc}") from exc
+    return fn, {}, f"{module}.chunk_gated_delta_rule_bwd"
 
 
 def _load_ours() -> tuple[Callable, Callable, str]:
