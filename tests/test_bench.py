@@ -488,3 +488,21 @@ def test_cp_mode_reaches_ours_and_the_commit_column(monkeypatch):
     monkeypatch.setenv("FLASHQLA_CP", "on")
     assert apply_cp_mode(None) == "on"
     assert commit_with_cp("abc123", "off") == "abc123" and commit_with_cp("abc123", "auto") == "abc123+cp-auto"
+
+
+def test_plan_sources_per_peers_mode():
+    from flashqla.bench.peers import Impl, plan_sources
+
+    impls = {"ours": Impl("ours", "ours", fn=lambda x: x), "fla": Impl("fla", "FLA", fn=lambda x: x),
+             "flash_qla": Impl("flash_qla", "FlashQLA")}
+
+    class Cache:
+        def get(self, name, key):
+            return 1.0 if (name, key) == ("fla", "row") else None
+
+    assert plan_sources(impls, "row", "live", Cache()) == {"ours": "live", "fla": "live", "flash_qla": "n/a"}
+    assert plan_sources(impls, "row", "cached", Cache())["fla"] == "cached"
+    assert plan_sources(impls, "other", "cached", Cache())["fla"] == "not cached"
+    assert plan_sources(impls, "other", "auto", Cache())["fla"] == "live"
+    assert plan_sources(impls, "row", "auto", None)["fla"] == "live"
+    assert plan_sources({"ours": impls["ours"]}, "row", "none", None) == {"ours": "live", "fla": "skip", "flash_qla": "skip"}

@@ -39,7 +39,7 @@ from flashqla.bench import grid as G
 from flashqla.bench import report as R
 from flashqla.bench import store as S
 from flashqla.bench.breakdown import step_bytes
-from flashqla.bench.peers import ENV_FIELDS, FLA_ENV_VARS, IMPLS, LABELS, PEERS, collect_env, gpu_slug
+from flashqla.bench.peers import ENV_FIELDS, FLA_ENV_VARS, IMPLS, LABELS, PEERS, collect_env, gpu_slug, plan_sources
 from flashqla.bench.timing import DEFAULTS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -311,21 +311,7 @@ def run_rows(rows, args, impls: dict, env: dict, commit: str, device="cuda", sm_
         bar.set_postfix_str(row.label)
         x = factory.get(row)
         row_fields = {"h_qk": row.heads.h_qk, "h_v": row.heads.h_v, "mix": row.mix.label, "T": row.mix.T, "N": row.mix.N}
-        plan = {}
-        for name in IMPLS:
-            impl = impls.get(name)
-            if impl is None:
-                plan[name] = "skip"
-            elif not impl.available:
-                plan[name] = "n/a"
-            elif name == "ours" or args.peers == "live":
-                plan[name] = "live"
-            elif use_cache and cache.get(name, row.key) is not None:
-                plan[name] = "cached"
-            elif args.peers == "auto":
-                plan[name] = "live"
-            else:
-                plan[name] = "not cached"
+        plan = plan_sources(impls, row.key, args.peers, cache if use_cache else None)
         retimed = row.key in retime
         need_ref = any(v == "live" for v in plan.values()) or retimed or args.breakdown
         ref = reference_for(x) if need_ref else None

@@ -32,6 +32,7 @@ from flashqla.bench.grid import (
     HeadConfig,
     Mix,
     Row,
+    filter_rows,
     parse_heads,
     parse_mix,
 )
@@ -159,32 +160,7 @@ def select_bwd_rows(heads: list[str] | None = None, mixes: list[str] | None = No
     (comma-separated strings are split). A head config or mix outside the grid is an extra row.
     Order: grid order first, extras after, head configuration major.
     """
-    def split(items):
-        out = []
-        for it in items or []:
-            out += [x for x in it.split(",") if x.strip()]
-        return out
-
-    head_sel = [parse_heads(h) for h in split(heads)]
-    mix_sel = [parse_bwd_mix(m) for m in split(mixes)]
-    if quick:
-        rows = [Row(parse_heads(h), parse_bwd_mix(m)) for h, m in BWD_QUICK_ROWS]
-        if head_sel:
-            rows = [r for r in rows if r.heads in head_sel]
-        if mix_sel:
-            wanted = {m.lengths for m in mix_sel}
-            rows = [r for r in rows if r.mix.lengths in wanted]
-        return rows
-    hs = list(BWD_HEADS) + [h for h in head_sel if h not in BWD_HEADS]
-    if head_sel:
-        hs = [h for h in hs if h in head_sel]
-    grid = list(bwd_mixes())
-    known = {m.lengths for m in grid}
-    ms = grid + [m for m in mix_sel if m.lengths not in known]
-    if mix_sel:
-        wanted = {m.lengths for m in mix_sel}
-        ms = [m for m in ms if m.lengths in wanted]
-    return [Row(h, m) for h in hs for m in ms]
+    return filter_rows(heads, mixes, quick, BWD_HEADS, bwd_mixes(), BWD_QUICK_ROWS, parse_bwd_mix)
 
 
 def short_name(lengths) -> str:

@@ -40,7 +40,7 @@ from flashqla.bench import bwd_grid as BG
 from flashqla.bench import bwd_report as BR
 from flashqla.bench import store as S
 from flashqla.bench.grid import effective_parallelism
-from flashqla.bench.peers import ENV_FIELDS, FLA_ENV_VARS, IMPLS, LABELS, PEERS, collect_env, gpu_slug
+from flashqla.bench.peers import ENV_FIELDS, FLA_ENV_VARS, IMPLS, LABELS, PEERS, collect_env, gpu_slug, plan_sources
 from flashqla.bench.timing import DEFAULTS
 
 __all__ = ["main_bwd", "run_bwd_rows", "select_rows", "list_rows", "paths_for", "method_lines", "done_keys",
@@ -260,21 +260,7 @@ def run_bwd_rows(rows, args, impls: dict, env: dict, commit: str, device="cuda",
         x = factory.get(row)
         row_fields = {"h_qk": row.heads.h_qk, "h_v": row.heads.h_v, "mix": row.mix.label, "T": row.mix.T,
                       "N": row.mix.N}
-        plan = {}
-        for name in IMPLS:
-            impl = impls.get(name)
-            if impl is None:
-                plan[name] = "skip"
-            elif not impl.available:
-                plan[name] = "n/a"
-            elif name == "ours" or args.peers == "live":
-                plan[name] = "live"
-            elif use_cache and cache.get(name, row.key) is not None:
-                plan[name] = "cached"
-            elif args.peers == "auto":
-                plan[name] = "live"
-            else:
-                plan[name] = "not cached"
+        plan = plan_sources(impls, row.key, args.peers, cache if use_cache else None)
         retimed = row.key in retime
         runs = [n for n in IMPLS if plan[n] == "live" or (plan[n] == "cached" and retimed)]
 

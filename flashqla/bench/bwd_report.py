@@ -16,7 +16,7 @@ from flashqla.bench.bwd_grid import BWD_HEADS, bwd_mixes, bwd_tflops, short_name
 from flashqla.bench.bwd_runner import CHECKED, GATE_TOL_BWD, parse_errs, worst
 from flashqla.bench.grid import PEAK_TFLOPS, parse_mix, pct_of_peak
 from flashqla.bench.peers import ENV_FIELDS, IMPLS, LABELS
-from flashqla.bench.report import geomean, num
+from flashqla.bench.report import fmt_x, geomean, heads_in_order, num, pyplot
 from flashqla.bench.store import ROW_FIELDS
 
 __all__ = [
@@ -111,10 +111,6 @@ def _tf_cell(r: dict, impl: str, kind: str, fn) -> str:
     return f"{tf:.0f} ({pct_of_peak(tf):.1f}%)"
 
 
-def _x(v: float) -> str:
-    return "-" if math.isnan(v) else f"{v:.2f}x"
-
-
 def console_line(r: dict) -> str:
     """One line per finished row for the terminal."""
     parts = [f"{str(r['h_qk']) + '/' + str(r['h_v']):<5} {row_name(r):<8}"]
@@ -131,7 +127,7 @@ def console_line(r: dict) -> str:
     for p in ("fla", "flash_qla"):
         s = [speedup(r, "ours", p, k) for k, _, _ in KINDS]
         if not all(math.isnan(x) for x in s):
-            parts.append(f"vs {LABELS[p]} " + "/".join(_x(x) for x in s))
+            parts.append(f"vs {LABELS[p]} " + "/".join(fmt_x(x) for x in s))
     return " | ".join(parts)
 
 
@@ -148,7 +144,7 @@ def geomean_table(rows: list[dict]) -> list[str]:
             cells = []
             for _, rs in subsets:
                 xs = [x for x in (speedup(r, a, b, kind) for r in rs) if not math.isnan(x)]
-                cells.append(f"{_x(geomean(xs))} (n={len(xs)})" if xs else "- (n=0)")
+                cells.append(f"{fmt_x(geomean(xs))} (n={len(xs)})" if xs else "- (n=0)")
             out.append(f"| {title.split(' (')[0]}: {LABELS[a]} over {LABELS[b]} | " + " | ".join(cells) + " |")
     return out
 
@@ -161,7 +157,7 @@ def _table(rows: list[dict], kind: str, fn) -> list[str]:
         cells = [f"{r['h_qk']}/{r['h_v']}", row_name(r), str(r["mix"]).replace("1x", "", 1) if int(r["N"]) == 1
                  else str(r["mix"]), str(r["T"]), str(r["N"]),
                  cell_ms(r, "ours", kind), cell_ms(r, "fla", kind), cell_ms(r, "flash_qla", kind),
-                 _x(speedup(r, "ours", "fla", kind)), _x(speedup(r, "ours", "flash_qla", kind)),
+                 fmt_x(speedup(r, "ours", "fla", kind)), fmt_x(speedup(r, "ours", "flash_qla", kind)),
                  _tf_cell(r, "ours", kind, fn), _tf_cell(r, "fla", kind, fn), _tf_cell(r, "flash_qla", kind, fn),
                  str(r.get("peers_source", ""))]
         L.append("| " + " | ".join(cells) + " |")
@@ -228,19 +224,11 @@ def markdown(rows: list[dict], env: dict, commit: str, meta: dict, drift: list[d
 def plot(rows: list[dict], path) -> Path | None:
     """TFLOP/s per row and implementation: one column of panels per head configuration, the backward
     on top, the training step below. Returns the path, or None without matplotlib or rows."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     rows = sorted(rows, key=grid_order)
-    heads = []
-    for r in rows:
-        h = (int(r["h_qk"]), int(r["h_v"]))
-        if h not in heads:
-            heads.append(h)
+    heads = heads_in_order(rows)
     if not heads:
         return None
     fig, axes = plt.subplots(2, len(heads), figsize=(4.6 * len(heads), 7.0), squeeze=False)

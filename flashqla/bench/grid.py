@@ -40,6 +40,7 @@ __all__ = [
     "parse_mix",
     "fwd_rows",
     "select_rows",
+    "filter_rows",
     "fwd_flop",
     "tflops",
     "pct_of_peak",
@@ -188,6 +189,14 @@ def select_rows(heads: list[str] | None = None, mixes: list[str] | None = None, 
     A head config or mix outside the published grid is allowed (an extra row), so new shapes can be
     timed with the same harness. Order: grid order first, extras after, head config major.
     """
+    return filter_rows(heads, mixes, quick, FWD_HEADS, FWD_MIXES, QUICK_ROWS, parse_mix)
+
+
+def filter_rows(heads, mixes, quick: bool, grid_heads, grid_mixes, quick_rows, parse_mix_fn) -> list[Row]:
+    """Shared selection of the forward and backward grids: the quick rows (`quick_rows`, pairs of
+    labels) or the grid `grid_heads` x `grid_mixes`, filtered by the head labels `heads` and the mix
+    labels `mixes` (lists of strings, comma-separated entries split; `parse_mix_fn` reads a mix
+    label). A selected head config or mix outside the grid becomes an extra row, after the grid's."""
     def split(items):
         out = []
         for it in items or []:
@@ -195,22 +204,17 @@ def select_rows(heads: list[str] | None = None, mixes: list[str] | None = None, 
         return out
 
     head_sel = [parse_heads(h) for h in split(heads)]
-    mix_sel = [parse_mix(m) for m in split(mixes)]
+    mix_sel = [parse_mix_fn(m) for m in split(mixes)]
+    wanted = {m.lengths for m in mix_sel}
     if quick:
-        rows = [Row(parse_heads(h), parse_mix(m)) for h, m in QUICK_ROWS]
-        if head_sel:
-            rows = [r for r in rows if r.heads in head_sel]
-        if mix_sel:
-            labels = {m.lengths for m in mix_sel}
-            rows = [r for r in rows if r.mix.lengths in labels]
-        return rows
-    hs = list(FWD_HEADS) + [h for h in head_sel if h not in FWD_HEADS]
+        rows = [Row(parse_heads(h), parse_mix_fn(m)) for h, m in quick_rows]
+        return [r for r in rows if (not head_sel or r.heads in head_sel) and (not wanted or r.mix.lengths in wanted)]
+    hs = list(grid_heads) + [h for h in head_sel if h not in grid_heads]
     if head_sel:
         hs = [h for h in hs if h in head_sel]
-    grid_mix = {m.lengths: m for m in FWD_MIXES}
-    ms = list(FWD_MIXES) + [m for m in mix_sel if m.lengths not in grid_mix]
-    if mix_sel:
-        wanted = {m.lengths for m in mix_sel}
+    known = {m.lengths for m in grid_mixes}
+    ms = list(grid_mixes) + [m for m in mix_sel if m.lengths not in known]
+    if wanted:
         ms = [m for m in ms if m.lengths in wanted]
     return [Row(h, m) for h in hs for m in ms]
 

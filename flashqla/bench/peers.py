@@ -37,6 +37,7 @@ __all__ = [
     "dist_version",
     "gpu_slug",
     "load_impls",
+    "plan_sources",
     "fla_dispatch_target",
     "FLA_ENV_VARS",
 ]
@@ -154,6 +155,29 @@ def _load_flash_qla() -> Callable:
 
 
 _LOADERS = {"ours": _load_ours, "fla": _load_fla, "flash_qla": _load_flash_qla}
+
+
+def plan_sources(impls: dict, key, peers: str, cache=None) -> dict[str, str]:
+    """Where each implementation's result for row `key` comes from: "live" (timed now; ours always),
+    "cached" (from `cache`, a `store.PeerCache`, or None when the cache is not used), "skip" (not
+    selected), "n/a" (not importable) or "not cached" (`peers` == "cached" and no cached result).
+    `peers` is the --peers mode: "live", "cached", "auto" (cached when there, else live) or "none"."""
+    plan = {}
+    for name in IMPLS:
+        impl = impls.get(name)
+        if impl is None:
+            plan[name] = "skip"
+        elif not impl.available:
+            plan[name] = "n/a"
+        elif name == "ours" or peers == "live":
+            plan[name] = "live"
+        elif cache is not None and cache.get(name, key) is not None:
+            plan[name] = "cached"
+        elif peers == "auto":
+            plan[name] = "live"
+        else:
+            plan[name] = "not cached"
+    return plan
 
 
 def load_impls(names=IMPLS) -> dict[str, Impl]:

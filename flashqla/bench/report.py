@@ -100,7 +100,8 @@ def _tf_cell(r: dict, impl: str) -> str:
     return f"{tf:.0f} ({pct_of_peak(tf):.1f}%)"
 
 
-def _x(v: float) -> str:
+def fmt_x(v: float) -> str:
+    """A speed-up cell: `1.23x`, or '-' when undefined (NaN)."""
     return "-" if math.isnan(v) else f"{v:.2f}x"
 
 
@@ -134,7 +135,7 @@ def geomean_table(rows: list[dict]) -> list[str]:
         for _, rs in subsets:
             xs = [speedup(r, a, b) for r in rs]
             xs = [x for x in xs if not math.isnan(x)]
-            cells.append(f"{_x(geomean(xs))} (n={len(xs)})" if xs else "- (n=0)")
+            cells.append(f"{fmt_x(geomean(xs))} (n={len(xs)})" if xs else "- (n=0)")
         out.append(f"| {LABELS[a]} over {LABELS[b]} | " + " | ".join(cells) + " |")
     return out
 
@@ -176,7 +177,7 @@ def markdown(rows: list[dict], env: dict, commit: str, meta: dict, drift: list[d
         cells = [f"{r['h_qk']}/{r['h_v']}", str(r["mix"]), str(r["T"]), str(r["N"]),
                  f"{num(r.get('parallelism')):.0f}", "CP" if _is_cp(r) else "",
                  cell_ms(r, "ours"), cell_ms(r, "fla"), cell_ms(r, "flash_qla"),
-                 _x(speedup(r, "ours", "fla")), _x(speedup(r, "ours", "flash_qla")),
+                 fmt_x(speedup(r, "ours", "fla")), fmt_x(speedup(r, "ours", "flash_qla")),
                  _tf_cell(r, "ours"), _tf_cell(r, "fla"), _tf_cell(r, "flash_qla"), str(r.get("peers_source", ""))]
         L.append("| " + " | ".join(cells) + " |")
     L.append("")
@@ -268,10 +269,8 @@ def breakdown_markdown(brows: list[dict], rows: list[dict]) -> list[str]:
     return L
 
 
-def plot(rows: list[dict], path) -> Path | None:
-    """TFLOP/s per row and implementation, one panel per head configuration; writes a PNG.
-
-    Returns the path, or None when matplotlib is missing or there is nothing to plot."""
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -279,12 +278,23 @@ def plot(rows: list[dict], path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    return plt
+
+
+def heads_in_order(rows: list[dict]) -> list[tuple[int, int]]:
+    """The (h_qk, h_v) head configurations of `rows`, in the order they first appear."""
+    return list(dict.fromkeys((int(r["h_qk"]), int(r["h_v"])) for r in rows))
+
+
+def plot(rows: list[dict], path) -> Path | None:
+    """TFLOP/s per row and implementation, one panel per head configuration; writes a PNG.
+
+    Returns the path, or None when matplotlib is missing or there is nothing to plot."""
+    plt = pyplot()
+    if plt is None:
+        return None
     rows = sorted(rows, key=grid_order)
-    heads = []
-    for r in rows:
-        h = (int(r["h_qk"]), int(r["h_v"]))
-        if h not in heads:
-            heads.append(h)
+    heads = heads_in_order(rows)
     if not heads:
         return None
     ncol = min(3, len(heads))
