@@ -53,6 +53,7 @@ import torch
 
 from flashqla.distributed.backends import resolve_backend
 from flashqla.distributed.context import CPContext, build_cp_context
+from flashqla.ops.gdn.api import _l2norm
 from flashqla.validation import FLOAT_DTYPES, check_gdn_inputs
 
 __all__ = ["chunk_gated_delta_rule_cp", "exchange_bytes"]
@@ -264,11 +265,6 @@ class _CPFunction(torch.autograd.Function):
         q, k, v, g, beta, h0 = fctx.saved_tensors
         dq, dk, dv, dg, dbeta, dh0 = _cp_backward(fctx.run, fctx.keep, q, k, v, g, beta, h0, do, dfinal)
         return dq, dk, dv, dg, dbeta, dh0, None
-
-
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    xf = x.to(_acc_dtype(x.dtype))
-    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def chunk_gated_delta_rule_cp(

@@ -93,7 +93,9 @@ def cp_mode(cp: str | None) -> str:
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
+    """x * rsqrt(sum(x^2, -1) + L2NORM_EPS) in at least fp32, rounded back to x's dtype
+    (differentiable torch ops: autograd carries the gradient through it)."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
     return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
 
 
