@@ -73,13 +73,14 @@ launches in fp64 on any device, which is how the CPU tests prove the orchestrati
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple, Protocol
 
 import torch
 
 from flashqla.cp.merge import scan_segment_grads, scan_segment_states
 from flashqla.cp.planner import CHUNK, GATE_THRESHOLD, SegmentTables, build_segment_tables, get_cp_plan
+from flashqla.ops.gdn.api import CP_ENV as _API_CP_ENV
+from flashqla.ops.gdn.api import cp_mode
 
 __all__ = [
     "CP_ENV",
@@ -97,8 +98,8 @@ __all__ = [
     "sequence_slots_to_segment_slots",
 ]
 
-#: Environment variable with the default `cp` mode of `chunk_gated_delta_rule_cp_fwd` / `cp_splits`.
-CP_ENV = "FLASHQLA_CP"
+#: Environment variable with the default `cp` mode (the op's; unset here means "auto").
+CP_ENV = _API_CP_ENV
 #: "auto": the planner decides (exact mode); "on": always split (the planner's best split, or
 #: `segment_len`); "off": never split.
 CP_MODES = ("auto", "on", "off")
@@ -692,14 +693,7 @@ def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float,
 
 
 def _mode(cp) -> str:
-    cp = os.environ.get(CP_ENV, "auto") if cp is None else cp
-    if cp is True:
-        cp = "on"
-    if cp is False:
-        cp = "off"
-    if cp not in CP_MODES:
-        raise ValueError(f"cp must be one of {CP_MODES} (or None for ${CP_ENV}, default 'auto'), got {cp!r}")
-    return cp
+    return cp_mode(cp, default="auto")
 
 
 def _plan(q, v, cu_seqlens, cp, segment_len, gate_chunks, max_seqlen, sm_count, build_tables):

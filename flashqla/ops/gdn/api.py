@@ -81,14 +81,16 @@ def _check_device(q) -> None:
 CP_ENV = "FLASHQLA_CP"
 
 
-def cp_mode(cp: str | None) -> str:
+def cp_mode(cp: str | bool | None, default: str = "off") -> str:
     """The intra-device context-parallel mode of a call: "off" (never split), "auto" (the planner of
-    `flashqla.cp` splits long sequences with few value heads, exact mode) or "on" (always split).
-    None reads $FLASHQLA_CP, default "off": the split forward ran on the H200 (tests/gpu/test_cp_gpu.py),
-    the split backward only on CPU so far. Raises ValueError naming `cp` for anything else."""
-    mode = os.environ.get(CP_ENV, "off") if cp is None else cp
+    `flashqla.cp` splits long sequences with few value heads, exact mode) or "on" (always split);
+    True / False mean "on" / "off". None reads $FLASHQLA_CP, else `default`: "off" for the op (the
+    split forward ran on the H200, tests/gpu/test_cp_gpu.py; the split backward only on CPU so far),
+    "auto" for the `flashqla.cp.driver` entry points. Raises ValueError naming `cp` for anything else."""
+    mode = os.environ.get(CP_ENV, default) if cp is None else cp
+    mode = {True: "on", False: "off"}.get(mode, mode) if isinstance(mode, bool) else mode
     if mode not in ("off", "auto", "on"):
-        raise ValueError(f"cp must be 'off', 'auto', 'on' or None (${CP_ENV}, default 'off'), got {mode!r}")
+        raise ValueError(f"cp must be 'off', 'auto', 'on' or None (${CP_ENV}, default {default!r}), got {mode!r}")
     return mode
 
 
