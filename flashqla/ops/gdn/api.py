@@ -121,8 +121,9 @@ def chunk_gated_delta_rule_fwd(
 
     Arguments, errors and units as in `chunk_gated_delta_rule` (autograd is not involved here: no
     grad check). `block_v` forces the value slice width of the recurrent kernel (64 or 128; None
-    picks it from N * HV). `cp`: intra-device context parallelism (`cp_mode`). `poison_outputs` (testing aid) fills every output with NaN before the
-    launches, so that an element a kernel fails to write shows up.
+    picks it from N * HV). `cp`: intra-device context parallelism (`cp_mode`; ValueError for an
+    unknown mode). `poison_outputs` (testing aid) fills every output with NaN before the launches,
+    so that an element a kernel fails to write shows up.
     """
     from flashqla.ops.gdn.kernels.sm90 import build_kernels
     from flashqla.ops.gdn.kernels.sm90.prepare import chunk_prepare_fwd, prepare_kernel_args

@@ -50,6 +50,8 @@ def gdn_fwd(
     cu_seqlens: Optional[torch.Tensor],
     cp: str = "off",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`flashqla.ops.gdn.api.chunk_gated_delta_rule_fwd` as a custom op: (o, final_state or an empty
+    [0] tensor, A, g_cum_log2); shapes and dtypes in the module docstring. Raises what that raises."""
     from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
 
     f = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp=cp)
@@ -86,6 +88,8 @@ def gdn_bwd(
     cu_seqlens: Optional[torch.Tensor],
     cp: str = "off",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd` as a custom op: (dq, dk, dv, dg, dbeta, dh0
+    or an empty [0] tensor); shapes and dtypes in the module docstring (FLA's dtypes)."""
     from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
 
     dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
