@@ -46,7 +46,7 @@ for f in "${FILES[@]}"; do
   start=$(date +%s)
   timeout ${BOX:-150} python -m pytest "tests/gpu/$f" -v -s -p no:cacheprovider --tb=short --durations=5 2>&1 | filter > "$OUT/$name.log"
   rc=${PIPESTATUS[0]}
-  echo "== $f: rc $rc, $(( $(date +%s) - start )) s: $(grep -cE ' PASSED' "$OUT/$name.log") passed, $(grep -cE ' FAILED|^FAILED' "$OUT/$name.log") failed"
+  echo "== $f: rc $rc, $(( $(date +%s) - start )) s: $(grep -cE '(^| )PASSED( |$)' "$OUT/$name.log") passed, $(grep -cE '(^| )FAILED( |$)' "$OUT/$name.log") failed"
   grep -E "^FAILED|^E  " "$OUT/$name.log" | cut -c1-240 | head -8
 done
 
