@@ -506,3 +506,39 @@ def test_plan_sources_per_peers_mode():
     assert plan_sources(impls, "other", "auto", Cache())["fla"] == "live"
     assert plan_sources(impls, "row", "auto", None)["fla"] == "live"
     assert plan_sources({"ours": impls["ours"]}, "row", "none", None) == {"ours": "live", "fla": "skip", "flash_qla": "skip"}
+
+
+def test_unselected_peers_come_from_the_cache():
+    # `--impls ours --peers cached`: ours is timed, a cached peer is still reported (not re-timed)
+    from flashqla.bench.peers import Impl, plan_sources
+
+    ours = {"ours": Impl("ours", "ours", fn=lambda x: x)}
+
+    class Cache:
+        def get(self, name, key):
+            return {"ms": "1.0"} if (name, key) == ("fla", "row") else None
+
+    assert plan_sources(ours, "row", "cached", Cache()) == {"ours": "live", "fla": "cached", "flash_qla": "skip"}
+    assert plan_sources(ours, "row", "auto", Cache())["fla"] == "cached"
+    assert plan_sources(ours, "other", "cached", Cache())["fla"] == "skip"
+    assert plan_sources(ours, "row", "cached", None)["fla"] == "skip"
+
+
+def test_report_fills_empty_peer_columns_from_the_cache(tmp_path):
+    from flashqla.bench import store as S
+    from flashqla.bench.__main__ import fill_cached_peers
+    from flashqla.bench.peers import ENV_FIELDS
+
+    env = {f: f"v-{f}" for f in ENV_FIELDS}
+    cache = S.PeerCache(tmp_path / "peers.csv", env)
+    row_fields = {"h_qk": 2, "h_v": 8, "mix": "1x32768", "T": 32768, "N": 1}
+    cache.put("fla", row_fields, {"ms": 0.929, "status": "ok"}, "2026-01-01")
+    base = {**env, "commit": "abc", **{k: str(v) for k, v in row_fields.items()}, "ours_ms": "0.876", "ours_status": "ok"}
+    live = {**base, "fla_ms": "0.95", "fla_status": "ok", "peers_source": "live"}
+    empty = dict(base)
+    other = {**base, "mix": "1x8192", "T": "8192"}
+    got = fill_cached_peers([live, empty, other], cache)
+    assert got[0]["fla_ms"] == "0.95" and got[0]["peers_source"] == "live"  # a measured peer is kept
+    assert float(got[1]["fla_ms"]) == 0.929 and got[1]["fla_status"] == "ok" and got[1]["peers_source"] == "cached"
+    assert not got[2].get("fla_ms") and not got[2].get("peers_source")  # nothing cached for that row
+    assert "fla_ms" not in empty  # the input rows are not modified

@@ -206,8 +206,31 @@ def find_prefix(args, env: dict | None) -> str:
     raise SystemExit(f"--report-only: several results files, give --prefix (found: {cands})")
 
 
+def fill_cached_peers(rows: list[dict], cache) -> list[dict]:
+    """Rows whose peer columns are empty (a run with `--impls ours`) get the peers' cached results
+    for the same environment key and row, and `peers_source` "cached"; rows with a peer result keep
+    theirs. Returns new dicts (the CSV is not rewritten)."""
+    out = []
+    for r in rows:
+        r = dict(r)
+        used = False
+        for name in PEERS:
+            if str(r.get(f"{name}_status", "")).strip() or str(r.get(f"{name}_ms", "")).strip():
+                continue
+            c = cache.get(name, S.row_key(r))
+            if c is None:
+                continue
+            for f in S.IMPL_FIELDS:
+                r[f"{name}_{f}"] = c.get(f, "")
+            used = True
+        if used and not str(r.get("peers_source", "")).strip():
+            r["peers_source"] = "cached"
+        out.append(r)
+    return out
+
+
 def write_outputs(paths: dict, env: dict, commit: str, meta: dict, drift, plot: bool) -> None:
-    rows = S.rows_for_key(S.read_rows(paths["csv"]), env, commit)
+    rows = fill_cached_peers(S.rows_for_key(S.read_rows(paths["csv"]), env, commit), S.PeerCache(paths["peers"], env))
     brows = [b for b in S.read_rows(paths["breakdown"]) if S.env_key(b) == S.env_key(env) and b.get("commit") == commit]
     paths["md"].write_text(R.markdown(rows, env, commit, meta, drift, brows))
     if plot and rows:
@@ -325,7 +348,7 @@ def run_rows(rows, args, impls: dict, env: dict, commit: str, device="cuda", sm_
             elif how == "cached":
                 c = cache.get(name, row.key)
                 res[name] = {f: c.get(f, "") for f in S.IMPL_FIELDS}
-                if retimed:
+                if retimed and name in impls:
                     live = measure(impls[name].fn, x, ref, tol, timer, args.verbose, time_fn)
                     cached_ms = R.num(c.get("ms"))
                     drift.append({"impl": name, "heads": row.heads.label, "mix": row.mix.label,

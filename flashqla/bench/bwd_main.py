@@ -133,7 +133,7 @@ def method_lines(args, impls: dict, tol: dict, fla_dispatch: str = "n/a") -> lis
         "FLOP: 491,520 per token and value head for the backward, 655,360 for the training step (DESIGN.md "
         "section 6); TFLOP/s on that count, % of the 726 TFLOP/s bf16 GEMM rate measured on our H200. "
         "Speed-up = peer ms / our ms.",
-        f"ours: {src['ours']}.",
+        f"ours: {src['ours']}, intra-device context-parallel mode cp={os.environ.get('FLASHQLA_CP', 'off')!r} (`flashqla.cp`).",
         f"FLA: {src['fla']}; env " + ", ".join(f"{v}={os.environ.get(v, '(unset)')}" for v in FLA_ENV_VARS)
         + f"; `common` backends in order: {fla_dispatch}.",
         f"FlashQLA: {src['flash_qla']}.",
@@ -172,7 +172,7 @@ def report_only(args) -> int:
 
 def main_bwd(args) -> int:
     """The backward benchmark's entry point (`args` from `flashqla.bench.__main__.parse_args`)."""
-    from flashqla.bench.__main__ import our_commit, selected_impls
+    from flashqla.bench.__main__ import apply_cp_mode, commit_with_cp, our_commit, selected_impls
 
     if args.breakdown:
         print("error: --breakdown is for the forward benchmark", file=sys.stderr)
@@ -203,7 +203,10 @@ def main_bwd(args) -> int:
     impls = load_bwd_impls(selected_impls(args))
     env = collect_env()
     dispatch = fla_bwd_dispatch() if "fla" in impls and impls["fla"].available else "n/a"
-    return run_bwd_rows(rows, args, impls, env, our_commit(args.commit), device="cuda", fla_dispatch=dispatch)
+    # ours runs in the same intra-device context-parallel mode as the forward benchmark (default auto,
+    # $FLASHQLA_CP, read by both our forward and backward when cp=None), recorded in the commit column
+    commit = commit_with_cp(our_commit(args.commit), apply_cp_mode(getattr(args, "cp", None)))
+    return run_bwd_rows(rows, args, impls, env, commit, device="cuda", fla_dispatch=dispatch)
 
 
 def run_bwd_rows(rows, args, impls: dict, env: dict, commit: str, device="cuda", fla_dispatch: str = "n/a",
@@ -262,7 +265,7 @@ def run_bwd_rows(rows, args, impls: dict, env: dict, commit: str, device="cuda",
                       "N": row.mix.N}
         plan = plan_sources(impls, row.key, args.peers, cache if use_cache else None)
         retimed = row.key in retime
-        runs = [n for n in IMPLS if plan[n] == "live" or (plan[n] == "cached" and retimed)]
+        runs = [n for n in IMPLS if plan[n] == "live" or (plan[n] == "cached" and retimed and n in impls)]
 
         ref, gate = None, ""
         if runs:

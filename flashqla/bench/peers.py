@@ -159,14 +159,15 @@ _LOADERS = {"ours": _load_ours, "fla": _load_fla, "flash_qla": _load_flash_qla}
 
 def plan_sources(impls: dict, key, peers: str, cache=None) -> dict[str, str]:
     """Where each implementation's result for row `key` comes from: "live" (timed now; ours always),
-    "cached" (from `cache`, a `store.PeerCache`, or None when the cache is not used), "skip" (not
-    selected), "n/a" (not importable) or "not cached" (`peers` == "cached" and no cached result).
+    "cached" (from `cache`, a `store.PeerCache`, or None when the cache is not used; also for a peer
+    not selected in `impls` when the cache has it), "skip" (not selected and not cached), "n/a" (not
+    importable) or "not cached" (`peers` == "cached" and no cached result).
     `peers` is the --peers mode: "live", "cached", "auto" (cached when there, else live) or "none"."""
     plan = {}
     for name in IMPLS:
         impl = impls.get(name)
-        if impl is None:
-            plan[name] = "skip"
+        if impl is None:  # not selected (--impls): its cached result is still shown when the cache is used
+            plan[name] = "cached" if (name != "ours" and cache is not None and cache.get(name, key) is not None) else "skip"
         elif not impl.available:
             plan[name] = "n/a"
         elif name == "ours" or peers == "live":

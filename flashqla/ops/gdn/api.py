@@ -85,8 +85,10 @@ def cp_mode(cp: str | bool | None, default: str = "off") -> str:
     """The intra-device context-parallel mode of a call: "off" (never split), "auto" (the planner of
     `flashqla.cp` splits long sequences with few value heads, exact mode) or "on" (always split);
     True / False mean "on" / "off". None reads $FLASHQLA_CP, else `default`: "off" for the op (the
-    split forward ran on the H200, tests/gpu/test_cp_gpu.py; the split backward only on CPU so far),
-    "auto" for the `flashqla.cp.driver` entry points. Raises ValueError naming `cp` for anything else."""
+    split forward and backward are checked on the H200 against fp64, tests/gpu/test_cp_gpu.py and
+    tests/gpu/test_autograd_gpu.py, and the split forward is timed; the split backward is not timed
+    yet), "auto" for the `flashqla.cp.driver` entry points and the benchmarks. Raises ValueError
+    naming `cp` for anything else."""
     mode = os.environ.get(CP_ENV, default) if cp is None else cp
     mode = {True: "on", False: "off"}.get(mode, mode) if isinstance(mode, bool) else mode
     if mode not in ("off", "auto", "on"):
