@@ -150,3 +150,22 @@ def test_reference_op_own_arguments():
     for bad in (0, -16, 16.0, True):
         with pytest.raises(ValueError, match=r"^chunk_size must be a positive int"):
             chunk_gated_delta_rule(**x, chunk_size=bad)
+
+
+def test_recorded_fla_errors_cover_the_gpu_cases_by_node_id(monkeypatch):
+    # the GPU tests fall back to FLA's recorded errors when FLA is not run: the keys must be the
+    # tests' node ids, and every entry a positive error per quantity the test checks
+    import re
+
+    from flashqla.testing import FLA_ERRORS, fla_errors_for
+
+    fwd = {"o", "ht"}
+    bwd = {"dq", "dk", "dv", "dg", "dbeta", "dh0"}
+    for key, errs in FLA_ERRORS.items():
+        m = re.fullmatch(r"tests/gpu/(test_fwd_gpu|test_bwd_gpu)\.py::test_lengths\[(\d+)\]", key)
+        assert m, key
+        assert set(errs) == (fwd if m.group(1) == "test_fwd_gpu" else bwd), key
+        assert all(0 < e < 1e-2 for e in errs.values()), key
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/gpu/test_bwd_gpu.py::test_lengths[63] (call)")
+    assert fla_errors_for()["dg"] == FLA_ERRORS["tests/gpu/test_bwd_gpu.py::test_lengths[63]"]["dg"]
+    assert fla_errors_for("tests/gpu/test_bwd_gpu.py::test_varlen[h0-single]") is None

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from flashqla.testing import make_gdn_inputs, rel_rms
+from flashqla.testing import fla_errors_for, make_gdn_inputs, rel_rms
 
 pytestmark = pytest.mark.gpu
 
@@ -116,10 +116,12 @@ def _check(xd, h_dtype=torch.bfloat16):
     fla_errs = None
     if fla is not None and not isinstance(fla, Exception):
         fla_errs = {n: rel_rms(fla[n], ref[n]) for n in errs}
+    elif fla is None:  # FLA not run here: its error recorded on the H200 for this case, if any
+        fla_errs = fla_errors_for()
     print(f"gradient errors vs fp64: ours {errs}, FLA {fla_errs}")
     for n, e in errs.items():
         assert e <= BUDGET[n], f"{n}: {e:.3e} > budget {BUDGET[n]:.0e} (FLA: {fla_errs})"
-        if fla_errs is not None:
+        if fla_errs is not None and n in fla_errs:
             assert e <= FLA_MARGIN * fla_errs[n] + FLA_FLOOR, f"{n}: ours {e:.3e} worse than FLA's {fla_errs[n]:.3e}"
     return errs, ours, ref
 

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from flashqla.testing import BUDGETS, make_gdn_inputs, rel_rms
+from flashqla.testing import BUDGETS, fla_errors_for, make_gdn_inputs, rel_rms
 
 pytestmark = pytest.mark.gpu
 
@@ -94,12 +94,14 @@ def _check(xd: dict, block_v=None, l2norm=False, record=None):
     fla_errs = None
     if fla is not None and not isinstance(fla, Exception):
         fla_errs = {"o": rel_rms(fla[0], ref_o), "ht": rel_rms(fla[1], ref_ht)}
+    elif fla is None:  # FLA not run here: its error recorded on the H200 for this case, if any
+        fla_errs = fla_errors_for()
     if record is not None:
         record.append((errs, fla_errs))
     print(f"errors vs fp64: ours {errs}, FLA {fla_errs}")
     for q in ("o", "ht"):
         assert errs[q] <= _budget(q), f"{q}: relative RMS error {errs[q]:.3e} exceeds budget {_budget(q):.1e} (FLA: {fla_errs})"
-        if fla_errs is not None:
+        if fla_errs is not None and q in fla_errs:
             assert errs[q] <= FLA_MARGIN * fla_errs[q] + FLA_FLOOR, f"{q}: ours {errs[q]:.3e} worse than FLA's {fla_errs[q]:.3e}"
     return errs, fla_errs, out
 
