@@ -190,3 +190,49 @@ def test_kernel_rounding_model():
     budget = {"dq": 2e-2, "dk": 2e-2, "dv": 2e-2, "dg": 3e-2, "dbeta": 2e-2, "dh0": 2e-2}  # tests/gpu/test_bwd_gpu.py
     for n, e in errs.items():
         assert e < budget[n], (n, e)
+
+
+def _gpu_tier_inputs(T: int) -> dict:
+    """The inputs of tests/gpu/test_bwd_gpu.py::test_lengths[T] (seed T, 2/4 heads), rounded as there:
+    q, k, v, do to bf16, g, beta, h0, dht to fp32; returned in fp64."""
+    x = make_gdn_inputs(B=1, T=T, H=2, HV=4, K=128, V=128, seed=T)
+    gen = torch.Generator().manual_seed(T + 1)
+    x["do"] = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64)
+    x["dht"] = torch.randn(1, 4, 128, 128, generator=gen, dtype=torch.float64)
+    for n in ("q", "k", "v", "do"):
+        x[n] = x[n].to(torch.bfloat16).double()
+    for n in ("g", "beta", "initial_state", "dht"):
+        x[n] = x[n].float().double()
+    return x
+
+
+@pytest.mark.parametrize("T", [63, 64])
+def test_exact_diagonal_model_against_fla_recorded(T):
+    """Where our gradient error exceeds FLA's on the H200 (dg, dv, dbeta; FLA_ERRORS): the model of
+    the kernels' roundings reproduces it, and a backward that puts beta itself on the diagonal of the
+    stored bf16 A diag(beta) (`exact_diagonal`) brings dv and dbeta within FLA's recorded error
+    (x1.1 + 1e-4, the GPU tier's rule) and cuts dg; dg stays above FLA's at these lengths (measured
+    and listed in NOTES-bwd.md), so the test pins the improvement, not a pass."""
+    from flashqla.testing import fla_errors_for
+
+    bf = torch.bfloat16
+    x = _gpu_tier_inputs(T)
+    Ab64, G2 = fb.forward_slot_products(x["k"], x["g"], x["beta"], 4)
+    exact = fb.fused_gated_delta_rule_bwd(x["q"], x["k"], x["v"], x["beta"], Ab64, G2, SCALE, x["initial_state"], x["do"],
+                                          x["dht"], g=x["g"])
+    f32 = {n: (t.float() if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in x.items()}
+    Ab, G2f = fb.forward_slot_products(f32["k"], f32["g"], f32["beta"], 4, dtype=bf)
+
+    def model(exact_diagonal):
+        m = fb.fused_gated_delta_rule_bwd(f32["q"], f32["k"], f32["v"], f32["beta"], Ab, G2f, SCALE, f32["initial_state"],
+                                          f32["do"], f32["dht"], g=f32["g"], h_dtype=bf, ds_dtype=bf, operand_dtype=bf,
+                                          exact_diagonal=exact_diagonal)
+        return {n: rel_rms(a, e) for n, a, e in zip(NAMES, m, exact)}
+
+    now, fixed = model(False), model(True)
+    fla = fla_errors_for(f"tests/gpu/test_bwd_gpu.py::test_lengths[{T}]")
+    print(f"T={T} model now {now}\n      exact diagonal {fixed}\n      FLA (H200) {fla}")
+    assert now["dg"] > 1.1 * fla["dg"] + 1e-4  # the gap seen on the H200 is in the model
+    for n in ("dv", "dbeta"):
+        assert fixed[n] <= 1.1 * fla[n] + 1e-4, (n, fixed[n], fla[n])
+    assert fixed["dv"] < 0.9 * now["dv"] and fixed["dg"] < 0.7 * now["dg"]

@@ -268,6 +268,7 @@ def reverse_chunk_cumsum(dG: torch.Tensor) -> torch.Tensor:
 def fused_gated_delta_rule_bwd(
     q, k, v, beta, A_beta, g_cum_log2, scale: float, initial_state, do, dht, cu_seqlens=None,
     *, g=None, chunk_size: int = 64, h_dtype=None, ds_dtype=None, operand_dtype=None, log2: bool = True,
+    exact_diagonal: bool = False,
 ):
     """The backward our kernels compute, end to end, from the sm_90 forward's slot-major products.
 
@@ -280,6 +281,10 @@ def fused_gated_delta_rule_bwd(
         the state gradient in products (None: exact); operand_dtype: see `chunk_bwd_fused`. log2: run the stages in base 2 (the kernels).
         g: None, or the forward's per-token g [B, T, HV]: tokens with g < G_FLOOR (floored in the
         forward) get dg = 0, as `reference.gdn.op`.
+        exact_diagonal: use beta itself (the compute dtype) on the diagonal of A diag(beta) instead of
+        the stored value: a model of a backward that corrects the diagonal the forward stored in
+        bf16 (the diagonal of (I + L)^-1 is exactly 1, so the stored diagonal is beta rounded);
+        NOTES-bwd.md, "Where the gradient error comes from".
 
     Returns:
         (dq [B, T, H, K], dk [B, T, H, K], dv [B, T, HV, V], dg [B, T, HV] (per token, natural log),
@@ -294,6 +299,9 @@ def fused_gated_delta_rule_bwd(
     qc, kc = to_chunks(q, lay, HV, cdt), to_chunks(k, lay, HV, cdt)
     vc, bc, doc = to_chunks(v, lay, dtype=cdt), to_chunks(beta, lay, dtype=cdt), to_chunks(do, lay, dtype=cdt)
     Ab = slots_to_chunks(A_beta, lay, cu_seqlens).to(cdt)
+    if exact_diagonal:
+        eye = torch.eye(Ab.shape[-1], dtype=torch.bool, device=Ab.device)
+        Ab = torch.where(eye, torch.diag_embed(bc), Ab)
     G2 = slots_to_chunks(g_cum_log2, lay, cu_seqlens).to(cdt)
     G = G2 if log2 else G2 / LOG2_E
     gk = dict(log2=log2)
