@@ -199,7 +199,11 @@ def test_final_state_feeds_decoding():
     errs = [rel_rms(logits_o[s], logits_t[s]) for s in range(3)]
     print(f"decoding logits rel RMS, ours vs torch path (bf16 model), per step: {[f'{e:.2e}' for e in errs]}")
     T0 = ids.shape[1]
+    compared = 0
     for step in range(3):  # step s is comparable while the s tokens generated before it agree
         if not torch.equal(seq_o[:, T0 : T0 + step], seq_t[:, T0 : T0 + step]):
-            pytest.skip(f"greedy token {step} differs (a near tie in bf16): later steps are not comparable")
+            print(f"greedy token {step - 1} differs (a near tie in bf16): steps from {step} on are not comparable")
+            break
         assert errs[step] <= DECODE_REL, (step, errs)
+        compared += 1
+    assert compared >= 1  # step 0 (logits straight from the prefill's cached state) is always compared
