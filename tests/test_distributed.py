@@ -381,10 +381,18 @@ def test_context_argument_errors(kwargs, exc, match):
         build_cp_context(cu, **kwargs)
 
 
-def test_backend_resolution():
+def test_backend_resolution(monkeypatch):
+    monkeypatch.delenv("FLASHQLA_CP", raising=False)
     q = torch.zeros(1)
     assert isinstance(resolve_backend(REF, q), FunctionBackend)
     assert isinstance(resolve_backend("kernels", q), KernelBackend)
+    # the kernels' own intra-device CP per rank: default "auto" (or $FLASHQLA_CP), validated
+    assert resolve_backend("kernels", q).cp == "auto" and KernelBackend().cp == "auto"
+    assert KernelBackend(cp="off").cp == "off" and KernelBackend(cp="on").cp == "on"
+    monkeypatch.setenv("FLASHQLA_CP", "off")
+    assert resolve_backend("kernels", q).cp == "off" and KernelBackend(None).cp == "off"
+    with pytest.raises(ValueError, match="cp must be"):
+        KernelBackend(cp="sometimes")
     be = FunctionBackend(REF)
     assert resolve_backend(be, q) is be
     assert isinstance(build_cp_context([0, 4], rank=0, world_size=1), CPContext)

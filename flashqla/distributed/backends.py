@@ -39,10 +39,22 @@ class CPComputeBackend(Protocol):
 class KernelBackend:
     """The sm_90 kernels: `flashqla.ops.gdn.api.chunk_gated_delta_rule_fwd` and
     `flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd` (bf16/fp16 q, k, v; fp32 g and states;
-    K = V = 128; compute capability 9.0). `saved` is the forward's (A diag(beta), g_cum_log2); without
-    it the backward recomputes them with one prepare launch."""
+    K = V = 128; compute capability 9.0). `saved` is the forward's (A diag(beta), g_cum_log2) in the
+    slot layout of the pieces' offsets; without it the backward recomputes them with one prepare
+    launch.
+
+    cp: the intra-device context-parallel mode of every local launch ("off", "auto" or "on"; None
+    reads $FLASHQLA_CP, default "auto"; `flashqla.ops.gdn.api.cp_mode`), passed to both entry points:
+    with "auto" the planner of `flashqla.cp` splits a rank's long pieces into segments run side by
+    side, as the single-GPU op does with the same mode. Raises ValueError for an unknown mode."""
 
     name = "kernels"
+
+    def __init__(self, cp: str | None = "auto"):
+        from flashqla.ops.gdn.api import cp_mode
+
+        self.cp = cp_mode(cp, default="auto")
+        self.name = f"kernels(cp={self.cp})"
 
     def check(self, q, k, v, g, beta, initial_state) -> None:
         from flashqla.ops.gdn.api import _check_device, _check_supported
@@ -56,7 +68,7 @@ class KernelBackend:
     def forward(self, q, k, v, g, beta, scale, initial_state, cu_seqlens):
         from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
 
-        f = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, True, cu_seqlens)
+        f = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, True, cu_seqlens, cp=self.cp)
         return f.o, f.final_state, (f.A, f.g_cum_log2)
 
     def backward(self, q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, saved):
@@ -72,7 +84,8 @@ class KernelBackend:
         dht = None if dht is None else dht.to(torch.float32).contiguous()
         if initial_state is not None:
             initial_state = initial_state.to(torch.float32).contiguous()
-        return chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens)
+        return chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens,
+                                          cp=self.cp)
 
 
 class FunctionBackend:
@@ -122,21 +135,21 @@ class FunctionBackend:
 
 
 def resolve_backend(backend, q: torch.Tensor):
-    """The backend object for `backend`: None (the kernels for CUDA inputs; no default elsewhere),
-    "kernels", a backend object (with check / state_dtype / forward / backward), or a callable op with
+    """The backend object for `backend`: None (the kernels for CUDA inputs, intra-device mode "auto"
+    or $FLASHQLA_CP; no default elsewhere), "kernels" (the same), a backend object (with check / state_dtype / forward / backward), or a callable op with
     FLA's signature (wrapped in `FunctionBackend`).
 
     Raises ValueError for None on a non-CUDA device or an unknown name, TypeError for anything else."""
     if backend is None:
         if q.device.type == "cuda":
-            return KernelBackend()
+            return KernelBackend(None)
         raise ValueError(
             f"backend: the inputs are on {q.device}, where no kernel backend exists; pass backend= an op with FLA's "
             "signature and autograd (for instance reference.chunk_gated_delta_rule in fp64 on CPU)"
         )
     if isinstance(backend, str):
         if backend == "kernels":
-            return KernelBackend()
+            return KernelBackend(None)
         raise ValueError(f"backend: unknown name {backend!r} (known: 'kernels')")
     if all(hasattr(backend, m) for m in ("check", "state_dtype", "forward", "backward")):
         return backend

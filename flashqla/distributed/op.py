@@ -310,8 +310,10 @@ def chunk_gated_delta_rule_cp(
             shard lengths (one small collective and a host synchronisation per call).
         group: the process group (default: the world) when cp_context is None.
         backend: per-rank compute (`flashqla.distributed.backends.resolve_backend`): None (the
-            sm_90 kernels for CUDA inputs), "kernels", a backend object, or any op with FLA's
-            signature and autograd (for instance reference.chunk_gated_delta_rule on CPU).
+            sm_90 kernels for CUDA inputs, with their own intra-device context parallelism in
+            mode $FLASHQLA_CP, default "auto"), "kernels" (the same), a backend object such as
+            `KernelBackend(cp="off" | "auto" | "on")`, or any op with FLA's signature and autograd
+            (for instance reference.chunk_gated_delta_rule on CPU).
 
     Returns:
         (o, final_state): o [1, T_r, HV, V] in q's dtype, this rank's tokens. final_state: None

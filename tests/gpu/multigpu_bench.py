@@ -3,9 +3,14 @@ two H200s (NCCL) against the single-GPU op `flashqla.chunk_gated_delta_rule` on 
 
 For each configuration "H/HV 1xT" (one sequence of T tokens, K = V = 128, bf16 q/k/v, fp32 g and
 beta, value head 0 with g == 0 so that the state crosses the rank boundary undecayed):
-    1 GPU    forward (no grad) and training step (forward + backward with a fixed random do) on GPU 0
-    2 GPUs   the same through the CP op, each rank holding T / 2 tokens (a prebuilt context: no
-             length gather); a barrier before each iteration, the per-iteration maximum over ranks
+    1 GPU    forward (no grad) and training step (forward + backward with a fixed random do) on GPU 0,
+             `flashqla.chunk_gated_delta_rule(..., cp=MODE)`
+    2 GPUs   the same through the CP op with `KernelBackend(cp=MODE)`, each rank holding T / 2 tokens
+             (a prebuilt context: no length gather); a barrier before each iteration, the
+             per-iteration maximum over ranks
+MODE is --cp (intra-device context parallelism, default "auto"): both sides run with the same mode,
+so that the comparison is between one device splitting T tokens and two devices splitting T / 2
+each; the mode is printed in the table's header.
     comm     the op's two all-gathers alone on buffers of the same size ([HV, K, K + V] and
              [HV, K, V] fp32 per rank)
 Times are medians over --iters iterations after --warmup (wall clock around synchronised launches;
@@ -13,7 +18,7 @@ not CUDA graphs: the op runs collectives). Backward time = training step - forwa
 written the CP outputs are checked against the single-GPU op (o, dv, dg relative RMS <= 1e-2, 1e-2,
 3e-2); a failing row is reported as failing, without speedups.
 
-    NCCL_NVLS_ENABLE=0 python tests/gpu/multigpu_bench.py --out multigpu.md [--configs "2/8 1x262144" ...]
+    NCCL_NVLS_ENABLE=0 python tests/gpu/multigpu_bench.py --out multigpu.md [--cp auto|on|off] [--configs "2/8 1x262144" ...]
 
 (`source .device/on-device.sh` sets NCCL_NVLS_ENABLE=0 on the project's GPU machine; the script sets it
 too when it is unset.) Needs 2 Hopper GPUs; about 1 minute per configuration after compilation.
@@ -125,7 +130,7 @@ def _max_over_ranks(ts: list) -> float:
     return 1e3 * statistics.median(t.tolist())
 
 
-def _single_gpu(x: dict, T: int, iters: int, warmup: int) -> dict:
+def _single_gpu(x: dict, T: int, iters: int, warmup: int, cp: str) -> dict:
     import flashqla
 
     cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
@@ -133,12 +138,12 @@ def _single_gpu(x: dict, T: int, iters: int, warmup: int) -> dict:
 
     def fwd():
         with torch.no_grad():
-            flashqla.chunk_gated_delta_rule(L["q"], L["k"], L["v"], L["g"], L["beta"], cu_seqlens=cu)
+            flashqla.chunk_gated_delta_rule(L["q"], L["k"], L["v"], L["g"], L["beta"], cu_seqlens=cu, cp=cp)
 
     def step():
         for t in L.values():
             t.grad = None
-        o, _ = flashqla.chunk_gated_delta_rule(L["q"], L["k"], L["v"], L["g"], L["beta"], cu_seqlens=cu)
+        o, _ = flashqla.chunk_gated_delta_rule(L["q"], L["k"], L["v"], L["g"], L["beta"], cu_seqlens=cu, cp=cp)
         o.backward(x["do"])
 
     torch.cuda.reset_peak_memory_stats()
@@ -146,29 +151,30 @@ def _single_gpu(x: dict, T: int, iters: int, warmup: int) -> dict:
     res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     step()
     with torch.no_grad():
-        o, _ = flashqla.chunk_gated_delta_rule(L["q"], L["k"], L["v"], L["g"], L["beta"], cu_seqlens=cu)
+        o, _ = flashqla.chunk_gated_delta_rule(L["q"], L["k"], L["v"], L["g"], L["beta"], cu_seqlens=cu, cp=cp)
     res["ref"] = dict(o=o, dv=L["v"].grad.detach(), dg=L["g"].grad.detach())
     return res
 
 
-def _cp(x: dict, T: int, iters: int, warmup: int, rank: int) -> dict:
+def _cp(x: dict, T: int, iters: int, warmup: int, rank: int, cp: str) -> dict:
     import torch.distributed as dist
 
-    from flashqla.distributed import build_cp_context, chunk_gated_delta_rule_cp
+    from flashqla.distributed import KernelBackend, build_cp_context, chunk_gated_delta_rule_cp
     from flashqla.distributed.op import _all_gather
 
     ctx = build_cp_context([0, T])
     L = x["shard"]
     do = x["do_shard"]
+    be = KernelBackend(cp=cp)
 
     def fwd():
         with torch.no_grad():
-            chunk_gated_delta_rule_cp(L["q"], L["k"], L["v"], L["g"], L["beta"], cp_context=ctx)
+            chunk_gated_delta_rule_cp(L["q"], L["k"], L["v"], L["g"], L["beta"], cp_context=ctx, backend=be)
 
     def step():
         for t in L.values():
             t.grad = None
-        o, _ = chunk_gated_delta_rule_cp(L["q"], L["k"], L["v"], L["g"], L["beta"], cp_context=ctx)
+        o, _ = chunk_gated_delta_rule_cp(L["q"], L["k"], L["v"], L["g"], L["beta"], cp_context=ctx, backend=be)
         o.backward(do)
 
     HV = L["v"].shape[2]
@@ -186,7 +192,7 @@ def _cp(x: dict, T: int, iters: int, warmup: int, rank: int) -> dict:
     res["peak_gib"] = float(peak)
     step()
     with torch.no_grad():
-        o, _ = chunk_gated_delta_rule_cp(L["q"], L["k"], L["v"], L["g"], L["beta"], cp_context=ctx)
+        o, _ = chunk_gated_delta_rule_cp(L["q"], L["k"], L["v"], L["g"], L["beta"], cp_context=ctx, backend=be)
     res["out"] = dict(o=o, dv=L["v"].grad.detach(), dg=L["g"].grad.detach())
     res["ctx"] = ctx
     return res
@@ -228,7 +234,7 @@ def _row(cfg: str, args, rank: int) -> dict | None:
     ok = torch.ones(1, device="cuda")
     if rank == 0:
         try:
-            single = _single_gpu(x, T, args.iters, args.warmup)
+            single = _single_gpu(x, T, args.iters, args.warmup, args.cp)
         except torch.cuda.OutOfMemoryError:
             ok.zero_()
         torch.cuda.empty_cache()
@@ -238,13 +244,13 @@ def _row(cfg: str, args, rank: int) -> dict | None:
     x = dict(shard={n: x[n][:, lo:hi].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")},
              do_shard=x["do"][:, lo:hi].clone())
     torch.cuda.empty_cache()
-    cp = _cp(x, T, args.iters, args.warmup, rank)
+    cp = _cp(x, T, args.iters, args.warmup, rank, args.cp)
     ctx = cp["ctx"]
     full = {n: _gather_to_rank0(t, ctx, rank) for n, t in cp["out"].items()}
     if rank != 0:
         return None
     vol = exchange_bytes(HV, K, V, WORLD)
-    row = dict(config=cfg, H=H, HV=HV, T=T, cp_fwd_ms=cp["fwd"], cp_step_ms=cp["step"], cp_bwd_ms=cp["step"] - cp["fwd"],
+    row = dict(config=cfg, H=H, HV=HV, T=T, cp_mode=args.cp, cp_fwd_ms=cp["fwd"], cp_step_ms=cp["step"], cp_bwd_ms=cp["step"] - cp["fwd"],
                comm_fwd_ms=cp["comm_fwd"], comm_bwd_ms=cp["comm_bwd"], cp_peak_gib=cp["peak_gib"],
                send_fwd_kib=vol["fwd_send"] / 1024, send_bwd_kib=vol["bwd_send"] / 1024)
     if not bool(ok):
@@ -279,8 +285,10 @@ def _worker(rank: int, args, out_file: str) -> None:
         dist.destroy_process_group()
 
 
-def _precompile(configs) -> None:
-    """Builds every kernel the runs need in this process (TileLang's cache then serves the ranks)."""
+def _precompile(configs, cp: str = "off") -> None:
+    """Builds every kernel the runs need in this process (TileLang's cache then serves the ranks):
+    both value-slice widths of the recurrent kernel and the backward, int32 offsets (the segmented
+    launches of intra-device CP use the same kernels on int32 pseudo offsets)."""
     import flashqla
     from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
 
@@ -291,7 +299,7 @@ def _precompile(configs) -> None:
             for bv in (64, 128):
                 chunk_gated_delta_rule_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], None, None, True, cu, block_v=bv)
         L = _leaves(x)
-        o, _ = flashqla.chunk_gated_delta_rule(L["q"], L["k"], L["v"], L["g"], L["beta"], cu_seqlens=cu)
+        o, _ = flashqla.chunk_gated_delta_rule(L["q"], L["k"], L["v"], L["g"], L["beta"], cu_seqlens=cu, cp=cp)
         o.backward(x["do"])
     torch.cuda.synchronize()
 
@@ -304,17 +312,22 @@ def _git_commit() -> str:
 
 
 def markdown(rows: list, meta: dict) -> str:
+    mode = meta.get("intra_device_cp", "?")
     lines = [
         "# Context parallelism across 2 GPUs: `flashqla.distributed.chunk_gated_delta_rule_cp`",
         "",
         ", ".join(f"{k}: {v}" for k, v in meta.items()),
+        "",
+        f"**Intra-device context parallelism: cp = \"{mode}\" on both sides** (1 GPU: "
+        f"`flashqla.chunk_gated_delta_rule(..., cp=\"{mode}\")`; 2 GPUs: `KernelBackend(cp=\"{mode}\")` on every rank).",
         "",
         "One sequence per row, K = V = 128, bf16. 1 GPU: `flashqla.chunk_gated_delta_rule` on the whole sequence; "
         "2 GPUs: the CP op, T / 2 tokens per rank (slowest rank per iteration). Step = forward + backward; "
         "bwd = step - fwd. all-gather: the op's two collectives alone (forward [HV, K, K + V], backward [HV, K, V] "
         "fp32 per rank). Errors: CP against the 1-GPU op (relative RMS). Medians, ms.",
         "",
-        "| heads H/HV | tokens | fwd 1 GPU | fwd 2 GPUs | x | step 1 GPU | step 2 GPUs | x | bwd 1 GPU | bwd 2 GPUs "
+        f"| heads H/HV | tokens | fwd 1 GPU (cp={mode}) | fwd 2 GPUs (cp={mode}) | x | step 1 GPU | step 2 GPUs | x "
+        "| bwd 1 GPU | bwd 2 GPUs "
         "| all-gather fwd / bwd | sent per rank fwd / bwd | peak GiB 1 GPU / rank | o / dv / dg error |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
@@ -346,6 +359,8 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="*", default=list(DEFAULT_CONFIGS), help="'H/HV 1xT' rows")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--cp", choices=("off", "auto", "on"), default="auto",
+                    help="intra-device context-parallel mode of both the 1-GPU op and every rank (default auto)")
     args = ap.parse_args(argv)
     for c in args.configs:
         parse_config(c)
@@ -354,7 +369,7 @@ def main(argv=None) -> int:
         return 2
     import torch.multiprocessing as mp
 
-    _precompile(args.configs)
+    _precompile(args.configs, args.cp)
     with tempfile.TemporaryDirectory() as tmp:
         out_json = os.path.join(tmp, "rows.json")
         mp.spawn(_worker, args=(args, out_json), nprocs=WORLD, join=True)
@@ -364,6 +379,7 @@ def main(argv=None) -> int:
         gpu=f"{WORLD} x {torch.cuda.get_device_name(0)}", torch=torch.__version__,
         nccl=".".join(str(v) for v in torch.cuda.nccl.version()), commit=_git_commit(),
         date=datetime.date.today().isoformat(), NCCL_NVLS_ENABLE=os.environ.get("NCCL_NVLS_ENABLE"),
+        intra_device_cp=args.cp,
     )
     text = markdown(rows, meta)
     with open(args.out, "w") as f:
