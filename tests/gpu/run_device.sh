@@ -14,8 +14,9 @@
 #   sanitize_racecheck.log (rc 3: the sanitizer reported an error; rc 1: a case failed its check).
 #
 # Why: the tier builds ~6 kernels per (H, HV, N, packed, dtype) configuration, ~40 s when built one
-# after another; the precompile step builds every configuration the tier uses in worker processes
-# (TileLang's disk cache), and the tests then only load them.
+# after another; the precompile step (tests/gpu/precompile.py --tier) builds every configuration the
+# tier uses in worker processes (TileLang's disk cache), and the tests then only load them. Cheaper
+# still: build them on the CPU machine and ship the cache (precompile.py --pack, see its docstring).
 OUT=${1:-.}
 shift || true
 FILES=("$@")
@@ -24,21 +25,7 @@ if [ "${SANITIZE:-0}" = only ]; then FILES=(); PRECOMPILE=0; fi
 filter() { grep -v "TileLang:"; }
 
 if [ "${PRECOMPILE:-1}" != 0 ]; then
-  timeout 200 python - <<'EOF' 2>&1 | filter | tail -3
-import time
-from flashqla.ops.gdn.kernels.sm90 import op_kernel_specs, precompile
-
-specs = []
-for H, HV in ((1, 2), (1, 4), (2, 2), (2, 4), (4, 4), (2, 8)):
-    for N in (1, 2, 3, 5, 6):
-        for varlen in (False, True):
-            specs += op_kernel_specs(H, HV, N=N, varlen=varlen)
-specs += op_kernel_specs(4, 4, N=2, beta_dtype="bfloat16") + op_kernel_specs(2, 4, N=2, beta_dtype="bfloat16")
-specs = list(dict.fromkeys(specs))
-t = time.time()
-precompile(specs)
-print(f"precompiled {len(specs)} kernels in {time.time() - t:.0f} s")
-EOF
+  timeout 200 python tests/gpu/precompile.py --tier --workers 8 2>&1 | filter | tail -3
 fi
 
 for f in "${FILES[@]}"; do

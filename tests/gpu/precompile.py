@@ -1,0 +1,117 @@
+"""Builds the kernels of the GPU tier and of the benchmarks into TileLang's disk cache, in worker
+processes, and optionally packs the cache for the GPU machine. Needs no GPU: kernels compile for
+sm_90a with the local nvcc, and a cache built here loads on the GPU machine (same TileLang version,
+same keys), so a GPU call spends its time on tests and timings instead of compiles.
+
+    TILELANG_CACHE_DIR=/tmp/tlcache python tests/gpu/precompile.py --tier --bench --pack .device/tilelang-cache.tar.xz
+
+(`.device/on-device.sh` unpacks .device/tilelang-cache.tar.xz on a fresh GPU machine.) On the GPU
+machine `tests/gpu/run_device.sh` calls `--tier` first (16 cores there). Not collected by pytest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+#: (H, HV) of the GPU tier's tests
+TIER_HEADS = ((1, 2), (1, 4), (2, 2), (2, 4), (4, 4), (2, 8))
+#: (H, HV) of the forward and backward benchmark grids (flashqla.bench)
+FWD_BENCH_HEADS = ((2, 8), (4, 16), (8, 32), (16, 64), (16, 32), (8, 24), (16, 48), (16, 16), (32, 32))
+BWD_BENCH_HEADS = ((16, 32), (8, 16), (4, 8), (2, 4), (2, 8))
+
+
+def tier_specs() -> list:
+    """The kernels the GPU tier's tests build (bf16 / fp32 beta / int32 offsets and the fp16, bf16-beta
+    and int64 variants the tests use)."""
+    from flashqla.ops.gdn.kernels.sm90 import op_kernel_specs
+
+    specs = []
+    for H, HV in TIER_HEADS:
+        for N in (1, 2, 3, 5, 6):
+            for varlen in (False, True):
+                specs += op_kernel_specs(H, HV, N=N, varlen=varlen)
+    for H, HV in ((4, 4), (2, 4), (1, 2)):
+        specs += op_kernel_specs(H, HV, N=2, beta_dtype="bfloat16")
+        for varlen in (False, True):
+            specs += op_kernel_specs(H, HV, varlen=varlen, dtype="float16", beta_dtype="float16", seq_dtype="int64")
+            specs += op_kernel_specs(H, HV, varlen=varlen, seq_dtype="int64")
+    specs += op_kernel_specs(2, 4, h_dtype="float32")
+    specs += op_kernel_specs(16, 32, varlen=True, seq_dtype="int64", block_v=128)
+    specs += op_kernel_specs(16, 32, varlen=True, block_v=128)
+    return list(dict.fromkeys(specs))
+
+
+def bench_specs() -> list:
+    """The kernels of the benchmark grids: every head configuration, packed and fixed, both value
+    slice widths, the backward's kernels for the backward grid."""
+    from flashqla.ops.gdn.kernels.sm90 import op_kernel_specs
+
+    specs = []
+    for H, HV in FWD_BENCH_HEADS:
+        for varlen in (False, True):
+            for bv in (64, 128):
+                specs += op_kernel_specs(H, HV, varlen=varlen, block_v=bv, backward=False)
+    for H, HV in BWD_BENCH_HEADS:
+        for varlen in (False, True):
+            for bv in (64, 128):
+                specs += op_kernel_specs(H, HV, varlen=varlen, block_v=bv)
+    return list(dict.fromkeys(specs))
+
+
+def pack(cache_dir: str, out: str, limit_mb: float = 24.0) -> None:
+    """tar.xz of the whole cache directory (TileLang keeps the host wrappers under
+    `<version>/linux-x86_64/kernels/` and the cubins under `<version>/cuda-binaries/`: both are needed)."""
+    tmp = out + ".tmp"
+    with open(tmp, "wb") as f:
+        tar = subprocess.Popen(["tar", "-cf", "-", "-C", cache_dir, "."], stdout=subprocess.PIPE)
+        subprocess.run(["xz", "-T0", "-3"], stdin=tar.stdout, stdout=f, check=True)
+        if tar.wait() != 0:
+            raise SystemExit("tar failed")
+    size = os.path.getsize(tmp) / 2**20
+    if size > limit_mb:
+        os.remove(tmp)
+        raise SystemExit(f"packed cache is {size:.1f} MiB > {limit_mb} MiB: not written")
+    if os.path.exists(out):
+        os.chmod(out, 0o644)
+    os.replace(tmp, out)
+    print(f"wrote {out} ({size:.1f} MiB)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tier", action="store_true", help="the GPU tier's kernels")
+    ap.add_argument("--bench", action="store_true", help="the benchmark grids' kernels")
+    ap.add_argument("--workers", type=int, default=None, help="worker processes (default: CPU count)")
+    ap.add_argument("--pack", metavar="FILE", help="write the cache directory as FILE (tar.xz) afterwards")
+    ap.add_argument("--list", action="store_true", help="print the kernel specs and exit")
+    args = ap.parse_args(argv)
+    specs = (tier_specs() if args.tier else []) + (bench_specs() if args.bench else [])
+    specs = list(dict.fromkeys(specs))
+    if args.list:
+        for s in specs:
+            print(s)
+        print(f"{len(specs)} kernels")
+        return 0
+    if specs:
+        from flashqla.ops.gdn.kernels.sm90 import precompile
+
+        t = time.time()
+        precompile(specs, max_workers=args.workers)
+        print(f"precompiled {len(specs)} kernels in {time.time() - t:.0f} s", flush=True)
+    if args.pack:
+        from tilelang import env
+
+        pack(os.environ.get("TILELANG_CACHE_DIR") or env.TILELANG_CACHE_DIR, args.pack)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
