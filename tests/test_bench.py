@@ -542,3 +542,28 @@ def test_report_fills_empty_peer_columns_from_the_cache(tmp_path):
     assert float(got[1]["fla_ms"]) == 0.929 and got[1]["fla_status"] == "ok" and got[1]["peers_source"] == "cached"
     assert not got[2].get("fla_ms") and not got[2].get("peers_source")  # nothing cached for that row
     assert "fla_ms" not in empty  # the input rows are not modified
+
+
+def test_cp_grid_rows_and_page(tmp_path):
+    from flashqla.bench.__main__ import _paths, write_outputs
+
+    rows = G.cp_grid_rows()
+    labels = [(r.heads.label, r.mix.label) for r in rows]
+    assert len(rows) == 24 and len(set(labels)) == 24
+    assert labels[:5] == [("2/8", f"1x{t}") for t in (2048, 4096, 8192, 16384, 32768)]
+    assert ("2/8", "1x1048576") in labels and ("4/16", "1x131072") in labels and ("8/32", "1x131072") not in labels
+    assert all(r.mix.N == 1 for r in rows)
+    assert [r.mix.label for r in G.cp_grid_rows(["16/64"], ["1x4096,1x2048"])] == ["1x2048", "1x4096"]
+    assert G.is_cp_grid_row(4, 16, "1x1048576") and not G.is_cp_grid_row(16, 32, "1x8192")
+    # the forward report writes the CP page from the CP rows only, with its plot of time against T
+    p = tmp_path / "test-gpu-fwd.csv"
+    for r in (_row(2, 8, "1x2048", 0.1, 0.2, 0.05), _row(2, 8, "1x32768", 0.9, 0.9, 0.4), _row(16, 32, "8192x4", 0.5, 2.0, 0.5)):
+        S.append_row(p, r, S.RESULT_FIELDS)
+    paths = _paths(tmp_path, "test-gpu-fwd")
+    assert paths["cp_md"].name == "test-gpu-cp.md"
+    write_outputs(paths, ENV, "c", {"date": "d", "method": ["m"]}, [], plot=R.pyplot() is not None)
+    md = paths["cp_md"].read_text()
+    assert "one long sequence" in md and "| 2/8 | 1x2048 |" in md and "| 2/8 | 1x32768 |" in md
+    assert "8192x4" not in md and "8192x4" in paths["md"].read_text()
+    if R.pyplot() is not None:
+        assert paths["cp_png"].stat().st_size > 0

@@ -51,6 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m flashqla.bench", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a handful of development rows")
+    p.add_argument("--cp-grid", action="store_true",
+                   help="the context-parallel rows (one sequence of 2048 to 32768 tokens for 2/8, 4/16, 8/32, 16/64 "
+                        "heads, and 131072 and 1048576 for 2/8 and 4/16); they go to the forward CSV like any row, and "
+                        "<gpu>-cp.md with a plot of time against T is written from them")
     p.add_argument("--heads", action="append", help="head configs h_qk/h_v, comma-separated or repeated (e.g. 16/32)")
     p.add_argument("--mixes", action="append", help="sequence mixes, comma-separated or repeated (e.g. 1x8192,8192x4)")
     p.add_argument("--peers", choices=("auto", "live", "cached", "none"), default="auto", help="where peer timings come from")
@@ -230,11 +234,22 @@ def fill_cached_peers(rows: list[dict], cache) -> list[dict]:
 
 
 def write_outputs(paths: dict, env: dict, commit: str, meta: dict, drift, plot: bool) -> None:
+    """The forward report (markdown, plot) from the CSV rows of (env, commit); and, when some of them
+    are rows of the context-parallel benchmark (`--cp-grid`), its own page `<gpu>-cp.md` with a plot
+    of time against T."""
     rows = fill_cached_peers(S.rows_for_key(S.read_rows(paths["csv"]), env, commit), S.PeerCache(paths["peers"], env))
     brows = [b for b in S.read_rows(paths["breakdown"]) if S.env_key(b) == S.env_key(env) and b.get("commit") == commit]
     paths["md"].write_text(R.markdown(rows, env, commit, meta, drift, brows))
     if plot and rows:
         R.plot(rows, paths["png"])
+    cp_rows = [r for r in rows if G.is_cp_grid_row(int(r["h_qk"]), int(r["h_v"]), r["mix"])]
+    if cp_rows:
+        cp_drift = [d for d in drift or [] if G.is_cp_grid_row(*map(int, d["heads"].split("/")), d["mix"])]
+        paths["cp_md"].write_text(R.markdown(cp_rows, env, commit, meta, cp_drift, [],
+                                             title="GDN chunked prefill, forward, one long sequence (context "
+                                                   "parallelism): ours vs FLA vs FlashQLA"))
+        if plot:
+            R.plot_vs_T(cp_rows, paths["cp_png"])
 
 
 def main(argv=None) -> int:
@@ -244,7 +259,7 @@ def main(argv=None) -> int:
 
         return main_bwd(args)
     try:
-        rows = G.select_rows(args.heads, args.mixes, args.quick)
+        rows = G.cp_grid_rows(args.heads, args.mixes) if args.cp_grid else G.select_rows(args.heads, args.mixes, args.quick)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -392,8 +407,10 @@ def run_rows(rows, args, impls: dict, env: dict, commit: str, device="cuda", sm_
 
 def _paths(results_dir: Path, prefix: str) -> dict:
     d = Path(results_dir)
+    cp = prefix[: -len("-fwd")] + "-cp" if prefix.endswith("-fwd") else f"{prefix}-cp"
     return {"csv": d / f"{prefix}.csv", "md": d / f"{prefix}.md", "png": d / f"{prefix}.png",
-            "peers": d / f"peers-{prefix}.csv", "breakdown": d / f"{prefix}-breakdown.csv"}
+            "peers": d / f"peers-{prefix}.csv", "breakdown": d / f"{prefix}-breakdown.csv",
+            "cp_md": d / f"{cp}.md", "cp_png": d / f"{cp}.png"}
 
 
 def _breakdown(x, ref, row, row_fields, env, commit, paths, timer) -> None:

@@ -177,6 +177,33 @@ QUICK_ROWS: tuple[tuple[str, str], ...] = (
 )
 
 
+#: The context-parallel benchmark (`--cp-grid`): the grid's single-sequence rows for the few-head
+#: configurations, plus two long sequences for the fewest heads (memory permitting).
+CP_GRID_HEADS: tuple[str, ...] = ("2/8", "4/16", "8/32", "16/64")
+CP_GRID_MIXES: tuple[str, ...] = ("1x2048", "1x4096", "1x8192", "1x16384", "1x32768")
+CP_GRID_LONG: tuple[tuple[str, str], ...] = (
+    ("2/8", "1x131072"), ("2/8", "1x1048576"), ("4/16", "1x131072"), ("4/16", "1x1048576"),
+)
+
+
+def cp_grid_rows(heads: list[str] | None = None, mixes: list[str] | None = None) -> list[Row]:
+    """The rows of the context-parallel benchmark, head configuration major, ascending T, filtered
+    by head and mix labels like `select_rows`."""
+    def split(items):
+        return [x.strip() for it in items or [] for x in it.split(",") if x.strip()]
+
+    hs, ms = {parse_heads(h) for h in split(heads)}, {parse_mix(m).lengths for m in split(mixes)}
+    pairs = [(h, m) for h in CP_GRID_HEADS for m in CP_GRID_MIXES] + list(CP_GRID_LONG)
+    rows = [Row(parse_heads(h), parse_mix(m)) for h, m in pairs]
+    rows = [r for r in rows if (not hs or r.heads in hs) and (not ms or r.mix.lengths in ms)]
+    return sorted(rows, key=lambda r: ([parse_heads(h) for h in CP_GRID_HEADS].index(r.heads), r.mix.T))
+
+
+def is_cp_grid_row(h_qk: int, h_v: int, mix: str) -> bool:
+    """True for a row of the context-parallel benchmark (`cp_grid_rows`)."""
+    return any(r.heads.h_qk == h_qk and r.heads.h_v == h_v and r.mix.label == mix for r in cp_grid_rows())
+
+
 def fwd_rows() -> list[Row]:
     """The full forward grid, head configuration major (so a peer compiles once per config)."""
     return [Row(h, m) for h in FWD_HEADS for m in FWD_MIXES]

@@ -141,10 +141,11 @@ def geomean_table(rows: list[dict]) -> list[str]:
 
 
 def markdown(rows: list[dict], env: dict, commit: str, meta: dict, drift: list[dict] | None = None,
-             breakdown_rows: list[dict] | None = None) -> str:
+             breakdown_rows: list[dict] | None = None,
+             title: str = "GDN chunked prefill, forward: ours vs FLA vs FlashQLA") -> str:
     """The results page: header, method, geometric means, the table, drift and breakdown."""
     rows = sorted(rows, key=grid_order)
-    L = ["# GDN chunked prefill, forward: ours vs FLA vs FlashQLA", ""]
+    L = [f"# {title}", ""]
     L += ["| | |", "| --- | --- |"]
     names = {"gpu": "GPU", "driver": "driver", "cuda": "CUDA (torch build)", "torch": "torch", "triton": "triton",
              "tilelang": "tilelang", "fla": "fla", "flash_qla": "flash_qla"}
@@ -318,6 +319,44 @@ def plot(rows: list[dict], path) -> Path | None:
     axes.flat[0].legend(fontsize=8)
     fig.suptitle(f"GDN forward, TFLOP/s on 163,840 FLOP per token-head\n(bf16 GEMM rate {PEAK_TFLOPS:.0f}; * = CP row)",
                  fontsize=10)
+    fig.tight_layout()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
+def plot_vs_T(rows: list[dict], path) -> Path | None:
+    """Milliseconds against T (log-log) per implementation, one panel per head configuration: the
+    context-parallel benchmark's plot (single-sequence rows). Returns the path, or None when
+    matplotlib is missing or there is nothing to plot."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    heads = heads_in_order(sorted(rows, key=grid_order))
+    if not heads:
+        return None
+    ncol = min(2, len(heads))
+    nrow = math.ceil(len(heads) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(6.0 * ncol, 4.0 * nrow), squeeze=False)
+    colors = {"ours": "tab:red", "fla": "tab:blue", "flash_qla": "tab:green"}
+    for ax, h in zip(axes.flat, heads):
+        rs = sorted((r for r in rows if (int(r["h_qk"]), int(r["h_v"])) == h), key=lambda r: int(r["T"]))
+        for i in IMPLS:
+            pts = [(int(r["T"]), num(r[f"{i}_ms"])) for r in rs if is_ok(r, i)]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=LABELS[i], color=colors[i])
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("T (one sequence)")
+        ax.set_ylabel("ms")
+        ax.set_title(f"h_qk/h_v = {h[0]}/{h[1]}")
+        ax.grid(alpha=0.3, which="both")
+    for ax in list(axes.flat)[len(heads):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle("GDN forward, one long sequence: time against T", fontsize=10)
     fig.tight_layout()
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
