@@ -10,6 +10,14 @@ so the entering states of all segments follow from a scan of per-segment maps co
 O_c(S) = O_c(0) + scale D_c R_c P_{<c} S with R_c = Q_c - tril_0(Q_c K_c^T) A_c B_c K_c, so segments
 run from zero and are corrected afterwards (CP-3).
 
+The same affine form makes the backward of a piece entered with an unknown state cheap (BWD-dSin, the
+record in this module that belongs to the backward family): with segment j entered with
+A_j S_in + B_j (A_0 = I, A_{j+1} = P_j A_j), o_t = o0_t + (A_j S_in + B_j)^T U_t (U_t the output of
+the run from I with v = 0) and S_end = A_m S_in + B_m, the gradient reaching S_in is
+sum_j A_j^T E_j + A_m^T G with E_j = sum_{t in j} U_t do_t^T and G the gradient at S_end: forward
+quantities and GEMMs, no backward pass. The checker differentiates the recurrence's loss with
+`sympy.diff` and compares.
+
 The gate-driven shortcut drops the state S_w that enters a warm-up window of chunks whose summed
 log-decay is G (= sum of g over the window) and restarts from zero there. By CP-1 the error it makes
 at any later point is P S_w, P the product of every gated factor a_t (I - beta_t k_t k_t^T) from the
@@ -32,7 +40,7 @@ from __future__ import annotations
 
 import sympy as sp
 
-from derivations._chunk import Chunk, mat, prod, tril
+from derivations._chunk import Chunk, hadamard, mat, prod, tril
 from derivations._core import Bound, Identity, register
 
 
@@ -168,6 +176,29 @@ CP_3 = register(Identity(
     source="FlashQLA intra-card CP (segments from zero, corrected); research/flashqla-design.md 4.3",
 ))
 
+def _entering_grad(C, K, V, n):
+    """n segments of C tokens entered with S: the gradient of <dO, O(S)> + <G, S_end(S)> with respect
+    to S, by differentiating the recurrence, against sum_j A_j^T E_j + A_n^T G from the runs of each
+    segment from I with v = 0 (outputs U, rows U_t^T; end state P_j), E_j = U_j^T dO_j and
+    A_0 = I, A_{j+1} = P_j A_j."""
+    chunks = [Chunk(C, K, V, prefix=f"c{i}") for i in range(n)]
+    S = mat("s", K, V)
+    scale = sp.Symbol("scale", positive=True)
+    dO = [mat(f"do{i}", C, V) for i in range(n)]
+    G = mat("G", K, V)
+    outs, S_end = _run(chunks, S, scale)
+    loss = sum(sum(hadamard(d, O)) for d, O in zip(dO, outs)) + sum(hadamard(G, S_end))
+    lhs = sp.Matrix(K, V, lambda i, j: sp.diff(loss, S[i, j]))
+    rhs, A = sp.zeros(K, V), sp.eye(K)
+    for i, d in enumerate(dO):
+        homog = Chunk(C, K, K, prefix=f"c{i}")  # the same symbols, value width K
+        homog.v = sp.zeros(C, K)
+        U, P, _ = homog.recurrence(sp.eye(K), scale)
+        rhs += A.T * (U.T * d)
+        A = P * A
+    return lhs, rhs + A.T * G
+
+
 CP_4 = register(Identity(
     id="CP-4",
     statement="dropping the state S_w entering a window of summed log-decay G moves later states by <= exp(G) ||S_w||",
@@ -194,4 +225,18 @@ CP_5 = register(Identity(
     condition="||k_t||_2 = 1 and beta_t in [0, 1] (any a_t = exp(g_t) > 0)",
     twins=("reference.gdn.cp.cp_gated_delta_rule_fwd", "reference.gdn.recurrent.recurrent_gated_delta_rule"),
     source="FlashQLA warm-up truncation; research/flashqla-design.md 4.3, 4.5",
+))
+
+CP_6 = register(Identity(
+    id="BWD-dSin",
+    statement="the gradient reaching a piece's entering state needs no backward pass: sum_j A_j^T E_j + A_m^T G, E_j = sum_t U_t do_t^T",
+    latex=r"\frac{\partial \mathcal{L}}{\partial S_{in}} = \sum_j A_j^\top E_j + A_m^\top G,\quad "
+          r"E_j = \sum_{t \in j} U_t\, do_t^\top,\quad A_0 = I,\ A_{j+1} = P_j A_j",
+    build=_entering_grad,
+    sizes=((2, 2, 1, 2), (1, 2, 2, 3)),
+    size_names=("C", "K", "V", "segments"),
+    twins=("reference.gdn.recurrent.recurrent_gated_delta_rule", "reference.gdn.cp.entering_state_grad"),
+    source="CP-1 and CP-3 composed (o_t = o0_t + (A_j S_in + B_j)^T U_t, S_end = A_m S_in + B_m) and "
+           "differentiated; the cross-rank backward's D (flashqla.distributed.op) and its segmented form "
+           "(flashqla.cp.driver)",
 ))

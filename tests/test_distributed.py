@@ -111,12 +111,29 @@ def _reference(name: str) -> dict:
     return out
 
 
-class CheckingBackend(FunctionBackend):
+class CountingBackend(FunctionBackend):
+    """The fp64 reference op, counting its calls: forward runs (value width, tokens) and backward
+    runs (tokens), so that a case can check which launches the op made."""
+
+    def __init__(self):
+        super().__init__(reference.chunk_gated_delta_rule)
+        self.forwards, self.backwards = [], []
+
+    def forward(self, q, k, v, g, beta, scale, initial_state, cu_seqlens):
+        self.forwards.append((v.shape[3], q.shape[1]))
+        return super().forward(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+
+    def backward(self, q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, saved):
+        self.backwards.append(q.shape[1])
+        return super().backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, saved)
+
+
+class CheckingBackend(CountingBackend):
     """The fp64 reference behind the kernel backend's contract: the forward hands out `saved`
     products tied to its (k, g, beta, cu_seqlens), and a backward given them must be for the same."""
 
     def __init__(self):
-        super().__init__(reference.chunk_gated_delta_rule)
+        super().__init__()
         self.reused = 0
 
     def forward(self, q, k, v, g, beta, scale, initial_state, cu_seqlens):
@@ -132,6 +149,18 @@ class CheckingBackend(FunctionBackend):
         return super().backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, None)
 
 
+def _check_piece_calls(be: CountingBackend, ctx: CPContext) -> None:
+    """The per-piece path's calls on one rank: one forward over the pieces, the transition run of a
+    continuing piece 0 (v = 0, value width K) in the forward and again in the backward (for D), and
+    ONE backward over all pieces (no second backward over a continuing last piece)."""
+    n, T0 = ctx.num_pieces, ctx.local_offsets[1] if ctx.num_pieces else 0
+    assert len(be.backwards) == (1 if n else 0), be.backwards
+    assert be.backwards == [ctx.local_len] * len(be.backwards)
+    main = [ctx.local_len] if n else []
+    trans = [T0] if ctx.first_continues else []
+    assert [t for _, t in be.forwards] == main + trans + trans, (be.forwards, main, trans)
+
+
 def _rank_run(name: str, W: int, rank: int) -> dict:
     """One rank's part of a case (inside an initialised gloo group)."""
     spec, x = CASES[name], _case_inputs(name)
@@ -143,14 +172,14 @@ def _rank_run(name: str, W: int, rank: int) -> dict:
     if spec.get("dtype") == torch.bfloat16:
         local = {n: (None if t is None else t.to(torch.bfloat16 if n in ("q", "k", "v") else torch.float32)) for n, t in local.items()}
     L = _leaves(local)
-    backend = CheckingBackend() if spec.get("backend") == "checking" else reference.chunk_gated_delta_rule
+    backend = CheckingBackend() if spec.get("backend") == "checking" else CountingBackend()
     kw = dict(initial_state=L["initial_state"], output_final_state=final, use_qk_l2norm_in_kernel=bool(spec.get("l2norm")),
               backend=backend)
     path = spec.get("path", "context")
+    ctx = build_cp_context(x["cu_seqlens"], shard_lens=lens)  # the plan the op follows (also without a context)
+    assert (ctx.start, ctx.end) == (lo, hi)
     if path == "context":
-        ctx = build_cp_context(x["cu_seqlens"], shard_lens=shard_lens)
-        assert (ctx.start, ctx.end) == (lo, hi)
-        kw["cp_context"] = ctx
+        kw["cp_context"] = build_cp_context(x["cu_seqlens"], shard_lens=shard_lens)
     elif path == "gather":
         kw["cu_seqlens"] = x["cu_seqlens"]  # the op gathers every rank's shard length itself
     else:
@@ -160,6 +189,7 @@ def _rank_run(name: str, W: int, rank: int) -> dict:
     loss.backward()
     if isinstance(backend, CheckingBackend):
         assert backend.reused, "no saved products were reused"
+    _check_piece_calls(backend, ctx)
     out = dict(o=o.detach(), final=None if ht is None else ht.detach())
     out.update({f"d{n}": L[n].grad for n in ("q", "k", "v", "g", "beta")})
     out["dh0"] = None if L["initial_state"] is None else L["initial_state"].grad

@@ -23,22 +23,29 @@ Forward
 
 Backward (the same, reversed; the VJP is linear in the cotangents (do, dht) and the adjoint of
 S -> P S + Q is X -> P^T X)
-    1. local backward  every piece with its true entering state (S_in for piece 0), the cotangent do,
-                       and dht = the final-state gradient on pieces that end their sequence here, 0 on
-                       a last piece that continues: gradients of every local input, and
-                       D = dS_in (the gradient reaching piece 0's entering state)
+    1. D               if piece 0 continues: the gradient reaching its entering state S_in through
+                       this rank's outputs and piece 0's end state, without a backward pass: with
+                       o_t = o0_t + S_in^T U_t and end state P_0 S_in + E_0,
+                       D = sum_t U_t do_t^T + P_0^T dht_0 (BWD-dSin; dht_0 the final-state gradient
+                       when piece 0 ends its sequence here, else 0); U recomputed by the transition
+                       run (v = 0 from I over piece 0), P_0 kept from the forward; D = 0 otherwise
     2. all-gather      D, one buffer [HV, K, V] per rank
     3. reverse scan    X = the gradient of the state leaving the last piece: from the rank holding
                        the sequence's last token, X <- D_r + P_r^T X over the ranks in between (their
                        P from the forward's all-gather)
-    4. correct         the last piece's backward with do = 0, dht = X, added to its gradients
+    4. local backward  ONE backward over all pieces with their true entering states (S_in for piece
+                       0), the cotangent do, and dht = the final-state gradient on pieces that end
+                       their sequence here, X on a last piece that continues: every local gradient
 
 Exchanged volume per call, independent of T: the forward sends HV * K * (K + V) and the backward
 HV * K * V elements of the state dtype per rank (fp32 with the kernels: 4 MiB and 2 MiB per rank at
-HV = 32, K = V = 128), and each rank receives W times that. Extra compute: a continuing piece 0 is run
-twice in the forward (step 2), and a continuing last piece twice in the backward (step 4); the
-critical path of W ranks over one long sequence is about two local forwards (two local backwards)
-of T / W tokens.
+HV = 32, K = V = 128), and each rank receives W times that. Extra compute: a continuing piece 0 gets
+a transition run (a forward pass with v = 0) in the forward and again in the backward; no piece is
+backpropagated twice.
+
+History: before this revision step 4 ran with dht = 0 on a continuing last piece and a second
+backward over that piece (do = 0, dht = X) was added to its gradients, and D came from the first
+backward's dh0, so a rank's backward waited on the later ranks' whole backward.
 
 Derivations: CP-1 (affine map of a segment), CP-2 (composition, the scan), CP-3 (output correction)
 in `derivations/cp.py`; the simulated single-device form is `reference.gdn.cp`, the intra-device
@@ -101,6 +108,7 @@ class _Run:
     scale: float
     output_final_state: bool
     state_dtype: torch.dtype
+    shape: tuple = ()  # (HV, K, V)
 
 
 def _entering_states(run: _Run, h0, S_in, device):
@@ -122,12 +130,45 @@ def _entering_states(run: _Run, h0, S_in, device):
     return rows
 
 
+def _transition_run(run: _Run, q, k, g, beta):
+    """Piece 0 (tokens [0, T0)) run with v = 0 from S_0 = I ([K, K] state, value width K): its
+    outputs U [1, T0, HV, K] (U_t = scale Phi_t^T q_t) and end state P_0 [HV, K, K] (CP-1)."""
+    ctx, be, sdt = run.ctx, run.backend, run.state_dtype
+    dev = q.device
+    HV, K = g.shape[2], k.shape[3]
+    T0 = ctx.local_offsets[1]
+    cu0 = ctx._tensor("first_piece", (0, T0), dev, torch.int32)
+    eye = torch.eye(K, dtype=sdt, device=dev).expand(1, HV, K, K).contiguous()
+    v0 = q.new_zeros((1, T0, HV, K))
+    U, P0, _ = be.forward(q[:, :T0], k[:, :T0], v0, g[:, :T0], beta[:, :T0], run.scale, eye, cu0)
+    return U, P0[0].to(sdt)
+
+
+def _scan_entering(maps: torch.Tensor, ctx: CPContext, K: int) -> torch.Tensor:
+    """The state entering this rank's piece 0: C <- P_r C + Q_r over the gathered maps [W, HV, K, K + V]
+    of the ranks from the one where the sequence starts up to this one (CP-2)."""
+    C = maps[ctx.start_rank, :, :, K:]
+    for r in range(ctx.start_rank + 1, ctx.rank):
+        C = torch.baddbmm(maps[r, :, :, K:], maps[r, :, :, :K], C)
+    return C.clone()
+
+
+def _scan_leaving_grad(dS: torch.Tensor, P_between: torch.Tensor, ctx: CPContext) -> torch.Tensor:
+    """The gradient of the state leaving this rank's last piece: X <- D_r + P_r^T X over the gathered
+    gradients [W, HV, K, V], from the rank holding the sequence's last token back to rank + 1
+    (the adjoint of the forward scan; P of the ranks in between from the forward's all-gather)."""
+    X = dS[ctx.end_rank]
+    for i in range(P_between.shape[0] - 1, -1, -1):  # ranks end_rank - 1 .. rank + 1
+        X = torch.baddbmm(dS[ctx.rank + 1 + i], P_between[i].transpose(-1, -2), X)
+    return X
+
+
 def _cp_forward(run: _Run, q, k, v, g, beta, h0):
     ctx, be, sdt = run.ctx, run.backend, run.state_dtype
     dev = q.device
     HV, V, K = v.shape[2], v.shape[3], k.shape[3]
     n = ctx.num_pieces
-    keep = dict(saved_main=None, S_in=None, P_between=None)
+    keep = dict(path="pieces", saved_main=None, S_in=None, P0=None, P_between=None)
     E = P0 = U = None
     if n:
         cu = ctx._tensor("local_offsets", ctx.local_offsets, dev, torch.int32)
@@ -136,12 +177,8 @@ def _cp_forward(run: _Run, q, k, v, g, beta, h0):
     else:
         o = torch.empty((1, 0, HV, V), dtype=q.dtype, device=dev)
     if ctx.first_continues:
-        T0 = ctx.local_offsets[1]
-        cu0 = ctx._tensor("first_piece", (0, T0), dev, torch.int32)
-        eye = torch.eye(K, dtype=sdt, device=dev).expand(1, HV, K, K).contiguous()
-        v0 = v.new_zeros((1, T0, HV, K))
-        U, P0, _ = be.forward(q[:, :T0], k[:, :T0], v0, g[:, :T0], beta[:, :T0], run.scale, eye, cu0)
-        P0 = P0[0].to(sdt)
+        U, P0 = _transition_run(run, q, k, g, beta)
+        keep["P0"] = P0
 
     send = torch.zeros(HV, K, K + V, dtype=sdt, device=dev)
     if n == 0:
@@ -153,10 +190,7 @@ def _cp_forward(run: _Run, q, k, v, g, beta, h0):
     maps = _all_gather(send, ctx)  # [W, HV, K, K + V]
 
     if ctx.first_continues:
-        C = maps[ctx.start_rank, :, :, K:]
-        for r in range(ctx.start_rank + 1, ctx.rank):
-            C = torch.baddbmm(maps[r, :, :, K:], maps[r, :, :, :K], C)
-        S_in = C.clone()
+        S_in = _scan_entering(maps, ctx, K)
         keep["S_in"] = S_in
         T0 = ctx.local_offsets[1]
         for lo in range(0, T0, _CORRECTION_BLOCK):
@@ -180,55 +214,62 @@ def _cp_forward(run: _Run, q, k, v, g, beta, h0):
     return o, final, keep
 
 
+def _terminal_grads(run: _Run, dfinal, dev):
+    """[n, HV, K, V] gradient reaching each local piece's end state, or None when all are zero: the
+    final state's gradient on pieces that end their sequence here, zero on a last piece that
+    continues (its gradient, X, comes from the later ranks)."""
+    ctx = run.ctx
+    if dfinal is None:
+        if not ctx.last_continues:
+            return None
+        HV, K, V = run.shape
+        return torch.zeros(ctx.num_pieces, HV, K, V, dtype=run.state_dtype, device=dev)
+    dht = dfinal.index_select(0, ctx._tensor("piece_seqs", ctx.piece_seqs, dev)).to(run.state_dtype)
+    if ctx.last_continues:
+        dht[-1].zero_()
+    return dht
+
+
+def _entering_grad(run: _Run, keep, q, k, g, beta, do, dht):
+    """D [HV, K, V]: the gradient reaching piece 0's entering state S_in through this rank's outputs
+    and piece 0's end state (not through a continuing end state: the reverse scan adds P_0^T X),
+    without a backward pass: o_t = o0_t + S_in^T U_t on piece 0 and its end state is P_0 S_in + E_0,
+    so D = sum_t U_t do_t^T + P_0^T dht_0 (BWD-dSin with one segment). U is recomputed by the transition
+    run (v = 0 from I over piece 0; the forward's P_0 is kept)."""
+    sdt = run.state_dtype
+    U, _ = _transition_run(run, q, k, g, beta)
+    T0 = U.shape[1]
+    D = torch.zeros(keep["P0"].shape[0], U.shape[3], do.shape[3], dtype=sdt, device=q.device)
+    for lo in range(0, T0, _CORRECTION_BLOCK):
+        hi = min(T0, lo + _CORRECTION_BLOCK)
+        D += torch.einsum("bthk,bthv->hkv", U[:, lo:hi].to(sdt), do[:, lo:hi].to(sdt))
+    if dht is not None:
+        D = torch.baddbmm(D, keep["P0"].transpose(-1, -2), dht[0])
+    return D
+
+
 def _cp_backward(run: _Run, keep, q, k, v, g, beta, h0, do, dfinal):
     ctx, be, sdt = run.ctx, run.backend, run.state_dtype
     dev = q.device
     HV, V, K = v.shape[2], v.shape[3], k.shape[3]
     n = ctx.num_pieces
-    S_in = keep["S_in"]
     if not run.output_final_state:
         dfinal = None
-    grads = None if n else [torch.zeros_like(x) for x in (q, k, v, g, beta)]  # empty shard: empty gradients
-    dh0_loc = None
-    D = torch.zeros(HV, K, V, dtype=sdt, device=dev)
-    if n:
-        cu = ctx._tensor("local_offsets", ctx.local_offsets, dev, torch.int32)
-        if do is None:
-            do = torch.zeros(v.shape, dtype=q.dtype, device=dev)
-        dht = None
-        if dfinal is not None:
-            dht = dfinal.index_select(0, ctx._tensor("piece_seqs", ctx.piece_seqs, dev)).to(sdt)
-            if ctx.last_continues:
-                dht[-1].zero_()
-        h_in = _entering_states(run, h0, S_in, dev)
-        *grads, dh0_loc = be.backward(q, k, v, g, beta, run.scale, h_in, cu, do, dht, keep["saved_main"])
-        grads = list(grads)
-        if ctx.first_continues:
-            D = dh0_loc[0].to(sdt)
+    if do is None:
+        do = torch.zeros(v.shape, dtype=q.dtype, device=dev)
+    dht = _terminal_grads(run, dfinal, dev) if n else None
+    D = _entering_grad(run, keep, q, k, g, beta, do, dht) if ctx.first_continues else torch.zeros(HV, K, V, dtype=sdt, device=dev)
     dS = _all_gather(D, ctx)  # [W, HV, K, V]
-
     if ctx.last_continues:
-        X = dS[ctx.end_rank]
-        P_between = keep["P_between"]
-        for i in range(P_between.shape[0] - 1, -1, -1):  # ranks end_rank - 1 .. rank + 1
-            X = torch.baddbmm(dS[ctx.rank + 1 + i], P_between[i].transpose(-1, -2), X)
-        L0 = ctx.local_offsets[-2]
-        last = slice(L0, None)
-        if ctx.first_continues and n == 1:
-            h_last = S_in[None]
-        elif h0 is not None:
-            h_last = h0[ctx.piece_seqs[-1]][None]
-        else:
-            h_last = None
-        saved = keep["saved_main"] if n == 1 else None
-        cu_last = ctx._tensor("last_piece", (0, ctx.local_len - L0), dev, torch.int32)
-        zeros_do = torch.zeros((1, ctx.local_len - L0, HV, V), dtype=q.dtype, device=dev)
-        xs = [x[:, last] for x in (q, k, v, g, beta)]
-        *g2, dh0_2 = be.backward(*xs, run.scale, h_last, cu_last, zeros_do, X[None].to(sdt), saved)
-        for dst, src in zip(grads, g2):
-            _add_rows(dst, L0, src)
-        if dh0_2 is not None and not (ctx.first_continues and n == 1) and dh0_loc is not None:
-            dh0_loc[-1] = (dh0_loc[-1].to(_acc_dtype(dh0_loc.dtype)) + dh0_2[0]).to(dh0_loc.dtype)
+        dht[-1] = _scan_leaving_grad(dS, keep["P_between"], ctx)
+
+    dh0_loc = None
+    if n:  # the one local backward: true entering states and terminal gradients
+        cu = ctx._tensor("local_offsets", ctx.local_offsets, dev, torch.int32)
+        h_in = _entering_states(run, h0, keep["S_in"], dev)
+        *grads, dh0_loc = be.backward(q, k, v, g, beta, run.scale, h_in, cu, do, dht, keep["saved_main"])
+    else:  # empty shard: empty gradients
+        grads = [torch.zeros_like(x) for x in (q, k, v, g, beta)]
 
     dh0 = None
     if h0 is not None:
@@ -377,6 +418,6 @@ def chunk_gated_delta_rule_cp(
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    run = _Run(ctx, be, scale, bool(output_final_state), be.state_dtype(q, g, beta, initial_state))
+    run = _Run(ctx, be, scale, bool(output_final_state), be.state_dtype(q, g, beta, initial_state), (d.HV, d.K, d.V))
     o, final = _CPFunction.apply(q, k, v, g, beta, initial_state, run)
     return o, (final if output_final_state else None)

@@ -13,6 +13,9 @@ The algebra (derivations CP-1 .. CP-5, research/flashqla-design.md section 4, FL
                        ||P_w S_w||_F <= exp(G_w) ||S_w||_F with G_w the window's summed log-decay
                        (CP-4, CP-5)
     cp_gated_delta_rule_fwd   the whole simulated CP forward
+    entering_state_grad the gradient reaching a sequence's entering state, from forward quantities
+                       only: sum_j A_j^T E_j + A_m^T dht, E_j = sum_t U_t do_t^T over segment j,
+                       A_j = P_{j-1} ... P_0 (BWD-dSin)
     ReferenceCPBackend the two sm_90 forward launches (prepare, recurrent) in fp64 on the kernels'
                        slot layout, so that `flashqla.cp.driver` (which orchestrates those launches
                        over segments) runs on CPU against this file's algebra
@@ -57,6 +60,7 @@ __all__ = [
     "window_decay",
     "warmup_states",
     "cp_gated_delta_rule_fwd",
+    "entering_state_grad",
     "recurrent_from_slots",
     "ReferenceCPBackend",
 ]
@@ -302,6 +306,54 @@ def cp_gated_delta_rule_fwd(
     out = (o, final if output_final_state else None)
     if return_info:
         return (*out, dict(plan=plan, S_start=S_start, S_start_exact=S_exact, G_w=G_w, P=P, Q=Q))
+    return out
+
+
+def entering_state_grad(q, k, g, beta, do, dht=None, scale=None, cu_seqlens=None, segment_len: int = 64,
+                        chunk_size: int = 64):
+    """The gradient of <do, o> + <dht, final_state> with respect to each sequence's initial state,
+    from forward quantities only (no backward pass; BWD-dSin).
+
+    Every sequence is cut into segments of `segment_len` tokens (`plan_segments`). Per segment j:
+    its transition P_j (`segment_maps`), the rows U_t = scale Phi_t^T q_t of the run from S = I with
+    v = 0 (`output_correction` of the identity: O(I) - O(0) = U), and E_j = sum_t U_t do_t^T. With
+    the composed maps A_0 = I, A_{j+1} = P_j A_j (segment j is entered with A_j S_in + B_j), the
+    outputs of segment j are o0_t + (A_j S_in + B_j)^T U_t and the final state is A_m S_in + B_m, so
+
+        d/dS_in = sum_j A_j^T E_j + A_m^T dht      (m segments; an empty sequence gives dht)
+
+    Args:
+        q, k: [B, T, H, K]; g, beta: [B, T, HV] (ln); do: [B, T, HV, V]; dht: None or [N, HV, K, V];
+        scale: default K ** -0.5; cu_seqlens: None or [N + 1]; segment_len: a multiple of chunk_size.
+    Returns:
+        [N, HV, K, V] in the compute dtype.
+    """
+    B, T, HV, V = do.shape
+    K = k.shape[3]
+    scale = K**-0.5 if scale is None else float(scale)
+    g = floor_gates(g)
+    cdt = compute_dtype(q, k, g, beta, do)
+    plan = plan_segments(B, T, cu_seqlens, segment_len, chunk_size)
+    qf, kf, gf, bf, dof = (_flat(x) for x in (q, k, g, beta, do))
+    vz = torch.zeros(1, B * T, HV, 1, dtype=cdt, device=q.device)
+    P, _ = segment_maps(kf, vz, gf, bf, plan.cu_seqlens, chunk_size)
+    eye = torch.eye(K, dtype=cdt, device=q.device).expand(plan.M, HV, K, K)
+    U = output_correction(qf, kf, gf, bf, eye, scale, plan.cu_seqlens, chunk_size)[0]  # [B * T, HV, K]
+    zero = torch.zeros(plan.N, HV, K, V, dtype=cdt, device=q.device)
+    dht = zero if dht is None else dht.to(cdt)
+    out = dht.clone()  # an empty sequence (no segment): its final state is its initial state
+    eye = torch.eye(K, dtype=cdt, device=q.device).expand(HV, K, K)
+    A = eye
+    for j in range(plan.M):
+        n = int(plan.seq[j])
+        lo, hi = int(plan.cu_seqlens[j]), int(plan.cu_seqlens[j + 1])
+        if bool(plan.first[j]):
+            A, out[n] = eye, 0.0
+        E = torch.einsum("thk,thv->hkv", U[lo:hi].to(cdt), dof[0, lo:hi].to(cdt))
+        out[n] += A.transpose(-1, -2) @ E
+        A = P[j] @ A  # A_{j+1}
+        if bool(plan.last[j]):
+            out[n] += A.transpose(-1, -2) @ dht[n]
     return out
 
 

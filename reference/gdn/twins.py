@@ -442,6 +442,21 @@ def _cp3(s, lhs_fn, rhs_fn):
     return [TwinPair("o", o, o0.to(corr.dtype) + corr)]
 
 
+@_driver("BWD-dSin")
+def _bwd_dsin(s, lhs_fn, rhs_fn):
+    # the initial state's gradient by autograd through the recurrence (lhs_fn) against the one formed
+    # from forward quantities over segments of two chunks (rhs_fn = cp.entering_state_grad)
+    x = s.x
+    h0 = _h0(s).detach().clone().requires_grad_(True)
+    dht = x.get("dht")
+    with torch.enable_grad():
+        o, ht = lhs_fn(**{**s.fwd_args(), "initial_state": h0}, output_final_state=True)
+        dht = torch.randn(ht.shape, generator=torch.Generator().manual_seed(3), dtype=ht.dtype) if dht is None else dht
+        torch.autograd.backward([o, ht], [x["do"].to(o.dtype), dht.to(ht.dtype)])
+    rhs = rhs_fn(x["q"], x["k"], x["g"], x["beta"], x["do"], dht, s.scale, s.cu, segment_len=2 * s.C, chunk_size=s.C)
+    return [TwinPair("dS_in", h0.grad, rhs)]
+
+
 # ---- entry points ----------------------------------------------------------------------------------
 
 
