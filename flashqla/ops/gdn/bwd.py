@@ -80,8 +80,10 @@ def _build_once(q, v, beta, cu_seqlens, h_dtype) -> None:
 
     if q.shape[0] * q.shape[1] == 0:
         return
+    from flashqla.ops.gdn.kernels.sm90.chunk_bwd import DEFAULT_VARIANT
+
     key = (q.shape[2], v.shape[2], q.shape[3], v.shape[3], q.dtype, beta.dtype, h_dtype,
-           None if cu_seqlens is None else cu_seqlens.dtype)
+           None if cu_seqlens is None else cu_seqlens.dtype, DEFAULT_VARIANT)
     if key in _BUILT:
         return
     specs = op_kernel_specs(
@@ -89,5 +91,9 @@ def _build_once(q, v, beta, cu_seqlens, h_dtype) -> None:
         seq_dtype=tl_dtype(cu_seqlens.dtype) if cu_seqlens is not None else "int32", varlen=cu_seqlens is not None,
         h_dtype=tl_dtype(h_dtype),
     )[2:]
+    from flashqla.ops.gdn.kernels.sm90 import chunk_bwd
+
+    if chunk_bwd.DEFAULT_VARIANT != "v1":  # FLASHQLA_BWD_VARIANT: build the pass-2 kernel that will run
+        specs = [(kind, args + (chunk_bwd.DEFAULT_VARIANT,) if kind == "chunk_bwd" else args) for kind, args in specs]
     build_kernels(specs)
     _BUILT.add(key)

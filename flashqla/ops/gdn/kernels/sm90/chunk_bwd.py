@@ -26,12 +26,26 @@ fp32 accumulation; the state gradient goes to a bf16 copy in shared memory for K
 """
 
 import functools
+import os
 
 import torch
 
 from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slots, sequence_span, tl_dtype
 
-__all__ = ["build_chunk_bwd_kernel", "chunk_bwd_kernel_args", "chunk_fused_bwd"]
+__all__ = ["DEFAULT_VARIANT", "VARIANTS", "build_chunk_bwd_kernel", "chunk_bwd_kernel_args", "chunk_fused_bwd"]
+
+#: Pass-2 kernels: "v1" (this module) and "v2" (`chunk_bwd_v2.py`, rescheduled; not yet run on a GPU).
+VARIANTS = ("v1", "v2")
+#: The variant `chunk_fused_bwd` uses when none is given (read at every call; the environment variable
+#: FLASHQLA_BWD_VARIANT sets it at import). "v1" until v2 has passed its GPU check.
+DEFAULT_VARIANT = os.environ.get("FLASHQLA_BWD_VARIANT", "v1")
+
+
+def _variant(variant):
+    variant = DEFAULT_VARIANT if variant is None else variant
+    if variant not in VARIANTS:
+        raise ValueError(f"pass-2 variant must be one of {VARIANTS}, got {variant!r}")
+    return variant
 
 
 def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
@@ -317,9 +331,14 @@ def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: s
 
 @functools.lru_cache(maxsize=None)
 def build_chunk_bwd_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
-                           varlen: bool):
+                           varlen: bool, variant: str = "v1"):
     """Compiled pass-2 kernel (cached). Static key: head counts, head dims, dtype of q/k/v/A, dtype of
-    the stored h, beta's dtype, cu_seqlens' dtype, packed or not; T, B, sequences are run-time."""
+    the stored h, beta's dtype, cu_seqlens' dtype, packed or not, and the variant ("v1" or "v2",
+    `VARIANTS`); T, B, sequences are run-time."""
+    if _variant(variant) == "v2":
+        from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v2 import build_chunk_bwd_v2_kernel
+
+        return build_chunk_bwd_v2_kernel(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen)
     func = _chunk_bwd_prim_func(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen)
     return compile_kernel(func, f"gdn_chunk_bwd_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{h_dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}")
 
@@ -330,12 +349,17 @@ def chunk_bwd_kernel_args(q, v, beta, h, cu_seqlens) -> tuple:
             seq_dtype, cu_seqlens is not None)
 
 
-def chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens):
-    """Launches pass 2. Not verified on a GPU yet. Arguments: the forward's inputs (contiguous), its
-    A and g_cum_log2, h from pass 1, do [B, T, HV, V], dht None or [N, HV, K, V] fp32.
+def chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, variant: str | None = None):
+    """Launches pass 2. Arguments: the forward's inputs (contiguous), its
+    A and g_cum_log2, h from pass 1, do [B, T, HV, V], dht None or [N, HV, K, V] fp32; variant: "v1"
+    (this kernel) or "v2" (`chunk_bwd_v2`), None for `DEFAULT_VARIANT`.
 
     Returns (dq_hv [B, T, HV, K] fp32, dk_hv [B, T, HV, K] fp32, dv [B, T, HV, V] v's dtype,
     dbeta [B, T, HV] fp32, dG [HV, S * 64] fp32, dh0 [N, HV, K, V] fp32)."""
+    if _variant(variant) == "v2":
+        from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v2 import chunk_fused_bwd_v2
+
+        return chunk_fused_bwd_v2(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens)
     from flashqla.ops.gdn.kernels.sm90.prepare import dummy_cu_seqlens
 
     B, T, H, K = q.shape
