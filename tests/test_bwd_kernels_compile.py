@@ -145,3 +145,81 @@ def test_cp_mode_is_checked_before_device_work(monkeypatch):
     monkeypatch.setenv(CP_ENV, "bogus")
     with pytest.raises(ValueError, match="cp must be"):
         flashqla.chunk_gated_delta_rule(x, x, x, g, g)
+
+
+# ----------------------------------------------------------------------------------------------
+# pass 2, variant v2 (`chunk_bwd_v2.py`; not yet run on a GPU)
+# ----------------------------------------------------------------------------------------------
+
+#: measured spill bytes of v2 (ptxas, sm_90a): four loop-invariant scalars stored once before the
+#: chunk loop (v1: the same 16 B); with h stored fp32 the consumers' h load and rounding adds more.
+#: A budget, not a target: the test fails if the schedule's register pressure grows.
+V2_SPILL_BUDGET = {"bfloat16": 16, "float32": 96}
+
+
+def _ptxas_log(kernel) -> str:
+    """ptxas's verbose output (warnings included) for a kernel's generated source, sm_90a; the same
+    command as `_common.ptxas_report`."""
+    import os
+    import subprocess
+    import tempfile
+
+    from tilelang import env
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cu")
+        with open(path, "w") as f:
+            f.write(kernel.get_kernel_source())
+        cmd = ["nvcc", "-std=c++20", f"-I{env.TILELANG_TEMPLATE_PATH}", f"-I{env.CUTLASS_INCLUDE_DIR}", "--use_fast_math",
+               "-gencode", "arch=compute_90a,code=sm_90a", "-cubin", "-o", os.path.join(d, "k.cubin"),
+               "--ptxas-options=--verbose", "-w", path]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return out.stdout + out.stderr
+
+
+@needs_nvcc
+@pytest.mark.parametrize(
+    "dtype,h_dtype,beta_dtype,seq_dtype,varlen",
+    [("bfloat16", "bfloat16", "float32", "int32", True), ("float16", "float32", "float16", "int64", False)],
+    ids=["bf16-hbf16-varlen", "fp16-hfp32-fixed"],
+)
+def test_chunk_bwd_v2_kernel_compiles(dtype, h_dtype, beta_dtype, seq_dtype, varlen):
+    """v2 lowers and compiles for sm_90a: TMA loads by a producer warpgroup (setmaxnreg 24 / 240),
+    wgmma issued without an implicit wait, within Hopper's shared memory, no wgmma serialisation
+    (C751x), spills within the measured budget; the tiles the consumers zero past a sequence end
+    are written only after their TMA loads were waited for."""
+    from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
+    from flashqla.ops.gdn.kernels.sm90.chunk_bwd import build_chunk_bwd_kernel
+
+    kernel = build_chunk_bwd_kernel(1, 2, 128, 128, dtype, h_dtype, beta_dtype, seq_dtype, varlen, "v2")
+    src = kernel.get_kernel_source()
+    assert "tma_load" in src and "wgmma" in src and "exp2" in src
+    assert "warpgroup_reg_dealloc<24>" in src and "warpgroup_reg_alloc<240>" in src
+    assert ("h_desc" in src) == (h_dtype == dtype), "h comes by TMA exactly when it is stored in q's dtype"
+    assert src.count("wait_wgmma<") >= 15, "the products should be issued asynchronously and waited explicitly"
+    assert "AllReduce" in src and "run_batch" in src
+    # the pipeliner waits for a tile's TMA before the first statement that reads it and does not count
+    # the consumers' zeroing of rows past a sequence end as a use: each zeroing must follow a wait
+    consumer = src[src.index("warpgroup_reg_alloc<240>"):]
+    first_mask = consumer.index("if (nvalid < 64)")
+    assert consumer[:first_mask].count(".wait(") >= 3, "rows zeroed before the q / k tiles arrived"
+    if varlen:
+        # the last sequence's CTA zeroes the rows past cu_seqlens[-1], the first one's those before cu_seqlens[0]
+        assert "(Np1 - 2)" in src and "cu_seqlens[0]" in src, "rows of no sequence must be zeroed in-kernel"
+    r = ptxas_report(kernel)
+    log = _ptxas_log(kernel)
+    assert "C751" not in log, "ptxas serialised wgmma: " + log
+    assert r["dynamic_smem"] is not None and r["dynamic_smem"] + r["static_smem"] <= SMEM_LIMIT
+    assert r["spill_stores"] <= V2_SPILL_BUDGET[h_dtype], r
+
+
+def test_chunk_bwd_variant_is_checked():
+    from flashqla.ops.gdn.kernels.sm90.chunk_bwd import DEFAULT_VARIANT, VARIANTS, build_chunk_bwd_kernel, chunk_fused_bwd
+
+    assert VARIANTS == ("v1", "v2")
+    assert DEFAULT_VARIANT == "v1" or __import__("os").environ.get("FLASHQLA_BWD_VARIANT")
+    with pytest.raises(ValueError, match="variant"):
+        build_chunk_bwd_kernel(1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True, "v9")
+    x = torch.zeros(1, 1, 1, 128)
+    with pytest.raises(ValueError, match="variant"):
+        chunk_fused_bwd(x, x, x, x, x, x, x, x, None, 1.0, None, variant="v9")
