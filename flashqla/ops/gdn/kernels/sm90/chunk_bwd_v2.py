@@ -48,9 +48,24 @@ Shared memory: the same tiles as v1 (no double buffering: q, k, v, dO 16 KB each
 8 KB, h 32 KB, D (bf16) 32 KB, Kg/A/Pg 8 KB each, W, v_new, dv_new 16 KB each) plus the gate copy
 and the reductions' staging.
 
-ptxas (sm_90a, `_common.ptxas_report`, CPU; v1 in brackets): see NOTES-bwd.md, section
-"Pass-2 variant v2", for the figures measured when this file was committed (registers, spills,
-shared memory, wgmma serialisation warnings), kept current by `tests/test_bwd_kernels_compile.py`.
+Accumulators: a wgmma's accumulator registers stay live across the whole chunk loop (the inline
+asm reads them even when it clears them), so v2 keeps D (64 registers per thread), one [64, 64]
+and three [64, 128] accumulators and assigns the ~12 products' results to them by lifetime;
+a fourth [64, 128] one (an earlier draft) spilled ~600 B and made ptxas serialise the wgmma (C7512).
+
+Measured on CPU (TileLang 0.1.15, nvcc 13.0, ptxas sm_90a via `_common.ptxas_report`; H = 1,
+HV = 2), v1 in brackets:
+- bf16 q/k/v + bf16 h + fp32 beta + int32 packed: 168 registers at entry (384 threads; setmaxnreg
+  24 producer / 240 consumers) [255, 256 threads], 16 B spill stores / loads [16 B]: four
+  loop-invariant scalars stored once before the chunk loop, ~4 reloads per chunk; no C751x
+  warning; shared memory 228,880 B dynamic + 1,024 B static (mbarriers) = 229,904 of 232,448 B
+  [226,560 B]. SASS (nvdisasm), whole kernel: 124 HGMMA [132], 16 wgmma waits [21], 57 BAR.SYNC
+  [171], 42 SHFL [84], 36 UTMALDG [0], 108 MUFU.EX2 [108].
+- fp16 + fp32 h + fp16 beta + int64 fixed: the same, but 96 B spill stores / 112 B loads (the
+  consumers' load and rounding of the fp32 h tile, 64 values per thread, on top of the resident
+  accumulators); no C751x warning.
+Not run on a GPU: correctness (bitwise against v1 where claimed above), the absence of races in the
+pipeliner's release points and the speed are for `tests/gpu/bwd_v2_check.py` to establish.
 """
 
 import functools
