@@ -1,0 +1,259 @@
+"""Prepare kernel, variant "v3": v2's grid, loads and stores, with the 64 x 64 inverse formed block-
+recursively instead of by four dense 64 x 64 x 64 products. Same outputs and slot layout as "v1" and
+"v2"; selected by `chunk_prepare_fwd(variant="v3")` or FLASHQLA_PREPARE=v3. Compiled and inspected
+on CPU only: not yet run on a GPU (NOTES.md); v2 stays the default until it is.
+
+Covers the reference stages (FLA's names, `reference.gdn.chunk`):
+    chunk_local_cumsum   -> g_cum_log2 (chunk-local inclusive cumsum of g, in base-2 units)
+    chunk_scaled_dot_kkt -> L = strictly_lower(diag(beta) (K K^T) * Gamma), per value head
+    solve_tril           -> A = (I + L)^-1 (gated, as FLA's A)
+and stores A diag(beta) (k's dtype) and g_cum_log2, as v1 and v2.
+Stage twin: `reference.gdn.fused.prepare_group_recursive` (one chunk of one q/k head and its G value
+heads, in this kernel's order of products; checked in fp64 against FLA's stages and against v2's
+twin by tests/test_kernels_compile.py).
+Derivation records relied on (`python -m derivations`): CF-1..CF-3 (chunk form with FLA's gated A),
+WY-3 (forward substitution in the 16 x 16 diagonal blocks), WY-4 with two blocks, applied to the
+16-blocks of each half and then to the two 32-blocks (the off-diagonal block of a 2 x 2 block-lower
+inverse is -Ai_11 L_10 Ai_00, whatever computed the diagonal-block inverses; the products below are
+that formula regrouped, no new identity), RW-2 (beta folded into the stored operand), RW-4 (exp2 of
+base-2 differences). As in v2, value head hv reads q/k head hv // G.
+
+The inverse. Blocks of 16: D = blockdiag(Ai_00 .. Ai_33), Ai_ii = (I + L_ii)^-1 by forward
+substitution; F_10 = Ai_11 L_10, F_32 = Ai_33 L_32; halves of 32: B_0 = I + L[:32, :32],
+B_1 = I + L[32:, 32:], Lb = L[32:, :32]. Then (WY-4 twice)
+    B_0^-1 = [[Ai_00, 0], [-F_10 Ai_00, Ai_11]],   B_1^-1 = [[Ai_22, 0], [-F_32 Ai_22, Ai_33]],
+    A[32:, :32] = -B_1^-1 Lb B_0^-1 = -Q B_0^-1,   Q = Z - [0; F_32 Z_top],   Z = blockdiag(Ai_22, Ai_33) Lb
+in three barrier-separated product phases after the substitution (tf32 mma.sync, fp32 accumulate):
+    1. [F_32; F_10] (32 x 16 x 32) and Z (32 x 32 x 32)
+    2. [Ai_10; Ai_32] = -blockdiag(F_10, F_32) [Ai_00; Ai_22] (32 x 16 x 32), and Q = Z - [0; F_32 Z_top]
+       accumulated onto Z's registers (32 x 32 x 16)
+    3. A[32:, :32] = -Q B_0^-1 (32 x 32 x 32)
+The block-diagonal operands carry their zero blocks (written once per CTA), so each phase is one or
+two whole-tile products on four warps. Tensor-core work per value head: 2 x 32x16x32 + 2 x 32x32x32
++ 32x32x16 = 112 K multiply-adds (~0.23 MFLOP; v2: 4 x 64^3 = 1.05 M, ~2.1 MFLOP).
+
+What changes against v2 (grid, k by TMA, K K^T once by wgmma, g/beta loads, cumsum, L formed once
+per element with one exp2, the A tile staged in shared memory and stored by TMA: unchanged):
+1. the inverse: the recursion above instead of F = D^-1 E, X = I + F F, G = (I - F) X, A = G D^-1;
+   no D^-1 expansion into 64 x 64 operands, no 64 x 64 fp32 tiles;
+2. L's strictly upper 16 x 16 blocks are skipped (no exp2 there; warp w forms blocks (w, 0..w));
+   L goes straight to the operand tiles it feeds (diagonal blocks compact for the substitution,
+   [L_10; L_32]^T, Lb^T);
+3. A diag(beta) is written to the bf16 staging tile by the stage that produces each block (the
+   substitution threads for the diagonal blocks, the phase-2 and phase-3 epilogues for the rest,
+   once-per-CTA zeros above the diagonal blocks): no separate staging pass;
+4. the TMA store of head j is not waited for at once: the copy engine reads the staging tile while
+   head j + 1 forms L, and the issuing thread waits just before the substitution writes it again;
+5. fp32 operand tiles are 32 x 36 floats, linear (rows 144 B apart: conflict-free ldmatrix, affine
+   addresses; TileLang's swizzled 32 x 32 layout made ptxas hoist ~40 swizzled addresses out of the
+   value-head loop and spill at 128 registers), K loops rolled over 16-wide slices (`gemm_nt`).
+Per value head: 9 barriers (v2: 12), 28 tf32 mma.sync per warp (v2: 256), one exp2 per element of
+the ten lower 16 x 16 blocks (v2: all 64 x 64 elements). Of the 9 barriers 5 order real hazards
+(L -> substitution -> phase 1 -> 2 -> 3 -> store); TileLang places the other 4 (loop top, after each
+phase's products) because its barrier pass sees one merged shared-memory buffer and cannot separate
+an ldmatrix read of one tile from the next store into another. Moving the tiles read before those
+stores into static shared memory removes them (6 per head, checked on CPU), but TVM's launcher
+raises the dynamic shared-memory limit only for >= 48 KB of dynamic memory, so 24 KB static plus
+~28 KB dynamic would fail at launch: not done.
+
+Shared memory: ka_s 16 KB (k, then the bf16 A staging tile in its first 64 columns), seven fp32
+operand tiles (27.25 KB), the compact diagonal blocks of L (5 KB), g and beta (2 G x 256 B): 49,920 B
+dynamic at G = 1 up to 53,504 at G = 8, + 1 KB static; launch bounds (128, 4): four CTAs per SM.
+ptxas (sm_90a, CUDA 13.0; `_common.ptxas_report`): 128 registers without spills for G = 2 (H = 1
+and 2, packed), 4 and 8, 79 at G = 1 (no head loop); 161 uncapped at G = 4.
+
+Per CTA (128 threads, one warpgroup):
+1. map the slot to (sequence, chunk) (binary search over cu_seqlens for packed input; `_common`);
+2. issue the TMA load of the k tile of q/k head hk; load g and beta of value heads hk*G .. hk*G+G-1
+   (zero past the end); zero the constant blocks; wait for k; g_cum_log2 = cumsum(g) / ln 2;
+3. K K^T on the tensor cores (wgmma), held in registers for the G heads;
+4. per value head j: L -> D^-1 by forward substitution (64 threads, one column of a diagonal block
+   each; writes the diagonal blocks of A diag(beta)) -> phases 1-3 -> TMA store of A diag(beta);
+5. g_cum_log2 of the G heads (64 contiguous floats per head).
+"""
+
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, RCP_LN2, locate_slot
+
+__all__ = ["prepare_v3_prim_func"]
+
+#: Diagonal block size of the forward substitution (WY-3)
+BLOCK = 16
+#: Half chunk: the two diagonal 32 x 32 blocks of the recursion
+HALF = 2 * BLOCK
+#: Row length of the compact transposed diagonal blocks of L (16 + 4 floats: 16-byte aligned rows for
+#: vector loads in the substitution, conflict-free transposed stores from the K K^T fragment)
+DROW = BLOCK + 4
+#: Row length of the fp32 operand tiles (32 + 4 floats: ldmatrix rows 144 B apart, conflict free)
+ROW = HALF + 4
+#: CTAs per SM the kernel is built for (launch bounds: 128 registers; <= 56 KB shared memory)
+MIN_BLOCKS = 4
+#: K slice of the tf32 products (`gemm_nt`)
+KSLICE = 16
+
+
+def prepare_v3_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
+                         min_blocks: int = MIN_BLOCKS):
+    """The v3 kernel for one static configuration. `min_blocks` is the CTAs-per-SM hint of the launch
+    bounds (4: 128 registers), a tuning knob for the GPU timing (`tests/gpu/prepare_v3_check.py`)."""
+    import tilelang.language as T
+    from tilelang.layout import make_linear_layout
+
+    if K < CHUNK:
+        raise ValueError(f"prepare v3 stages the A tile in the k tile's first {CHUNK} columns: needs K >= {CHUNK}, got {K}")
+    C = CHUNK
+    G = HV // H
+    BS = BLOCK
+    HB = HALF
+    acc = "float32"
+    B = T.dynamic("B")
+    Tn = T.dynamic("T")
+    R = T.dynamic("R")  # slot rows = slots * 64
+    Np1 = T.dynamic("Np1")
+
+    @T.macro
+    def gemm_nt(a, b, c, a_row0=0):
+        """c = a[a_row0 : a_row0 + 32, :32] b[:, :32]^T in slices of KSLICE, the slice loop kept rolled
+        (unrolled, ptxas hoists the operand addresses of every slice out of the value-head loop and
+        spills them)."""
+        T.clear(c)
+        for kk in T.unroll(HB // KSLICE, unroll_factor=1):
+            T.gemm(a[a_row0 : a_row0 + HB, kk * KSLICE : (kk + 1) * KSLICE], b[:, kk * KSLICE : (kk + 1) * KSLICE], c,
+                   transpose_B=True)
+
+    @T.prim_func
+    def gdn_prepare_v3_fwd(
+        k: T.Tensor((B, Tn, H, K), dtype),
+        g: T.Tensor((B, Tn, HV), "float32"),
+        beta: T.Tensor((B, Tn, HV), beta_dtype),
+        cu_seqlens: T.Tensor((Np1,), seq_dtype),
+        A: T.Tensor((HV, R, C), dtype),
+        g_cum_log2: T.Tensor((HV, R), "float32"),
+    ):
+        with T.Kernel(R // C, H, threads=128) as (slot, hk):  # slots on x (up to 2^31 - 1)
+            T.annotate_min_blocks_per_sm(min_blocks)
+            seq, chunk, bos, seqlen, bidx, nvalid, t0 = locate_slot(slot, cu_seqlens, Tn, Np1, varlen)
+            row0 = slot * C
+
+            # k (before the head loop), then A diag(beta) in k's dtype staged in [:, :64] for the TMA store
+            ka_s = T.alloc_shared((C, K), dtype)
+            # fp32 operand tiles ([rows, K] for A operands, [N, K] for B operands; columns 32..35 unused)
+            dm_s = T.alloc_shared((3 * BS, ROW), acc)  # rows: [Ai22 | 0], [0 | Ai33], [Ai11 | 0]
+            lbt_s = T.alloc_shared((HB, ROW), acc)  # Lb^T [s, t - 32]; then Q
+            b0t_s = T.alloc_shared((HB, ROW), acc)  # (B_0^-1)^T
+            y_s = T.alloc_shared((HB, ROW), acc)  # blockdiag(F10, F32)
+            zt_s = T.alloc_shared((HB, BS + 4), acc)  # -Z_top^T
+            l2t_s = T.alloc_shared((BS, ROW), acc)  # [L10; L32]^T
+            d2t_s = T.alloc_shared((BS, ROW), acc)  # [Ai00; Ai22]^T
+            ld_s = T.alloc_shared((C, DROW), acc)  # diagonal blocks of L, transposed: [s, t % 16]
+            gc_s = T.alloc_shared((G, C), acc)  # g_cum_log2 of the G value heads, head-major
+            b_s = T.alloc_shared((G, C), acc)
+            T.annotate_layout({x: make_linear_layout(x) for x in (dm_s, lbt_s, b0t_s, y_s, zt_s, l2t_s, d2t_s)})
+            kk_f = T.alloc_fragment((C, C), acc)
+            y_f = T.alloc_fragment((HB, BS), acc)
+            w_f = T.alloc_fragment((HB, BS), acc)
+            z_f = T.alloc_fragment((HB, HB), acc)
+            o_f = T.alloc_fragment((HB, HB), acc)
+            xcol = T.alloc_local((BS,), acc)
+            k_bar = T.alloc_barrier(128)  # every thread arrives; the copy engine completes the bytes
+
+            if nvalid > 0:
+                # k by the copy engine (zero-filled past the end of the tensor; rows past the end of
+                # a packed sequence hold the next sequence's keys and are masked in L below)
+                T.tma_copy(k[bidx, t0 : t0 + C, hk, 0:K], ka_s, barrier=k_bar)  # waited after g and beta
+                T.barrier_arrive(k_bar)
+                for t, j in T.Parallel(C, G):
+                    gc_s[j, t] = T.if_then_else(t < nvalid, g[bidx, t0 + t, hk * G + j] * RCP_LN2, T.float32(0))
+                    b_s[j, t] = T.if_then_else(t < nvalid, T.cast(beta[bidx, t0 + t, hk * G + j], acc), T.float32(0))
+                # blocks no value head writes, zeroed once: the off-diagonal blocks of the block-diagonal
+                # operands and the upper block of (B_0^-1)^T
+                for t, s in T.Parallel(3 * BS, HB):
+                    dm_s[t, s] = T.float32(0)
+                for t, s in T.Parallel(HB, HB):
+                    y_s[t, s] = T.float32(0)
+                    b0t_s[t, s] = T.float32(0)
+                T.mbarrier_wait_parity(k_bar, 0)
+                T.cumsum(gc_s, dim=1)
+                T.gemm(ka_s, ka_s, kk_f, transpose_B=True, clear_accum=True)
+                # k is dead: the staging tile's blocks above the diagonal blocks stay zero
+                for t, s in T.Parallel(C, C):
+                    ka_s[t, s] = T.cast(0, dtype)
+
+                for j in T.serial(G):
+                    # L = beta_t (k_t . k_s) exp2(gc[t] - gc[s]) for s < t < nvalid, lower blocks only:
+                    # diagonal blocks -> ld_s, L10 and L32 -> l2t_s, Lb = L[32:, :32] -> lbt_s (transposed)
+                    for t, s in T.Parallel(C, C):
+                        if t // BS >= s // BS:
+                            lv = T.if_then_else(
+                                (t > s) & (t < nvalid),
+                                b_s[j, t] * kk_f[t, s] * T.exp2(T.if_then_else(t > s, gc_s[j, t] - gc_s[j, s], T.float32(0))),
+                                T.float32(0),
+                            )
+                            if t // BS == s // BS:
+                                ld_s[s, t % BS] = lv
+                            elif t >= HB and s < HB:
+                                lbt_s[s, t - HB] = lv
+                            else:
+                                l2t_s[s % BS, (t // HB) * BS + t % BS] = lv
+                    # the previous head's A tile has been read out of ka_s by the copy engine
+                    T.tma_store_wait(0)
+
+                    # D^-1: thread (blk, col) < 64 solves column col of diagonal block blk by forward
+                    # substitution (WY-3's recursion, each row's sum taken column by column: fewer live
+                    # registers than row by row), writes it where the products read it, and times beta
+                    # into the staging tile
+                    tx = T.get_thread_binding()
+                    if tx < C:
+                        blk = tx // BS
+                        col = tx % BS
+                        for r in T.unroll(BS):
+                            xcol[r] = T.if_then_else(r == col, T.float32(1), T.float32(0))
+                        for m in T.unroll(BS):
+                            for r in T.unroll(BS):
+                                if r > m:
+                                    xcol[r] = xcol[r] - ld_s[blk * BS + m, r] * xcol[m]
+                        bc = b_s[j, blk * BS + col]
+                        for r in T.unroll(BS):
+                            ka_s[blk * BS + r, blk * BS + col] = T.cast(T.if_then_else(r >= col, xcol[r] * bc, T.float32(0)), dtype)
+                            if blk == 0:
+                                d2t_s[col, r] = xcol[r]
+                                b0t_s[col, r] = xcol[r]
+                            elif blk == 1:
+                                dm_s[2 * BS + r, col] = xcol[r]
+                                b0t_s[BS + col, BS + r] = xcol[r]
+                            elif blk == 2:
+                                d2t_s[col, BS + r] = xcol[r]
+                                dm_s[r, col] = xcol[r]
+                            else:
+                                dm_s[BS + r, BS + col] = xcol[r]
+
+                    # phase 1: [F32; F10] = [[0 | Ai33], [Ai11 | 0]] [L10; L32]  and  Z = blockdiag(Ai22, Ai33) Lb
+                    gemm_nt(dm_s, l2t_s, y_f, BS)
+                    gemm_nt(dm_s, lbt_s, z_f)
+                    for t, s in T.Parallel(HB, BS):
+                        y_s[(t + BS) % HB, ((t + BS) % HB // BS) * BS + s] = y_f[t, s]
+                    for t, n in T.Parallel(BS, HB):
+                        zt_s[n, t] = -z_f[t, n]
+
+                    # phase 2: [Ai10; Ai32] = -blockdiag(F10, F32) [Ai00; Ai22];  Q = Z - [0; F32 Z_top] onto Z
+                    gemm_nt(y_s, d2t_s, w_f)
+                    for kk in T.unroll(BS // 8, unroll_factor=1):  # K = 16 in rolled 8-wide slices (as gemm_nt)
+                        T.gemm(y_s[:, BS + kk * 8 : BS + kk * 8 + 8], zt_s[:, kk * 8 : kk * 8 + 8], z_f, transpose_B=True)
+                    for t, n in T.Parallel(HB, HB):
+                        lbt_s[t, n] = z_f[t, n]  # Q over Lb^T (read for the last time in phase 1)
+                    for t, s in T.Parallel(HB, BS):
+                        if t < BS:
+                            b0t_s[s, BS + t] = -w_f[t, s]
+                        ka_s[BS + t + (t // BS) * BS, s + (t // BS) * HB] = T.cast(-w_f[t, s] * b_s[j, s + (t // BS) * HB], dtype)
+
+                    # phase 3: A[32:, :32] = -Q B_0^-1
+                    gemm_nt(lbt_s, b0t_s, o_f)
+                    for t, s in T.Parallel(HB, HB):
+                        ka_s[HB + t, s] = T.cast(-o_f[t, s] * b_s[j, s], dtype)
+                    T.fence_proxy_async()
+                    T.tma_copy(ka_s[:, 0:C], A[hk * G + j, row0 : row0 + C, 0:C])  # waited before the next head writes ka_s
+                T.tma_store_wait(0)
+
+                for j, t in T.Parallel(G, C):
+                    g_cum_log2[hk * G + j, row0 + t] = gc_s[j, t]
+
+    return gdn_prepare_v3_fwd
