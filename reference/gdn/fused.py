@@ -621,3 +621,82 @@ def prepare_group(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, nvalid: 
     A = Gm @ Dinv
     A_beta = torch.where(t[:, None] >= t[None, :], A * beta[..., None, :], zero)
     return gcl, A_beta
+
+
+# ----------------------------------------------------------------------------------------------
+# Appended for the sm_90 prepare kernel's variant "v3" (flashqla/ops/gdn/kernels/sm90/prepare_v3.py):
+# the same chunk-of-a-group computation as `prepare_group`, with the inverse formed block-recursively
+# in the kernel's order of products. Records: WY-3 (diagonal 16 x 16 blocks) and WY-4 with two blocks,
+# applied to the 16-blocks of each half and then to the two 32-blocks (the off-diagonal block of a
+# 2 x 2 block-lower inverse from its diagonal-block inverses; the products below regroup it, no new
+# identity). Twins: `solve_tril_blocks` / `solve_tril_nilpotent` (same inverse), `prepare_group`.
+# ----------------------------------------------------------------------------------------------
+
+
+def solve_tril_recursive(L: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """(I + L)^-1 for strictly lower L [..., n, n] with n == 4 * block, as the v3 prepare kernel forms it:
+
+        Ai_ii = (I + L_ii)^-1 by forward substitution (WY-3), i = 0..3
+        F_10 = Ai_11 L_10,  F_32 = Ai_33 L_32,  Z = blockdiag(Ai_22, Ai_33) Lb,  Lb = L[2b:, :2b]
+        Ai_10 = -F_10 Ai_00,  Ai_32 = -F_32 Ai_22,  Q = Z - [0; F_32 Z_top]          (= B_1^-1 Lb)
+        A[2b:, :2b] = -Q B_0^-1,  B_0^-1 = [[Ai_00, 0], [Ai_10, Ai_11]]
+
+    (WY-4 with two blocks, at block and at 2 * block). Entries on and above the diagonal of L are
+    ignored. Returns [..., n, n], unit lower triangular. Raises ValueError unless n == 4 * block.
+    """
+    n = L.shape[-1]
+    if n != 4 * block:
+        raise ValueError(f"solve_tril_recursive needs n == 4 * block, got n = {n}, block = {block}")
+    b, h = block, 2 * block
+    L = torch.where(_causal(n, True, L.device), L, torch.zeros((), dtype=L.dtype, device=L.device))
+    Dinv = solve_tril_diagonal_blocks(L, block)
+    Ai = [Dinv[..., i * b : (i + 1) * b, i * b : (i + 1) * b] for i in range(4)]
+    F10 = Ai[1] @ L[..., b:h, 0:b]
+    F32 = Ai[3] @ L[..., 3 * b :, h : 3 * b]
+    Lb = L[..., h:, :h]
+    Z = torch.cat([Ai[2] @ Lb[..., :b, :], Ai[3] @ Lb[..., b:, :]], dim=-2)
+    Ai10 = -F10 @ Ai[0]
+    Ai32 = -F32 @ Ai[2]
+    Q = torch.cat([Z[..., :b, :], Z[..., b:, :] - F32 @ Z[..., :b, :]], dim=-2)
+    A = Dinv.clone()
+    A[..., b:h, 0:b] = Ai10
+    A[..., 3 * b :, h : 3 * b] = Ai32
+    B0inv = A[..., :h, :h]
+    A[..., h:, :h] = -Q @ B0inv
+    return A
+
+
+def prepare_group_recursive(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, nvalid: int | None = None,
+                            block: int = 16):
+    """What the v3 prepare kernel computes for one chunk of one q/k head and its G value heads:
+    `prepare_group`'s inputs and outputs, with A = (I + L)^-1 by `solve_tril_recursive` instead of
+    WY-5's four products.
+
+    Args:
+        k: [..., C, K], the chunk of the q/k head (rows past `nvalid` may hold anything finite).
+        g: [..., G, C], natural-log per-token gates of the G value heads (hv = hk * G + j).
+        beta: [..., G, C].
+        nvalid: number of valid rows (None: C); g and beta past it are treated as 0.
+        block: diagonal block size (C == 4 * block).
+
+    Returns:
+        g_cum_log2 [..., G, C] and A_beta [..., G, C, C] = A diag(beta), lower triangular, rows past
+        nvalid 0 (as `prepare_group`).
+    """
+    C = k.shape[-2]
+    if C != 4 * block:
+        raise ValueError(f"prepare_group_recursive needs C == 4 * block, got C = {C}, block = {block}")
+    nvalid = C if nvalid is None else int(nvalid)
+    t = torch.arange(C, device=k.device)
+    valid = t < nvalid
+    zero = torch.zeros((), dtype=g.dtype, device=g.device)
+    g = torch.where(valid, g, zero)
+    beta = torch.where(valid, beta, zero)
+    gcl = g_cum_to_log2(torch.cumsum(g, dim=-1))  # [..., G, C]
+    kk = (k @ _t(k)).unsqueeze(-3)  # [..., 1, C, C]: once for the group
+    strict = (t[:, None] > t[None, :]) & valid[:, None]
+    expo = torch.where(strict, gcl[..., :, None] - gcl[..., None, :], zero)
+    L = torch.where(strict, beta[..., :, None] * kk * torch.exp2(expo), zero)  # [..., G, C, C]
+    A = solve_tril_recursive(L, block)
+    A_beta = torch.where(t[:, None] >= t[None, :], A * beta[..., None, :], zero)
+    return gcl, A_beta
