@@ -67,7 +67,7 @@ def test_prepare_v2_kernel_compiles(H, HV, dtype, beta_dtype, varlen):
 def test_prepare_variant_is_checked():
     from flashqla.ops.gdn.kernels.sm90.prepare import VARIANTS, build_prepare_kernel, prepare_kernel_args
 
-    assert VARIANTS == ("v1", "v2")
+    assert VARIANTS == ("v1", "v2", "v3")
     with pytest.raises(ValueError, match="variant"):
         build_prepare_kernel(1, 2, 128, "bfloat16", "float32", "int32", False, "bogus")
     k = torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16)
@@ -113,6 +113,110 @@ def test_prepare_group_stage_matches_chunk_reference(nvalid):
         torch.testing.assert_close(gcl[:, :nvalid] * math.log(2.0), g_cum[0, :nvalid, heads].T, rtol=0, atol=1e-12)
         assert (A_beta[:, nvalid:] == 0).all() and (A_beta[:, :, nvalid:] == 0).all()
         assert (gcl[:, nvalid:] == gcl[:, nvalid - 1 : nvalid]).all()
+
+
+def _head_loop_body(src: str) -> str:
+    """The generated source of the value-head loop (`for (int j = 0; ...) { ... }`)."""
+    i = src.index("for (int j = 0;")
+    depth, start = 0, src.index("{", i)
+    for pos in range(start, len(src)):
+        depth += {"{": 1, "}": -1}.get(src[pos], 0)
+        if depth == 0:
+            return src[start : pos + 1]
+    raise AssertionError("unbalanced head loop")
+
+
+@needs_nvcc
+@pytest.mark.parametrize(
+    "H,HV,dtype,beta_dtype,seq_dtype,varlen",
+    [
+        (2, 4, "bfloat16", "float32", "int32", True),
+        (1, 1, "float16", "float16", "int64", False),
+        (2, 8, "bfloat16", "float32", "int32", False),
+        (2, 16, "bfloat16", "float32", "int32", True),
+    ],
+    ids=["gva2-bf16-varlen", "gva1-fp16-int64-fixed", "gva4-bf16-fixed", "gva8-bf16-varlen"],
+)
+def test_prepare_v3_kernel_compiles(H, HV, dtype, beta_dtype, seq_dtype, varlen):
+    """Variant v3: v2's TMA load and store and wgmma K K^T, the block-recursive inverse in tf32
+    mma.sync on 32-row tiles (no 64 x 64 fp32 tile), at most nine barriers per value head (v2:
+    twelve), <= 56 KB shared memory and 128 registers without spills (four CTAs per SM)."""
+    from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
+    from flashqla.ops.gdn.kernels.sm90.prepare import build_prepare_kernel
+
+    kernel = build_prepare_kernel(H, HV, 128, dtype, beta_dtype, seq_dtype, varlen, "v3")
+    src = kernel.get_kernel_source()
+    assert "tma_load" in src and "tma_store" in src, "k should be loaded and A stored by the copy engine"
+    assert "wgmma" in src and "kTensorFloat32" in src
+    assert "__launch_bounds__(128, 4)" in src
+    # the inverse's products are 32-row tf32 mma: 8 per 16-wide K slice at most, none on 64 x 64 tiles
+    assert src.count("mma_sync<") <= 10
+    assert "tma_store_wait<0, true>" in src, "the A tile's store must be waited for before the tile is rewritten"
+    if HV // H > 1:
+        body = _head_loop_body(src)
+        # five barriers order real hazards (L -> substitution -> phase 1 -> 2 -> 3 -> store), TileLang's
+        # barrier pass adds four after ldmatrix reads; an in-place update of a shared tile once put
+        # one in each iteration of an unrolled element loop
+        assert body.count("__syncthreads") <= 9, "a barrier came into the value-head loop"
+    r = ptxas_report(kernel)
+    print(r)
+    assert r["registers"] <= 128
+    assert r["dynamic_smem"] is not None and r["dynamic_smem"] + r["static_smem"] <= 56 * 1024
+    # TVM's launcher raises the dynamic shared-memory limit only from 48 KB of dynamic memory on:
+    # below that, static + dynamic must fit in 48 KB or the launch fails (only on a GPU)
+    assert r["dynamic_smem"] >= 48 * 1024 or r["dynamic_smem"] + r["static_smem"] <= 48 * 1024
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0
+
+
+@pytest.mark.parametrize("block", [1, 2, 16])
+def test_solve_tril_recursive_matches_blockwise_inverse(block):
+    """v3's inverse order (`solve_tril_recursive`: WY-3 blocks, WY-4 with two blocks at two levels)
+    equals FLA's blockwise merge and v2's nilpotent form in fp64."""
+    from reference.gdn.fused import solve_tril_blocks, solve_tril_nilpotent, solve_tril_recursive
+
+    gen = torch.Generator().manual_seed(block)
+    n = 4 * block
+    L = 0.4 * torch.randn(3, n, n, dtype=torch.float64, generator=gen)
+    A = solve_tril_recursive(L, block)
+    torch.testing.assert_close(A, solve_tril_blocks(L, block), rtol=0, atol=1e-12)
+    torch.testing.assert_close(A, solve_tril_nilpotent(L, block), rtol=0, atol=1e-12)
+    eye = torch.eye(n, dtype=torch.float64)
+    torch.testing.assert_close((eye + torch.tril(L, -1)) @ A, eye.expand(3, n, n), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="4 \\* block"):
+        solve_tril_recursive(L[:, :-1, :-1], block)
+
+
+@pytest.mark.parametrize("nvalid", [64, 37, 1])
+def test_prepare_group_recursive_matches_v2_twin_and_chunk_reference(nvalid):
+    """The v3 kernel's stage twin (`reference.gdn.fused.prepare_group_recursive`) equals FLA's stages
+    and v2's twin (`prepare_group`) in fp64, masked rows and next-sequence keys included."""
+    import math
+
+    from reference.gdn import chunk as cr
+    from reference.gdn.fused import prepare_group, prepare_group_recursive
+
+    gen = torch.Generator().manual_seed(100 + nvalid)
+    H, HV, C, K = 2, 8, 64, 16
+    G = HV // H
+    k = torch.nn.functional.normalize(torch.randn(1, C, H, K, dtype=torch.float64, generator=gen), dim=-1)
+    k[:, nvalid:] = 3 * torch.randn(1, C - nvalid, H, K, dtype=torch.float64, generator=gen)  # next sequence's keys
+    g = 2 * torch.nn.functional.logsigmoid(torch.randn(1, C, HV, dtype=torch.float64, generator=gen))
+    beta = torch.rand(1, C, HV, dtype=torch.float64, generator=gen)
+    cu = torch.tensor([0, nvalid, C]) if nvalid < C else None
+    g_cum = cr.chunk_local_cumsum(g, cu_seqlens=cu)
+    A = cr.solve_tril(cr.chunk_scaled_dot_kkt(k, beta, g_cum, cu_seqlens=cu), cu_seqlens=cu)
+    for hk in range(H):
+        heads = slice(hk * G, (hk + 1) * G)
+        args = (k[0, :, hk], g[0, :, heads].T, beta[0, :, heads].T, nvalid)
+        gcl, A_beta = prepare_group_recursive(*args)
+        gcl2, A_beta2 = prepare_group(*args)
+        ref = A[0, :nvalid, heads, :nvalid].permute(1, 0, 2) * beta[0, :nvalid, heads].T[:, None, :]
+        torch.testing.assert_close(A_beta[:, :nvalid, :nvalid], ref, rtol=0, atol=1e-12)
+        torch.testing.assert_close(A_beta, A_beta2, rtol=0, atol=1e-12)
+        torch.testing.assert_close(gcl, gcl2, rtol=0, atol=0)
+        torch.testing.assert_close(gcl[:, :nvalid] * math.log(2.0), g_cum[0, :nvalid, heads].T, rtol=0, atol=1e-12)
+        assert (A_beta[:, nvalid:] == 0).all() and (A_beta[:, :, nvalid:] == 0).all()
+        assert (A_beta.triu(1) == 0).all()
 
 
 @needs_nvcc
