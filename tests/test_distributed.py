@@ -1,18 +1,30 @@
-"""flashqla.distributed on CPU: context parallelism across processes (torch.distributed, gloo) with the
-fp64 reference as the per-rank backend, against the single-process fp64 reference op.
+"""flashqla.distributed on CPU: context parallelism across processes (torch.distributed, gloo) with
+fp64 per-rank backends, against the single-process fp64 reference op.
 
 One spawn per world size (2 and 3 ranks) runs every case; each rank passes its own token shard and
 backpropagates a loss over its outputs and its rows of the final state. The parent compares the
 concatenated outputs and token gradients, and the rank sums of final_state and d initial_state,
 with `reference.chunk_gated_delta_rule` on the whole batch: o, final state, dq, dk, dv, dg, dbeta,
-dh0 within 1e-10 relative RMS. Cases: one sequence, varlen mixes with sequences crossing rank
+dh0 within 1e-12 relative RMS.
+
+Two per-rank paths (`flashqla.distributed.op`):
+- per-piece (backend: the fp64 reference op behind `FunctionBackend`, its calls counted): one forward
+  over the pieces, the transition run of a continuing piece 0 in the forward and again in the
+  backward (for D), ONE backward over all pieces;
+- segmented (backend: `SegmentedBackend` over the fp64 launch-level `ReferenceCPBackend`, split
+  forced at L = 64 or 128 tokens, so every rank with tokens cuts its pieces into several segments):
+  one intra-device CP pass per rank, a continuing piece 0 as an open sequence. Its launches are
+  counted per rank: prepare + 2 recurrent forward, 1 recurrent + 1 backward backward, each over all
+  segment slots; a third recurrent launch, a second prepare or a second backward fails the case, and
+  so does taking the per-piece path.
+Cases: one long sequence (several segments per rank), varlen mixes with sequences crossing rank
 boundaries, a sequence spanning every rank, boundaries on sequence ends, empty sequences (on a
-boundary and at the end), empty shards (fewer tokens than ranks, an empty middle rank), uneven shards
-through the op's own shard-length gather, initial state on/off, final state on/off, g == 0 and
-g = -30 heads, mild and zero gates, GVA, the in-op L2 norm, K != V. Two cases run the kernels'
-dtypes (bf16 q, k, v; fp32 states) through a backend that checks the kernel backend's contract for
-reusing the forward's saved products (budget 1e-2: bf16 rounding). Plan and argument checks run
-without processes.
+boundary and at the end), empty shards (fewer tokens than ranks, an empty first or middle rank),
+uneven shards through the op's own shard-length gather, initial state on/off, final state on/off,
+g == 0 and g = -30 heads (every input has one of each; plus all-zero and all -30 gates), mild
+gates, GVA, the in-op L2 norm, K != V. Three cases run the kernels' dtypes (bf16 q, k, v; fp32
+states; budget 1e-2: bf16 rounding), two through a backend that checks the kernel backend's
+contract for reusing the forward's saved products. Plan and argument checks run without processes.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from flashqla.distributed import (
     CPContext,
     FunctionBackend,
     KernelBackend,
+    SegmentedBackend,
     build_cp_context,
     chunk_gated_delta_rule_cp,
     even_shard_lens,
@@ -37,8 +50,9 @@ from flashqla.distributed import (
     resolve_backend,
 )
 from flashqla.testing import make_gdn_inputs, rel_rms
+from reference.gdn.cp import ReferenceCPBackend
 
-TOL = 1e-10
+TOL = 1e-12
 K = V = 16
 
 #: name -> inputs (make_gdn_inputs kwargs), flags, and per world size shard_lens (None: even split)
@@ -67,6 +81,30 @@ CASES = {
     "bf16_saved_products": dict(inp=dict(T=300, H=1, HV=2, seqlens=[40, 200, 60]), shards={2: [120, 180], 3: [100, 100, 100]},
                                 dtype=torch.bfloat16, backend="checking", tol=1e-2),
     "bf16_one_sequence": dict(inp=dict(T=200, H=1, HV=2), dtype=torch.bfloat16, backend="checking", tol=1e-2),
+    # the segmented path (backend "segmented": `SegmentedBackend` over the fp64 launch-level reference
+    # `ReferenceCPBackend`, forced split, L = 64): every rank's pieces in one intra-device CP pass, a
+    # continuing piece 0 as an open sequence; launches counted per rank
+    "seg_one_long_sequence": dict(inp=dict(T=700, H=1, HV=2), backend="segmented"),
+    "seg_one_long_sequence_no_h0": dict(inp=dict(T=641, H=1, HV=2, initial_state=False), backend="segmented"),
+    "seg_varlen_crossing": dict(inp=dict(T=701, H=1, HV=2, seqlens=[130, 0, 300, 1, 200, 70]), backend="segmented"),
+    "seg_spans_every_rank": dict(inp=dict(T=630, H=1, HV=2, seqlens=[10, 600, 20]), backend="segmented"),
+    "seg_empty_shards": dict(inp=dict(T=300, H=1, HV=2, seqlens=[100, 200]), shards={2: [0, 300], 3: [150, 0, 150]},
+                             backend="segmented"),
+    "seg_fewer_tokens_than_ranks": dict(inp=dict(T=2, H=1, HV=2, seqlens=[1, 1]), backend="segmented"),
+    "seg_zero_gates": dict(inp=dict(T=500, H=1, HV=2, gate="zero", special_heads=False), backend="segmented"),
+    "seg_strong_decay": dict(inp=dict(T=500, H=1, HV=2, gate=-30.0, special_heads=False), backend="segmented"),
+    "seg_no_h0_no_final": dict(inp=dict(T=520, H=1, HV=2, seqlens=[300, 220], initial_state=False), final=False,
+                               backend="segmented"),
+    "seg_h0_no_final": dict(inp=dict(T=520, H=1, HV=2, seqlens=[200, 320]), final=False, backend="segmented"),
+    "seg_uneven_gathered": dict(inp=dict(T=600, H=1, HV=2, seqlens=[50, 400, 150]), shards={2: [150, 450], 3: [64, 300, 236]},
+                                path="gather", backend="segmented"),
+    "seg_boundaries_on_ends": dict(inp=dict(T=384, H=1, HV=2, seqlens=[128, 256]), shards={2: [128, 256], 3: [128, 128, 128]},
+                                   backend="segmented", L=128),
+    "seg_gva_k_wider_than_v": dict(inp=dict(T=450, H=2, HV=4, K=24, V=16, gate="logsigmoid", seqlens=[70, 380]),
+                                   backend="segmented"),
+    "seg_l2norm_no_cu": dict(inp=dict(T=333, H=1, HV=2), l2norm=True, path="no_cu", backend="segmented", L=128),
+    "seg_bf16_states_fp32": dict(inp=dict(T=600, H=1, HV=2, seqlens=[250, 350]), dtype=torch.bfloat16, backend="segmented",
+                                 tol=1e-2),
 }
 WORLDS = (2, 3)
 
@@ -149,6 +187,27 @@ class CheckingBackend(CountingBackend):
         return super().backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, None)
 
 
+def _segmented(spec: dict):
+    """The segmented backend of a case: the driver over the fp64 (or, for bf16 inputs, fp32-state)
+    launch-level reference, split forced at L tokens."""
+    sd = torch.float32 if spec.get("dtype") == torch.bfloat16 else torch.float64
+    return SegmentedBackend(ReferenceCPBackend(state_dtype=sd), cp="on", segment_len=spec.get("L", 64))
+
+
+def _check_segment_launches(be: SegmentedBackend, ctx: CPContext, n_fwd: int, L: int) -> None:
+    """The segmented path's launches on one rank: prepare and two recurrent launches (run, transition)
+    in the forward, one recurrent launch (transition, for U) and ONE backward in the backward, every
+    one over all M = floor(T_r / L) + n slots; none on an empty shard. A continuing piece 0 adds no
+    launch: a third recurrent launch, a second prepare or a second backward fails here."""
+    launches = be.cp_backend.launches
+    if ctx.num_pieces == 0:
+        assert launches == [], launches
+        return
+    M = ctx.local_len // L + ctx.num_pieces
+    assert launches[:n_fwd] == [("prepare", M), ("recurrent", M), ("recurrent", M)], launches
+    assert launches[n_fwd:] == [("recurrent", M), ("bwd", M)], launches
+
+
 def _check_piece_calls(be: CountingBackend, ctx: CPContext) -> None:
     """The per-piece path's calls on one rank: one forward over the pieces, the transition run of a
     continuing piece 0 (v = 0, value width K) in the forward and again in the backward (for D), and
@@ -172,7 +231,7 @@ def _rank_run(name: str, W: int, rank: int) -> dict:
     if spec.get("dtype") == torch.bfloat16:
         local = {n: (None if t is None else t.to(torch.bfloat16 if n in ("q", "k", "v") else torch.float32)) for n, t in local.items()}
     L = _leaves(local)
-    backend = CheckingBackend() if spec.get("backend") == "checking" else CountingBackend()
+    backend = dict(checking=CheckingBackend, segmented=lambda: _segmented(spec)).get(spec.get("backend"), CountingBackend)()
     kw = dict(initial_state=L["initial_state"], output_final_state=final, use_qk_l2norm_in_kernel=bool(spec.get("l2norm")),
               backend=backend)
     path = spec.get("path", "context")
@@ -185,11 +244,15 @@ def _rank_run(name: str, W: int, rank: int) -> dict:
     else:
         assert path == "no_cu"  # one sequence, T from the gathered shard lengths
     o, ht = chunk_gated_delta_rule_cp(L["q"], L["k"], L["v"], L["g"], L["beta"], **kw)
+    n_fwd = len(backend.cp_backend.launches) if isinstance(backend, SegmentedBackend) else None
     loss = (o.double() * x["w_o"][:, lo:hi]).sum() + ((ht.double() * x["w_h"]).sum() if final else 0.0)
     loss.backward()
     if isinstance(backend, CheckingBackend):
         assert backend.reused, "no saved products were reused"
-    _check_piece_calls(backend, ctx)
+    if isinstance(backend, SegmentedBackend):
+        _check_segment_launches(backend, ctx, n_fwd, spec.get("L", 64))
+    else:
+        _check_piece_calls(backend, ctx)
     out = dict(o=o.detach(), final=None if ht is None else ht.detach())
     out.update({f"d{n}": L[n].grad for n in ("q", "k", "v", "g", "beta")})
     out["dh0"] = None if L["initial_state"] is None else L["initial_state"].grad
@@ -250,7 +313,7 @@ def test_matches_single_process_reference(W, name):
     tol = CASES[name].get("tol", TOL)
     bad = {q: e for q, e in errors.items() if not e <= tol}
     assert not bad, f"W={W} {name}: relative RMS above {tol:g}: {bad} (all: {errors})"
-    if CASES[name].get("dtype") == torch.bfloat16:  # the kernels' output dtypes
+    if CASES[name].get("backend") == "checking":  # the kernels' output dtypes
         assert got["o"].dtype == got["dq"].dtype == torch.bfloat16 and got["dg"].dtype == torch.float32
 
 
@@ -423,6 +486,25 @@ def test_backend_resolution(monkeypatch):
     assert resolve_backend("kernels", q).cp == "off" and KernelBackend(None).cp == "off"
     with pytest.raises(ValueError, match="cp must be"):
         KernelBackend(cp="sometimes")
+
+
+def test_segmented_backend_plans():
+    """`segment_plan`: None with cp="off" or when the planner keeps the pieces whole, a split plan
+    when forced; segment_len validated; the state dtype is the launch-level backend's."""
+    q = torch.zeros(1, 4096, 2, 128, dtype=torch.bfloat16, device="meta")
+    v = torch.zeros(1, 4096, 8, 128, dtype=torch.bfloat16, device="meta")
+    cu = torch.zeros(2, dtype=torch.int32, device="meta")
+    ref = ReferenceCPBackend()
+    assert SegmentedBackend(ref, cp="off").segment_plan(q, v, cu, 4096) is None
+    plan = SegmentedBackend(ref, cp="on", segment_len=512).segment_plan(q, v, cu, 4096)
+    assert plan.split and plan.segment_len == 512
+    assert KernelBackend(cp="auto", sm_count=132).segment_plan(q[:, :64], v[:, :64], cu, 64) is None  # one chunk
+    assert SegmentedBackend(ref, cp="on", segment_len=64).segment_plan(q[..., :16], v[..., :16], cu, 4096).segment_len == 64
+    assert SegmentedBackend(ref, cp="auto").segment_plan(q[..., :16], v[..., :16], cu, 4096) is None  # V = 16: not costed
+    assert SegmentedBackend(ref).state_dtype(q, None, None, None) == torch.float64
+    for bad in (100, 0, -64, True):
+        with pytest.raises(ValueError, match="segment_len"):
+            SegmentedBackend(ref, segment_len=bad)
     be = FunctionBackend(REF)
     assert resolve_backend(be, q) is be
     assert isinstance(build_cp_context([0, 4], rank=0, world_size=1), CPContext)

@@ -51,6 +51,20 @@ sequences, from initial states S_in and terminal gradients G, and yields every t
 each first segment's dh0 (the sequence's). The forward's A and g_cum_log2 arrive in the caller's
 layout (what autograd saves) and are gathered into the segments' layout.
 
+Open sequence (`cp_forward_open`, `cp_backward_open`; exact; what `flashqla.distributed` runs per
+rank). Local sequence 0 may continue a sequence begun elsewhere: its entering state S_in is known only
+after a caller-supplied `exchange`. Its first segment is then treated like a later one: run from zero
+and transitioned from I in the same transition launch, so per segment j of it U and P are at hand,
+and the scan (`scan_open_states`) gives, next to the zero-start entering states B_j, the composed maps
+A_j = P_{j-1} ... P_0 (segment j is entered with A_j S_in + B_j) and the sequence's map
+(P_open = A_m, B_m). exchange(P_open, end states) returns S_in; one batched GEMM gives the entering
+states, one the end state, and the ordinary correction GEMMs (first segment included) the outputs:
+prepare + run + transition, as the plain forward. The backward recomputes the transition launch (U,
+P), forms E_j = sum_t U_t do_t^T and D = sum_j A_j^T E_j + P_open^T dht_0 (record BWD-dSin) before
+any backward launch, hands D to exchange (which returns the gradient X reaching the last sequence's
+end state from elsewhere), runs the reverse scan with it and ONE backward over all segments from the
+forward's entering states.
+
 Measured on the H200 (2/8 heads, 1 x 32768 tokens, `tests/gpu/cp_bench.py`, CUDA graphs; before
 the shape-keyed index cache and the on-demand certificate below): unsplit 1.58 ms; exact CP
 0.68-0.72 ms (prepare 0.115, each recurrent launch 0.111, scan 0.157, correction 0.08-0.09, the
@@ -77,7 +91,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from flashqla.cp.merge import scan_segment_grads, scan_segment_states
+from flashqla.cp.merge import scan_open_states, scan_segment_grads, scan_segment_states
 from flashqla.cp.planner import CHUNK, GATE_THRESHOLD, SegmentTables, build_segment_tables, get_cp_plan
 from flashqla.ops.gdn.api import CP_ENV as _API_CP_ENV
 from flashqla.ops.gdn.api import cp_mode
@@ -91,6 +105,9 @@ __all__ = [
     "CPInfo",
     "cp_forward",
     "cp_backward",
+    "cp_forward_open",
+    "cp_backward_open",
+    "OpenForward",
     "cp_splits",
     "chunk_gated_delta_rule_cp_fwd",
     "chunk_gated_delta_rule_cp_bwd",
@@ -231,14 +248,16 @@ def _ext(x: torch.Tensor, fill) -> torch.Tensor:
     return torch.cat([x, torch.full((1, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)])
 
 
-def _corrected_slots(tab: SegmentTables, Mc: int) -> torch.Tensor:
-    """[Mc] int64: the slots with need_correction in slot order, then M ("none") for the rest.
+def _corrected_slots(tab: SegmentTables, Mc: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[Mc] int64: the slots with need_correction (or `mask` [M] bool) in slot order, then M ("none")
+    for the rest.
 
-    Mc = floor(total / L) bounds the non-first segments (each follows a full segment of its sequence).
-    A cumsum and one scatter; the dummy row Mc takes the writes of the other slots."""
+    Mc = floor(total / L) bounds the non-first segments (each follows a full segment of its sequence;
+    one more with an open sequence's first slot). A cumsum and one scatter; the dummy row Mc takes the
+    writes of the other slots."""
     M = tab.M
     dev = tab.valid.device
-    nc = tab.need_correction
+    nc = tab.need_correction if mask is None else mask
     rank = torch.cumsum(nc.to(torch.int64), 0) - 1
     dst = torch.where(nc, rank, torch.full_like(rank, Mc))
     sel = torch.full((Mc + 1,), M, dtype=torch.int64, device=dev)
@@ -257,21 +276,22 @@ def _token_rows(tab: SegmentTables, sel: torch.Tensor, width: int):
     return tok, valid
 
 
-def _correct_one_sequence(o, U, S_c, total: int, L: int) -> None:
-    """o += U @ S_c over segment j >= 1 of a single sequence [0, total) (segment j = slot j = tokens
-    [jL, min((j + 1) L, total))), in place, one GEMM per value head per block shape (no copies)."""
+def _correct_one_sequence(o, U, S_c, total: int, L: int, first: int = 1) -> None:
+    """o += U @ S_c over segment j >= first of a single sequence [0, total) (segment j = slot j = tokens
+    [jL, min((j + 1) L, total))), in place, one GEMM per value head per block shape (no copies).
+    first = 0 corrects the first segment too (an open sequence, `cp_forward_open`)."""
     nseg = -(-total // L)
-    if nseg <= 1:
+    if nseg <= first:
         return
     HV, V, K = o.shape[2], o.shape[3], U.shape[3]
     of, Uf = o.view(total, HV, V), U.view(total, HV, K)
     nfull = total // L
-    if nfull >= 2:
+    if nfull > first:
         ob = of[: nfull * L].view(nfull, L, HV, V)
         Ub = Uf[: nfull * L].view(nfull, L, HV, K)
         for h in range(HV):
-            ob[1:, :, h].baddbmm_(Ub[1:, :, h], S_c[1:nfull, h])
-    if total % L and nfull >= 1:
+            ob[first:, :, h].baddbmm_(Ub[first:, :, h], S_c[first:nfull, h])
+    if total % L and nfull >= first:
         op, Up = of[nfull * L :], Uf[nfull * L :]
         for h in range(HV):
             op[:, h].addmm_(Up[:, h], S_c[nfull, h])
@@ -609,10 +629,13 @@ def sequence_slots_to_segment_slots(A: torch.Tensor, g_cum_log2: torch.Tensor, t
     return A_out.reshape(HV, Sp * CHUNK, CHUNK), G_out.reshape(HV, Sp * CHUNK)
 
 
-def _state_grads_from_outputs(U, do, tab: SegmentTables, total: int, L: int, one_sequence: bool, key):
+def _state_grads_from_outputs(U, do, tab: SegmentTables, total: int, L: int, one_sequence: bool, key,
+                              mask: torch.Tensor | None = None):
     """E [M, HV, K, V]: E_j = sum over segment j's tokens of U_t do_t^T (the gradient reaching the
     segment's entering state through its own outputs, o_t = o0_t + S_in^T U_t), on non-first slots
-    (zeros elsewhere); computed in U's dtype, returned in fp32 (or U's dtype if wider)."""
+    (zeros elsewhere), or on the slots of `mask` (need_correction and an open sequence's first slot,
+    `cp_backward_open`); computed in U's dtype, returned in fp32 (or U's dtype if wider)."""
+    first = 1 if mask is None else 0
     HV, K, V = U.shape[2], U.shape[3], do.shape[3]
     M = tab.M
     edt = torch.float64 if U.dtype == torch.float64 else torch.float32
@@ -621,19 +644,20 @@ def _state_grads_from_outputs(U, do, tab: SegmentTables, total: int, L: int, one
     nseg = -(-total // L)
     if one_sequence:
         nfull = total // L
-        if nfull >= 2:
+        if nfull > first:
             Ub, Db = Uf[: nfull * L].view(nfull, L, HV, K), Df[: nfull * L].view(nfull, L, HV, V)
             for h in range(HV):
-                E[1:nfull, h] = torch.bmm(Ub[1:, :, h].transpose(-1, -2), Db[1:, :, h]).to(edt)
-        if total % L and nfull >= 1 and nseg >= 2:
+                E[first:nfull, h] = torch.bmm(Ub[first:, :, h].transpose(-1, -2), Db[first:, :, h]).to(edt)
+        if total % L and nfull >= first and nseg >= 1 + first:
             Up, Dp = Uf[nfull * L :], Df[nfull * L :]
             for h in range(HV):
                 E[nfull, h] = (Up[:, h].transpose(0, 1) @ Dp[:, h]).to(edt)
         return E[:M]
-    Mc = total // L
+    Mc = total // L + 1 - first
     if Mc == 0:
         return E[:M]
-    sel, tok, valid = _memo(key("rows", L), lambda: (lambda s: (s, *_token_rows(tab, s, L)))(_corrected_slots(tab, Mc)))
+    rows_key = key("rows", L) if mask is None else key("rows", L, "open")
+    sel, tok, valid = _memo(rows_key, lambda: (lambda s: (s, *_token_rows(tab, s, L)))(_corrected_slots(tab, Mc, mask)))
     t = tok.reshape(-1)
     Ug = torch.where(valid.reshape(-1)[:, None, None], Uf.index_select(0, t), Uf.new_zeros(())).view(Mc, L, HV, K)
     Dg = Df.index_select(0, t).view(Mc, L, HV, V)
@@ -685,6 +709,185 @@ def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float,
         dh0 = torch.where((tab.seq_num >= 1)[:, None, None, None], first, empty) if N > 0 else first
     shape = lambda x, like: x.reshape(like.shape)  # noqa: E731
     return shape(dq, q), shape(dk, k), shape(dv, v), shape(dg, g), shape(dbeta, beta), dh0
+
+
+# ------------------------------------------------------------------------------------------------
+# an open sequence: local sequence 0 entered with a state known only later (cross-rank CP)
+# ------------------------------------------------------------------------------------------------
+
+
+class OpenForward(NamedTuple):
+    """What `cp_forward_open` keeps for `cp_backward_open` (all on the device).
+
+    A, g_cum_log2: the prepare products in the slot layout of tables.cu_seqlens. S_in [M, HV, K, V]:
+    the true entering state of every slot (state dtype). A_open [J, HV, K, K]: the composed maps
+    A_j = P_{j-1} ... P_0 of the open sequence's slots j < J (None when not open), P_open [HV, K, K]:
+    its whole map A_m (None when not open). open_first: whether local sequence 0 was open.
+    """
+
+    A: torch.Tensor
+    g_cum_log2: torch.Tensor
+    S_in: torch.Tensor
+    A_open: torch.Tensor | None
+    P_open: torch.Tensor | None
+    open_first: bool
+
+
+def _open_mask(tab: SegmentTables, open_first: bool):
+    """(slots corrected [M] bool, slot 0 of an open sequence 0 [M] bool or None)."""
+    if not open_first:
+        return tab.need_correction, None
+    open0 = tab.first & (tab.seq == 0)
+    return tab.need_correction | open0, open0
+
+
+def _transition(backend, qf, kf, vdtype, A, G2, scale, mask, pcu, block_v):
+    """The transition launch: v = 0 from I on the slots of `mask` (zero elsewhere): U rows, P."""
+    M, HV, K = mask.shape[0], G2.shape[0], kf.shape[3]
+    sd = backend.state_dtype
+    dev = qf.device
+    h0_tr = torch.where(mask[:, None, None, None], torch.eye(K, dtype=sd, device=dev),
+                        torch.zeros((), dtype=sd, device=dev)).expand(M, HV, K, K).contiguous()
+    vz = backend.zeros((1, qf.shape[1], HV, K), vdtype, dev)
+    return _recurrent(backend, qf, kf, vz, A, G2, scale, h0_tr, True, pcu, block_v, None)
+
+
+def _open_sequence_rows(tab: SegmentTables, J: int) -> torch.Tensor:
+    """[J] bool: slot j < J belongs to sequence 0 (slot j is its segment j)."""
+    return tab.valid[:J] & (tab.seq[:J] == 0)
+
+
+def cp_forward_open(backend, q, k, v, g, beta, scale: float, initial_state, tables: SegmentTables, *, block_v: int,
+                    exchange, open_first: bool):
+    """The exact CP forward over one packed row whose sequence 0 may be "open": entered with a state
+    S_in that is known only after `exchange` (the state leaving an earlier rank), with no extra
+    recurrent launch for it.
+
+    1. prepare over the segments; run: every first slot from its initial state, sequence 0's from zero
+       when open, the others from zero -> o(0), Q;
+    2. transition: v = 0 from I on every non-first slot AND on the open sequence's first slot -> U, P
+       (one launch, all slots side by side);
+    3. scan (`scan_open_states`): entering states B_j with S_in = 0, every final state with S_in = 0,
+       and the open sequence's composed maps A_j and whole map P_open = A_m;
+    4. S_in = exchange(P_open or None, final): the caller publishes the open sequence's map
+       (P_open, final[0]) and/or an end state, communicates, and returns S_in [HV, K, V] (None when
+       not open);
+    5. entering states S_j = A_j S_in + B_j on the open sequence's slots (one batched GEMM), its final
+       state P_open S_in + final[0]; the output correction o_t += S_j^T U_t over every corrected slot
+       (the open first slot included), GEMMs as `cp_forward`.
+    Launches: prepare, two recurrent launches over all slots; no host synchronisation.
+
+    Args:
+        backend: a `CPBackend`. q, k [1, T, H, K]; v [1, T, HV, V]; g, beta [1, T, HV] (contiguous,
+            validated); scale: float; initial_state: None or [N, HV, K, V] (row 0 not read when open);
+        tables: `build_segment_tables` for the row's offsets; block_v: value-slice width;
+        exchange: callable (P_open [HV, K, K] or None, final [N, HV, K, V]) -> S_in [HV, K, V] or None;
+        open_first: whether local sequence 0 is open (else this is `cp_forward`'s exact mode, with the
+            exchange between scan and correction).
+    Returns:
+        (o [1, T, HV, V] in v's dtype, final [N, HV, K, V] state dtype (true end states), `OpenForward`).
+    """
+    T = q.shape[1]
+    HV, V = v.shape[2], v.shape[3]
+    tab = tables
+    M, N, L = tab.M, tab.N, tab.segment_len
+    sd = backend.state_dtype
+    pcu = tab.cu_seqlens
+    if hasattr(backend, "warm"):
+        backend.warm(k, beta, q, v, pcu, HV, block_v)
+    A, G2 = backend.prepare(k, g, beta, pcu, HV)
+    mask4 = lambda b: b[:, None, None, None]  # noqa: E731
+    corr, open0 = _open_mask(tab, open_first)
+    h0 = None if initial_state is None else initial_state.to(sd)
+    h0_run = None
+    if h0 is not None and N > 0:
+        first = tab.first if open0 is None else tab.first & ~open0
+        h0_run = torch.where(mask4(first), h0.index_select(0, tab.h0_index.clamp(min=0)), h0.new_zeros(()))
+    o, Q = _recurrent(backend, q, k, v, A, G2, scale, h0_run, True, pcu, block_v, None)
+    U, P = _transition(backend, q, k, v.dtype, A, G2, scale, corr, pcu, block_v)
+    if open_first:
+        S_start, final, A_open, P_open = scan_open_states(P, Q, tab, T, h0)
+    else:
+        S_start, final = scan_segment_states(P, Q, tab, T, h0, first_from_h0=True)
+        A_open = P_open = None
+    S_in = exchange(None if P_open is None else P_open.to(sd), final)
+    if open_first:
+        if S_in is None:
+            raise ValueError("exchange returned no entering state for the open sequence")
+        S_in = S_in.to(sd)
+        J = A_open.shape[0]
+        rows = _open_sequence_rows(tab, J)
+        add = torch.where(mask4(rows), torch.matmul(A_open.to(sd), S_in), S_start.new_zeros(()))
+        S_start = torch.cat([S_start[:J] + add, S_start[J:]]) if J < M else S_start + add
+        final = final.clone()
+        final[0] = torch.baddbmm(final[0], P_open.to(sd), S_in)
+    if N == 1 and _ONE_SEQUENCE_FAST_PATH:
+        _correct_one_sequence(o, U, S_start.to(o.dtype), T, L, first=0 if open_first else 1)
+    else:
+        Mc = T // L + (1 if open_first else 0)
+        sel = _corrected_slots(tab, Mc, corr)
+        tok, valid = _token_rows(tab, sel, L)
+        K = k.shape[3]
+        Ug = U.view(T, HV, K).index_select(0, tok.reshape(-1)).view(Mc, L, HV, K)
+        Sx = torch.where(mask4(corr), S_start, S_start.new_zeros(())).to(o.dtype)
+        _correct_gathered(o, Ug, _ext(Sx, 0)[sel], tok, valid)
+    saved = OpenForward(A, G2, S_start.to(sd), A_open, None if P_open is None else P_open.to(sd), bool(open_first))
+    return o, final.to(sd), saved
+
+
+def cp_backward_open(backend, q, k, v, g, beta, do, dht, scale: float, saved: OpenForward, tables: SegmentTables, *,
+                     block_v: int, exchange):
+    """Gradients of `cp_forward_open` with ONE backward launch over all slots, and the gradient D
+    reaching the open sequence's entering state formed before it, from forward quantities.
+
+    1. transition (v = 0 from I on the corrected slots, the open first slot included) -> U, P
+       (recomputed: the forward kept the entering states, not the [T, HV, K] rows U);
+    2. E_j = sum_t U_t do_t^T per corrected slot (GEMMs);
+    3. D = sum_j A_j^T E_j + P_open^T dht[0] over the open sequence's slots (BWD-dSin; one batched
+       product; dht[0] as given: zero where sequence 0's end state continues elsewhere);
+    4. X = exchange(D or None): the caller communicates and returns the gradient reaching the last
+       sequence's end state from elsewhere ([HV, K, V], added to dht[N - 1]) or None;
+    5. reverse scan G (`scan_segment_grads`) with those terminal gradients; the unsplit backward over
+       all slots from the forward's entering states S_in and terminal gradients G.
+    Launches: one recurrent launch and one backward (its three kernels); no host synchronisation.
+
+    Args: q, k, v, g, beta, do [1, T, ...] as the forward's; dht None or [N, HV, K, V] (the gradient
+        at each sequence's end state); scale; saved: the forward's `OpenForward`; tables, block_v as
+        the forward's; exchange: callable (D [HV, K, V] or None) -> X [HV, K, V] or None.
+    Returns (dq, dk, dv, dg, dbeta, dh0 [N, HV, K, V]): dh0 row n is the gradient at sequence n's
+        entering state (for the open sequence: the total one, D plus what reached it through X).
+    """
+    T = q.shape[1]
+    HV, K, V = v.shape[2], k.shape[3], v.shape[3]
+    tab = tables
+    M, N, L = tab.M, tab.N, tab.segment_len
+    sd = backend.state_dtype
+    pcu = tab.cu_seqlens
+    if hasattr(backend, "warm"):
+        backend.warm(k, beta, q, v, pcu, HV, block_v)
+    A, G2 = saved.A, saved.g_cum_log2
+    corr, _ = _open_mask(tab, saved.open_first)
+    U, P = _transition(backend, q, k, v.dtype, A, G2, scale, corr, pcu, block_v)
+    one_sequence = N == 1 and _ONE_SEQUENCE_FAST_PATH
+    E = _state_grads_from_outputs(U, do, tab, T, L, one_sequence, lambda *parts: None,
+                                  corr if saved.open_first else None)
+    dht_full = E.new_zeros(N, HV, K, V) if dht is None else dht.to(E.dtype).clone()
+    D = None
+    if saved.open_first:
+        J = saved.A_open.shape[0]
+        rows = _open_sequence_rows(tab, J)
+        Am = torch.where(rows[:, None, None, None], saved.A_open.to(E.dtype), E.new_zeros(()))
+        D = torch.einsum("jhkl,jhkv->hlv", Am, E[:J])
+        D = torch.baddbmm(D, saved.P_open.to(E.dtype).transpose(-1, -2), dht_full[0]).to(sd)
+    X = exchange(D)
+    if X is not None and N > 0:
+        dht_full[N - 1] += X.to(E.dtype)
+    G = scan_segment_grads(P.to(E.dtype), E, tab, T, dht_full).to(sd)
+    dq, dk, dv, dg, dbeta, dh0s = backend.bwd(q, k, v, g, beta, A, G2, do, G.contiguous(), scale,
+                                              saved.S_in.contiguous(), pcu)
+    first = dh0s.index_select(0, tab.seq_first.clamp(0, max(M - 1, 0))) if N > 0 else dh0s[:0]
+    dh0 = torch.where((tab.seq_num >= 1)[:, None, None, None], first, dht_full.to(first.dtype)) if N > 0 else first
+    return dq, dk, dv, dg, dbeta, dh0
 
 
 # ------------------------------------------------------------------------------------------------

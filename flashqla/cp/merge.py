@@ -7,6 +7,10 @@ gather / scatter over all sequences at once, so it needs no host synchronisation
 sequence (N == 1, the case context parallelism is for) segment j sits in slot j, and each step is a
 single batched product written in place (`torch.baddbmm(..., out=)`): ceil(T / L) - 1 launches.
 
+`scan_open_states` is the same scan with sequence 0's entering state left symbolic (the composed maps
+A_j of its segments next to the zero-start states B_j), for a sequence continued from elsewhere
+(`flashqla.cp.driver.cp_forward_open`, the cross-rank op `flashqla.distributed`).
+
 Two launch schemes fit the tables:
   first_from_h0=False  every segment runs from zero; Q_j is its zero-start end state and every valid
                        slot (first ones included, when there is an initial state) is corrected;
@@ -22,7 +26,7 @@ import torch
 
 from flashqla.cp.planner import SegmentTables
 
-__all__ = ["scan_segment_states", "scan_segment_grads"]
+__all__ = ["scan_segment_states", "scan_segment_grads", "scan_open_states"]
 
 
 #: Row-block height of the one-sequence scan's products (None: one [K, K] x [K, V] product per value
@@ -89,6 +93,61 @@ def _scan_one_sequence(P, Q, tables: SegmentTables, T: int, initial_state, first
     last = tables.seq_last
     final = torch.where((last >= 0)[:, None, None, None], ends[last.clamp(min=0)] if M else S0, S0)
     return starts, final
+
+
+def scan_open_states(P: torch.Tensor, Q: torch.Tensor, tables: SegmentTables, T: int, initial_state=None):
+    """The combine scan when the state entering sequence 0 is not known yet (an "open" sequence: it
+    continues one begun elsewhere, `flashqla.cp.driver.cp_forward_open`): every slot's entering state
+    as an affine function of that state S_in.
+
+    Sequence 0's first slot (slot 0) is run from zero and transitioned from I like a non-first slot,
+    so segment j of sequence 0 (slot j) is entered with A_j S_in + B_j, where B_j is the entering
+    state the scan gives with S_in = 0 and A_0 = I, A_{j+1} = P_j A_j (CP-2 with S_in kept symbolic);
+    the sequence leaves with A_m S_in + B_m (m segments). The other sequences scan as
+    `scan_segment_states(first_from_h0=True)`. With one sequence the two chains are one: each step is
+    a single product P_j [B_j | A_j] + [Q_j | 0] of width V + K.
+
+    Args:
+        P: [M, HV, K, K] transitions (read on sequence 0's slots and on valid non-first slots);
+            Q: [M, HV, K, V] end states of the run (sequence 0's first slot and the non-first slots from
+            zero, other first slots from their initial state); tables: `build_segment_tables`; T: tokens
+            per row (the bound ceil(T / L) on segments per sequence); initial_state: None or
+            [N, HV, K, V] (row 0 is not read: sequence 0 is entered with S_in).
+    Returns:
+        (S_start [M, HV, K, V] the entering states with S_in = 0 (zeros on inert slots),
+        final [N, HV, K, V] every sequence's final state with S_in = 0 (sequence 0's: B_m),
+        A [J, HV, K, K] A_j for slot j < J = min(ceil(T / L), M) (meaningful for j < the segment count
+        of sequence 0; mask the rest), P_open [HV, K, K] = A_m, the map of the whole open sequence),
+        in Q's dtype (P_open, A in P's dtype promoted with Q's). No host synchronisation.
+    """
+    M, HV, K, V = Q.shape
+    N = tables.N
+    J = min(tables.max_segments_per_sequence(T), M) if M else 0
+    dt = torch.promote_types(P.dtype, Q.dtype)
+    eye = torch.eye(K, dtype=dt, device=Q.device)
+    nseg0 = tables.seq_num[:1].clamp(max=J) if N else None
+    if N == 1:
+        Qa = torch.cat([Q[:J].to(dt), Q.new_zeros(J, HV, K, K, dtype=dt)], dim=-1)
+        Z = Q.new_zeros(J + 1, HV, K, V + K, dtype=dt)
+        Z[0, :, :, V:] = eye
+        for j in range(J):
+            torch.baddbmm(Qa[j], P[j].to(dt), Z[j], out=Z[j + 1])
+        starts = Q.new_zeros(M, HV, K, V)
+        starts[:J] = Z[:J, :, :, :V]
+        starts = torch.where(tables.valid[:, None, None, None], starts, starts.new_zeros(()))
+        leave = Z.index_select(0, nseg0)[0]
+        return starts, leave[None, :, :, :V].to(Q.dtype), Z[:J, :, :, V:], leave[:, :, V:]
+    h0 = None
+    if initial_state is not None and N:
+        h0 = initial_state.clone()
+        h0[0] = 0
+    starts, final = scan_segment_states(P, Q, tables, T, h0, first_from_h0=True)
+    A = Q.new_empty(J + 1, HV, K, K, dtype=dt)
+    A[0] = eye
+    for j in range(J):
+        torch.bmm(P[j].to(dt), A[j], out=A[j + 1])
+    P_open = A.index_select(0, nseg0)[0] if N else eye.expand(HV, K, K)
+    return starts, final, A[:J], P_open
 
 
 def scan_segment_grads(P: torch.Tensor, E: torch.Tensor, tables: SegmentTables, T: int, dht=None):

@@ -9,10 +9,13 @@ backward:
               S_out = P S_in + Q of its boundary-crossing piece (P [K, K] from a run with v = 0 from
               the identity, Q [K, V] from a zero-start run: CP-1); one all-gather; a prefix combine
               of the gathered maps gives the state entering the rank's first piece (CP-2); that
-              piece's outputs are corrected, o += S_in^T o_{v=0}(I) (CP-3)
-    backward  the same reversed: each rank's local backward gives the gradient D reaching its first
-              piece's entering state; one all-gather; a reverse combine X <- D + P^T X gives the
-              gradient of the state leaving its last piece, whose backward (do = 0, dht = X) is added
+              piece's outputs are corrected, o += S_in^T o_{v=0}(I) (CP-3). With a backend that splits
+              (`KernelBackend(cp="auto")`, `SegmentedBackend`) the rank's pieces are one intra-device
+              CP pass and the first piece's map comes out of it (no extra launch)
+    backward  the same reversed: each rank forms the gradient D reaching its first piece's entering
+              state from forward quantities (BWD-dSin); one all-gather; a reverse combine
+              X <- D + P^T X gives the gradient of the state leaving its last piece; then one local
+              backward with the true entering states and terminal gradients
 
 Exchanged per call and rank: HV * K * (K + V) state-dtype elements forward and HV * K * V backward
 (each rank receives W times that), independent of the token count. Details:
@@ -29,7 +32,7 @@ compute (sm_90 kernels on GPU, any op with FLA's signature, e.g. the fp64 refere
 Importing this package does not import TileLang (the kernel backend imports it at its first call).
 """
 
-from flashqla.distributed.backends import CPComputeBackend, FunctionBackend, KernelBackend, resolve_backend
+from flashqla.distributed.backends import CPComputeBackend, FunctionBackend, KernelBackend, SegmentedBackend, resolve_backend
 from flashqla.distributed.context import CPContext, build_cp_context, even_shard_lens
 from flashqla.distributed.op import chunk_gated_delta_rule_cp, exchange_bytes
 
@@ -41,6 +44,7 @@ __all__ = [
     "exchange_bytes",
     "CPComputeBackend",
     "KernelBackend",
+    "SegmentedBackend",
     "FunctionBackend",
     "resolve_backend",
 ]

@@ -3,53 +3,85 @@ process group, forward and backward (autograd), exchanging only state-sized summ
 
 Per rank (plan: `flashqla.distributed.context`; compute: a `flashqla.distributed.backends` backend;
 `n` local pieces, piece 0 possibly continuing a sequence from an earlier rank, piece n - 1 possibly
-continuing on a later one):
+continuing on a later one). Two paths compute the same thing; every rank makes the same two
+collectives (one all-gather forward, one backward) whichever it takes.
 
-Forward
+Segmented path (a backend with `segment_plan`, e.g. `KernelBackend(cp="auto")`, whose plan splits the
+rank's pieces; `flashqla.cp.driver.cp_forward_open` / `cp_backward_open`): the rank's pieces are ONE
+intra-device CP pass over its T_r tokens, segments of L tokens run side by side, a continuing piece 0
+treated as an "open" sequence (its entering state S_in is known only after the exchange):
+
+  Forward
+    1. prepare         once over the segments
+    2. run             every segment: first segments from their initial state, piece 0's first
+                       segment (when it continues) and every later segment from zero -> o(0), Q
+    3. transition      one launch, v = 0 from I on every later segment AND on a continuing piece 0's
+                       first segment -> U rows, per-segment transitions P (CP-1)
+    4. local scan      B_j (entering states with S_in = 0) and every end state (CP-2); for piece 0
+                       also the composed maps A_j = P_{j-1} ... P_0 (segment j entered with
+                       A_j S_in + B_j) and its whole map P_piece = A_m (`scan_open_states`)
+    5. publish         (P_piece, E_piece = B_m) when the shard lies inside one sequence; (0, E_{n-1})
+                       when the last piece starts here; (I, 0) for an empty shard; zeros otherwise
+    6. all-gather      one buffer [HV, K, K + V] per rank, state dtype
+    7. scan            S_in = the state entering piece 0, over the ranks (CP-2)
+    8. correct         entering states A_j S_in + B_j on piece 0's segments (one batched GEMM), its
+                       end state P_piece S_in + E_piece; o_t += S_j^T U_t on every corrected
+                       segment (CP-3; GEMMs in o's dtype). No further recurrent launch.
+  Backward
+    1. transition      recomputed (U rows, P; the forward kept the segments' entering states, not U)
+    2. E, D            E_j = sum_t U_t do_t^T per corrected segment (GEMMs); the gradient reaching
+                       S_in, D = sum_j A_j^T E_j + P_piece^T dht_0 over piece 0's segments (BWD-dSin;
+                       dht_0 the final-state gradient when piece 0 ends its sequence here, else 0)
+    3. all-gather      D, one buffer [HV, K, V] per rank
+    4. reverse scan    X = the gradient of the state leaving the last piece: from the rank holding
+                       the sequence's last token, X <- D_r + P_r^T X over the ranks in between
+    5. backward        the reverse segment scan with terminal gradients (X on a continuing last
+                       piece), then ONE unsplit backward over all segments from their true entering
+                       states and terminal gradients (`flashqla.cp.driver` CPBackend.bwd)
+  Launches per rank: forward prepare + 2 recurrent; backward 1 recurrent + 1 backward (its kernels).
+
+Per-piece path (any other backend, e.g. `FunctionBackend` around an FLA-signature op, a plan that does
+not split, an empty shard):
+
+  Forward
     1. main run        every piece from its own initial state (piece 0 from zero when it continues):
                        outputs o(0), end states E (exact for every piece but a continuing piece 0)
     2. transition run  if piece 0 continues: piece 0 again with v = 0 from S_0 = I (a [K, K] state,
                        value width K): end state P_0 and outputs U (CP-1: the recurrence is affine in
                        (S_0, v), so P_0 is the piece's transition and U_t = scale Phi_t^T q_t)
-    3. publish         the map S_out = P S_in + Q of the rank's boundary-crossing piece:
-                       (P_0, E_0) when the shard lies inside one sequence (piece 0 continues both
-                       ways); (0, E_{n-1}) when the last piece starts here (its end state is exact);
-                       (I, 0) for an empty shard (the sequence passes through); zeros otherwise
-    4. all-gather      one buffer [HV, K, K + V] per rank, state dtype
-    5. scan            S_in = the state entering piece 0: from the rank where its sequence starts,
-                       C <- P_r C + Q_r over the ranks in between (CP-2)
+    3. publish, 4. all-gather, 5. scan as above
     6. correct         o_t += S_in^T U_t on piece 0 (CP-3 in the form o(S) = o(0) + o_{v=0}(S) and
                        o_{v=0}(S)_t = S^T o_{v=0}(I)_t by linearity), E_0 <- P_0 S_in + E_0
-
-Backward (the same, reversed; the VJP is linear in the cotangents (do, dht) and the adjoint of
-S -> P S + Q is X -> P^T X)
-    1. D               if piece 0 continues: the gradient reaching its entering state S_in through
-                       this rank's outputs and piece 0's end state, without a backward pass: with
-                       o_t = o0_t + S_in^T U_t and end state P_0 S_in + E_0,
-                       D = sum_t U_t do_t^T + P_0^T dht_0 (BWD-dSin; dht_0 the final-state gradient
-                       when piece 0 ends its sequence here, else 0); U recomputed by the transition
-                       run (v = 0 from I over piece 0), P_0 kept from the forward; D = 0 otherwise
-    2. all-gather      D, one buffer [HV, K, V] per rank
-    3. reverse scan    X = the gradient of the state leaving the last piece: from the rank holding
-                       the sequence's last token, X <- D_r + P_r^T X over the ranks in between (their
-                       P from the forward's all-gather)
+  Backward (the VJP is linear in the cotangents (do, dht); the adjoint of S -> P S + Q is X -> P^T X)
+    1. D               if piece 0 continues, without a backward pass: o_t = o0_t + S_in^T U_t and
+                       end state P_0 S_in + E_0, so D = sum_t U_t do_t^T + P_0^T dht_0 (BWD-dSin with
+                       one segment); U recomputed by the transition run, P_0 kept from the forward
+    2. all-gather      D; 3. reverse scan X as above
     4. local backward  ONE backward over all pieces with their true entering states (S_in for piece
                        0), the cotangent do, and dht = the final-state gradient on pieces that end
-                       their sequence here, X on a last piece that continues: every local gradient
+                       their sequence here, X on a last piece that continues
 
 Exchanged volume per call, independent of T: the forward sends HV * K * (K + V) and the backward
 HV * K * V elements of the state dtype per rank (fp32 with the kernels: 4 MiB and 2 MiB per rank at
-HV = 32, K = V = 128), and each rank receives W times that. Extra compute: a continuing piece 0 gets
-a transition run (a forward pass with v = 0) in the forward and again in the backward; no piece is
-backpropagated twice.
+HV = 32, K = V = 128), and each rank receives W times that. Work per rank: on the segmented path one
+intra-device CP forward over T_r tokens (what the single-device op does with the same mode over T
+tokens) and a backward of one recurrent launch plus one backward over the segments; on the per-piece
+path a continuing piece 0 gets one transition run (a forward pass with v = 0) in the forward and one
+in the backward; no piece is backpropagated twice on either path.
 
-History: before this revision step 4 ran with dht = 0 on a continuing last piece and a second
-backward over that piece (do = 0, dht = X) was added to its gradients, and D came from the first
-backward's dh0, so a rank's backward waited on the later ranks' whole backward.
+History (measured on 2 H200s with the previous algorithm, before the segmented path and without the
+kernels' own CP per rank: every rank ran its shard unsplit, reran a continuing piece 0 with v = 0,
+and backpropagated a continuing last piece twice (the second time with do = 0, dht = X); CUDA
+medians, ms; 1 GPU = `flashqla.chunk_gated_delta_rule`, CP off):
 
-Derivations: CP-1 (affine map of a segment), CP-2 (composition, the scan), CP-3 (output correction)
-in `derivations/cp.py`; the simulated single-device form is `reference.gdn.cp`, the intra-device
-driver `flashqla.cp.driver`.
+    | heads | tokens    | fwd 1 GPU | fwd 2 GPUs | step 1 GPU | step 2 GPUs |
+    | 2/8   | 262,144   | 13.23     | 16.02      | 123.4      | 128.6       |
+    | 16/32 | 262,144   | 15.52     | 25.67      | 131.6      | 153.5       |
+    | 2/8   | 1,048,576 | 51.68     | 62.22      | 492.7      | 511.0       |
+
+Derivations: CP-1 (affine map of a segment), CP-2 (composition, the scan), CP-3 (output correction),
+BWD-dSin (the gradient at an entering state from forward quantities) in `derivations/cp.py`; the
+simulated single-device form is `reference.gdn.cp`, the intra-device driver `flashqla.cp.driver`.
 """
 
 from __future__ import annotations
@@ -163,7 +195,21 @@ def _scan_leaving_grad(dS: torch.Tensor, P_between: torch.Tensor, ctx: CPContext
     return X
 
 
+def _segment_plan(run: _Run, q, v):
+    """The backend's split plan for this rank's pieces (a `CPPlan`), or None: the per-piece path."""
+    ctx = run.ctx
+    plan_fn = getattr(run.backend, "segment_plan", None)
+    if plan_fn is None or ctx.num_pieces == 0:
+        return None
+    cu = ctx._tensor("local_offsets", ctx.local_offsets, q.device, torch.int32)
+    longest = max(b - a for a, b in zip(ctx.local_offsets[:-1], ctx.local_offsets[1:]))
+    return plan_fn(q, v, cu, longest)
+
+
 def _cp_forward(run: _Run, q, k, v, g, beta, h0):
+    plan = _segment_plan(run, q, v)
+    if plan is not None:
+        return _cp_forward_segments(run, plan, q, k, v, g, beta, h0)
     ctx, be, sdt = run.ctx, run.backend, run.state_dtype
     dev = q.device
     HV, V, K = v.shape[2], v.shape[3], k.shape[3]
@@ -201,17 +247,79 @@ def _cp_forward(run: _Run, q, k, v, g, beta, h0):
     if ctx.last_continues:
         keep["P_between"] = maps[ctx.rank + 1 : ctx.end_rank, :, :, :K].clone()
 
-    final = None
-    if run.output_final_state:
-        final = torch.zeros(ctx.N, HV, K, V, dtype=sdt, device=dev)
-        ends_here = n - 1 if ctx.last_continues else n
-        if ends_here:
-            seqs = ctx._tensor("final_seqs", ctx.piece_seqs[:ends_here], dev)
-            final.index_copy_(0, seqs, E[:ends_here])
-        if ctx.empty_seqs and h0 is not None:
-            idx = ctx._tensor("empty_seqs", ctx.empty_seqs, dev)
-            final.index_copy_(0, idx, h0.index_select(0, idx).to(sdt))
-    return o, final, keep
+    return o, _final_states(run, E, h0, dev), keep
+
+
+def _final_states(run: _Run, E, h0, dev):
+    """The op's final_state [N, HV, K, V] (or None): the end states E [n, ...] of the pieces that end
+    their sequence here, the initial state of the empty sequences this rank owns, zeros elsewhere."""
+    if not run.output_final_state:
+        return None
+    ctx = run.ctx
+    HV, K, V = run.shape
+    final = torch.zeros(ctx.N, HV, K, V, dtype=run.state_dtype, device=dev)
+    n = ctx.num_pieces
+    ends_here = n - 1 if ctx.last_continues else n
+    if ends_here:
+        seqs = ctx._tensor("final_seqs", ctx.piece_seqs[:ends_here], dev)
+        final.index_copy_(0, seqs, E[:ends_here].to(run.state_dtype))
+    if ctx.empty_seqs and h0 is not None:
+        idx = ctx._tensor("empty_seqs", ctx.empty_seqs, dev)
+        final.index_copy_(0, idx, h0.index_select(0, idx).to(run.state_dtype))
+    return final
+
+
+def _cp_forward_segments(run: _Run, plan, q, k, v, g, beta, h0):
+    """The segmented path: the rank's pieces as one intra-device CP pass (`cp_forward_open`), piece 0
+    an open sequence when it continues (transitioned from I in the same launch as the other segments,
+    corrected with A_j S_in + B_j after the exchange)."""
+    from flashqla.cp.driver import cp_forward_open
+    from flashqla.cp.planner import build_segment_tables
+
+    ctx, be, sdt = run.ctx, run.backend, run.state_dtype
+    dev = q.device
+    HV, K, V = run.shape
+    n = ctx.num_pieces
+    cu = ctx._tensor("local_offsets", ctx.local_offsets, dev, torch.int32)
+    tkey = ("segment_tables", plan.segment_len, str(dev))
+    tables = ctx._device_cache.get(tkey)
+    if tables is None:  # the context's offsets are fixed: built once per (context, L, device)
+        tables = ctx._device_cache[tkey] = build_segment_tables(cu, plan.segment_len, T=ctx.local_len)
+    keep = dict(path="segments", plan=plan, tables=tables, saved=None, P_between=None)
+
+    def exchange(P_open, ends):
+        send = torch.zeros(HV, K, K + V, dtype=sdt, device=dev)
+        if ctx.last_continues:
+            if ctx.first_continues and n == 1:
+                send[:, :, :K] = P_open
+            send[:, :, K:] = ends[-1]
+        maps = _all_gather(send, ctx)  # [W, HV, K, K + V]
+        if ctx.last_continues:
+            keep["P_between"] = maps[ctx.rank + 1 : ctx.end_rank, :, :, :K].clone()
+        return _scan_entering(maps, ctx, K) if ctx.first_continues else None
+
+    o, E, keep["saved"] = cp_forward_open(be.cp_backend, q, k, v, g, beta, run.scale, _entering_states(run, h0, None, dev),
+                                          tables, block_v=plan.BV, exchange=exchange, open_first=ctx.first_continues)
+    return o, _final_states(run, E, h0, dev), keep
+
+
+def _cp_backward_segments(run: _Run, keep, q, k, v, g, beta, h0, do, dfinal):
+    """The segmented path's backward (`cp_backward_open`): D from forward quantities before the
+    all-gather, then one backward over all segments."""
+    from flashqla.cp.driver import cp_backward_open
+
+    ctx, sdt = run.ctx, run.state_dtype
+    dev = q.device
+    HV, K, V = run.shape
+    dht = _terminal_grads(run, dfinal, dev)
+
+    def exchange(D):
+        dS = _all_gather(D if D is not None else torch.zeros(HV, K, V, dtype=sdt, device=dev), ctx)
+        return _scan_leaving_grad(dS, keep["P_between"], ctx) if ctx.last_continues else None
+
+    *grads, dh0_loc = cp_backward_open(run.backend.cp_backend, q, k, v, g, beta, do, dht, run.scale, keep["saved"],
+                                       keep["tables"], block_v=keep["plan"].BV, exchange=exchange)
+    return (*grads, _initial_state_grad(run, dh0_loc, h0, dfinal, dev))
 
 
 def _terminal_grads(run: _Run, dfinal, dev):
@@ -255,8 +363,9 @@ def _cp_backward(run: _Run, keep, q, k, v, g, beta, h0, do, dfinal):
     n = ctx.num_pieces
     if not run.output_final_state:
         dfinal = None
-    if do is None:
-        do = torch.zeros(v.shape, dtype=q.dtype, device=dev)
+    do = torch.zeros(v.shape, dtype=q.dtype, device=dev) if do is None else do.contiguous()
+    if keep["path"] == "segments":
+        return _cp_backward_segments(run, keep, q, k, v, g, beta, h0, do, dfinal)
     dht = _terminal_grads(run, dfinal, dev) if n else None
     D = _entering_grad(run, keep, q, k, g, beta, do, dht) if ctx.first_continues else torch.zeros(HV, K, V, dtype=sdt, device=dev)
     dS = _all_gather(D, ctx)  # [W, HV, K, V]
@@ -271,17 +380,26 @@ def _cp_backward(run: _Run, keep, q, k, v, g, beta, h0, do, dfinal):
     else:  # empty shard: empty gradients
         grads = [torch.zeros_like(x) for x in (q, k, v, g, beta)]
 
-    dh0 = None
-    if h0 is not None:
-        dh0 = torch.zeros_like(h0)
-        lo = 1 if ctx.first_continues else 0
-        if n > lo:
-            seqs = ctx._tensor("start_seqs", ctx.piece_seqs[lo:], dev)
-            dh0.index_copy_(0, seqs, dh0_loc[lo:].to(dh0.dtype))
-        if ctx.empty_seqs and dfinal is not None:
-            idx = ctx._tensor("empty_seqs", ctx.empty_seqs, dev)
-            dh0.index_copy_(0, idx, dfinal.index_select(0, idx).to(dh0.dtype))
-    return (*grads, dh0)
+    return (*grads, _initial_state_grad(run, dh0_loc, h0, dfinal, dev))
+
+
+def _initial_state_grad(run: _Run, dh0_loc, h0, dfinal, dev):
+    """d initial_state [N, HV, K, V] (None without an initial state): the local backward's entering-state
+    gradients dh0_loc [n, ...] on the pieces that start their sequence here, the final-state gradient
+    on the empty sequences this rank owns, zeros elsewhere."""
+    if h0 is None:
+        return None
+    ctx = run.ctx
+    n = ctx.num_pieces
+    dh0 = torch.zeros_like(h0)
+    lo = 1 if ctx.first_continues else 0
+    if n > lo:
+        seqs = ctx._tensor("start_seqs", ctx.piece_seqs[lo:], dev)
+        dh0.index_copy_(0, seqs, dh0_loc[lo:].to(dh0.dtype))
+    if ctx.empty_seqs and dfinal is not None:
+        idx = ctx._tensor("empty_seqs", ctx.empty_seqs, dev)
+        dh0.index_copy_(0, idx, dfinal.index_select(0, idx).to(dh0.dtype))
+    return dh0
 
 
 class _CPFunction(torch.autograd.Function):
@@ -330,7 +448,7 @@ def chunk_gated_delta_rule_cp(
     Computes exactly what `flashqla.chunk_gated_delta_rule` computes on the whole batch (per sequence
     and value head: S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,
     o_t = scale S_t^T q_t), each rank holding a contiguous token shard; sequences may cross ranks.
-    Algorithm and exchanged volume: this module's docstring (derivations CP-1, CP-2, CP-3). Every
+    Algorithm and exchanged volume: this module's docstring (derivations CP-1, CP-2, CP-3, BWD-dSin). Every
     rank of the group must call it with the same global cu_seqlens and shapes, and must
     backpropagate through it (its backward runs a collective).
 
@@ -376,7 +494,7 @@ def chunk_gated_delta_rule_cp(
 
     Source: FLA's context parallelism (`fla.ops.cp`: per-rank transition and zero-start state,
     all-gather, merge; its `build_cp_context` / `cp_context=` API shape); algorithm here by derivation
-    records CP-1..CP-3.
+    records CP-1..CP-3 and BWD-dSin.
     """
     if cp_context is not None:
         if not isinstance(cp_context, CPContext):

@@ -13,6 +13,8 @@ so that the comparison is between one device splitting T tokens and two devices 
 each; the mode is printed in the table's header.
     comm     the op's two all-gathers alone on buffers of the same size ([HV, K, K + V] and
              [HV, K, V] fp32 per rank)
+The table also gives each side's intra-device plan ("split 1 GPU / rank": the segment length L, or
+"unsplit"; a rank that splits runs its shard as one intra-device CP pass, `flashqla.distributed.op`).
 Times are medians over --iters iterations after --warmup (wall clock around synchronised launches;
 not CUDA graphs: the op runs collectives). Backward time = training step - forward. Before a row is
 written the CP outputs are checked against the single-GPU op (o, dv, dg relative RMS <= 1e-2, 1e-2,
@@ -195,7 +197,28 @@ def _cp(x: dict, T: int, iters: int, warmup: int, rank: int, cp: str) -> dict:
         o, _ = chunk_gated_delta_rule_cp(L["q"], L["k"], L["v"], L["g"], L["beta"], cp_context=ctx, backend=be)
     res["out"] = dict(o=o, dv=L["v"].grad.detach(), dg=L["g"].grad.detach())
     res["ctx"] = ctx
+    res["plan"] = _plan_str(be.segment_plan(L["q"], L["v"], torch.tensor([0, ctx.local_len], dtype=torch.int32, device="cuda"),
+                                            ctx.local_len))
     return res
+
+
+def _plan_str(plan) -> str:
+    """'L=<segment_len>' for a plan that splits, 'unsplit' for None or one that does not."""
+    return f"L={plan.segment_len}" if plan is not None and plan.split else "unsplit"
+
+
+def _single_plan(H: int, HV: int, T: int, cp: str) -> str:
+    """The 1-GPU op's intra-device plan for one sequence of T tokens in mode cp (static facts only)."""
+    from flashqla.cp.planner import get_cp_plan
+
+    if cp == "off":
+        return "unsplit"
+    q = torch.empty(1, T, H, K, dtype=torch.bfloat16, device="meta")
+    v = torch.empty(1, T, HV, V, dtype=torch.bfloat16, device="meta")
+    cu = torch.empty(2, dtype=torch.int32, device="meta")
+    plan, _ = get_cp_plan(q, v, cu, sm_count_override=torch.cuda.get_device_properties(0).multi_processor_count,
+                          force=cp == "on", exact=True, build_tables=False)
+    return _plan_str(plan)
 
 
 def _gather_to_rank0(t: torch.Tensor, ctx, rank: int):
@@ -250,7 +273,8 @@ def _row(cfg: str, args, rank: int) -> dict | None:
     if rank != 0:
         return None
     vol = exchange_bytes(HV, K, V, WORLD)
-    row = dict(config=cfg, H=H, HV=HV, T=T, cp_mode=args.cp, cp_fwd_ms=cp["fwd"], cp_step_ms=cp["step"], cp_bwd_ms=cp["step"] - cp["fwd"],
+    row = dict(config=cfg, H=H, HV=HV, T=T, cp_mode=args.cp, rank_plan=cp["plan"], gpu1_plan=_single_plan(H, HV, T, args.cp),
+               cp_fwd_ms=cp["fwd"], cp_step_ms=cp["step"], cp_bwd_ms=cp["step"] - cp["fwd"],
                comm_fwd_ms=cp["comm_fwd"], comm_bwd_ms=cp["comm_bwd"], cp_peak_gib=cp["peak_gib"],
                send_fwd_kib=vol["fwd_send"] / 1024, send_bwd_kib=vol["bwd_send"] / 1024)
     if not bool(ok):
@@ -328,27 +352,30 @@ def markdown(rows: list, meta: dict) -> str:
         "",
         f"| heads H/HV | tokens | fwd 1 GPU (cp={mode}) | fwd 2 GPUs (cp={mode}) | x | step 1 GPU | step 2 GPUs | x "
         "| bwd 1 GPU | bwd 2 GPUs "
-        "| all-gather fwd / bwd | sent per rank fwd / bwd | peak GiB 1 GPU / rank | o / dv / dg error |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| all-gather fwd / bwd | sent per rank fwd / bwd | peak GiB 1 GPU / rank | o / dv / dg error "
+        "| split 1 GPU / rank |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for r in rows:
         head = f"| {r['H']}/{r['HV']} | {r['T']:,} |"
+        split = f" {r.get('gpu1_plan', '?')} / {r.get('rank_plan', '?')} |"
         comm = f"{r['comm_fwd_ms']:.3f} / {r['comm_bwd_ms']:.3f}"
         sent = f"{r['send_fwd_kib']:,.0f} / {r['send_bwd_kib']:,.0f} KiB"
         if "gpu1_fwd_ms" not in r:
             lines.append(f"{head} {r.get('single', 'n/a')} | {r['cp_fwd_ms']:.2f} | | | {r['cp_step_ms']:.2f} | | | "
-                         f"{r['cp_bwd_ms']:.2f} | {comm} | {sent} | - / {r['cp_peak_gib']:.1f} | not checked |")
+                         f"{r['cp_bwd_ms']:.2f} | {comm} | {sent} | - / {r['cp_peak_gib']:.1f} | not checked |" + split)
             continue
         e = r["errors"]
         err = f"{e['o']:.1e} / {e['dv']:.1e} / {e['dg']:.1e}"
         if not r["passed"]:
-            lines.append(f"{head} FAILED: CP differs from the 1-GPU op ({err}); no timing reported | | | | | | | | | | | | {err} |")
+            lines.append(f"{head} FAILED: CP differs from the 1-GPU op ({err}); no timing reported | | | | | | | | | | | | {err} |"
+                         + split)
             continue
         lines.append(
             f"{head} {r['gpu1_fwd_ms']:.2f} | {r['cp_fwd_ms']:.2f} | {r['gpu1_fwd_ms'] / r['cp_fwd_ms']:.2f} | "
             f"{r['gpu1_step_ms']:.2f} | {r['cp_step_ms']:.2f} | {r['gpu1_step_ms'] / r['cp_step_ms']:.2f} | "
             f"{r['gpu1_bwd_ms']:.2f} | {r['cp_bwd_ms']:.2f} | {comm} | {sent} | "
-            f"{r['gpu1_peak_gib']:.1f} / {r['cp_peak_gib']:.1f} | {err} |"
+            f"{r['gpu1_peak_gib']:.1f} / {r['cp_peak_gib']:.1f} | {err} |" + split
         )
     return "\n".join(lines) + "\n"
 

@@ -1,9 +1,13 @@
 """multigpu tier: `flashqla.distributed.chunk_gated_delta_rule_cp` over 2 GPUs (NCCL, sm_90 kernels)
 against the single-GPU op `flashqla.chunk_gated_delta_rule` on the whole batch and against the fp64
-reference (`reference.chunk_gated_delta_rule` on CPU, same bf16-rounded inputs).
+reference (`reference.chunk_gated_delta_rule` on CPU, same bf16-rounded inputs), with the kernel
+backend in each intra-device mode: `KernelBackend(cp="auto")` (the default), `cp="on"` with 512-token
+segments (every rank with tokens takes the segmented path: its pieces as one intra-device CP pass, a
+continuing first piece as an open sequence; its sm_90 launches are counted and must be prepare + 2
+recurrent forward, 1 recurrent + 1 backward backward) and `cp="off"` (the per-piece path).
 
-One spawn of 2 ranks runs every case; each rank passes its own shard and backpropagates a loss over
-its outputs and final-state rows. The parent compares the concatenated outputs and token gradients
+One spawn of 2 ranks runs every case in every mode; each rank passes its own shard and backpropagates
+a loss over its outputs and final-state rows. The parent compares the concatenated outputs and token gradients
 and the rank sums of final_state and d initial_state: relative RMS within the budgets of
 `tests/gpu/test_autograd_gpu.py` (o, final state 1e-2; dq, dk, dv, dbeta, dh0 2e-2; dg 3e-2), both
 against the single-GPU op and against fp64. Cases: one sequence with an odd split, a varlen mix
@@ -42,10 +46,42 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import flashqla  # noqa: E402
 import reference  # noqa: E402
-from flashqla.distributed import build_cp_context, chunk_gated_delta_rule_cp, even_shard_lens  # noqa: E402
+from flashqla.distributed import KernelBackend, build_cp_context, chunk_gated_delta_rule_cp, even_shard_lens  # noqa: E402
 
 BUDGET = {"o": 1e-2, "final": 1e-2, "dq": 2e-2, "dk": 2e-2, "dv": 2e-2, "dg": 3e-2, "dbeta": 2e-2, "dh0": 2e-2}
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+#: intra-device mode of the kernel backend per rank -> KernelBackend keyword arguments
+MODES = {"auto": dict(cp="auto"), "on": dict(cp="on", segment_len=512), "off": dict(cp="off")}
+
+
+class _CountingLaunches:
+    """The sm_90 launches (`flashqla.cp.driver.Sm90Backend`), recording the kind of each launch, so
+    that a case can tell which path ran."""
+
+    def __init__(self):
+        from flashqla.cp.driver import Sm90Backend
+
+        self.inner = Sm90Backend()
+        self.state_dtype = self.inner.state_dtype
+        self.launches = []
+
+    def warm(self, *args):
+        return self.inner.warm(*args)
+
+    def zeros(self, *args):
+        return self.inner.zeros(*args)
+
+    def prepare(self, *args, **kw):
+        self.launches.append("prepare")
+        return self.inner.prepare(*args, **kw)
+
+    def recurrent(self, *args, **kw):
+        self.launches.append("recurrent")
+        return self.inner.recurrent(*args, **kw)
+
+    def bwd(self, *args, **kw):
+        self.launches.append("bwd")
+        return self.inner.bwd(*args, **kw)
 
 CASES = {
     "one_sequence_odd_split": dict(inp=dict(T=3001)),
@@ -111,23 +147,36 @@ def _whole(name: str, fn, device) -> dict:
     return _collect(o, ht, L)
 
 
-def _rank_run(name: str, rank: int) -> dict:
+def _rank_run(name: str, rank: int, mode: str) -> dict:
     spec, x = CASES[name], _inputs(name)
     final = spec.get("final", True)
     lens = spec.get("shards") or list(even_shard_lens(x["q"].shape[1], WORLD))
     lo, hi = sum(lens[:rank]), sum(lens[: rank + 1])
     dev = torch.device("cuda", rank)
     L = _leaves(x, dev, lo, hi)
-    kw = dict(initial_state=L["initial_state"], output_final_state=final)
+    be = KernelBackend(**MODES[mode])
+    be._cp_backend = counter = _CountingLaunches()
+    kw = dict(initial_state=L["initial_state"], output_final_state=final, backend=be)
+    ctx = build_cp_context(x["cu_seqlens"], shard_lens=lens)
     if spec.get("path") == "gather":
         kw["cu_seqlens"] = x["cu_seqlens"].to(dev)
     else:
         kw["cp_context"] = build_cp_context(x["cu_seqlens"], shard_lens=spec.get("shards"))
     o, ht = chunk_gated_delta_rule_cp(L["q"], L["k"], L["v"], L["g"], L["beta"], **kw)
+    n_fwd = len(counter.launches)
     loss = (o.double() * x["w_o"][:, lo:hi].to(dev)).sum() + ((ht.double() * x["w_h"].to(dev)).sum() if final else 0.0)
     loss.backward()
     torch.cuda.synchronize(dev)
-    return _collect(o, ht, L)
+    out = _collect(o, ht, L)
+    out["segmented"] = bool(counter.launches)
+    out["launches_ok"] = True
+    if mode == "on" and ctx.num_pieces:  # the segmented path, no extra launch for a continuing piece
+        out["launches_ok"] = (counter.launches[:n_fwd] == ["prepare", "recurrent", "recurrent"]
+                              and counter.launches[n_fwd:] == ["recurrent", "bwd"])
+    if mode == "off":
+        out["launches_ok"] = not counter.launches
+    out["launches"] = list(counter.launches)
+    return out
 
 
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
@@ -138,7 +187,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=600))
     try:
-        results = {name: _rank_run(name, rank) for name in CASES}
+        results = {(mode, name): _rank_run(name, rank, mode) for mode in MODES for name in CASES}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
@@ -184,9 +233,12 @@ def _assemble(ranks: list) -> dict:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_cp_two_gpus(name):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_cp_two_gpus(mode, name):
     st = _results()
-    got = _assemble([res[name] for res in st["cp"]])
+    ranks = [res[(mode, name)] for res in st["cp"]]
+    assert all(r["launches_ok"] for r in ranks), f"{mode} {name}: launches per rank {[r['launches'] for r in ranks]}"
+    got = _assemble(ranks)
     report = {}
     for against in ("gpu", "fp64"):
         ref = st[against][name]
@@ -197,7 +249,8 @@ def test_cp_two_gpus(name):
                 assert float(x.double().norm()) == 0.0, f"{q}: reference ({against}) is zero, CP is not"
                 continue
             report[f"{q} vs {against}"] = rel_rms(x, ref[q])
-    print(f"{name}: " + ", ".join(f"{k} {v:.2e}" for k, v in report.items()))
+    path = "/".join("segmented" if r["segmented"] else "per-piece" for r in ranks)
+    print(f"cp={mode} {name} ({path}): " + ", ".join(f"{k} {v:.2e}" for k, v in report.items()))
     bad = {k: v for k, v in report.items() if not v <= BUDGET[k.split()[0]]}
     assert not bad, f"{name}: over budget {bad}"
     assert got["o"].dtype == torch.bfloat16 and got["dg"].dtype == torch.float32
