@@ -66,6 +66,19 @@ def bench_specs() -> list:
     return list(dict.fromkeys(specs))
 
 
+def variant_specs(specs: list) -> list:
+    """The candidate variants next to the defaults of `specs`: prepare "v3" for every prepare kernel,
+    pass-2 "v2" for every pass-2 kernel (what tests/gpu/prepare_v3_check.py and
+    tests/gpu/bwd_v2_check.py and the tier with FLASHQLA_PREPARE / FLASHQLA_BWD_VARIANT build)."""
+    out = []
+    for kind, args in specs:
+        if kind == "prepare":
+            out.append((kind, args[:-1] + ("v3",)))
+        elif kind == "chunk_bwd":
+            out.append((kind, tuple(args) + ("v2",)))
+    return list(dict.fromkeys(out))
+
+
 def pack(cache_dir: str, out: str, limit_mb: float = 24.0) -> None:
     """tar.xz of the whole cache directory (TileLang keeps the host wrappers under
     `<version>/linux-x86_64/kernels/` and the cubins under `<version>/cuda-binaries/`: both are needed)."""
@@ -89,12 +102,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tier", action="store_true", help="the GPU tier's kernels")
     ap.add_argument("--bench", action="store_true", help="the benchmark grids' kernels")
+    ap.add_argument("--variants", action="store_true",
+                    help="also the candidate kernel variants (prepare v3, pass-2 v2) of the selected configurations")
     ap.add_argument("--workers", type=int, default=None, help="worker processes (default: CPU count)")
     ap.add_argument("--pack", metavar="FILE", help="write the cache directory as FILE (tar.xz) afterwards")
     ap.add_argument("--list", action="store_true", help="print the kernel specs and exit")
     args = ap.parse_args(argv)
     specs = (tier_specs() if args.tier else []) + (bench_specs() if args.bench else [])
     specs = list(dict.fromkeys(specs))
+    if args.variants:
+        specs += variant_specs(specs)
     if args.list:
         for s in specs:
             print(s)
