@@ -16,7 +16,7 @@ from flashqla.bench.bwd_grid import BWD_HEADS, bwd_mixes, bwd_tflops, short_name
 from flashqla.bench.bwd_runner import CHECKED, GATE_TOL_BWD, parse_errs, worst
 from flashqla.bench.grid import PEAK_TFLOPS, parse_mix, pct_of_peak
 from flashqla.bench.peers import ENV_FIELDS, IMPLS, LABELS
-from flashqla.bench.report import fmt_x, geomean, heads_in_order, num, pyplot
+from flashqla.bench.report import fmt_x, geomean, heads_in_order, num, pyplot, save_figure
 from flashqla.bench.store import ROW_FIELDS
 
 __all__ = [
@@ -251,9 +251,4 @@ def plot(rows: list[dict], path) -> Path | None:
     axes[0][0].legend(fontsize=8)
     fig.suptitle("GDN backward (491,520 FLOP per token-head) and training step (655,360), TFLOP/s\n"
                  f"(bf16 GEMM rate {PEAK_TFLOPS:.0f}; no bar: not timed or failed the gate)", fontsize=10)
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return save_figure(plt, fig, path)

@@ -282,6 +282,16 @@ def pyplot():
     return plt
 
 
+def save_figure(plt, fig, path) -> Path:
+    """Lays out `fig`, writes it as a PNG to `path` (creating its folder) and closes it."""
+    fig.tight_layout()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
 def heads_in_order(rows: list[dict]) -> list[tuple[int, int]]:
     """The (h_qk, h_v) head configurations of `rows`, in the order they first appear."""
     return list(dict.fromkeys((int(r["h_qk"]), int(r["h_v"])) for r in rows))
@@ -319,12 +329,7 @@ def plot(rows: list[dict], path) -> Path | None:
     axes.flat[0].legend(fontsize=8)
     fig.suptitle(f"GDN forward, TFLOP/s on 163,840 FLOP per token-head\n(bf16 GEMM rate {PEAK_TFLOPS:.0f}; * = CP row)",
                  fontsize=10)
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return save_figure(plt, fig, path)
 
 
 def plot_vs_T(rows: list[dict], path) -> Path | None:
@@ -357,9 +362,4 @@ def plot_vs_T(rows: list[dict], path) -> Path | None:
         ax.axis("off")
     axes.flat[0].legend(fontsize=8)
     fig.suptitle("GDN forward, one long sequence: time against T", fontsize=10)
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return save_figure(plt, fig, path)
