@@ -86,18 +86,14 @@ def test_prepare_default_variant_shares_the_cache_entry():
     assert build_prepare_kernel(*args) is build_prepare_kernel(*args, DEFAULT_VARIANT)
 
 
-@pytest.mark.parametrize("nvalid", [64, 37, 1])
-def test_prepare_group_stage_matches_chunk_reference(nvalid):
-    """The v2 kernel's stage twin (`reference.gdn.fused.prepare_group`: K K^T once per q/k head, the
-    inverse as WY-5 in the kernel's order) equals FLA's stages in fp64, masked rows included."""
-    import math
-
+def _group_case(seed: int, nvalid: int):
+    """One chunk (C = 64) of 2 q/k heads and 8 value heads in fp64, for the prepare stage twins: keys
+    past `nvalid` are the next sequence's (large, unnormalised), FLA's stages give g_cum and A.
+    Returns (H, G, k, g, beta, g_cum, A)."""
     from reference.gdn import chunk as cr
-    from reference.gdn.fused import prepare_group
 
-    gen = torch.Generator().manual_seed(nvalid)
+    gen = torch.Generator().manual_seed(seed)
     H, HV, C, K = 2, 8, 64, 16
-    G = HV // H
     k = torch.nn.functional.normalize(torch.randn(1, C, H, K, dtype=torch.float64, generator=gen), dim=-1)
     k[:, nvalid:] = 3 * torch.randn(1, C - nvalid, H, K, dtype=torch.float64, generator=gen)  # next sequence's keys
     g = 2 * torch.nn.functional.logsigmoid(torch.randn(1, C, HV, dtype=torch.float64, generator=gen))
@@ -105,6 +101,18 @@ def test_prepare_group_stage_matches_chunk_reference(nvalid):
     cu = torch.tensor([0, nvalid, C]) if nvalid < C else None
     g_cum = cr.chunk_local_cumsum(g, cu_seqlens=cu)
     A = cr.solve_tril(cr.chunk_scaled_dot_kkt(k, beta, g_cum, cu_seqlens=cu), cu_seqlens=cu)
+    return H, HV // H, k, g, beta, g_cum, A
+
+
+@pytest.mark.parametrize("nvalid", [64, 37, 1])
+def test_prepare_group_stage_matches_chunk_reference(nvalid):
+    """The v2 kernel's stage twin (`reference.gdn.fused.prepare_group`: K K^T once per q/k head, the
+    inverse as WY-5 in the kernel's order) equals FLA's stages in fp64, masked rows included."""
+    import math
+
+    from reference.gdn.fused import prepare_group
+
+    H, G, k, g, beta, g_cum, A = _group_case(nvalid, nvalid)
     for hk in range(H):
         heads = slice(hk * G, (hk + 1) * G)
         gcl, A_beta = prepare_group(k[0, :, hk], g[0, :, heads].T, beta[0, :, heads].T, nvalid)
@@ -192,19 +200,9 @@ def test_prepare_group_recursive_matches_v2_twin_and_chunk_reference(nvalid):
     and v2's twin (`prepare_group`) in fp64, masked rows and next-sequence keys included."""
     import math
 
-    from reference.gdn import chunk as cr
     from reference.gdn.fused import prepare_group, prepare_group_recursive
 
-    gen = torch.Generator().manual_seed(100 + nvalid)
-    H, HV, C, K = 2, 8, 64, 16
-    G = HV // H
-    k = torch.nn.functional.normalize(torch.randn(1, C, H, K, dtype=torch.float64, generator=gen), dim=-1)
-    k[:, nvalid:] = 3 * torch.randn(1, C - nvalid, H, K, dtype=torch.float64, generator=gen)  # next sequence's keys
-    g = 2 * torch.nn.functional.logsigmoid(torch.randn(1, C, HV, dtype=torch.float64, generator=gen))
-    beta = torch.rand(1, C, HV, dtype=torch.float64, generator=gen)
-    cu = torch.tensor([0, nvalid, C]) if nvalid < C else None
-    g_cum = cr.chunk_local_cumsum(g, cu_seqlens=cu)
-    A = cr.solve_tril(cr.chunk_scaled_dot_kkt(k, beta, g_cum, cu_seqlens=cu), cu_seqlens=cu)
+    H, G, k, g, beta, g_cum, A = _group_case(100 + nvalid, nvalid)
     for hk in range(H):
         heads = slice(hk * G, (hk + 1) * G)
         args = (k[0, :, hk], g[0, :, heads].T, beta[0, :, heads].T, nvalid)

@@ -580,6 +580,25 @@ def solve_tril_nilpotent(L: torch.Tensor, block: int = 16) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
+def _group_gated_L(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, nvalid: int | None):
+    """The part `prepare_group` and `prepare_group_recursive` share: g and beta masked past `nvalid`,
+    g_cum_log2 [..., G, C], and L = strictly_lower(diag(beta) (K K^T) * Gamma) [..., G, C, C] over the
+    valid rows, K K^T formed once for the group. Returns (g_cum_log2, masked beta, L)."""
+    C = k.shape[-2]
+    nvalid = C if nvalid is None else int(nvalid)
+    t = torch.arange(C, device=k.device)
+    valid = t < nvalid
+    zero = torch.zeros((), dtype=g.dtype, device=g.device)
+    g = torch.where(valid, g, zero)
+    beta = torch.where(valid, beta, zero)
+    gcl = g_cum_to_log2(torch.cumsum(g, dim=-1))  # [..., G, C]
+    kk = (k @ _t(k)).unsqueeze(-3)  # [..., 1, C, C]: once for the group
+    strict = (t[:, None] > t[None, :]) & valid[:, None]
+    expo = torch.where(strict, gcl[..., :, None] - gcl[..., None, :], zero)
+    L = torch.where(strict, beta[..., :, None] * kk * torch.exp2(expo), zero)  # [..., G, C, C]
+    return gcl, beta, L
+
+
 def prepare_group(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, nvalid: int | None = None, block: int = 16):
     """What the v2 prepare kernel computes for one chunk of one q/k head and its G value heads.
 
@@ -600,17 +619,9 @@ def prepare_group(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, nvalid: 
     C = k.shape[-2]
     if C != 4 * block:
         raise ValueError(f"prepare_group needs C == 4 * block, got C = {C}, block = {block}")
-    nvalid = C if nvalid is None else int(nvalid)
+    gcl, beta, L = _group_gated_L(k, g, beta, nvalid)
     t = torch.arange(C, device=k.device)
-    valid = t < nvalid
     zero = torch.zeros((), dtype=g.dtype, device=g.device)
-    g = torch.where(valid, g, zero)
-    beta = torch.where(valid, beta, zero)
-    gcl = g_cum_to_log2(torch.cumsum(g, dim=-1))  # [..., G, C]
-    kk = (k @ _t(k)).unsqueeze(-3)  # [..., 1, C, C]: once for the group
-    strict = (t[:, None] > t[None, :]) & valid[:, None]
-    expo = torch.where(strict, gcl[..., :, None] - gcl[..., None, :], zero)
-    L = torch.where(strict, beta[..., :, None] * kk * torch.exp2(expo), zero)  # [..., G, C, C]
     Dinv = solve_tril_diagonal_blocks(L, block)
     blk = t // block
     E = torch.where(blk[:, None] > blk[None, :], L, zero)
@@ -686,17 +697,9 @@ def prepare_group_recursive(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
     C = k.shape[-2]
     if C != 4 * block:
         raise ValueError(f"prepare_group_recursive needs C == 4 * block, got C = {C}, block = {block}")
-    nvalid = C if nvalid is None else int(nvalid)
+    gcl, beta, L = _group_gated_L(k, g, beta, nvalid)
     t = torch.arange(C, device=k.device)
-    valid = t < nvalid
     zero = torch.zeros((), dtype=g.dtype, device=g.device)
-    g = torch.where(valid, g, zero)
-    beta = torch.where(valid, beta, zero)
-    gcl = g_cum_to_log2(torch.cumsum(g, dim=-1))  # [..., G, C]
-    kk = (k @ _t(k)).unsqueeze(-3)  # [..., 1, C, C]: once for the group
-    strict = (t[:, None] > t[None, :]) & valid[:, None]
-    expo = torch.where(strict, gcl[..., :, None] - gcl[..., None, :], zero)
-    L = torch.where(strict, beta[..., :, None] * kk * torch.exp2(expo), zero)  # [..., G, C, C]
     A = solve_tril_recursive(L, block)
     A_beta = torch.where(t[:, None] >= t[None, :], A * beta[..., None, :], zero)
     return gcl, A_beta
