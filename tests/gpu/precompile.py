@@ -23,9 +23,8 @@ if ROOT not in sys.path:
 
 #: (H, HV) of the GPU tier's tests
 TIER_HEADS = ((1, 2), (1, 4), (2, 2), (2, 4), (4, 4), (2, 8))
-#: (H, HV) of the forward and backward benchmark grids (flashqla.bench)
-FWD_BENCH_HEADS = ((2, 8), (4, 16), (8, 32), (16, 64), (16, 32), (8, 24), (16, 48), (16, 16), (32, 32))
-BWD_BENCH_HEADS = ((16, 32), (8, 16), (4, 8), (2, 4), (2, 8))
+#: (H, HV) whose backward the 2-GPU benchmark runs besides the backward grid's (tests/gpu/multigpu_bench.py)
+EXTRA_BWD_HEADS = ((2, 8),)
 
 
 def tier_specs() -> list:
@@ -52,14 +51,18 @@ def tier_specs() -> list:
 def bench_specs() -> list:
     """The kernels of the benchmark grids: every head configuration, packed and fixed, both value
     slice widths, the backward's kernels for the backward grid."""
+    from flashqla.bench.bwd_grid import BWD_HEADS
+    from flashqla.bench.grid import FWD_HEADS
     from flashqla.ops.gdn.kernels.sm90 import op_kernel_specs
 
+    fwd_heads = [(h.h_qk, h.h_v) for h in FWD_HEADS]
+    bwd_heads = list(dict.fromkeys([(h.h_qk, h.h_v) for h in BWD_HEADS] + list(EXTRA_BWD_HEADS)))
     specs = []
-    for H, HV in FWD_BENCH_HEADS:
+    for H, HV in fwd_heads:
         for varlen in (False, True):
             for bv in (64, 128):
                 specs += op_kernel_specs(H, HV, varlen=varlen, block_v=bv, backward=False)
-    for H, HV in BWD_BENCH_HEADS:
+    for H, HV in bwd_heads:
         for varlen in (False, True):
             for bv in (64, 128):
                 specs += op_kernel_specs(H, HV, varlen=varlen, block_v=bv)
