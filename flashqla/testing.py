@@ -20,6 +20,7 @@ __all__ = [
     "rel_rms",
     "assert_close_rel",
     "make_gdn_inputs",
+    "add_cotangents",
     "qwen3next_gate",
     "random_cu_seqlens",
     "BUDGETS",
@@ -214,6 +215,20 @@ def make_gdn_inputs(
         cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(device),
     )
     return out
+
+
+def add_cotangents(x: dict, seed: int) -> dict:
+    """Adds the backward's cotangents to inputs `x` of `make_gdn_inputs`: x["do"] ~ N(0, 1) shaped as
+    v [B, T, HV, V] and x["dht"] ~ N(0, 1) [N, HV, K, V] (N sequences: B, or len(cu_seqlens) - 1),
+    fp64 on CPU, drawn in that order from a generator seeded with `seed` (the GPU tiers use the
+    inputs' seed + 1). Returns `x`, modified in place."""
+    gen = torch.Generator().manual_seed(seed)
+    B, T, HV, V = x["v"].shape
+    K = x["k"].shape[-1]
+    N = B if x.get("cu_seqlens") is None else x["cu_seqlens"].numel() - 1
+    x["do"] = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64)
+    x["dht"] = torch.randn(N, HV, K, V, generator=gen, dtype=torch.float64)
+    return x
 
 
 def kernel_chunks(x: torch.Tensor, seq, pos, T: int, cu_seqlens=None) -> torch.Tensor:

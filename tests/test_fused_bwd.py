@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 
-from flashqla.testing import make_gdn_inputs, rel_rms
+from flashqla.testing import add_cotangents, make_gdn_inputs, rel_rms
 from reference.gdn import chunk, chunk_bwd, fused
 from reference.gdn import fused_bwd as fb
 from reference.gdn.chunk import prepare_chunk_layout
@@ -195,10 +195,7 @@ def test_kernel_rounding_model():
 def _gpu_tier_inputs(T: int) -> dict:
     """The inputs of tests/gpu/test_bwd_gpu.py::test_lengths[T] (seed T, 2/4 heads), rounded as there:
     q, k, v, do to bf16, g, beta, h0, dht to fp32; returned in fp64."""
-    x = make_gdn_inputs(B=1, T=T, H=2, HV=4, K=128, V=128, seed=T)
-    gen = torch.Generator().manual_seed(T + 1)
-    x["do"] = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64)
-    x["dht"] = torch.randn(1, 4, 128, 128, generator=gen, dtype=torch.float64)
+    x = add_cotangents(make_gdn_inputs(B=1, T=T, H=2, HV=4, K=128, V=128, seed=T), T + 1)
     for n in ("q", "k", "v", "do"):
         x[n] = x[n].to(torch.bfloat16).double()
     for n in ("g", "beta", "initial_state", "dht"):

@@ -169,3 +169,13 @@ def test_recorded_fla_errors_cover_the_gpu_cases_by_node_id(monkeypatch):
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/gpu/test_bwd_gpu.py::test_lengths[63] (call)")
     assert fla_errors_for()["dg"] == FLA_ERRORS["tests/gpu/test_bwd_gpu.py::test_lengths[63]"]["dg"]
     assert fla_errors_for("tests/gpu/test_bwd_gpu.py::test_varlen[h0-single]") is None
+
+
+def test_add_cotangents_shapes_and_seed():
+    from flashqla.testing import add_cotangents, make_gdn_inputs
+
+    x = add_cotangents(make_gdn_inputs(B=1, T=70, H=1, HV=2, K=16, V=8, seqlens=[30, 0, 40], seed=3), 4)
+    assert x["do"].shape == (1, 70, 2, 8) and x["dht"].shape == (3, 2, 16, 8)
+    gen = torch.Generator().manual_seed(4)  # drawn in this order from this seed
+    assert torch.equal(x["do"], torch.randn(1, 70, 2, 8, generator=gen, dtype=torch.float64))
+    assert torch.equal(x["dht"], torch.randn(3, 2, 16, 8, generator=gen, dtype=torch.float64))

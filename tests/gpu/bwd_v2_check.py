@@ -33,7 +33,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from flashqla.testing import make_gdn_inputs, rel_rms  # noqa: E402
+from flashqla.testing import add_cotangents, make_gdn_inputs, rel_rms  # noqa: E402
 from tests.gpu.device_check import gen_inputs, time_graph  # noqa: E402
 
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -93,16 +93,13 @@ def _case(seed, B=1, T=None, H=2, HV=4, lengths=None, tail=0, h0=True, h_dtype=t
         seqlens = list(lengths) + ([tail] if tail else [])
         T = sum(seqlens)
     x = make_gdn_inputs(B=B, T=T, H=H, HV=HV, K=128, V=128, seqlens=seqlens, initial_state=h0, seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
     cu = x["cu_seqlens"]
     if tail:
         cu = cu[:-1].clone()
         if x["initial_state"] is not None:
             x["initial_state"] = x["initial_state"][:-1].clone()
-    N = B if cu is None else cu.numel() - 1
     x["cu_seqlens"] = cu
-    x["do"] = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64)
-    x["dht"] = torch.randn(N, HV, 128, 128, generator=gen, dtype=torch.float64)
+    add_cotangents(x, seed + 1)
     xd = {}
     for n, t in x.items():
         if t is None:

@@ -43,7 +43,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from flashqla.testing import make_gdn_inputs, rel_rms  # noqa: E402
+from flashqla.testing import add_cotangents, make_gdn_inputs, rel_rms  # noqa: E402
 
 F64 = torch.float64
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
@@ -97,10 +97,7 @@ def make_case(seed: int, B: int = 1, T: int | None = None, lengths=None, tail: i
         x["g"][..., -1] = strong
     if beta is not None:
         x["beta"].fill_(beta)
-    N = B if x["cu_seqlens"] is None else x["cu_seqlens"].numel() - 1
-    gen = torch.Generator().manual_seed(seed + 1)
-    x["do"] = torch.randn(x["v"].shape, generator=gen, dtype=F64)
-    x["dht"] = torch.randn(N, 2, 128, 128, generator=gen, dtype=F64)
+    add_cotangents(x, seed + 1)
     if tiny_dht:
         x["dht"] = torch.full_like(x["dht"], 1e-30)
     for n in ("q", "k", "v", "do", "g", "beta", "initial_state", "dht"):

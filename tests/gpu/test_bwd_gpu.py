@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from flashqla.testing import fla_errors_for, make_gdn_inputs, rel_rms
+from flashqla.testing import add_cotangents, fla_errors_for, make_gdn_inputs, rel_rms
 
 pytestmark = pytest.mark.gpu
 
@@ -42,11 +42,7 @@ FLA_FLOOR = 1e-4
 
 
 def _inputs(seed=0, **kw):
-    x = make_gdn_inputs(K=128, V=128, seed=seed, **kw)
-    gen = torch.Generator().manual_seed(seed + 1)
-    N = x["v"].shape[0] if x["cu_seqlens"] is None else x["cu_seqlens"].numel() - 1
-    x["do"] = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64)
-    x["dht"] = torch.randn(N, x["v"].shape[2], 128, 128, generator=gen, dtype=torch.float64)
+    x = add_cotangents(make_gdn_inputs(K=128, V=128, seed=seed, **kw), seed + 1)
     xd = {}
     for n, t in x.items():
         if t is None:

@@ -23,7 +23,7 @@ import math
 import pytest
 import torch
 
-from flashqla.testing import make_gdn_inputs
+from flashqla.testing import add_cotangents, make_gdn_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -54,11 +54,7 @@ def _inputs(name: str, seed: int, lengths=None) -> dict:
     lengths = default if lengths is None else lengths
     if lengths is not None:
         T = sum(lengths)
-    x = make_gdn_inputs(B=B, T=T, H=2, HV=4, K=128, V=128, seqlens=lengths, seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    N = B if lengths is None else len(lengths)
-    x["do"] = torch.randn(B, T, 4, 128, generator=gen, dtype=torch.float64)
-    x["dht"] = torch.randn(N, 4, 128, 128, generator=gen, dtype=torch.float64)
+    x = add_cotangents(make_gdn_inputs(B=B, T=T, H=2, HV=4, K=128, V=128, seqlens=lengths, seed=seed), seed + 1)
     out = {}
     for n, t in x.items():
         if t is None or n == "cu_seqlens":
