@@ -135,7 +135,7 @@ def test_cp_mode_is_checked_before_device_work(monkeypatch):
     from flashqla.ops.gdn.api import CP_ENV, cp_mode
 
     monkeypatch.delenv(CP_ENV, raising=False)
-    assert cp_mode(None) == "off" and cp_mode("auto") == "auto"
+    assert cp_mode(None) == "auto" and cp_mode("off") == "off"
     monkeypatch.setenv(CP_ENV, "on")
     assert cp_mode(None) == "on"
     x = torch.zeros(1, 4, 1, 128, dtype=torch.bfloat16)
@@ -203,6 +203,10 @@ def test_chunk_bwd_v2_kernel_compiles(dtype, h_dtype, beta_dtype, seq_dtype, var
     consumer = src[src.index("warpgroup_reg_alloc<240>"):]
     first_mask = consumer.index("if (nvalid < 64)")
     assert consumer[:first_mask].count(".wait(") >= 3, "rows zeroed before the q / k tiles arrived"
+    # the consumers are threads 128-383: a statement guarded by `threadIdx.x < 256` runs in the first
+    # consumer warpgroup only (TileLang 0.1.15 emitted that guard for a fully replicated reducer's
+    # per-thread init, so the second warpgroup's partials of dG's chunk-end scalars were never cleared)
+    assert "threadIdx.x) < 256)" not in consumer, "per-thread state initialised by one consumer warpgroup only"
     if varlen:
         # the last sequence's CTA zeroes the rows past cu_seqlens[-1], the first one's those before cu_seqlens[0]
         assert "(Np1 - 2)" in src and "cu_seqlens[0]" in src, "rows of no sequence must be zeroed in-kernel"

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from flashqla.cp import (
+    BALANCED_LOSS,
     SEGMENT_QUANTUM,
     TIE,
     build_segment_tables,
@@ -72,25 +73,63 @@ def test_rule_examples(HV, N, T, exact, split, L, BV):
 @pytest.mark.parametrize("N", [1, 2, 3, 8])
 @pytest.mark.parametrize("T", [4096, 20000, 65536, 262144])
 @pytest.mark.parametrize("exact", [False, True])
-def test_rule_properties(HV, N, T, exact):
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+def test_rule_properties(HV, N, T, exact, backward):
     sms = 132
-    p = plan_cp(HV, N, T, 128, sms, exact=exact)
+    p = plan_cp(HV, N, T, 128, sms, exact=exact, backward=backward)
     if not p.split:
         assert p.segment_len is None
         return
     L = p.segment_len
-    assert L % SEGMENT_QUANTUM == 0 and L < -(-T // N)
+    l_top = T if N == 1 else T - (N - 1)  # the longest sequence the rule considers
+    assert L % SEGMENT_QUANTUM == 0 and L < l_top
+    if N > 1:
+        # unknown lengths: never predicted slower than unsplit on balanced lengths
+        assert p.est_split <= (1 + BALANCED_LOSS) * p.est_unsplit, p
+        return
     assert p.est_unsplit >= 1.2 * p.est_split
-    ctas = (128 // p.BV) * HV * N * -(-(-(-T // N)) // L)
-    # the chosen split fills at most a few waves; a shorter segment (more CTAs, more sequential
-    # combine steps) is not predicted faster (with few heads the combine steps keep segments long)
-    assert ctas <= 4 * sms or L == SEGMENT_QUANTUM, (ctas, p)
+    if not backward:
+        ctas = (128 // p.BV) * HV * N * -(-(-(-T // N)) // L)
+        # the chosen split fills at most a few waves; a shorter segment (more CTAs, more sequential
+        # combine steps) is not predicted faster (with few heads the combine steps keep segments long)
+        assert ctas <= 4 * sms or L == SEGMENT_QUANTUM, (ctas, p)
     if L > SEGMENT_QUANTUM:
-        shorter = plan_cp(HV, N, T, 128, sms, exact=exact, force=True, segment_len=L - SEGMENT_QUANTUM)
+        shorter = plan_cp(HV, N, T, 128, sms, exact=exact, force=True, segment_len=L - SEGMENT_QUANTUM,
+                          backward=backward)
         assert shorter.est_split * (1 + TIE) >= p.est_split, (shorter, p)  # near-ties go to the longer L
     # few heads, one long sequence: always split
     if HV * N <= 8 and T >= 16384:
         assert p.split
+
+
+@pytest.mark.parametrize(
+    "HV,N,T,fwd_split,bwd_split",
+    [
+        (8, 1, 32768, True, True),  # 2/8 1x32768
+        (32, 1, 32768, False, True),  # 16/32 1x32768: 32 CTAs; the backward's chunk costs ~5 forward ones
+        (4, 1, 8192, True, True),  # 2/4 1x8192
+        (64, 4, 32768, False, False),  # 16/64 4x8192: 256 CTAs; a split is slower on balanced lengths
+        (8, 2, 32768, True, True),  # 2/8 28672+4096 (unknown lengths: the skewed case decides)
+    ],
+)
+def test_backward_rule_examples(HV, N, T, fwd_split, bwd_split):
+    """The backward is planned with its own costs (`BWD_CHUNK_COST` per chunk of the fused chunk
+    backward, one CTA per sequence and value head): it splits where the forward's plan does not."""
+    f = plan_cp(HV, N, T, 128, 132, exact=True)
+    b = plan_cp(HV, N, T, 128, 132, exact=True, backward=True)
+    assert (f.split, b.split) == (fwd_split, bwd_split), (f, b)
+
+
+def test_unknown_lengths_consider_a_skewed_batch():
+    """Without max_seqlen, N > 1 sequences are costed both balanced and with one sequence holding all
+    but N - 1 tokens; a split is taken when it wins on the worse of the two and costs nothing on
+    balanced lengths. With the hint, only the hinted case counts."""
+    p = plan_cp(8, 2, 32768, exact=True)  # 2/8 heads, two sequences of unknown lengths
+    assert p.split and "skewed" in p.reason
+    assert plan_cp(8, 2, 32768, exact=True, max_seqlen=28672).split
+    balanced = plan_cp(64, 8, 8 * 8192, exact=True)  # 512 CTAs on balanced lengths: a split only costs
+    assert not balanced.split and "balanced" in balanced.reason
+    assert plan_cp(64, 8, 8 * 8192, exact=True, max_seqlen=60000).split  # one 60 K sequence of 64 heads
 
 
 def test_rule_overrides():

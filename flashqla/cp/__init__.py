@@ -18,7 +18,9 @@ from flashqla.cp.driver import (
 )
 from flashqla.cp.merge import scan_segment_grads, scan_segment_states
 from flashqla.cp.planner import (
+    BALANCED_LOSS,
     BV_CHOICES,
+    BWD_CHUNK_COST,
     CHUNK_COST,
     CORRECTION_COST,
     DEFAULT_GATE_CHUNKS,
@@ -56,7 +58,9 @@ __all__ = [
     "segment_slots_to_sequence_slots",
     "sequence_slots_to_segment_slots",
     "scan_segment_grads",
+    "BALANCED_LOSS",
     "BV_CHOICES",
+    "BWD_CHUNK_COST",
     "CHUNK_COST",
     "CORRECTION_COST",
     "DEFAULT_GATE_CHUNKS",

@@ -899,11 +899,11 @@ def _mode(cp) -> str:
     return cp_mode(cp, default="auto")
 
 
-def _plan(q, v, cu_seqlens, cp, segment_len, gate_chunks, max_seqlen, sm_count, build_tables):
+def _plan(q, v, cu_seqlens, cp, segment_len, gate_chunks, max_seqlen, sm_count, build_tables, backward=False):
     mode = _mode(cp)
     return get_cp_plan(q, v, cu_seqlens, sm_count_override=sm_count, force=mode == "on", disable=mode == "off",
                        exact=gate_chunks is None, segment_len=segment_len, max_seqlen=max_seqlen,
-                       gate_chunks=gate_chunks, build_tables=build_tables)
+                       gate_chunks=gate_chunks, build_tables=build_tables, backward=backward)
 
 
 def cp_splits(q, v, cu_seqlens=None, cp=None, *, segment_len=None, gate_chunks=None, max_seqlen=None,
@@ -1083,7 +1083,7 @@ def chunk_gated_delta_rule_cp_bwd(
 
     Same arguments and returns (A, g_cum_log2 as the forward saved them, in the slot layout of the
     caller's cu_seqlens; q, k after any L2 norm). When the plan splits (the forward's planner, exact
-    mode), the backward runs over segments (`cp_backward`: the entering states are recomputed by the
+    mode, costed for the backward's launches: `plan_cp(backward=True)`), the backward runs over segments (`cp_backward`: the entering states are recomputed by the
     forward's run and transition launches and the combine scan, the state gradient crosses segments
     by the reverse scan with P^T, and one unsplit backward runs all segments side by side); else it
     is the unsplit backward.
@@ -1098,7 +1098,7 @@ def chunk_gated_delta_rule_cp_bwd(
     if backend is None:
         backend = _default_backend()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    plan, _ = _plan(q, v, cu_seqlens, cp, segment_len, None, max_seqlen, sm_count, False)
+    plan, _ = _plan(q, v, cu_seqlens, cp, segment_len, None, max_seqlen, sm_count, False, backward=True)
     B, T = q.shape[0], q.shape[1]
     if not plan.split:
         return backend.bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens)

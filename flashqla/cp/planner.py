@@ -145,8 +145,10 @@ __all__ = [
     "EXTRA_LAUNCHES",
     "EXTRA_LAUNCHES_GATED",
     "DEFAULT_GATE_CHUNKS",
+    "BWD_CHUNK_COST",
     "MIN_GAIN",
     "TIE",
+    "BALANCED_LOSS",
     "GATE_THRESHOLD",
     "DEFAULT_SM_COUNT",
     "CPPlan",
@@ -188,10 +190,17 @@ EXTRA_LAUNCHES = 6
 EXTRA_LAUNCHES_GATED = 12
 #: Chunks the gate-driven mode's transition launch covers when the plan is costed without a value.
 DEFAULT_GATE_CHUNKS = 4
+#: Backward (`backward=True`): per-CTA cost of one chunk of the fused chunk backward (pass 2), in
+#: forward chunk units. Measured on the H200 (2026-11-30, pass-2 variant v2, `tests/gpu/bwd_v2_check.py`):
+#: 16.7-16.9 us per chunk on one-sequence rows against ~3.3 us for the forward's recurrent step.
+BWD_CHUNK_COST = 5.0
 #: Split only when the predicted time improves at least this much.
 MIN_GAIN = 1.2
 #: Split candidates within this fraction of the best are ties; the longest segment wins.
 TIE = 0.03
+#: Without a max_seqlen hint (N > 1), a split predicted more than this fraction slower than the
+#: unsplit launch on balanced lengths is not taken, however much it would gain on skewed lengths.
+BALANCED_LOSS = 0.0
 #: Summed log-decay below which a carried state is dropped by the gate-driven shortcut (FlashQLA's).
 GATE_THRESHOLD = -10.0
 #: SM count assumed for a device that is not a CUDA GPU (an H200 / H100 SXM has 132).
@@ -247,15 +256,31 @@ def _first_tokens(T: int, N: int, L: int, l_avg: int, l_max: int, balanced: bool
     return min(L, l_max) + (min(rest, others * L) if others else 0)
 
 
-def _split_time(BV, HV, V, T, N, L, l_avg, l_max, balanced, sms, exact, gate_chunks) -> float:
+def _unsplit_bwd_time(BV: int, HV: int, V: int, N: int, l_avg: int, l_max: int, sms: int) -> float:
+    """The unsplit backward: the states pass (forward-like, NV HV N CTAs) and the fused chunk
+    backward (HV N CTAs, one per SM, BWD_CHUNK_COST per chunk)."""
+    states = _unsplit_time(BV, HV, V, N, l_avg, l_max, sms)
+    return states + BWD_CHUNK_COST * max(_cdiv(l_max, CHUNK), _cdiv(HV * N, sms) * _cdiv(l_avg, CHUNK))
+
+
+def _split_time(BV, HV, V, T, N, L, l_avg, l_max, balanced, sms, exact, gate_chunks, backward=False) -> float:
     NV = _cdiv(V, BV)
     segs = _segments(T, N, L, l_avg, l_max, balanced)
     slots = sms * CTAS_PER_SM[BV]
-    run = CHUNK_COST[BV] * _cdiv(NV * HV * segs, slots) * _cdiv(min(L, l_max), CHUNK)
+    chunks = _cdiv(min(L, l_max), CHUNK)
+    run = CHUNK_COST[BV] * _cdiv(NV * HV * segs, slots) * chunks
     later = max(segs - N, 0)  # non-first segments
+    # the transition launch: only non-first segments do work (the others exit at once)
+    transition = CHUNK_COST[BV] * _cdiv(NV * HV * later, slots) * chunks if later else 0.0
+    scan = SCAN_STEP_COST * max(_cdiv(l_max, L) - 1, 0)
+    if backward:
+        # forward run and transition recomputed, combine scan and reverse scan, then the unsplit
+        # backward over the segments: states pass (like a run) and the fused chunk backward
+        bwd = BWD_CHUNK_COST * _cdiv(HV * segs, sms) * chunks
+        return (2 * run + transition + 2 * scan + bwd + LAUNCH_COST * (2 * EXTRA_LAUNCHES + HV))
     if exact:
         corrected = max(T - _first_tokens(T, N, L, l_avg, l_max, balanced), 0)
-        return (PASSES_EXACT * run + SCAN_STEP_COST * max(_cdiv(l_max, L) - 1, 0)
+        return (run + (PASSES_EXACT - 1) * transition + scan
                 + CORRECTION_COST * HV * corrected + LAUNCH_COST * (EXTRA_LAUNCHES + HV))
     m = DEFAULT_GATE_CHUNKS if gate_chunks is None else gate_chunks
     compact = CHUNK_COST[BV] * _cdiv(NV * HV * later, slots) * min(m, _cdiv(min(L, l_max), CHUNK)) if later else 0.0
@@ -277,6 +302,7 @@ def plan_cp(
     segment_len: int | None = None,
     max_seqlen: int | None = None,
     gate_chunks: int | None = None,
+    backward: bool = False,
 ) -> CPPlan:
     """Whether and how to split (the rule in the module docstring). Pure and cached.
 
@@ -288,6 +314,8 @@ def plan_cp(
         segment_len: fix L (tokens, positive multiple of 64) instead of searching.
         max_seqlen: optional host-side bound on the longest sequence (else balanced lengths).
         gate_chunks: chunks the gate-driven transition launch covers (None: DEFAULT_GATE_CHUNKS).
+        backward: cost the backward's launches (`flashqla.cp.driver.chunk_gated_delta_rule_cp_bwd`,
+            exact) instead of the forward's.
 
     Returns a `CPPlan`. Raises ValueError for non-positive sizes, force with disable, a segment_len
     that is not a positive multiple of 64, a gate_chunks < 1, or a V that no width in BV_CHOICES
@@ -304,40 +332,78 @@ def plan_cp(
     bvs = [bv for bv in BV_CHOICES if V % bv == 0]
     if not bvs:
         raise ValueError(f"no value-slice width in {BV_CHOICES} divides V={V}")
-    balanced = max_seqlen is None
+    # length scenarios: the hint, or (N > 1, no hint) balanced lengths and one sequence holding all
+    # but N - 1 tokens; a candidate is scored by its worst ratio to the best candidate of a scenario
     l_avg = _cdiv(T, max(N, 1))
-    l_max = l_avg if balanced else max(0, min(int(max_seqlen), T))
+    if max_seqlen is not None:
+        scenarios = [(False, max(0, min(int(max_seqlen), T)))]
+    elif N > 1 and T > N:
+        scenarios = [(True, l_avg), (False, T - (N - 1))]
+    else:
+        scenarios = [(True, l_avg)]
+    l_top = max(lm for _, lm in scenarios)
 
-    def unsplit(bv):
-        return _unsplit_time(bv, HV, V, N, l_avg, l_max, sm_count)
+    def unsplit(bv, sc):
+        balanced, l_max = sc
+        la = l_avg if balanced else l_max
+        if backward:
+            return _unsplit_bwd_time(bv, HV, V, N, la, l_max, sm_count)
+        return _unsplit_time(bv, HV, V, N, la, l_max, sm_count)
 
-    bv_u = min(bvs, key=lambda bv: (unsplit(bv), bvs.index(bv)))
-    t_u = unsplit(bv_u)
+    def split(bv, L, sc):
+        balanced, l_max = sc
+        return _split_time(bv, HV, V, T, N, L, l_avg, l_max, balanced, sm_count, exact, gate_chunks, backward)
+
     if segment_len is not None:
         lens = [segment_len]
     else:
-        lens = [SEGMENT_QUANTUM * j for j in range(1, _cdiv(l_max, SEGMENT_QUANTUM))]
-    cands = [
-        (_split_time(bv, HV, V, T, N, L, l_avg, l_max, balanced, sm_count, exact, gate_chunks), L, bv)
-        for L in lens
-        for bv in bvs
-    ]
-    best = None
-    if cands:  # among near-ties (within TIE), the longest segments: fewest waves and scan steps
-        t_min = min(c[0] for c in cands)
-        best = max((c for c in cands if c[0] <= t_min * (1 + TIE)), key=lambda c: (c[1], -bvs.index(c[2])))
+        lens = [SEGMENT_QUANTUM * j for j in range(1, _cdiv(l_top, SEGMENT_QUANTUM))]
+    u_cands = [([unsplit(bv, sc) for sc in scenarios], bv) for bv in bvs]
+    s_cands = [([split(bv, L, sc) for sc in scenarios], L, bv) for L in lens for bv in bvs]
+    best_per = [min([c[0][i] for c in u_cands] + [c[0][i] for c in s_cands]) for i in range(len(scenarios))]
+
+    def regret(times):
+        return max(t / b if b > 0 else 1.0 for t, b in zip(times, best_per))
+
+    u_times, bv_u = min(u_cands, key=lambda c: (regret(c[0]), bvs.index(c[1])))
+    t_u, r_u = u_times[0], regret(u_times)
+
+    def pick(cands):  # among near-ties (within TIE), the longest segments: fewest waves and scan steps
+        if not cands:
+            return None
+        r_min = min(regret(c[0]) for c in cands)
+        return max((c for c in cands if regret(c[0]) <= r_min * (1 + TIE)), key=lambda c: (c[1], -bvs.index(c[2])))
+
+    free = s_cands
+    if len(scenarios) > 1:
+        # the skewed scenario may not cost the balanced one (the common case of a packed batch) more
+        # than BALANCED_LOSS: a split predicted slower on balanced lengths is not taken by the rule
+        t_bal = min(c[0][0] for c in u_cands)
+        free = [c for c in s_cands if c[0][0] <= (1 + BALANCED_LOSS) * t_bal]
+    best = pick(free)
     if disable or N == 0 or T == 0:
-        return CPPlan(False, None, bv_u, exact, sm_count, t_u, best and best[0], "disabled" if disable else "empty input")
-    if best is None:  # no L shorter than the longest sequence
-        if force:
-            L = segment_len or SEGMENT_QUANTUM
-            return CPPlan(True, L, bv_u, exact, sm_count, t_u, None, "forced; sequences fit one segment")
-        return CPPlan(False, None, bv_u, exact, sm_count, t_u, None, f"sequences of <= {l_max} tokens fit one segment")
-    t_s, L, bv_s = best
-    if force or t_u >= MIN_GAIN * t_s:
-        why = "forced" if force and t_u < MIN_GAIN * t_s else f"split predicted {t_u / t_s:.2f}x faster"
-        return CPPlan(True, L, bv_s, exact, sm_count, t_u, t_s, why)
-    return CPPlan(False, None, bv_u, exact, sm_count, t_u, t_s, f"split predicted only {t_u / t_s:.2f}x (< {MIN_GAIN})")
+        any_best = pick(s_cands)
+        return CPPlan(False, None, bv_u, exact, sm_count, t_u, any_best and any_best[0][0],
+                      "disabled" if disable else "empty input")
+    if best is not None and r_u >= MIN_GAIN * regret(best[0]):
+        s_times, L, bv_s = best
+        why = f"split predicted {r_u / regret(s_times):.2f}x faster"
+        if len(scenarios) > 1:
+            why += " (worst of balanced and skewed lengths)"
+        return CPPlan(True, L, bv_s, exact, sm_count, t_u, s_times[0], why)
+    if force:
+        forced = pick(s_cands)
+        if forced is None:
+            return CPPlan(True, segment_len or SEGMENT_QUANTUM, bv_u, exact, sm_count, t_u, None,
+                          "forced; sequences fit one segment")
+        return CPPlan(True, forced[1], forced[2], exact, sm_count, t_u, forced[0][0], "forced")
+    if not s_cands:
+        return CPPlan(False, None, bv_u, exact, sm_count, t_u, None, f"sequences of <= {l_top} tokens fit one segment")
+    if best is None:
+        return CPPlan(False, None, bv_u, exact, sm_count, t_u, None,
+                      f"every split predicted slower on balanced lengths (by more than {BALANCED_LOSS:.0%})")
+    return CPPlan(False, None, bv_u, exact, sm_count, t_u, best[0][0],
+                  f"split predicted only {r_u / regret(best[0]):.2f}x (< {MIN_GAIN})")
 
 
 @functools.cache
@@ -374,10 +440,11 @@ class PlanKey(NamedTuple):
     segment_len: int | None
     max_seqlen: int | None
     gate_chunks: int | None = None
+    backward: bool = False
 
 
 def plan_key(q, v, cu_seqlens=None, *, sm_count_override=None, force=False, disable=False, exact=False,
-             segment_len=None, max_seqlen=None, gate_chunks=None) -> PlanKey:
+             segment_len=None, max_seqlen=None, gate_chunks=None, backward=False) -> PlanKey:
     """`PlanKey` from q [B, T, H, K], v [B, T, HV, V] and cu_seqlens (None or [N + 1]); shapes only."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -385,28 +452,30 @@ def plan_key(q, v, cu_seqlens=None, *, sm_count_override=None, force=False, disa
     sms = sm_count(q.device) if sm_count_override is None else int(sm_count_override)
     cu_dtype = None if cu_seqlens is None else cu_seqlens.dtype
     return PlanKey(B, T, H, HV, K, V, N, q.dtype, cu_dtype, q.device, sms, bool(force), bool(disable), bool(exact),
-                   segment_len, max_seqlen, gate_chunks)
+                   segment_len, max_seqlen, gate_chunks, bool(backward))
 
 
 @functools.lru_cache(maxsize=256)
 def _plan_for_key(key: PlanKey) -> CPPlan:
     return plan_cp(key.HV, key.N, key.B * key.T, key.V, key.sm_count, force=key.force, disable=key.disable,
                    exact=key.exact, segment_len=key.segment_len, max_seqlen=key.max_seqlen,
-                   gate_chunks=key.gate_chunks)
+                   gate_chunks=key.gate_chunks, backward=key.backward)
 
 
 def get_cp_plan(q, v, cu_seqlens=None, *, sm_count_override=None, force=False, disable=False, exact=False,
-                segment_len=None, max_seqlen=None, gate_chunks=None, build_tables=True):
+                segment_len=None, max_seqlen=None, gate_chunks=None, build_tables=True, backward=False):
     """The plan for these inputs (cached on `plan_key`) and, when it splits, the segment tables for
     the current values of cu_seqlens (rebuilt every call, on cu_seqlens' device, no host sync).
 
     Args: q [B, T, H, K], v [B, T, HV, V] (only shapes, dtype and device are read); cu_seqlens None or
         [N + 1] int32/int64 offsets (B == 1); the flags as in `plan_cp`; sm_count_override replaces
-        the device's SM count; build_tables=False returns tables None.
+        the device's SM count; build_tables=False returns tables None; backward=True plans the
+        backward's launches (a separate cache entry).
     Returns (CPPlan, SegmentTables or None).
     """
     key = plan_key(q, v, cu_seqlens, sm_count_override=sm_count_override, force=force, disable=disable,
-                   exact=exact, segment_len=segment_len, max_seqlen=max_seqlen, gate_chunks=gate_chunks)
+                   exact=exact, segment_len=segment_len, max_seqlen=max_seqlen, gate_chunks=gate_chunks,
+                   backward=backward)
     plan = _plan_for_key(key)
     tables = None
     if plan.split and build_tables:

@@ -34,8 +34,9 @@ def chunk_gated_delta_rule_bwd(
             decides whether dh0 is returned); cu_seqlens: None or [N + 1] offsets.
         h_dtype: storage dtype of the recomputed states (bf16 or fp32).
         cp: context-parallel mode as in the forward (`flashqla.ops.gdn.api.cp_mode`; None reads
-            $FLASHQLA_CP, default "off"): "auto"/"on" split long sequences as the forward does
-            (`flashqla.cp.driver.chunk_gated_delta_rule_cp_bwd`; checked on CPU, not yet on a GPU).
+            $FLASHQLA_CP, default "auto"): "auto"/"on" split long sequences
+            (`flashqla.cp.driver.chunk_gated_delta_rule_cp_bwd`, planned with the backward's costs;
+            checked against fp64 on the H200, tests/gpu/test_cp_gpu.py).
 
     Returns:
         (dq [B, T, H, K] q's dtype, dk [B, T, H, K] q's dtype, dv [B, T, HV, V] v's dtype,

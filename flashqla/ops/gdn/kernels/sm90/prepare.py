@@ -33,9 +33,13 @@ per SM; 116 registers per thread.
 
 This kernel is variant "v1". Variant "v2" (`prepare_v2.py`: one CTA per (chunk slot, q/k head) for
 all its value heads, TMA in and out, 56 KB, four CTAs per SM) writes the same outputs and is the
-default since it ran on the H200: A diag(beta) within 1.8e-5 relative RMS of v1 (tf32 rounding order),
-g_cum_log2 bitwise equal, bitwise repeatable, and 1.2-1.4x faster (16/64 heads 4x8192: 1.175 -> 0.851
-ms; 2/8 1x32768: 0.152 -> 0.116 ms; NOTES.md). FLASHQLA_PREPARE=v1 or `variant="v1"` picks v1.
+default before v3 since it ran on the H200: A diag(beta) within 1.8e-5 relative RMS of v1 (tf32
+rounding order), g_cum_log2 bitwise equal, bitwise repeatable, and 1.2-1.4x faster (16/64 heads
+4x8192: 1.175 -> 0.851 ms; 2/8 1x32768: 0.152 -> 0.116 ms; NOTES.md). Variant "v3" (`prepare_v3.py`:
+v2 with a block-recursive inverse) is the default since its H200 check (2026-11-30): as close to fp64
+as v2 (1.6e-3 relative RMS, the bf16 output rounding), 1.5e-4 from v2, g_cum_log2 bitwise equal,
+bitwise repeatable, 1.6-1.9x faster than v2 (16/64 4x8192: 0.852 -> 0.452 ms; the whole forward
+1.685 -> 1.285 ms). FLASHQLA_PREPARE=v1 / v2 or `variant=` picks another.
 """
 
 
@@ -50,11 +54,11 @@ __all__ = ["DEFAULT_VARIANT", "VARIANTS", "build_prepare_kernel", "chunk_prepare
 
 #: Prepare kernel variants: "v1" (this module's kernel: one CTA per (chunk slot, value head)),
 #: "v2" (`prepare_v2`: one CTA per (chunk slot, q/k head) for all its value heads) and "v3"
-#: (`prepare_v3`: v2 with a block-recursive inverse; not yet run on a GPU). Same outputs, same layout.
+#: (`prepare_v3`: v2 with a block-recursive inverse). Same outputs, same layout.
 VARIANTS = ("v1", "v2", "v3")
 #: The variant `chunk_prepare_fwd` uses when none is given (read at every call; the environment
-#: variable FLASHQLA_PREPARE sets it at import). v2: faster on every benchmark row measured.
-DEFAULT_VARIANT = os.environ.get("FLASHQLA_PREPARE", "v2")
+#: variable FLASHQLA_PREPARE sets it at import). v3: faster on every benchmark row measured.
+DEFAULT_VARIANT = os.environ.get("FLASHQLA_PREPARE", "v3")
 
 
 def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,

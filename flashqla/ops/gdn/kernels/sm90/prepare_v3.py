@@ -1,7 +1,6 @@
 """Prepare kernel, variant "v3": v2's grid, loads and stores, with the 64 x 64 inverse formed block-
 recursively instead of by four dense 64 x 64 x 64 products. Same outputs and slot layout as "v1" and
-"v2"; selected by `chunk_prepare_fwd(variant="v3")` or FLASHQLA_PREPARE=v3. Compiled and inspected
-on CPU only: not yet run on a GPU (NOTES.md); v2 stays the default until it is.
+"v2"; the default of `chunk_prepare_fwd` since its H200 check (NOTES.md, tests/gpu/prepare_v3_check.py).
 
 Covers the reference stages (FLA's names, `reference.gdn.chunk`):
     chunk_local_cumsum   -> g_cum_log2 (chunk-local inclusive cumsum of g, in base-2 units)
