@@ -907,8 +907,9 @@ def _plan(q, v, cu_seqlens, cp, segment_len, gate_chunks, max_seqlen, sm_count, 
 
 
 def cp_splits(q, v, cu_seqlens=None, cp=None, *, segment_len=None, gate_chunks=None, max_seqlen=None,
-              sm_count=None) -> bool:
-    """Whether `chunk_gated_delta_rule_cp_fwd` would split these inputs (a cached plan lookup on
+              sm_count=None, backward=False) -> bool:
+    """Whether `chunk_gated_delta_rule_cp_fwd` (backward=True: `chunk_gated_delta_rule_cp_bwd`, whose
+    plan is costed for the backward's launches) would split these inputs (a cached plan lookup on
     static facts: shapes, dtypes, device, SM count, options; no host read of any tensor value).
 
     q: [B, T, H, K]; v: [B, T, HV, V]; cu_seqlens: None or [N + 1]; cp: None ($FLASHQLA_CP, default
@@ -919,7 +920,7 @@ def cp_splits(q, v, cu_seqlens=None, cp=None, *, segment_len=None, gate_chunks=N
     if mode == "off":
         return False
     try:
-        plan, _ = _plan(q, v, cu_seqlens, mode, segment_len, gate_chunks, max_seqlen, sm_count, False)
+        plan, _ = _plan(q, v, cu_seqlens, mode, segment_len, gate_chunks, max_seqlen, sm_count, False, backward=backward)
     except (AttributeError, TypeError, ValueError, IndexError):
         return False
     return plan.split

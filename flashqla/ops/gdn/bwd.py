@@ -56,7 +56,7 @@ def chunk_gated_delta_rule_bwd(
     if cp != "off":
         from flashqla.cp.driver import chunk_gated_delta_rule_cp_bwd, cp_splits
 
-        if cp_splits(q, v, cu_seqlens, cp):
+        if cp_splits(q, v, cu_seqlens, cp, backward=True):
             return chunk_gated_delta_rule_cp_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens,
                                                  cp=cp)
     _build_once(q, v, beta, cu_seqlens, h_dtype)
