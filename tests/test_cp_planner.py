@@ -108,28 +108,39 @@ def test_rule_properties(HV, N, T, exact, backward):
         (8, 1, 32768, True, True),  # 2/8 1x32768
         (32, 1, 32768, False, True),  # 16/32 1x32768: 32 CTAs; the backward's chunk costs ~5 forward ones
         (4, 1, 8192, True, True),  # 2/4 1x8192
-        (64, 4, 32768, False, False),  # 16/64 4x8192: 256 CTAs; a split is slower on balanced lengths
-        (8, 2, 32768, True, True),  # 2/8 28672+4096 (unknown lengths: the skewed case decides)
+        (64, 4, 32768, False, False),  # 16/64 4x8192: 256 CTAs
+        (32, 2, 32768, False, False),  # packed batches: the backward follows the forward's plan
     ],
 )
 def test_backward_rule_examples(HV, N, T, fwd_split, bwd_split):
-    """The backward is planned with its own costs (`BWD_CHUNK_COST` per chunk of the fused chunk
-    backward, one CTA per sequence and value head): it splits where the forward's plan does not."""
+    """One sequence: the backward is planned with its own costs (`BWD_CHUNK_COST` per chunk of the
+    fused chunk backward, one CTA per sequence and value head) and splits where the forward's plan
+    does not; a packed batch (N > 1) takes the forward's plan."""
     f = plan_cp(HV, N, T, 128, 132, exact=True)
     b = plan_cp(HV, N, T, 128, 132, exact=True, backward=True)
     assert (f.split, b.split) == (fwd_split, bwd_split), (f, b)
+    if N > 1:
+        assert (b.split, b.segment_len, b.BV) == (f.split, f.segment_len, f.BV) and "packed" in b.reason
 
 
-def test_unknown_lengths_consider_a_skewed_batch():
-    """Without max_seqlen, N > 1 sequences are costed both balanced and with one sequence holding all
-    but N - 1 tokens; a split is taken when it wins on the worse of the two and costs nothing on
-    balanced lengths. With the hint, only the hinted case counts."""
-    p = plan_cp(8, 2, 32768, exact=True)  # 2/8 heads, two sequences of unknown lengths
-    assert p.split and "skewed" in p.reason
-    assert plan_cp(8, 2, 32768, exact=True, max_seqlen=28672).split
-    balanced = plan_cp(64, 8, 8 * 8192, exact=True)  # 512 CTAs on balanced lengths: a split only costs
-    assert not balanced.split and "balanced" in balanced.reason
-    assert plan_cp(64, 8, 8 * 8192, exact=True, max_seqlen=60000).split  # one 60 K sequence of 64 heads
+def test_skewed_scenario_is_off_by_default(monkeypatch):
+    """SKEWED_SCENARIO (off): without max_seqlen, N > 1 sequences would also be costed with one sequence
+    holding all but N - 1 tokens, a split taken when it wins on the worse case and costs nothing on
+    balanced lengths. Off, only balanced lengths count; a hint always counts."""
+    import flashqla.cp.planner as P
+
+    assert not P.SKEWED_SCENARIO
+    assert not plan_cp(16, 2, 32768, exact=True).split  # balanced: 32 CTAs x 256 chunks, not worth it
+    assert plan_cp(16, 2, 32768, exact=True, max_seqlen=28672).split
+    monkeypatch.setattr(P, "SKEWED_SCENARIO", True)
+    plan_cp.cache_clear()
+    try:
+        p = plan_cp(16, 2, 32768, exact=True)
+        assert p.split and "skewed" in p.reason
+        balanced = plan_cp(64, 8, 8 * 8192, exact=True)  # 512 CTAs on balanced lengths: a split only costs
+        assert not balanced.split and "balanced" in balanced.reason
+    finally:
+        plan_cp.cache_clear()
 
 
 def test_rule_overrides():

@@ -149,6 +149,7 @@ __all__ = [
     "MIN_GAIN",
     "TIE",
     "BALANCED_LOSS",
+    "SKEWED_SCENARIO",
     "GATE_THRESHOLD",
     "DEFAULT_SM_COUNT",
     "CPPlan",
@@ -198,8 +199,14 @@ BWD_CHUNK_COST = 5.0
 MIN_GAIN = 1.2
 #: Split candidates within this fraction of the best are ties; the longest segment wins.
 TIE = 0.03
-#: Without a max_seqlen hint (N > 1), a split predicted more than this fraction slower than the
-#: unsplit launch on balanced lengths is not taken, however much it would gain on skewed lengths.
+#: Whether the rule also costs, without a max_seqlen hint and for N > 1, one sequence holding all but
+#: N - 1 tokens. Off: on the H200 (2026-11-30, backward grid) splitting packed batches for that case
+#: lost as often as it won (16/32 2 sequences of 32768 tokens: 7.86 -> 8.93 ms; 4/8 2 sequences of
+#: 8192: 2.17 -> 1.34 ms): a packed split rebuilds its segment tables with ~100 small device ops per
+#: call, which the model does not count.
+SKEWED_SCENARIO = False
+#: With SKEWED_SCENARIO, a split predicted more than this fraction slower than the unsplit launch on
+#: balanced lengths is not taken, however much it would gain on skewed lengths.
 BALANCED_LOSS = 0.0
 #: Summed log-decay below which a carried state is dropped by the gate-driven shortcut (FlashQLA's).
 GATE_THRESHOLD = -10.0
@@ -332,12 +339,21 @@ def plan_cp(
     bvs = [bv for bv in BV_CHOICES if V % bv == 0]
     if not bvs:
         raise ValueError(f"no value-slice width in {BV_CHOICES} divides V={V}")
-    # length scenarios: the hint, or (N > 1, no hint) balanced lengths and one sequence holding all
-    # but N - 1 tokens; a candidate is scored by its worst ratio to the best candidate of a scenario
+    if backward and N > 1 and not (force or disable or segment_len is not None):
+        # packed batches: the backward follows the forward's plan. Measured on the H200 (2026-11-30,
+        # backward grid): the backward's own costs won on every one-sequence row (16/32 x 32768:
+        # 9.99 -> 5.38 ms) but lost on several packed ones (4/8 8 sequences of 8192 tokens: 1.00 ->
+        # 2.32 ms): a packed split's table builds and scan steps are not in the model.
+        p = plan_cp(HV, N, T, V, sm_count, exact=exact, max_seqlen=max_seqlen, gate_chunks=gate_chunks)
+        return CPPlan(p.split, p.segment_len, p.BV, p.exact, p.sm_count, p.est_unsplit, p.est_split,
+                      p.reason + " (the forward's plan: packed batch)")
+    # length scenarios: the hint, else balanced lengths (SKEWED_SCENARIO adds, for N > 1, one sequence
+    # holding all but N - 1 tokens); a candidate is scored by its worst ratio to the best candidate of
+    # a scenario (with one scenario: its time)
     l_avg = _cdiv(T, max(N, 1))
     if max_seqlen is not None:
         scenarios = [(False, max(0, min(int(max_seqlen), T)))]
-    elif N > 1 and T > N:
+    elif SKEWED_SCENARIO and N > 1 and T > N:
         scenarios = [(True, l_avg), (False, T - (N - 1))]
     else:
         scenarios = [(True, l_avg)]
