@@ -152,9 +152,11 @@ def test_cp_mode_is_checked_before_device_work(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 
 #: measured spill bytes of v2 (ptxas, sm_90a): four loop-invariant scalars stored once before the
-#: chunk loop (v1: the same 16 B); with h stored fp32 the consumers' h load and rounding adds more.
-#: A budget, not a target: the test fails if the schedule's register pressure grows.
-V2_SPILL_BUDGET = {"bfloat16": 16, "float32": 96}
+#: chunk loop (v1: the same 16 B); with h stored fp32 the consumers' h load and rounding adds more
+#: (96 B before the chunk-end scalars moved from a reducer to per-thread locals, 204 B since: the
+#: build that ran clean on the H200). A budget, not a target: the test fails if the schedule's
+#: register pressure grows.
+V2_SPILL_BUDGET = {"bfloat16": 16, "float32": 204}
 
 
 def _ptxas_log(kernel) -> str:

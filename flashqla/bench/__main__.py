@@ -187,7 +187,7 @@ def method_lines(args, impls: dict, fla_target: str, tol: dict) -> list[str]:
         "FlashQLA: public `flash_qla.chunk_gated_delta_rule` with its defaults (`auto_cp=True`, its intra-card "
         "context parallelism).",
         "ours: " + ("not run in this call (--impls); its rows come from earlier calls (see the commit column)" if "ours" not in impls else
-                    f"`flashqla.ops.gdn.api.chunk_gated_delta_rule` with cp={os.environ.get('FLASHQLA_CP', 'off')!r} "
+                    f"`flashqla.ops.gdn.api.chunk_gated_delta_rule` with cp={os.environ.get('FLASHQLA_CP', 'auto')!r} "
                     "(intra-device context parallelism, `flashqla.cp`)" if impls["ours"].available
                     else (impls["ours"].reason or "not available")) + ".",
         "Peers column: `live` = timed in this process on the same inputs; `cached` = read from the peers CSV of this "

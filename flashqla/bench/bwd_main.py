@@ -133,7 +133,7 @@ def method_lines(args, impls: dict, tol: dict, fla_dispatch: str = "n/a") -> lis
         "FLOP: 491,520 per token and value head for the backward, 655,360 for the training step (DESIGN.md "
         "section 6); TFLOP/s on that count, % of the 726 TFLOP/s bf16 GEMM rate measured on our H200. "
         "Speed-up = peer ms / our ms.",
-        f"ours: {src['ours']}, intra-device context-parallel mode cp={os.environ.get('FLASHQLA_CP', 'off')!r} (`flashqla.cp`).",
+        f"ours: {src['ours']}, intra-device context-parallel mode cp={os.environ.get('FLASHQLA_CP', 'auto')!r} (`flashqla.cp`).",
         f"FLA: {src['fla']}; env " + ", ".join(f"{v}={os.environ.get(v, '(unset)')}" for v in FLA_ENV_VARS)
         + f"; `common` backends in order: {fla_dispatch}.",
         f"FlashQLA: {src['flash_qla']}.",

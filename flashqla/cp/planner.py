@@ -295,6 +295,27 @@ def _split_time(BV, HV, V, T, N, L, l_avg, l_max, balanced, sms, exact, gate_chu
             + LAUNCH_COST * EXTRA_LAUNCHES_GATED)
 
 
+#: Segment lengths searched: every multiple of SEGMENT_QUANTUM up to this many quanta, then a
+#: geometric grid (ratio LENGTH_GRID_RATIO, rounded to the quantum), so that planning a sequence of
+#: billions of tokens stays a few thousand candidates.
+DENSE_QUANTA = 1024
+LENGTH_GRID_RATIO = 1.02
+
+
+def _segment_lengths(l_top: int) -> list[int]:
+    """Candidate segment lengths L < l_top (multiples of SEGMENT_QUANTUM)."""
+    n = _cdiv(l_top, SEGMENT_QUANTUM)  # candidates are j * quantum for 1 <= j < n
+    js = list(range(1, min(n, DENSE_QUANTA + 1)))
+    j = float(DENSE_QUANTA)
+    while True:
+        j *= LENGTH_GRID_RATIO
+        if int(j) >= n:
+            break
+        if int(j) > js[-1]:
+            js.append(int(j))
+    return [SEGMENT_QUANTUM * j for j in js]
+
+
 @functools.lru_cache(maxsize=1024)
 def plan_cp(
     HV: int,
@@ -332,21 +353,32 @@ def plan_cp(
         raise ValueError(f"plan_cp needs HV, V, sm_count > 0 and N, T >= 0, got HV={HV} N={N} T={T} V={V} sm_count={sm_count}")
     if force and disable:
         raise ValueError("force and disable are exclusive")
-    if segment_len is not None and (segment_len <= 0 or segment_len % CHUNK):
-        raise ValueError(f"segment_len must be a positive multiple of {CHUNK}, got {segment_len}")
+    if segment_len is not None and (isinstance(segment_len, bool) or not isinstance(segment_len, int)
+                                    or segment_len <= 0 or segment_len % CHUNK):
+        raise ValueError(f"segment_len must be a positive multiple of {CHUNK} (an int), got {segment_len!r}")
     if gate_chunks is not None and gate_chunks < 1:
         raise ValueError(f"gate_chunks must be a positive number of chunks, got {gate_chunks}")
+    if max_seqlen is not None and int(max_seqlen) < 0:
+        raise ValueError(f"max_seqlen must be >= 0 tokens, got {max_seqlen}")
     bvs = [bv for bv in BV_CHOICES if V % bv == 0]
     if not bvs:
         raise ValueError(f"no value-slice width in {BV_CHOICES} divides V={V}")
-    if backward and N > 1 and not (force or disable or segment_len is not None):
-        # packed batches: the backward follows the forward's plan. Measured on the H200 (2026-11-30,
-        # backward grid): the backward's own costs won on every one-sequence row (16/32 x 32768:
-        # 9.99 -> 5.38 ms) but lost on several packed ones (4/8 8 sequences of 8192 tokens: 1.00 ->
-        # 2.32 ms): a packed split's table builds and scan steps are not in the model.
-        p = plan_cp(HV, N, T, V, sm_count, exact=exact, max_seqlen=max_seqlen, gate_chunks=gate_chunks)
+    if backward:
+        exact = True  # the backward has no gate-driven mode
+    if backward and N > 1:
+        # packed batches: the backward follows the forward's plan (forced, disabled or with a fixed
+        # segment length alike). Measured on the H200 (2026-11-30, backward grid): the backward's own
+        # costs won on every one-sequence row (16/32 x 32768: 9.99 -> 5.38 ms) but lost on several
+        # packed ones (4/8 8 sequences of 8192 tokens: 1.00 -> 2.32 ms): a packed split's table
+        # builds and scan steps are not in the model.
+        p = plan_cp(HV, N, T, V, sm_count, force=force, disable=disable, exact=True, segment_len=segment_len,
+                    max_seqlen=max_seqlen)
         return CPPlan(p.split, p.segment_len, p.BV, p.exact, p.sm_count, p.est_unsplit, p.est_split,
                       p.reason + " (the forward's plan: packed batch)")
+    if disable or N == 0 or T == 0:  # nothing to search
+        bv_u = bvs[0]
+        t_u = 0.0 if N == 0 or T == 0 else _unsplit_time(bv_u, HV, V, N, _cdiv(T, N), _cdiv(T, N), sm_count)
+        return CPPlan(False, None, bv_u, exact, sm_count, t_u, None, "disabled" if disable else "empty input")
     # length scenarios: the hint, else balanced lengths (SKEWED_SCENARIO adds, for N > 1, one sequence
     # holding all but N - 1 tokens); a candidate is scored by its worst ratio to the best candidate of
     # a scenario (with one scenario: its time)
@@ -361,7 +393,7 @@ def plan_cp(
 
     def unsplit(bv, sc):
         balanced, l_max = sc
-        la = l_avg if balanced else l_max
+        la = min(l_avg, l_max)  # the mean length (a hint bounds it; every sequence cannot be the longest)
         if backward:
             return _unsplit_bwd_time(bv, HV, V, N, la, l_max, sm_count)
         return _unsplit_time(bv, HV, V, N, la, l_max, sm_count)
@@ -373,7 +405,7 @@ def plan_cp(
     if segment_len is not None:
         lens = [segment_len]
     else:
-        lens = [SEGMENT_QUANTUM * j for j in range(1, _cdiv(l_top, SEGMENT_QUANTUM))]
+        lens = _segment_lengths(l_top)
     u_cands = [([unsplit(bv, sc) for sc in scenarios], bv) for bv in bvs]
     s_cands = [([split(bv, L, sc) for sc in scenarios], L, bv) for L in lens for bv in bvs]
     best_per = [min([c[0][i] for c in u_cands] + [c[0][i] for c in s_cands]) for i in range(len(scenarios))]
@@ -397,10 +429,6 @@ def plan_cp(
         t_bal = min(c[0][0] for c in u_cands)
         free = [c for c in s_cands if c[0][0] <= (1 + BALANCED_LOSS) * t_bal]
     best = pick(free)
-    if disable or N == 0 or T == 0:
-        any_best = pick(s_cands)
-        return CPPlan(False, None, bv_u, exact, sm_count, t_u, any_best and any_best[0][0],
-                      "disabled" if disable else "empty input")
     if best is not None and r_u >= MIN_GAIN * regret(best[0]):
         s_times, L, bv_s = best
         why = f"split predicted {r_u / regret(s_times):.2f}x faster"

@@ -65,7 +65,7 @@ HV = 2), v1 in brackets:
   [171], 42 SHFL [84], 36 UTMALDG [0], 108 MUFU.EX2 [108].
 - fp16 + fp32 h + fp16 beta + int64 fixed: the same, but 96 B spill stores / 112 B loads (the
   consumers' load and rounding of the fp32 h tile, 64 values per thread, on top of the resident
-  accumulators); no C751x warning.
+  accumulators; 204 / 236 B since the chunk-end scalars became per-thread locals); no C751x warning.
 On the H200 (2026-11-30): the first run found dG wrong (up to 1e14 relative; not repeatable even at
 T = 1): the two chunk-end scalars were a fully replicated `T.alloc_reducer((2,))`, whose per-thread
 init TileLang 0.1.15 guards with `threadIdx.x < 256` while the consumers are threads 128-383, so the
