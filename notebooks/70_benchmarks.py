@@ -20,6 +20,7 @@
 
 # %%
 import math
+import os
 import pathlib
 
 import matplotlib
@@ -33,6 +34,10 @@ from flashqla.bench.peers import IMPLS, LABELS
 from flashqla.bench.report import breakdown_markdown, geomean, is_ok, method_from_markdown, num, speedup
 
 RESULTS = pathlib.Path("..") / "benchmarks" / "results"
+# the figures go next to the CSVs; FLASHQLA_NB_FIGURES sends them elsewhere (the test run does, so
+# that executing the notebooks never rewrites committed files)
+FIGURES = pathlib.Path(os.environ.get("FLASHQLA_NB_FIGURES") or RESULTS)
+FIGURES.mkdir(parents=True, exist_ok=True)
 PREFIX = "h200-fwd"
 rows, brows = figures.load(RESULTS, PREFIX)
 print(f"{RESULTS / (PREFIX + '.csv')}: {len(rows)} rows; breakdown: {len(brows)} step rows")
@@ -83,7 +88,7 @@ display(Markdown("\n".join(lines)))
 # ## Time per row
 
 # %%
-p_times = figures.plot_times(rows, RESULTS / f"{PREFIX}-times.png")
+p_times = figures.plot_times(rows, FIGURES / f"{PREFIX}-times.png")
 display(Image(p_times))
 
 # %% [markdown]
@@ -92,7 +97,7 @@ display(Image(p_times))
 # inputs and outputs could be compute bound. What each implementation reaches of its row's roof:
 
 # %%
-p_roof = figures.plot_roofline(rows, RESULTS / f"{PREFIX}-roofline.png")
+p_roof = figures.plot_roofline(rows, FIGURES / f"{PREFIX}-roofline.png")
 if p_roof is None:
     print("no implementation timed on any row: no roofline to draw")
 else:
@@ -108,7 +113,7 @@ for impl in IMPLS:
 # ## FLA's five kernels against fused forwards
 
 # %%
-p_break = figures.plot_breakdown(brows, rows, RESULTS / f"{PREFIX}-breakdown.png")
+p_break = figures.plot_breakdown(brows, rows, FIGURES / f"{PREFIX}-breakdown.png")
 if p_break is None:
     print(f"no FLA breakdown in {RESULTS / (PREFIX + '-breakdown.csv')}")
 else:

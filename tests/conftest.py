@@ -1,9 +1,11 @@
-"""Shared pytest hooks. Markers are declared in pyproject.toml; this file only skips `gpu` tests
-where no CUDA GPU of compute capability 9.0 (Hopper) is present."""
+"""Shared pytest hooks. Markers are declared in pyproject.toml; this file skips `gpu` tests where no
+CUDA GPU of compute capability 9.0 (Hopper) is present, and restores the environment variables the
+benchmark harness sets for its own process (FLASHQLA_CP) after every test."""
 
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -21,3 +23,18 @@ def _has_sm90() -> bool:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("gpu") is not None and not _has_sm90():
         pytest.skip(GPU_SKIP_REASON)
+
+
+#: variables the code under test may set in os.environ itself (`flashqla.bench`'s apply_cp_mode)
+_RESTORED_ENV = ("FLASHQLA_CP",)
+
+
+@pytest.fixture(autouse=True)
+def _restore_env():
+    saved = {k: os.environ.get(k) for k in _RESTORED_ENV}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

@@ -482,12 +482,16 @@ def test_importing_the_harness_needs_no_peer():
 def test_cp_mode_reaches_ours_and_the_commit_column(monkeypatch):
     from flashqla.bench.__main__ import apply_cp_mode, commit_with_cp
 
-    monkeypatch.delenv("FLASHQLA_CP", raising=False)
+    # apply_cp_mode writes os.environ itself: record the variable's state with setenv first, so that
+    # monkeypatch restores it (unset) after the test instead of leaking the last mode to later tests
+    monkeypatch.setenv("FLASHQLA_CP", "auto")
+    monkeypatch.delenv("FLASHQLA_CP")
     assert apply_cp_mode(None) == "auto" and os.environ["FLASHQLA_CP"] == "auto"
     assert apply_cp_mode("off") == "off" and os.environ["FLASHQLA_CP"] == "off"
     monkeypatch.setenv("FLASHQLA_CP", "on")
     assert apply_cp_mode(None) == "on"
     assert commit_with_cp("abc123", "off") == "abc123" and commit_with_cp("abc123", "auto") == "abc123+cp-auto"
+    assert commit_with_cp("abc123+cp-auto", "auto") == "abc123+cp-auto"  # never twice
 
 
 def test_plan_sources_per_peers_mode():

@@ -107,9 +107,12 @@ def apply_cp_mode(mode: str | None) -> str:
 
 
 def commit_with_cp(commit: str, mode: str) -> str:
-    """The commit column: our commit, with "+cp-<mode>" unless the mode is off (rows timed in
-    different modes never mix under one key)."""
-    return commit if mode == "off" else f"{commit}+cp-{mode}"
+    """The commit column: our commit, with "+cp-<mode>" unless the mode is off or the commit already
+    ends with it (a --commit given with the suffix) (rows timed in different modes never mix under
+    one key)."""
+    if mode == "off" or commit.endswith(f"+cp-{mode}"):
+        return commit
+    return f"{commit}+cp-{mode}"
 
 
 def our_commit(explicit: str | None = None) -> str:
