@@ -203,7 +203,7 @@ TIE = 0.03
 #: N - 1 tokens. Off: on the H200 (2026-11-30, backward grid) splitting packed batches for that case
 #: lost as often as it won (16/32 2 sequences of 32768 tokens: 7.86 -> 8.93 ms; 4/8 2 sequences of
 #: 8192: 2.17 -> 1.34 ms): a packed split rebuilds its segment tables with ~100 small device ops per
-#: call, which the model does not count.
+#: call, which the model does not count. Plans are cached: call `clear_plan_cache()` after changing it.
 SKEWED_SCENARIO = False
 #: With SKEWED_SCENARIO, a split predicted more than this fraction slower than the unsplit launch on
 #: balanced lengths is not taken, however much it would gain on skewed lengths.
