@@ -56,6 +56,20 @@ always splits (the best split, or `segment_len`); `segment_len` fixes L (a multi
 `exact=True` costs exact mode, `exact=False` the gate-driven mode with `gate_chunks` chunks. The
 constants are module-level and named below.
 
+Backward (`backward=True`) and length scenarios
+------------------------------------------------
+The backward's plan (`flashqla.cp.driver.chunk_gated_delta_rule_cp_bwd`) costs its own launches for
+one sequence: the forward's run and transition recomputed, the combine scan and the reverse scan,
+the states pass over the segments, and the fused chunk backward at BWD_CHUNK_COST forward chunk
+steps per chunk with one CTA per (segment, value head). Its unsplit cost is the states pass plus
+BWD_CHUNK_COST times the longest chain, so one long sequence splits far sooner than in the forward
+(16/32 heads x 32768 tokens: forward unsplit, backward L = 8192; H200: 9.99 -> 5.36 ms). A packed
+batch (N > 1) takes the forward's plan (measured: the backward's own costs lost on several packed
+rows, because rebuilding the packed segment tables and scanning every slot are not in the model).
+Without a max_seqlen hint lengths are taken as balanced; SKEWED_SCENARIO (off) would also cost one
+sequence holding all but N - 1 tokens and score each candidate by its worst ratio to the best.
+Segment lengths are searched on every quantum up to DENSE_QUANTA quanta, then on a geometric grid.
+
 Segment tables (`build_segment_tables`)
 ----------------------------------------
 With segment length L (a multiple of 64) sequence n = [cu[n], cu[n+1]) is cut from its start into
