@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from flashqla.cp import (
-    BALANCED_LOSS,
     SEGMENT_QUANTUM,
     TIE,
     build_segment_tables,
@@ -81,12 +80,7 @@ def test_rule_properties(HV, N, T, exact, backward):
         assert p.segment_len is None
         return
     L = p.segment_len
-    l_top = T if N == 1 else T - (N - 1)  # the longest sequence the rule considers
-    assert L % SEGMENT_QUANTUM == 0 and L < l_top
-    if N > 1:
-        # unknown lengths: never predicted slower than unsplit on balanced lengths
-        assert p.est_split <= (1 + BALANCED_LOSS) * p.est_unsplit, p
-        return
+    assert L % SEGMENT_QUANTUM == 0 and L < -(-T // N)  # lengths unknown: taken as balanced
     assert p.est_unsplit >= 1.2 * p.est_split
     if not backward:
         ctas = (128 // p.BV) * HV * N * -(-(-(-T // N)) // L)
@@ -123,24 +117,12 @@ def test_backward_rule_examples(HV, N, T, fwd_split, bwd_split):
         assert (b.split, b.segment_len, b.BV) == (f.split, f.segment_len, f.BV) and "packed" in b.reason
 
 
-def test_skewed_scenario_is_off_by_default(monkeypatch):
-    """SKEWED_SCENARIO (off): without max_seqlen, N > 1 sequences would also be costed with one sequence
-    holding all but N - 1 tokens, a split taken when it wins on the worse case and costs nothing on
-    balanced lengths. Off, only balanced lengths count; a hint always counts."""
-    import flashqla.cp.planner as P
-
-    assert not P.SKEWED_SCENARIO
+def test_unknown_lengths_are_balanced_and_a_hint_counts():
+    """Without max_seqlen, N sequences are costed as ceil(T / N) tokens each (the case least
+    favourable to splitting); a hint bounds the longest sequence (and only that one)."""
     assert not plan_cp(16, 2, 32768, exact=True).split  # balanced: 32 CTAs x 256 chunks, not worth it
     assert plan_cp(16, 2, 32768, exact=True, max_seqlen=28672).split
-    monkeypatch.setattr(P, "SKEWED_SCENARIO", True)
-    plan_cp.cache_clear()
-    try:
-        p = plan_cp(16, 2, 32768, exact=True)
-        assert p.split and "skewed" in p.reason
-        balanced = plan_cp(64, 8, 8 * 8192, exact=True)  # 512 CTAs on balanced lengths: a split only costs
-        assert not balanced.split and "balanced" in balanced.reason
-    finally:
-        plan_cp.cache_clear()
+    assert plan_cp(16, 2, 32768, exact=True, backward=True, max_seqlen=28672).split  # the packed backward follows
 
 
 def test_rule_overrides():

@@ -18,7 +18,6 @@ from flashqla.cp.driver import (
 )
 from flashqla.cp.merge import scan_segment_grads, scan_segment_states
 from flashqla.cp.planner import (
-    BALANCED_LOSS,
     BV_CHOICES,
     BWD_CHUNK_COST,
     CHUNK_COST,
@@ -58,7 +57,6 @@ __all__ = [
     "segment_slots_to_sequence_slots",
     "sequence_slots_to_segment_slots",
     "scan_segment_grads",
-    "BALANCED_LOSS",
     "BV_CHOICES",
     "BWD_CHUNK_COST",
     "CHUNK_COST",

@@ -56,7 +56,7 @@ always splits (the best split, or `segment_len`); `segment_len` fixes L (a multi
 `exact=True` costs exact mode, `exact=False` the gate-driven mode with `gate_chunks` chunks. The
 constants are module-level and named below.
 
-Backward (`backward=True`) and length scenarios
+Backward (`backward=True`) and unknown lengths
 ------------------------------------------------
 The backward's plan (`flashqla.cp.driver.chunk_gated_delta_rule_cp_bwd`) costs its own launches for
 one sequence: the forward's run and transition recomputed, the combine scan and the reverse scan,
@@ -66,8 +66,8 @@ BWD_CHUNK_COST times the longest chain, so one long sequence splits far sooner t
 (16/32 heads x 32768 tokens: forward unsplit, backward L = 8192; H200: 9.99 -> 5.36 ms). A packed
 batch (N > 1) takes the forward's plan (measured: the backward's own costs lost on several packed
 rows, because rebuilding the packed segment tables and scanning every slot are not in the model).
-Without a max_seqlen hint lengths are taken as balanced; SKEWED_SCENARIO (off) would also cost one
-sequence holding all but N - 1 tokens and score each candidate by its worst ratio to the best.
+Without a max_seqlen hint lengths are taken as balanced. (Costing a skewed batch too, one sequence
+holding all but N - 1 tokens, was measured on the backward grid: its splits lost as often as they won.)
 Segment lengths are searched on every quantum up to DENSE_QUANTA quanta, then on a geometric grid.
 
 Segment tables (`build_segment_tables`)
@@ -162,8 +162,6 @@ __all__ = [
     "BWD_CHUNK_COST",
     "MIN_GAIN",
     "TIE",
-    "BALANCED_LOSS",
-    "SKEWED_SCENARIO",
     "GATE_THRESHOLD",
     "DEFAULT_SM_COUNT",
     "CPPlan",
@@ -213,15 +211,6 @@ BWD_CHUNK_COST = 5.0
 MIN_GAIN = 1.2
 #: Split candidates within this fraction of the best are ties; the longest segment wins.
 TIE = 0.03
-#: Whether the rule also costs, without a max_seqlen hint and for N > 1, one sequence holding all but
-#: N - 1 tokens. Off: on the H200 (2026-11-30, backward grid) splitting packed batches for that case
-#: lost as often as it won (16/32 2 sequences of 32768 tokens: 7.86 -> 8.93 ms; 4/8 2 sequences of
-#: 8192: 2.17 -> 1.34 ms): a packed split rebuilds its segment tables with ~100 small device ops per
-#: call, which the model does not count. Plans are cached: call `clear_plan_cache()` after changing it.
-SKEWED_SCENARIO = False
-#: With SKEWED_SCENARIO, a split predicted more than this fraction slower than the unsplit launch on
-#: balanced lengths is not taken, however much it would gain on skewed lengths.
-BALANCED_LOSS = 0.0
 #: Summed log-decay below which a carried state is dropped by the gate-driven shortcut (FlashQLA's).
 GATE_THRESHOLD = -10.0
 #: SM count assumed for a device that is not a CUDA GPU (an H200 / H100 SXM has 132).
@@ -393,75 +382,36 @@ def plan_cp(
         bv_u = bvs[0]
         t_u = 0.0 if N == 0 or T == 0 else _unsplit_time(bv_u, HV, V, N, _cdiv(T, N), _cdiv(T, N), sm_count)
         return CPPlan(False, None, bv_u, exact, sm_count, t_u, None, "disabled" if disable else "empty input")
-    # length scenarios: the hint, else balanced lengths (SKEWED_SCENARIO adds, for N > 1, one sequence
-    # holding all but N - 1 tokens); a candidate is scored by its worst ratio to the best candidate of
-    # a scenario (with one scenario: its time)
-    l_avg = _cdiv(T, max(N, 1))
-    if max_seqlen is not None:
-        scenarios = [(False, max(0, min(int(max_seqlen), T)))]
-    elif SKEWED_SCENARIO and N > 1 and T > N:
-        scenarios = [(True, l_avg), (False, T - (N - 1))]
-    else:
-        scenarios = [(True, l_avg)]
-    l_top = max(lm for _, lm in scenarios)
+    # lengths: the hint bounds the longest sequence; without it every sequence is taken as ceil(T / N)
+    # long (the case least favourable to splitting)
+    l_avg = _cdiv(T, N)
+    balanced = max_seqlen is None
+    l_max = l_avg if balanced else min(int(max_seqlen), T)
+    l_mean = min(l_avg, l_max)  # a hint bounds the longest sequence, not every one
 
-    def unsplit(bv, sc):
-        balanced, l_max = sc
-        la = min(l_avg, l_max)  # the mean length (a hint bounds it; every sequence cannot be the longest)
+    def unsplit(bv):
         if backward:
-            return _unsplit_bwd_time(bv, HV, V, N, la, l_max, sm_count)
-        return _unsplit_time(bv, HV, V, N, la, l_max, sm_count)
+            return _unsplit_bwd_time(bv, HV, V, N, l_mean, l_max, sm_count)
+        return _unsplit_time(bv, HV, V, N, l_mean, l_max, sm_count)
 
-    def split(bv, L, sc):
-        balanced, l_max = sc
-        return _split_time(bv, HV, V, T, N, L, l_avg, l_max, balanced, sm_count, exact, gate_chunks, backward)
-
-    if segment_len is not None:
-        lens = [segment_len]
-    else:
-        lens = _segment_lengths(l_top)
-    u_cands = [([unsplit(bv, sc) for sc in scenarios], bv) for bv in bvs]
-    s_cands = [([split(bv, L, sc) for sc in scenarios], L, bv) for L in lens for bv in bvs]
-    best_per = [min([c[0][i] for c in u_cands] + [c[0][i] for c in s_cands]) for i in range(len(scenarios))]
-
-    def regret(times):
-        return max(t / b if b > 0 else 1.0 for t, b in zip(times, best_per))
-
-    u_times, bv_u = min(u_cands, key=lambda c: (regret(c[0]), bvs.index(c[1])))
-    t_u, r_u = u_times[0], regret(u_times)
-
-    def pick(cands):  # among near-ties (within TIE), the longest segments: fewest waves and scan steps
-        if not cands:
-            return None
-        r_min = min(regret(c[0]) for c in cands)
-        return max((c for c in cands if regret(c[0]) <= r_min * (1 + TIE)), key=lambda c: (c[1], -bvs.index(c[2])))
-
-    free = s_cands
-    if len(scenarios) > 1:
-        # the skewed scenario may not cost the balanced one (the common case of a packed batch) more
-        # than BALANCED_LOSS: a split predicted slower on balanced lengths is not taken by the rule
-        t_bal = min(c[0][0] for c in u_cands)
-        free = [c for c in s_cands if c[0][0] <= (1 + BALANCED_LOSS) * t_bal]
-    best = pick(free)
-    if best is not None and r_u >= MIN_GAIN * regret(best[0]):
-        s_times, L, bv_s = best
-        why = f"split predicted {r_u / regret(s_times):.2f}x faster"
-        if len(scenarios) > 1:
-            why += " (worst of balanced and skewed lengths)"
-        return CPPlan(True, L, bv_s, exact, sm_count, t_u, s_times[0], why)
-    if force:
-        forced = pick(s_cands)
-        if forced is None:
+    bv_u = min(bvs, key=lambda bv: (unsplit(bv), bvs.index(bv)))
+    t_u = unsplit(bv_u)
+    lens = [segment_len] if segment_len is not None else _segment_lengths(l_max)
+    cands = [(_split_time(bv, HV, V, T, N, L, l_avg, l_max, balanced, sm_count, exact, gate_chunks, backward), L, bv)
+             for L in lens for bv in bvs]
+    if not cands:  # no L shorter than the longest sequence
+        if force:
             return CPPlan(True, segment_len or SEGMENT_QUANTUM, bv_u, exact, sm_count, t_u, None,
                           "forced; sequences fit one segment")
-        return CPPlan(True, forced[1], forced[2], exact, sm_count, t_u, forced[0][0], "forced")
-    if not s_cands:
-        return CPPlan(False, None, bv_u, exact, sm_count, t_u, None, f"sequences of <= {l_top} tokens fit one segment")
-    if best is None:
-        return CPPlan(False, None, bv_u, exact, sm_count, t_u, None,
-                      f"every split predicted slower on balanced lengths (by more than {BALANCED_LOSS:.0%})")
-    return CPPlan(False, None, bv_u, exact, sm_count, t_u, best[0][0],
-                  f"split predicted only {r_u / regret(best[0]):.2f}x (< {MIN_GAIN})")
+        return CPPlan(False, None, bv_u, exact, sm_count, t_u, None, f"sequences of <= {l_max} tokens fit one segment")
+    # among near-ties (within TIE), the longest segments: fewest waves and scan steps
+    t_min = min(c[0] for c in cands)
+    t_s, L, bv_s = max((c for c in cands if c[0] <= t_min * (1 + TIE)), key=lambda c: (c[1], -bvs.index(c[2])))
+    if t_u >= MIN_GAIN * t_s:
+        return CPPlan(True, L, bv_s, exact, sm_count, t_u, t_s, f"split predicted {t_u / t_s:.2f}x faster")
+    if force:
+        return CPPlan(True, L, bv_s, exact, sm_count, t_u, t_s, "forced")
+    return CPPlan(False, None, bv_u, exact, sm_count, t_u, t_s, f"split predicted only {t_u / t_s:.2f}x (< {MIN_GAIN})")
 
 
 @functools.cache
