@@ -70,15 +70,17 @@ def bench_specs() -> list:
 
 
 def variant_specs(specs: list) -> list:
-    """The candidate variants next to the defaults of `specs`: prepare "v3" for every prepare kernel,
-    pass-2 "v2" for every pass-2 kernel (what tests/gpu/prepare_v3_check.py and
-    tests/gpu/bwd_v2_check.py and the tier with FLASHQLA_PREPARE / FLASHQLA_BWD_VARIANT build)."""
+    """The variants the GPU checks compare next to the defaults of `specs`: prepare "v2" and "v3"
+    (tests/gpu/prepare_v3_check.py) and pass-2 "v1" and "v2" (tests/gpu/bwd_v2_check.py), less the
+    default of each (already in `specs`; FLASHQLA_PREPARE / FLASHQLA_BWD_VARIANT select the others)."""
+    from flashqla.ops.gdn.kernels.sm90 import chunk_bwd, prepare
+
     out = []
     for kind, args in specs:
         if kind == "prepare":
-            out.append((kind, args[:-1] + ("v3",)))
+            out += [(kind, args[:-1] + (v,)) for v in ("v2", "v3") if v != prepare.DEFAULT_VARIANT]
         elif kind == "chunk_bwd":
-            out.append((kind, tuple(args) + ("v2",)))
+            out += [(kind, tuple(args) + (v,)) for v in ("v1", "v2") if v != chunk_bwd.DEFAULT_VARIANT]
     return list(dict.fromkeys(out))
 
 
@@ -106,7 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tier", action="store_true", help="the GPU tier's kernels")
     ap.add_argument("--bench", action="store_true", help="the benchmark grids' kernels")
     ap.add_argument("--variants", action="store_true",
-                    help="also the candidate kernel variants (prepare v3, pass-2 v2) of the selected configurations")
+                    help="also the other kernel variants the GPU checks compare (prepare v2 / v3, pass-2 v1 / v2)")
     ap.add_argument("--workers", type=int, default=None, help="worker processes (default: CPU count)")
     ap.add_argument("--pack", metavar="FILE", help="write the cache directory as FILE (tar.xz) afterwards")
     ap.add_argument("--list", action="store_true", help="print the kernel specs and exit")
