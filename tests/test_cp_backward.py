@@ -183,6 +183,33 @@ def test_reverse_scan_one_sequence_equals_general_path():
         assert torch.allclose(G1[j], want, rtol=1e-13, atol=1e-13)
 
 
+@pytest.mark.parametrize("T,end,L", [(1000, 600, 128), (700, 300, 64), (1000, 1000, 128)])
+def test_one_packed_sequence_ending_before_T(T, end, L):
+    """One packed sequence over [0, end) of T rows (a tail after it) with a final-state gradient: the
+    reverse scan must hand dht to the sequence's own last segment, not to slot ceil(T / L) - 1
+    (before the fix dk, dv, dg, dbeta were 0.7-0.9 relative off whenever end < T)."""
+    d = make_gdn_inputs(1, T, 1, 2, 32, 16, initial_state=True, dtype=torch.float64, seed=end)
+    d["cu_seqlens"] = torch.tensor([0, end], dtype=torch.int32)
+    d["initial_state"] = d["initial_state"][:1]
+    do, dht = _cotangents(d, True, seed=1)
+    got, _, tab = _cp_bwd(d, L, do, dht)
+    assert int(tab.seq_num[0]) < tab.max_segments_per_sequence(T) or end == T
+    _check(got, _unsplit(d, do, dht))
+    # and the reverse scan alone, by hand
+    g = torch.Generator().manual_seed(3)
+    P = torch.randn(tab.M, 2, 8, 8, generator=g, dtype=torch.float64) / 4
+    E = torch.randn(tab.M, 2, 8, 5, generator=g, dtype=torch.float64)
+    D = torch.randn(1, 2, 8, 5, generator=g, dtype=torch.float64)
+    G = scan_segment_grads(P, E, tab, T, D)
+    n = int(tab.seq_num[0])
+    want = D[0]
+    for j in range(n - 1, -1, -1):
+        if j < n - 1:
+            want = P[j + 1].transpose(-1, -2) @ want + E[j + 1]
+        assert torch.allclose(G[j], want, rtol=1e-13, atol=1e-13), j
+    assert not G[n:].any()
+
+
 class _MetaBwdBackend(_MetaBackend):
     def bwd(self, q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens):
         self.launches.append("bwd")

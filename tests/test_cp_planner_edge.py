@@ -15,7 +15,7 @@ import torch
 
 import flashqla.cp.planner as P
 from flashqla.cp.driver import cp_splits
-from flashqla.cp.planner import CHUNK, CHUNK_COST, CTAS_PER_SM, get_cp_plan, plan_cp, plan_key
+from flashqla.cp.planner import BWD_CHUNK_COST, CHUNK, CHUNK_COST, CTAS_PER_SM, get_cp_plan, plan_cp, plan_key
 from flashqla.ops.gdn.api import CP_ENV, cp_mode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,24 +57,40 @@ def test_max_seqlen_hint_does_not_inflate_unsplit_cost(HV, N, T, max_seqlen, bac
     NV = 128 // bv
     formula = CHUNK_COST[bv] * max(_cdiv(max_seqlen, CHUNK), _cdiv(NV * HV * N, slots) * _cdiv(l_avg, CHUNK))
     bound = CHUNK_COST[bv] * (_cdiv(NV * HV * (_cdiv(T, CHUNK) + N), slots) + _cdiv(max_seqlen, CHUNK))
+    if backward:  # plus the fused chunk backward: HV N CTAs, one per SM, BWD_CHUNK_COST per chunk
+        formula += BWD_CHUNK_COST * max(_cdiv(max_seqlen, CHUNK), _cdiv(HV * N, 132) * _cdiv(l_avg, CHUNK))
+        bound += BWD_CHUNK_COST * (_cdiv(HV * (_cdiv(T, CHUNK) + N), 132) + _cdiv(max_seqlen, CHUNK))
     assert p.est_unsplit <= bound, (p, bound)
     assert p.est_unsplit == pytest.approx(formula), (p, formula)
     assert not p.split, p  # the split is predicted slower than the (correctly costed) unsplit launch
 
 
-def test_packed_backward_follows_forward_plan_with_segment_len_and_force():
-    """Packed batches (N > 1) take the forward's plan in the backward (its own costs lose there: 4/8,
-    8 sequences of 8192 tokens measured 1.00 -> 2.32 ms split). A fixed segment_len (the distributed
-    KernelBackend(segment_len=...) and chunk_gated_delta_rule_cp_bwd(segment_len=...) pass one) or
-    force must not switch such a batch back to the backward's own costs."""
+def test_packed_backward_plan():
+    """A packed batch (N > 1) is planned with the backward's own costs (`PACKED_BWD_OWN_PLAN`): 7053 +
+    1139 tokens at 4/8 heads stays unsplit in the forward and splits in the backward (H200: 2.20 ->
+    0.76 ms). force and a fixed segment_len act as for one sequence (the distributed backend passes
+    both); PACKED_BWD_OWN_PLAN = False restores the forward's plan for every packed batch."""
+    from flashqla.cp import planner
+
     HV, N, T = 8, 8, 8 * 8192
     for L in (1024, 2048, 4096):
-        f = plan_cp(HV, N, T, 128, 132, exact=True, segment_len=L)
-        b = plan_cp(HV, N, T, 128, 132, exact=True, segment_len=L, backward=True)
-        assert (b.split, b.segment_len) == (f.split, f.segment_len), (L, f, b)
-    f = plan_cp(HV, N, T, 128, 132, exact=True, force=True)
-    b = plan_cp(HV, N, T, 128, 132, exact=True, force=True, backward=True)
-    assert b.split and (b.segment_len, b.BV) == (f.segment_len, f.BV), (f, b)
+        b = plan_cp(HV, N, T, 128, 132, exact=True, segment_len=L, force=True, backward=True)
+        assert b.split and b.segment_len == L, (L, b)
+    auto_f = plan_cp(8, 2, 8192, 128, 132, exact=True)
+    auto_b = plan_cp(8, 2, 8192, 128, 132, exact=True, backward=True)
+    assert not auto_f.split and auto_b.split and "packed" not in auto_b.reason, (auto_f, auto_b)
+    old = planner.PACKED_BWD_OWN_PLAN
+    try:
+        planner.PACKED_BWD_OWN_PLAN = False
+        planner.clear_plan_cache()
+        b = plan_cp(8, 2, 8192, 128, 132, exact=True, backward=True)
+        assert (b.split, b.segment_len) == (auto_f.split, auto_f.segment_len) and "packed" in b.reason, b
+        f = plan_cp(HV, N, T, 128, 132, exact=True, force=True)
+        b = plan_cp(HV, N, T, 128, 132, exact=True, force=True, backward=True)
+        assert b.split and (b.segment_len, b.BV) == (f.segment_len, f.BV), (f, b)
+    finally:
+        planner.PACKED_BWD_OWN_PLAN = old
+        planner.clear_plan_cache()
 
 
 def test_huge_T_plans_in_bounded_time():

@@ -77,7 +77,9 @@ No host synchronisation: every size comes from shapes (M = floor(T / L) + N slot
 floor(T / L) non-first segments), every index is computed by torch ops on the device, the scan runs a
 shape-bound number of steps. Planning reads static facts only (`get_cp_plan`). For fixed-length
 input (no cu_seqlens) the segment tables and every index tensor depend on shapes alone and are built
-once per shape (`_LAYOUTS`); with cu_seqlens they are rebuilt from its current values on every call.
+once per shape (`_LAYOUTS`); with cu_seqlens they are rebuilt from its current values on every call,
+in one kernel launch on sm_90 (`flashqla.cp.tables_kernel`), and the combine scans are one launch
+each (`flashqla.ops.gdn.kernels.sm90.cp_scan`).
 
 Backends. The orchestration is written against `CPBackend` (prepare, recurrent, zeros, state_dtype);
 `Sm90Backend` launches the sm_90 kernels; `reference.gdn.cp.ReferenceCPBackend` computes the same
@@ -93,6 +95,7 @@ import torch
 
 from flashqla.cp.merge import scan_open_states, scan_segment_grads, scan_segment_states
 from flashqla.cp.planner import CHUNK, GATE_THRESHOLD, SegmentTables, build_segment_tables, get_cp_plan
+from flashqla.cp.tables_kernel import segment_tables_device
 from flashqla.ops.gdn.api import CP_ENV as _API_CP_ENV
 from flashqla.ops.gdn.api import cp_mode
 
@@ -1029,7 +1032,7 @@ def chunk_gated_delta_rule_cp_fwd(
         static_key = ("rows", d.B, d.T, L, str(q.device))
         tables = _memo(static_key + ("tables",), lambda: _int32_tables(build_segment_tables(None, L, T=d.T, B=d.B, device=q.device), d.B * d.T))
     else:  # rebuilt from the current values on every call (a reused, edited cu_seqlens is never stale)
-        tables = build_segment_tables(cu_seqlens, L, T=d.T)
+        tables = segment_tables_device(cu_seqlens, L, T=d.T)  # one launch on sm_90 (torch ops elsewhere)
     pcu = tables.cu_seqlens
     if hasattr(backend, "warm"):
         backend.warm(_flat(k), _flat(beta), _flat(q), _flat(v), pcu, d.HV, BV)
@@ -1110,7 +1113,7 @@ def chunk_gated_delta_rule_cp_bwd(
         static_key = ("rows", B, T, L, str(q.device))
         tables = _memo(static_key + ("tables",), lambda: _int32_tables(build_segment_tables(None, L, T=T, B=B, device=q.device), B * T))
     else:
-        tables = build_segment_tables(cu_seqlens, L, T=T)
+        tables = segment_tables_device(cu_seqlens, L, T=T)
     A_p, G_p = sequence_slots_to_segment_slots(A, g_cum_log2, tables, cu_seqlens, B, T)
     BV = block_v or plan.BV
     if hasattr(backend, "warm"):

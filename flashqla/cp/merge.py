@@ -1,5 +1,10 @@
 """State merge of a segmented run: the combine scan (CP-2) over the planner's segment tables.
 
+On a CUDA device with fp32 states both scans below run as one launch of the kernel
+`flashqla.ops.gdn.kernels.sm90.cp_scan` (one CTA per sequence, value head and slice of value
+columns; every step in fp32); the torch code here is the fallback (any device, fp64) and the
+kernel's specification.
+
 `scan_segment_states` is the combine scan the CP forward (`flashqla.cp.driver`) runs in torch: per
 sequence it walks the segments in slot order, S <- P_j S + Q_j, from the sequence's initial state
 (or zeros). Its loop count is ceil(T / L), a bound from shapes alone, and every step is a masked
@@ -22,9 +27,32 @@ Two launch schemes fit the tables:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from flashqla.cp.planner import SegmentTables
+
+#: Environment variable: "torch" runs the scans below as torch products on CUDA too (the default,
+#: "kernel", launches `flashqla.ops.gdn.kernels.sm90.cp_scan` for fp32 states on a CUDA device).
+SCAN_ENV = "FLASHQLA_CP_SCAN"
+
+
+def _use_kernel(P: torch.Tensor, Q: torch.Tensor) -> bool:
+    """The one-launch scan kernel applies: fp32 on an sm_90 device, K a multiple of 8 and V of 16."""
+    import os
+
+    if os.environ.get(SCAN_ENV, "kernel") == "torch":
+        return False
+    K, V = Q.shape[2], Q.shape[3]
+    if not (P.is_cuda and Q.is_cuda and P.dtype == torch.float32 and Q.dtype == torch.float32 and K % 8 == 0 and V % 16 == 0):
+        return False
+    return _is_sm90(Q.device.index if Q.device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
 
 __all__ = ["scan_segment_states", "scan_segment_grads", "scan_open_states"]
 
@@ -54,6 +82,11 @@ def scan_segment_states(P: torch.Tensor, Q: torch.Tensor, tables: SegmentTables,
     """
     M, HV, K, V = Q.shape
     N = tables.N
+    if _use_kernel(P, Q):
+        from flashqla.ops.gdn.kernels.sm90.cp_scan import cp_scan
+
+        h0 = None if initial_state is None else initial_state.to(torch.float32)
+        return cp_scan(P, Q, tables.seq_first, tables.seq_num, h0, skip_first=first_from_h0)
     if N == 1:
         return _scan_one_sequence(P, Q, tables, T, initial_state, first_from_h0, ROW_BLOCK if row_block == -1 else row_block)
     S = Q.new_zeros(N, HV, K, V) if initial_state is None else initial_state.to(Q.dtype).clone()
@@ -168,13 +201,22 @@ def scan_segment_grads(P: torch.Tensor, E: torch.Tensor, tables: SegmentTables, 
     """
     M, HV, K, V = E.shape
     N = tables.N
+    if _use_kernel(P, E):
+        from flashqla.ops.gdn.kernels.sm90.cp_scan import cp_scan
+
+        D0 = None if dht is None else dht.to(torch.float32)
+        return cp_scan(P, E, tables.seq_first, tables.seq_num, D0, reverse=True)[0]
     J = min(tables.max_segments_per_sequence(T), M) if M else 0
     G = E.new_zeros(M + 1, HV, K, V)
     D = E.new_zeros(N, HV, K, V) if dht is None else dht.to(E.dtype)
     if N == 1 and J:
+        # the sequence may end before T (a packed tail): its last segment, slot seq_num - 1, takes
+        # dht; slots past it are inert and masked below
+        is_last = (tables.seq_num[:1] - 1)[:, None, None]
         G[J - 1] = D[0]
         for j in range(J - 2, -1, -1):
             torch.baddbmm(E[j + 1], P[j + 1].transpose(-1, -2), G[j + 1], out=G[j])
+            G[j] = torch.where(is_last == j, D[0], G[j])
         return torch.where(tables.valid[:, None, None, None], G[:M], G.new_zeros(()))
     R = D.clone()
     dummy = torch.full_like(tables.seq_first, M)

@@ -64,8 +64,9 @@ the states pass over the segments, and the fused chunk backward at BWD_CHUNK_COS
 steps per chunk with one CTA per (segment, value head). Its unsplit cost is the states pass plus
 BWD_CHUNK_COST times the longest chain, so one long sequence splits far sooner than in the forward
 (16/32 heads x 32768 tokens: forward unsplit, backward L = 8192; H200: 9.99 -> 5.36 ms). A packed
-batch (N > 1) takes the forward's plan (measured: the backward's own costs lost on several packed
-rows, because rebuilding the packed segment tables and scanning every slot are not in the model).
+batch (N > 1) is planned the same way (`PACKED_BWD_OWN_PLAN`) since the segment tables and both
+scans became one launch each (the forward and the backward plan independently: the backward
+recomputes every product it needs from the forward's A and g_cum_log2).
 Without a max_seqlen hint lengths are taken as balanced. (Costing a skewed batch too, one sequence
 holding all but N - 1 tokens, was measured on the backward grid: its splits lost as often as they won.)
 Segment lengths are searched on every quantum up to DENSE_QUANTA quanta, then on a geometric grid.
@@ -160,6 +161,7 @@ __all__ = [
     "EXTRA_LAUNCHES_GATED",
     "DEFAULT_GATE_CHUNKS",
     "BWD_CHUNK_COST",
+    "PACKED_BWD_OWN_PLAN",
     "MIN_GAIN",
     "TIE",
     "GATE_THRESHOLD",
@@ -207,6 +209,13 @@ DEFAULT_GATE_CHUNKS = 4
 #: forward chunk units. Measured on the H200 (2026-11-30, pass-2 variant v2, `tests/gpu/bwd_v2_check.py`):
 #: 16.7-16.9 us per chunk on one-sequence rows against ~3.3 us for the forward's recurrent step.
 BWD_CHUNK_COST = 5.0
+#: Whether a packed batch's backward (N > 1) is planned with the backward's own costs (True) or takes
+#: the forward's plan (False). Read
+#: when a plan is made (plans are cached: `clear_plan_cache` after changing it). Measured on the H200
+#: (2026-11-30, tests/gpu/cp_plan_check.py, 24 packed rows of the backward grid, one-launch tables and
+#: scan): the own plan was never slower (within 1%) and up to 3.6x faster (4/8 7212+25556 7.80 ms
+#: unsplit; 2/4 8 sequences of 32768 tokens 3.06 -> 1.21 ms; 4/8 7053+1139 2.20 -> 0.76 ms).
+PACKED_BWD_OWN_PLAN = True
 #: Split only when the predicted time improves at least this much.
 MIN_GAIN = 1.2
 #: Split candidates within this fraction of the best are ties; the longest segment wins.
@@ -368,12 +377,9 @@ def plan_cp(
         raise ValueError(f"no value-slice width in {BV_CHOICES} divides V={V}")
     if backward:
         exact = True  # the backward has no gate-driven mode
-    if backward and N > 1:
-        # packed batches: the backward follows the forward's plan (forced, disabled or with a fixed
-        # segment length alike). Measured on the H200 (2026-11-30, backward grid): the backward's own
-        # costs won on every one-sequence row (16/32 x 32768: 9.99 -> 5.38 ms) but lost on several
-        # packed ones (4/8 8 sequences of 8192 tokens: 1.00 -> 2.32 ms): a packed split's table
-        # builds and scan steps are not in the model.
+    if backward and N > 1 and not PACKED_BWD_OWN_PLAN:
+        # the rule before the one-launch tables and scan (the backward's own costs then lost on several
+        # packed rows, 4/8 8 sequences of 8192 tokens 1.00 -> 2.32 ms): the forward's plan
         p = plan_cp(HV, N, T, V, sm_count, force=force, disable=disable, exact=True, segment_len=segment_len,
                     max_seqlen=max_seqlen)
         return CPPlan(p.split, p.segment_len, p.BV, p.exact, p.sm_count, p.est_unsplit, p.est_split,

@@ -4,6 +4,10 @@ Forward (two launches):
     prepare.py    `chunk_prepare_fwd`:   chunk-local cumsum of g, K K^T, the gated WY inverse A (x beta)
     recurrent.py  `chunk_recurrent_fwd`: the state recurrence and the output, state on chip
 
+Context parallelism (`flashqla.cp`):
+    cp_scan.py    `cp_scan`:             the combine scan of segment states (forward) and of state
+                                         gradients (backward), one launch
+
 Backward (three passes, four launches; `flashqla.ops.gdn.bwd`; NOTES-bwd.md):
     states_bwd.py `chunk_states_bwd`:    the chunk-start states h, recomputed and stored
     chunk_bwd.py  `chunk_fused_bwd`:     every per-chunk gradient, chunks in reverse, dS on chip
@@ -44,6 +48,14 @@ def _build(kind: str, args: tuple):
         from flashqla.ops.gdn.kernels.sm90.finish_bwd import build_gva_reduce_kernel
 
         return build_gva_reduce_kernel(*args)
+    if kind == "cp_scan":
+        from flashqla.ops.gdn.kernels.sm90.cp_scan import build_cp_scan_kernel
+
+        return build_cp_scan_kernel(*args)
+    if kind == "cp_tables":
+        from flashqla.cp.tables_kernel import build_segment_tables_kernel
+
+        return build_segment_tables_kernel(*args)
     raise ValueError(f"unknown kernel kind {kind!r}")
 
 
@@ -56,7 +68,8 @@ def build_kernels(specs) -> list:
     """Builds (or fetches from cache) the kernels [(kind, args), ...] concurrently in threads.
 
     kind is "prepare" (args of `build_prepare_kernel`), "recurrent" (`build_recurrent_kernel`),
-    "states_bwd", "chunk_bwd", "dg_cumsum" or "gva_reduce" (the backward's builders).
+    "states_bwd", "chunk_bwd", "dg_cumsum" or "gva_reduce" (the backward's builders), "cp_scan"
+    (`build_cp_scan_kernel`), "cp_tables" (`flashqla.cp.tables_kernel.build_segment_tables_kernel`).
     Threads overlap the external compiler runs; the first call of the op uses this for its two
     kernels.
     """
@@ -92,7 +105,8 @@ def op_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype:
     `flashqla.chunk_gated_delta_rule` uses for H q/k heads, HV value heads, N sequences (the
     recurrent kernel's value slice width depends on N * HV: `recurrent.pick_block_v`), packed or not,
     q/k/v in `dtype`, beta in `beta_dtype`, cu_seqlens in `seq_dtype`; with the backward's four when
-    `backward`. Pure Python: needs neither a GPU nor TileLang."""
+    `backward`; the context-parallel scan kernels (forward, and reverse with the backward) and, for
+packed input, the segment-table kernel are included since `cp="auto"` may split. Pure Python: needs neither a GPU nor TileLang."""
     from flashqla.ops.gdn.kernels.sm90.prepare import DEFAULT_VARIANT
     from flashqla.ops.gdn.kernels.sm90.recurrent import DEFAULT_SCHEDULE, pick_block_v
 
@@ -100,12 +114,16 @@ def op_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype:
     specs = [
         ("prepare", (H, HV, K, dtype, beta_dtype, seq_dtype, varlen, DEFAULT_VARIANT)),
         ("recurrent", (H, HV, K, V, BV, dtype, seq_dtype, varlen, DEFAULT_SCHEDULE)),
+        ("cp_scan", (HV, K, V, False)),
     ]
+    if varlen:
+        specs.append(("cp_tables", (seq_dtype,)))
     if backward:
         specs += [
             ("states_bwd", (H, HV, K, V, dtype, h_dtype, seq_dtype, varlen)),
             ("chunk_bwd", (H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen)),
             ("dg_cumsum", (HV, seq_dtype, varlen)),
             ("gva_reduce", (H, HV, K, dtype)),
+            ("cp_scan", (HV, K, V, True)),
         ]
     return specs

@@ -1,0 +1,73 @@
+"""One call on the GPU machine: where the split forward / backward spends its time, kernel by kernel.
+
+    python tests/gpu/cp_profile.py [--rows "2/8 28672+4096" "2/8 1x32768"] [--bwd] [--top 20]
+
+Per row (packed input as the benchmark makes it, cp auto): a few warm-up calls, then torch.profiler over
+5 calls; prints each device kernel's total time per call, launches per call and name, the sum, and
+the number of device launches per call. Not collected by pytest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+
+def main(argv=None) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
+    from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
+    from flashqla.testing import make_gdn_inputs
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", nargs="+", default=["2/8 28672+4096", "2/8 1x32768"])
+    ap.add_argument("--bwd", action="store_true")
+    ap.add_argument("--top", type=int, default=18)
+    a = ap.parse_args(argv)
+    reps = 5
+    for row in a.rows:
+        heads, mix = row.split()
+        H, HV = (int(x) for x in heads.split("/"))
+        lengths = [int(mix.split("x")[1])] * int(mix.split("x")[0]) if "x" in mix else [int(x) for x in mix.split("+")]
+        T = sum(lengths)
+        x = make_gdn_inputs(1, T, H, HV, 128, 128, seqlens=lengths, dtype=torch.bfloat16, device="cuda",
+                            gate="qwen3next", special_heads=True, seed=0)
+        q, k, v, g, beta, cu = x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu_seqlens"]
+        scale = 128**-0.5
+        f = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, None, True, cu)
+        do, dht = torch.randn_like(f.o), torch.randn_like(f.final_state)
+        if a.bwd:
+            fn = lambda: chunk_gated_delta_rule_bwd(f.q, f.k, v, g, beta, f.A, f.g_cum_log2, do, dht, scale, None, cu)  # noqa: E731
+        else:
+            fn = lambda: chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, None, True, cu)  # noqa: E731
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+        tot, cnt = defaultdict(float), defaultdict(int)
+        for ev in prof.events():
+            if ev.device_type.name == "CUDA":
+                name = ev.name[:90]
+                tot[name] += ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
+                cnt[name] += 1
+        total = sum(tot.values()) / reps
+        print(f"\n== {row} {'backward' if a.bwd else 'forward'}: {sum(cnt.values()) / reps:.0f} device launches per call, "
+              f"{total / 1e3:.3f} ms of kernel time per call")
+        for name, t in sorted(tot.items(), key=lambda kv: -kv[1])[: a.top]:
+            print(f"  {t / reps / 1e3:8.4f} ms  x{cnt[name] / reps:5.1f}  {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

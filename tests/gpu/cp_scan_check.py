@@ -1,0 +1,189 @@
+"""One call on the GPU machine: the context-parallel scan kernel (`kernels/sm90/cp_scan.py`) against
+the torch scans it replaces (`flashqla.cp.merge`, FLASHQLA_CP_SCAN=torch), and what it saves.
+
+    python tests/gpu/cp_scan_check.py [--out DIR] [--no-op]
+
+1. Values: for packed mixes (one sequence, two, a ragged mix with empty and 1-token sequences, 300
+   short ones, one sequence ending before T), forward (with and without h0, first segments from h0
+   or not) and reverse (with and without dht): kernel and torch fp32 against the fp64 torch scan,
+   relative Frobenius error per output; a case fails above 1e-5 or when the kernel is more than 4x
+   the torch fp32 error (+1e-7). Slots of no sequence must be exactly zero.
+2. Times (CUDA graphs, median): the scan alone, kernel and torch, on the benchmark's split shapes;
+   and, unless --no-op, the forward and backward (`chunk_gated_delta_rule_fwd` / `_bwd`, cp auto)
+   with each scan.
+Prints a table last, writes cp_scan_check.json to --out. Exit status 1 on any failed case.
+Not collected by pytest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from tests.gpu.device_check import time_graph  # noqa: E402
+
+ENV = "FLASHQLA_CP_SCAN"
+#: name: (HV, lengths or None for one row, T, L)
+CASES = {
+    "1 seq 32768 L2048 HV8": (8, [32768], 32768, 2048),
+    "1 seq 32768 L4096 HV32": (32, [32768], 32768, 4096),
+    "28672+4096 L2048 HV8": (8, [28672, 4096], 32768, 2048),
+    "ragged L512 HV4": (4, [500, 0, 1, 3000, 64, 4097, 0], 7662, 512),
+    "300 short L256 HV2": (2, None, 30000, 256),
+    "one seq ends before T L1024 HV8": (8, [5000], 9000, 1024),
+}
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
+
+
+def _tables(lengths, T, L, dev, gen):
+    from flashqla.cp.planner import build_segment_tables
+
+    if lengths is None:
+        cuts = torch.randint(1, T, (299,), generator=gen).sort().values
+        cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([T])])
+    else:
+        cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)))
+    return build_segment_tables(cu.to(torch.int32).to(dev), L, T=T)
+
+
+def _scans(P, Q, tab, T, h0, first_from_h0, D, which):
+    from flashqla.cp.merge import scan_segment_grads, scan_segment_states
+
+    os.environ[ENV] = which
+    try:
+        S, fin = scan_segment_states(P, Q, tab, T, h0, first_from_h0=first_from_h0)
+        G = scan_segment_grads(P, Q, tab, T, D)
+    finally:
+        os.environ.pop(ENV, None)
+    return S, fin, G
+
+
+def check_values(out):
+    dev = "cuda"
+    gen = torch.Generator().manual_seed(0)
+    rows, ok = [], True
+    for name, (HV, lengths, T, L) in CASES.items():
+        for h0_on, ffh in ((False, False), (True, True), (True, False)):
+            try:
+                tab = _tables(lengths, T, L, dev, gen)
+                M, N, K = tab.M, tab.N, 128
+                P = (torch.randn(M, HV, K, K, generator=gen, dtype=torch.float64) * (0.9 / K**0.5)).to(dev)
+                Q = torch.randn(M, HV, K, K, generator=gen, dtype=torch.float64).to(dev)
+                h0 = torch.randn(N, HV, K, K, generator=gen, dtype=torch.float64).to(dev) if h0_on else None
+                D = torch.randn(N, HV, K, K, generator=gen, dtype=torch.float64).to(dev) if h0_on else None
+                ref = _scans(P, Q, tab, T, h0, ffh, D, "torch")
+                f32 = lambda x: None if x is None else x.float()  # noqa: E731
+                tor = _scans(f32(P), f32(Q), tab, T, f32(h0), ffh, f32(D), "torch")
+                ker = _scans(f32(P), f32(Q), tab, T, f32(h0), ffh, f32(D), "kernel")
+                errs = []
+                for nm, r, t, k in zip(("starts", "final", "G"), ref, tor, ker):
+                    ek, et = _rel(k, r), _rel(t, r)
+                    errs.append(f"{nm} {ek:.1e} (torch {et:.1e})")
+                    if not (ek <= 1e-5 and ek <= 4 * et + 1e-7) or not torch.isfinite(k).all():
+                        ok = False
+                        errs[-1] += " FAIL"
+                inert = ~tab.valid
+                if ker[0][inert].abs().max().item() if inert.any() else 0.0:
+                    ok = False
+                    errs.append("inert slots not zero FAIL")
+                if ker[2][inert].abs().max().item() if inert.any() else 0.0:
+                    ok = False
+                    errs.append("inert G not zero FAIL")
+                rows.append((name, f"h0={int(h0_on)} ffh={int(ffh)}", "; ".join(errs)))
+            except Exception:
+                ok = False
+                rows.append((name, f"h0={int(h0_on)} ffh={int(ffh)}", "ERROR " + traceback.format_exc(limit=3)))
+            print(rows[-1], flush=True)
+    out["values"] = rows
+    out["values_ok"] = ok
+    return ok
+
+
+def time_scans(out):
+    dev = "cuda"
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for name in ("1 seq 32768 L2048 HV8", "1 seq 32768 L4096 HV32", "28672+4096 L2048 HV8", "300 short L256 HV2"):
+        HV, lengths, T, L = CASES[name]
+        tab = _tables(lengths, T, L, dev, gen)
+        M, N, K = tab.M, tab.N, 128
+        P = (torch.randn(M, HV, K, K, generator=gen) * (0.9 / K**0.5)).to(dev)
+        Q = torch.randn(M, HV, K, K, generator=gen).to(dev)
+        h0 = torch.randn(N, HV, K, K, generator=gen).to(dev)
+        t = {}
+        for which in ("torch", "kernel"):
+            os.environ[ENV] = which
+            from flashqla.cp.merge import scan_segment_grads, scan_segment_states
+
+            t[which + " fwd"] = time_graph(lambda: scan_segment_states(P, Q, tab, T, h0, first_from_h0=True))
+            t[which + " rev"] = time_graph(lambda: scan_segment_grads(P, Q, tab, T, h0))
+            os.environ.pop(ENV, None)
+        rows.append((name, *(f"{t[k] * 1e3:.1f}" for k in ("torch fwd", "kernel fwd", "torch rev", "kernel rev"))))
+        print(rows[-1], flush=True)
+    out["scan_us"] = rows
+
+
+def time_op(out):
+    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
+    from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
+    from flashqla.testing import make_gdn_inputs
+
+    rows = []
+    for name, H, HV, lengths, bwd in (("2/8 1x32768", 2, 8, [32768], True), ("2/8 28672+4096", 2, 8, [28672, 4096], True),
+                                      ("2/8 1x8192", 2, 8, [8192], False), ("16/32 1x32768", 16, 32, [32768], True)):
+        T = sum(lengths)
+        x = make_gdn_inputs(1, T, H, HV, 128, 128, seqlens=lengths, dtype=torch.bfloat16, device="cuda",
+                            gate="qwen3next", special_heads=True, seed=0)
+        q, k, v, g, beta, cu = x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu_seqlens"]
+        scale = 128**-0.5
+        t = {}
+        for which in ("torch", "kernel"):
+            os.environ[ENV] = which
+            t[which + " fwd"] = time_graph(lambda: chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, None, True, cu))
+            if bwd:
+                f = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, None, True, cu)
+                do, dht = torch.randn_like(f.o), torch.randn_like(f.final_state)
+                t[which + " bwd"] = time_graph(lambda: chunk_gated_delta_rule_bwd(f.q, f.k, v, g, beta, f.A, f.g_cum_log2,
+                                                                                   do, dht, scale, None, cu), reps=10, iters=2)
+            os.environ.pop(ENV, None)
+        rows.append((name, *(f"{t.get(k, float('nan')):.3f}" for k in ("torch fwd", "kernel fwd", "torch bwd", "kernel bwd"))))
+        print(rows[-1], flush=True)
+    out["op_ms"] = rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--no-op", action="store_true")
+    a = ap.parse_args(argv)
+    out = {}
+    ok = check_values(out)
+    time_scans(out)
+    if not a.no_op:
+        time_op(out)
+    with open(os.path.join(a.out, "cp_scan_check.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    print("\nscan (us; CUDA graphs)   torch fwd | kernel fwd | torch rev | kernel rev")
+    for r in out["scan_us"]:
+        print("  ", " | ".join(r))
+    if "op_ms" in out:
+        print("op, cp auto (ms)         torch fwd | kernel fwd | torch bwd | kernel bwd")
+        for r in out["op_ms"]:
+            print("  ", " | ".join(r))
+    print(f"values: {'all passed' if ok else 'FAILED'} ({len(out['values'])} cases)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
