@@ -53,3 +53,30 @@ def test_rejects_unsupported_width():
 
     with pytest.raises(ValueError, match="V %"):
         build_cp_scan_kernel(32, 128, 40, False)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("dtype,seq_dtype", [("bfloat16", "int32"), ("float16", "int64")])
+def test_cp_token_kernels_compile(dtype, seq_dtype):
+    """The output-correction and state-gradient kernels (`cp_correct.py`) compile: TMA tile loads, a
+    wgmma per tile, no spills; the state-gradient kernel masks U's rows past the segment's end only
+    after the tile's TMA load has landed (the mask reads the tile, so the pipeliner waits first)."""
+    from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
+    from flashqla.ops.gdn.kernels.sm90.cp_correct import build_cp_correct_kernel, build_cp_state_grads_kernel
+
+    for build in (build_cp_correct_kernel, build_cp_state_grads_kernel):
+        kernel = build(8, 128, 128, dtype, seq_dtype)
+        src = kernel.get_kernel_source()
+        assert "tma_load" in src and "wgmma" in src
+        rep = ptxas_report(kernel)
+        assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    src = build_cp_state_grads_kernel(8, 128, 128, dtype, seq_dtype).get_kernel_source()
+    loop = src[src.index("for (int it_1"):]
+    assert loop.index(".wait(") < loop.index("condval"), "the mask must follow the wait for the tile's load"
+
+
+def test_token_kernels_off_cpu():
+    from flashqla.cp.driver import _token_kernels_apply
+
+    x = torch.zeros(1, 4, 2, 128, dtype=torch.bfloat16)
+    assert not _token_kernels_apply(x, x)

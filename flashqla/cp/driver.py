@@ -279,6 +279,23 @@ def _token_rows(tab: SegmentTables, sel: torch.Tensor, width: int):
     return tok, valid
 
 
+def _token_kernels_apply(o: torch.Tensor, U: torch.Tensor) -> bool:
+    """The one-launch correction / state-gradient kernels (`kernels/sm90/cp_correct.py`) apply: U in
+    bf16 or fp16 (o is U's dtype in the forward; do any float dtype, cast to U's), rows of width
+    K = V = 128, an sm_90 device (FLASHQLA_CP_SCAN=torch turns them off with the scans, for
+    comparisons)."""
+    import os
+
+    from flashqla.cp.merge import SCAN_ENV, _is_sm90
+
+    if os.environ.get(SCAN_ENV, "kernel") == "torch":
+        return False
+    if not (o.is_cuda and U.is_cuda and U.dtype in (torch.bfloat16, torch.float16) and o.dtype.is_floating_point
+            and U.shape[-1] == 128 and o.shape[-1] == 128):
+        return False
+    return _is_sm90(o.device.index if o.device.index is not None else torch.cuda.current_device())
+
+
 def _correct_one_sequence(o, U, S_c, total: int, L: int, first: int = 1) -> None:
     """o += U @ S_c over segment j >= first of a single sequence [0, total) (segment j = slot j = tokens
     [jL, min((j + 1) L, total))), in place, one GEMM per value head per block shape (no copies).
@@ -423,6 +440,10 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
         # 4. correction
         if correction == "rerun":
             o, _ = _recurrent(backend, qf, kf, vf, A, G2, scale, S_in.contiguous(), False, pcu, block_v, None)
+        elif _token_kernels_apply(o, U):  # one launch over every corrected slot
+            from flashqla.ops.gdn.kernels.sm90.cp_correct import cp_correct
+
+            cp_correct(o, U, S_in, pcu, tab.need_correction)
         elif one_sequence:  # reads slots 1 .. nseg - 1 only
             _correct_one_sequence(o, U, S_in.to(o.dtype), total, L)
         else:
@@ -641,6 +662,11 @@ def _state_grads_from_outputs(U, do, tab: SegmentTables, total: int, L: int, one
     first = 1 if mask is None else 0
     HV, K, V = U.shape[2], U.shape[3], do.shape[3]
     M = tab.M
+    if _token_kernels_apply(do, U):  # one launch: E per flagged slot, zeros elsewhere
+        from flashqla.ops.gdn.kernels.sm90.cp_correct import cp_state_grads
+
+        return cp_state_grads(U.reshape(1, total, HV, K), do.reshape(1, total, HV, V), tab.cu_seqlens,
+                              tab.need_correction if mask is None else mask)
     edt = torch.float64 if U.dtype == torch.float64 else torch.float32
     E = torch.zeros(M + 1, HV, K, V, dtype=edt, device=U.device)
     Uf, Df = U.reshape(total, HV, K), do.reshape(total, HV, V)
@@ -824,7 +850,11 @@ def cp_forward_open(backend, q, k, v, g, beta, scale: float, initial_state, tabl
         S_start = torch.cat([S_start[:J] + add, S_start[J:]]) if J < M else S_start + add
         final = final.clone()
         final[0] = torch.baddbmm(final[0], P_open.to(sd), S_in)
-    if N == 1 and _ONE_SEQUENCE_FAST_PATH:
+    if _token_kernels_apply(o, U):
+        from flashqla.ops.gdn.kernels.sm90.cp_correct import cp_correct
+
+        cp_correct(o, U, S_start, tab.cu_seqlens, corr)
+    elif N == 1 and _ONE_SEQUENCE_FAST_PATH:
         _correct_one_sequence(o, U, S_start.to(o.dtype), T, L, first=0 if open_first else 1)
     else:
         Mc = T // L + (1 if open_first else 0)

@@ -1,5 +1,6 @@
 """One call on the GPU machine: the context-parallel scan kernel (`kernels/sm90/cp_scan.py`) against
-the torch scans it replaces (`flashqla.cp.merge`, FLASHQLA_CP_SCAN=torch), and what it saves.
+the torch scans it replaces (`flashqla.cp.merge`, FLASHQLA_CP_SCAN=torch), the token kernels, and
+what they save (FLASHQLA_CP_SCAN=torch turns the scans and the token kernels off together).
 
     python tests/gpu/cp_scan_check.py [--out DIR] [--no-op]
 
@@ -8,6 +9,9 @@ the torch scans it replaces (`flashqla.cp.merge`, FLASHQLA_CP_SCAN=torch), and w
    or not) and reverse (with and without dht): kernel and torch fp32 against the fp64 torch scan,
    relative Frobenius error per output; a case fails above 1e-5 or when the kernel is more than 4x
    the torch fp32 error (+1e-7). Slots of no sequence must be exactly zero.
+   The output-correction and state-gradient kernels (`kernels/sm90/cp_correct.py`) against fp64 on
+   the same tables: o within 8e-3 (one bf16 rounding), E within 1e-3, rows of no corrected slot
+   untouched, E zero on unflagged slots.
 2. Times (CUDA graphs, median): the scan alone, kernel and torch, on the benchmark's split shapes;
    and, unless --no-op, the forward and backward (`chunk_gated_delta_rule_fwd` / `_bwd`, cp auto)
    with each scan.
@@ -110,6 +114,52 @@ def check_values(out):
     return ok
 
 
+def check_token_kernels(out):
+    """cp_correct / cp_state_grads against fp64 torch on the same tables (random U, S, o, do in bf16)."""
+    from flashqla.ops.gdn.kernels.sm90.cp_correct import cp_correct, cp_state_grads
+
+    dev = "cuda"
+    gen = torch.Generator().manual_seed(2)
+    rows, ok = [], True
+    for name, (HV, lengths, T, L) in CASES.items():
+        try:
+            tab = _tables(lengths, T, L, dev, gen)
+            M, K = tab.M, 128
+            U = torch.randn(1, T, HV, K, generator=gen).to(dev, torch.bfloat16)
+            o = torch.randn(1, T, HV, K, generator=gen).to(dev, torch.bfloat16)
+            do = torch.randn(1, T, HV, K, generator=gen).to(dev, torch.bfloat16)
+            S = (torch.randn(M, HV, K, K, generator=gen) / K**0.5).to(dev)
+            flag = tab.need_correction
+            # fp64 reference (on the device), slot by slot over rows [start, end)
+            st, en, fl = tab.start.tolist(), tab.end.tolist(), flag.tolist()
+            want_o = o[0].double().clone()
+            want_E = torch.zeros(M, HV, K, K, dtype=torch.float64, device=dev)
+            sel = torch.zeros(T, dtype=torch.bool, device=dev)
+            for j in range(M):
+                if fl[j] and en[j] > st[j]:
+                    r = slice(st[j], en[j])
+                    Ur = U[0, r].double()
+                    want_o[r] += torch.einsum("thk,hkv->thv", Ur, S[j].double())
+                    want_E[j] = torch.einsum("thk,thv->hkv", Ur, do[0, r].double())
+                    sel[r] = True
+            got_o = cp_correct(o.clone(), U, S, tab.cu_seqlens, flag)
+            got_E = cp_state_grads(U, do, tab.cu_seqlens, flag)
+            eo = _rel(got_o[0], want_o)
+            untouched = bool(torch.equal(got_o[0][~sel], o[0][~sel]))
+            eE = _rel(got_E, want_E)
+            zeros = bool((got_E[~flag] == 0).all())
+            good = eo < 8e-3 and eE < 1e-3 and untouched and zeros and bool(torch.isfinite(got_o).all())
+            ok &= good
+            rows.append((name, f"o {eo:.1e} (bf16 rounding ~4e-3), rows outside untouched {untouched}; E {eE:.1e}, "
+                               f"unflagged zero {zeros}" + ("" if good else " FAIL")))
+        except Exception:
+            ok = False
+            rows.append((name, "ERROR " + traceback.format_exc(limit=3)))
+        print(rows[-1], flush=True)
+    out["token_kernels"] = rows
+    return ok
+
+
 def time_scans(out):
     dev = "cuda"
     gen = torch.Generator().manual_seed(1)
@@ -169,6 +219,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     out = {}
     ok = check_values(out)
+    ok &= check_token_kernels(out)
     time_scans(out)
     if not a.no_op:
         time_op(out)
@@ -181,7 +232,9 @@ def main(argv=None) -> int:
         print("op, cp auto (ms)         torch fwd | kernel fwd | torch bwd | kernel bwd")
         for r in out["op_ms"]:
             print("  ", " | ".join(r))
-    print(f"values: {'all passed' if ok else 'FAILED'} ({len(out['values'])} cases)")
+    for r in out["token_kernels"]:
+        print("  ", " | ".join(r))
+    print(f"values: {'all passed' if ok else 'FAILED'} ({len(out['values'])} scan cases, {len(out['token_kernels'])} token-kernel cases)")
     return 0 if ok else 1
 
 

@@ -142,3 +142,32 @@ def test_autograd_context_parallel_matches_unsplit(seqlens):
     print(f"cp=on autograd errors vs fp64: {errs}")
     for n, e in errs.items():
         assert e <= BUDGET[n], f"{n}: {e:.3e} > {BUDGET[n]:.0e}"
+
+
+@pytest.mark.parametrize("cp", ["on", "off"])
+def test_inference_path_equals_training_path(cp):
+    """Without inputs that require a gradient (or under no_grad) the public op runs
+    `flashqla::gdn_fwd_inference` (nothing kept for a backward; a split forward skips moving A back to
+    the caller's layout): o and the final state are bitwise those of the training path, eager and
+    under torch.compile(fullgraph=True)."""
+    x = make_gdn_inputs(K=128, V=128, seed=18, B=1, T=4096 if cp == "on" else 300, H=2, HV=4, initial_state=True,
+                        seqlens=[2900, 1196] if cp == "on" else None)
+    d = {n: (t.to("cuda", torch.bfloat16) if n in ("q", "k", "v") else t.to("cuda", torch.float32))
+         for n, t in x.items() if t is not None and n != "cu_seqlens"}
+    cu = None if x["cu_seqlens"] is None else x["cu_seqlens"].to("cuda")
+
+    def fwd(q, k, v, g, beta, h0):
+        return flashqla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                               cu_seqlens=cu, cp=cp)
+
+    args = (d["q"], d["k"], d["v"], d["g"], d["beta"], d["initial_state"])
+    o_i, ht_i = fwd(*args)  # no input requires grad: the inference op
+    train = [a.clone().requires_grad_(True) for a in args]
+    o_t, ht_t = fwd(*train)
+    assert o_t.requires_grad and not o_i.requires_grad
+    assert torch.equal(o_i, o_t.detach()) and torch.equal(ht_i, ht_t.detach())
+    with torch.no_grad():
+        o_n, _ = fwd(*train)
+    assert torch.equal(o_n, o_i)
+    o_c, ht_c = torch.compile(fwd, fullgraph=True)(*args)
+    assert torch.equal(o_c, o_i) and torch.equal(ht_c, ht_i)

@@ -6,6 +6,9 @@ known output shapes (fake implementations below) instead of tracing into TileLan
     flashqla::gdn_fwd(q, k, v, g, beta, scale, initial_state?, output_final_state, cu_seqlens?, cp)
         -> (o [B, T, HV, V] q's dtype, final_state [N, HV, K, V] fp32 (or [0] when not requested),
             A [HV, S * 64, 64] q's dtype, g_cum_log2 [HV, S * 64] fp32)
+    flashqla::gdn_fwd_inference(the same arguments) -> (o, final_state): the public op's forward when
+        no input requires a gradient (or grad mode is off): nothing is kept for a backward, so a
+        split forward skips moving A and g_cum_log2 back to the caller's layout
     flashqla::gdn_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht?, scale, initial_state?, cu_seqlens?, cp)
         -> (dq, dk, dv, dg fp32, dbeta in beta's dtype, dh0 [N, HV, K, V] fp32 (or [0]))
 
@@ -23,7 +26,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["gdn_fwd", "gdn_bwd", "num_slots_for"]
+__all__ = ["gdn_fwd", "gdn_fwd_inference", "gdn_bwd", "num_slots_for"]
 
 _EMPTY_SHAPE = (0,)
 
@@ -70,6 +73,35 @@ def _gdn_fwd_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     A = q.new_empty((HV, S * 64, 64))
     g_cum_log2 = q.new_empty((HV, S * 64), dtype=torch.float32)
     return o, final_state, A, g_cum_log2
+
+
+@torch.library.custom_op("flashqla::gdn_fwd_inference", mutates_args=())
+def gdn_fwd_inference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: Optional[torch.Tensor],
+    output_final_state: bool,
+    cu_seqlens: Optional[torch.Tensor],
+    cp: str = "off",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward when no gradient is needed: (o, final_state or an empty [0] tensor), without the
+    backward's products (`chunk_gated_delta_rule_fwd(for_backward=False)`)."""
+    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
+
+    f = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp=cp,
+                                   for_backward=False)
+    final_state = f.final_state if f.final_state is not None else q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
+    return f.o, final_state
+
+
+@gdn_fwd_inference.register_fake
+def _gdn_fwd_inference_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp="off"):
+    o, final_state, _, _ = _gdn_fwd_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp)
+    return o, final_state
 
 
 @torch.library.custom_op("flashqla::gdn_bwd", mutates_args=())

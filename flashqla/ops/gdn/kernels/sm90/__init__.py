@@ -7,6 +7,8 @@ Forward (two launches):
 Context parallelism (`flashqla.cp`):
     cp_scan.py    `cp_scan`:             the combine scan of segment states (forward) and of state
                                          gradients (backward), one launch
+    cp_correct.py `cp_correct`, `cp_state_grads`: the output correction o += S_in^T U and the
+                                         gradient E = sum U do^T of every segment, one launch each
 
 Backward (three passes, four launches; `flashqla.ops.gdn.bwd`; NOTES-bwd.md):
     states_bwd.py `chunk_states_bwd`:    the chunk-start states h, recomputed and stored
@@ -52,6 +54,14 @@ def _build(kind: str, args: tuple):
         from flashqla.ops.gdn.kernels.sm90.cp_scan import build_cp_scan_kernel
 
         return build_cp_scan_kernel(*args)
+    if kind == "cp_correct":
+        from flashqla.ops.gdn.kernels.sm90.cp_correct import build_cp_correct_kernel
+
+        return build_cp_correct_kernel(*args)
+    if kind == "cp_state_grads":
+        from flashqla.ops.gdn.kernels.sm90.cp_correct import build_cp_state_grads_kernel
+
+        return build_cp_state_grads_kernel(*args)
     if kind == "cp_tables":
         from flashqla.cp.tables_kernel import build_segment_tables_kernel
 
@@ -69,7 +79,8 @@ def build_kernels(specs) -> list:
 
     kind is "prepare" (args of `build_prepare_kernel`), "recurrent" (`build_recurrent_kernel`),
     "states_bwd", "chunk_bwd", "dg_cumsum" or "gva_reduce" (the backward's builders), "cp_scan"
-    (`build_cp_scan_kernel`), "cp_tables" (`flashqla.cp.tables_kernel.build_segment_tables_kernel`).
+    (`build_cp_scan_kernel`), "cp_correct", "cp_state_grads" (`cp_correct.py`), "cp_tables"
+    (`flashqla.cp.tables_kernel.build_segment_tables_kernel`).
     Threads overlap the external compiler runs; the first call of the op uses this for its two
     kernels.
     """
@@ -105,8 +116,8 @@ def op_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype:
     `flashqla.chunk_gated_delta_rule` uses for H q/k heads, HV value heads, N sequences (the
     recurrent kernel's value slice width depends on N * HV: `recurrent.pick_block_v`), packed or not,
     q/k/v in `dtype`, beta in `beta_dtype`, cu_seqlens in `seq_dtype`; with the backward's four when
-    `backward`; the context-parallel scan kernels (forward, and reverse with the backward) and, for
-packed input, the segment-table kernel are included since `cp="auto"` may split. Pure Python: needs neither a GPU nor TileLang."""
+    `backward`; the context-parallel kernels (scans, output correction, state gradients and, for packed
+input, the segment tables) are included since `cp="auto"` may split. Pure Python: needs neither a GPU nor TileLang."""
     from flashqla.ops.gdn.kernels.sm90.prepare import DEFAULT_VARIANT
     from flashqla.ops.gdn.kernels.sm90.recurrent import DEFAULT_SCHEDULE, pick_block_v
 
@@ -115,6 +126,7 @@ packed input, the segment-table kernel are included since `cp="auto"` may split.
         ("prepare", (H, HV, K, dtype, beta_dtype, seq_dtype, varlen, DEFAULT_VARIANT)),
         ("recurrent", (H, HV, K, V, BV, dtype, seq_dtype, varlen, DEFAULT_SCHEDULE)),
         ("cp_scan", (HV, K, V, False)),
+        ("cp_correct", (HV, K, V, dtype, seq_dtype if varlen else "int32")),
     ]
     if varlen:
         specs.append(("cp_tables", (seq_dtype,)))
@@ -125,5 +137,6 @@ packed input, the segment-table kernel are included since `cp="auto"` may split.
             ("dg_cumsum", (HV, seq_dtype, varlen)),
             ("gva_reduce", (H, HV, K, dtype)),
             ("cp_scan", (HV, K, V, True)),
+            ("cp_state_grads", (HV, K, V, dtype, seq_dtype if varlen else "int32")),
         ]
     return specs

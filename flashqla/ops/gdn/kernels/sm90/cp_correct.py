@@ -1,0 +1,170 @@
+"""The token-wise products of context parallelism in one launch each (records CP-3 and BWD-dSin).
+
+Exact CP runs every segment from a zero state and repairs it afterwards with the segment's entering
+state S_in [K, V] (`flashqla.cp.driver`):
+
+    forward   o_t += S_in^T U_t      for every token t of a corrected segment (CP-3; U_t [K] the
+                                     transition launch's output row, o_t [V])
+    backward  E = sum_t U_t do_t^T   over the segment's tokens: the gradient reaching S_in through
+                                     the segment's own outputs (BWD-dSin)
+
+In torch these were one GEMM per value head on views (one sequence) or, for packed batches, a gather
+of every corrected token row, a batched GEMM and an index_add (~0.8 ms at 2/8 heads, 28672 + 4096
+tokens). Here one CTA per (segment slot, value head) walks its segment's rows in 64-row tiles: TMA
+loads of U (and o or do), a wgmma with the entering state (bf16 in shared memory, converted once per
+CTA) or into the [K, V] fp32 accumulator. Slots are read from the pseudo offsets of the segment
+tables (a slot's rows are [cu[j], cu[j + 1])) and a per-slot flag (`need_correction`, or an open
+sequence's mask); every size is a run-time value.
+
+`gdn_cp_correct` adds in fp32 and rounds o once (the torch path rounded the product to o's dtype
+before adding). Rows of the last tile past the segment's end are computed but not stored.
+`gdn_cp_state_grads` zeroes U's rows past the end before the product and writes E only on flagged
+slots (the wrapper zero-fills E: TileLang 0.1.15 moved a `T.clear` of the accumulator placed before
+the flag test into the flagged branch of the warp-specialised consumer, so unflagged slots stored an
+uninitialised accumulator; found on the H200 by tests/gpu/cp_scan_check.py). Compile key: HV, K, V, the dtype of U / o / do, the dtype of the offsets.
+"""
+
+import functools
+
+import torch
+
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, tl_dtype
+
+__all__ = ["build_cp_correct_kernel", "build_cp_state_grads_kernel", "cp_correct", "cp_state_grads"]
+
+
+def _correct_prim_func(HV: int, K: int, V: int, dtype: str, seq_dtype: str):
+    import tilelang.language as T
+
+    C = CHUNK
+    Tn = T.dynamic("T")
+    M = T.dynamic("M")
+    Mp1 = T.dynamic("Mp1")
+
+    @T.prim_func
+    def gdn_cp_correct(
+        U: T.Tensor((1, Tn, HV, K), dtype),
+        S: T.Tensor((M, HV, K, V), "float32"),
+        cu: T.Tensor((Mp1,), seq_dtype),
+        flag: T.Tensor((M,), "uint8"),
+        o: T.Tensor((1, Tn, HV, V), dtype),
+    ):
+        with T.Kernel(M * HV, threads=128) as (bx,):
+            slot = bx // HV
+            hv = bx % HV
+            s_s = T.alloc_shared((K, V), dtype)
+            u_s = T.alloc_shared((C, K), dtype)
+            o_s = T.alloc_shared((C, V), dtype)
+            acc = T.alloc_fragment((C, V), "float32")
+            start = T.alloc_var("int32")
+            end = T.alloc_var("int32")
+            start = T.cast(cu[slot], "int32")
+            end = T.cast(cu[slot + 1], "int32")
+            if flag[slot] != 0:
+                for i, j in T.Parallel(K, V):
+                    s_s[i, j] = T.cast(S[slot, hv, i, j], dtype)
+                for it in T.Pipelined(T.ceildiv(end - start, C), num_stages=2):
+                    t0 = start + it * C
+                    T.copy(U[0, t0 : t0 + C, hv, 0:K], u_s)
+                    T.copy(o[0, t0 : t0 + C, hv, 0:V], o_s)
+                    T.gemm(u_s, s_s, acc, clear_accum=True)
+                    for r, j in T.Parallel(C, V):
+                        if t0 + r < end:
+                            o[0, t0 + r, hv, j] = T.cast(acc[r, j] + T.cast(o_s[r, j], "float32"), dtype)
+
+    return gdn_cp_correct
+
+
+def _state_grads_prim_func(HV: int, K: int, V: int, dtype: str, seq_dtype: str):
+    import tilelang.language as T
+
+    C = CHUNK
+    Tn = T.dynamic("T")
+    M = T.dynamic("M")
+    Mp1 = T.dynamic("Mp1")
+
+    @T.prim_func
+    def gdn_cp_state_grads(
+        U: T.Tensor((1, Tn, HV, K), dtype),
+        do: T.Tensor((1, Tn, HV, V), dtype),
+        cu: T.Tensor((Mp1,), seq_dtype),
+        flag: T.Tensor((M,), "uint8"),
+        E: T.Tensor((M, HV, K, V), "float32"),
+    ):
+        with T.Kernel(M * HV, threads=256) as (bx,):
+            slot = bx // HV
+            hv = bx % HV
+            u_s = T.alloc_shared((C, K), dtype)
+            d_s = T.alloc_shared((C, V), dtype)
+            acc = T.alloc_fragment((K, V), "float32")
+            start = T.alloc_var("int32")
+            end = T.alloc_var("int32")
+            start = T.cast(cu[slot], "int32")
+            end = T.cast(cu[slot + 1], "int32")
+            if flag[slot] != 0:
+                T.clear(acc)
+                for it in T.Pipelined(T.ceildiv(end - start, C), num_stages=2):
+                    t0 = start + it * C
+                    T.copy(U[0, t0 : t0 + C, hv, 0:K], u_s)
+                    T.copy(do[0, t0 : t0 + C, hv, 0:V], d_s)
+                    # rows past the segment's end (the next slot's tokens) contribute zero; the
+                    # update reads every element, so the pipeliner waits for the tile's TMA load first
+                    for r, j in T.Parallel(C, K):
+                        u_s[r, j] = T.if_then_else(t0 + r < end, u_s[r, j], T.cast(0, dtype))
+                    T.fence_proxy_async()
+                    T.gemm(u_s, d_s, acc, transpose_A=True)
+                for i, j in T.Parallel(K, V):
+                    E[slot, hv, i, j] = acc[i, j]
+
+    return gdn_cp_state_grads
+
+
+@functools.lru_cache(maxsize=None)
+def build_cp_correct_kernel(HV: int, K: int, V: int, dtype: str, seq_dtype: str):
+    """Compiled output-correction kernel (cached); the arguments are the static key."""
+    return compile_kernel(_correct_prim_func(HV, K, V, dtype, seq_dtype), f"gdn_cp_correct_HV{HV}_K{K}_V{V}_{dtype}_{seq_dtype}")
+
+
+@functools.lru_cache(maxsize=None)
+def build_cp_state_grads_kernel(HV: int, K: int, V: int, dtype: str, seq_dtype: str):
+    """Compiled segment state-gradient kernel (cached); the arguments are the static key."""
+    return compile_kernel(_state_grads_prim_func(HV, K, V, dtype, seq_dtype),
+                          f"gdn_cp_state_grads_HV{HV}_K{K}_V{V}_{dtype}_{seq_dtype}")
+
+
+def cp_correct_kernel_args(U: torch.Tensor, cu: torch.Tensor) -> tuple:
+    """Static key of both kernels for U [1, T, HV, K] (V = K) and pseudo offsets cu."""
+    HV, K = U.shape[2], U.shape[3]
+    return (HV, K, K, tl_dtype(U.dtype), tl_dtype(cu.dtype))
+
+
+def cp_correct(o: torch.Tensor, U: torch.Tensor, S: torch.Tensor, cu: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+    """o[t] += U[t] @ S[slot(t)] in place for the rows of every slot whose flag is set.
+
+    o: [1, T, HV, V] bf16/fp16 contiguous; U: [1, T, HV, K] (o's dtype); S: [M, HV, K, V] fp32
+    entering states; cu: [M + 1] int32/int64 pseudo offsets (`SegmentTables.cu_seqlens`); flag: [M]
+    bool. Returns o."""
+    if U.dtype != o.dtype:
+        raise ValueError(f"U and o must share a dtype, got {U.dtype} and {o.dtype}")
+    M = S.shape[0]
+    if M == 0 or o.shape[1] == 0:
+        return o
+    HV, K, V = U.shape[2], U.shape[3], o.shape[3]
+    kernel = build_cp_correct_kernel(HV, K, V, tl_dtype(o.dtype), tl_dtype(cu.dtype))
+    kernel(U.contiguous(), S.contiguous(), cu, flag.contiguous().view(torch.uint8), o)
+    return o
+
+
+def cp_state_grads(U: torch.Tensor, do: torch.Tensor, cu: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+    """E [M, HV, K, V] fp32: E[j] = sum over slot j's rows of U_t do_t^T where flag[j], else 0.
+
+    U: [1, T, HV, K], do: [1, T, HV, V] (same dtype, bf16/fp16); cu: [M + 1] pseudo offsets; flag: [M]
+    bool."""
+    M = flag.shape[0]
+    HV, K, V = U.shape[2], U.shape[3], do.shape[3]
+    E = torch.zeros(M, HV, K, V, dtype=torch.float32, device=U.device)  # unflagged slots stay zero
+    if M == 0 or U.shape[1] == 0:
+        return E
+    kernel = build_cp_state_grads_kernel(HV, K, V, tl_dtype(U.dtype), tl_dtype(cu.dtype))
+    kernel(U.contiguous(), do.to(U.dtype).contiguous(), cu, flag.contiguous().view(torch.uint8), E)
+    return E
