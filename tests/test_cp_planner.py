@@ -100,7 +100,7 @@ def test_rule_properties(HV, N, T, exact, backward):
     "HV,N,T,fwd_split,bwd_split",
     [
         (8, 1, 32768, True, True),  # 2/8 1x32768
-        (32, 1, 32768, False, True),  # 16/32 1x32768: 32 CTAs; the backward's chunk costs ~5 forward ones
+        (32, 1, 32768, True, True),  # 16/32 1x32768: forward L = 8192 (H200: 1.72 -> 1.43 ms), backward too
         (4, 1, 8192, True, True),  # 2/4 1x8192
         (64, 4, 32768, False, False),  # 16/64 4x8192: 256 CTAs
         (32, 2, 32768, False, True),  # packed: the backward's own costs too (PACKED_BWD_OWN_PLAN)
@@ -121,9 +121,9 @@ def test_backward_rule_examples(HV, N, T, fwd_split, bwd_split):
 def test_unknown_lengths_are_balanced_and_a_hint_counts():
     """Without max_seqlen, N sequences are costed as ceil(T / N) tokens each (the case least
     favourable to splitting); a hint bounds the longest sequence (and only that one)."""
-    assert not plan_cp(16, 2, 32768, exact=True).split  # balanced: 32 CTAs x 256 chunks, not worth it
-    assert plan_cp(16, 2, 32768, exact=True, max_seqlen=28672).split
-    assert plan_cp(16, 2, 32768, exact=True, backward=True, max_seqlen=28672).split
+    assert not plan_cp(16, 4, 32768, exact=True).split  # balanced: 4 x 8192 at 16 heads, 128 CTAs
+    assert plan_cp(16, 4, 32768, exact=True, max_seqlen=28672).split
+    assert plan_cp(16, 4, 32768, exact=True, backward=True, max_seqlen=28672).split
 
 
 def test_rule_overrides():

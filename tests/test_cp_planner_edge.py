@@ -66,9 +66,9 @@ def test_max_seqlen_hint_does_not_inflate_unsplit_cost(HV, N, T, max_seqlen, bac
 
 
 def test_packed_backward_plan():
-    """A packed batch (N > 1) is planned with the backward's own costs (`PACKED_BWD_OWN_PLAN`): 7053 +
-    1139 tokens at 4/8 heads stays unsplit in the forward and splits in the backward (H200: 2.20 ->
-    0.76 ms). force and a fixed segment_len act as for one sequence (the distributed backend passes
+    """A packed batch (N > 1) is planned with the backward's own costs (`PACKED_BWD_OWN_PLAN`): two
+    sequences of 8192 tokens in all at 16 value heads stay unsplit in the forward and split in the
+    backward (H200, the 8/16 7053 + 1139 row: 2.18 -> 1.09 ms). force and a fixed segment_len act as for one sequence (the distributed backend passes
     both); PACKED_BWD_OWN_PLAN = False restores the forward's plan for every packed batch."""
     from flashqla.cp import planner
 
@@ -76,14 +76,14 @@ def test_packed_backward_plan():
     for L in (1024, 2048, 4096):
         b = plan_cp(HV, N, T, 128, 132, exact=True, segment_len=L, force=True, backward=True)
         assert b.split and b.segment_len == L, (L, b)
-    auto_f = plan_cp(8, 2, 8192, 128, 132, exact=True)
-    auto_b = plan_cp(8, 2, 8192, 128, 132, exact=True, backward=True)
+    auto_f = plan_cp(16, 2, 8192, 128, 132, exact=True)
+    auto_b = plan_cp(16, 2, 8192, 128, 132, exact=True, backward=True)
     assert not auto_f.split and auto_b.split and "packed" not in auto_b.reason, (auto_f, auto_b)
     old = planner.PACKED_BWD_OWN_PLAN
     try:
         planner.PACKED_BWD_OWN_PLAN = False
         planner.clear_plan_cache()
-        b = plan_cp(8, 2, 8192, 128, 132, exact=True, backward=True)
+        b = plan_cp(16, 2, 8192, 128, 132, exact=True, backward=True)
         assert (b.split, b.segment_len) == (auto_f.split, auto_f.segment_len) and "packed" in b.reason, b
         f = plan_cp(HV, N, T, 128, 132, exact=True, force=True)
         b = plan_cp(HV, N, T, 128, 132, exact=True, force=True, backward=True)

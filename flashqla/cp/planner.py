@@ -30,8 +30,8 @@ for the launches `flashqla.cp.driver` makes:
     run(L)       t(BV) * ceil(NV HV m / slots) * ceil(min(L, l_max) / 64), m = number of segments
     exact        PASSES_EXACT * run(L)                          run + transition launches
                  + SCAN_STEP_COST * (ceil(l_max / L) - 1)        sequential combine products
-                 + CORRECTION_COST * HV * (tokens past first segments)   the correction GEMMs
-                 + LAUNCH_COST * (EXTRA_LAUNCHES + HV)           small launches, one GEMM per head
+                 + CORRECTION_COST * HV * (tokens past first segments)   the correction (one launch)
+                 + LAUNCH_COST * EXTRA_LAUNCHES                  small launches
     gated        PASSES_GATED * run(L) + t(BV) ceil(NV HV m' / slots) * gate_chunks   (m' non-first
                  segments, the compact transition launch) + CORRECTION_COST * HV * m' * 64 gate_chunks
                  + LAUNCH_COST * EXTRA_LAUNCHES_GATED (gate_chunks defaults to DEFAULT_GATE_CHUNKS)
@@ -41,7 +41,13 @@ CUDA graphs): prepare 0.115 ms, one recurrent launch over the 16 segments 0.111 
 chunk units, ~3.5 us each), the combine scan 0.157 ms (15 fp32 [8, 128, 128] x [8, 128, 128]
 products, hence SCAN_STEP_COST = 3), the correction 0.080-0.089 ms (8 per-head GEMMs; predicted
 19 + 8 units); whole exact CP call 0.68-0.72 ms against 1.58 ms unsplit (predicted 3.4x, measured
-2.2-2.3x: the rest is small torch launches the model counts only as EXTRA_LAUNCHES).
+2.2-2.3x: the rest is small torch launches the model counts only as EXTRA_LAUNCHES). Since then the
+segment tables, both scans, the correction and the backward's E are one launch each
+(`flashqla.cp.tables_kernel`, `kernels/sm90/cp_scan.py`, `kernels/sm90/cp_correct.py`): the scan
+takes 4.4 us a step at 8 value heads and 11 us at 32 (SCAN_STEP_COST 1.5 for the forward), the
+per-head correction launches are gone, and the whole call is 0.457 ms at 2/8 x 32768
+(tests/gpu/cp_fwd_plan_check.py: these costs split 12 more benchmark rows, each measured faster
+split, 1.05-1.83x).
 The planner evaluates both BV choices (only those dividing V), no split, and every segment length
 L = SEGMENT_QUANTUM * j (512 tokens = 8 chunks, as FlashInfer's exact CP; always a multiple of the
 64-token chunk) with L < l_max, and splits when the best split is predicted at least MIN_GAIN = 1.2x
@@ -155,6 +161,7 @@ __all__ = [
     "PASSES_EXACT",
     "PASSES_GATED",
     "SCAN_STEP_COST",
+    "BWD_SCAN_STEP_COST",
     "CORRECTION_COST",
     "LAUNCH_COST",
     "EXTRA_LAUNCHES",
@@ -194,9 +201,12 @@ CTAS_PER_SM = {128: 1, 64: 1}
 PASSES_EXACT = 2.0
 #: Same in gate-driven mode: the run (the transition launch covers gate_chunks chunks only).
 PASSES_GATED = 1.0
-#: Cost of one combine-scan step (one fp32 [HV, K, K] x [HV, K, V] product and its launch), chunk units.
-#: Measured on the H200 at 2/8 heads, 1 x 32768 (CUDA graphs): 15 steps 0.157 ms, ~3 chunk steps each.
-SCAN_STEP_COST = 3.0
+#: Cost of one combine-scan step (the one-launch scan kernel, `kernels/sm90/cp_scan.py`), chunk units.
+#: Measured on the H200 (CUDA graphs): 4.4 us a step at 8 value heads, 11 us at 32 (~1.3-3.3 units).
+SCAN_STEP_COST = 1.5
+#: The same in the backward's costs: the value its plans were measured with on the backward grid
+#: (the torch scan's cost; 1.5 would change two of its 32 rows, 2/4 x 8192 and 2/4 x 32768, unmeasured).
+BWD_SCAN_STEP_COST = 3.0
 #: Cost of the output correction per corrected token and value head, chunk units (bf16 o, U, o).
 CORRECTION_COST = 8e-5
 #: Cost of one extra launch in chunk units, and the extra small launches of a CP forward.
@@ -296,11 +306,12 @@ def _split_time(BV, HV, V, T, N, L, l_avg, l_max, balanced, sms, exact, gate_chu
         # forward run and transition recomputed, combine scan and reverse scan, then the unsplit
         # backward over the segments: states pass (like a run) and the fused chunk backward
         bwd = BWD_CHUNK_COST * _cdiv(HV * segs, sms) * chunks
+        scan = BWD_SCAN_STEP_COST * max(_cdiv(l_max, L) - 1, 0)
         return (2 * run + transition + 2 * scan + bwd + LAUNCH_COST * (2 * EXTRA_LAUNCHES + HV))
     if exact:
         corrected = max(T - _first_tokens(T, N, L, l_avg, l_max, balanced), 0)
         return (run + (PASSES_EXACT - 1) * transition + scan
-                + CORRECTION_COST * HV * corrected + LAUNCH_COST * (EXTRA_LAUNCHES + HV))
+                + CORRECTION_COST * HV * corrected + LAUNCH_COST * EXTRA_LAUNCHES)
     m = DEFAULT_GATE_CHUNKS if gate_chunks is None else gate_chunks
     compact = CHUNK_COST[BV] * _cdiv(NV * HV * later, slots) * min(m, _cdiv(min(L, l_max), CHUNK)) if later else 0.0
     return (PASSES_GATED * run + compact + CORRECTION_COST * HV * later * CHUNK * m
