@@ -672,6 +672,11 @@ def _state_grads_from_outputs(U, do, tab: SegmentTables, total: int, L: int, one
     Uf, Df = U.reshape(total, HV, K), do.reshape(total, HV, V)
     nseg = -(-total // L)
     if one_sequence:
+        # rows past the sequence's end (a packed tail: cu[1] < total) are not written by the
+        # transition launch; they must not enter E
+        end = tab.cu_seqlens[-1:].to(torch.int64)
+        Df = torch.where((torch.arange(total, device=Df.device) < end)[:, None, None], Df, Df.new_zeros(()))
+        Uf = torch.where((torch.arange(total, device=Uf.device) < end)[:, None, None], Uf, Uf.new_zeros(()))
         nfull = total // L
         if nfull > first:
             Ub, Db = Uf[: nfull * L].view(nfull, L, HV, K), Df[: nfull * L].view(nfull, L, HV, V)

@@ -557,6 +557,45 @@ class SegmentTables:
         return _cdiv(T, self.segment_len)
 
 
+_INT64_MAX = 2**63 - 1
+
+
+def _whole_number(value, name: str) -> int:
+    """value as a Python int: an integer, or a float with an integral finite value; ValueError naming
+    `name` otherwise (bools, NaN, inf, fractions, strings)."""
+    import math
+    import operator
+
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    try:
+        out = operator.index(value)
+    except TypeError:
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            out = int(value)
+        else:
+            raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    return out
+
+
+def check_segment_args(segment_len, T) -> tuple[int, int]:
+    """(L, T) as ints after the checks `build_segment_tables` and the one-launch tables share:
+    segment_len a positive multiple of 64 within int64, T a token count >= 0 (required)."""
+    L = _whole_number(segment_len, "segment_len")
+    if L <= 0 or L % CHUNK:
+        raise ValueError(f"segment_len must be a positive multiple of {CHUNK}, got {segment_len!r}")
+    if L > _INT64_MAX:
+        raise ValueError(f"segment_len must fit in int64, got {segment_len!r}")
+    if T is None:
+        raise ValueError("T (tokens per row, from the inputs' shape) is required")
+    T = _whole_number(T, "T")
+    if T < 0:
+        raise ValueError(f"T must be >= 0 tokens, got {T}")
+    if T > _INT64_MAX:
+        raise ValueError(f"T must fit in int64, got {T}")
+    return L, T
+
+
 def build_segment_tables(cu_seqlens, segment_len: int, *, T: int | None = None, B: int = 1, device=None) -> SegmentTables:
     """Segment tables for segments of `segment_len` tokens, by torch ops only (no host sync).
 
@@ -567,13 +606,10 @@ def build_segment_tables(cu_seqlens, segment_len: int, *, T: int | None = None, 
         T: tokens per row, from the inputs' shape [B, T, ...] (required: with cu_seqlens the slot
             count floor(T / L) + N bounds the segments because cu[N] <= T).
         B: batch rows when cu_seqlens is None.
-    Returns `SegmentTables`. Raises ValueError for a bad segment_len or a missing T.
+    Returns `SegmentTables`. Raises ValueError naming the argument for a segment_len that is not a
+    positive multiple of 64 within int64, or a T that is missing, negative or not a whole number.
     """
-    if segment_len <= 0 or segment_len % CHUNK:
-        raise ValueError(f"segment_len must be a positive multiple of {CHUNK}, got {segment_len}")
-    if T is None:
-        raise ValueError("T (tokens per row, from the inputs' shape) is required")
-    L = int(segment_len)
+    L, T = check_segment_args(segment_len, T)
     if cu_seqlens is None:
         dev = torch.device("cpu") if device is None else torch.device(device)
         cu = torch.arange(B + 1, dtype=torch.int64, device=dev) * T
@@ -586,7 +622,8 @@ def build_segment_tables(cu_seqlens, segment_len: int, *, T: int | None = None, 
     i64 = dict(dtype=torch.int64, device=dev)
     lo, hi = cu[:-1], cu[1:]
     base = torch.div(lo, L, rounding_mode="floor") + torch.arange(N, **i64)  # strictly increasing
-    nseg = torch.div(hi - lo + (L - 1), L, rounding_mode="floor").clamp(min=0)
+    # ceil((hi - lo) / L) without forming hi - lo + L - 1 (L may be close to 2^63)
+    nseg = torch.where(hi > lo, torch.div(hi - lo - 1, L, rounding_mode="floor") + 1, torch.zeros_like(lo))
     slot = torch.arange(M, **i64)
     if N > 0:  # a shape, not a value
         n = (torch.searchsorted(base.contiguous(), slot, right=True) - 1).clamp(min=0)
@@ -598,8 +635,10 @@ def build_segment_tables(cu_seqlens, segment_len: int, *, T: int | None = None, 
     nseg_n = nseg[n] if N > 0 else n
     j = slot - base_n
     valid = (j >= 0) & (j < nseg_n)
-    start = torch.minimum(lo_n + j * L, hi_n)
-    end = torch.minimum(start + L, hi_n)
+    # min(lo + j L, hi) without forming lo + j L past the sequence (L may be close to 2^63): j >= nseg
+    # means j L >= hi - lo
+    start = torch.where(j < nseg_n, lo_n + j * L, hi_n)
+    end = torch.where(hi_n - start > L, start + L, hi_n)
     first = valid & (j == 0)
     last = valid & (j == nseg_n - 1)
     neg = torch.full_like(slot, -1)

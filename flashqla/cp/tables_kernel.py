@@ -33,7 +33,7 @@ import functools
 
 import torch
 
-from flashqla.cp.planner import CHUNK, SegmentTables, build_segment_tables, num_segment_slots
+from flashqla.cp.planner import SegmentTables, build_segment_tables, check_segment_args, num_segment_slots
 
 __all__ = [
     "THREADS",
@@ -238,16 +238,10 @@ def segment_tables_device(cu_seqlens: torch.Tensor, segment_len: int, T: int | N
     Raises ValueError for a segment_len that is not a positive multiple of 64, a missing or negative
     T, or cu_seqlens that is not a 1-D tensor with at least one entry.
     """
-    if isinstance(segment_len, bool) or int(segment_len) != segment_len or segment_len <= 0 or segment_len % CHUNK:
-        raise ValueError(f"segment_len must be a positive multiple of {CHUNK}, got {segment_len}")
-    if T is None:
-        raise ValueError("T (tokens per row, from the inputs' shape) is required")
-    if int(T) < 0:
-        raise ValueError(f"T must be >= 0 tokens, got {T}")
+    L, T = check_segment_args(segment_len, T)
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
         raise ValueError("cu_seqlens must be a 1-D tensor of N + 1 >= 1 offsets "
                          "(the fixed-length tables come from build_segment_tables(None, ...))")
-    L, T = int(segment_len), int(T)
     N = cu_seqlens.shape[0] - 1
     M = num_segment_slots(T, N, L)
     if N == 0 or L > _INT32_MAX or M + 1 > _INT32_MAX or not kernel_supported(cu_seqlens):

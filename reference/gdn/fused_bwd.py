@@ -321,6 +321,10 @@ def fused_gated_delta_rule_bwd(
                 acc[n] = torch.zeros(lay.NC, *out[n].shape[1:], dtype=cdt, device=q.device)
             acc[n][ids] = out[n]
         Dn[sq] = out["dh_prev"]
+    if lay.NC == 0:  # no chunk at all (every sequence empty, or T == 0): zero token gradients
+        shapes = {"dq": (HV, chunk_size, K), "dk": (HV, chunk_size, K), "dv": (HV, chunk_size, V),
+                  "dbeta": (HV, chunk_size), "dG": (HV, chunk_size)}
+        acc = {n: torch.zeros(0, *shapes[n], dtype=cdt, device=q.device) for n in names}
     dg = reverse_chunk_cumsum(acc["dG"])
 
     def gva(x):  # [B, T, HV, K] -> [B, T, H, K]
