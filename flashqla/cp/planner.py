@@ -56,7 +56,8 @@ longest L wins: fewer waves, fewer scan steps, less overhead the model leaves ou
 lands where the segment CTAs fill one or a few whole waves: shorter segments do not shorten the
 critical path below total work / slots and add scan steps; longer ones leave SMs idle.
 Examples at 132 SMs (exact mode / gate-driven with 4 chunks): 2/8 1x32768 -> split, L = 2048,
-BV = 128, 16 segments x 8 heads = 128 CTAs (one wave), predicted 3.4x / 8x; 32/32 1x4096 -> no
+BV = 128, 16 segments x 8 heads = 128 CTAs (one wave), predicted 3.65x / 8x (measured 3.4x: 1.57 ->
+0.46 ms); 16/32 1x32768 -> split, L = 8192 (predicted 1.24x, measured 1.20x); 32/32 1x4096 -> no
 split; 16/64 4x8192 (256 CTAs unsplit) -> no split. `disable=True` never splits; `force=True`
 always splits (the best split, or `segment_len`); `segment_len` fixes L (a multiple of 64);
 `exact=True` costs exact mode, `exact=False` the gate-driven mode with `gate_chunks` chunks. The
