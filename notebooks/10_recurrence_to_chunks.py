@@ -41,7 +41,8 @@ from reference.gdn import twins
 
 SIZE = os.environ.get("FLASHQLA_NB_SIZE", "small")
 K = V = 16 if SIZE == "small" else 128
-FIG = pathlib.Path("figures")
+# figures go to notebooks/figures; FLASHQLA_NB_FIGURES sends them elsewhere (the test run does)
+FIG = pathlib.Path(os.environ.get("FLASHQLA_NB_FIGURES") or "figures")
 FIG.mkdir(exist_ok=True)
 CF = [r.id for r in derivations.registry() if r.id.startswith("CF-")]
 print(f"size: {SIZE}, K = V = {K}; records: {', '.join(CF)}")

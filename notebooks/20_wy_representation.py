@@ -42,7 +42,8 @@ SIZE = os.environ.get("FLASHQLA_NB_SIZE", "small")
 if SIZE == "small":
     torch.set_num_threads(1)  # tiny tensors on a shared CPU: threads cost more than they give
 K = V = 16 if SIZE == "small" else 128
-FIG = pathlib.Path("figures")
+# figures go to notebooks/figures; FLASHQLA_NB_FIGURES sends them elsewhere (the test run does)
+FIG = pathlib.Path(os.environ.get("FLASHQLA_NB_FIGURES") or "figures")
 FIG.mkdir(exist_ok=True)
 WY = [r.id for r in derivations.registry() if r.id.startswith("WY-")]
 print(f"size: {SIZE}, K = V = {K}; records: {', '.join(WY)}")

@@ -44,7 +44,8 @@ if SIZE == "small":
     torch.set_num_threads(1)  # tiny tensors on a shared CPU: threads cost more than they give
 K = V = 16 if SIZE == "small" else 128
 T = 200 if SIZE == "small" else 600
-FIG = pathlib.Path("figures")
+# figures go to notebooks/figures; FLASHQLA_NB_FIGURES sends them elsewhere (the test run does)
+FIG = pathlib.Path(os.environ.get("FLASHQLA_NB_FIGURES") or "figures")
 FIG.mkdir(exist_ok=True)
 BWD = [r.id for r in derivations.registry() if r.id.startswith("BWD-")]
 print(f"size: {SIZE}, K = V = {K}, T = {T}; records: {', '.join(BWD)}")

@@ -41,7 +41,8 @@ from flashqla.testing import BUDGETS, make_gdn_inputs, rel_rms
 from reference.gdn import chunk
 
 SIZE = os.environ.get("FLASHQLA_NB_SIZE", "small")
-FIG = pathlib.Path("figures")
+# figures go to notebooks/figures; FLASHQLA_NB_FIGURES sends them elsewhere (the test run does)
+FIG = pathlib.Path(os.environ.get("FLASHQLA_NB_FIGURES") or "figures")
 FIG.mkdir(exist_ok=True)
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 SKIP = None

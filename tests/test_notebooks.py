@@ -22,11 +22,13 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
     nbclient = pytest.importorskip("nbclient")
     monkeypatch.setenv("FLASHQLA_NB_SIZE", os.environ.get("FLASHQLA_NB_SIZE", "small"))
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    monkeypatch.setenv("FLASHQLA_NB_FIGURES", str(tmp_path))  # never rewrite the committed benchmark figures
+    monkeypatch.setenv("FLASHQLA_NB_FIGURES", str(tmp_path))  # never rewrite the committed figures
     nb = jupytext.read(path)
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "notebooks")}})
     client.execute()
+    if "\nfig.savefig(" in path.read_text():  # unconditional figures went to FLASHQLA_NB_FIGURES
+        assert any(tmp_path.glob("*.png")), f"{path.name} wrote no figure under FLASHQLA_NB_FIGURES"
 
 
 def test_there_are_notebooks():
