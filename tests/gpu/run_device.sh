@@ -4,7 +4,7 @@
 # summary, not the whole tier's. Logs go to LOG_DIR (default .); prints a short summary last.
 #
 # usage (from the repo root): bash tests/gpu/run_device.sh [LOG_DIR] [FILE ...]
-#   FILE: test files under tests/gpu (default: fwd, bwd, autograd, cp, qwen3_next)
+#   FILE: test files under tests/gpu (default: fwd, bwd, autograd, cp, cp_kernels, qwen3_next)
 #   PRECOMPILE=0 skips the precompile step; BOX=<seconds> sets each file's time box (default 150).
 #   SANITIZE=1 adds a last stage: tests/gpu/sanitize.py (forward + backward on tiny edge shapes against
 #   fp64) once plainly, which builds its kernels, then under compute-sanitizer's memcheck (every case)
@@ -20,7 +20,7 @@
 OUT=${1:-.}
 shift || true
 FILES=("$@")
-[ ${#FILES[@]} -eq 0 ] && FILES=(test_fwd_gpu.py test_bwd_gpu.py test_autograd_gpu.py test_cp_gpu.py test_qwen3_next_gpu.py)
+[ ${#FILES[@]} -eq 0 ] && FILES=(test_fwd_gpu.py test_bwd_gpu.py test_autograd_gpu.py test_cp_gpu.py test_cp_kernels_gpu.py test_qwen3_next_gpu.py)
 if [ "${SANITIZE:-0}" = only ]; then FILES=(); PRECOMPILE=0; fi
 filter() { grep -v "TileLang:"; }
 
