@@ -407,26 +407,31 @@ def test_plan_invariants_random_sweep(fresh_plans):
             assert p.split, what
 
 
+def _cd(a, b):
+    return -(-a // b)
+
+
+def _run_and_transition(HV, T, V, sms, L, BV):
+    """The docstring's run and transition launches for one sequence of T tokens at a fixed L:
+    (run, transition, segments, chunks per segment)."""
+    NV, slots, segs = V // BV, sms * planner.CTAS_PER_SM[BV], _cd(T, L)
+    chunks = _cd(min(L, T), CHUNK)
+    run = planner.CHUNK_COST[BV] * _cd(NV * HV * segs, slots) * chunks
+    later = segs - 1
+    trans = planner.CHUNK_COST[BV] * _cd(NV * HV * later, slots) * chunks if later else 0.0
+    return run, trans, segs, chunks
+
+
 def _fwd_exact_split(HV, T, V, sms, L, BV):
     """The docstring's exact-mode cost for one sequence of T tokens at a fixed L."""
-    cd = lambda a, b: -(-a // b)  # noqa: E731
-    NV, slots, segs = V // BV, sms * planner.CTAS_PER_SM[BV], cd(T, L)
-    chunks = cd(min(L, T), CHUNK)
-    run = planner.CHUNK_COST[BV] * cd(NV * HV * segs, slots) * chunks
-    later = segs - 1
-    trans = planner.CHUNK_COST[BV] * cd(NV * HV * later, slots) * chunks if later else 0.0
+    run, trans, segs, _ = _run_and_transition(HV, T, V, sms, L, BV)
     return (run + (planner.PASSES_EXACT - 1) * trans + planner.SCAN_STEP_COST * (segs - 1)
             + planner.CORRECTION_COST * HV * (T - min(L, T)) + planner.LAUNCH_COST * planner.EXTRA_LAUNCHES)
 
 
 def _bwd_split(HV, T, V, sms, L, BV):
-    cd = lambda a, b: -(-a // b)  # noqa: E731
-    NV, slots, segs = V // BV, sms * planner.CTAS_PER_SM[BV], cd(T, L)
-    chunks = cd(min(L, T), CHUNK)
-    run = planner.CHUNK_COST[BV] * cd(NV * HV * segs, slots) * chunks
-    later = segs - 1
-    trans = planner.CHUNK_COST[BV] * cd(NV * HV * later, slots) * chunks if later else 0.0
-    bwd = planner.BWD_CHUNK_COST * cd(HV * segs, sms) * chunks
+    run, trans, segs, chunks = _run_and_transition(HV, T, V, sms, L, BV)
+    bwd = planner.BWD_CHUNK_COST * _cd(HV * segs, sms) * chunks
     return (2 * run + trans + 2 * planner.BWD_SCAN_STEP_COST * (segs - 1) + bwd
             + planner.LAUNCH_COST * (2 * planner.EXTRA_LAUNCHES + HV))
 

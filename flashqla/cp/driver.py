@@ -279,21 +279,15 @@ def _token_rows(tab: SegmentTables, sel: torch.Tensor, width: int):
     return tok, valid
 
 
-def _token_kernels_apply(o: torch.Tensor, U: torch.Tensor) -> bool:
-    """The one-launch correction / state-gradient kernels (`kernels/sm90/cp_correct.py`) apply: U in
-    bf16 or fp16 (o is U's dtype in the forward; do any float dtype, cast to U's), rows of width
-    K = V = 128, an sm_90 device (FLASHQLA_CP_SCAN=torch turns them off with the scans, for
-    comparisons)."""
-    import os
+def _token_kernels_apply(rows: torch.Tensor, U: torch.Tensor) -> bool:
+    """The one-launch correction / segment-gradient kernels (`kernels/sm90/cp_correct.py`) apply: U in
+    bf16 or fp16 (`rows`, the forward's o or the backward's do, is cast to U's dtype), rows of width
+    K = V = 128, an sm_90 device, the kernels not turned off (`flashqla.cp.merge.cp_kernels_enabled`)."""
+    from flashqla.cp.merge import cp_kernels_enabled
+    from flashqla.ops.gdn.kernels.sm90._common import on_sm90
 
-    from flashqla.cp.merge import SCAN_ENV, _is_sm90
-
-    if os.environ.get(SCAN_ENV, "kernel") == "torch":
-        return False
-    if not (o.is_cuda and U.is_cuda and U.dtype in (torch.bfloat16, torch.float16) and o.dtype.is_floating_point
-            and U.shape[-1] == 128 and o.shape[-1] == 128):
-        return False
-    return _is_sm90(o.device.index if o.device.index is not None else torch.cuda.current_device())
+    return (cp_kernels_enabled() and U.dtype in (torch.bfloat16, torch.float16) and rows.dtype.is_floating_point
+            and U.shape[-1] == 128 and rows.shape[-1] == 128 and on_sm90(U) and on_sm90(rows))
 
 
 def _correct_one_sequence(o, U, S_c, total: int, L: int, first: int = 1) -> None:

@@ -27,8 +27,6 @@ Two launch schemes fit the tables:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from flashqla.cp.planner import SegmentTables
@@ -40,19 +38,20 @@ SCAN_ENV = "FLASHQLA_CP_SCAN"
 
 def _use_kernel(P: torch.Tensor, Q: torch.Tensor) -> bool:
     """The one-launch scan kernel applies: fp32 on an sm_90 device, K a multiple of 8 and V of 16."""
+    from flashqla.ops.gdn.kernels.sm90._common import on_sm90
+
+    K, V = Q.shape[2], Q.shape[3]
+    return (cp_kernels_enabled() and P.dtype == torch.float32 and Q.dtype == torch.float32 and K % 8 == 0
+            and V % 16 == 0 and on_sm90(P) and on_sm90(Q))
+
+
+def cp_kernels_enabled() -> bool:
+    """False when $FLASHQLA_CP_SCAN is "torch": the split path then runs its scans, output
+    correction and segment gradients as torch ops (for comparisons), else the one-launch kernels
+    where they apply."""
     import os
 
-    if os.environ.get(SCAN_ENV, "kernel") == "torch":
-        return False
-    K, V = Q.shape[2], Q.shape[3]
-    if not (P.is_cuda and Q.is_cuda and P.dtype == torch.float32 and Q.dtype == torch.float32 and K % 8 == 0 and V % 16 == 0):
-        return False
-    return _is_sm90(Q.device.index if Q.device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _is_sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
+    return os.environ.get(SCAN_ENV, "kernel") != "torch"
 
 __all__ = ["scan_segment_states", "scan_segment_grads", "scan_open_states"]
 

@@ -302,16 +302,16 @@ def _split_time(BV, HV, V, T, N, L, l_avg, l_max, balanced, sms, exact, gate_chu
     later = max(segs - N, 0)  # non-first segments
     # the transition launch: only non-first segments do work (the others exit at once)
     transition = CHUNK_COST[BV] * _cdiv(NV * HV * later, slots) * chunks if later else 0.0
-    scan = SCAN_STEP_COST * max(_cdiv(l_max, L) - 1, 0)
+    scan_steps = max(_cdiv(l_max, L) - 1, 0)  # sequential combine steps of the longest sequence
     if backward:
         # forward run and transition recomputed, combine scan and reverse scan, then the unsplit
         # backward over the segments: states pass (like a run) and the fused chunk backward
         bwd = BWD_CHUNK_COST * _cdiv(HV * segs, sms) * chunks
-        scan = BWD_SCAN_STEP_COST * max(_cdiv(l_max, L) - 1, 0)
-        return (2 * run + transition + 2 * scan + bwd + LAUNCH_COST * (2 * EXTRA_LAUNCHES + HV))
+        return (2 * run + transition + 2 * BWD_SCAN_STEP_COST * scan_steps + bwd
+                + LAUNCH_COST * (2 * EXTRA_LAUNCHES + HV))
     if exact:
         corrected = max(T - _first_tokens(T, N, L, l_avg, l_max, balanced), 0)
-        return (run + (PASSES_EXACT - 1) * transition + scan
+        return (run + (PASSES_EXACT - 1) * transition + SCAN_STEP_COST * scan_steps
                 + CORRECTION_COST * HV * corrected + LAUNCH_COST * EXTRA_LAUNCHES)
     m = DEFAULT_GATE_CHUNKS if gate_chunks is None else gate_chunks
     compact = CHUNK_COST[BV] * _cdiv(NV * HV * later, slots) * min(m, _cdiv(min(L, l_max), CHUNK)) if later else 0.0

@@ -163,18 +163,12 @@ def build_segment_tables_kernel(seq_dtype: str):
     return compile_kernel(_tables_prim_func(seq_dtype), f"cp_segment_tables_{seq_dtype}")
 
 
-@functools.cache
-def _is_sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
-
-
 def kernel_supported(cu_seqlens: torch.Tensor) -> bool:
     """Whether `segment_tables_device` launches the kernel for these offsets: int32/int64 on a CUDA
     device of compute capability 9.0 (the kernel is built for sm_90a). Reads no device value."""
-    dev = cu_seqlens.device
-    if dev.type != "cuda" or cu_seqlens.dtype not in _SEQ_DTYPES:
-        return False
-    return _is_sm90(dev.index if dev.index is not None else torch.cuda.current_device())
+    from flashqla.ops.gdn.kernels.sm90._common import on_sm90
+
+    return cu_seqlens.dtype in _SEQ_DTYPES and on_sm90(cu_seqlens)
 
 
 def _round_up(x: int, m: int) -> int:

@@ -186,29 +186,10 @@ def check_graphs(counter, args, dev):
 
 
 def time_graph_us(fn, reps, iters=20):
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0 / iters)
-    times.sort()
-    return times[len(times) // 2]
+    """CUDA-graph median per call, in us (`device_check.time_graph`)."""
+    from tests.gpu.device_check import time_graph
+
+    return time_graph(fn, reps=reps, iters=iters) * 1e3
 
 
 def time_eager_us(fn, reps, iters=20):

@@ -23,6 +23,7 @@ last valid value), so the recurrent kernel can load whole 64-row tiles with TMA 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -144,6 +145,32 @@ def ptxas_report(kernel) -> dict:
         "static_smem": num(r"(\d+) bytes smem"),
         "dynamic_smem": dyn,
     }
+
+
+_placeholders: dict = {}
+
+
+def placeholder(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A cached tensor for a kernel argument the launch never reads or writes (an absent initial
+    state, final state or cu_seqlens): one allocation per (shape, dtype, device)."""
+    key = (tuple(shape), dtype, str(device))
+    if key not in _placeholders:
+        _placeholders[key] = torch.empty(shape, dtype=dtype, device=device)
+    return _placeholders[key]
+
+
+@functools.cache
+def _capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
+def on_sm90(t: torch.Tensor) -> bool:
+    """Whether tensor `t` lives on a CUDA device of compute capability 9.0, the target these kernels
+    are built for (the capability is read once per device)."""
+    if t.device.type != "cuda":
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return _capability(index) == (9, 0)
 
 
 def tl_dtype(dtype: torch.dtype) -> str:

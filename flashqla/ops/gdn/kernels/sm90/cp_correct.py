@@ -132,12 +132,6 @@ def build_cp_state_grads_kernel(HV: int, K: int, V: int, dtype: str, seq_dtype: 
                           f"gdn_cp_state_grads_HV{HV}_K{K}_V{V}_{dtype}_{seq_dtype}")
 
 
-def cp_correct_kernel_args(U: torch.Tensor, cu: torch.Tensor) -> tuple:
-    """Static key of both kernels for U [1, T, HV, K] (V = K) and pseudo offsets cu."""
-    HV, K = U.shape[2], U.shape[3]
-    return (HV, K, K, tl_dtype(U.dtype), tl_dtype(cu.dtype))
-
-
 def cp_correct(o: torch.Tensor, U: torch.Tensor, S: torch.Tensor, cu: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
     """o[t] += U[t] @ S[slot(t)] in place for the rows of every slot whose flag is set.
 

@@ -29,9 +29,9 @@ import functools
 
 import torch
 
-from flashqla.ops.gdn.kernels.sm90._common import compile_kernel
+from flashqla.ops.gdn.kernels.sm90._common import compile_kernel, placeholder
 
-__all__ = ["build_cp_scan_kernel", "cp_scan", "scan_slice_width", "cp_scan_kernel_args"]
+__all__ = ["build_cp_scan_kernel", "cp_scan", "scan_slice_width"]
 
 THREADS = 128
 
@@ -122,21 +122,6 @@ def build_cp_scan_kernel(HV: int, K: int, V: int, reverse: bool):
     return compile_kernel(func, f"gdn_cp_scan_HV{HV}_K{K}_V{V}_{'rev' if reverse else 'fwd'}")
 
 
-def cp_scan_kernel_args(HV: int, K: int, V: int, reverse: bool) -> tuple:
-    """The static key (`build_cp_scan_kernel` arguments)."""
-    return (HV, K, V, bool(reverse))
-
-
-_dummies: dict = {}
-
-
-def _dummy(shape, device):
-    key = (tuple(shape), str(device))
-    if key not in _dummies:
-        _dummies[key] = torch.zeros(shape, dtype=torch.float32, device=device)
-    return _dummies[key]
-
-
 def cp_scan(P: torch.Tensor, Q: torch.Tensor, seq_first: torch.Tensor, seq_num: torch.Tensor, init=None, *,
             reverse: bool = False, skip_first: bool = False, want_final: bool = True):
     """Launches the scan.
@@ -156,11 +141,13 @@ def cp_scan(P: torch.Tensor, Q: torch.Tensor, seq_first: torch.Tensor, seq_num: 
     starts = torch.zeros_like(Q)
     final = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if (want_final and not reverse) else None
     if M == 0 or N == 0:
-        if final is not None:
-            final.copy_(init) if init is not None else final.zero_()
+        if final is not None and init is not None:
+            final.copy_(init)
+        elif final is not None:
+            final.zero_()
         return starts, final
-    kernel = build_cp_scan_kernel(*cp_scan_kernel_args(HV, K, V, reverse))
-    h0 = init.contiguous() if init is not None else _dummy((1, HV, K, V), dev)
+    kernel = build_cp_scan_kernel(HV, K, V, bool(reverse))
+    h0 = init.contiguous() if init is not None else placeholder((1, HV, K, V), torch.float32, dev)
     fin = final if final is not None else torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)  # not written
     kernel(P.contiguous(), Q.contiguous(), h0, seq_first.contiguous(), seq_num.contiguous(), int(init is not None),
            int(skip_first), starts, fin)

@@ -48,7 +48,7 @@ import os
 
 import torch
 
-from flashqla.ops.gdn.kernels.sm90._common import CHUNK, RCP_LN2, compile_kernel, locate_slot, num_slots, tl_dtype
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, RCP_LN2, compile_kernel, locate_slot, num_slots, placeholder, tl_dtype
 
 __all__ = ["DEFAULT_VARIANT", "VARIANTS", "build_prepare_kernel", "chunk_prepare_fwd", "prepare_kernel_args"]
 
@@ -208,15 +208,9 @@ def prepare_kernel_args(k, beta, cu_seqlens, HV: int, variant: str | None = None
     return (H, HV, K, tl_dtype(k.dtype), tl_dtype(beta.dtype), seq_dtype, cu_seqlens is not None, variant or DEFAULT_VARIANT)
 
 
-_dummy_cache: dict = {}
-
-
 def dummy_cu_seqlens(device) -> torch.Tensor:
     """A 1-element int32 placeholder for the cu_seqlens argument of fixed-length launches."""
-    key = ("cu", str(device))
-    if key not in _dummy_cache:
-        _dummy_cache[key] = torch.empty(1, dtype=torch.int32, device=device)  # never read
-    return _dummy_cache[key]
+    return placeholder((1,), torch.int32, device)
 
 
 def chunk_prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens, HV: int, A=None, g_cum_log2=None,

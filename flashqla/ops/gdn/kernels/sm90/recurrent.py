@@ -42,7 +42,7 @@ import os
 
 import torch
 
-from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slots, sequence_span, tl_dtype
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slots, placeholder, sequence_span, tl_dtype
 
 __all__ = ["DEFAULT_SCHEDULE", "SCHEDULES", "build_recurrent_kernel", "chunk_recurrent_fwd", "pick_block_v", "recurrent_kernel_args"]
 
@@ -305,16 +305,6 @@ def recurrent_kernel_args(q, v, cu_seqlens, block_v=None, schedule=None) -> tupl
     return (H, HV, K, V, BV, tl_dtype(q.dtype), seq_dtype, cu_seqlens is not None, schedule or DEFAULT_SCHEDULE)
 
 
-_dummy_cache: dict = {}
-
-
-def _dummy(shape, dtype, device):
-    key = (tuple(shape), dtype, str(device))
-    if key not in _dummy_cache:
-        _dummy_cache[key] = torch.empty(shape, dtype=dtype, device=device)  # never read or written
-    return _dummy_cache[key]
-
-
 def chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale: float, initial_state, output_final_state: bool, cu_seqlens, block_v=None, o=None, final_state=None, schedule=None):
     """Launches the recurrent kernel (arguments validated by the caller).
 
@@ -351,9 +341,9 @@ def chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale: float, initial_state, out
                 ht.copy_(initial_state)
         return o, ht
     use_h0 = initial_state is not None
-    h0 = initial_state if use_h0 else _dummy((1, HV, K, V), torch.float32, q.device)
-    ht_arg = ht if output_final_state else _dummy((1, HV, K, V), torch.float32, q.device)
-    cu = cu_seqlens if varlen else _dummy((1,), torch.int32, q.device)
+    h0 = initial_state if use_h0 else placeholder((1, HV, K, V), torch.float32, q.device)
+    ht_arg = ht if output_final_state else placeholder((1, HV, K, V), torch.float32, q.device)
+    cu = cu_seqlens if varlen else placeholder((1,), torch.int32, q.device)
     kernel = build_recurrent_kernel(*recurrent_kernel_args(q, v, cu_seqlens, block_v, schedule))
     kernel(q, k, v, A, g_cum_log2, h0, cu, float(scale), int(use_h0), int(output_final_state), o, ht_arg)
     return o, ht
