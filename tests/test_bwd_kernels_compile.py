@@ -122,9 +122,14 @@ def test_op_kernel_specs_match_the_launch_keys(varlen):
     cu = torch.tensor([0, 3, 10]) if varlen else None
     h = torch.empty(1, dtype=torch.bfloat16)
     N = 2 if varlen else 1
-    specs = dict(op_kernel_specs(2, 4, N=N, varlen=varlen, seq_dtype="int64" if varlen else "int32"))
+    listed = op_kernel_specs(2, 4, N=N, varlen=varlen, seq_dtype="int64" if varlen else "int32")
+    specs = dict(s for s in listed if not (s[0] == "recurrent" and len(s[1]) == 10))  # the plain launch's key
     assert specs["prepare"] == prepare_kernel_args(q, beta, cu, 4)
     assert specs["recurrent"] == recurrent_kernel_args(q, v, cu)
+    # the split path's dual launch on the segments' packed offsets, at both value slice widths
+    pcu = torch.tensor([0, 3, 10], dtype=torch.int64 if varlen else torch.int32)
+    for bv in (64, 128):
+        assert ("recurrent", recurrent_kernel_args(q, v, pcu, bv, dual=True)) in listed
     assert specs["states_bwd"] == states_kernel_args(q, v, cu, torch.bfloat16)
     assert specs["chunk_bwd"] == chunk_bwd_kernel_args(q, v, beta, h, cu)
     assert specs["gva_reduce"] == (2, 4, 128, "bfloat16") and specs["dg_cumsum"][-1] == varlen

@@ -256,6 +256,27 @@ def test_recurrent_serial_schedule_compiles():
     assert "wgmma_rs" in src and "wait_wgmma" not in src
 
 
+@needs_nvcc
+@pytest.mark.parametrize("BV,seq_dtype", [(128, "int32"), (64, "int64")], ids=["bv128-int32", "bv64-int64"])
+def test_recurrent_dual_launch_compiles(BV, seq_dtype):
+    """The split path's run + transition launch (`chunk_recurrent_dual`) compiles without spills, in
+    the grid's first half reads the per-(sequence, head) transition limits, writes U and P, and the
+    plain kernel's CUDA source is untouched by the option (it has none of the dual launch's code)."""
+    from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
+    from flashqla.ops.gdn.kernels.sm90.recurrent import build_recurrent_kernel
+
+    dual = build_recurrent_kernel(2, 8, 128, 128, BV, "bfloat16", seq_dtype, True, "overlap", True)
+    src = dual.get_kernel_source()
+    assert "limit[" in src and "pt[" in src and "min(nchunks, lim)" in src
+    assert "wgmma_rs" in src and "tma_load" in src and "wait_wgmma<2>" in src
+    rep = ptxas_report(dual)
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    plain = build_recurrent_kernel(2, 8, 128, 128, BV, "bfloat16", seq_dtype, True, "overlap").get_kernel_source()
+    assert "limit" not in plain and " pt" not in plain and "nloop" not in plain
+    with pytest.raises(ValueError, match="overlap"):
+        build_recurrent_kernel(2, 8, 128, 128, BV, "bfloat16", seq_dtype, True, "serial", True)
+
+
 def test_recurrent_schedule_is_checked():
     from flashqla.ops.gdn.kernels.sm90.recurrent import SCHEDULES, build_recurrent_kernel
 

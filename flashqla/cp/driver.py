@@ -24,6 +24,16 @@ Exact mode (the default), four steps (derivations CP-1, CP-2, CP-3):
                    of U with the segment's [K, V] entering state (torch GEMMs, in o's dtype), or, with
                    correction="rerun", a third recurrent launch from the entering states
 
+On sm_90 steps 1 and 2 are one launch (`chunk_recurrent_dual`: transition CTAs first, then the run's,
+in one grid, so short transitions fill the SMs the run leaves idle). Each (segment, value head)
+transition is cut where the gates have decayed (the gate-driven cut, `transition_limits`, on by
+default; `truncate=False` or $FLASHQLA_CP_EXACT=1 turns it off): it walks chunks only until the summed
+log-decay from the segment's start falls below TRUNCATE_LOG_DECAY = ln 2^-24; past that chunk the
+entering state's share of every later state and output is at most 2^-24 of its norm (CP-4, CP-5), so
+P is taken as 0 and U's later rows are neither written nor corrected from. A head whose gates do not
+decay that far within a segment (g == 0 in particular) walks the whole segment: exact. Decided on the
+device from g_cum_log2's chunk ends, no host read.
+
 Gate-driven mode (opt-in, `gate_chunks = m`; FlashQLA's truncation, CP-4 / CP-5). Step 2 runs only
 over the first m chunks of each non-first segment (gathered into a compact layout; P is not formed),
 the entering state of segment j + 1 is taken as Q_j (the zero-start end state of segment j: the
@@ -34,10 +44,10 @@ final state adds P_last S_in where the last segment has at most m chunks (there 
 covers it entirely) and drops it otherwise. No scan products remain: segments do not wait on one
 another. The error is bounded only where the gates decay: a head with g == 0 (or any head whose
 decay does not reach the threshold) is NOT exact in this mode, and this cannot be repaired on the
-device without paying a full-length transition launch, because the existing recurrent kernel walks
-the same number of chunks for every value head of a sequence (only a kernel that takes a chunk count
-per (sequence, head) could shorten the launch for some heads). So the mode is a host-side choice:
-the planner never picks it, exact mode is the default, and the mode reports on the device, per
+device in this mode (its compact layout gives every head of a segment the same m chunks). Exact
+mode's gate-driven cut (above) is the per-(segment, head) form that keeps such heads exact, and is
+what runs by default; this mode is a host-side choice kept for comparison with FlashQLA's
+truncation: the planner never picks it, and the mode reports on the device, per
 (segment slot, value head), the two decays and whether both are below `GATE_THRESHOLD` (info
 "gate_ok"), so a caller or a test can check the bound without a synchronisation in the hot path.
 
@@ -94,7 +104,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from flashqla.cp.merge import scan_open_states, scan_segment_grads, scan_segment_states
-from flashqla.cp.planner import CHUNK, GATE_THRESHOLD, SegmentTables, build_segment_tables, get_cp_plan
+from flashqla.cp.planner import CHUNK, GATE_THRESHOLD, TRUNCATE_LOG_DECAY, SegmentTables, build_segment_tables, get_cp_plan
 from flashqla.cp.tables_kernel import segment_tables_device
 from flashqla.ops.gdn.api import CP_ENV as _API_CP_ENV
 from flashqla.ops.gdn.api import cp_mode
@@ -116,6 +126,9 @@ __all__ = [
     "chunk_gated_delta_rule_cp_bwd",
     "segment_slots_to_sequence_slots",
     "sequence_slots_to_segment_slots",
+    "transition_limits",
+    "EXACT_ENV",
+    "DUAL_ENV",
 ]
 
 #: Environment variable with the default `cp` mode (the op's; unset here means "auto").
@@ -125,6 +138,12 @@ CP_ENV = _API_CP_ENV
 CP_MODES = ("auto", "on", "off")
 #: Output correction of exact mode: "gemm" (step 4 above) or "rerun" (a third recurrent launch).
 CORRECTIONS = ("gemm", "rerun")
+#: Environment variable: "1" makes every transition walk its whole segment (no gate-driven cut; the
+#: `truncate=False` of `chunk_gated_delta_rule_cp_fwd` / `_bwd` for every call that does not say).
+EXACT_ENV = "FLASHQLA_CP_EXACT"
+#: Environment variable: "0" runs the run and transition as two launches on sm_90 instead of one
+#: (`chunk_recurrent_dual`); for comparison, the results are bitwise the same.
+DUAL_ENV = "FLASHQLA_CP_DUAL"
 
 _LN2 = math.log(2.0)
 #: One sequence (N == 1) corrects by in-place GEMMs on views of o and U (no gather); tests turn it off
@@ -191,6 +210,21 @@ class Sm90Backend:
         return chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale, initial_state, output_final_state, cu_seqlens,
                                    block_v=block_v, o=o)
 
+    def recurrent_dual(self, q, k, v, A, g_cum_log2, scale, initial_state, limit, cu_seqlens, block_v=None, o=None):
+        """Run and transition in one launch (`chunk_recurrent_dual`): (o, Q, U, P); None when it does
+        not apply (K != V, the dual launch turned off by $FLASHQLA_CP_DUAL=0)."""
+        import os
+
+        from flashqla.ops.gdn.kernels.sm90.recurrent import build_recurrent_kernel, chunk_recurrent_dual, recurrent_kernel_args
+
+        if os.environ.get(DUAL_ENV, "1") == "0" or q.shape[-1] != v.shape[-1]:
+            return None
+        key = recurrent_kernel_args(q, v, cu_seqlens, block_v, dual=True)
+        if key not in self._built:
+            build_recurrent_kernel(*key)
+            self._built.add(key)
+        return chunk_recurrent_dual(q, k, v, A, g_cum_log2, scale, initial_state, limit, cu_seqlens, block_v=block_v, o=o)
+
     def bwd(self, q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens, h_dtype=torch.bfloat16):
         """The unsplit backward's launches (`flashqla.ops.gdn.bwd`), called directly so that a CP
         decision placed in `chunk_gated_delta_rule_bwd` is not taken again on the segments."""
@@ -227,7 +261,9 @@ class CPInfo(NamedTuple):
     first min(m, chunks) chunks and of the whole segment (gated mode, else None). gate_ok: [M, HV]
     bool, gated mode: both decays that bound this slot's error are below GATE_THRESHOLD (the window
     of the slot itself when it has more than m chunks, the whole previous segment of its sequence),
-    True where nothing was dropped.
+    True where nothing was dropped. transition_chunks: [M, HV] int32, exact mode: the chunks each
+    slot's transition walked (0 on slots not corrected; fewer than the slot has where the gate-driven
+    cut applied, `transition_limits`).
     """
 
     plan: object
@@ -239,6 +275,7 @@ class CPInfo(NamedTuple):
     gate_decay_window: torch.Tensor | None
     gate_decay_segment: torch.Tensor | None
     gate_ok: torch.Tensor | None
+    transition_chunks: torch.Tensor | None = None
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -337,6 +374,128 @@ def _chunk_end_decay(g_cum_log2: torch.Tensor, slot_rows: torch.Tensor, valid: t
     return (vals.sum(-1) * _LN2).transpose(0, 1)
 
 
+def resolve_truncate(truncate) -> float | None:
+    """The natural-log decay cutoff of a call's transitions: None (exact: whole segments) or a
+    negative float. truncate: None ($FLASHQLA_CP_EXACT=1: exact, else TRUNCATE_LOG_DECAY), False
+    (exact), True (TRUNCATE_LOG_DECAY) or a negative number (that cutoff, e.g. FlashQLA's -10)."""
+    import os
+
+    if truncate is None:
+        truncate = os.environ.get(EXACT_ENV, "0") not in ("1", "true", "True")
+    if truncate is True:
+        return TRUNCATE_LOG_DECAY
+    if truncate is False:
+        return None
+    if isinstance(truncate, (int, float)) and math.isfinite(truncate) and truncate < 0:
+        return float(truncate)
+    raise ValueError(f"truncate must be None, a bool or a negative finite log-decay, got {truncate!r}")
+
+
+def transition_limits(g_cum_log2: torch.Tensor, tables: SegmentTables, cutoff: float | None) -> torch.Tensor:
+    """[M, HV] int32: how many chunks each slot's transition walks (gate-driven, decided on the device).
+
+    0 on slots that are not corrected (first segments, inert slots). On the others, all the slot's
+    chunks when cutoff is None; else the chunks up to and including the first chunk c at which the
+    summed log-decay from the slot's start, sum over chunks 0..c of g, falls below `cutoff` (natural
+    log), or all of them when it never does (a head with g == 0 always walks its whole segment).
+    Past chunk c every contribution of the entering state S_in to a later state is at most
+    exp(cutoff) ||S_in||_F and to an output o_t at most scale ||q_t|| exp(cutoff) ||S_in||_F (records
+    CP-4 / CP-5; keys of unit norm and beta in [0, 1]), so the transition P is taken as 0 and U's
+    later rows as 0. No host sync.
+
+    g_cum_log2: [HV, S * 64] the prepare kernel's chunk-local cumsum of g in log2 units, slot layout of
+    tables.cu_seqlens (a chunk's total is its row 63: rows past a sequence's end repeat the last
+    valid value). On sm_90 one kernel launch (`kernels/sm90/cp_limits.py`), else torch ops.
+    """
+    M = tables.M
+    HV = g_cum_log2.shape[0]
+    dev = g_cum_log2.device
+    if _limits_kernel_applies(g_cum_log2):  # one launch (`kernels/sm90/cp_limits.py`)
+        from flashqla.ops.gdn.kernels.sm90.cp_limits import cp_transition_limits
+
+        return cp_transition_limits(g_cum_log2, tables.cu_seqlens, tables.need_correction,
+                                    None if cutoff is None else float(cutoff) / _LN2)
+    return _transition_limits_torch(g_cum_log2, tables, cutoff)
+
+
+def _limits_kernel_applies(g_cum_log2: torch.Tensor) -> bool:
+    from flashqla.cp.merge import cp_kernels_enabled
+    from flashqla.ops.gdn.kernels.sm90._common import on_sm90
+
+    return cp_kernels_enabled() and g_cum_log2.dtype == torch.float32 and on_sm90(g_cum_log2)
+
+
+def _transition_limits_torch(g_cum_log2: torch.Tensor, tables: SegmentTables, cutoff: float | None) -> torch.Tensor:
+    """`transition_limits` in torch ops (any device; the kernel's reference)."""
+    M = tables.M
+    HV = g_cum_log2.shape[0]
+    dev = g_cum_log2.device
+    nchunks = -(-(tables.end - tables.start) // CHUNK)  # [M]
+    corr = tables.need_correction
+    if cutoff is None or M == 0:
+        lim = torch.where(corr, nchunks, torch.zeros_like(nchunks))[:, None].expand(M, HV)
+        return lim.to(torch.int32).contiguous()
+    S = g_cum_log2.shape[1] // CHUNK
+    nmax = max(-(-tables.segment_len // CHUNK), 1)
+    base = torch.div(tables.start, CHUNK, rounding_mode="floor") + torch.arange(M, device=dev)
+    pos = torch.arange(nmax, dtype=torch.int64, device=dev)
+    idx = (base[:, None] + pos[None, :]).clamp(0, max(S - 1, 0))  # [M, nmax]
+    valid = pos[None, :] < nchunks[:, None]
+    ends = g_cum_log2.view(HV, S, CHUNK)[:, :, CHUNK - 1]  # [HV, S], log2
+    vals = torch.where(valid[None], ends[:, idx], ends.new_zeros(()))  # [HV, M, nmax]
+    above = torch.cumsum(vals, -1) >= float(cutoff) / _LN2  # still above the cutoff after chunk c
+    before = torch.cumprod(above.to(torch.int32), -1).sum(-1)  # chunks before the first crossing
+    lim = torch.minimum(before + 1, nchunks[None, :])
+    lim = torch.where(corr[None, :], lim, torch.zeros_like(lim))
+    return lim.transpose(0, 1).to(torch.int32).contiguous()
+
+
+def _keep_rows(tab: SegmentTables, limit: torch.Tensor, total: int) -> torch.Tensor:
+    """[total, HV] bool: token rows inside the chunks a slot's transition walked (False elsewhere:
+    rows of uncorrected slots, past a limit, past every sequence)."""
+    M, HV = limit.shape
+    dev = limit.device
+    L = tab.segment_len
+    keep = torch.zeros(total + 1, HV, dtype=torch.bool, device=dev)
+    if M == 0 or total == 0:
+        return keep[:total]
+    tok, valid = _token_rows(tab, torch.arange(M, device=dev), L)  # [M, L]
+    chunk = torch.arange(L, device=dev) // CHUNK
+    k = chunk[None, :, None] < limit[:, None, :].to(torch.int64)  # [M, L, HV]
+    dst = torch.where(valid, tok, torch.full_like(tok, total)).reshape(-1)
+    return keep.index_copy(0, dst, k.reshape(-1, HV))[:total]
+
+
+def _run_and_transition(backend, qf, kf, vf, A, G2, scale, h0_run, limit, tab: SegmentTables, pcu, block_v, o_buf,
+                        truncated: bool):
+    """Exact mode's steps 1 and 2 with each slot's transition walking `limit` chunks: (o, Q, U, P).
+
+    On the sm_90 kernels one launch (`Sm90Backend.recurrent_dual`); elsewhere the run and a full
+    transition launch, then U's rows past the limits and P where a limit cut the walk short set to 0
+    (what the dual launch computes; U rows it does not write are never read by the correction
+    kernels). Where U goes to a torch consumer instead, its unwritten rows are set to 0 here."""
+    total = qf.shape[1]
+    HV, K = G2.shape[0], kf.shape[3]
+    dual = getattr(backend, "recurrent_dual", None)
+    out = None if dual is None else dual(qf, kf, vf, A, G2, scale, h0_run, limit, pcu, block_v, o_buf)
+    if out is not None:
+        o, Q, U, P = out
+        if not _token_kernels_apply(o, U):
+            U = torch.where(_keep_rows(tab, limit, total)[None, :, :, None], U, U.new_zeros(()))
+        return o, Q, U, P
+    o, Q = _recurrent(backend, qf, kf, vf, A, G2, scale, h0_run, True, pcu, block_v, o_buf)
+    sd = backend.state_dtype
+    eye = torch.eye(K, dtype=sd, device=qf.device)
+    h0_tr = torch.where((limit > 0)[:, :, None, None], eye, torch.zeros((), dtype=sd, device=qf.device)).contiguous()
+    vz = backend.zeros((1, total, HV, K), vf.dtype, qf.device)
+    U, P = _recurrent(backend, qf, kf, vz, A, G2, scale, h0_tr, True, pcu, block_v, None)
+    if truncated:
+        nchunks = -(-(tab.end - tab.start) // CHUNK)
+        P = torch.where((limit < nchunks[:, None])[:, :, None, None], P.new_zeros(()), P)
+        U = torch.where(_keep_rows(tab, limit, total)[None, :, :, None], U, U.new_zeros(()))
+    return o, Q, U, P
+
+
 #: Index tensors of a segmentation that depends on shapes alone (fixed-length input), kept per key.
 _LAYOUTS: dict = {}
 _LAYOUT_CACHE = 32
@@ -379,7 +538,7 @@ def _gated_layout(tab: SegmentTables, Mc: int, m: int, S_slots: int):
 
 def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens,
                tables: SegmentTables, *, block_v: int, gate_chunks: int | None = None, correction: str = "gemm",
-               poison_outputs: bool = False, want_info: bool = True, static_key=None):
+               poison_outputs: bool = False, want_info: bool = True, static_key=None, truncate=False):
     """The CP forward over the planner's segment tables (the steps in the module docstring).
 
     Args:
@@ -390,7 +549,10 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
             are used as given (their dtype picks the compiled kernel).
         block_v: value-slice width of every recurrent launch. gate_chunks: None (exact) or m >= 1
             (gated mode). correction: "gemm" or "rerun" (exact mode). poison_outputs: fill o with NaN
-            before the first launch (every token is written by the run). want_info: build the
+            before the first launch (every token is written by the run). truncate: exact mode's
+            gate-driven cut of each (slot, value head) transition (`resolve_truncate`: False walks
+            whole segments; default here False, the public entry points default to
+            TRUNCATE_LOG_DECAY). want_info: build the
             `CPInfo` (in gated mode that includes the per-(slot, head) decays and flag: a few dozen
             small launches). static_key: a hashable key of the static facts when the tables depend on
             shapes alone (fixed-length input): the index tensors are then built once per key.
@@ -425,19 +587,23 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
     if h0 is not None and N > 0:
         h0_run = torch.where(mask(tab.first), h0.index_select(0, tab.h0_index.clamp(min=0)), h0.new_zeros(()))
     o_buf = torch.full_like(vf, float("nan")) if poison_outputs else None
-    o, Q = _recurrent(backend, qf, kf, vf, A, G2, scale, h0_run, True, pcu, block_v, o_buf)
 
     info = None
     if gate_chunks is None:
-        # 2. transition (U, P) and 3. scan
-        U, P, S_in, final = _transition_and_scan(backend, qf, kf, v.dtype, A, G2, scale, Q, h0, tab, T, pcu, block_v, key)
+        # 1. run and 2. transition (U, P; one launch on sm_90), each transition cut where its gates
+        # have decayed past the cutoff, then 3. scan
+        cutoff = resolve_truncate(truncate)
+        limit = transition_limits(G2, tab, cutoff)
+        o, Q, U, P = _run_and_transition(backend, qf, kf, vf, A, G2, scale, h0_run, limit, tab, pcu, block_v, o_buf,
+                                         cutoff is not None)
+        S_in, final = scan_segment_states(P, Q, tab, T, h0, first_from_h0=True)
         # 4. correction
         if correction == "rerun":
             o, _ = _recurrent(backend, qf, kf, vf, A, G2, scale, S_in.contiguous(), False, pcu, block_v, None)
-        elif _token_kernels_apply(o, U):  # one launch over every corrected slot
+        elif _token_kernels_apply(o, U):  # one launch over every corrected slot, the walked chunks only
             from flashqla.ops.gdn.kernels.sm90.cp_correct import cp_correct
 
-            cp_correct(o, U, S_in, pcu, tab.need_correction)
+            cp_correct(o, U, S_in, pcu, limit=limit)
         elif one_sequence:  # reads slots 1 .. nseg - 1 only
             _correct_one_sequence(o, U, S_in.to(o.dtype), total, L)
         else:
@@ -447,8 +613,9 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
             _correct_gathered(o, Ug, _ext(Sx, 0)[sel], tok, valid)
         if want_info:
             S_c = torch.where(mask(tab.need_correction), S_in, S_in.new_zeros(()))
-            info = CPInfo(None, tab, "exact", S_c, P, Q, None, None, None)
+            info = CPInfo(None, tab, "exact", S_c, P, Q, None, None, None, limit)
     else:
+        o, Q = _recurrent(backend, qf, kf, vf, A, G2, scale, h0_run, True, pcu, block_v, o_buf)
         m = min(int(gate_chunks), L // CHUNK)  # a segment has at most L / 64 chunks
         W = m * CHUNK
         S_slots = A.shape[1] // CHUNK
@@ -492,22 +659,6 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
     if not output_final_state:
         final = None
     return o, final, A, G2, info
-
-
-def _transition_and_scan(backend, qf, kf, vdtype, A, G2, scale, Q, h0, tab, T, pcu, block_v, key):
-    """Exact mode's steps 2 and 3: the transition launch (v = 0 from I on non-first segments: U rows,
-    P end states) and the combine scan. Returns (U, P, S_in, final)."""
-    M, HV, K = tab.M, G2.shape[0], kf.shape[3]
-    total = qf.shape[1]
-    sd = backend.state_dtype
-    dev = qf.device
-    h0_tr = _memo(key("h0_tr", HV, K, sd, str(dev)), lambda: torch.where(
-        tab.need_correction[:, None, None, None], torch.eye(K, dtype=sd, device=dev), torch.zeros((), dtype=sd, device=dev)
-    ).expand(M, HV, K, K).contiguous())
-    vz = backend.zeros((1, total, HV, K), vdtype, dev)
-    U, P = _recurrent(backend, qf, kf, vz, A, G2, scale, h0_tr, True, pcu, block_v, None)
-    S_in, final = scan_segment_states(P, Q, tab, T, h0, first_from_h0=True)
-    return U, P, S_in, final
 
 
 def _correct_one_sequence_head(o, Uc, S_sel, total: int, L: int, W: int) -> None:
@@ -648,17 +799,21 @@ def sequence_slots_to_segment_slots(A: torch.Tensor, g_cum_log2: torch.Tensor, t
 
 
 def _state_grads_from_outputs(U, do, tab: SegmentTables, total: int, L: int, one_sequence: bool, key,
-                              mask: torch.Tensor | None = None):
+                              mask: torch.Tensor | None = None, limit: torch.Tensor | None = None):
     """E [M, HV, K, V]: E_j = sum over segment j's tokens of U_t do_t^T (the gradient reaching the
     segment's entering state through its own outputs, o_t = o0_t + S_in^T U_t), on non-first slots
     (zeros elsewhere), or on the slots of `mask` (need_correction and an open sequence's first slot,
-    `cp_backward_open`); computed in U's dtype, returned in fp32 (or U's dtype if wider)."""
+    `cp_backward_open`); computed in U's dtype, returned in fp32 (or U's dtype if wider). limit [M, HV]:
+    the chunks each transition walked (`transition_limits`; the kernel reads only those rows, the
+    torch paths get U with the other rows already 0, `_run_and_transition`)."""
     first = 1 if mask is None else 0
     HV, K, V = U.shape[2], U.shape[3], do.shape[3]
     M = tab.M
     if _token_kernels_apply(do, U):  # one launch: E per flagged slot, zeros elsewhere
         from flashqla.ops.gdn.kernels.sm90.cp_correct import cp_state_grads
 
+        if limit is not None:
+            return cp_state_grads(U.reshape(1, total, HV, K), do.reshape(1, total, HV, V), tab.cu_seqlens, limit=limit)
         return cp_state_grads(U.reshape(1, total, HV, K), do.reshape(1, total, HV, V), tab.cu_seqlens,
                               tab.need_correction if mask is None else mask)
     edt = torch.float64 if U.dtype == torch.float64 else torch.float32
@@ -694,7 +849,7 @@ def _state_grads_from_outputs(U, do, tab: SegmentTables, total: int, L: int, one
 
 
 def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float, initial_state, cu_seqlens,
-                tables: SegmentTables, *, block_v: int, static_key=None):
+                tables: SegmentTables, *, block_v: int, static_key=None, truncate=False):
     """Gradients of the forward over the planner's segments (every launch runs all segments at once).
 
     1. entering states S_in: run (v, h0 on first segments) -> Q; transition (v = 0 from I) -> U, P;
@@ -706,8 +861,13 @@ def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float,
        gradients G (`backend.bwd`: recompute states, fused chunk backward, finish): every token's
        gradient, and each first segment's dh0, the sequence's.
 
+    With a gate-driven cut (truncate, as `cp_forward`) each transition walks `transition_limits`
+    chunks: P_j = 0 where cut (the dropped P_j^T G_j is at most exp(cutoff) ||G_j||_F, the transpose
+    of CP-4's bound) and E_j sums the walked rows only (each dropped U_t is at most scale ||q_t||
+    exp(cutoff) in norm, CP-5).
+
     Args: as `chunk_gated_delta_rule_bwd`, with A, g_cum_log2 in the slot layout of
-    tables.cu_seqlens, and tables, block_v, static_key as `cp_forward`.
+    tables.cu_seqlens, and tables, block_v, static_key, truncate as `cp_forward`.
     Returns (dq, dk, dv, dg, dbeta, dh0 [N, HV, K, V] or None when initial_state is None).
     """
     B, T = q.shape[0], q.shape[1]
@@ -723,9 +883,12 @@ def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float,
     h0_run = None
     if h0 is not None and N > 0:
         h0_run = torch.where(tab.first[:, None, None, None], h0.index_select(0, tab.h0_index.clamp(min=0)), h0.new_zeros(()))
-    _, Q = _recurrent(backend, qf, kf, vf, A, g_cum_log2, scale, h0_run, True, pcu, block_v, None)
-    U, P, S_in, _ = _transition_and_scan(backend, qf, kf, v.dtype, A, g_cum_log2, scale, Q, h0, tab, T, pcu, block_v, key)
-    E = _state_grads_from_outputs(U, dof, tab, total, L, one_sequence, key)
+    cutoff = resolve_truncate(truncate)
+    limit = transition_limits(g_cum_log2, tab, cutoff)
+    _, Q, U, P = _run_and_transition(backend, qf, kf, vf, A, g_cum_log2, scale, h0_run, limit, tab, pcu, block_v, None,
+                                     cutoff is not None)
+    S_in, _ = scan_segment_states(P, Q, tab, T, h0, first_from_h0=True)
+    E = _state_grads_from_outputs(U, dof, tab, total, L, one_sequence, key, limit=limit)
     D = None if dht is None else dht.to(E.dtype)
     G = scan_segment_grads(P.to(E.dtype), E, tab, T, D).to(sd)
     dq, dk, dv, dg, dbeta, dh0s = backend.bwd(qf, kf, vf, gf, bf, A, g_cum_log2, dof, G.contiguous(), scale,
@@ -981,6 +1144,7 @@ def chunk_gated_delta_rule_cp_fwd(
     sm_count: int | None = None,
     backend=None,
     return_info: bool = False,
+    truncate=None,
 ):
     """`flashqla.ops.gdn.api.chunk_gated_delta_rule_fwd` with intra-device context parallelism.
 
@@ -1010,6 +1174,10 @@ def chunk_gated_delta_rule_cp_fwd(
         backend: None (the sm_90 kernels; inputs checked for the fast path and a Hopper GPU) or a
             `CPBackend` (e.g. `reference.gdn.cp.ReferenceCPBackend()`: any device and dtype).
         return_info: also return a `CPInfo` (None when not split).
+        truncate: the gate-driven cut of each (segment, value head) transition (`resolve_truncate`):
+            None ($FLASHQLA_CP_EXACT=1: none; else at TRUNCATE_LOG_DECAY = ln 2^-24), False (whole
+            segments: exact), True, or a negative natural-log decay (e.g. -10, FlashQLA's). Heads
+            whose gates do not decay past the cutoff within a segment walk it whole.
 
     Returns:
         `ChunkGDNForward(o, final_state, A, g_cum_log2, q, k)` (o [B, T, HV, V] in q's dtype;
@@ -1067,7 +1235,8 @@ def chunk_gated_delta_rule_cp_fwd(
         backend.warm(_flat(k), _flat(beta), _flat(q), _flat(v), pcu, d.HV, BV)
     o, final, A, G2, info = cp_forward(backend, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                        tables, block_v=BV, gate_chunks=gate_chunks, correction=correction,
-                                       poison_outputs=poison_outputs, want_info=return_info, static_key=static_key)
+                                       poison_outputs=poison_outputs, want_info=return_info, static_key=static_key,
+                                       truncate=resolve_truncate(truncate) if truncate is None else truncate)
     if relayout:
         A, G2 = segment_slots_to_sequence_slots(A, G2, tables, cu_seqlens, d.B, d.T)
     out = ChunkGDNForward(o=o, final_state=final, A=A, g_cum_log2=G2, q=q, k=k)
@@ -1110,7 +1279,7 @@ def _unsplit(backend, q, k, v, g, beta, scale, initial_state, output_final_state
 def chunk_gated_delta_rule_cp_bwd(
     q, k, v, g, beta, A, g_cum_log2, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
     *, cp=None, segment_len: int | None = None, max_seqlen: int | None = None, block_v: int | None = None,
-    sm_count: int | None = None, backend=None,
+    sm_count: int | None = None, backend=None, truncate=None,
 ):
     """`flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd` with intra-device context parallelism.
 
@@ -1124,7 +1293,7 @@ def chunk_gated_delta_rule_cp_bwd(
     Args: q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; A [HV, S * 64, 64]; g_cum_log2
         [HV, S * 64]; do [B, T, HV, V]; dht None or [N, HV, K, V]; scale; initial_state None or
         [N, HV, K, V]; cu_seqlens None or [N + 1]; cp, segment_len, max_seqlen, block_v, sm_count,
-        backend as `chunk_gated_delta_rule_cp_fwd`.
+        backend, truncate as `chunk_gated_delta_rule_cp_fwd`.
     Returns (dq, dk, dv, dg, dbeta, dh0 or None), the unsplit backward's dtypes.
     Raises ValueError for an unknown cp mode or a bad segment_len.
     """
@@ -1148,4 +1317,4 @@ def chunk_gated_delta_rule_cp_bwd(
     if hasattr(backend, "warm"):
         backend.warm(_flat(k), _flat(beta), _flat(q), _flat(v), tables.cu_seqlens, v.shape[2], BV)
     return cp_backward(backend, q, k, v, g, beta, A_p, G_p, do, dht, scale, initial_state, cu_seqlens, tables,
-                       block_v=BV, static_key=static_key)
+                       block_v=BV, static_key=static_key, truncate=resolve_truncate(truncate) if truncate is None else truncate)

@@ -148,6 +148,7 @@ Kernel launches (`flashqla.cp.driver`, existing kernels only)
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -173,6 +174,11 @@ __all__ = [
     "MIN_GAIN",
     "TIE",
     "GATE_THRESHOLD",
+    "TRUNCATE_LOG_DECAY",
+    "DUAL_LAUNCH",
+    "FULL_TRANSITION_HEADS",
+    "CUT_CHUNKS",
+    "HEAD_OVERHEAD",
     "DEFAULT_SM_COUNT",
     "CPPlan",
     "plan_cp",
@@ -202,6 +208,25 @@ CTAS_PER_SM = {128: 1, 64: 1}
 PASSES_EXACT = 2.0
 #: Same in gate-driven mode: the run (the transition launch covers gate_chunks chunks only).
 PASSES_GATED = 1.0
+#: Whether exact CP runs the run and the transition as one launch (`chunk_recurrent_dual`: the CTAs
+#: of both share the waves; the default on sm_90).
+DUAL_LAUNCH = True
+#: The gate-driven cut (`flashqla.cp.driver.transition_limits`, on by default) makes most transitions
+#: short, but how short depends on g, which the plan cannot read without a host sync. The plan assumes
+#: FULL_TRANSITION_HEADS value heads per segment walk the whole segment (gates that do not decay, as
+#: the benchmark's g == 0 head) and the others CUT_CHUNKS chunks: the dual launch then takes
+#: max(waves of the long CTAs x chunks, all work / CTA slots). Measured on the H200 (2026-11-30,
+#: tests/gpu/cp_dual_check.py, the benchmark's gates): the cut transitions walked 2-3 chunks on
+#: average, the g == 0 head all of them. With every head undecayed a plan made this way is at most
+#: ~25% slower than the best exact plan (2/8 x 32768: L = 2560, 2 waves of 40 chunks against 64).
+FULL_TRANSITION_HEADS = 1
+CUT_CHUNKS = 4
+#: Fixed cost of a split forward per value head beyond the launches above (limits, scan, correction,
+#: their index work), chunk units. Fitted on the H200 (2026-11-30, tests/gpu/cp_dual_check.py, split
+#: against unsplit, cp auto): ~0.05 ms unexplained by the rest of the model at 8 value heads, ~0.12 at
+#: 32, ~0.25 at 64; without it the model split 16/64 x 8192 (0.49 -> 0.62 ms), 16/16 4 x 8192 (0.52 ->
+#: 0.60) and 32/32 x 4096 (0.235 -> 0.260).
+HEAD_OVERHEAD = 1.1
 #: Cost of one combine-scan step (the one-launch scan kernel, `kernels/sm90/cp_scan.py`), chunk units.
 #: Measured on the H200 (CUDA graphs): 4.4 us a step at 8 value heads, 11 us at 32 (~1.3-3.3 units).
 SCAN_STEP_COST = 1.5
@@ -233,6 +258,11 @@ MIN_GAIN = 1.2
 TIE = 0.03
 #: Summed log-decay below which a carried state is dropped by the gate-driven shortcut (FlashQLA's).
 GATE_THRESHOLD = -10.0
+#: Summed log-decay (natural log) after which the split path's per-(segment, value head) transition is
+#: cut short by default (`flashqla.cp.driver.transition_limits`): ln 2^-24, so what is dropped is at most
+#: 2^-24 (about 6e-8) of the entering state's norm (records CP-4 / CP-5), below fp32's rounding of a
+#: state. FlashQLA's shortcut uses -10 (4.5e-5).
+TRUNCATE_LOG_DECAY = -24 * math.log(2.0)
 #: SM count assumed for a device that is not a CUDA GPU (an H200 / H100 SXM has 132).
 DEFAULT_SM_COUNT = 132
 
@@ -302,17 +332,28 @@ def _split_time(BV, HV, V, T, N, L, l_avg, l_max, balanced, sms, exact, gate_chu
     later = max(segs - N, 0)  # non-first segments
     # the transition launch: only non-first segments do work (the others exit at once)
     transition = CHUNK_COST[BV] * _cdiv(NV * HV * later, slots) * chunks if later else 0.0
+    if DUAL_LAUNCH:  # run and transition CTAs in one grid; most transitions cut short
+        full = min(FULL_TRANSITION_HEADS, HV)
+        long = NV * (HV * segs + full * later)
+        short = NV * (HV - full) * later
+        work = long * chunks + short * min(CUT_CHUNKS, chunks)
+        both = CHUNK_COST[BV] * max(_cdiv(long, slots) * chunks, work / slots)
+    else:
+        both = run + (PASSES_EXACT - 1) * transition
     scan_steps = max(_cdiv(l_max, L) - 1, 0)  # sequential combine steps of the longest sequence
     if backward:
         # forward run and transition recomputed, combine scan and reverse scan, then the unsplit
         # backward over the segments: states pass (like a run) and the fused chunk backward
         bwd = BWD_CHUNK_COST * _cdiv(HV * segs, sms) * chunks
-        return (2 * run + transition + 2 * BWD_SCAN_STEP_COST * scan_steps + bwd
+        return (both + run + 2 * BWD_SCAN_STEP_COST * scan_steps + bwd
                 + LAUNCH_COST * (2 * EXTRA_LAUNCHES + HV))
     if exact:
         corrected = max(T - _first_tokens(T, N, L, l_avg, l_max, balanced), 0)
-        return (run + (PASSES_EXACT - 1) * transition + SCAN_STEP_COST * scan_steps
-                + CORRECTION_COST * HV * corrected + LAUNCH_COST * EXTRA_LAUNCHES)
+        if DUAL_LAUNCH:  # the correction reads only the rows the transitions walked
+            seg_len = max(min(L, l_max), 1)
+            corrected *= (full + (HV - full) * min(CUT_CHUNKS * CHUNK, seg_len) / seg_len) / HV
+        return (both + SCAN_STEP_COST * scan_steps + CORRECTION_COST * HV * corrected
+                + LAUNCH_COST * EXTRA_LAUNCHES + (HEAD_OVERHEAD * HV if DUAL_LAUNCH else 0.0))
     m = DEFAULT_GATE_CHUNKS if gate_chunks is None else gate_chunks
     compact = CHUNK_COST[BV] * _cdiv(NV * HV * later, slots) * min(m, _cdiv(min(L, l_max), CHUNK)) if later else 0.0
     return (PASSES_GATED * run + compact + CORRECTION_COST * HV * later * CHUNK * m

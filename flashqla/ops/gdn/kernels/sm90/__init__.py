@@ -9,6 +9,9 @@ Context parallelism (`flashqla.cp`):
                                          gradients (backward), one launch
     cp_correct.py `cp_correct`, `cp_state_grads`: the output correction o += S_in^T U and the
                                          gradient E = sum U do^T of every segment, one launch each
+    cp_limits.py  `cp_transition_limits`: the chunks each (segment, value head) transition walks
+                                         (the gate-driven cut), one launch
+    recurrent.py  `chunk_recurrent_dual`: the run and the transitions of the segments in one launch
 
 Backward (three passes, four launches; `flashqla.ops.gdn.bwd`; NOTES-bwd.md):
     states_bwd.py `chunk_states_bwd`:    the chunk-start states h, recomputed and stored
@@ -54,6 +57,10 @@ def _build(kind: str, args: tuple):
         from flashqla.ops.gdn.kernels.sm90.cp_scan import build_cp_scan_kernel
 
         return build_cp_scan_kernel(*args)
+    if kind == "cp_limits":
+        from flashqla.ops.gdn.kernels.sm90.cp_limits import build_cp_limits_kernel
+
+        return build_cp_limits_kernel(*args)
     if kind == "cp_correct":
         from flashqla.ops.gdn.kernels.sm90.cp_correct import build_cp_correct_kernel
 
@@ -79,7 +86,7 @@ def build_kernels(specs) -> list:
 
     kind is "prepare" (args of `build_prepare_kernel`), "recurrent" (`build_recurrent_kernel`),
     "states_bwd", "chunk_bwd", "dg_cumsum" or "gva_reduce" (the backward's builders), "cp_scan"
-    (`build_cp_scan_kernel`), "cp_correct", "cp_state_grads" (`cp_correct.py`), "cp_tables"
+    (`build_cp_scan_kernel`), "cp_correct", "cp_state_grads" (`cp_correct.py`), "cp_limits" (`cp_limits.py`), "cp_tables"
     (`flashqla.cp.tables_kernel.build_segment_tables_kernel`).
     Threads overlap the external compiler runs; the first call of the op uses this for its two
     kernels.
@@ -116,8 +123,10 @@ def op_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype:
     `flashqla.chunk_gated_delta_rule` uses for H q/k heads, HV value heads, N sequences (the
     recurrent kernel's value slice width depends on N * HV: `recurrent.pick_block_v`), packed or not,
     q/k/v in `dtype`, beta in `beta_dtype`, cu_seqlens in `seq_dtype`; with the backward's four when
-    `backward`; the context-parallel kernels (scans, output correction, state gradients and, for packed
-input, the segment tables) are included since `cp="auto"` may split. Pure Python: needs neither a GPU nor TileLang."""
+    `backward`; the context-parallel kernels (scans, output correction, state gradients, the dual
+run + transition launch at both value slice widths, the transition limits and, for packed input,
+the segment tables) are
+included since `cp="auto"` may split. Pure Python: needs neither a GPU nor TileLang."""
     from flashqla.ops.gdn.kernels.sm90.prepare import DEFAULT_VARIANT
     from flashqla.ops.gdn.kernels.sm90.recurrent import DEFAULT_SCHEDULE, pick_block_v
 
@@ -130,6 +139,10 @@ input, the segment tables) are included since `cp="auto"` may split. Pure Python
     ]
     if varlen:
         specs.append(("cp_tables", (seq_dtype,)))
+    if K == V:  # the split path's run + transition launch, on the segments' packed offsets, either slice width
+        cp_seq = seq_dtype if varlen else "int32"
+        specs += [("recurrent", (H, HV, K, V, bv, dtype, cp_seq, True, "overlap", True)) for bv in (64, 128)]
+        specs.append(("cp_limits", (HV, cp_seq)))
     if backward:
         specs += [
             ("states_bwd", (H, HV, K, V, dtype, h_dtype, seq_dtype, varlen)),

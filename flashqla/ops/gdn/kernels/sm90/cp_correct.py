@@ -13,13 +13,16 @@ of every corrected token row, a batched GEMM and an index_add (~0.8 ms at 2/8 he
 tokens). Here one CTA per (segment slot, value head) walks its segment's rows in 64-row tiles: TMA
 loads of U (and o or do), a wgmma with the entering state (bf16 in shared memory, converted once per
 CTA) or into the [K, V] fp32 accumulator. Slots are read from the pseudo offsets of the segment
-tables (a slot's rows are [cu[j], cu[j + 1])) and a per-slot flag (`need_correction`, or an open
-sequence's mask); every size is a run-time value.
+tables (a slot's rows are [cu[j], cu[j + 1])); a per-(slot, value head) limit says how many 64-row
+tiles from the slot's start are used (0: the slot is not corrected; `need_correction` or an open
+sequence's mask as a flag gives 0 or all; the gate-driven truncation gives the chunks its transition
+walked, `flashqla.cp.driver.transition_limits`: U rows past them were never written and add nothing).
+Every size is a run-time value.
 
 `gdn_cp_correct` adds in fp32 and rounds o once (the torch path rounded the product to o's dtype
 before adding). Rows of the last tile past the segment's end are computed but not stored.
-`gdn_cp_state_grads` zeroes U's rows past the end before the product and writes E only on flagged
-slots (the wrapper zero-fills E: TileLang 0.1.15 moved a `T.clear` of the accumulator placed before
+`gdn_cp_state_grads` zeroes U's rows past the end before the product and writes E only on slots with a
+positive limit (the wrapper zero-fills E: TileLang 0.1.15 moved a `T.clear` of the accumulator placed before
 the flag test into the flagged branch of the warp-specialised consumer, so unflagged slots stored an
 uninitialised accumulator; found on the H200 by tests/gpu/cp_scan_check.py). Compile key: HV, K, V, the dtype of U / o / do, the dtype of the offsets.
 """
@@ -46,7 +49,7 @@ def _correct_prim_func(HV: int, K: int, V: int, dtype: str, seq_dtype: str):
         U: T.Tensor((1, Tn, HV, K), dtype),
         S: T.Tensor((M, HV, K, V), "float32"),
         cu: T.Tensor((Mp1,), seq_dtype),
-        flag: T.Tensor((M,), "uint8"),
+        limit: T.Tensor((M, HV), "int32"),
         o: T.Tensor((1, Tn, HV, V), dtype),
     ):
         with T.Kernel(M * HV, threads=128) as (bx,):
@@ -60,10 +63,12 @@ def _correct_prim_func(HV: int, K: int, V: int, dtype: str, seq_dtype: str):
             end = T.alloc_var("int32")
             start = T.cast(cu[slot], "int32")
             end = T.cast(cu[slot + 1], "int32")
-            if flag[slot] != 0:
+            # the test reads no variable: TileLang 0.1.15 moves variable assignments into the
+            # warp-specialised branches, after a test placed before the pipelined loop
+            if limit[slot, hv] > 0:
                 for i, j in T.Parallel(K, V):
                     s_s[i, j] = T.cast(S[slot, hv, i, j], dtype)
-                for it in T.Pipelined(T.ceildiv(end - start, C), num_stages=2):
+                for it in T.Pipelined(T.min(T.ceildiv(end - start, C), limit[slot, hv]), num_stages=2):
                     t0 = start + it * C
                     T.copy(U[0, t0 : t0 + C, hv, 0:K], u_s)
                     T.copy(o[0, t0 : t0 + C, hv, 0:V], o_s)
@@ -88,7 +93,7 @@ def _state_grads_prim_func(HV: int, K: int, V: int, dtype: str, seq_dtype: str):
         U: T.Tensor((1, Tn, HV, K), dtype),
         do: T.Tensor((1, Tn, HV, V), dtype),
         cu: T.Tensor((Mp1,), seq_dtype),
-        flag: T.Tensor((M,), "uint8"),
+        limit: T.Tensor((M, HV), "int32"),
         E: T.Tensor((M, HV, K, V), "float32"),
     ):
         with T.Kernel(M * HV, threads=256) as (bx,):
@@ -101,9 +106,11 @@ def _state_grads_prim_func(HV: int, K: int, V: int, dtype: str, seq_dtype: str):
             end = T.alloc_var("int32")
             start = T.cast(cu[slot], "int32")
             end = T.cast(cu[slot + 1], "int32")
-            if flag[slot] != 0:
+            # the test reads no variable: TileLang 0.1.15 moves variable assignments into the
+            # warp-specialised branches, after a test placed before the pipelined loop
+            if limit[slot, hv] > 0:
                 T.clear(acc)
-                for it in T.Pipelined(T.ceildiv(end - start, C), num_stages=2):
+                for it in T.Pipelined(T.min(T.ceildiv(end - start, C), limit[slot, hv]), num_stages=2):
                     t0 = start + it * C
                     T.copy(U[0, t0 : t0 + C, hv, 0:K], u_s)
                     T.copy(do[0, t0 : t0 + C, hv, 0:V], d_s)
@@ -132,33 +139,54 @@ def build_cp_state_grads_kernel(HV: int, K: int, V: int, dtype: str, seq_dtype: 
                           f"gdn_cp_state_grads_HV{HV}_K{K}_V{V}_{dtype}_{seq_dtype}")
 
 
-def cp_correct(o: torch.Tensor, U: torch.Tensor, S: torch.Tensor, cu: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
-    """o[t] += U[t] @ S[slot(t)] in place for the rows of every slot whose flag is set.
+#: A limit that never binds (more 64-row tiles than any slot has).
+_ALL = 2**30
+
+
+def _tile_limits(flag: torch.Tensor | None, limit: torch.Tensor | None, M: int, HV: int) -> torch.Tensor:
+    """[M, HV] int32 tile limits from a per-slot flag (0 or all) or a given per-(slot, head) limit."""
+    if limit is not None:
+        if tuple(limit.shape) != (M, HV):
+            raise ValueError(f"limit must have shape {(M, HV)}, got {tuple(limit.shape)}")
+        return limit.to(torch.int32).contiguous()
+    if flag is None:
+        raise ValueError("give flag or limit")
+    return (flag.to(torch.int32) * _ALL)[:, None].expand(M, HV).contiguous()
+
+
+def cp_correct(o: torch.Tensor, U: torch.Tensor, S: torch.Tensor, cu: torch.Tensor, flag: torch.Tensor | None = None,
+               limit: torch.Tensor | None = None) -> torch.Tensor:
+    """o[t] += U[t] @ S[slot(t)] in place for the rows of every slot whose flag is set, or for the
+    first limit[slot, hv] 64-row tiles of each slot and value head.
 
     o: [1, T, HV, V] bf16/fp16 contiguous; U: [1, T, HV, K] (o's dtype); S: [M, HV, K, V] fp32
     entering states; cu: [M + 1] int32/int64 pseudo offsets (`SegmentTables.cu_seqlens`); flag: [M]
-    bool. Returns o."""
+    bool, or limit: [M, HV] int (tiles). Returns o."""
     if U.dtype != o.dtype:
         raise ValueError(f"U and o must share a dtype, got {U.dtype} and {o.dtype}")
     M = S.shape[0]
     if M == 0 or o.shape[1] == 0:
         return o
     HV, K, V = U.shape[2], U.shape[3], o.shape[3]
+    lim = _tile_limits(flag, limit, M, HV)
     kernel = build_cp_correct_kernel(HV, K, V, tl_dtype(o.dtype), tl_dtype(cu.dtype))
-    kernel(U.contiguous(), S.contiguous(), cu, flag.contiguous().view(torch.uint8), o)
+    kernel(U.contiguous(), S.contiguous(), cu, lim, o)
     return o
 
 
-def cp_state_grads(U: torch.Tensor, do: torch.Tensor, cu: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
-    """E [M, HV, K, V] fp32: E[j] = sum over slot j's rows of U_t do_t^T where flag[j], else 0.
+def cp_state_grads(U: torch.Tensor, do: torch.Tensor, cu: torch.Tensor, flag: torch.Tensor | None = None,
+                   limit: torch.Tensor | None = None) -> torch.Tensor:
+    """E [M, HV, K, V] fp32: E[j] = sum over slot j's rows of U_t do_t^T where flag[j], else 0; or,
+    with limit, over the first limit[j, hv] 64-row tiles of slot j.
 
     U: [1, T, HV, K], do: [1, T, HV, V] (same dtype, bf16/fp16); cu: [M + 1] pseudo offsets; flag: [M]
-    bool."""
-    M = flag.shape[0]
+    bool, or limit: [M, HV] int (tiles)."""
+    M = cu.shape[0] - 1
     HV, K, V = U.shape[2], U.shape[3], do.shape[3]
-    E = torch.zeros(M, HV, K, V, dtype=torch.float32, device=U.device)  # unflagged slots stay zero
+    E = torch.zeros(M, HV, K, V, dtype=torch.float32, device=U.device)  # slots with limit 0 stay zero
     if M == 0 or U.shape[1] == 0:
         return E
+    lim = _tile_limits(flag, limit, M, HV)
     kernel = build_cp_state_grads_kernel(HV, K, V, tl_dtype(U.dtype), tl_dtype(cu.dtype))
-    kernel(U.contiguous(), do.to(U.dtype).contiguous(), cu, flag.contiguous().view(torch.uint8), E)
+    kernel(U.contiguous(), do.to(U.dtype).contiguous(), cu, lim, E)
     return E

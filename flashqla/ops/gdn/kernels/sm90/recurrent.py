@@ -44,13 +44,23 @@ import torch
 
 from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slots, placeholder, sequence_span, tl_dtype
 
-__all__ = ["DEFAULT_SCHEDULE", "SCHEDULES", "build_recurrent_kernel", "chunk_recurrent_fwd", "pick_block_v", "recurrent_kernel_args"]
+__all__ = ["DEFAULT_SCHEDULE", "SCHEDULES", "build_recurrent_kernel", "chunk_recurrent_dual", "chunk_recurrent_fwd", "pick_block_v",
+           "recurrent_kernel_args"]
 
 
 def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, seq_dtype: str, varlen: bool,
-                         schedule: str):
+                         schedule: str, dual: bool = False):
     """The recurrent kernel in one of its two schedules (`SCHEDULES`): the same products and stages,
     one signature, prologue, chunk loads and final-state store, two chunk-loop bodies.
+
+    dual (schedule "overlap", K == V only): the launch of the split path's run and transition in one
+    grid of 2 x NV x HV x N CTAs (`chunk_recurrent_dual`). The first half are transition CTAs: v taken
+    as 0, the state started from I (or from 0 where `limit` is 0), `min(nchunks, limit[n, hv])`
+    chunks walked, the output rows written to `u` (rows of chunks not walked are not written) and
+    the end state to `pt`, or 0 there when fewer chunks than the segment has were walked (the
+    truncated transition, records CP-4 / CP-5). The second half are the run CTAs, the plain kernel's
+    code and arithmetic. Transition CTAs come first so that long ones (heads whose gates do not
+    decay) start in the first wave.
 
     "serial" (the first version) waits for each wgmma before the next step. "overlap" runs
     independent wgmma back to back and hides the output path under the state chain:
@@ -84,6 +94,14 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, s
     Np1 = T.dynamic("Np1")
     N0 = T.dynamic("N0")  # rows of initial_state (N, or 1 for the placeholder)
     N1 = T.dynamic("N1")  # rows of final_state (N, or 1 for the placeholder)
+    if dual and (not overlap or K != V):
+        raise ValueError("the dual launch needs schedule 'overlap' and K == V")
+    NP = T.dynamic("NP")  # rows of pt and limit (dual: N)
+    u_shape = (B, Tn, HV, K) if dual else (1,)
+    pt_shape = (NP, HV, K, K) if dual else (1,)
+    lim_shape = (NP, HV) if dual else (1,)
+    nseq = (Np1 - 1) if varlen else B
+    ncta = NV * HV * nseq
 
     @T.prim_func
     def gdn_recurrent_fwd(
@@ -99,12 +117,28 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, s
         store_ht: T.int32,
         o: T.Tensor((B, Tn, HV, V), dtype),
         ht: T.Tensor((N1, HV, K, V), "float32"),
+        u: T.Tensor(u_shape, dtype),
+        pt: T.Tensor(pt_shape, "float32"),
+        limit: T.Tensor(lim_shape, "int32"),
     ):
-        with T.Kernel(NV * HV * ((Np1 - 1) if varlen else B), threads=consumer_threads) as (bx,):
-            iv = bx % NV
-            hv = (bx // NV) % HV
-            n = bx // (NV * HV)
+        with T.Kernel(ncta * (2 if dual else 1), threads=consumer_threads) as (bx,):
+            if dual:
+                tr = bx < ncta  # transition CTA (first half)
+                b1 = T.if_then_else(tr, bx, bx - ncta)
+            else:
+                b1 = bx
+            iv = b1 % NV
+            hv = (b1 // NV) % HV
+            n = b1 // (NV * HV)
             bos, seqlen, bidx, slot0, nchunks = sequence_span(n, cu_seqlens, Tn, varlen)
+            if dual:
+                nloop = T.alloc_var("int32")
+                lim = T.alloc_var("int32")
+                nloop = nchunks
+                lim = 0
+                if tr:
+                    lim = limit[n, hv]
+                    nloop = T.min(nchunks, lim)
             hk = hv // G
             v0 = iv * BV
             if consumer_threads == 256:
@@ -134,13 +168,22 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, s
                 gam_f = T.alloc_fragment((C,), acc)  # gamma_s = exp2(g_cum_log2[s]) at this thread's columns
                 r_f = T.alloc_fragment((C,), acc)  # r_s = exp2(g_cum_log2[C-1] - g_cum_log2[s]) <= 1
 
-            if use_h0 != 0:
+            if dual:
+                if tr:
+                    for i, j in T.Parallel(BV, K):
+                        st[i, j] = T.if_then_else(v0 + i == j, T.if_then_else(lim > 0, T.float32(1), T.float32(0)), T.float32(0))
+                elif use_h0 != 0:
+                    for i, j in T.Parallel(BV, K):
+                        st[i, j] = h0[n, hv, j, v0 + i]
+                else:
+                    T.clear(st)
+            elif use_h0 != 0:
                 for i, j in T.Parallel(BV, K):
                     st[i, j] = h0[n, hv, j, v0 + i]
             else:
                 T.clear(st)
 
-            for c in T.Pipelined(nchunks, num_stages=2):
+            for c in T.Pipelined(nloop if dual else nchunks, num_stages=2):
                 t0 = bos + c * C
                 row0 = (slot0 + c) * C
                 T.copy(q[bidx, t0 : t0 + C, hk, 0:K], q_s)
@@ -161,9 +204,14 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, s
                             r_f[s] = T.exp2(T.min(gc_s[C - 1] - gc_s[s], T.float32(0)))
                         T.wait_wgmma(2)
                         T.warpgroup_fence_operand(ut, num_regs=r_acc)
-                        # W^T = V^T - U^T diag(gamma)
-                        for i, s in T.Parallel(BV, C):
-                            wt_b[i, s] = T.cast(T.cast(v_s[s, i], acc) - ut[i, s] * gam_f[s], dtype)
+                        # W^T = V^T - U^T diag(gamma) (transition CTAs: v = 0)
+                        if dual:
+                            for i, s in T.Parallel(BV, C):
+                                wt_b[i, s] = T.cast(
+                                    T.if_then_else(tr, T.float32(0), T.cast(v_s[s, i], acc)) - ut[i, s] * gam_f[s], dtype)
+                        else:
+                            for i, s in T.Parallel(BV, C):
+                                wt_b[i, s] = T.cast(T.cast(v_s[s, i], acc) - ut[i, s] * gam_f[s], dtype)
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(p_f, num_regs=C * C // consumer_threads)
                         T.warpgroup_fence_operand(ot, num_regs=r_acc)
@@ -203,9 +251,19 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, s
                         for t, i in T.Parallel(C, BV):
                             o_s[t, i] = T.cast(ot[i, t], dtype)
                         nvalid = T.min(seqlen - c * C, C)
-                        for t, i in T.Parallel(C, BV):
-                            if t < nvalid:
-                                o[bidx, t0 + t, hv, v0 + i] = o_s[t, i]
+                        if dual:
+                            if tr:
+                                for t, i in T.Parallel(C, BV):
+                                    if t < nvalid:
+                                        u[bidx, t0 + t, hv, v0 + i] = o_s[t, i]
+                            else:
+                                for t, i in T.Parallel(C, BV):
+                                    if t < nvalid:
+                                        o[bidx, t0 + t, hv, v0 + i] = o_s[t, i]
+                        else:
+                            for t, i in T.Parallel(C, BV):
+                                if t < nvalid:
+                                    o[bidx, t0 + t, hv, v0 + i] = o_s[t, i]
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(st, num_regs=r_st)
                 else:  # schedule "serial"
@@ -251,7 +309,14 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, s
                         if t < nvalid:
                             o[bidx, t0 + t, hv, v0 + i] = o_s[t, i]
 
-            if store_ht != 0:
+            if dual:
+                if tr:  # the transition P, or 0 where it was cut short
+                    for i, j in T.Parallel(BV, K):
+                        pt[n, hv, j, v0 + i] = T.if_then_else(nloop == nchunks, st[i, j], T.float32(0))
+                elif store_ht != 0:
+                    for i, j in T.Parallel(BV, K):
+                        ht[n, hv, j, v0 + i] = st[i, j]
+            elif store_ht != 0:
                 for i, j in T.Parallel(BV, K):
                     ht[n, hv, j, v0 + i] = st[i, j]
 
@@ -267,19 +332,22 @@ DEFAULT_SCHEDULE = os.environ.get("FLASHQLA_RECURRENT_SCHEDULE", "overlap")
 
 
 @functools.lru_cache(maxsize=None)
-def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str, seq_dtype: str, varlen: bool, schedule: str = "overlap"):
+def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str, seq_dtype: str, varlen: bool, schedule: str = "overlap",
+                           dual: bool = False):
     """Compiled recurrent kernel for one static configuration (cached).
 
     Static key: head counts, head dims, the value slice width BV (64 or 128), the input dtype,
-    cu_seqlens' dtype, whether input is packed (varlen) and the schedule (`SCHEDULES`). T, B, the
-    number of sequences, the scale and the initial/final-state switches are run-time values.
+    cu_seqlens' dtype, whether input is packed (varlen), the schedule (`SCHEDULES`) and whether it is
+    the split path's dual launch (run and transition in one grid, `chunk_recurrent_dual`). T, B, the
+    number of sequences, the scale, the initial/final-state switches and the transition limits are
+    run-time values.
     """
     if V % BV or BV not in (64, 128):
         raise ValueError(f"value slice width BV must be 64 or 128 and divide V = {V}, got {BV}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    func = _recurrent_prim_func(H, HV, K, V, BV, dtype, seq_dtype, varlen, schedule)
-    name = f"gdn_recurrent_fwd_H{H}_HV{HV}_K{K}_V{V}_BV{BV}_{dtype}_{seq_dtype}_{int(varlen)}_{schedule}"
+    func = _recurrent_prim_func(H, HV, K, V, BV, dtype, seq_dtype, varlen, schedule, dual)
+    name = f"gdn_recurrent_fwd_H{H}_HV{HV}_K{K}_V{V}_BV{BV}_{dtype}_{seq_dtype}_{int(varlen)}_{schedule}" + ("_dual" if dual else "")
     return compile_kernel(func, name)
 
 
@@ -295,14 +363,16 @@ def pick_block_v(N: int, HV: int, V: int = 128, sm_count: int = SM_COUNT) -> int
     return 64
 
 
-def recurrent_kernel_args(q, v, cu_seqlens, block_v=None, schedule=None) -> tuple:
-    """The static key (`build_recurrent_kernel` arguments) a launch with these inputs uses."""
+def recurrent_kernel_args(q, v, cu_seqlens, block_v=None, schedule=None, dual: bool = False) -> tuple:
+    """The static key (`build_recurrent_kernel` arguments) a launch with these inputs uses (the dual
+    launch's key ends with True; the plain key has nine entries)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
     BV = block_v or pick_block_v(N, HV, V)
     seq_dtype = tl_dtype(cu_seqlens.dtype) if cu_seqlens is not None else "int32"
-    return (H, HV, K, V, BV, tl_dtype(q.dtype), seq_dtype, cu_seqlens is not None, schedule or DEFAULT_SCHEDULE)
+    key = (H, HV, K, V, BV, tl_dtype(q.dtype), seq_dtype, cu_seqlens is not None, "overlap" if dual else (schedule or DEFAULT_SCHEDULE))
+    return key + (True,) if dual else key
 
 
 def chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale: float, initial_state, output_final_state: bool, cu_seqlens, block_v=None, o=None, final_state=None, schedule=None):
@@ -345,5 +415,53 @@ def chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale: float, initial_state, out
     ht_arg = ht if output_final_state else placeholder((1, HV, K, V), torch.float32, q.device)
     cu = cu_seqlens if varlen else placeholder((1,), torch.int32, q.device)
     kernel = build_recurrent_kernel(*recurrent_kernel_args(q, v, cu_seqlens, block_v, schedule))
-    kernel(q, k, v, A, g_cum_log2, h0, cu, float(scale), int(use_h0), int(output_final_state), o, ht_arg)
+    u, pt, lim = (placeholder((1,), dt, q.device) for dt in (q.dtype, torch.float32, torch.int32))
+    kernel(q, k, v, A, g_cum_log2, h0, cu, float(scale), int(use_h0), int(output_final_state), o, ht_arg, u, pt, lim)
     return o, ht
+
+
+def chunk_recurrent_dual(q, k, v, A, g_cum_log2, scale: float, initial_state, limit, cu_seqlens, block_v=None, o=None):
+    """The split path's run and transition launches as one launch (K == V; arguments validated by
+    the caller; `flashqla.cp.driver`).
+
+    Run CTAs: the plain kernel from `initial_state` (zeros when None) -> o and the end states Q.
+    Transition CTAs, per (sequence, value head): v = 0, started from I where limit > 0 (else from 0),
+    min(chunks, limit) chunks walked -> U (rows of the chunks walked; other rows are left unwritten)
+    and P (the end state, or 0 where the walk was cut short: the gate-driven truncation, records
+    CP-4 / CP-5, `flashqla.cp.driver.transition_limits`).
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, HV, V] (V == K), bf16 or fp16, contiguous.
+        A, g_cum_log2: `chunk_prepare_fwd` outputs for cu_seqlens.
+        scale: output scale. initial_state: [N, HV, K, V] fp32 contiguous or None.
+        limit: [N, HV] int32 contiguous, chunks of each transition (0: none, the slot is not corrected).
+        cu_seqlens: [N + 1] int32/int64 or None. block_v: value slice width (None: `pick_block_v`).
+        o: optional preallocated output [B, T, HV, V].
+
+    Returns:
+        (o [B, T, HV, V], Q [N, HV, K, V] fp32, U [B, T, HV, K] in q's dtype, P [N, HV, K, K] fp32).
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if V != K:
+        raise ValueError(f"the dual launch needs K == V, got K={K}, V={V}")
+    varlen = cu_seqlens is not None
+    N = cu_seqlens.numel() - 1 if varlen else B
+    if tuple(limit.shape) != (N, HV) or limit.dtype != torch.int32:
+        raise ValueError(f"limit must be int32 of shape {(N, HV)}, got {limit.dtype} {tuple(limit.shape)}")
+    o = torch.empty_like(v) if o is None else o
+    U = torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
+    Q = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
+    P = torch.empty(N, HV, K, K, dtype=torch.float32, device=q.device)
+    if N == 0:
+        return o, Q, U, P
+    if T == 0:
+        Q.copy_(initial_state) if initial_state is not None else Q.zero_()
+        P.zero_()
+        return o, Q, U, P
+    use_h0 = initial_state is not None
+    h0 = initial_state if use_h0 else placeholder((1, HV, K, V), torch.float32, q.device)
+    cu = cu_seqlens if varlen else placeholder((1,), torch.int32, q.device)
+    kernel = build_recurrent_kernel(*recurrent_kernel_args(q, v, cu_seqlens, block_v, dual=True))
+    kernel(q, k, v, A, g_cum_log2, h0, cu, float(scale), int(use_h0), 1, o, Q, U, P, limit.contiguous())
+    return o, Q, U, P
