@@ -603,7 +603,7 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
         elif _token_kernels_apply(o, U):  # one launch over every corrected slot, the walked chunks only
             from flashqla.ops.gdn.kernels.sm90.cp_correct import cp_correct
 
-            cp_correct(o, U, S_in, pcu, limit=limit)
+            cp_correct(o, U, S_in, pcu, limit=limit, max_rows=L)
         elif one_sequence:  # reads slots 1 .. nseg - 1 only
             _correct_one_sequence(o, U, S_in.to(o.dtype), total, L)
         else:
@@ -1015,7 +1015,7 @@ def cp_forward_open(backend, q, k, v, g, beta, scale: float, initial_state, tabl
     if _token_kernels_apply(o, U):
         from flashqla.ops.gdn.kernels.sm90.cp_correct import cp_correct
 
-        cp_correct(o, U, S_start, tab.cu_seqlens, corr)
+        cp_correct(o, U, S_start, tab.cu_seqlens, corr, max_rows=tab.segment_len)
     elif N == 1 and _ONE_SEQUENCE_FAST_PATH:
         _correct_one_sequence(o, U, S_start.to(o.dtype), T, L, first=0 if open_first else 1)
     else:

@@ -13,7 +13,8 @@ of every corrected token row, a batched GEMM and an index_add (~0.8 ms at 2/8 he
 tokens). Here one CTA per (segment slot, value head) walks its segment's rows in 64-row tiles: TMA
 loads of U (and o or do), a wgmma with the entering state (bf16 in shared memory, converted once per
 CTA) or into the [K, V] fp32 accumulator. Slots are read from the pseudo offsets of the segment
-tables (a slot's rows are [cu[j], cu[j + 1])); a per-(slot, value head) limit says how many 64-row
+tables (a slot's rows are [cu[j], cu[j + 1]), spread over CTAs of TG tiles each by the correction);
+a per-(slot, value head) limit says how many 64-row
 tiles from the slot's start are used (0: the slot is not corrected; `need_correction` or an open
 sequence's mask as a flag gives 0 or all; the gate-driven truncation gives the chunks its transition
 walked, `flashqla.cp.driver.transition_limits`: U rows past them were never written and add nothing).
@@ -36,6 +37,11 @@ from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, tl_dtyp
 __all__ = ["build_cp_correct_kernel", "build_cp_state_grads_kernel", "cp_correct", "cp_state_grads"]
 
 
+#: 64-row tiles of one slot one CTA of the output correction handles (a slot's tiles are spread over
+#: ceil(tiles / TG) CTAs, so the launch does not wait on one CTA walking a whole long segment).
+TG = 8
+
+
 def _correct_prim_func(HV: int, K: int, V: int, dtype: str, seq_dtype: str):
     import tilelang.language as T
 
@@ -50,11 +56,13 @@ def _correct_prim_func(HV: int, K: int, V: int, dtype: str, seq_dtype: str):
         S: T.Tensor((M, HV, K, V), "float32"),
         cu: T.Tensor((Mp1,), seq_dtype),
         limit: T.Tensor((M, HV), "int32"),
+        ngroups: T.int32,
         o: T.Tensor((1, Tn, HV, V), dtype),
     ):
-        with T.Kernel(M * HV, threads=128) as (bx,):
-            slot = bx // HV
-            hv = bx % HV
+        with T.Kernel(M * HV * ngroups, threads=128) as (bx,):
+            grp = bx % ngroups  # tiles [TG grp, TG (grp + 1)) of the slot
+            slot = bx // ngroups // HV
+            hv = bx // ngroups % HV
             s_s = T.alloc_shared((K, V), dtype)
             u_s = T.alloc_shared((C, K), dtype)
             o_s = T.alloc_shared((C, V), dtype)
@@ -65,11 +73,11 @@ def _correct_prim_func(HV: int, K: int, V: int, dtype: str, seq_dtype: str):
             end = T.cast(cu[slot + 1], "int32")
             # the test reads no variable: TileLang 0.1.15 moves variable assignments into the
             # warp-specialised branches, after a test placed before the pipelined loop
-            if limit[slot, hv] > 0:
+            if limit[slot, hv] > grp * TG:
                 for i, j in T.Parallel(K, V):
                     s_s[i, j] = T.cast(S[slot, hv, i, j], dtype)
-                for it in T.Pipelined(T.min(T.ceildiv(end - start, C), limit[slot, hv]), num_stages=2):
-                    t0 = start + it * C
+                for it in T.Pipelined(T.min(T.min(T.ceildiv(end - start, C), limit[slot, hv]) - grp * TG, TG), num_stages=2):
+                    t0 = start + (grp * TG + it) * C
                     T.copy(U[0, t0 : t0 + C, hv, 0:K], u_s)
                     T.copy(o[0, t0 : t0 + C, hv, 0:V], o_s)
                     T.gemm(u_s, s_s, acc, clear_accum=True)
@@ -155,13 +163,14 @@ def _tile_limits(flag: torch.Tensor | None, limit: torch.Tensor | None, M: int, 
 
 
 def cp_correct(o: torch.Tensor, U: torch.Tensor, S: torch.Tensor, cu: torch.Tensor, flag: torch.Tensor | None = None,
-               limit: torch.Tensor | None = None) -> torch.Tensor:
+               limit: torch.Tensor | None = None, max_rows: int | None = None) -> torch.Tensor:
     """o[t] += U[t] @ S[slot(t)] in place for the rows of every slot whose flag is set, or for the
     first limit[slot, hv] 64-row tiles of each slot and value head.
 
     o: [1, T, HV, V] bf16/fp16 contiguous; U: [1, T, HV, K] (o's dtype); S: [M, HV, K, V] fp32
     entering states; cu: [M + 1] int32/int64 pseudo offsets (`SegmentTables.cu_seqlens`); flag: [M]
-    bool, or limit: [M, HV] int (tiles). Returns o."""
+    bool, or limit: [M, HV] int (tiles); max_rows: a host bound on any slot's rows (the segment
+    length; None: T), which sets the CTAs per slot (ceil(max_rows / (64 TG))). Returns o."""
     if U.dtype != o.dtype:
         raise ValueError(f"U and o must share a dtype, got {U.dtype} and {o.dtype}")
     M = S.shape[0]
@@ -169,8 +178,10 @@ def cp_correct(o: torch.Tensor, U: torch.Tensor, S: torch.Tensor, cu: torch.Tens
         return o
     HV, K, V = U.shape[2], U.shape[3], o.shape[3]
     lim = _tile_limits(flag, limit, M, HV)
+    rows = o.shape[1] if max_rows is None else min(int(max_rows), o.shape[1])
+    ngroups = max(-(-rows // (CHUNK * TG)), 1)
     kernel = build_cp_correct_kernel(HV, K, V, tl_dtype(o.dtype), tl_dtype(cu.dtype))
-    kernel(U.contiguous(), S.contiguous(), cu, lim, o)
+    kernel(U.contiguous(), S.contiguous(), cu, lim, ngroups, o)
     return o
 
 
