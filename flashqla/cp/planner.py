@@ -222,11 +222,13 @@ DUAL_LAUNCH = True
 FULL_TRANSITION_HEADS = 1
 CUT_CHUNKS = 4
 #: Fixed cost of a split forward per value head beyond the launches above (limits, scan, correction,
-#: their index work), chunk units. Fitted on the H200 (2026-11-30, tests/gpu/cp_dual_check.py, split
-#: against unsplit, cp auto): ~0.05 ms unexplained by the rest of the model at 8 value heads, ~0.12 at
-#: 32, ~0.25 at 64; without it the model split 16/64 x 8192 (0.49 -> 0.62 ms), 16/16 4 x 8192 (0.52 ->
-#: 0.60) and 32/32 x 4096 (0.235 -> 0.260).
-HEAD_OVERHEAD = 1.1
+#: their index work), chunk units. Fitted on the H200 (2026-11-30, tests/gpu/cp_dual_check.py --cp on,
+#: the planner's split with the default cut against unsplit, ms): split faster at 16/64 x 32768 (1.92
+#: -> 1.49), 16/48 x 16384 (0.91 -> 0.78), 16/32 x 8192 (0.44 -> 0.41), 16/64 28672 + 4096 (1.89 ->
+#: 1.60); slower at 16/64 x 8192 (0.49 -> 0.56), 32/32 x 4096 (0.237 -> 0.286), 8/32 x 4096 (0.226 ->
+#: 0.275); even at 16/16 4 x 8192 (0.52). Every value in (0.59, 0.88) makes MIN_GAIN pick the faster
+#: of the two on all eight.
+HEAD_OVERHEAD = 0.75
 #: Cost of one combine-scan step (the one-launch scan kernel, `kernels/sm90/cp_scan.py`), chunk units.
 #: Measured on the H200 (CUDA graphs): 4.4 us a step at 8 value heads, 11 us at 32 (~1.3-3.3 units).
 SCAN_STEP_COST = 1.5

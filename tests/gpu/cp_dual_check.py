@@ -159,7 +159,7 @@ def _parse(row):
     return H, HV, lengths
 
 
-def timing(rows, bwd_rows):
+def timing(rows, bwd_rows, cp="auto"):
     from flashqla.cp.driver import chunk_gated_delta_rule_cp_bwd, chunk_gated_delta_rule_cp_fwd
     from flashqla.ops.gdn.api import chunk_gated_delta_rule
 
@@ -176,8 +176,8 @@ def timing(rows, bwd_rows):
             res["unsplit"] = time_graph(lambda: chunk_gated_delta_rule(*args, cp="off"))
             for tag, env in variants:
                 os.environ.update(env)
-                res[tag] = time_graph(lambda: chunk_gated_delta_rule(*args, cp="auto"))
-            res["dual+cut10"] = time_graph(lambda: chunk_gated_delta_rule_cp_fwd(*args, cp="auto", truncate=-10.0,
+                res[tag] = time_graph(lambda: chunk_gated_delta_rule(*args, cp=cp))
+            res["dual+cut10"] = time_graph(lambda: chunk_gated_delta_rule_cp_fwd(*args, cp=cp, truncate=-10.0,
                                                                                  relayout=False))
         os.environ["FLASHQLA_CP_EXACT"] = "0"
         table.append(("fwd " + row, res))
@@ -231,16 +231,19 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", nargs="*", default=TIMING_ROWS)
     ap.add_argument("--bwd-rows", nargs="*", default=BWD_ROWS)
     ap.add_argument("--sweeps", nargs="*", default=SWEEPS)
+    ap.add_argument("--cp", default="auto", help="the split variants' cp mode (on: the planner's best split)")
+    ap.add_argument("--skip-checks", action="store_true")
     a = ap.parse_args(argv)
     result = dict(cases=[], bwd=[], timing=[], errors=[])
-    for case in CASES:
+    for case in [] if a.skip_checks else CASES:
         try:
             result["cases"].append(check_case(*case))
             print(result["cases"][-1], flush=True)
         except Exception as e:  # noqa: BLE001 - reported, the other cases still run
             result["errors"].append(f"{case[0]}: {type(e).__name__}: {e}")
             print("ERROR", result["errors"][-1], flush=True)
-    for case in (("2/8 1x8192 L1024", 2, 8, [8192], 1024), ("4/16 3000+0+5000 L512", 4, 16, [3000, 0, 5000], 512)):
+    bwd_cases = (("2/8 1x8192 L1024", 2, 8, [8192], 1024), ("4/16 3000+0+5000 L512", 4, 16, [3000, 0, 5000], 512))
+    for case in [] if a.skip_checks else bwd_cases:
         try:
             result["bwd"].append(check_bwd(*case))
             print(result["bwd"][-1], flush=True)
@@ -249,7 +252,7 @@ def main(argv=None) -> int:
             print("ERROR", result["errors"][-1], flush=True)
     if not a.skip_timing:
         try:
-            result["timing"] = timing(a.rows, a.bwd_rows)
+            result["timing"] = timing(a.rows, a.bwd_rows, a.cp)
         except Exception as e:  # noqa: BLE001
             result["errors"].append(f"timing: {type(e).__name__}: {e}")
             print("ERROR", result["errors"][-1], flush=True)
