@@ -47,7 +47,11 @@ segment tables, both scans, the correction and the backward's E are one launch e
 takes 4.4 us a step at 8 value heads and 11 us at 32 (SCAN_STEP_COST 1.5 for the forward), the
 per-head correction launches are gone, and the whole call is 0.457 ms at 2/8 x 32768
 (tests/gpu/cp_fwd_plan_check.py: these costs split 12 more benchmark rows, each measured faster
-split, 1.05-1.83x).
+split, 1.05-1.83x). Then the run and the transitions became one launch (`chunk_recurrent_dual`) with
+the gate-driven cut of each (segment, head) transition, costed by DUAL_LAUNCH,
+FULL_TRANSITION_HEADS, CUT_CHUNKS and HEAD_OVERHEAD below (tests/gpu/cp_dual_check.py): 2/8 x
+32768 is now split at L = 2560 (104 run CTAs, 12 full and 84 cut transitions in one wave) and takes
+0.370 ms.
 The planner evaluates both BV choices (only those dividing V), no split, and every segment length
 L = SEGMENT_QUANTUM * j (512 tokens = 8 chunks, as FlashInfer's exact CP; always a multiple of the
 64-token chunk) with L < l_max, and splits when the best split is predicted at least MIN_GAIN = 1.2x
@@ -55,10 +59,10 @@ faster than the best unsplit launch (among split candidates within TIE = 3% of t
 longest L wins: fewer waves, fewer scan steps, less overhead the model leaves out). The optimum
 lands where the segment CTAs fill one or a few whole waves: shorter segments do not shorten the
 critical path below total work / slots and add scan steps; longer ones leave SMs idle.
-Examples at 132 SMs (exact mode / gate-driven with 4 chunks): 2/8 1x32768 -> split, L = 2048,
-BV = 128, 16 segments x 8 heads = 128 CTAs (one wave), predicted 3.65x / 8x (measured 3.4x: 1.57 ->
-0.46 ms); 16/32 1x32768 -> split, L = 8192 (predicted 1.24x, measured 1.20x); 32/32 1x4096 -> no
-split; 16/64 4x8192 (256 CTAs unsplit) -> no split. `disable=True` never splits; `force=True`
+Examples at 132 SMs (exact mode, the dual launch and the cut): 2/8 1x32768 -> split, L = 2560,
+BV = 128 (measured 1.56 -> 0.37 ms); 16/32 1x32768 -> split, L = 8192 (1.72 -> 0.96 ms); 16/64
+1x32768 -> split, L = 16896 (1.92 -> 1.48 ms); 32/32 1x4096 -> no split (split 0.286 against
+0.237 ms); 16/64 4x8192 (256 CTAs unsplit) -> no split. `disable=True` never splits; `force=True`
 always splits (the best split, or `segment_len`); `segment_len` fixes L (a multiple of 64);
 `exact=True` costs exact mode, `exact=False` the gate-driven mode with `gate_chunks` chunks. The
 constants are module-level and named below.
