@@ -26,6 +26,8 @@ eigenvalues 1 and 1 - beta in [0, 1], so its spectral norm is <= 1 and ||P||_2 <
 
     CP-4  ||S_true - S_trunc||_F <= exp(G) ||S_w||_F                  (every later state)
     CP-5  ||o_t,true - o_t,trunc||_2 <= scale ||q_t||_2 exp(G) ||S_w||_F  (every later output)
+    CP-6  ||P^T Y||_F <= exp(G) ||Y||_F                                 (the backward: the state
+                                                                         gradient a cut drops)
 
 (G over the window; tokens further on decay more, which only tightens both.) The checker proves each
 inequality for one value column (columns are independent; the Frobenius norm sums them) from a
@@ -106,22 +108,24 @@ def _outputs(C, K, V, n):
     return tuple(lhs), tuple(rhs)
 
 
-def _window(C, K):
-    """One value column x through C gated factors a_t (I - beta_t k_t k_t^T), beta_t in (0, 1].
+def _window(C, K, reverse=False):
+    """One value column x through C gated factors a_t (I - beta_t k_t k_t^T), beta_t in (0, 1], in
+    token order (the window map P), or in reverse order (P^T: each factor is symmetric).
 
     Returns (x0, x_C, gate product, sum-of-squares terms, condition multipliers, domain) certifying
-    (prod a)^2 ||x0||^2 - ||x_C||^2 = sum_t (prod_{s>=t} a_s)^2 [beta_t (2 - beta_t) (k_t^T x_{t-1})^2
-    + beta_t^2 (k_t^T x_{t-1})^2 (1 - k_t^T k_t)] (telescoped per-token steps)."""
+    (prod a)^2 ||x0||^2 - ||x_C||^2 = sum_t (prod_{s applied at or after t} a_s)^2 [beta_t (2 - beta_t)
+    (k_t^T x_{t-1})^2 + beta_t^2 (k_t^T x_{t-1})^2 (1 - k_t^T k_t)] (telescoped per-token steps)."""
     a = [sp.Symbol(f"a_{t}", positive=True) for t in range(C)]
     b = [sp.Symbol(f"beta_{t}", positive=True) for t in range(C)]
     domain = {b[t]: 1 / (1 + sp.Symbol(f"p_{t}", nonnegative=True)) for t in range(C)}
     x0 = sp.Matrix([sp.Symbol(f"x_{i}", real=True) for i in range(K)])
     x, terms, conditions = x0, [], []
-    for t in range(C):
+    order = list(reversed(range(C))) if reverse else list(range(C))
+    for pos, t in enumerate(order):
         k = mat(f"k{t}", K, 1)
         beta = b[t]
         kx = (k.T * x)[0]
-        carry = prod(a[t:]) ** 2
+        carry = prod(a[s] for s in order[pos:]) ** 2
         terms.append((carry * beta * (2 - beta), kx))
         conditions.append((carry * beta**2 * kx**2, 1 - (k.T * k)[0]))
         x = a[t] * (x - beta * k * kx)
@@ -130,6 +134,11 @@ def _window(C, K):
 
 def _state_bound(C, K):
     x0, x, G, terms, conditions, domain = _window(C, K)
+    return Bound(small=(x.T * x)[0], large=G**2 * (x0.T * x0)[0], terms=terms, conditions=conditions, domain=domain)
+
+
+def _adjoint_bound(C, K):
+    x0, x, G, terms, conditions, domain = _window(C, K, reverse=True)
     return Bound(small=(x.T * x)[0], large=G**2 * (x0.T * x0)[0], terms=terms, conditions=conditions, domain=domain)
 
 
@@ -225,6 +234,21 @@ CP_5 = register(Identity(
     condition="||k_t||_2 = 1 and beta_t in [0, 1] (any a_t = exp(g_t) > 0)",
     twins=("reference.gdn.cp.cp_gated_delta_rule_fwd", "reference.gdn.recurrent.recurrent_gated_delta_rule"),
     source="FlashQLA warm-up truncation; research/flashqla-design.md 4.3, 4.5",
+))
+
+CP_6_ADJ = register(Identity(
+    id="CP-6",
+    statement="the transposed window map (the state gradient a cut transition drops, P^T G) is bounded the same way: <= exp(G) ||G||",
+    latex=r"\|P^\top Y\|_F \le e^{G} \|Y\|_F,\quad P^\top = \prod_{t\ \mathrm{ascending}} a_t (I - \beta_t k_t k_t^\top)",
+    build=_adjoint_bound,
+    sizes=((3, 2), (2, 3)),
+    size_names=("C", "K"),
+    kind="bounded",
+    bound="||P^T Y||_F <= exp(G) ||Y||_F, G = sum of g over the window",
+    condition="||k_t||_2 = 1 and beta_t in [0, 1] (any a_t = exp(g_t) > 0)",
+    twins=("reference.gdn.cp.segment_maps", "reference.gdn.cp.entering_state_grad"),
+    source="CP-4 transposed (each factor is symmetric); the backward's gate-driven cut of P_j^T G_j "
+           "(flashqla.cp.driver.cp_backward, transition_limits)",
 ))
 
 CP_6 = register(Identity(

@@ -137,7 +137,7 @@ def test_cp_empty_sequence(segment_len):
 # Bounded records: the truncated warm-up against CP-4 / CP-5 at adversarial gates
 # ------------------------------------------------------------------------------------------------
 
-BOUNDED_TESTED = ("CP-4", "CP-5")
+BOUNDED_TESTED = ("CP-4", "CP-5", "CP-6")
 GATES = (0.0, -0.01, -1.0, -30.0)
 SEG = 128  # tokens per segment (2 chunks); warm-up window 1 chunk
 ROUND = 1e-12  # rounding floor, relative to the magnitude of the exact quantity
@@ -216,6 +216,23 @@ def test_bound_cp5_outputs(gate):
     assert worst < 1.0
 
 
+@pytest.mark.parametrize("gate", GATES, ids=[f"g={g}" for g in GATES])
+def test_bound_cp6_transposed_map(gate):
+    """CP-6: the transposed window map of every window (sequences of 1 to 200 tokens, windows of
+    several chunks included) against exp(G) for random Y, and tight where there is no decay."""
+    lengths = [1, 63, 64, 65, 130, 200]
+    x = make_gdn_inputs(1, sum(lengths), 2, 4, 16, 8, cu_seqlens=lengths, gate=gate, special_heads=False, seed=5)
+    P, _ = cp.segment_maps(x["k"], x["v"], x["g"], x["beta"], cu_seqlens=x["cu_seqlens"])  # [N, HV, K, K]
+    cu = x["cu_seqlens"].tolist()
+    G = torch.stack([x["g"][0, cu[n]:cu[n + 1]].sum(0) for n in range(len(lengths))])  # [N, HV]
+    Y = torch.randn(*P.shape[:2], 16, 8, generator=torch.Generator().manual_seed(7), dtype=P.dtype)
+    lhs = torch.linalg.matrix_norm(P.transpose(-1, -2) @ Y)
+    rhs = G.exp() * torch.linalg.matrix_norm(Y)
+    assert bool((lhs <= rhs * (1 + 1e-9)).all()), f"CP-6 g={gate}: max ratio {(lhs / rhs).max():.6f}"
+    if gate == 0.0:  # no decay: the bound is 1, and the map keeps a good part of Y (not vacuous)
+        assert float((lhs / rhs).max()) > 0.3
+
+
 def test_truncation_fallback_is_exact():
     # FlashQLA's fallback: a (segment, head) whose window decay is not below the threshold takes the
     # exact state, so with weak decay everywhere the truncated run is exact.
@@ -229,3 +246,4 @@ def test_truncation_fallback_is_exact():
 def test_derivation_bounds_cover_the_twin_tests():
     # the bound the tests check is the one the records state
     assert "exp(G)" in derivations.get("CP-4").bound and "scale ||q_t||_2 exp(G)" in derivations.get("CP-5").bound
+    assert "exp(G) ||Y||_F" in derivations.get("CP-6").bound

@@ -862,8 +862,8 @@ def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float,
        gradient, and each first segment's dh0, the sequence's.
 
     With a gate-driven cut (truncate, as `cp_forward`) each transition walks `transition_limits`
-    chunks: P_j = 0 where cut (the dropped P_j^T G_j is at most exp(cutoff) ||G_j||_F, the transpose
-    of CP-4's bound) and E_j sums the walked rows only (each dropped U_t is at most scale ||q_t||
+    chunks: P_j = 0 where cut (the dropped P_j^T G_j is at most exp(cutoff) ||G_j||_F, record CP-6)
+    and E_j sums the walked rows only (each dropped U_t is at most scale ||q_t||
     exp(cutoff) in norm, CP-5).
 
     Args: as `chunk_gated_delta_rule_bwd`, with A, g_cum_log2 in the slot layout of
