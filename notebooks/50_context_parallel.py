@@ -53,7 +53,7 @@ FIG = pathlib.Path(os.environ.get("FLASHQLA_NB_FIGURES") or "figures")
 FIG.mkdir(exist_ok=True)
 CP = [r.id for r in derivations.registry() if r.id.startswith("CP-")]
 print(f"size: {SIZE}, K = V = {K}; records: {', '.join(CP)}")
-assert CP == ["CP-1", "CP-2", "CP-3", "CP-4", "CP-5"]
+assert CP == ["CP-1", "CP-2", "CP-3", "CP-4", "CP-5", "CP-6"]
 
 # %% [markdown]
 # ## The records
