@@ -413,26 +413,33 @@ def _cd(a, b):
 
 def _run_and_transition(HV, T, V, sms, L, BV):
     """The docstring's run and transition launches for one sequence of T tokens at a fixed L:
-    (run, transition, segments, chunks per segment)."""
+    (run alone, run + transitions as the dual launch with cut transitions, segments, chunks per
+    segment, value heads assumed to walk whole segments)."""
     NV, slots, segs = V // BV, sms * planner.CTAS_PER_SM[BV], _cd(T, L)
     chunks = _cd(min(L, T), CHUNK)
     run = planner.CHUNK_COST[BV] * _cd(NV * HV * segs, slots) * chunks
     later = segs - 1
-    trans = planner.CHUNK_COST[BV] * _cd(NV * HV * later, slots) * chunks if later else 0.0
-    return run, trans, segs, chunks
+    full = min(planner.FULL_TRANSITION_HEADS, HV)
+    long = NV * (HV * segs + full * later)
+    work = long * chunks + NV * (HV - full) * later * min(planner.CUT_CHUNKS, chunks)
+    both = planner.CHUNK_COST[BV] * max(_cd(long, slots) * chunks, work / slots)
+    return run, both, segs, chunks, full
 
 
 def _fwd_exact_split(HV, T, V, sms, L, BV):
-    """The docstring's exact-mode cost for one sequence of T tokens at a fixed L."""
-    run, trans, segs, _ = _run_and_transition(HV, T, V, sms, L, BV)
-    return (run + (planner.PASSES_EXACT - 1) * trans + planner.SCAN_STEP_COST * (segs - 1)
-            + planner.CORRECTION_COST * HV * (T - min(L, T)) + planner.LAUNCH_COST * planner.EXTRA_LAUNCHES)
+    """The docstring's exact-mode cost for one sequence of T tokens at a fixed L (dual launch, cut
+    transitions, the correction over the walked rows, the per-head overhead)."""
+    _, both, segs, _, full = _run_and_transition(HV, T, V, sms, L, BV)
+    seg_len = min(L, T)
+    corrected = (T - seg_len) * (full + (HV - full) * min(planner.CUT_CHUNKS * CHUNK, seg_len) / seg_len) / HV
+    return (both + planner.SCAN_STEP_COST * (segs - 1) + planner.CORRECTION_COST * HV * corrected
+            + planner.LAUNCH_COST * planner.EXTRA_LAUNCHES + planner.HEAD_OVERHEAD * HV)
 
 
 def _bwd_split(HV, T, V, sms, L, BV):
-    run, trans, segs, chunks = _run_and_transition(HV, T, V, sms, L, BV)
+    run, both, segs, chunks, _ = _run_and_transition(HV, T, V, sms, L, BV)
     bwd = planner.BWD_CHUNK_COST * _cd(HV * segs, sms) * chunks
-    return (2 * run + trans + 2 * planner.BWD_SCAN_STEP_COST * (segs - 1) + bwd
+    return (both + run + 2 * planner.BWD_SCAN_STEP_COST * (segs - 1) + bwd
             + planner.LAUNCH_COST * (2 * planner.EXTRA_LAUNCHES + HV))
 
 

@@ -374,20 +374,37 @@ def _chunk_end_decay(g_cum_log2: torch.Tensor, slot_rows: torch.Tensor, valid: t
     return (vals.sum(-1) * _LN2).transpose(0, 1)
 
 
+#: Values of $FLASHQLA_CP_EXACT (case-insensitive, surrounding blanks ignored): exact, or the default cut.
+_EXACT_ON = ("1", "true", "yes", "on")
+_EXACT_OFF = ("", "0", "false", "no", "off")
+
+
 def resolve_truncate(truncate) -> float | None:
     """The natural-log decay cutoff of a call's transitions: None (exact: whole segments) or a
-    negative float. truncate: None ($FLASHQLA_CP_EXACT=1: exact, else TRUNCATE_LOG_DECAY), False
-    (exact), True (TRUNCATE_LOG_DECAY) or a negative number (that cutoff, e.g. FlashQLA's -10)."""
+    negative finite float. truncate: None ($FLASHQLA_CP_EXACT: "1", "true", "yes" or "on" means
+    exact; unset, "", "0", "false", "no" or "off" the default cut TRUNCATE_LOG_DECAY), False (exact),
+    True (TRUNCATE_LOG_DECAY) or a negative finite real number (that cutoff, e.g. FlashQLA's -10).
+    Raises ValueError naming truncate (or FLASHQLA_CP_EXACT) for anything else."""
+    import numbers
     import os
 
     if truncate is None:
-        truncate = os.environ.get(EXACT_ENV, "0") not in ("1", "true", "True")
+        env = os.environ.get(EXACT_ENV, "").strip().lower()
+        if env not in _EXACT_ON + _EXACT_OFF:
+            raise ValueError(f"${EXACT_ENV} must be one of {_EXACT_ON} (exact transitions) or {_EXACT_OFF} (the "
+                             f"gate-driven cut), got {os.environ.get(EXACT_ENV)!r}")
+        truncate = env in _EXACT_OFF
     if truncate is True:
         return TRUNCATE_LOG_DECAY
     if truncate is False:
         return None
-    if isinstance(truncate, (int, float)) and math.isfinite(truncate) and truncate < 0:
-        return float(truncate)
+    if isinstance(truncate, numbers.Real) and not isinstance(truncate, bool):
+        try:
+            value = float(truncate)
+        except (OverflowError, TypeError, ValueError):
+            value = float("nan")
+        if math.isfinite(value) and value < 0:
+            return value
     raise ValueError(f"truncate must be None, a bool or a negative finite log-decay, got {truncate!r}")
 
 
@@ -397,7 +414,10 @@ def transition_limits(g_cum_log2: torch.Tensor, tables: SegmentTables, cutoff: f
     0 on slots that are not corrected (first segments, inert slots). On the others, all the slot's
     chunks when cutoff is None; else the chunks up to and including the first chunk c at which the
     summed log-decay from the slot's start, sum over chunks 0..c of g, falls below `cutoff` (natural
-    log), or all of them when it never does (a head with g == 0 always walks its whole segment).
+    log), or all of them when it never does (a head with g == 0 always walks its whole segment). The
+    sums are of the prepare kernel's fp32 chunk totals in log2 units, compared with cutoff / ln 2: a sum
+    within fp32 rounding of the cutoff may count as below (then the dropped terms are at most
+    exp(cutoff) up to that rounding).
     Past chunk c every contribution of the entering state S_in to a later state is at most
     exp(cutoff) ||S_in||_F and to an output o_t at most scale ||q_t|| exp(cutoff) ||S_in||_F (records
     CP-4 / CP-5; keys of unit norm and beta in [0, 1]), so the transition P is taken as 0 and U's
@@ -1196,6 +1216,7 @@ def chunk_gated_delta_rule_cp_fwd(
         raise ValueError(f"correction must be one of {CORRECTIONS}, got {correction!r}")
     if gate_chunks is not None and (not isinstance(gate_chunks, int) or gate_chunks < 1):
         raise ValueError(f"gate_chunks must be None or a positive int (chunks of 64 tokens), got {gate_chunks!r}")
+    cutoff = resolve_truncate(truncate)  # checked on every path, split or not
     if not isinstance(use_qk_l2norm_in_kernel, bool):
         raise TypeError(f"use_qk_l2norm_in_kernel must be a bool, got {type(use_qk_l2norm_in_kernel).__name__}")
     if backend is None:
@@ -1236,7 +1257,7 @@ def chunk_gated_delta_rule_cp_fwd(
     o, final, A, G2, info = cp_forward(backend, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                        tables, block_v=BV, gate_chunks=gate_chunks, correction=correction,
                                        poison_outputs=poison_outputs, want_info=return_info, static_key=static_key,
-                                       truncate=resolve_truncate(truncate) if truncate is None else truncate)
+                                       truncate=False if cutoff is None else cutoff)
     if relayout:
         A, G2 = segment_slots_to_sequence_slots(A, G2, tables, cu_seqlens, d.B, d.T)
     out = ChunkGDNForward(o=o, final_state=final, A=A, g_cum_log2=G2, q=q, k=k)
@@ -1297,6 +1318,7 @@ def chunk_gated_delta_rule_cp_bwd(
     Returns (dq, dk, dv, dg, dbeta, dh0 or None), the unsplit backward's dtypes.
     Raises ValueError for an unknown cp mode or a bad segment_len.
     """
+    cutoff = resolve_truncate(truncate)  # checked on every path, split or not
     if backend is None:
         backend = _default_backend()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -1317,4 +1339,4 @@ def chunk_gated_delta_rule_cp_bwd(
     if hasattr(backend, "warm"):
         backend.warm(_flat(k), _flat(beta), _flat(q), _flat(v), tables.cu_seqlens, v.shape[2], BV)
     return cp_backward(backend, q, k, v, g, beta, A_p, G_p, do, dht, scale, initial_state, cu_seqlens, tables,
-                       block_v=BV, static_key=static_key, truncate=resolve_truncate(truncate) if truncate is None else truncate)
+                       block_v=BV, static_key=static_key, truncate=False if cutoff is None else cutoff)

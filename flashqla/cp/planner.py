@@ -28,10 +28,15 @@ for the launches `flashqla.cp.driver` makes:
                  384 x 168 / 256 x 202 registers)
     unsplit      t(BV) * max(ceil(l_max / 64), ceil(NV HV N / slots) * ceil(l_avg / 64))
     run(L)       t(BV) * ceil(NV HV m / slots) * ceil(min(L, l_max) / 64), m = number of segments
-    exact        PASSES_EXACT * run(L)                          run + transition launches
+    exact        dual(L) (DUAL_LAUNCH; else PASSES_EXACT * run(L), two launches)
                  + SCAN_STEP_COST * (ceil(l_max / L) - 1)        sequential combine products
-                 + CORRECTION_COST * HV * (tokens past first segments)   the correction (one launch)
-                 + LAUNCH_COST * EXTRA_LAUNCHES                  small launches
+                 + CORRECTION_COST * HV * (tokens past first segments) * walked fraction
+                 + LAUNCH_COST * EXTRA_LAUNCHES + HEAD_OVERHEAD * HV   small launches, per-head work
+    dual(L)      t(BV) * max(ceil(long / slots) * c, (long * c + short * min(CUT_CHUNKS, c)) / slots),
+                 c = ceil(min(L, l_max) / 64), long = NV (HV m + F m'), short = NV (HV - F) m',
+                 F = min(FULL_TRANSITION_HEADS, HV), m' non-first segments: the runs and the
+                 transitions of undecayed heads walk whole segments, the others are cut short;
+                 walked fraction = (F + (HV - F) min(64 CUT_CHUNKS, L) / L) / HV
     gated        PASSES_GATED * run(L) + t(BV) ceil(NV HV m' / slots) * gate_chunks   (m' non-first
                  segments, the compact transition launch) + CORRECTION_COST * HV * m' * 64 gate_chunks
                  + LAUNCH_COST * EXTRA_LAUNCHES_GATED (gate_chunks defaults to DEFAULT_GATE_CHUNKS)
