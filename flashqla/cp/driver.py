@@ -472,18 +472,19 @@ def _transition_limits_torch(g_cum_log2: torch.Tensor, tables: SegmentTables, cu
 
 def _keep_rows(tab: SegmentTables, limit: torch.Tensor, total: int) -> torch.Tensor:
     """[total, HV] bool: token rows inside the chunks a slot's transition walked (False elsewhere:
-    rows of uncorrected slots, past a limit, past every sequence)."""
+    rows of uncorrected slots, past a limit, past every sequence). Each row finds its slot by a
+    search over the pseudo offsets (the last slot starting at or before it, so empty slots are
+    skipped); O(total x HV) memory."""
     M, HV = limit.shape
     dev = limit.device
-    L = tab.segment_len
-    keep = torch.zeros(total + 1, HV, dtype=torch.bool, device=dev)
     if M == 0 or total == 0:
-        return keep[:total]
-    tok, valid = _token_rows(tab, torch.arange(M, device=dev), L)  # [M, L]
-    chunk = torch.arange(L, device=dev) // CHUNK
-    k = chunk[None, :, None] < limit[:, None, :].to(torch.int64)  # [M, L, HV]
-    dst = torch.where(valid, tok, torch.full_like(tok, total)).reshape(-1)
-    return keep.index_copy(0, dst, k.reshape(-1, HV))[:total]
+        return torch.zeros(total, HV, dtype=torch.bool, device=dev)
+    pcu = tab.cu_seqlens.to(torch.int64)
+    t = torch.arange(total, dtype=torch.int64, device=dev)
+    slot = (torch.searchsorted(pcu.contiguous(), t, right=True) - 1).clamp(0, M - 1)
+    inside = (t >= pcu[slot]) & (t < pcu[slot + 1])
+    chunk = torch.div(t - pcu[slot], CHUNK, rounding_mode="floor")
+    return inside[:, None] & (chunk[:, None] < limit.to(torch.int64)[slot])
 
 
 def _run_and_transition(backend, qf, kf, vf, A, G2, scale, h0_run, limit, tab: SegmentTables, pcu, block_v, o_buf,
