@@ -99,6 +99,7 @@ launches in fp64 on any device, which is how the CPU tests prove the orchestrati
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple, Protocol
 
 import torch
@@ -189,12 +190,14 @@ class Sm90Backend:
         self._built: set = set()
         self._zeros: dict = {}
 
-    def warm(self, k, beta, q, v, cu_seqlens, HV: int, block_v) -> None:
+    def warm(self, k, beta, q, v, cu_seqlens, HV: int, block_v, dual: bool = False) -> None:
+        """Builds the prepare kernel and the recurrent kernel a call will launch (the dual launch's when
+        `dual`) concurrently, once per key."""
         from flashqla.ops.gdn.kernels.sm90 import build_kernels
         from flashqla.ops.gdn.kernels.sm90.prepare import prepare_kernel_args
         from flashqla.ops.gdn.kernels.sm90.recurrent import recurrent_kernel_args
 
-        key = (prepare_kernel_args(k, beta, cu_seqlens, HV), recurrent_kernel_args(q, v, cu_seqlens, block_v))
+        key = (prepare_kernel_args(k, beta, cu_seqlens, HV), recurrent_kernel_args(q, v, cu_seqlens, block_v, dual=dual))
         if key not in self._built:
             build_kernels([("prepare", key[0]), ("recurrent", key[1])])
             self._built.add(key)
@@ -212,17 +215,11 @@ class Sm90Backend:
 
     def recurrent_dual(self, q, k, v, A, g_cum_log2, scale, initial_state, limit, cu_seqlens, block_v=None, o=None):
         """Run and transition in one launch (`chunk_recurrent_dual`): (o, Q, U, P); None when it does
-        not apply (K != V, the dual launch turned off by $FLASHQLA_CP_DUAL=0)."""
-        import os
+        not apply (`_dual_applies`)."""
+        from flashqla.ops.gdn.kernels.sm90.recurrent import chunk_recurrent_dual
 
-        from flashqla.ops.gdn.kernels.sm90.recurrent import build_recurrent_kernel, chunk_recurrent_dual, recurrent_kernel_args
-
-        if os.environ.get(DUAL_ENV, "1") == "0" or q.shape[-1] != v.shape[-1]:
+        if not _dual_applies(q, v):
             return None
-        key = recurrent_kernel_args(q, v, cu_seqlens, block_v, dual=True)
-        if key not in self._built:
-            build_recurrent_kernel(*key)
-            self._built.add(key)
         return chunk_recurrent_dual(q, k, v, A, g_cum_log2, scale, initial_state, limit, cu_seqlens, block_v=block_v, o=o)
 
     def bwd(self, q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens, h_dtype=torch.bfloat16):
@@ -249,6 +246,12 @@ class Sm90Backend:
         while len(self._zeros) > self.ZERO_CACHE:
             self._zeros.pop(next(iter(self._zeros)))
         return z
+
+
+def _dual_applies(q, v) -> bool:
+    """The sm_90 backend runs the run and the transitions as one launch: K == V and not turned off by
+    $FLASHQLA_CP_DUAL=0."""
+    return os.environ.get(DUAL_ENV, "1") != "0" and q.shape[-1] == v.shape[-1]
 
 
 class CPInfo(NamedTuple):
@@ -386,7 +389,6 @@ def resolve_truncate(truncate) -> float | None:
     True (TRUNCATE_LOG_DECAY) or a negative finite real number (that cutoff, e.g. FlashQLA's -10).
     Raises ValueError naming truncate (or FLASHQLA_CP_EXACT) for anything else."""
     import numbers
-    import os
 
     if truncate is None:
         env = os.environ.get(EXACT_ENV, "").strip().lower()
@@ -427,9 +429,6 @@ def transition_limits(g_cum_log2: torch.Tensor, tables: SegmentTables, cutoff: f
     tables.cu_seqlens (a chunk's total is its row 63: rows past a sequence's end repeat the last
     valid value). On sm_90 one kernel launch (`kernels/sm90/cp_limits.py`), else torch ops.
     """
-    M = tables.M
-    HV = g_cum_log2.shape[0]
-    dev = g_cum_log2.device
     if _limits_kernel_applies(g_cum_log2):  # one launch (`kernels/sm90/cp_limits.py`)
         from flashqla.ops.gdn.kernels.sm90.cp_limits import cp_transition_limits
 
@@ -494,14 +493,16 @@ def _run_and_transition(backend, qf, kf, vf, A, G2, scale, h0_run, limit, tab: S
     On the sm_90 kernels one launch (`Sm90Backend.recurrent_dual`); elsewhere the run and a full
     transition launch, then U's rows past the limits and P where a limit cut the walk short set to 0
     (what the dual launch computes; U rows it does not write are never read by the correction
-    kernels). Where U goes to a torch consumer instead, its unwritten rows are set to 0 here."""
+    kernels). Where U goes to a torch consumer instead and a limit may cut, its unwritten rows are set
+    to 0 here (without a cut the dual launch writes every row of every corrected slot, the only rows
+    the torch consumers read)."""
     total = qf.shape[1]
     HV, K = G2.shape[0], kf.shape[3]
     dual = getattr(backend, "recurrent_dual", None)
     out = None if dual is None else dual(qf, kf, vf, A, G2, scale, h0_run, limit, pcu, block_v, o_buf)
     if out is not None:
         o, Q, U, P = out
-        if not _token_kernels_apply(o, U):
+        if truncated and not _token_kernels_apply(o, U):
             U = torch.where(_keep_rows(tab, limit, total)[None, :, :, None], U, U.new_zeros(()))
         return o, Q, U, P
     o, Q = _recurrent(backend, qf, kf, vf, A, G2, scale, h0_run, True, pcu, block_v, o_buf)
@@ -833,10 +834,8 @@ def _state_grads_from_outputs(U, do, tab: SegmentTables, total: int, L: int, one
     if _token_kernels_apply(do, U):  # one launch: E per flagged slot, zeros elsewhere
         from flashqla.ops.gdn.kernels.sm90.cp_correct import cp_state_grads
 
-        if limit is not None:
-            return cp_state_grads(U.reshape(1, total, HV, K), do.reshape(1, total, HV, V), tab.cu_seqlens, limit=limit)
         return cp_state_grads(U.reshape(1, total, HV, K), do.reshape(1, total, HV, V), tab.cu_seqlens,
-                              tab.need_correction if mask is None else mask)
+                              tab.need_correction if mask is None else mask, limit=limit)
     edt = torch.float64 if U.dtype == torch.float64 else torch.float32
     E = torch.zeros(M + 1, HV, K, V, dtype=edt, device=U.device)
     Uf, Df = U.reshape(total, HV, K), do.reshape(total, HV, V)
@@ -1254,7 +1253,8 @@ def chunk_gated_delta_rule_cp_fwd(
         tables = segment_tables_device(cu_seqlens, L, T=d.T)  # one launch on sm_90 (torch ops elsewhere)
     pcu = tables.cu_seqlens
     if hasattr(backend, "warm"):
-        backend.warm(_flat(k), _flat(beta), _flat(q), _flat(v), pcu, d.HV, BV)
+        backend.warm(_flat(k), _flat(beta), _flat(q), _flat(v), pcu, d.HV, BV,
+                     dual=gate_chunks is None and correction != "rerun" and _dual_applies(q, v))
     o, final, A, G2, info = cp_forward(backend, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                        tables, block_v=BV, gate_chunks=gate_chunks, correction=correction,
                                        poison_outputs=poison_outputs, want_info=return_info, static_key=static_key,
@@ -1338,6 +1338,6 @@ def chunk_gated_delta_rule_cp_bwd(
     A_p, G_p = sequence_slots_to_segment_slots(A, g_cum_log2, tables, cu_seqlens, B, T)
     BV = block_v or plan.BV
     if hasattr(backend, "warm"):
-        backend.warm(_flat(k), _flat(beta), _flat(q), _flat(v), tables.cu_seqlens, v.shape[2], BV)
+        backend.warm(_flat(k), _flat(beta), _flat(q), _flat(v), tables.cu_seqlens, v.shape[2], BV, dual=_dual_applies(q, v))
     return cp_backward(backend, q, k, v, g, beta, A_p, G_p, do, dht, scale, initial_state, cu_seqlens, tables,
                        block_v=BV, static_key=static_key, truncate=False if cutoff is None else cutoff)

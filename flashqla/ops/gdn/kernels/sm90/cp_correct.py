@@ -158,7 +158,7 @@ def _tile_limits(flag: torch.Tensor | None, limit: torch.Tensor | None, M: int, 
             raise ValueError(f"limit must have shape {(M, HV)}, got {tuple(limit.shape)}")
         return limit.to(torch.int32).contiguous()
     if flag is None:
-        raise ValueError("give flag or limit")
+        raise ValueError("give flag (per slot) or limit (per slot and head)")
     return (flag.to(torch.int32) * _ALL)[:, None].expand(M, HV).contiguous()
 
 
@@ -169,7 +169,7 @@ def cp_correct(o: torch.Tensor, U: torch.Tensor, S: torch.Tensor, cu: torch.Tens
 
     o: [1, T, HV, V] bf16/fp16 contiguous; U: [1, T, HV, K] (o's dtype); S: [M, HV, K, V] fp32
     entering states; cu: [M + 1] int32/int64 pseudo offsets (`SegmentTables.cu_seqlens`); flag: [M]
-    bool, or limit: [M, HV] int (tiles); max_rows: a host bound on any slot's rows (the segment
+    bool, or limit: [M, HV] int (tiles; when given, flag is not read); max_rows: a host bound on any slot's rows (the segment
     length; None: T), which sets the CTAs per slot (ceil(max_rows / (64 TG))). Returns o."""
     if U.dtype != o.dtype:
         raise ValueError(f"U and o must share a dtype, got {U.dtype} and {o.dtype}")
@@ -191,7 +191,7 @@ def cp_state_grads(U: torch.Tensor, do: torch.Tensor, cu: torch.Tensor, flag: to
     with limit, over the first limit[j, hv] 64-row tiles of slot j.
 
     U: [1, T, HV, K], do: [1, T, HV, V] (same dtype, bf16/fp16); cu: [M + 1] pseudo offsets; flag: [M]
-    bool, or limit: [M, HV] int (tiles)."""
+    bool, or limit: [M, HV] int (tiles; when given, flag is not read)."""
     M = cu.shape[0] - 1
     HV, K, V = U.shape[2], U.shape[3], do.shape[3]
     E = torch.zeros(M, HV, K, V, dtype=torch.float32, device=U.device)  # slots with limit 0 stay zero

@@ -456,7 +456,10 @@ def chunk_recurrent_dual(q, k, v, A, g_cum_log2, scale: float, initial_state, li
     if N == 0:
         return o, Q, U, P
     if T == 0:
-        Q.copy_(initial_state) if initial_state is not None else Q.zero_()
+        if initial_state is not None:
+            Q.copy_(initial_state)
+        else:
+            Q.zero_()
         P.zero_()
         return o, Q, U, P
     use_h0 = initial_state is not None
