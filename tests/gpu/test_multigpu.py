@@ -65,8 +65,8 @@ class _CountingLaunches:
         self.state_dtype = self.inner.state_dtype
         self.launches = []
 
-    def warm(self, *args):
-        return self.inner.warm(*args)
+    def warm(self, *args, **kw):
+        return self.inner.warm(*args, **kw)
 
     def zeros(self, *args):
         return self.inner.zeros(*args)
