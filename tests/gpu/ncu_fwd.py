@@ -1,0 +1,71 @@
+"""Nsight Compute driver for the forward kernels: runs the op on one benchmark row, warm-up outside
+the profiled range, then `--calls` forward calls inside `cudaProfilerStart/Stop`, so that
+
+    ncu --profile-from-start off -k regex:gdn_ --section ... python tests/gpu/ncu_fwd.py --row "16/64 4x8192"
+
+collects only the profiled calls' kernels (prepare, recurrent, and the split path's kernels with
+`--cp auto`). Not collected by pytest; prints nothing but the row and the op's wall time.
+
+    python tests/gpu/ncu_fwd.py --row ROW [--cp off|auto] [--calls N] [--inference]
+
+ROW: "h_qk/h_v LxN" or "h_qk/h_v 1xT" or "h_qk/h_v a+b+..." (packed, B = 1, int32 cu_seqlens), inputs
+of `device_check.gen_inputs` (valid domain, initial state given, final state returned).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from tests.gpu.device_check import gen_inputs  # noqa: E402
+
+
+def parse_row(row: str):
+    heads, mix = row.split()
+    H, HV = (int(x) for x in heads.split("/"))
+    if "+" in mix:
+        lengths = [int(x) for x in mix.split("+")]
+    else:
+        a, b = mix.split("x")
+        lengths = [int(b)] if int(a) == 1 else [int(a)] * int(b)
+    return H, HV, lengths
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--row", required=True)
+    ap.add_argument("--cp", default="off", choices=("off", "auto", "on"))
+    ap.add_argument("--calls", type=int, default=1)
+    ap.add_argument("--inference", action="store_true", help="for_backward=False (the public op without gradients)")
+    a = ap.parse_args(argv)
+    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
+
+    H, HV, lengths = parse_row(a.row)
+    x = gen_inputs(H, HV, lengths, varlen=True)
+
+    def call():
+        return chunk_gated_delta_rule_fwd(**x, output_final_state=True, cp=a.cp, for_backward=not a.inference)
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.cudart().cudaProfilerStart()
+    start.record()
+    for _ in range(a.calls):
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    print(f"{a.row} cp={a.cp}: {a.calls} call(s), {start.elapsed_time(end):.3f} ms wall (profiled)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
