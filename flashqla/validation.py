@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GDNDims", "check_gdn_inputs", "check_cu_seqlens_values", "check_gate_values", "FLOAT_DTYPES"]
+__all__ = ["GDNDims", "check_gdn_inputs", "check_cu_seqlens_values", "planning_max_seqlen", "check_gate_values", "FLOAT_DTYPES"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -61,23 +61,55 @@ def _check_readable(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name} is on the meta device, which holds no values: its values cannot be checked")
 
 
-def check_cu_seqlens_values(cu_seqlens: torch.Tensor, T: int) -> None:
+def check_cu_seqlens_values(cu_seqlens: torch.Tensor, T: int, name: str = "cu_seqlens") -> None:
     """Checks the values of `cu_seqlens` (reads them: call only where a host read is free or wanted).
 
-    Raises ValueError unless `cu_seqlens[0] == 0`, the entries are non-decreasing and
-    `cu_seqlens[-1] == T`.
+    Raises ValueError (naming `name`) unless `cu_seqlens[0] == 0`, the entries are non-decreasing
+    and `cu_seqlens[-1] == T`.
     """
-    _check_readable("cu_seqlens", cu_seqlens)
+    _check_readable(name, cu_seqlens)
     cu = cu_seqlens.detach().to("cpu", torch.int64)
     if int(cu[0]) != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {int(cu[0])}")
+        raise ValueError(f"{name} must start at 0, got {name}[0] = {int(cu[0])}")
     if cu.numel() > 1 and bool((cu[1:] < cu[:-1]).any()):
         i = int(torch.nonzero(cu[1:] < cu[:-1])[0, 0])
         raise ValueError(
-            f"cu_seqlens must be non-decreasing, got cu_seqlens[{i}] = {int(cu[i])} > cu_seqlens[{i + 1}] = {int(cu[i + 1])}"
+            f"{name} must be non-decreasing, got {name}[{i}] = {int(cu[i])} > {name}[{i + 1}] = {int(cu[i + 1])}"
         )
     if int(cu[-1]) != T:
-        raise ValueError(f"cu_seqlens must end at T = {T} (the packed token count), got cu_seqlens[-1] = {int(cu[-1])}")
+        raise ValueError(f"{name} must end at T = {T} (the packed token count), got {name}[-1] = {int(cu[-1])}")
+
+
+def planning_max_seqlen(cu_seqlens_cpu, cu_seqlens, T: int) -> int | None:
+    """The longest sequence of `cu_seqlens_cpu`, a host copy of `cu_seqlens` (FLA's argument of that
+    name), rounded up to whole 64-token chunks: the context-parallel planner's length hint
+    (`flashqla.cp.planner.plan_cp(max_seqlen=...)`). None when `cu_seqlens_cpu` is None.
+
+    Only host memory is read (no device synchronisation). The hint shapes the plan (whether and
+    where long sequences are split), never the results: the segment tables are built on the device
+    from `cu_seqlens` itself, so a host copy that disagrees with it costs speed, not correctness.
+    Without the hint the planner takes every sequence as ceil(T / N) tokens long.
+
+    Raises TypeError unless `cu_seqlens_cpu` is an int32/int64 tensor on the CPU; ValueError when
+    `cu_seqlens` is None, when the lengths differ ([N + 1] both), or when its values are not offsets
+    of T tokens (starting at 0, non-decreasing, ending at T).
+    """
+    if cu_seqlens_cpu is None:
+        return None
+    if not isinstance(cu_seqlens_cpu, torch.Tensor):
+        raise TypeError(f"cu_seqlens_cpu must be None or an int32/int64 CPU tensor [N + 1], got {type(cu_seqlens_cpu).__name__}")
+    if cu_seqlens_cpu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens_cpu must have dtype int32 or int64, got {cu_seqlens_cpu.dtype}")
+    if cu_seqlens_cpu.device.type != "cpu":
+        raise TypeError(f"cu_seqlens_cpu must be a CPU tensor (a host copy of cu_seqlens), got device {cu_seqlens_cpu.device}")
+    if cu_seqlens is None:
+        raise ValueError("cu_seqlens_cpu is given without cu_seqlens: pass the device offsets as cu_seqlens too")
+    if cu_seqlens_cpu.dim() != 1 or cu_seqlens_cpu.shape != cu_seqlens.shape:
+        raise ValueError(f"cu_seqlens_cpu must have cu_seqlens' shape {tuple(cu_seqlens.shape)}, got {tuple(cu_seqlens_cpu.shape)}")
+    check_cu_seqlens_values(cu_seqlens_cpu, T, name="cu_seqlens_cpu")
+    cu = cu_seqlens_cpu.to(torch.int64)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return -(-longest // 64) * 64
 
 
 def check_gate_values(g: torch.Tensor) -> None:

@@ -54,3 +54,60 @@ def test_public_op_cp_on_equals_reference(cpu_backend, seqlens):
     for n in g_ref:
         assert g_ref[n].abs().sum() > 0, n
         assert rel_rms(grads[n], g_ref[n]) < 1e-10, (n, rel_rms(grads[n], g_ref[n]))
+
+
+# --- the host copy of the offsets (FLA's `cu_seqlens_cpu`) as the planner's length hint -------------
+
+UNBALANCED = [64, 1984]  # at 16 SMs and 2 value heads: unsplit when taken as 2 x 1024, split at L = 512 when known
+
+
+@pytest.fixture
+def small_gpu(cpu_backend, monkeypatch):
+    """The planner sees 16 SMs (a CPU tensor's device reports DEFAULT_SM_COUNT)."""
+    from flashqla.cp import planner
+
+    monkeypatch.setattr(planner, "DEFAULT_SM_COUNT", 16)
+    planner._plan_for_key.cache_clear()
+    yield cpu_backend
+    planner._plan_for_key.cache_clear()
+
+
+def _forward_split(backend, N) -> bool:
+    return max(n for k, n in backend.launches if k == "recurrent") > N
+
+
+def test_without_the_hint_lengths_are_taken_balanced(small_gpu):
+    x = make_gdn_inputs(B=1, T=sum(UNBALANCED), H=1, HV=2, K=128, V=128, seqlens=UNBALANCED, seed=23)
+    assert not driver.cp_splits(x["q"], x["v"], x["cu_seqlens"], "auto")
+    assert driver.cp_splits(x["q"], x["v"], x["cu_seqlens"], "auto", max_seqlen=1984)
+
+
+@pytest.mark.parametrize("hint", [UNBALANCED, [1984, 64], [16, 2032]], ids=["true-lengths", "swapped", "wrong-longest"])
+def test_cu_seqlens_cpu_plans_only(small_gpu, hint):
+    """With the hint the unbalanced batch is split; whatever the hint says (here it may disagree with
+    cu_seqlens), the outputs and every gradient equal the fp64 reference op's: the segment tables come
+    from cu_seqlens."""
+    x = make_gdn_inputs(B=1, T=sum(UNBALANCED), H=1, HV=2, K=128, V=128, seqlens=UNBALANCED, seed=23)
+    o, ht, grads = _run(flashqla.chunk_gated_delta_rule, x, cp="auto",
+                        cu_seqlens_cpu=torch.tensor([0, hint[0], hint[0] + hint[1]]))
+    o_ref, ht_ref, g_ref = _run(reference.chunk_gated_delta_rule, x)
+    assert _forward_split(small_gpu, 2), small_gpu.launches
+    assert rel_rms(o, o_ref) < 1e-12 and rel_rms(ht, ht_ref) < 1e-12
+    for n in g_ref:
+        assert g_ref[n].abs().sum() > 0, n
+        assert rel_rms(grads[n], g_ref[n]) < 1e-10, (n, rel_rms(grads[n], g_ref[n]))
+
+
+def test_cu_seqlens_cpu_reaches_the_backward_plan(small_gpu, monkeypatch):
+    """The autograd backward plans with the same hint as the forward."""
+    seen = []
+    real = driver.cp_splits
+
+    def spy(*a, **kw):
+        seen.append((kw.get("backward", False), kw.get("max_seqlen")))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(driver, "cp_splits", spy)
+    x = make_gdn_inputs(B=1, T=sum(UNBALANCED), H=1, HV=2, K=128, V=128, seqlens=UNBALANCED, seed=24)
+    _run(flashqla.chunk_gated_delta_rule, x, cp="auto", cu_seqlens_cpu=torch.tensor([0, 64, 2048], dtype=torch.int32))
+    assert (False, 1984) in seen and (True, 1984) in seen, seen

@@ -179,3 +179,60 @@ def test_add_cotangents_shapes_and_seed():
     gen = torch.Generator().manual_seed(4)  # drawn in this order from this seed
     assert torch.equal(x["do"], torch.randn(1, 70, 2, 8, generator=gen, dtype=torch.float64))
     assert torch.equal(x["dht"], torch.randn(3, 2, 16, 8, generator=gen, dtype=torch.float64))
+
+
+# --- planning_max_seqlen: the host copy of cu_seqlens (FLA's cu_seqlens_cpu) ----------------------
+
+
+def test_planning_max_seqlen_rounds_the_longest_sequence_up_to_chunks():
+    from flashqla.validation import planning_max_seqlen
+
+    cu = torch.tensor([0, 5, 5, 200, 300])
+    assert planning_max_seqlen(None, cu, 300) is None
+    assert planning_max_seqlen(cu, cu, 300) == 256  # 195 tokens -> 4 chunks
+    assert planning_max_seqlen(torch.tensor([0, 64], dtype=torch.int32), torch.tensor([0, 64]), 64) == 64
+
+
+@pytest.mark.parametrize(
+    "hint, err, match",
+    [
+        ([0, 5, 300], TypeError, "CPU tensor"),  # a list, not a tensor
+        ("float", TypeError, "int32 or int64"),
+        ("meta", TypeError, "CPU tensor"),
+        ("no-cu", ValueError, "without cu_seqlens"),
+        ("short", ValueError, "shape"),
+        ("start", ValueError, "cu_seqlens_cpu must start at 0"),
+        ("decreasing", ValueError, "cu_seqlens_cpu must be non-decreasing"),
+        ("end", ValueError, "cu_seqlens_cpu must end at T = 300"),
+    ],
+)
+def test_planning_max_seqlen_rejects(hint, err, match):
+    from flashqla.validation import planning_max_seqlen
+
+    cu = torch.tensor([0, 5, 300])
+    bad = {
+        "float": torch.tensor([0.0, 5.0, 300.0]),
+        "meta": torch.empty(3, dtype=torch.int64, device="meta"),
+        "no-cu": cu,
+        "short": torch.tensor([0, 300]),
+        "start": torch.tensor([1, 5, 300]),
+        "decreasing": torch.tensor([0, 301, 300]),
+        "end": torch.tensor([0, 5, 299]),
+    }.get(hint, hint) if isinstance(hint, str) else hint
+    with pytest.raises(err, match=match):
+        planning_max_seqlen(bad, None if hint == "no-cu" else cu, 300)
+
+
+def test_public_op_checks_cu_seqlens_cpu_before_the_device():
+    """A bad host copy is reported (naming it) before the fast path's device check."""
+    import flashqla
+    from flashqla.testing import make_gdn_inputs
+
+    x = make_gdn_inputs(B=1, T=70, H=1, HV=1, K=128, V=128, seqlens=[30, 40], seed=1, dtype=torch.bfloat16)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    with pytest.raises(ValueError, match="cu_seqlens_cpu must end at T = 70"):
+        flashqla.chunk_gated_delta_rule(*args, cu_seqlens=x["cu_seqlens"], cu_seqlens_cpu=torch.tensor([0, 30, 71]))
+    with pytest.raises(TypeError, match="cu_seqlens_cpu must have dtype"):
+        flashqla.chunk_gated_delta_rule(*args, cu_seqlens=x["cu_seqlens"], cu_seqlens_cpu=torch.tensor([0.0, 30.0, 70.0]))
+    with pytest.raises(RuntimeError):  # a valid hint gets as far as the device check on a CPU machine
+        flashqla.chunk_gated_delta_rule(*args, cu_seqlens=x["cu_seqlens"], cu_seqlens_cpu=torch.tensor([0, 30, 70]))

@@ -104,13 +104,17 @@ def _load_ours() -> tuple[Callable, Callable, str]:
     fwd_fn = importlib.import_module("flashqla.ops.gdn.api").chunk_gated_delta_rule_fwd
     bwd_fn, extra, name = ours_bwd_source()
 
-    def fwd(x):
-        f = fwd_fn(x.q, x.k, x.v, x.g, x.beta, x.scale, x.h0, True, x.cu_seqlens)
+    from flashqla.validation import planning_max_seqlen
+
+    def fwd(x):  # the longest sequence is the planner's host-side hint (no device read)
+        ms = planning_max_seqlen(x.cu_seqlens_cpu, x.cu_seqlens, x.q.shape[1])
+        f = fwd_fn(x.q, x.k, x.v, x.g, x.beta, x.scale, x.h0, True, x.cu_seqlens, max_seqlen=ms)
         return FwdOut(f.o, f.final_state, f)
 
     def bwd(x, f):
+        ms = planning_max_seqlen(x.cu_seqlens_cpu, x.cu_seqlens, x.q.shape[1])
         return tuple(bwd_fn(f.q, f.k, x.v, x.g, x.beta, f.A, f.g_cum_log2, x.do, x.dht, x.scale, x.h0, x.cu_seqlens,
-                            **extra))
+                            max_seqlen=ms, **extra))
 
     return fwd, bwd, f"forward `flashqla.ops.gdn.api.chunk_gated_delta_rule_fwd`, backward `{name}`"
 

@@ -127,8 +127,9 @@ def _load_ours() -> Callable:
     except (ImportError, AttributeError) as exc:
         raise ImportError(f"flashqla.ops.gdn.api.chunk_gated_delta_rule: {exc}") from exc
 
-    def run(x):
-        return op(x.q, x.k, x.v, x.g, x.beta, initial_state=x.h0, output_final_state=True, cu_seqlens=x.cu_seqlens)
+    def run(x):  # the host copy of the offsets is the planner's length hint (no device read)
+        return op(x.q, x.k, x.v, x.g, x.beta, initial_state=x.h0, output_final_state=True, cu_seqlens=x.cu_seqlens,
+                  cu_seqlens_cpu=x.cu_seqlens_cpu)
 
     return run
 

@@ -45,6 +45,12 @@ class RowInputs:
     cu_seqlens: torch.Tensor  # [N + 1] int32
     lengths: tuple[int, ...]
 
+    @property
+    def cu_seqlens_cpu(self) -> torch.Tensor:
+        """A host copy of `cu_seqlens` (int64, from `lengths`; no device read): the context-parallel
+        planner's length hint that ours takes, as FLA's argument of that name."""
+        return torch.tensor(list(_offsets(self.lengths)), dtype=torch.int64)
+
 
 class InputFactory:
     """Inputs per row; one `make_gdn_inputs` draw per head configuration, at `t_max` tokens."""

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from flashqla.validation import check_gdn_inputs
+from flashqla.validation import check_gdn_inputs, planning_max_seqlen
 
 __all__ = ["chunk_gated_delta_rule", "chunk_gated_delta_rule_fwd", "ChunkGDNForward", "SUPPORTED"]
 
@@ -121,6 +121,7 @@ def chunk_gated_delta_rule_fwd(
     poison_outputs: bool = False,
     cp: str | None = None,
     for_backward: bool = True,
+    max_seqlen: int | None = None,
 ) -> ChunkGDNForward:
     """Forward of `chunk_gated_delta_rule` returning what a backward needs (see `ChunkGDNForward`).
 
@@ -131,6 +132,8 @@ def chunk_gated_delta_rule_fwd(
     so that an element a kernel fails to write shows up. `for_backward=False` (inference) lets a
     split forward skip moving A and g_cum_log2 back to the caller's slot layout (a gather of both;
     ~0.15 ms at 2/8 heads x 32768 tokens on the H200): they are then returned as None.
+    `max_seqlen`: host-side bound on the longest sequence, the context-parallel planner's hint
+    (`flashqla.validation.planning_max_seqlen`); it changes the plan, never the results.
     """
     from flashqla.ops.gdn.kernels.sm90 import build_kernels
     from flashqla.ops.gdn.kernels.sm90.prepare import chunk_prepare_fwd, prepare_kernel_args
@@ -151,9 +154,9 @@ def chunk_gated_delta_rule_fwd(
     if cp != "off":
         from flashqla.cp.driver import chunk_gated_delta_rule_cp_fwd, cp_splits
 
-        if cp_splits(q, v, cu_seqlens, cp):
+        if cp_splits(q, v, cu_seqlens, cp, max_seqlen=max_seqlen):
             f = chunk_gated_delta_rule_cp_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                              use_qk_l2norm_in_kernel, cp=cp, block_v=block_v,
+                                              use_qk_l2norm_in_kernel, cp=cp, block_v=block_v, max_seqlen=max_seqlen,
                                               poison_outputs=poison_outputs, relayout=for_backward)
             return f if for_backward else f._replace(A=None, g_cum_log2=None)
 
@@ -198,6 +201,7 @@ def chunk_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     *,
     cp: str | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ):
     """Gated DeltaNet chunked prefill, forward and backward (autograd), FLA's signature and return.
 
@@ -234,7 +238,13 @@ def chunk_gated_delta_rule(
             "off", "auto" (`flashqla.cp` planner, exact: segments from zero state, transitions,
             combine scan, output correction; derivations CP-1..CP-3) or "on"; None reads
             $FLASHQLA_CP, default "auto" (`cp_mode`). Measured on the H200, 2/8 heads 1 x 32768:
-            1.58 ms unsplit, 0.46 ms split.
+            1.58 ms unsplit, 0.37 ms split.
+        cu_seqlens_cpu: keyword-only, None or a host (CPU) copy of cu_seqlens, as FLA's argument of
+            that name. Only its longest sequence is read, as the planner's hint: without it the
+            planner takes every sequence as T / N tokens long and leaves unbalanced batches (one long
+            sequence beside short ones) unsplit. It changes the plan, never the results (the
+            segment tables are built on the device from cu_seqlens); it is not compared with
+            cu_seqlens (that would need a device read). `flashqla.validation.planning_max_seqlen`.
 
     Supported fast path: K = V = 128, chunk 64, compute capability 9.0 (H100/H200). T, the number of
     sequences and cu_seqlens are run-time values: a new length or sequence mix never recompiles; the
@@ -254,9 +264,11 @@ def chunk_gated_delta_rule(
 
     Raises:
         TypeError: non-tensor arguments, q/k/v dtypes differ or are not bf16/fp16, g not float32,
-            beta not float32 or q's dtype, initial_state not float32, cu_seqlens not int32/int64.
+            beta not float32 or q's dtype, initial_state not float32, cu_seqlens not int32/int64,
+            cu_seqlens_cpu not an int32/int64 CPU tensor.
         ValueError: wrong ranks or shapes, HV % H != 0, K or V != 128, cu_seqlens with B != 1 (and
-            bad cu_seqlens values when it is a CPU tensor), tensors on different devices.
+            bad cu_seqlens values when it is a CPU tensor), tensors on different devices;
+            cu_seqlens_cpu without cu_seqlens, of another shape, or with bad values.
         RuntimeError: inputs not on a CUDA device of compute capability 9.0 (raised after the
             argument checks above, before any kernel is built or launched).
 
@@ -266,6 +278,7 @@ def chunk_gated_delta_rule(
     from flashqla.ops.gdn.autograd import gdn_fwd, gdn_fwd_inference
 
     d = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    max_seqlen = planning_max_seqlen(cu_seqlens_cpu, cu_seqlens, d.T)
     _check_supported(q, k, v, g, beta, initial_state)
     if not isinstance(use_qk_l2norm_in_kernel, bool):
         raise TypeError(f"use_qk_l2norm_in_kernel must be a bool, got {type(use_qk_l2norm_in_kernel).__name__}")
@@ -276,7 +289,9 @@ def chunk_gated_delta_rule(
         q, k = _l2norm(q), _l2norm(k)
     tensors = (q, k, v, g, beta, initial_state)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        o, final_state, _, _ = gdn_fwd(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens, cp)
+        o, final_state, _, _ = gdn_fwd(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens, cp,
+                                       max_seqlen)
     else:  # inference: nothing is kept for a backward
-        o, final_state = gdn_fwd_inference(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens, cp)
+        o, final_state = gdn_fwd_inference(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens,
+                                           cp, max_seqlen)
     return o, (final_state if output_final_state else None)

@@ -3,17 +3,19 @@
 Two `torch.library` custom ops wrap the kernels, so that `torch.compile` sees opaque calls with
 known output shapes (fake implementations below) instead of tracing into TileLang:
 
-    flashqla::gdn_fwd(q, k, v, g, beta, scale, initial_state?, output_final_state, cu_seqlens?, cp)
+    flashqla::gdn_fwd(q, k, v, g, beta, scale, initial_state?, output_final_state, cu_seqlens?, cp, max_seqlen?)
         -> (o [B, T, HV, V] q's dtype, final_state [N, HV, K, V] fp32 (or [0] when not requested),
             A [HV, S * 64, 64] q's dtype, g_cum_log2 [HV, S * 64] fp32)
     flashqla::gdn_fwd_inference(the same arguments) -> (o, final_state): the public op's forward when
         no input requires a gradient (or grad mode is off): nothing is kept for a backward, so a
         split forward skips moving A and g_cum_log2 back to the caller's layout
-    flashqla::gdn_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht?, scale, initial_state?, cu_seqlens?, cp)
+    flashqla::gdn_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht?, scale, initial_state?, cu_seqlens?, cp, max_seqlen?)
         -> (dq, dk, dv, dg fp32, dbeta in beta's dtype, dh0 [N, HV, K, V] fp32 (or [0]))
 
 cp is the context-parallel mode ("off", "auto", "on"; `flashqla.ops.gdn.api.cp_mode`): A and
-g_cum_log2 come back in the unsplit layout either way. S is the number of chunk slots (`kernels.sm90._common.num_slots`: B * ceil(T / 64), or
+g_cum_log2 come back in the unsplit layout either way. max_seqlen is the planner's host-side length
+hint (`flashqla.validation.planning_max_seqlen`; None: balanced lengths assumed); it changes the plan,
+never the results. S is the number of chunk slots (`kernels.sm90._common.num_slots`: B * ceil(T / 64), or
 floor(T / 64) + N for packed input), a function of shapes only. `gdn_fwd` has a registered
 autograd formula that calls `gdn_bwd` with the saved forward products (A diag(beta), g_cum_log2;
 nothing state-sized is kept: the backward recomputes the chunk states, NOTES-bwd.md).
@@ -52,18 +54,20 @@ def gdn_fwd(
     output_final_state: bool,
     cu_seqlens: Optional[torch.Tensor],
     cp: str = "off",
+    max_seqlen: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`flashqla.ops.gdn.api.chunk_gated_delta_rule_fwd` as a custom op: (o, final_state or an empty
     [0] tensor, A, g_cum_log2); shapes and dtypes in the module docstring. Raises what that raises."""
     from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
 
-    f = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp=cp)
+    f = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp=cp,
+                                   max_seqlen=max_seqlen)
     final_state = f.final_state if f.final_state is not None else q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
     return f.o, final_state, f.A, f.g_cum_log2
 
 
 @gdn_fwd.register_fake
-def _gdn_fwd_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp="off"):
+def _gdn_fwd_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp="off", max_seqlen=None):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -87,19 +91,21 @@ def gdn_fwd_inference(
     output_final_state: bool,
     cu_seqlens: Optional[torch.Tensor],
     cp: str = "off",
+    max_seqlen: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward when no gradient is needed: (o, final_state or an empty [0] tensor), without the
     backward's products (`chunk_gated_delta_rule_fwd(for_backward=False)`)."""
     from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
 
     f = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp=cp,
-                                   for_backward=False)
+                                   for_backward=False, max_seqlen=max_seqlen)
     final_state = f.final_state if f.final_state is not None else q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
     return f.o, final_state
 
 
 @gdn_fwd_inference.register_fake
-def _gdn_fwd_inference_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp="off"):
+def _gdn_fwd_inference_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp="off",
+                            max_seqlen=None):
     o, final_state, _, _ = _gdn_fwd_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp)
     return o, final_state
 
@@ -119,13 +125,15 @@ def gdn_bwd(
     initial_state: Optional[torch.Tensor],
     cu_seqlens: Optional[torch.Tensor],
     cp: str = "off",
+    max_seqlen: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd` as a custom op: (dq, dk, dv, dg, dbeta, dh0
     or an empty [0] tensor); shapes and dtypes in the module docstring (FLA's dtypes)."""
     from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
 
     dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
-        q, k, v, g, beta, A, g_cum_log2, do.contiguous(), dht, scale, initial_state, cu_seqlens, cp=cp
+        q, k, v, g, beta, A, g_cum_log2, do.contiguous(), dht, scale, initial_state, cu_seqlens, cp=cp,
+        max_seqlen=max_seqlen,
     )
     if dh0 is None:
         dh0 = q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
@@ -133,19 +141,20 @@ def gdn_bwd(
 
 
 @gdn_bwd.register_fake
-def _gdn_bwd_fake(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens, cp="off"):
+def _gdn_bwd_fake(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens, cp="off", max_seqlen=None):
     dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g, dtype=torch.float32),
             torch.empty_like(beta), dh0)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp = inputs
+    q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp, max_seqlen = inputs
     _, _, A, g_cum_log2 = output
     ctx.save_for_backward(q, k, v, g, beta, A, g_cum_log2, initial_state, cu_seqlens)
     ctx.scale = scale
     ctx.output_final_state = output_final_state
     ctx.cp = cp
+    ctx.max_seqlen = max_seqlen
 
 
 def _backward(ctx, do, dht, dA, dg_cum):
@@ -156,8 +165,9 @@ def _backward(ctx, do, dht, dA, dg_cum):
     if not ctx.output_final_state or dht is None or dht.numel() == 0:
         dht = None
     dq, dk, dv, dg, dbeta, dh0 = gdn_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, ctx.scale, initial_state, cu_seqlens,
-                                         ctx.cp)
-    return dq, dk, dv, dg.to(g.dtype), dbeta, None, (dh0 if initial_state is not None else None), None, None, None
+                                         ctx.cp, ctx.max_seqlen)
+    return (dq, dk, dv, dg.to(g.dtype), dbeta, None, (dh0 if initial_state is not None else None), None, None, None,
+            None)
 
 
 gdn_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -21,7 +21,7 @@ _BUILT: set = set()
 
 def chunk_gated_delta_rule_bwd(
     q, k, v, g, beta, A, g_cum_log2, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
-    *, h_dtype: torch.dtype = torch.bfloat16, cp: str | None = None,
+    *, h_dtype: torch.dtype = torch.bfloat16, cp: str | None = None, max_seqlen: int | None = None,
 ):
     """Gradients of `chunk_gated_delta_rule` from the forward's products.
 
@@ -37,6 +37,8 @@ def chunk_gated_delta_rule_bwd(
             $FLASHQLA_CP, default "auto"): "auto"/"on" split long sequences
             (`flashqla.cp.driver.chunk_gated_delta_rule_cp_bwd`, planned with the backward's costs;
             checked against fp64 on the H200, tests/gpu/test_cp_gpu.py).
+        max_seqlen: the planner's host-side bound on the longest sequence (None: balanced lengths
+            assumed; `flashqla.validation.planning_max_seqlen`); it changes the plan, never the results.
 
     Returns:
         (dq [B, T, H, K] q's dtype, dk [B, T, H, K] q's dtype, dv [B, T, HV, V] v's dtype,
@@ -56,9 +58,9 @@ def chunk_gated_delta_rule_bwd(
     if cp != "off":
         from flashqla.cp.driver import chunk_gated_delta_rule_cp_bwd, cp_splits
 
-        if cp_splits(q, v, cu_seqlens, cp, backward=True):
+        if cp_splits(q, v, cu_seqlens, cp, backward=True, max_seqlen=max_seqlen):
             return chunk_gated_delta_rule_cp_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens,
-                                                 cp=cp)
+                                                 cp=cp, max_seqlen=max_seqlen)
     _build_once(q, v, beta, cu_seqlens, h_dtype)
     q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
     # the kernels take compact arrays: autograd hands over dht as the caller's view (ht.sum() gives a
