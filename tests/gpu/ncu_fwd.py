@@ -8,7 +8,7 @@ collects only the profiled calls' kernels (prepare, recurrent, and the split pat
 
     python tests/gpu/ncu_fwd.py --row ROW [--cp off|auto] [--calls N] [--inference]
 
-ROW: "h_qk/h_v LxN" or "h_qk/h_v 1xT" or "h_qk/h_v a+b+..." (packed, B = 1, int32 cu_seqlens), inputs
+ROW: "h_qk/h_v MIX" in the benchmark's notation (8192x4, 1x32768, 28672+4096; packed, B = 1, int32 cu_seqlens), inputs
 of `device_check.gen_inputs` (valid domain, initial state given, final state returned).
 """
 
@@ -27,14 +27,13 @@ from tests.gpu.device_check import gen_inputs  # noqa: E402
 
 
 def parse_row(row: str):
+    """"h_qk/h_v MIX" in the benchmark's notation (`flashqla.bench.grid.parse_mix`: 8192x4 is four
+    sequences of 8192 tokens, 1x32768 one sequence, 28672+4096 two)."""
+    from flashqla.bench.grid import parse_heads, parse_mix
+
     heads, mix = row.split()
-    H, HV = (int(x) for x in heads.split("/"))
-    if "+" in mix:
-        lengths = [int(x) for x in mix.split("+")]
-    else:
-        a, b = mix.split("x")
-        lengths = [int(b)] if int(a) == 1 else [int(a)] * int(b)
-    return H, HV, lengths
+    h = parse_heads(heads)
+    return h.h_qk, h.h_v, list(parse_mix(mix).lengths)
 
 
 def main(argv=None) -> int:
@@ -49,8 +48,11 @@ def main(argv=None) -> int:
     H, HV, lengths = parse_row(a.row)
     x = gen_inputs(H, HV, lengths, varlen=True)
 
+    longest = -(-max(lengths) // 64) * 64
+
     def call():
-        return chunk_gated_delta_rule_fwd(**x, output_final_state=True, cp=a.cp, for_backward=not a.inference)
+        return chunk_gated_delta_rule_fwd(**x, output_final_state=True, cp=a.cp, for_backward=not a.inference,
+                                          max_seqlen=longest)
 
     for _ in range(3):
         call()
