@@ -90,7 +90,11 @@ def planning_max_seqlen(cu_seqlens_cpu, cu_seqlens, T: int) -> int | None:
     from `cu_seqlens` itself, so a host copy that disagrees with it costs speed, not correctness.
     Without the hint the planner takes every sequence as ceil(T / N) tokens long.
 
-    Raises TypeError unless `cu_seqlens_cpu` is an int32/int64 tensor on the CPU; ValueError when
+    While torch.compile or torch.export traces the caller, only the checks that need no values run
+    and the result is None (no hint: balanced lengths assumed): the values of a traced tensor are
+    not known at trace time, and reading them would break the graph (an error under fullgraph=True).
+
+    Raises TypeError unless `cu_seqlens_cpu` is a dense int32/int64 tensor on the CPU; ValueError when
     `cu_seqlens` is None, when the lengths differ ([N + 1] both), or when its values are not offsets
     of T tokens (starting at 0, non-decreasing, ending at T).
     """
@@ -98,6 +102,9 @@ def planning_max_seqlen(cu_seqlens_cpu, cu_seqlens, T: int) -> int | None:
         return None
     if not isinstance(cu_seqlens_cpu, torch.Tensor):
         raise TypeError(f"cu_seqlens_cpu must be None or an int32/int64 CPU tensor [N + 1], got {type(cu_seqlens_cpu).__name__}")
+    if cu_seqlens_cpu.layout != torch.strided or cu_seqlens_cpu.is_nested:
+        raise TypeError(f"cu_seqlens_cpu must be a dense (strided) tensor, got layout {cu_seqlens_cpu.layout}"
+                        f"{' (nested)' if cu_seqlens_cpu.is_nested else ''}")
     if cu_seqlens_cpu.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"cu_seqlens_cpu must have dtype int32 or int64, got {cu_seqlens_cpu.dtype}")
     if cu_seqlens_cpu.device.type != "cpu":
@@ -106,6 +113,8 @@ def planning_max_seqlen(cu_seqlens_cpu, cu_seqlens, T: int) -> int | None:
         raise ValueError("cu_seqlens_cpu is given without cu_seqlens: pass the device offsets as cu_seqlens too")
     if cu_seqlens_cpu.dim() != 1 or cu_seqlens_cpu.shape != cu_seqlens.shape:
         raise ValueError(f"cu_seqlens_cpu must have cu_seqlens' shape {tuple(cu_seqlens.shape)}, got {tuple(cu_seqlens_cpu.shape)}")
+    if torch.compiler.is_compiling():  # traced: no values to read (see the docstring)
+        return None
     check_cu_seqlens_values(cu_seqlens_cpu, T, name="cu_seqlens_cpu")
     cu = cu_seqlens_cpu.to(torch.int64)
     longest = int((cu[1:] - cu[:-1]).max())

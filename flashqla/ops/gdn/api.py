@@ -244,7 +244,9 @@ def chunk_gated_delta_rule(
             planner takes every sequence as T / N tokens long and leaves unbalanced batches (one long
             sequence beside short ones) unsplit. It changes the plan, never the results (the
             segment tables are built on the device from cu_seqlens); it is not compared with
-            cu_seqlens (that would need a device read). `flashqla.validation.planning_max_seqlen`.
+            cu_seqlens (that would need a device read). Under torch.compile / torch.export only
+            its type, dtype, device and shape are checked and it is not used (its values are not
+            known while tracing). `flashqla.validation.planning_max_seqlen`.
 
     Supported fast path: K = V = 128, chunk 64, compute capability 9.0 (H100/H200). T, the number of
     sequences and cu_seqlens are run-time values: a new length or sequence mix never recompiles; the
@@ -265,7 +267,7 @@ def chunk_gated_delta_rule(
     Raises:
         TypeError: non-tensor arguments, q/k/v dtypes differ or are not bf16/fp16, g not float32,
             beta not float32 or q's dtype, initial_state not float32, cu_seqlens not int32/int64,
-            cu_seqlens_cpu not an int32/int64 CPU tensor.
+            cu_seqlens_cpu not a dense int32/int64 CPU tensor.
         ValueError: wrong ranks or shapes, HV % H != 0, K or V != 128, cu_seqlens with B != 1 (and
             bad cu_seqlens values when it is a CPU tensor), tensors on different devices;
             cu_seqlens_cpu without cu_seqlens, of another shape, or with bad values.
