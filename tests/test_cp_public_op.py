@@ -98,16 +98,22 @@ def test_cu_seqlens_cpu_plans_only(small_gpu, hint):
         assert rel_rms(grads[n], g_ref[n]) < 1e-10, (n, rel_rms(grads[n], g_ref[n]))
 
 
-def test_cu_seqlens_cpu_reaches_the_backward_plan(small_gpu, monkeypatch):
-    """The autograd backward plans with the same hint as the forward."""
+@pytest.fixture
+def spy(small_gpu, monkeypatch):
+    """Records (backward, max_seqlen) of every plan lookup of the forward and the backward."""
     seen = []
     real = driver.cp_splits
 
-    def spy(*a, **kw):
+    def cp_splits(*a, **kw):
         seen.append((kw.get("backward", False), kw.get("max_seqlen")))
         return real(*a, **kw)
 
-    monkeypatch.setattr(driver, "cp_splits", spy)
+    monkeypatch.setattr(driver, "cp_splits", cp_splits)
+    return seen
+
+
+def test_cu_seqlens_cpu_reaches_the_backward_plan(spy):
+    """The autograd backward plans with the same hint as the forward."""
     x = make_gdn_inputs(B=1, T=sum(UNBALANCED), H=1, HV=2, K=128, V=128, seqlens=UNBALANCED, seed=24)
     _run(flashqla.chunk_gated_delta_rule, x, cp="auto", cu_seqlens_cpu=torch.tensor([0, 64, 2048], dtype=torch.int32))
-    assert (False, 1984) in seen and (True, 1984) in seen, seen
+    assert (False, 1984) in spy and (True, 1984) in spy, spy

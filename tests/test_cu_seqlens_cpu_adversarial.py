@@ -21,9 +21,7 @@ from flashqla import validation
 from flashqla.cp import driver, planner
 from flashqla.testing import make_gdn_inputs, rel_rms
 from flashqla.validation import planning_max_seqlen
-from tests.test_cp_public_op import NAMES, _run, cpu_backend, small_gpu  # noqa: F401 (fixtures)
-
-UNBALANCED = [64, 1984]  # 16 SMs, 2 value heads: unsplit without the hint, split with it
+from tests.test_cp_public_op import UNBALANCED, NAMES, _run, cpu_backend, small_gpu, spy  # noqa: F401 (fixtures)
 
 
 def _inputs(seqlens, seed=31, **kw):
@@ -36,20 +34,6 @@ def _offsets(lengths, dtype=torch.int64):
     for n in lengths:
         out.append(out[-1] + n)
     return torch.tensor(out, dtype=dtype)
-
-
-@pytest.fixture
-def spy(small_gpu, monkeypatch):
-    """Records (backward, max_seqlen) of every plan lookup of the forward and the backward."""
-    seen = []
-    real = driver.cp_splits
-
-    def cp_splits(*a, **kw):
-        seen.append((kw.get("backward", False), kw.get("max_seqlen")))
-        return real(*a, **kw)
-
-    monkeypatch.setattr(driver, "cp_splits", cp_splits)
-    return seen
 
 
 def _assert_equals_reference(x, o, ht, grads, tol=1e-10):
