@@ -122,7 +122,24 @@ def check_case(name, kw, seed, cpc):
     return row
 
 
-def time_row(name, H, HV, lengths, packed, cpcs):
+def time_eager(fn, reps=10):
+    """Median ms of `reps` eager calls, each synchronised (CUDA events), after two warm calls."""
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def time_row(name, H, HV, lengths, packed, cpcs, time_graph=time_graph):
     from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
     from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
     from flashqla.ops.gdn.kernels.sm90 import chunk_bwd, chunk_bwd_v3
@@ -191,6 +208,11 @@ def precompile(rows, cases):
     return dt
 
 
+def _dump(out, d):
+    with open(os.path.join(d, "bwd_v3_check.json"), "w") as fh:
+        json.dump(out, fh, indent=1)
+
+
 def _fmt(v, f="{:.1e}"):
     return "-" if v is None else (f.format(v) if isinstance(v, float) else str(v))
 
@@ -203,7 +225,11 @@ def main():
     ap.add_argument("--rows", nargs="*", default=list(rows_all))
     ap.add_argument("--cpc", nargs="*", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--eager", action="store_true", help="time eager synchronised calls instead of CUDA graphs")
     a = ap.parse_args()
+    import faulthandler
+
+    faulthandler.dump_traceback_later(float(os.environ.get("HANG_S", "120")), repeat=True)
     t_start = time.time()
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": [], "rows": [], "errors": []}
     rows = {r: rows_all[r] for r in a.rows}
@@ -220,6 +246,8 @@ def main():
         try:
             r = check_case(name, kw, seed=100 + i, cpc=cpc0)
             out["cases"].append(r)
+            print(name, "done", flush=True)
+            _dump(out, a.out)
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
             out["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
@@ -227,8 +255,9 @@ def main():
 
     for name, (H, HV, lengths, packed) in rows.items():
         try:
-            r = time_row(name, H, HV, lengths, packed, a.cpc)
+            r = time_row(name, H, HV, lengths, packed, a.cpc, **(dict(time_graph=time_eager) if a.eager else {}))
             out["rows"].append(r)
+            _dump(out, a.out)
             print(name, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()

@@ -254,9 +254,12 @@ def _chunk_bwd_v3_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     # W is dead: scale diag(gamma) dO into its tile
                     for t, d in T.Parallel(C, V):
                         w_s[t, d] = T.cast(scale * T.exp2(gcc_s[t]) * T.cast(do_s[t, d], acc), dtype)
-                    # <S0, D> (for the last valid row of dG)
-                    for i, j in T.Parallel(K, V):
-                        sc[0] = sc[0] + T.cast(h_s[i, j], acc) * T.cast(ds_s[i, j], acc)
+                    # <S0, D> (for the last valid row of dG): both tiles in shared memory, so the
+                    # 256 consumer threads split the elements by hand (a T.Parallel loop over
+                    # shared memory alone is not partitioned: every thread summed all 16384)
+                    for e in T.serial(K * V // 256):
+                        sc[0] = sc[0] + T.cast(h_s[(e * 256 + tx % 256) // V, (e * 256 + tx % 256) % V], acc) * T.cast(
+                            ds_s[(e * 256 + tx % 256) // V, (e * 256 + tx % 256) % V], acc)
                     T.fence_proxy_async()
 
                 for _ in T.serial(1):
@@ -427,9 +430,16 @@ def chunk_grads_v3(q, k, v, beta, A, g_cum_log2, h, dh, do, scale: float, cu_seq
 
 def chunk_fused_bwd_v3(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, chunks_per_cta: int | None = None):
     """Pass 2 as two launches (2a: the state-gradient chain, `dh_bwd.chunk_dh_bwd`; 2b: the
-    chunk-parallel gradients). Arguments and results as `chunk_bwd.chunk_fused_bwd`."""
+    chunk-parallel gradients). Arguments and results as `chunk_bwd.chunk_fused_bwd`.
+
+    Raises NotImplementedError for packed input (cu_seqlens given): see NOTES-bwd.md, "Pass-2 variant v3"."""
     from flashqla.ops.gdn.kernels.sm90.dh_bwd import chunk_dh_bwd
 
+    if cu_seqlens is not None:
+        raise NotImplementedError(
+            "pass-2 variant 'v3' is experimental and refuses packed input (cu_seqlens): on the H200 its "
+            "chunk-parallel kernel hung on packed batches (16/32 and 4/8 heads, 8 sequences of 8192 tokens); "
+            "use variant 'v2' (the default; FLASHQLA_BWD_VARIANT unset)")
     dh, dh0 = chunk_dh_bwd(q, k, do, A, g_cum_log2, dht, scale, cu_seqlens)
     dq_hv, dk_hv, dv, dbeta, dG = chunk_grads_v3(q, k, v, beta, A, g_cum_log2, h, dh, do, scale, cu_seqlens, chunks_per_cta)
     return dq_hv, dk_hv, dv, dbeta, dG, dh0
