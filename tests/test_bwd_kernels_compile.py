@@ -227,7 +227,7 @@ def test_chunk_bwd_v2_kernel_compiles(dtype, h_dtype, beta_dtype, seq_dtype, var
 def test_chunk_bwd_variant_is_checked():
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import DEFAULT_VARIANT, VARIANTS, build_chunk_bwd_kernel, chunk_fused_bwd
 
-    assert VARIANTS == ("v1", "v2")
+    assert VARIANTS == ("v1", "v2", "v3")
     assert DEFAULT_VARIANT == "v2" or __import__("os").environ.get("FLASHQLA_BWD_VARIANT")  # v2 since its H200 check
     with pytest.raises(ValueError, match="variant"):
         build_chunk_bwd_kernel(1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True, "v9")
