@@ -1,0 +1,267 @@
+"""The planned role-specialised pass 2 of the backward, as a checked schedule (no kernel yet).
+
+One chunk of `reference.gdn.fused_bwd.chunk_bwd_fused` (records BWD-Abeta, BWD-fused, BWD-dq,
+BWD-dG) split over three consumer roles of a 512-thread CTA (NOTES-bwd.md, "Plan: pass 2 with
+role-specialised consumer warpgroups"):
+
+    S  owns the state gradient D [K, V] in registers: <S0, D>, D's operand copy, D' (the chain's end)
+    K  the chain and dk: K D, Pg^T dO, A_beta^T dv_new, -D dv, then every dk product
+    A  the off-chain products: Q K^T, K K^T, A, U, W, v_new, X, M, dL, dq
+
+A stage ends at a barrier every role passes. `SCHEDULE` lists, per stage, each role's operations
+with the shared-memory tiles they read and write. `check_schedule` proves the properties a kernel
+built from it needs:
+  1. no shared tile is written by one role and read or written by another in the same stage (the
+     stage's barrier is the only ordering between roles);
+  2. every tile is written before it is read (loads come first, at stage -1);
+  3. tiles that share a shared-memory region (aliases, to fit 227 KB) never overlap in lifetime;
+  4. register values ("r:" names) are read only by the role that made them;
+  5. the regions fit Hopper's shared memory per block with the static mbarriers;
+and reports, per loaded tile, the stage after which the producer may load the next chunk's copy.
+`run_chunk` executes the schedule (fp64 or fp32) and must equal `chunk_bwd_fused` on the same chunk
+(`tests/test_staged_bwd.py`): the schedule computes exactly the fused stage's math.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from reference.gdn.fused import decay_mask, gate_vectors
+
+__all__ = ["Op", "TILES", "SCHEDULE", "LOADED", "check_schedule", "run_chunk", "SMEM_LIMIT", "STATIC_SMEM"]
+
+C, K, V = 64, 128, 128
+#: Hopper's shared memory per block (dynamic + static), bytes.
+SMEM_LIMIT = 232448
+#: Static shared memory of a TileLang kernel with mbarriers (v2: 1024 B).
+STATIC_SMEM = 1024
+
+#: Shared-memory tiles: name -> (region, bytes). Tiles with the same region alias one buffer.
+TILES: dict[str, tuple[str, int]] = {
+    # loaded by the producer (bf16 unless noted)
+    "q": ("q", C * K * 2), "k": ("k", C * K * 2), "v": ("v", C * V * 2), "do": ("do", C * V * 2),
+    "Ab": ("Ab", C * C * 2), "h": ("h", K * V * 2), "g": ("g", C * 4), "beta": ("beta", C * 4),
+    # written by the consumers
+    "Ds": ("Ds", K * V * 2),  # D in bf16 (the chain's operand)
+    "dog": ("dog", C * V * 2),  # scale diag(gamma) dO
+    "Pg": ("Pg", C * C * 2), "sM": ("Pg", C * C * 2),  # scale (Q K^T) * Gamma; later scale M
+    "Kg": ("Kg", C * C * 2),  # (K K^T) * Gamma_strict
+    "Am": ("Am", C * C * 2), "dLk": ("Am", C * C * 2),  # A = I - A_beta Kg; later dL * Gamma_strict
+    "W": ("W", C * V * 2), "Bdlk": ("W", C * C * 2),  # V - D U; later diag(beta) dLk
+    "vn": ("vn", C * V * 2),
+    "dvn": ("dvn", C * V * 2), "dvg": ("dvn", C * V * 2),  # dv_new; later -diag(gamma) dv
+    "X": ("v", C * V * 2),  # A^T dv_new, over V
+    # per-role partial sums of dG rows / columns and dbeta rows (fp32), and the two scalars
+    "redK": ("redK", 2 * C * 4 + 8), "redA": ("redA", 3 * C * 4), "redS": ("redS", 8),
+}
+
+#: Tiles the producer loads each chunk (before stage 0 of the chunk, once their region is free).
+LOADED = ("q", "k", "v", "do", "Ab", "h", "g", "beta")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation of a role in a stage: reads and writes name shared tiles (plain names) and
+    role-local registers ("r:name"); fn(env) computes the writes from the reads."""
+
+    role: str
+    what: str
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    fn: Callable = field(compare=False)
+
+
+def _t(x):
+    return x.transpose(-1, -2)
+
+
+def _ops():
+    """The schedule's stages: a list of lists of Op (roles interleaved; order within a role is
+    program order)."""
+    st = []
+    # stage 0: S publishes D; A forms Pg
+    st.append([
+        Op("S", "<S0, D>", ("h", "r:D"), ("r:sc0",), lambda e: {"r:sc0": (e["h"] * e["r:D"]).sum()}),
+        Op("S", "Ds = D (operand copy)", ("r:D",), ("Ds",), lambda e: {"Ds": e["r:D"].clone()}),
+        Op("S", "D *= gamma_C", ("r:D", "g"), ("r:D",), lambda e: {"r:D": e["gC"] * e["r:D"]}),
+        Op("S", "dog = scale gamma dO", ("do", "g"), ("dog",), lambda e: {"dog": e["scale"] * e["gamma"][:, None] * e["do"]}),
+        Op("A", "Pg = scale (Q K^T) * Gamma", ("q", "k", "g"), ("Pg",),
+           lambda e: {"Pg": e["scale"] * (e["q"] @ _t(e["k"])) * e["Gam"]}),
+    ])
+    # stage 1: K starts the chain; A builds A, U, W, v_new
+    st.append([
+        Op("K", "dv_new = r K Ds + Pg^T dO", ("k", "Ds", "Pg", "do", "g"), ("dvn",),
+           lambda e: {"dvn": _t(e["Pg"]) @ e["do"] + e["r"][:, None] * (e["k"] @ e["Ds"])}),
+        Op("A", "Kg = (K K^T) * Gamma_strict", ("k", "g"), ("Kg",), lambda e: {"Kg": (e["k"] @ _t(e["k"])) * e["Gs"]}),
+        Op("A", "A = I - A_beta Kg", ("Ab", "Kg"), ("Am",),
+           lambda e: {"Am": torch.eye(C, dtype=e["k"].dtype) - e["Ab"] @ e["Kg"]}),
+        Op("A", "U = K S0", ("k", "h"), ("r:U",), lambda e: {"r:U": e["k"] @ e["h"]}),
+        Op("A", "W = V - gamma U", ("v", "r:U", "g"), ("W",), lambda e: {"W": e["v"] - e["gamma"][:, None] * e["r:U"]}),
+        Op("A", "v_new = A_beta W", ("Ab", "W"), ("vn",), lambda e: {"vn": e["Ab"] @ e["W"]}),
+    ])
+    # stage 2: K: dv and dk_state; A: X (over V), dbeta's first term, M; S: D += Q^T dog
+    st.append([
+        Op("K", "dv = A_beta^T dv_new (stored)", ("Ab", "dvn"), ("r:dv", "out:dv"),
+           lambda e: {"r:dv": _t(e["Ab"]) @ e["dvn"], "out:dv": _t(e["Ab"]) @ e["dvn"]}),
+        Op("K", "dk = r v_new Ds^T; r-terms of dG", ("vn", "Ds", "g", "k"), ("r:dk", "r:rgK", "r:sc1"), _k_state),
+        Op("A", "X = A^T dv_new; dbeta += rowsum(X W); X over V", ("Am", "dvn", "W"), ("X", "r:rbA"),
+           lambda e: (lambda X: {"X": X, "r:rbA": (X * e["W"]).sum(-1)})(_t(e["Am"]) @ e["dvn"])),
+        Op("A", "M = dO v_new^T", ("do", "vn"), ("r:M",), lambda e: {"r:M": e["do"] @ _t(e["vn"])}),
+        Op("S", "D += Q^T dog", ("q", "dog", "r:D"), ("r:D",), lambda e: {"r:D": e["r:D"] + _t(e["q"]) @ e["dog"]}),
+    ])
+    # stage 3: K publishes -gamma dv (over dv_new, dead since stage 2)
+    st.append([
+        Op("K", "dvg = -gamma dv", ("r:dv", "g"), ("dvg",), lambda e: {"dvg": -e["gamma"][:, None] * e["r:dv"]}),
+    ])
+    # stage 4: S ends the chain; K: dk += dvg S0^T; A: dG terms, dL, dLk, diag(beta) dLk, sM, dq
+    st.append([
+        Op("S", "D += K^T dvg (D of the previous chunk)", ("k", "dvg", "r:D"), ("r:D", "out:dh_prev"),
+           lambda e: (lambda D: {"r:D": D, "out:dh_prev": D})(e["r:D"] + _t(e["k"]) @ e["dvg"])),
+        Op("K", "dk += dvg S0^T", ("dvg", "h", "r:dk"), ("r:dk",), lambda e: {"r:dk": e["r:dk"] + e["dvg"] @ _t(e["h"])}),
+        Op("A", "dG += rowsum(dvg U)", ("dvg", "r:U"), ("r:rgA",), lambda e: {"r:rgA": (e["dvg"] * e["r:U"]).sum(-1)}),
+        Op("A", "dL = -tril(X v_new^T); dG terms; dLk, diag(beta) dLk", ("X", "vn", "Kg", "beta", "g", "r:rgA"),
+           ("dLk", "Bdlk", "r:rgA", "r:cgA"), _dl),
+        Op("A", "Z terms of dG; sM = scale M * Gamma", ("r:M", "Pg", "g", "r:rgA", "r:cgA"), ("sM", "r:rgA", "r:cgA"), _zm),
+        Op("A", "dq = dog S0^T; dG += rowsum(dq Q)", ("dog", "h", "q", "r:rgA"), ("r:dq", "r:rgA"),
+           lambda e: (lambda dq: {"r:dq": dq, "r:rgA": e["r:rgA"] + (dq * e["q"]).sum(-1)})(e["dog"] @ _t(e["h"]))),
+    ])
+    # stage 5: A: dq += sM K; K: the dLk products and the rest of dk
+    st.append([
+        Op("A", "dq += sM K (stored); partials", ("sM", "k", "r:dq", "r:rgA", "r:cgA", "r:rbA"), ("out:dq", "redA"),
+           lambda e: {"out:dq": e["r:dq"] + e["sM"] @ e["k"],
+                      "redA": torch.stack([e["r:rgA"], e["r:cgA"], e["r:rbA"]])}),
+        Op("K", "dLk K; dbeta; dk += beta dLk K + (diag(beta) dLk)^T K + sM^T Q (stored); partials",
+           ("dLk", "Bdlk", "sM", "k", "q", "beta", "r:dk", "r:rgK", "r:sc1"), ("out:dk", "redK"), _dk_rest),
+        Op("S", "partial <S0, D>", ("r:sc0",), ("redS",), lambda e: {"redS": e["r:sc0"]}),
+    ])
+    # stage 6: one role sums the partials into dbeta and the dG row
+    st.append([
+        Op("S", "dbeta, dG (chunk-end terms at the last valid row)", ("redA", "redK", "redS", "g"),
+           ("out:dbeta", "out:dG"), _final),
+    ])
+    return st
+
+
+def _k_state(e):
+    dk = e["r"][:, None] * (e["vn"] @ _t(e["Ds"]))
+    s = (dk * e["k"]).sum(-1)
+    nl = torch.arange(C) != e["last"]
+    return {"r:dk": dk, "r:rgK": -torch.where(nl, s, torch.zeros_like(s)), "r:sc1": torch.where(nl, s, torch.zeros_like(s)).sum()}
+
+
+def _dl(e):
+    dL = -torch.tril(e["X"] @ _t(e["vn"]), -1)
+    dLL = dL * (e["beta"][:, None] * e["Kg"])
+    dLk = dL * e["Gs"]
+    return {"dLk": dLk, "Bdlk": e["beta"][:, None] * dLk, "r:rgA": e["r:rgA"] + dLL.sum(-1), "r:cgA": -dLL.sum(-2)}
+
+
+def _zm(e):
+    strict = torch.tril(torch.ones(C, C, dtype=torch.bool), -1)
+    Z = torch.where(strict, e["r:M"] * e["Pg"], torch.zeros((), dtype=e["Pg"].dtype))  # scale M (Q K^T) Gamma
+    return {"r:rgA": e["r:rgA"] + Z.sum(-1), "r:cgA": e["r:cgA"] - Z.sum(-2), "sM": e["scale"] * e["r:M"] * e["Gam"]}
+
+
+def _dk_rest(e):
+    t = e["dLk"] @ e["k"]
+    dk = e["r:dk"] + e["beta"][:, None] * t + _t(e["Bdlk"]) @ e["k"] + _t(e["sM"]) @ e["q"]
+    red = torch.zeros(2 * C + 2, dtype=t.dtype)
+    red[:C] = e["r:rgK"]
+    red[C:2 * C] = (t * e["k"]).sum(-1)
+    red[2 * C] = e["r:sc1"]
+    return {"out:dk": dk, "redK": red}
+
+
+def _final(e):
+    rgA, cgA, rbA = e["redA"]
+    redK = e["redK"]
+    dG = rgA + cgA + redK[:C]
+    at_last = e["gC"] * e["redS"] + redK[2 * C]
+    dG = torch.where(torch.arange(C) == e["last"], dG + at_last, dG)
+    return {"out:dbeta": rbA + redK[C:2 * C], "out:dG": dG}
+
+
+SCHEDULE = _ops()
+
+
+def check_schedule(schedule=None) -> dict:
+    """Checks properties 1-5 of the module docstring; raises AssertionError naming the first
+    violation. Returns {"smem": bytes (dynamic + static), "release": {loaded tile: last stage that
+    reads it}, "stages": n}."""
+    schedule = SCHEDULE if schedule is None else schedule
+    written = {t: -1 for t in LOADED}  # tile -> stage of its last write
+    owner = {"r:D": "S"}  # register -> role (D enters in S's registers)
+    region_of = {t: r for t, (r, _) in TILES.items()}
+    last_read = {}
+    live = {}  # region -> tile currently held
+    for t in LOADED:
+        live[region_of[t]] = t
+    # last read stage of every tile (for the alias check and the release report)
+    for s, ops in enumerate(schedule):
+        for op in ops:
+            for x in op.reads:
+                if not x.startswith("r:"):
+                    last_read[x] = s
+    for s, ops in enumerate(schedule):
+        by_role_w, by_role_r = {}, {}
+        for op in ops:
+            for x in op.reads:
+                if x.startswith("r:"):
+                    assert x in owner, f"stage {s}: {op.what}: {x} read before written"
+                    assert owner[x] == op.role, f"stage {s}: {op.role} reads {owner[x]}'s register {x}"
+                else:
+                    assert x in written, f"stage {s}: {op.what}: tile {x} read before it is written"
+                    ws = written[x]
+                    wrole = by_role_w.get(region_of[x])
+                    assert ws < s or wrole == op.role, f"stage {s}: {op.what} reads {x} written this stage by {wrole}"
+                    assert live.get(region_of[x]) == x, f"stage {s}: {op.what} reads {x} but region {region_of[x]} holds {live.get(region_of[x])}"
+                    by_role_r.setdefault(region_of[x], set()).add(op.role)
+            for x in op.writes:
+                if x.startswith("r:"):
+                    assert owner.setdefault(x, op.role) == op.role, f"{x} written by two roles"
+                elif x.startswith("out:"):
+                    continue
+                else:
+                    reg = region_of[x]
+                    prev = live.get(reg)
+                    if prev is not None and prev != x:
+                        assert last_read.get(prev, -2) < s or (last_read.get(prev) == s and all(
+                            o.role == op.role for o in ops if prev in o.reads)), \
+                            f"stage {s}: {op.what} writes {x} over {prev} (region {reg}), still read at stage {last_read.get(prev)}"
+                    other = by_role_r.get(reg, set()) - {op.role}
+                    assert not other, f"stage {s}: {op.role} writes {x} while {other} read region {reg}"
+                    assert by_role_w.setdefault(reg, op.role) == op.role, f"stage {s}: two roles write region {reg}"
+                    live[reg] = x
+                    written[x] = s
+        # a region read by one role must not be written later in the same stage by another
+        for op in ops:
+            for x in op.writes:
+                if not x.startswith(("r:", "out:")):
+                    readers = {o.role for o in ops if any(region_of.get(y) == region_of[x] for y in o.reads if not y.startswith("r:"))}
+                    assert readers <= {op.role}, f"stage {s}: region {region_of[x]} written by {op.role} and read by {readers - {op.role}}"
+    regions = {}
+    for r, b in TILES.values():
+        regions[r] = max(regions.get(r, 0), b)
+    smem = sum(regions.values()) + STATIC_SMEM
+    assert smem <= SMEM_LIMIT, f"shared memory {smem} B over {SMEM_LIMIT}"
+    # a loaded tile's region is free for the next chunk's copy after the last read of any tile in it
+    release = {t: max(last_read.get(y, -1) for y, (r, _) in TILES.items() if r == region_of[t]) for t in LOADED}
+    return {"smem": smem, "release": release, "stages": len(schedule)}
+
+
+def run_chunk(q, k, v, beta, A_beta, g_cum, h, D, do, scale: float, *, last: int | None = None, log2: bool = False):
+    """One chunk through `SCHEDULE` (shapes as `chunk_bwd_fused` without the leading [NC, HV]:
+    q, k [C, K]; v, do [C, V]; beta, g_cum [C]; A_beta [C, C]; h, D [K, V]). Returns the dict of
+    `chunk_bwd_fused` (dq, dk, dv, dbeta, dG, dh_prev)."""
+    gamma, gC, r = gate_vectors(g_cum, log2=log2)
+    env = dict(q=q, k=k, v=v, do=do, Ab=A_beta, h=h, g=g_cum, beta=beta, scale=scale, gamma=gamma, gC=gC, r=r,
+               Gam=decay_mask(g_cum, log2=log2), Gs=decay_mask(g_cum, strict=True, log2=log2),
+               last=C - 1 if last is None else int(last))
+    env["r:D"] = D
+    for ops in SCHEDULE:
+        for op in ops:
+            env.update(op.fn(env))
+    return {n: env[f"out:{n}"] for n in ("dq", "dk", "dv", "dbeta", "dG", "dh_prev")}
