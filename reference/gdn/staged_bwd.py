@@ -48,11 +48,12 @@ TILES: dict[str, tuple[str, int]] = {
     "Ds": ("Ds", K * V * 2),  # D in bf16 (the chain's operand)
     "dog": ("dog", C * V * 2),  # scale diag(gamma) dO
     "Pg": ("Pg", C * C * 2), "sM": ("Pg", C * C * 2),  # scale (Q K^T) * Gamma; later scale M
-    "Kg": ("Kg", C * C * 2),  # (K K^T) * Gamma_strict
+    "Kg": ("Kg", C * C * 2), "Bdlk": ("Kg", C * C * 2),  # (K K^T) * Gamma_strict; later diag(beta) dLk
     "Am": ("Am", C * C * 2), "dLk": ("Am", C * C * 2),  # A = I - A_beta Kg; later dL * Gamma_strict
-    "W": ("W", C * V * 2), "Bdlk": ("W", C * C * 2),  # V - D U; later diag(beta) dLk
+    "W": ("W", C * V * 2),  # V - D U
     "vn": ("vn", C * V * 2),
-    "dvn": ("dvn", C * V * 2), "dvg": ("dvn", C * V * 2),  # dv_new; later -diag(gamma) dv
+    "dvn": ("dvn", C * V * 2),
+    "dvg": ("Ds", C * V * 2),  # -diag(gamma) dv: rows 0..63 of D's region, once K's last read of Ds is done
     "X": ("v", C * V * 2),  # A^T dv_new, over V
     # per-role partial sums of dG rows / columns and dbeta rows (fp32), and the two scalars
     "redK": ("redK", 2 * C * 4 + 8), "redA": ("redA", 3 * C * 4), "redS": ("redS", 8),
@@ -102,21 +103,20 @@ def _ops():
         Op("A", "W = V - gamma U", ("v", "r:U", "g"), ("W",), lambda e: {"W": e["v"] - e["gamma"][:, None] * e["r:U"]}),
         Op("A", "v_new = A_beta W", ("Ab", "W"), ("vn",), lambda e: {"vn": e["Ab"] @ e["W"]}),
     ])
-    # stage 2: K: dv and dk_state; A: X (over V), dbeta's first term, M; S: D += Q^T dog
+    # stage 2: K: dv, dk_state, then -gamma dv over Ds (dv's registers are then free for the dk
+    # products' row sums); A: X (over V), dbeta's first term, M; S: D += Q^T dog
     st.append([
         Op("K", "dv = A_beta^T dv_new (stored)", ("Ab", "dvn"), ("r:dv", "out:dv"),
            lambda e: {"r:dv": _t(e["Ab"]) @ e["dvn"], "out:dv": _t(e["Ab"]) @ e["dvn"]}),
         Op("K", "dk = r v_new Ds^T; r-terms of dG", ("vn", "Ds", "g", "k"), ("r:dk", "r:rgK", "r:sc1"), _k_state),
+        Op("K", "dvg = -gamma dv (over Ds: its last reader was the line above)", ("r:dv", "g"), ("dvg",),
+           lambda e: {"dvg": -e["gamma"][:, None] * e["r:dv"]}),
         Op("A", "X = A^T dv_new; dbeta += rowsum(X W); X over V", ("Am", "dvn", "W"), ("X", "r:rbA"),
            lambda e: (lambda X: {"X": X, "r:rbA": (X * e["W"]).sum(-1)})(_t(e["Am"]) @ e["dvn"])),
         Op("A", "M = dO v_new^T", ("do", "vn"), ("r:M",), lambda e: {"r:M": e["do"] @ _t(e["vn"])}),
         Op("S", "D += Q^T dog", ("q", "dog", "r:D"), ("r:D",), lambda e: {"r:D": e["r:D"] + _t(e["q"]) @ e["dog"]}),
     ])
-    # stage 3: K publishes -gamma dv (over dv_new, dead since stage 2)
-    st.append([
-        Op("K", "dvg = -gamma dv", ("r:dv", "g"), ("dvg",), lambda e: {"dvg": -e["gamma"][:, None] * e["r:dv"]}),
-    ])
-    # stage 4: S ends the chain; K: dk += dvg S0^T; A: dG terms, dL, dLk, diag(beta) dLk, sM, dq
+    # stage 3: S ends the chain; K: dk += dvg S0^T; A: dG terms, dL, dLk, diag(beta) dLk, sM, dq
     st.append([
         Op("S", "D += K^T dvg (D of the previous chunk)", ("k", "dvg", "r:D"), ("r:D", "out:dh_prev"),
            lambda e: (lambda D: {"r:D": D, "out:dh_prev": D})(e["r:D"] + _t(e["k"]) @ e["dvg"])),
@@ -128,7 +128,7 @@ def _ops():
         Op("A", "dq = dog S0^T; dG += rowsum(dq Q)", ("dog", "h", "q", "r:rgA"), ("r:dq", "r:rgA"),
            lambda e: (lambda dq: {"r:dq": dq, "r:rgA": e["r:rgA"] + (dq * e["q"]).sum(-1)})(e["dog"] @ _t(e["h"]))),
     ])
-    # stage 5: A: dq += sM K; K: the dLk products and the rest of dk
+    # stage 4: A: dq += sM K; K: the dLk products and the rest of dk
     st.append([
         Op("A", "dq += sM K (stored); partials", ("sM", "k", "r:dq", "r:rgA", "r:cgA", "r:rbA"), ("out:dq", "redA"),
            lambda e: {"out:dq": e["r:dq"] + e["sM"] @ e["k"],
@@ -137,7 +137,7 @@ def _ops():
            ("dLk", "Bdlk", "sM", "k", "q", "beta", "r:dk", "r:rgK", "r:sc1"), ("out:dk", "redK"), _dk_rest),
         Op("S", "partial <S0, D>", ("r:sc0",), ("redS",), lambda e: {"redS": e["r:sc0"]}),
     ])
-    # stage 6: one role sums the partials into dbeta and the dG row
+    # stage 5: one role sums the partials into dbeta and the dG row
     st.append([
         Op("S", "dbeta, dG (chunk-end terms at the last valid row)", ("redA", "redK", "redS", "g"),
            ("out:dbeta", "out:dG"), _final),
