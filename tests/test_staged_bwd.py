@@ -103,8 +103,8 @@ def test_checker_catches_a_bad_alias(monkeypatch):
 
 def test_checker_catches_a_foreign_register():
     sched = [list(ops) for ops in sb.SCHEDULE]
-    s = _stage_of("dG += rowsum(dvg U)")
-    op = next(o for o in sched[s] if o.what.startswith("dG += rowsum(dvg U)"))
-    sched[s][sched[s].index(op)] = dataclasses.replace(op, role="K")  # K reading A's U
+    s = _stage_of("P = dvg S0^T")
+    op = next(o for o in sched[s] if o.what.startswith("P = dvg S0^T"))
+    sched[s][sched[s].index(op)] = dataclasses.replace(op, role="A")  # A updating K's dk
     with pytest.raises(AssertionError, match="register"):
         sb.check_schedule(sched)

@@ -43,7 +43,9 @@ STATIC_SMEM = 1024
 TILES: dict[str, tuple[str, int]] = {
     # loaded by the producer (bf16 unless noted)
     "q": ("q", C * K * 2), "k": ("k", C * K * 2), "v": ("v", C * V * 2), "do": ("do", C * V * 2),
-    "Ab": ("Ab", C * C * 2), "h": ("h", K * V * 2), "g": ("g", C * 4), "beta": ("beta", C * 4),
+    "Ab": ("Ab", C * C * 2), "h": ("h", K * V * 2),
+    # read from global memory where needed (no shared memory left for them)
+    "g": ("global g", 0), "beta": ("global beta", 0),
     # written by the consumers
     "Ds": ("Ds", K * V * 2),  # D in bf16 (the chain's operand)
     "dog": ("dog", C * V * 2),  # scale diag(gamma) dO
@@ -55,8 +57,10 @@ TILES: dict[str, tuple[str, int]] = {
     "dvn": ("dvn", C * V * 2),
     "dvg": ("Ds", C * V * 2),  # -diag(gamma) dv: rows 0..63 of D's region, once K's last read of Ds is done
     "X": ("v", C * V * 2),  # A^T dv_new, over V
-    # per-role partial sums of dG rows / columns and dbeta rows (fp32), and the two scalars
-    "redK": ("redK", 2 * C * 4 + 8), "redA": ("redA", 3 * C * 4), "redS": ("redS", 8),
+    # per-role partials (fp32): A's dG rows, dG columns and dbeta rows; K's rowsum(dvg U); S's four
+    # per-warp <S0, D>; K's r-term rows and dbeta rows go to dG and dbeta in global memory
+    "redA": ("redA", 3 * C * 4), "redKu": ("redKu", C * 4), "redS": ("redS", 4 * 4),
+    "gKr": ("global dG", 0), "gKb": ("global dbeta", 0),
 }
 
 #: Tiles the producer loads each chunk (before stage 0 of the chunk, once their region is free).
@@ -108,38 +112,41 @@ def _ops():
     st.append([
         Op("K", "dv = A_beta^T dv_new (stored)", ("Ab", "dvn"), ("r:dv", "out:dv"),
            lambda e: {"r:dv": _t(e["Ab"]) @ e["dvn"], "out:dv": _t(e["Ab"]) @ e["dvn"]}),
-        Op("K", "dk = r v_new Ds^T; r-terms of dG", ("vn", "Ds", "g", "k"), ("r:dk", "r:rgK", "r:sc1"), _k_state),
+        Op("K", "dk = r v_new Ds^T; r-terms of dG (into dG)", ("vn", "Ds", "g", "k"), ("r:dk", "gKr"), _k_state),
         Op("K", "dvg = -gamma dv (over Ds: its last reader was the line above)", ("r:dv", "g"), ("dvg",),
            lambda e: {"dvg": -e["gamma"][:, None] * e["r:dv"]}),
         Op("A", "X = A^T dv_new; dbeta += rowsum(X W); X over V", ("Am", "dvn", "W"), ("X", "r:rbA"),
            lambda e: (lambda X: {"X": X, "r:rbA": (X * e["W"]).sum(-1)})(_t(e["Am"]) @ e["dvn"])),
-        Op("A", "M = dO v_new^T", ("do", "vn"), ("r:M",), lambda e: {"r:M": e["do"] @ _t(e["vn"])}),
         Op("S", "D += Q^T dog", ("q", "dog", "r:D"), ("r:D",), lambda e: {"r:D": e["r:D"] + _t(e["q"]) @ e["dog"]}),
     ])
     # stage 3: S ends the chain; K: dk += dvg S0^T; A: dG terms, dL, dLk, diag(beta) dLk, sM, dq
     st.append([
         Op("S", "D += K^T dvg (D of the previous chunk)", ("k", "dvg", "r:D"), ("r:D", "out:dh_prev"),
            lambda e: (lambda D: {"r:D": D, "out:dh_prev": D})(e["r:D"] + _t(e["k"]) @ e["dvg"])),
-        Op("K", "dk += dvg S0^T", ("dvg", "h", "r:dk"), ("r:dk",), lambda e: {"r:dk": e["r:dk"] + e["dvg"] @ _t(e["h"])}),
-        Op("A", "dG += rowsum(dvg U)", ("dvg", "r:U"), ("r:rgA",), lambda e: {"r:rgA": (e["dvg"] * e["r:U"]).sum(-1)}),
-        Op("A", "dL = -tril(X v_new^T); dG terms; dLk, diag(beta) dLk", ("X", "vn", "Kg", "beta", "g", "r:rgA"),
-           ("dLk", "Bdlk", "r:rgA", "r:cgA"), _dl),
-        Op("A", "Z terms of dG; sM = scale M * Gamma", ("r:M", "Pg", "g", "r:rgA", "r:cgA"), ("sM", "r:rgA", "r:cgA"), _zm),
-        Op("A", "dq = dog S0^T; dG += rowsum(dq Q)", ("dog", "h", "q", "r:rgA"), ("r:dq", "r:rgA"),
-           lambda e: (lambda dq: {"r:dq": dq, "r:rgA": e["r:rgA"] + (dq * e["q"]).sum(-1)})(e["dog"] @ _t(e["h"]))),
+        Op("K", "P = dvg S0^T: dk += P; rowsum(P K) (= rowsum(dvg U), U = K S0)", ("dvg", "h", "k", "r:dk"),
+           ("r:dk", "redKu"),
+           lambda e: (lambda P: {"r:dk": e["r:dk"] + P, "redKu": (P * e["k"]).sum(-1)})(e["dvg"] @ _t(e["h"]))),
+        Op("A", "dL = -tril(X v_new^T); dG rows; columns from dL^T = -triu(v_new X^T); dLk, diag(beta) dLk",
+           ("X", "vn", "Kg", "beta", "g"), ("dLk", "Bdlk", "r:rgA", "r:cgA"), _dl),
+        Op("A", "M = dO v_new^T", ("do", "vn"), ("r:M",), lambda e: {"r:M": e["do"] @ _t(e["vn"])}),
+        Op("A", "Z rows (M) and columns (M^T = v_new dO^T); sM = scale M * Gamma over Pg",
+           ("r:M", "Pg", "g", "r:rgA", "r:cgA", "vn", "do"), ("sM", "r:rgA", "r:cgA"), _zm),
+        Op("A", "dq = dog S0^T (formed again in stage 4); dG += rowsum(dq Q)", ("dog", "h", "q", "r:rgA"), ("r:rgA",),
+           lambda e: {"r:rgA": e["r:rgA"] + ((e["dog"] @ _t(e["h"])) * e["q"]).sum(-1)}),
     ])
     # stage 4: A: dq += sM K; K: the dLk products and the rest of dk
     st.append([
-        Op("A", "dq += sM K (stored); partials", ("sM", "k", "r:dq", "r:rgA", "r:cgA", "r:rbA"), ("out:dq", "redA"),
-           lambda e: {"out:dq": e["r:dq"] + e["sM"] @ e["k"],
+        Op("A", "dq = dog S0^T + sM K (stored); partials", ("dog", "h", "sM", "k", "r:rgA", "r:cgA", "r:rbA"),
+           ("out:dq", "redA"),
+           lambda e: {"out:dq": e["dog"] @ _t(e["h"]) + e["sM"] @ e["k"],
                       "redA": torch.stack([e["r:rgA"], e["r:cgA"], e["r:rbA"]])}),
-        Op("K", "dLk K; dbeta; dk += beta dLk K + (diag(beta) dLk)^T K + sM^T Q (stored); partials",
-           ("dLk", "Bdlk", "sM", "k", "q", "beta", "r:dk", "r:rgK", "r:sc1"), ("out:dk", "redK"), _dk_rest),
+        Op("K", "dLk K; dbeta rows (into dbeta); dk += beta dLk K + (diag(beta) dLk)^T K + sM^T Q (stored)",
+           ("dLk", "Bdlk", "sM", "k", "q", "beta", "r:dk"), ("out:dk", "gKb"), _dk_rest),
         Op("S", "partial <S0, D>", ("r:sc0",), ("redS",), lambda e: {"redS": e["r:sc0"]}),
     ])
     # stage 5: one role sums the partials into dbeta and the dG row
     st.append([
-        Op("S", "dbeta, dG (chunk-end terms at the last valid row)", ("redA", "redK", "redS", "g"),
+        Op("S", "dbeta, dG (chunk-end terms at the last valid row)", ("redA", "redKu", "redS", "gKr", "gKb", "g"),
            ("out:dbeta", "out:dG"), _final),
     ])
     return st
@@ -149,39 +156,36 @@ def _k_state(e):
     dk = e["r"][:, None] * (e["vn"] @ _t(e["Ds"]))
     s = (dk * e["k"]).sum(-1)
     nl = torch.arange(C) != e["last"]
-    return {"r:dk": dk, "r:rgK": -torch.where(nl, s, torch.zeros_like(s)), "r:sc1": torch.where(nl, s, torch.zeros_like(s)).sum()}
+    return {"r:dk": dk, "gKr": -torch.where(nl, s, torch.zeros_like(s))}
 
 
 def _dl(e):
     dL = -torch.tril(e["X"] @ _t(e["vn"]), -1)
-    dLL = dL * (e["beta"][:, None] * e["Kg"])
+    bKg = e["beta"][:, None] * e["Kg"]
+    dLt = -torch.triu(e["vn"] @ _t(e["X"]), 1)  # dL^T, its own product: column sums as row sums
     dLk = dL * e["Gs"]
-    return {"dLk": dLk, "Bdlk": e["beta"][:, None] * dLk, "r:rgA": e["r:rgA"] + dLL.sum(-1), "r:cgA": -dLL.sum(-2)}
+    return {"dLk": dLk, "Bdlk": e["beta"][:, None] * dLk, "r:rgA": (dL * bKg).sum(-1), "r:cgA": -(dLt * _t(bKg)).sum(-1)}
 
 
 def _zm(e):
     strict = torch.tril(torch.ones(C, C, dtype=torch.bool), -1)
     Z = torch.where(strict, e["r:M"] * e["Pg"], torch.zeros((), dtype=e["Pg"].dtype))  # scale M (Q K^T) Gamma
-    return {"r:rgA": e["r:rgA"] + Z.sum(-1), "r:cgA": e["r:cgA"] - Z.sum(-2), "sM": e["scale"] * e["r:M"] * e["Gam"]}
+    Zt = torch.where(_t(strict), _t(e["r:M"]) * _t(e["Pg"]), torch.zeros((), dtype=e["Pg"].dtype))  # from M^T = v_new dO^T
+    return {"r:rgA": e["r:rgA"] + Z.sum(-1), "r:cgA": e["r:cgA"] - Zt.sum(-1), "sM": e["scale"] * e["r:M"] * e["Gam"]}
 
 
 def _dk_rest(e):
     t = e["dLk"] @ e["k"]
     dk = e["r:dk"] + e["beta"][:, None] * t + _t(e["Bdlk"]) @ e["k"] + _t(e["sM"]) @ e["q"]
-    red = torch.zeros(2 * C + 2, dtype=t.dtype)
-    red[:C] = e["r:rgK"]
-    red[C:2 * C] = (t * e["k"]).sum(-1)
-    red[2 * C] = e["r:sc1"]
-    return {"out:dk": dk, "redK": red}
+    return {"out:dk": dk, "gKb": (t * e["k"]).sum(-1)}
 
 
 def _final(e):
     rgA, cgA, rbA = e["redA"]
-    redK = e["redK"]
-    dG = rgA + cgA + redK[:C]
-    at_last = e["gC"] * e["redS"] + redK[2 * C]
+    dG = rgA + cgA + e["gKr"] + e["redKu"]
+    at_last = e["gC"] * e["redS"] - e["gKr"].sum()  # gKr holds -s_t for every row but the last valid one
     dG = torch.where(torch.arange(C) == e["last"], dG + at_last, dG)
-    return {"out:dbeta": rbA + redK[C:2 * C], "out:dG": dG}
+    return {"out:dbeta": rbA + e["gKb"], "out:dG": dG}
 
 
 SCHEDULE = _ops()

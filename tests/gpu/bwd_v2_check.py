@@ -17,6 +17,9 @@ against the default "v1" (`chunk_bwd.py`), for correctness and speed.
    (`flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd`, h bf16), v1 against v2.
 A compact table is printed last; everything goes to bwd_v2_check.json in --out. Not collected by
 pytest.
+
+--base V --new W compare other pass-2 variants the same way (e.g. `--base v2 --new v4`, the
+role-specialised kernel): the columns and JSON keys keep the names v1 (base) and v2 (new).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from flashqla.testing import add_cotangents, make_gdn_inputs, rel_rms  # noqa: E
 from tests.gpu.device_check import gen_inputs, time_graph  # noqa: E402
 
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+#: The variants compared (--base, --new); results are keyed _v1 (base) and _v2 (new).
+BASE, NEW = "v1", "v2"
 SCALE = 128**-0.5
 
 
@@ -173,9 +178,9 @@ def check_case(name, kw, seed):
     f = chunk_gated_delta_rule_fwd(xd["q"], xd["k"], xd["v"], xd["g"], xd["beta"], SCALE, xd["initial_state"], True,
                                    xd["cu_seqlens"])
     h = chunk_states_bwd(f.k, xd["v"], f.A, f.g_cum_log2, xd["initial_state"], xd["cu_seqlens"], h_dtype)
-    g1 = _backward(xd, f, h, "v1", poison=False)
-    g2 = _backward(xd, f, h, "v2", poison=True)
-    g2b = _backward(xd, f, h, "v2", poison=True)
+    g1 = _backward(xd, f, h, BASE, poison=False)
+    g2 = _backward(xd, f, h, NEW, poison=True)
+    g2b = _backward(xd, f, h, NEW, poison=True)
     torch.cuda.synchronize()
     ref = _reference(xd, t_end)
     row = {"case": name}
@@ -216,13 +221,13 @@ def time_row(name, H, HV, lengths, packed):
     f = chunk_gated_delta_rule_fwd(**x, output_final_state=True)
     h = chunk_states_bwd(f.k, x["v"], f.A, f.g_cum_log2, x["initial_state"], x["cu_seqlens"], torch.bfloat16)
     row = {"row": name}
-    for variant in ("v1", "v2"):
-        row[f"t_pass2_{variant}"] = time_graph(lambda: chunk_bwd.chunk_fused_bwd(
+    for key, variant in (("v1", BASE), ("v2", NEW)):
+        row[f"t_pass2_{key}"] = time_graph(lambda: chunk_bwd.chunk_fused_bwd(
             f.q, f.k, x["v"], x["beta"], f.A, f.g_cum_log2, h, do, dht, SCALE, x["cu_seqlens"], variant=variant))
         saved = chunk_bwd.DEFAULT_VARIANT
         chunk_bwd.DEFAULT_VARIANT = variant
         try:
-            row[f"t_bwd_{variant}"] = time_graph(lambda: chunk_gated_delta_rule_bwd(
+            row[f"t_bwd_{key}"] = time_graph(lambda: chunk_gated_delta_rule_bwd(
                 f.q, f.k, x["v"], x["g"], x["beta"], f.A, f.g_cum_log2, do, dht, SCALE, x["initial_state"], x["cu_seqlens"]))
         finally:
             chunk_bwd.DEFAULT_VARIANT = saved
@@ -254,7 +259,7 @@ def precompile(rows, cases):
     for H, HV, N, packed, hd in sorted(configs):
         s = op_kernel_specs(H, HV, N=N, varlen=packed, h_dtype=hd)
         specs += s
-        specs += [(kind, args + ("v2",)) for kind, args in s if kind == "chunk_bwd"]
+        specs += [(kind, args + (v,)) for kind, args in s if kind == "chunk_bwd" for v in {BASE, NEW}]
     t = time.time()
     pc(specs, max_workers=min(len(set(specs)), os.cpu_count() or 8))
     dt = time.time() - t
@@ -273,7 +278,12 @@ def main():
     ap.add_argument("--cases", nargs="*", default=list(CASES))
     ap.add_argument("--rows", nargs="*", default=list(rows_all))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--base", default="v1", help="pass-2 variant compared against (columns v1)")
+    ap.add_argument("--new", default="v2", help="pass-2 variant checked (columns v2, NaN-poisoned outputs)")
     a = ap.parse_args()
+    global BASE, NEW
+    BASE, NEW = a.base, a.new
+    print(f"base (columns v1) = {BASE}, new (columns v2) = {NEW}", flush=True)
     t_start = time.time()
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": [], "rows": [], "errors": []}
     rows = {r: rows_all[r] for r in a.rows}
