@@ -27,20 +27,20 @@ relative, not bitwise.
 Resources (CPU, TileLang 0.1.15, ptxas sm_90a, H = 1, HV = 2, packed):
 - shared memory 230,416 B dynamic + 1,024 B static: the regions of `staged_bwd.TILES`, 1 KB under
   the limit (g and beta are read from global memory; no producer warpgroup);
-- registers `NREG` (setmaxnreg; S 208, K 168, A 136, 65,536 in all), 392 B of spill stores. With a
+- registers `NREG` (setmaxnreg; S 208, K 168, A 136, 65,536 in all), ~400 B of spill stores. With a
   producer warpgroup the roles needed ~600 registers a thread in all, over the 512 available.
 
 Loads: at each chunk's start K loads q, k and A_beta and A loads V, dO and h (plain masked loads;
 rows past a sequence end zero), then every role passes one barrier. They are not overlapped with
 the previous chunk (a producer warpgroup with TMA would overlap them, if registers allow).
 Synchronisation: one mbarrier per stage, 384 arrivals (every role arrives and waits each stage).
-Outputs: dq_hv, dk_hv, dv, dbeta zero-filled by the host (rows outside every sequence stay zero; v2
-writes those zeros itself). K writes its dG and dbeta partial rows to global memory in stages 2 and
-4; S adds the other roles' partials in stage 5.
+Outputs: every row of dq_hv, dk_hv, dv, dbeta is written (`torch.empty` buffers): S of the first
+and last sequence's CTA zeroes the rows outside every sequence, as v2. K writes its dG and dbeta
+partial rows to global memory in stages 2 and 4; S adds the other roles' partials in stage 5.
 
 Unverified: whether it is correct and how fast it is. First device check:
-`python tests/gpu/bwd_v2_check.py --base v2 --new v4` (it needs v4 to write the rows outside every
-sequence, which it leaves to the host today: the packed-tail case will show them as NaN).
+`python tests/gpu/bwd_v2_check.py --precompile --base v2 --new v4` (v4's outputs NaN-poisoned, every
+gradient against v2 and fp64, the packed tail, then pass 2 and the whole backward timed on four rows).
 """
 
 import functools
@@ -186,6 +186,30 @@ def _chunk_bwd_v4_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     T.barrier_wait(bar[5], ci % 2)
                 for i, j in T.Parallel(K, V):
                     dh0[n, hv, i, j] = dS[i, j]
+                if varlen:
+                    # rows of no sequence (before cu_seqlens[0], past cu_seqlens[-1]) get zero
+                    # gradients, written by S of the first / last sequence's CTA of each value head
+                    lo = T.alloc_var("int32")
+                    cnt = T.alloc_var("int32")
+                    lo = 0
+                    cnt = 0
+                    if n == 0:
+                        cnt = T.cast(cu_seqlens[0], "int32")
+                    for side in T.serial(2):
+                        if side == 1:
+                            lo = T.cast(cu_seqlens[Np1 - 1], "int32")
+                            cnt = T.if_then_else(n == Np1 - 2, Tn - lo, 0)
+                        for tb in T.serial(T.ceildiv(cnt, C)):
+                            for t, d in T.Parallel(C, K):
+                                if tb * C + t < cnt:
+                                    dq_hv[0, lo + tb * C + t, hv, d] = T.float32(0)
+                                    dk_hv[0, lo + tb * C + t, hv, d] = T.float32(0)
+                            for t, d in T.Parallel(C, V):
+                                if tb * C + t < cnt:
+                                    dv[0, lo + tb * C + t, hv, d] = T.cast(0, dtype)
+                            for t in T.Parallel(C):
+                                if tb * C + t < cnt:
+                                    dbeta[0, lo + tb * C + t, hv] = T.float32(0)
             elif tx < 256:
                 # ---------------------------------------------------------------- K
                 T.set_max_nreg(NREG["K"], 1)
@@ -400,8 +424,8 @@ def build_chunk_bwd_v4_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dty
 
 
 def chunk_fused_bwd_v4(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens):
-    """Launches pass 2 with the v4 kernel. Arguments and results as `chunk_bwd.chunk_fused_bwd`
-    (dq_hv, dk_hv, dv, dbeta zero-filled here: the kernel writes only the rows of its sequences)."""
+    """Launches pass 2 with the v4 kernel. Arguments and results as `chunk_bwd.chunk_fused_bwd`;
+    dq_hv, dk_hv, dv, dbeta are allocated uninitialised (the kernel writes every row, as v2)."""
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_bwd_kernel_args
     from flashqla.ops.gdn.kernels.sm90.prepare import dummy_cu_seqlens
 
@@ -411,13 +435,15 @@ def chunk_fused_bwd_v4(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, c
     N = cu_seqlens.numel() - 1 if varlen else B
     S = num_slots(B, T, N, varlen)
     dev = q.device
-    dq_hv = torch.zeros(B, T, HV, K, dtype=torch.float32, device=dev)
-    dk_hv = torch.zeros(B, T, HV, K, dtype=torch.float32, device=dev)
-    dv = torch.zeros_like(v)
-    dbeta = torch.zeros(B, T, HV, dtype=torch.float32, device=dev)
+    dq_hv = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
+    dk_hv = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
+    dv = torch.empty_like(v)
+    dbeta = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
     dG = torch.zeros(HV, S * CHUNK, dtype=torch.float32, device=dev)
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
     if S == 0 or T == 0 or N == 0:
+        for x in (dq_hv, dk_hv, dv, dbeta):
+            x.zero_()
         if dht is not None:
             dh0.copy_(dht)
         else:
