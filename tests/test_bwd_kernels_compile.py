@@ -239,9 +239,10 @@ def test_chunk_bwd_variant_is_checked():
 @needs_nvcc
 def test_v3_pass2_kernels_compile():
     """Pass 2 "v3" (the state-gradient chain and the chunk-parallel gradients) lowers for sm_90a, and
-    no per-thread loop walks a whole 128 x 128 tile: a T.Parallel loop over shared-memory tiles alone
-    is not split over the threads (every thread summed all 16384 products of <h, D>: dg 256x too large
-    and pass 2b ~10x slower on the H200, before the loop was split by hand)."""
+    no per-thread loop walks a whole 128 x 128 tile: a T.Parallel loop that adds into a per-thread
+    scalar from shared-memory tiles alone is not split over the threads (every thread summed all
+    16384 products of <h, D>: dg 256x too large and pass 2b ~10x slower on the H200, before the loop
+    was split by hand)."""
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v3 import build_chunk_bwd_v3_kernel
     from flashqla.ops.gdn.kernels.sm90.dh_bwd import build_dh_kernel
 

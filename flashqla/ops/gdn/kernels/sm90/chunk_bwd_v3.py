@@ -255,8 +255,9 @@ def _chunk_bwd_v3_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     for t, d in T.Parallel(C, V):
                         w_s[t, d] = T.cast(scale * T.exp2(gcc_s[t]) * T.cast(do_s[t, d], acc), dtype)
                     # <S0, D> (for the last valid row of dG): both tiles in shared memory, so the
-                    # 256 consumer threads split the elements by hand (a T.Parallel loop over
-                    # shared memory alone is not partitioned: every thread summed all 16384)
+                    # 256 consumer threads split the elements by hand (a T.Parallel loop adding into
+                    # a per-thread scalar from shared memory alone is not partitioned: every thread
+                    # summed all 16384)
                     for e in T.serial(K * V // 256):
                         sc[0] = sc[0] + T.cast(h_s[(e * 256 + tx % 256) // V, (e * 256 + tx % 256) % V], acc) * T.cast(
                             ds_s[(e * 256 + tx % 256) // V, (e * 256 + tx % 256) % V], acc)
