@@ -143,10 +143,13 @@ def _ops():
         Op("K", "dLk K; dbeta rows (into dbeta); dk += beta dLk K + (diag(beta) dLk)^T K + sM^T Q (stored)",
            ("dLk", "Bdlk", "sM", "k", "q", "beta", "r:dk"), ("out:dk", "gKb"), _dk_rest),
         Op("S", "partial <S0, D>", ("r:sc0",), ("redS",), lambda e: {"redS": e["r:sc0"]}),
+        # read a stage before S updates dG in place: within S, a thread's stage-5 update of a row
+        # must not precede another thread's read of it (global memory has no automatic sync)
+        Op("S", "sum of K's r-term rows", ("gKr",), ("r:sc1",), lambda e: {"r:sc1": -e["gKr"].sum()}),
     ])
     # stage 5: one role sums the partials into dbeta and the dG row
     st.append([
-        Op("S", "dbeta, dG (chunk-end terms at the last valid row)", ("redA", "redKu", "redS", "gKr", "gKb", "g"),
+        Op("S", "dbeta, dG (chunk-end terms at the last valid row)", ("redA", "redKu", "redS", "gKr", "gKb", "g", "r:sc1"),
            ("out:dbeta", "out:dG"), _final),
     ])
     return st
@@ -183,7 +186,7 @@ def _dk_rest(e):
 def _final(e):
     rgA, cgA, rbA = e["redA"]
     dG = rgA + cgA + e["gKr"] + e["redKu"]
-    at_last = e["gC"] * e["redS"] - e["gKr"].sum()  # gKr holds -s_t for every row but the last valid one
+    at_last = e["gC"] * e["redS"] + e["r:sc1"]  # gKr holds -s_t for every row but the last valid one
     dG = torch.where(torch.arange(C) == e["last"], dG + at_last, dG)
     return {"out:dbeta": rbA + e["gKb"], "out:dG": dG}
 

@@ -27,7 +27,8 @@ relative, not bitwise.
 Resources (CPU, TileLang 0.1.15, ptxas sm_90a, H = 1, HV = 2, packed):
 - shared memory 230,416 B dynamic + 1,024 B static: the regions of `staged_bwd.TILES`, 1 KB under
   the limit (g and beta are read from global memory; no producer warpgroup);
-- registers `NREG` (setmaxnreg; S 208, K 168, A 136, 65,536 in all), ~400 B of spill stores. With a
+- registers `NREG`: the CTA launches with 168 a thread; setmaxnreg moves 32 from A (dec to 136) to S
+  (inc to 200), K keeps 168; ~450 B of spill stores. With a
   producer warpgroup the roles needed ~600 registers a thread in all, over the 512 available.
 
 Loads: at each chunk's start K loads q, k and A_beta and A loads V, dO and h (plain masked loads;
@@ -51,8 +52,12 @@ from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slo
 
 __all__ = ["build_chunk_bwd_v4_kernel", "chunk_fused_bwd_v4"]
 
-#: Registers per thread of each role (setmaxnreg; 128 threads each, 65536 in all).
-NREG = {"S": 208, "K": 168, "A": 136}
+#: Registers per thread of each role (setmaxnreg; 128 threads each). The CTA launches with
+#: LAUNCH_NREG (ptxas: 65536 / 384 rounded down to a multiple of 8) for every thread, so the roles
+#: may only move registers between them: S raises its count (setmaxnreg.inc) with what A gives back
+#: (setmaxnreg.dec), and the three sum to 3 * LAUNCH_NREG.
+LAUNCH_NREG = 168
+NREG = {"S": 200, "K": 168, "A": 136}
 
 
 def _chunk_bwd_v4_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
@@ -99,8 +104,7 @@ def _chunk_bwd_v4_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
             hk = hv // G
             tx = T.get_thread_binding()
 
-            # loaded (chunk 0 by every thread before the roles split; later chunks by K and A in
-            # stage 5, when no role reads them any more)
+            # loaded at each chunk's start: q, k, A_beta by K; V, dO, h by A
             q_s = T.alloc_shared((C, K), dtype)
             k_s = T.alloc_shared((C, K), dtype)
             v_s = T.alloc_shared((C, V), dtype)  # V; then X (A, stage 2)
@@ -121,13 +125,14 @@ def _chunk_bwd_v4_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
             red_s = T.alloc_shared((4 * C + 4,), acc)
 
             bar = [T.alloc_barrier(arrive_count=384) for _ in range(6)]
-            # every chunk starts with K loading q, k, A_beta and A loading V, dO, h (rows past the
-            # sequence end zero; A_beta and h are slot-major with inert padding rows), then bar_ld
+            # every chunk starts with K loading q, k, A_beta and A loading V, dO, h into these tiles
+            # (rows past the sequence end zero; A_beta and h are slot-major with inert padding
+            # rows); then every role passes bar_ld
             bar_ld = T.alloc_barrier(arrive_count=384)
 
             if tx < 128:
                 # ---------------------------------------------------------------- S
-                T.set_max_nreg(NREG["S"], 1)
+                T.set_max_nreg(NREG["S"], 1)  # inc: takes what A gives back
                 dS = T.alloc_fragment((K, V), acc)
                 sc0 = T.alloc_local((1,), acc)
                 tot = T.alloc_local((2,), acc)
@@ -165,18 +170,19 @@ def _chunk_bwd_v4_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     T.gemm(k_s, ds_s[0:C, 0:V], dS, transpose_A=True)
                     T.barrier_arrive(bar[3])
                     T.barrier_wait(bar[3], ci % 2)
-                    # stage 4: <S0, D> per warp
+                    # stage 4: <S0, D> per warp; the sum of K's r-term rows (written to dG in its stage
+                    # 2), read here so that no S thread's stage-5 update of dG can precede it
                     w0 = T.warp_reduce_sum(sc0[0])
                     if tx % 32 == 0:
                         red_s[4 * C + tx // 32] = w0
+                    tot[1] = T.float32(0)
+                    for e in T.serial(C):
+                        tot[1] = tot[1] - dG[hv, row0 + e]
                     T.barrier_arrive(bar[4])
                     T.barrier_wait(bar[4], ci % 2)
                     # stage 5: dbeta and the dG row (chunk-end terms at the last valid row); K's
                     # r-term rows are in dG already (its stage 2), its dbeta rows in dbeta (stage 4)
                     tot[0] = red_s[4 * C] + red_s[4 * C + 1] + red_s[4 * C + 2] + red_s[4 * C + 3]
-                    tot[1] = T.float32(0)
-                    for e in T.serial(C):
-                        tot[1] = tot[1] - dG[hv, row0 + e]
                     for t in T.Parallel(C):
                         if t < nvalid:
                             dbeta[bidx, t0 + t, hv] = dbeta[bidx, t0 + t, hv] + red_s[2 * C + t]
@@ -212,7 +218,7 @@ def _chunk_bwd_v4_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                                     dbeta[0, lo + tb * C + t, hv] = T.float32(0)
             elif tx < 256:
                 # ---------------------------------------------------------------- K
-                T.set_max_nreg(NREG["K"], 1)
+                # K keeps the launch count (NREG["K"] == LAUNCH_NREG)
                 cv = T.alloc_fragment((C, V), acc)  # dv_new, dv; then scratch
                 dk = T.alloc_fragment((C, K), acc)
                 rs = T.alloc_fragment((C,), acc)
@@ -293,7 +299,7 @@ def _chunk_bwd_v4_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     T.barrier_wait(bar[5], ci % 2)
             else:
                 # ---------------------------------------------------------------- A
-                T.set_max_nreg(NREG["A"], 1)
+                T.set_max_nreg(NREG["A"], 0)  # dec
                 cc = T.alloc_fragment((C, C), acc)  # Q K^T, K K^T, A_beta Kg, dL, dL^T, M, M^T
                 F = T.alloc_fragment((C, V), acc)  # U, v_new, X, dq (and their row-sum scratch)
                 rg = T.alloc_fragment((C,), acc)
