@@ -227,39 +227,13 @@ def test_chunk_bwd_v2_kernel_compiles(dtype, h_dtype, beta_dtype, seq_dtype, var
 def test_chunk_bwd_variant_is_checked():
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import DEFAULT_VARIANT, VARIANTS, build_chunk_bwd_kernel, chunk_fused_bwd
 
-    assert VARIANTS == ("v1", "v2", "v3", "v4")
+    assert VARIANTS == ("v1", "v2", "v4")
     assert DEFAULT_VARIANT == "v2" or __import__("os").environ.get("FLASHQLA_BWD_VARIANT")  # v2 since its H200 check
     with pytest.raises(ValueError, match="variant"):
         build_chunk_bwd_kernel(1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True, "v9")
     x = torch.zeros(1, 1, 1, 128)
     with pytest.raises(ValueError, match="variant"):
         chunk_fused_bwd(x, x, x, x, x, x, x, x, None, 1.0, None, variant="v9")
-
-
-@needs_nvcc
-def test_v3_pass2_kernels_compile():
-    """Pass 2 "v3" (the state-gradient chain and the chunk-parallel gradients) lowers for sm_90a, and
-    no per-thread loop walks a whole 128 x 128 tile: a T.Parallel loop that adds into a per-thread
-    scalar from shared-memory tiles alone is not split over the threads (every thread summed all
-    16384 products of <h, D>: dg 256x too large and pass 2b ~10x slower on the H200, before the loop
-    was split by hand)."""
-    from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v3 import build_chunk_bwd_v3_kernel
-    from flashqla.ops.gdn.kernels.sm90.dh_bwd import build_dh_kernel
-
-    src = build_dh_kernel(2, 4, 128, 128, "bfloat16", "int32", True).get_kernel_source()
-    assert "wgmma" in src and "dh0" in src
-    src = build_chunk_bwd_v3_kernel(1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True).get_kernel_source()
-    assert "wgmma" in src and "cpc" in src
-    assert _smem_high_water(src) < SMEM_LIMIT
-    assert not re.search(r"< 16384; \+\+", src), "a per-thread loop over a whole 128 x 128 tile"
-
-
-def test_v3_refuses_packed_input():
-    from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v3 import chunk_fused_bwd_v3
-
-    x = torch.zeros(1, 4, 1, 128)
-    with pytest.raises(NotImplementedError, match="packed input"):
-        chunk_fused_bwd_v3(x, x, x, None, None, None, None, x, None, 0.1, torch.tensor([0, 4]))
 
 
 @needs_nvcc

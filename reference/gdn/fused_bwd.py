@@ -75,7 +75,6 @@ __all__ = [
     "a_from_a_beta",
     "recompute_states",
     "chunk_bwd_fused",
-    "state_grad_chain",
     "reverse_chunk_cumsum",
     "fused_gated_delta_rule_bwd",
 ]
@@ -256,37 +255,6 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
     return dict(dq=dq, dk=dk, dv=dv, dbeta=dbeta, dG=dG, dh_prev=dh_prev, v_new=v_new)
 
 
-def state_grad_chain(q, k, do, A_beta, g_cum, dht, lay: ChunkLayout, scale: float, *, log2: bool = False,
-                     ds_dtype=None, operand_dtype=None):
-    """Pass 2a of the chunk-parallel backward: the state-gradient chain alone, sequential per
-    (sequence, value head), chunks in reverse; the dS lines of `chunk_bwd_fused` (record BWD-fused):
-        dv_new = scale (Q K^T * Gamma)^T dO + diag(r) K D,   dv = A_beta^T dv_new
-        D_prev = gamma_C D + Q^T (scale diag(gamma) dO) - K^T (diag(gamma) dv)
-    with the same roundings (`ds_dtype` for D as a product operand, `operand_dtype` for the others).
-
-    Args: q, k [NC, HV, C, K]; do [NC, HV, C, V]; A_beta [NC, HV, C, C]; g_cum [NC, HV, C];
-    dht [N, HV, K, V] (zeros for none); lay: the chunk layout; scale: float.
-    Returns (dh [NC, HV, K, V]: D, the gradient of each chunk's end state, as pass 2b
-    (`chunk_bwd_fused` on all chunks at once) takes it; dh0 [N, HV, K, V]).
-    """
-    gamma, gamma_C, r = gate_vectors(g_cum, log2=log2)
-    Gam = decay_mask(g_cum, log2=log2)
-    o_ = lambda x: _round(x, operand_dtype)  # noqa: E731
-    Dn = dht.clone()
-    dh = torch.zeros(lay.NC, *dht.shape[1:], dtype=dht.dtype, device=dht.device)
-    for ids in reversed(lay.chunks_at):
-        sq = lay.seq[ids]
-        D = Dn[sq]
-        dh[ids] = D
-        qi, ki, doi = q[ids], k[ids], do[ids]
-        dv_new = o_(o_(scale * ((qi @ _t(ki)) * Gam[ids])).transpose(-1, -2) @ doi + r[ids][..., None] * (ki @ _round(D, ds_dtype)))
-        dv = _t(A_beta[ids]) @ dv_new
-        dvg = o_(-gamma[ids][..., None] * dv)
-        dog = o_(scale * gamma[ids][..., None] * doi)
-        Dn[sq] = gamma_C[ids][..., None, None] * D + _t(qi) @ dog + _t(ki) @ dvg
-    return dh, Dn
-
-
 def reverse_chunk_cumsum(dG: torch.Tensor) -> torch.Tensor:
     """Pass 3: dg_t = sum_{i >= t in the chunk} dG_i (BWD-dg). dG: [..., C] -> [..., C]."""
     return dG.flip(-1).cumsum(-1).flip(-1)
@@ -300,7 +268,7 @@ def reverse_chunk_cumsum(dG: torch.Tensor) -> torch.Tensor:
 def fused_gated_delta_rule_bwd(
     q, k, v, beta, A_beta, g_cum_log2, scale: float, initial_state, do, dht, cu_seqlens=None,
     *, g=None, chunk_size: int = 64, h_dtype=None, ds_dtype=None, operand_dtype=None, log2: bool = True,
-    exact_diagonal: bool = False, chunk_parallel: bool = False,
+    exact_diagonal: bool = False,
 ):
     """The backward our kernels compute, end to end, from the sm_90 forward's slot-major products.
 
@@ -317,10 +285,6 @@ def fused_gated_delta_rule_bwd(
         the stored value: a model of a backward that corrects the diagonal the forward stored in
         bf16 (the diagonal of (I + L)^-1 is exactly 1, so the stored diagonal is beta rounded);
         NOTES-bwd.md, "Where the gradient error comes from".
-        chunk_parallel: the "v3" kernels' flow: the state-gradient chain first (`state_grad_chain`,
-        pass 2a), then every chunk's gradients at once from the stored D (`chunk_bwd_fused`, pass 2b),
-        D stored rounded to `ds_dtype` (so the chunk-end term <h, D> of dG reads the rounded D, as
-        the kernel does). Equal to the fused walk in exact arithmetic.
 
     Returns:
         (dq [B, T, H, K], dk [B, T, H, K], dv [B, T, HV, V], dg [B, T, HV] (per token, natural log),
@@ -348,12 +312,7 @@ def fused_gated_delta_rule_bwd(
     Dn = dht.to(cdt).clone() if dht is not None else torch.zeros(lay.N, HV, K, V, dtype=cdt, device=q.device)
     names = ("dq", "dk", "dv", "dbeta", "dG")
     acc = {n: None for n in names}
-    if chunk_parallel and lay.NC > 0:
-        dh, Dn = state_grad_chain(qc, kc, doc, Ab, G, Dn, lay, scale, ds_dtype=ds_dtype, operand_dtype=operand_dtype, **gk)
-        out = chunk_bwd_fused(qc, kc, vc, bc, Ab, G, h, _round(dh, ds_dtype), doc, scale, last=lay.length - 1,
-                              ds_dtype=ds_dtype, operand_dtype=operand_dtype, **gk)
-        acc = {n: out[n] for n in names}
-    for ids in ([] if chunk_parallel else reversed(lay.chunks_at)):
+    for ids in reversed(lay.chunks_at):
         sq = lay.seq[ids]
         out = chunk_bwd_fused(qc[ids], kc[ids], vc[ids], bc[ids], Ab[ids], G[ids], h[ids], Dn[sq], doc[ids], scale,
                               last=lay.length[ids] - 1, ds_dtype=ds_dtype, operand_dtype=operand_dtype, **gk)

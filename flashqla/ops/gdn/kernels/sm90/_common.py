@@ -187,12 +187,11 @@ def tl_dtype(dtype: torch.dtype) -> str:
     return names[dtype]
 
 
-def num_slots(B: int, T: int, N: int, varlen: bool, span: int = CHUNK) -> int:
-    """Number of chunk slots (see the module docstring): B * ceil(T / 64), or floor(T / 64) + N
-    (span: slots of `span` tokens instead of 64, as `locate_slot`)."""
+def num_slots(B: int, T: int, N: int, varlen: bool) -> int:
+    """Number of chunk slots (see the module docstring): B * ceil(T / 64), or floor(T / 64) + N."""
     if varlen:
-        return T // span + N
-    return B * ((T + span - 1) // span)
+        return T // CHUNK + N
+    return B * ((T + CHUNK - 1) // CHUNK)
 
 
 def slot_index(n: int, c: int, T: int, cu_seqlens_host=None) -> int:
@@ -256,7 +255,7 @@ def sequence_span(n, cu_seqlens, Tn, varlen: bool):
     return bos, seqlen, bidx, slot0, nchunks
 
 
-def locate_slot(slot, cu_seqlens, Tn, Np1, varlen: bool, span: int = CHUNK):
+def locate_slot(slot, cu_seqlens, Tn, Np1, varlen: bool):
     """Sequence and chunk of chunk slot `slot`, for kernels with one CTA per slot.
 
     Call inside a kernel body: `seq, chunk, bos, seqlen, bidx, nvalid, t0 = locate_slot(slot,
@@ -265,20 +264,16 @@ def locate_slot(slot, cu_seqlens, Tn, Np1, varlen: bool, span: int = CHUNK):
     floor(cu[n] / 64) + n <= slot (32 halvings, any N < 2^31). Returns the int32 variables seq,
     chunk, bos, seqlen, bidx (as in `sequence_span`) and nvalid = min(seqlen - 64 chunk, 64) (<= 0 for
     a slot in a gap), t0 = bos + 64 chunk.
-
-    span (a multiple of 64): the same for slots of `span` tokens (groups of span / 64 chunks, one CTA
-    per group): floor(cu[n] / span) + n, the slot count floor(T / span) + N (packed) or
-    B * ceil(T / span); `chunk` is then the group's index in its sequence, nvalid its token count.
     """
     import tilelang.language as T
 
-    C = span
+    C = CHUNK
     seq, chunk, bos, seqlen, bidx, lo, hi, mid = _int32_vars("seq", "chunk", "bos", "seqlen", "bidx", "lo", "hi", "mid")
 
     @T.macro
     def locate(seq, chunk, bos, seqlen, bidx, lo, hi, mid):
         if varlen:
-            # largest n in [0, N) with floor(cu[n] / span) + n <= slot
+            # largest n in [0, N) with floor(cu[n] / 64) + n <= slot
             lo = 0
             hi = Np1 - 1
             for _ in T.serial(32):

@@ -3,7 +3,7 @@ per-chunk math with the products split over three warpgroups with their own role
 checked in `reference/gdn/staged_bwd.py` (six barrier stages per chunk; NOTES-bwd.md, "Plan: pass 2
 with role-specialised consumer warpgroups").
 
-Why: v2 (and v3's chunk-parallel 2b) spend ~18-20 us a chunk per SM because two warpgroups share
+Why: v2 (and the removed chunk-parallel v3) spend ~18-20 us a chunk per SM because two warpgroups share
 every product and wait for each. Here each product runs on one warpgroup at full width, and the
 roles work on different products of a stage at once. One CTA of 384 threads per (sequence, value
 head), chunks in reverse:
@@ -28,8 +28,8 @@ Resources (CPU, TileLang 0.1.15, ptxas sm_90a, H = 1, HV = 2, packed):
 - shared memory 230,416 B dynamic + 1,024 B static: the regions of `staged_bwd.TILES`, 1 KB under
   the limit (g and beta are read from global memory; no producer warpgroup);
 - registers `NREG`: the CTA launches with 168 a thread; setmaxnreg moves 32 from A (dec to 136) to S
-  (inc to 200), K keeps 168; ~450 B of spill stores. With a
-  producer warpgroup the roles needed ~600 registers a thread in all, over the 512 available.
+  (inc to 200), K keeps 168; 568 B of spill stores. With a producer warpgroup the roles needed
+  ~600 registers a thread in all, over the 512 available.
 
 Loads: at each chunk's start K loads q, k and A_beta and A loads V, dO and h (plain masked loads;
 rows past a sequence end zero), then every role passes one barrier. They are not overlapped with
