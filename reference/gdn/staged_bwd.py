@@ -1,8 +1,9 @@
-"""The planned role-specialised pass 2 of the backward, as a checked schedule (no kernel yet).
+"""The role-specialised pass 2 of the backward (kernel `flashqla/ops/gdn/kernels/sm90/chunk_bwd_v4.py`,
+not yet run on a GPU), as a checked schedule.
 
 One chunk of `reference.gdn.fused_bwd.chunk_bwd_fused` (records BWD-Abeta, BWD-fused, BWD-dq,
-BWD-dG) split over three consumer roles of a 512-thread CTA (NOTES-bwd.md, "Plan: pass 2 with
-role-specialised consumer warpgroups"):
+BWD-dG) split over the three warpgroup roles of a 384-thread CTA, six barrier stages (NOTES-bwd.md,
+"Plan: pass 2 with role-specialised consumer warpgroups" and "Pass-2 variant v4"):
 
     S  owns the state gradient D [K, V] in registers: <S0, D>, D's operand copy, D' (the chain's end)
     K  the chain and dk: K D, Pg^T dO, A_beta^T dv_new, -D dv, then every dk product
@@ -13,11 +14,13 @@ with the shared-memory tiles they read and write. `check_schedule` proves the pr
 built from it needs:
   1. no shared tile is written by one role and read or written by another in the same stage (the
      stage's barrier is the only ordering between roles);
-  2. every tile is written before it is read (loads come first, at stage -1);
+  2. every tile is written before it is read (each chunk's loads come first, at stage -1; g and
+     beta are read from global memory, size-0 "tiles");
   3. tiles that share a shared-memory region (aliases, to fit 227 KB) never overlap in lifetime;
   4. register values ("r:" names) are read only by the role that made them;
   5. the regions fit Hopper's shared memory per block with the static mbarriers;
-and reports, per loaded tile, the stage after which the producer may load the next chunk's copy.
+and reports, per loaded tile, the last stage that reads its region (after which the next chunk's
+copy may be loaded).
 `run_chunk` executes the schedule (fp64 or fp32) and must equal `chunk_bwd_fused` on the same chunk
 (`tests/test_staged_bwd.py`): the schedule computes exactly the fused stage's math.
 """
