@@ -1,5 +1,7 @@
-"""The role-specialised pass 2 of the backward (kernel `flashqla/ops/gdn/kernels/sm90/chunk_bwd_v4.py`,
-not yet run on a GPU), as a checked schedule.
+"""The role-specialised pass 2 of the backward as a checked schedule. Its kernel ("v4", commit
+5febd42) was correct on the H200 but 2.3x slower than v2 and was removed (NOTES-bwd.md, "v4 on the
+H200"); the schedule stays as the plan for a role-split kernel with shorter per-role instruction
+streams.
 
 One chunk of `reference.gdn.fused_bwd.chunk_bwd_fused` (records BWD-Abeta, BWD-fused, BWD-dq,
 BWD-dG) split over the three warpgroup roles of a 384-thread CTA, six barrier stages (NOTES-bwd.md,

@@ -18,13 +18,16 @@ against the default "v1" (`chunk_bwd.py`), for correctness and speed.
 A compact table is printed last; everything goes to bwd_v2_check.json in --out. Not collected by
 pytest.
 
---base V --new W compare other pass-2 variants the same way (e.g. `--base v2 --new v4`, the
-role-specialised kernel): the columns and JSON keys keep the names v1 (base) and v2 (new).
+--base V --new W compare other pass-2 variants the same way (e.g. `--base v2 --new v5` for a new
+kernel added to `chunk_bwd.VARIANTS`): the columns and JSON keys keep the names v1 (base) and v2
+(new). Each case and row runs under a watchdog (HANG_S seconds, default 120; faulthandler dumps the
+stacks and exits) and the JSON is rewritten after each.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -43,6 +46,8 @@ NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 #: The variants compared (--base, --new); results are keyed _v1 (base) and _v2 (new).
 BASE, NEW = "v1", "v2"
 SCALE = 128**-0.5
+#: seconds one step (a case, a row) may take before the process dumps its stacks and exits
+HANG_S = float(os.environ.get("HANG_S", "120"))
 
 
 def _rows():
@@ -295,7 +300,16 @@ def main():
             traceback.print_exc()
             out["errors"].append(f"precompile: {type(exc).__name__}: {exc}")
 
+    path = os.path.join(a.out, "bwd_v2_check.json")
+
+    def dump():
+        out["wall_s"] = time.time() - t_start
+        with open(path, "w") as fh:
+            json.dump(out, fh, indent=1)
+
     for i, (name, kw) in enumerate(cases.items()):
+        print(f"case {name} ...", flush=True)
+        faulthandler.dump_traceback_later(HANG_S, exit=True)
         try:
             r = check_case(name, kw, seed=100 + i)
             out["cases"].append(r)
@@ -303,9 +317,13 @@ def main():
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
             out["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
+        faulthandler.cancel_dump_traceback_later()
         torch.cuda.empty_cache()
+        dump()
 
     for name, (H, HV, lengths, packed) in rows.items():
+        print(f"row {name} ...", flush=True)
+        faulthandler.dump_traceback_later(HANG_S, exit=True)
         try:
             r = time_row(name, H, HV, lengths, packed)
             out["rows"].append(r)
@@ -313,11 +331,9 @@ def main():
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
             out["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
+        faulthandler.cancel_dump_traceback_later()
         torch.cuda.empty_cache()
-
-    out["wall_s"] = time.time() - t_start
-    with open(os.path.join(a.out, "bwd_v2_check.json"), "w") as fh:
-        json.dump(out, fh, indent=1)
+        dump()
 
     print("\n== v2 against v1 (rel RMS; '=' bitwise equal) and against fp64 (v1 / v2 rel RMS); ok = finite, repeatable, tail zero")
     print(f"{'case':32s} " + " ".join(f"{n:>21s}" for n in NAMES) + "  ok")

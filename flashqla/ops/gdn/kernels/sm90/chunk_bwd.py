@@ -34,11 +34,11 @@ from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slo
 
 __all__ = ["DEFAULT_VARIANT", "VARIANTS", "build_chunk_bwd_kernel", "chunk_bwd_kernel_args", "chunk_fused_bwd"]
 
-#: Pass-2 kernels: "v1" (this module), "v2" (`chunk_bwd_v2.py`, rescheduled) and "v4"
-#: (`chunk_bwd_v4.py`, role-specialised warpgroups; compiled on the CPU, not yet run on a GPU). "v3"
-#: (the state-gradient chain alone, then the other gradients chunk-parallel) was measured on the
-#: H200 and removed: NOTES-bwd.md, "Pass-2 variant v3".
-VARIANTS = ("v1", "v2", "v4")
+#: Pass-2 kernels: "v1" (this module) and "v2" (`chunk_bwd_v2.py`, rescheduled). "v3" (the
+#: state-gradient chain alone, then the other gradients chunk-parallel) and "v4" (role-specialised
+#: warpgroups) were measured on the H200, slower than v2, and removed: NOTES-bwd.md, "Pass-2 variant
+#: v3" and "Pass-2 variant v4".
+VARIANTS = ("v1", "v2")
 #: The variant `chunk_fused_bwd` uses when none is given (read at every call; the environment variable
 #: FLASHQLA_BWD_VARIANT sets it at import). "v2" since its H200 check (2026-11-30,
 #: tests/gpu/bwd_v2_check.py): dq, dk, dv, dh0 bitwise v1's, dg and dbeta within 1e-6 (summation
@@ -340,10 +340,6 @@ def build_chunk_bwd_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dtype:
     """Compiled pass-2 kernel (cached). Static key: head counts, head dims, dtype of q/k/v/A, dtype of
     the stored h, beta's dtype, cu_seqlens' dtype, packed or not, and the variant ("v1" or "v2",
     `VARIANTS`); T, B, sequences are run-time."""
-    if _variant(variant) == "v4":
-        from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v4 import build_chunk_bwd_v4_kernel
-
-        return build_chunk_bwd_v4_kernel(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen)
     if _variant(variant) == "v2":
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v2 import build_chunk_bwd_v2_kernel
 
@@ -361,14 +357,10 @@ def chunk_bwd_kernel_args(q, v, beta, h, cu_seqlens) -> tuple:
 def chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, variant: str | None = None):
     """Launches pass 2. Arguments: the forward's inputs (contiguous), its
     A and g_cum_log2, h from pass 1, do [B, T, HV, V], dht None or [N, HV, K, V] fp32; variant: "v1"
-    (this kernel), "v2" (`chunk_bwd_v2`) or "v4" (`chunk_bwd_v4`), None for `DEFAULT_VARIANT`.
+    (this kernel) or "v2" (`chunk_bwd_v2`), None for `DEFAULT_VARIANT`.
 
     Returns (dq_hv [B, T, HV, K] fp32, dk_hv [B, T, HV, K] fp32, dv [B, T, HV, V] v's dtype,
     dbeta [B, T, HV] fp32, dG [HV, S * 64] fp32, dh0 [N, HV, K, V] fp32)."""
-    if _variant(variant) == "v4":
-        from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v4 import chunk_fused_bwd_v4
-
-        return chunk_fused_bwd_v4(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens)
     if _variant(variant) == "v2":
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v2 import chunk_fused_bwd_v2
 

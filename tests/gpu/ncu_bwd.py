@@ -1,0 +1,76 @@
+"""Nsight Compute driver for backward pass 2: runs `chunk_fused_bwd` of one pass-2 variant on one
+benchmark row, warm-up outside the profiled range, then `--calls` calls inside
+`cudaProfilerStart/Stop`, so that
+
+    ncu --clock-control none --profile-from-start off -k regex:gdn_chunk_bwd \\
+        --section WarpStateStats --section SourceCounters -o rep \\
+        python tests/gpu/ncu_bwd.py --row "16/32 4x8192" --variant v2
+
+collects only the profiled pass-2 kernels; `ncu -i rep.ncu-rep --page source --csv --print-source sass`
+then gives the warp-stall samples per SASS instruction (`tests/gpu/sass_stalls.py` sums them by
+instruction class and code region). Not collected by pytest.
+
+    python tests/gpu/ncu_bwd.py --row ROW [--variant v1|v2] [--calls N]
+
+ROW: "h_qk/h_v MIX" in the benchmark's notation (`ncu_fwd.parse_row`); inputs of
+`device_check.gen_inputs` (valid domain, initial state; packed when the lengths differ or with
+--packed, else batched), h from pass 1 in bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from tests.gpu.device_check import gen_inputs  # noqa: E402
+from tests.gpu.ncu_fwd import parse_row  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--row", required=True)
+    ap.add_argument("--variant", default="v2")
+    ap.add_argument("--calls", type=int, default=1)
+    ap.add_argument("--packed", action="store_true", help="cu_seqlens even when every length is equal")
+    a = ap.parse_args(argv)
+    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
+    from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_fused_bwd
+    from flashqla.ops.gdn.kernels.sm90.states_bwd import chunk_states_bwd
+
+    H, HV, lengths = parse_row(a.row)
+    packed = a.packed or len(set(lengths)) > 1
+    x = gen_inputs(H, HV, lengths, varlen=packed)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    do = torch.randn(x["v"].shape, device="cuda", generator=gen).to(x["v"].dtype)
+    dht = torch.randn(len(lengths), HV, 128, 128, device="cuda", generator=gen)
+    f = chunk_gated_delta_rule_fwd(**x, output_final_state=True)
+    h = chunk_states_bwd(f.k, x["v"], f.A, f.g_cum_log2, x["initial_state"], x["cu_seqlens"], torch.bfloat16)
+    scale = 128**-0.5
+
+    def call():
+        return chunk_fused_bwd(f.q, f.k, x["v"], x["beta"], f.A, f.g_cum_log2, h, do, dht, scale, x["cu_seqlens"],
+                               variant=a.variant)
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.cudart().cudaProfilerStart()
+    start.record()
+    for _ in range(a.calls):
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    print(f"{a.row} pass 2 {a.variant}: {a.calls} call(s), {start.elapsed_time(end):.3f} ms wall (profiled)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
