@@ -1,10 +1,10 @@
-"""One call on the GPU machine: the recurrent kernel's schedules ("serial", "overlap") against each
-other on the benchmark rows, and the split of the forward's time between its two launches.
+"""One call on the GPU machine: the recurrent kernel's schedules (`recurrent.SCHEDULES`) against
+each other on the benchmark rows, and the split of the forward's time between its two launches.
 
-    python tests/gpu/schedule_check.py [--precompile] [--rows ROW ...] [--out DIR]
+    python tests/gpu/schedule_check.py [--precompile] [--schedules BASE OTHER ...] [--rows ROW ...] [--out DIR]
 
 For each row (inputs of `device_check.gen_inputs`): o and the final state of every schedule against
-"serial" (max |diff| and relative RMS; the schedules compute the same products, so they should agree
+the first (default "serial overlap"; max |diff| and relative RMS; the schedules compute the same products, so they should agree
 to the last bit or nearly), a bitwise repeat of each schedule (a moving result means a race), then
 CUDA-graph median times of the whole op per schedule, of the prepare launch alone and of the
 recurrent launch alone. Prints a short table last and writes schedule_check.json to --out.
@@ -27,6 +27,7 @@ sys.path.insert(0, ROOT)
 
 from tests.gpu.device_check import BENCH_ROWS, PEERS, gen_inputs, time_graph  # noqa: E402
 
+#: the schedules compared (--schedules); the first is the base of the diffs
 SCHEDULES = ("serial", "overlap")
 
 
@@ -87,7 +88,7 @@ def run_rows(rows, out):
             torch.cuda.synchronize()
             rep = torch.equal(r1.o, r2.o) and torch.equal(r1.final_state, r2.final_state)
             res[sch] = (r1, rep)
-        base = res["serial"][0]
+        base = res[SCHEDULES[0]][0]
         row = {"row": name}
         for sch in SCHEDULES:
             r, rep = res[sch]
@@ -112,31 +113,37 @@ def run_rows(rows, out):
         table.append(row)
         del x, A, gcl, o, ht
         torch.cuda.empty_cache()
-    R.DEFAULT_SCHEDULE = "serial"
+    R.DEFAULT_SCHEDULE = "overlap"
     out["rows"] = table
     return table
 
 
 def main():
+    global SCHEDULES
     ap = argparse.ArgumentParser()
     ap.add_argument("--precompile", action="store_true")
+    ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
     ap.add_argument("--rows", nargs="*", default=list(BENCH_ROWS))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    SCHEDULES = tuple(a.schedules)
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "schedules": SCHEDULES}
     if a.precompile:
-        precompile(a.rows)
+        precompile(a.rows, test_schedule=SCHEDULES[-1])
     table = run_rows(a.rows, out)
     with open(os.path.join(a.out, "schedule_check.json"), "w") as f:
         json.dump(out, f, indent=1, default=str)
-    print("\n== ms (CUDA graphs, median); diff = overlap vs serial (max |o diff|, max |ht diff|, bitwise repeat)")
-    print(f"{'row':14s} {'serial':>7s} {'overlap':>7s} {'prep':>6s} {'rec_s':>6s} {'rec_o':>6s} {'FlashQLA':>8s} {'FLA':>6s}  diff")
+    base = SCHEDULES[0]
+    print(f"\n== ms (CUDA graphs, median): whole op and recurrent launch alone per schedule; prepare alone; "
+          f"diff = each schedule vs {base} (max |o diff|, max |ht diff|, bitwise repeat, finite)")
+    print(f"{'row':14s} " + " ".join(f"{'op ' + s_:>14s}" for s_ in SCHEDULES) + f" {'prep':>6s} "
+          + " ".join(f"{'rec ' + s_:>14s}" for s_ in SCHEDULES) + f" {'FlashQLA':>8s} {'FLA':>6s}  diff")
     for r in table:
-        ov = r["overlap"]
-        print(f"{r['row']:14s} {r['t_serial']:7.3f} {r['t_overlap']:7.3f} {r['t_prepare']:6.3f} {r['t_rec_serial']:6.3f} "
-              f"{r['t_rec_overlap']:6.3f} {PEERS[r['row']][0]:8.3f} {PEERS[r['row']][1]:6.3f}  "
-              f"{ov['o_maxdiff']:.1e} {ov['ht_maxdiff']:.1e} {ov['repeat_bitwise'] and r['serial']['repeat_bitwise']} "
-              f"finite={ov['o_finite'] and ov['ht_finite']}")
+        diffs = "; ".join(f"{s_}: {r[s_]['o_maxdiff']:.1e} {r[s_]['ht_maxdiff']:.1e} {r[s_]['repeat_bitwise']} "
+                          f"{r[s_]['o_finite'] and r[s_]['ht_finite']}" for s_ in SCHEDULES[1:])
+        print(f"{r['row']:14s} " + " ".join(f"{r['t_' + s_]:14.3f}" for s_ in SCHEDULES) + f" {r['t_prepare']:6.3f} "
+              + " ".join(f"{r['t_rec_' + s_]:14.3f}" for s_ in SCHEDULES)
+              + f" {PEERS[r['row']][0]:8.3f} {PEERS[r['row']][1]:6.3f}  {diffs}")
 
 
 if __name__ == "__main__":
