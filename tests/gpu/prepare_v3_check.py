@@ -1,7 +1,10 @@
 """One call on the GPU machine: the prepare kernel's variant "v3" (block-recursive inverse,
 `kernels/sm90/prepare_v3.py`) against the default "v2", on the benchmark rows and on edge cases.
 
-    python tests/gpu/prepare_v3_check.py --precompile [--rows ROW ...] [--no-cases] [--no-op] [--out DIR]
+    python tests/gpu/prepare_v3_check.py --precompile [--base V --new W] [--rows ROW ...] [--no-cases] [--no-op] [--out DIR]
+
+(--base / --new compare other prepare variants the same way, e.g. `--base v3 --new v4`; the columns
+and JSON keys keep the names v2 (base) and v3 (new).)
 
 (`--precompile-only` builds the kernels and exits without touching a GPU: run it on the CPU machine
 with TILELANG_CACHE_DIR set and ship the cache, as tests/gpu/precompile.py does.)
@@ -50,18 +53,22 @@ REF_SLOTS = 48
 TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32", torch.int32: "int32", torch.int64: "int64"}
 
 
+#: the variants compared (--base, --new): results are keyed v2 (base) and v3 (new)
+BASE, NEW = "v2", "v3"
+
+
 def specs_for(rows, cases) -> list:
     from flashqla.ops.gdn.kernels.sm90.recurrent import DEFAULT_SCHEDULE, pick_block_v
 
     specs = []
     for name in rows:
         H, HV, lengths = BENCH_ROWS[name]
-        for variant in ("v2", "v3"):
+        for variant in (BASE, NEW):
             specs.append(("prepare", (H, HV, 128, "bfloat16", "float32", "int32", False, variant)))
         specs.append(("recurrent", (H, HV, 128, 128, pick_block_v(len(lengths), HV), "bfloat16", "int32", False, DEFAULT_SCHEDULE)))
     for name in cases:
         H, HV, _, packed, dt, bt, st = CASES[name]
-        for variant in ("v2", "v3"):
+        for variant in (BASE, NEW):
             specs.append(("prepare", (H, HV, 128, TL[dt], TL[bt], TL[st], packed, variant)))
     return list(dict.fromkeys(specs))
 
@@ -125,9 +132,9 @@ def compare(x, H, HV, lengths, packed) -> dict:
     """v3 against v2 and both against fp64 on sampled slots (see the module docstring)."""
     from reference.gdn.fused import prepare_group
 
-    out_v2 = run_prepare(x, HV, "v2")
-    out_v3 = run_prepare(x, HV, "v3")
-    out_v3b = run_prepare(x, HV, "v3")
+    out_v2 = run_prepare(x, HV, BASE)
+    out_v3 = run_prepare(x, HV, NEW)
+    out_v3b = run_prepare(x, HV, NEW)
     torch.cuda.synchronize()
     k = x["k"]
     B, T = k.shape[:2]
@@ -181,12 +188,12 @@ def time_row(x, H, HV) -> dict:
     from flashqla.ops.gdn.kernels.sm90.prepare import build_prepare_kernel, dummy_cu_seqlens
 
     k, g, beta = x["k"], x["g"], x["beta"]
-    A, gcl = run_prepare(x, HV, "v2")
+    A, gcl = run_prepare(x, HV, BASE)
     cu = dummy_cu_seqlens(k.device)
     t = {}
-    for variant in ("v2", "v3"):
+    for key, variant in (("v2", BASE), ("v3", NEW)):
         kern = build_prepare_kernel(H, HV, 128, "bfloat16", "float32", "int32", False, variant)
-        t[f"t_{variant}"] = time_graph(lambda: kern(k, g, beta, cu, A, gcl))
+        t[f"t_{key}"] = time_graph(lambda: kern(k, g, beta, cu, A, gcl))
     return t
 
 
@@ -197,9 +204,9 @@ def time_op(x) -> dict:
     saved = P.DEFAULT_VARIANT
     t = {}
     try:
-        for variant in ("v2", "v3"):
+        for key, variant in (("v2", BASE), ("v3", NEW)):
             P.DEFAULT_VARIANT = variant
-            t[f"t_op_{variant}"] = time_graph(lambda: chunk_gated_delta_rule_fwd(**x, output_final_state=True, cp="off"))
+            t[f"t_op_{key}"] = time_graph(lambda: chunk_gated_delta_rule_fwd(**x, output_final_state=True, cp="off"))
     finally:
         P.DEFAULT_VARIANT = saved
     return t
@@ -213,7 +220,12 @@ def main():
     ap.add_argument("--no-cases", action="store_true")
     ap.add_argument("--no-op", action="store_true", help="skip the whole-forward timings")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--base", default="v2", help="prepare variant compared against (columns v2)")
+    ap.add_argument("--new", default="v3", help="prepare variant checked (columns v3)")
     a = ap.parse_args()
+    global BASE, NEW
+    BASE, NEW = a.base, a.new
+    print(f"base (columns v2) = {BASE}, new (columns v3) = {NEW}", flush=True)
     cases = [] if a.no_cases else list(CASES)
     if a.precompile_only:
         precompile(specs_for(a.rows, cases))

@@ -93,7 +93,13 @@ KSLICE = 16
 def prepare_v3_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
                          min_blocks: int = MIN_BLOCKS):
     """The v3 kernel for one static configuration. `min_blocks` is the CTAs-per-SM hint of the launch
-    bounds (4: 128 registers), a tuning knob for the GPU timing (`tests/gpu/prepare_v3_check.py`)."""
+    bounds (4: 128 registers), a tuning knob for the GPU timing (`tests/gpu/prepare_v3_check.py`).
+
+    The L tile's gates are read once per value head into register fragments (g at the rows and at
+    the columns of kk_f this thread holds, beta at its rows): read in the element loop itself, they
+    were reloaded from shared memory at every element (the loop's stores to the L tiles may alias
+    them), ~54 instructions an element. Bitwise the same A; the kernel 1.20-1.21x faster on the H200
+    (NOTES.md, "Prepare v3: gates in registers")."""
     import tilelang.language as T
     from tilelang.layout import make_linear_layout
 
@@ -148,6 +154,9 @@ def prepare_v3_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
             b_s = T.alloc_shared((G, C), acc)
             T.annotate_layout({x: make_linear_layout(x) for x in (dm_s, lbt_s, b0t_s, y_s, zt_s, l2t_s, d2t_s)})
             kk_f = T.alloc_fragment((C, C), acc)
+            g_row = T.alloc_fragment((C,), acc)  # gc of value head j at the rows of kk_f this thread holds
+            g_col = T.alloc_fragment((C,), acc)  # ... at its columns
+            b_row = T.alloc_fragment((C,), acc)  # beta of value head j at its rows
             y_f = T.alloc_fragment((HB, BS), acc)
             w_f = T.alloc_fragment((HB, BS), acc)
             z_f = T.alloc_fragment((HB, HB), acc)
@@ -180,11 +189,16 @@ def prepare_v3_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
                 for j in T.serial(G):
                     # L = beta_t (k_t . k_s) exp2(gc[t] - gc[s]) for s < t < nvalid, lower blocks only:
                     # diagonal blocks -> ld_s, L10 and L32 -> l2t_s, Lb = L[32:, :32] -> lbt_s (transposed)
+                    for t in T.Parallel(C):
+                        g_row[t] = gc_s[j, t]
+                        b_row[t] = b_s[j, t]
+                    for s in T.Parallel(C):
+                        g_col[s] = gc_s[j, s]
                     for t, s in T.Parallel(C, C):
                         if t // BS >= s // BS:
                             lv = T.if_then_else(
                                 (t > s) & (t < nvalid),
-                                b_s[j, t] * kk_f[t, s] * T.exp2(T.if_then_else(t > s, gc_s[j, t] - gc_s[j, s], T.float32(0))),
+                                b_row[t] * kk_f[t, s] * T.exp2(T.if_then_else(t > s, g_row[t] - g_col[s], T.float32(0))),
                                 T.float32(0),
                             )
                             if t // BS == s // BS:
