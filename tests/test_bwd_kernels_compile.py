@@ -153,15 +153,17 @@ def test_cp_mode_is_checked_before_device_work(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------
-# pass 2, variant v2 (`chunk_bwd_v2.py`; not yet run on a GPU)
+# pass 2, variant v2 (`chunk_bwd_v2.py`, the default)
 # ----------------------------------------------------------------------------------------------
 
-#: measured spill bytes of v2 (ptxas, sm_90a): four loop-invariant scalars stored once before the
-#: chunk loop (v1: the same 16 B); with h stored fp32 the consumers' h load and rounding adds more
-#: (96 B before the chunk-end scalars moved from a reducer to per-thread locals, 204 B since: the
-#: build that ran clean on the H200). A budget, not a target: the test fails if the schedule's
-#: register pressure grows.
-V2_SPILL_BUDGET = {"bfloat16": 16, "float32": 204}
+#: measured spill bytes of v2 (ptxas, sm_90a, this test's H = 1, HV = 2 build): 16 B (four
+#: loop-invariant scalars) until the gates moved into per-chunk register fragments (g at the rows and
+#: columns of the [64, 64] accumulator, beta, gamma and r at the rows of the [64, 128] ones): 52 B
+#: since, and that build ran bitwise equal to the previous one and 1.10-1.18x faster on the H200
+#: (NOTES-bwd.md, "Gates in registers"). With h stored fp32 the consumers' h load and rounding add
+#: more (204 B before, 280 B since). A budget, not a target: the test fails if the schedule's
+#: register pressure grows further.
+V2_SPILL_BUDGET = {"bfloat16": 52, "float32": 280}
 
 
 def _ptxas_log(kernel) -> str:
