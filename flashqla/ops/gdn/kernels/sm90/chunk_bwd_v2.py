@@ -41,6 +41,10 @@ What changed against v1 (all on the per-chunk critical path):
    thread for the chunk-end dG terms. v2 accumulates every contribution in registers (TileLang
    reducers: dG rows, dG columns, dbeta rows, and two scalars <S0, D> and the r-terms moved to the
    last valid row) and finalises them once per chunk, batched (one all-reduce call per reducer).
+5. dq_hv, dk_hv, dv, dbeta and dh0 can be `torch.empty`: with packed sequences the CTA of the last
+   sequence writes zeros in the rows past cu_seqlens[-1], and the CTA of the first sequence in the
+   rows before cu_seqlens[0]; every other row belongs to exactly one sequence (v1 zero-filled all
+   five buffers: ~1.35 GB of memset at 16/32 heads x 32768 tokens).
 6. The gates in registers (2026-11-30): g_cum_log2 at the rows and columns of the [64, 64]
    accumulator, beta at its rows, gamma = exp2(g) and r = exp2(min(g_C - g, 0)) at the rows of the
    [64, 128] accumulators, and gamma_C, computed once per chunk. Read from shared memory inside the
@@ -49,10 +53,6 @@ What changed against v1 (all on the per-chunk critical path):
    bitwise equal to the previous build on the H200 (six cases of `bwd_v2_check.py`), pass 2
    1.10x (16/32 4 x 8192) and 1.18x (16/32, 8 packed sequences of 8192 tokens) faster; ptxas spills
    grew from 16 to 52 B (fp32 h: 204 -> 280 B).
-5. dq_hv, dk_hv, dv, dbeta and dh0 can be `torch.empty`: with packed sequences the CTA of the last
-   sequence writes zeros in the rows past cu_seqlens[-1], and the CTA of the first sequence in the
-   rows before cu_seqlens[0]; every other row belongs to exactly one sequence (v1 zero-filled all
-   five buffers: ~1.35 GB of memset at 16/32 heads x 32768 tokens).
 
 Shared memory: the same tiles as v1 (no double buffering: q, k, v, dO 16 KB each, A diag(beta)
 8 KB, h 32 KB, D (bf16) 32 KB, Kg/A/Pg 8 KB each, W, v_new, dv_new 16 KB each) plus the gate copy
