@@ -109,7 +109,9 @@ def method_lines(args, impls: dict, tol: dict, fla_dispatch: str = "n/a") -> lis
     ref = ("fp64" if args.ref == "fp64" else "pairwise")
     limit = getattr(args, "ref_limit", 0) or 0
     src = {n: (impls[n].source if n in impls and impls[n].available else
-               (impls[n].reason if n in impls else "not run (--impls)")) for n in IMPLS}
+               (impls[n].reason if n in impls else
+                "not run in the call that wrote this report (--impls); its columns, where filled, come from "
+                "earlier calls or the peers cache (see the peers column)")) for n in IMPLS}
     return [
         f"Timer (`flashqla.bench.timing.time_cuda_graph`, the forward benchmark's): {t['warmup']} eager warm-up calls; "
         f"the calls of one graph sized for about {t['target_ms']:g} ms per replay ({t['min_launches']} to "
