@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 from tests.gpu.device_check import gen_inputs  # noqa: E402
-from tests.gpu.ncu_fwd import parse_row  # noqa: E402
+from tests.gpu.ncu_fwd import parse_row, profiled  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -57,18 +57,8 @@ def main(argv=None) -> int:
         return chunk_fused_bwd(f.q, f.k, x["v"], x["beta"], f.A, f.g_cum_log2, h, do, dht, scale, x["cu_seqlens"],
                                variant=a.variant)
 
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.cudart().cudaProfilerStart()
-    start.record()
-    for _ in range(a.calls):
-        call()
-    end.record()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
-    print(f"{a.row} pass 2 {a.variant}: {a.calls} call(s), {start.elapsed_time(end):.3f} ms wall (profiled)")
+    ms = profiled(call, a.calls)
+    print(f"{a.row} pass 2 {a.variant}: {a.calls} call(s), {ms:.3f} ms wall (profiled)")
     return 0
 
 

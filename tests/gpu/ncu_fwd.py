@@ -36,6 +36,24 @@ def parse_row(row: str):
     return h.h_qk, h.h_v, list(parse_mix(mix).lengths)
 
 
+def profiled(call, calls: int, warmup: int = 3) -> float:
+    """Runs `call` `warmup` times outside the profiled range, then `calls` times inside
+    `cudaProfilerStart/Stop` (what `ncu --profile-from-start off` collects); returns the profiled
+    calls' wall time in ms (CUDA events)."""
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.cudart().cudaProfilerStart()
+    start.record()
+    for _ in range(calls):
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    return start.elapsed_time(end)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--row", required=True)
@@ -54,18 +72,8 @@ def main(argv=None) -> int:
         return chunk_gated_delta_rule_fwd(**x, output_final_state=True, cp=a.cp, for_backward=not a.inference,
                                           max_seqlen=longest)
 
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.cudart().cudaProfilerStart()
-    start.record()
-    for _ in range(a.calls):
-        call()
-    end.record()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
-    print(f"{a.row} cp={a.cp}: {a.calls} call(s), {start.elapsed_time(end):.3f} ms wall (profiled)")
+    ms = profiled(call, a.calls)
+    print(f"{a.row} cp={a.cp}: {a.calls} call(s), {ms:.3f} ms wall (profiled)")
     return 0
 
 
