@@ -145,7 +145,7 @@ included since `cp="auto"` may split. Pure Python: needs neither a GPU nor TileL
         specs.append(("cp_limits", (HV, cp_seq)))
     if backward:
         specs += [
-            ("states_bwd", (H, HV, K, V, dtype, h_dtype, seq_dtype, varlen)),
+            ("states_bwd", (H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen)),
             ("chunk_bwd", (H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen)),
             ("dg_cumsum", (HV, seq_dtype, varlen)),
             ("gva_reduce", (H, HV, K, dtype)),

@@ -111,6 +111,7 @@ def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: s
             dvn_s = T.alloc_shared((C, V), dtype)  # dv_new; then -diag(gamma) dv
             gc_s = T.alloc_shared((C,), acc)
             b_s = T.alloc_shared((C,), acc)
+            dl_s = T.alloc_shared((C,), acc)  # beta - the stored diagonal of A diag(beta)
 
             ds_f = T.alloc_fragment((K, V), acc)
             cc_f = T.alloc_fragment((C, C), acc)
@@ -159,6 +160,10 @@ def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: s
                     gc_s[t] = g_cum_log2[hv, row0 + t]
                 for t, s in T.Parallel(C, C):
                     a_s[t, s] = A[hv, row0 + t, s]
+                # delta = beta - the stored diagonal of A diag(beta) (0 past the end): the products with
+                # A diag(beta) start from diag(delta) x their other operand (the exact diagonal)
+                for t in T.Parallel(C):
+                    dl_s[t] = b_s[t] - T.cast(a_s[t, t], acc)
                 for i, j in T.Parallel(K, V):
                     h_s[i, j] = T.cast(h[(slot0 + c) * HV + hv, i, j], dtype)
                     ds_s[i, j] = T.cast(ds_f[i, j], dtype)
@@ -171,8 +176,10 @@ def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: s
                     kg_s[t, s] = T.cast(
                         T.if_then_else(t > s, cc_f[t, s] * T.exp2(T.if_then_else(t > s, gc_s[t] - gc_s[s], T.float32(0))),
                                        T.float32(0)), dtype)
+                    cc2_f[t, s] = dl_s[t] * T.if_then_else(
+                        t > s, cc_f[t, s] * T.exp2(T.if_then_else(t > s, gc_s[t] - gc_s[s], T.float32(0))), T.float32(0))
                 T.fence_proxy_async()
-                T.gemm(a_s, kg_s, cc2_f, clear_accum=True)
+                T.gemm(a_s, kg_s, cc2_f)
                 for t, s in T.Parallel(C, C):
                     am_s[t, s] = T.cast(T.if_then_else(t == s, T.float32(1), T.float32(0)) - cc2_f[t, s], dtype)
                 # ---- Pg = scale (Q K^T) * Gamma (causal, diagonal included)
@@ -187,8 +194,9 @@ def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: s
                 T.gemm(k_s, h_s, cv_f, clear_accum=True)
                 for t, d in T.Parallel(C, V):
                     w_s[t, d] = T.cast(T.cast(v_s[t, d], acc) - T.exp2(gc_s[t]) * cv_f[t, d], dtype)
+                    cv2_f[t, d] = dl_s[t] * (T.cast(v_s[t, d], acc) - T.exp2(gc_s[t]) * cv_f[t, d])
                 T.fence_proxy_async()
-                T.gemm(a_s, w_s, cv2_f, clear_accum=True)
+                T.gemm(a_s, w_s, cv2_f)
                 T.copy(cv2_f, vn_s)
                 # ---- dv_new = diag(r) K D + Pg^T dO
                 T.fence_proxy_async()
@@ -198,10 +206,12 @@ def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: s
                 T.fence_proxy_async()
                 T.gemm(pg_s, do_s, cv_f, transpose_A=True)
                 T.copy(cv_f, dvn_s)
+                for t, d in T.Parallel(C, V):
+                    cv_f[t, d] = dl_s[t] * cv_f[t, d]
                 T.fence_proxy_async()
                 # ---- dv = A_beta^T dv_new (stored);  -diag(gamma) dv for dS and dk
                 T.fence_proxy_async()
-                T.gemm(a_s, dvn_s, cv_f, transpose_A=True, clear_accum=True)
+                T.gemm(a_s, dvn_s, cv_f, transpose_A=True)
                 for t, d in T.Parallel(C, V):
                     if t < nvalid:
                         dv[bidx, t0 + t, hv, d] = T.cast(cv_f[t, d], dtype)
