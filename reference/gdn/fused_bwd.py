@@ -282,9 +282,9 @@ def fused_gated_delta_rule_bwd(
         g: None, or the forward's per-token g [B, T, HV]: tokens with g < G_FLOOR (floored in the
         forward) get dg = 0, as `reference.gdn.op`.
         exact_diagonal: use beta itself (the compute dtype) on the diagonal of A diag(beta) instead of
-        the stored value: a model of a backward that corrects the diagonal the forward stored in
-        bf16 (the diagonal of (I + L)^-1 is exactly 1, so the stored diagonal is beta rounded);
-        NOTES-bwd.md, "Where the gradient error comes from".
+        the stored value, as the sm_90 backward kernels do (the diagonal of (I + L)^-1 is exactly 1,
+        so the stored diagonal is beta rounded to q's dtype; the kernels add diag(beta - stored) x
+        the other operand to each product with A diag(beta)); NOTES-bwd.md, "The exact diagonal".
 
     Returns:
         (dq [B, T, H, K], dk [B, T, H, K], dv [B, T, HV, V], dg [B, T, HV] (per token, natural log),
