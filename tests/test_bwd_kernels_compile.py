@@ -130,9 +130,15 @@ def test_op_kernel_specs_match_the_launch_keys(varlen):
     pcu = torch.tensor([0, 3, 10], dtype=torch.int64 if varlen else torch.int32)
     for bv in (64, 128):
         assert ("recurrent", recurrent_kernel_args(q, v, pcu, bv, dual=True)) in listed
-    assert specs["states_bwd"] == states_kernel_args(q, v, beta, cu, torch.bfloat16)
-    assert specs["chunk_bwd"] == chunk_bwd_kernel_args(q, v, beta, h, cu)
-    assert specs["gva_reduce"] == (2, 4, 128, "bfloat16") and specs["dg_cumsum"][-1] == varlen
+    from flashqla.ops.gdn.kernels.sm90.chunk_bwd import DEFAULT_VARIANT
+
+    # passes 1 and 2 on the input's offsets and (split path) on the segments' packed offsets, pass 2 in
+    # the variant the op runs (a spec without it built "v1", which the op never launched)
+    for offsets in (cu, pcu):
+        assert ("states_bwd", states_kernel_args(q, v, beta, offsets, torch.bfloat16)) in listed
+        assert ("chunk_bwd", chunk_bwd_kernel_args(q, v, beta, h, offsets) + (DEFAULT_VARIANT,)) in listed
+        assert ("dg_cumsum", (4, "int64" if varlen else "int32", offsets is not None)) in listed
+    assert specs["gva_reduce"] == (2, 4, 128, "bfloat16")
 
 
 def test_cp_mode_is_checked_before_device_work(monkeypatch):

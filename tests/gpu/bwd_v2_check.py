@@ -264,7 +264,7 @@ def precompile(rows, cases):
     for H, HV, N, packed, hd in sorted(configs):
         s = op_kernel_specs(H, HV, N=N, varlen=packed, h_dtype=hd)
         specs += s
-        specs += [(kind, args + (v,)) for kind, args in s if kind == "chunk_bwd" for v in {BASE, NEW}]
+        specs += [(kind, args[:-1] + (v,)) for kind, args in s if kind == "chunk_bwd" for v in {BASE, NEW}]
     t = time.time()
     pc(specs, max_workers=min(len(set(specs)), os.cpu_count() or 8))
     dt = time.time() - t

@@ -82,7 +82,7 @@ def variant_specs(specs: list) -> list:
         if kind == "prepare":
             out += [(kind, args[:-1] + (v,)) for v in ("v2", "v3") if v != prepare.DEFAULT_VARIANT]
         elif kind == "chunk_bwd":
-            out += [(kind, tuple(args) + (v,)) for v in ("v1", "v2") if v != chunk_bwd.DEFAULT_VARIANT]
+            out += [(kind, tuple(args[:-1]) + (v,)) for v in ("v1", "v2") if v != chunk_bwd.DEFAULT_VARIANT]
     return list(dict.fromkeys(out))
 
 

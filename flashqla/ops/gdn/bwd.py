@@ -94,9 +94,5 @@ def _build_once(q, v, beta, cu_seqlens, h_dtype) -> None:
         seq_dtype=tl_dtype(cu_seqlens.dtype) if cu_seqlens is not None else "int32", varlen=cu_seqlens is not None,
         h_dtype=tl_dtype(h_dtype),
     )[2:]
-    from flashqla.ops.gdn.kernels.sm90 import chunk_bwd
-
-    if chunk_bwd.DEFAULT_VARIANT != "v1":  # FLASHQLA_BWD_VARIANT: build the pass-2 kernel that will run
-        specs = [(kind, args + (chunk_bwd.DEFAULT_VARIANT,) if kind == "chunk_bwd" else args) for kind, args in specs]
     build_kernels(specs)
     _BUILT.add(key)

@@ -144,10 +144,18 @@ included since `cp="auto"` may split. Pure Python: needs neither a GPU nor TileL
         specs += [("recurrent", (H, HV, K, V, bv, dtype, cp_seq, True, "overlap", True)) for bv in (64, 128)]
         specs.append(("cp_limits", (HV, cp_seq)))
     if backward:
+        from flashqla.ops.gdn.kernels.sm90.chunk_bwd import DEFAULT_VARIANT as BWD_VARIANT
+
+        # passes 1-3 on the input's offsets, then (split path) on the segments' packed offsets; pass 2
+        # with the variant the op runs (`build_chunk_bwd_kernel` alone defaults to "v1")
+        keys = [(seq_dtype, varlen)] + ([(seq_dtype if varlen else "int32", True)] if K == V else [])
+        for sd, vl in dict.fromkeys(keys):
+            specs += [
+                ("states_bwd", (H, HV, K, V, dtype, h_dtype, beta_dtype, sd, vl)),
+                ("chunk_bwd", (H, HV, K, V, dtype, h_dtype, beta_dtype, sd, vl, BWD_VARIANT)),
+                ("dg_cumsum", (HV, sd, vl)),
+            ]
         specs += [
-            ("states_bwd", (H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen)),
-            ("chunk_bwd", (H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen)),
-            ("dg_cumsum", (HV, seq_dtype, varlen)),
             ("gva_reduce", (H, HV, K, dtype)),
             ("cp_scan", (HV, K, V, True)),
             ("cp_state_grads", (HV, K, V, dtype, seq_dtype if varlen else "int32")),

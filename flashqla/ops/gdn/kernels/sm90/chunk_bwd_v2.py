@@ -93,7 +93,7 @@ __all__ = ["build_chunk_bwd_v2_kernel", "chunk_fused_bwd_v2"]
 
 
 def _chunk_bwd_v2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
-                            varlen: bool):
+                            varlen: bool, exact_diagonal: bool = True):
     import tilelang.language as T
 
     C = CHUNK
@@ -259,9 +259,10 @@ def _chunk_bwd_v2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         b_s[t] = T.if_then_else(t < nvalid, T.cast(beta[bidx, t0 + t, hv], acc), T.float32(0))
                     for t in T.Parallel(C):
                         b_r[t] = T.if_then_else(t < nvalid, T.cast(beta[bidx, t0 + t, hv], acc), T.float32(0))
-                    for t in T.Parallel(C):
-                        d_v[t] = T.if_then_else(t < nvalid, T.cast(beta[bidx, t0 + t, hv], acc) - T.cast(a_s[t, t], acc),
-                                                T.float32(0))
+                    if exact_diagonal:
+                        for t in T.Parallel(C):
+                            d_v[t] = T.if_then_else(t < nvalid, T.cast(beta[bidx, t0 + t, hv], acc) - T.cast(a_s[t, t], acc),
+                                                    T.float32(0))
                     if not h_tma:  # h stored in another dtype than q: loaded and rounded by the consumers
                         for i, j in T.Parallel(K, V):
                             h_s[i, j] = T.cast(h[(slot0 + c) * HV + hv, i, j], dtype)
@@ -280,12 +281,18 @@ def _chunk_bwd_v2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(cc_f, num_regs=r_cc)
                     # Kg = (K K^T) * Gamma_strict; cc_f = diag(delta) Kg, the start of A diag(beta) Kg
-                    for t, s in T.Parallel(C, C):
-                        kg_s[t, s] = T.cast(
-                            T.if_then_else(t > s, cc_f[t, s] * T.exp2(T.if_then_else(t > s, g_r[t] - g_c[s], T.float32(0))),
-                                           T.float32(0)), dtype)
-                        cc_f[t, s] = (b_r[t] - T.cast(a_s[t, t], acc)) * T.if_then_else(
-                            t > s, cc_f[t, s] * T.exp2(T.if_then_else(t > s, g_r[t] - g_c[s], T.float32(0))), T.float32(0))
+                    if exact_diagonal:
+                        for t, s in T.Parallel(C, C):
+                            kg_s[t, s] = T.cast(
+                                T.if_then_else(t > s, cc_f[t, s] * T.exp2(T.if_then_else(t > s, g_r[t] - g_c[s], T.float32(0))),
+                                               T.float32(0)), dtype)
+                            cc_f[t, s] = (b_r[t] - T.cast(a_s[t, t], acc)) * T.if_then_else(
+                                t > s, cc_f[t, s] * T.exp2(T.if_then_else(t > s, g_r[t] - g_c[s], T.float32(0))), T.float32(0))
+                    else:
+                        for t, s in T.Parallel(C, C):
+                            kg_s[t, s] = T.cast(
+                                T.if_then_else(t > s, cc_f[t, s] * T.exp2(T.if_then_else(t > s, g_r[t] - g_c[s], T.float32(0))),
+                                               T.float32(0)), dtype)
                     T.fence_proxy_async()
 
                 for _ in T.serial(1):
@@ -296,13 +303,14 @@ def _chunk_bwd_v2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         T.fence_proxy_async()
                     # dv_new = diag(r) K D + Pg^T dO (chain), A_beta Kg, U = K S0
                     T.wgmma_gemm(pg_s, do_s, cv_f, transpose_A=True)
-                    T.wgmma_gemm(a_s, kg_s, cc_f)
+                    T.wgmma_gemm(a_s, kg_s, cc_f, clear_accum=not exact_diagonal)
                     T.wgmma_gemm(k_s, h_s, u_f, clear_accum=True)
                     T.wait_wgmma(2)
                     T.warpgroup_fence_operand(cv_f, num_regs=r_cv)
                     T.copy(cv_f, dvn_s)
-                    for t, d in T.Parallel(C, V):
-                        cv_f[t, d] = d_v[t] * cv_f[t, d]  # diag(delta) dv_new, the start of dv
+                    if exact_diagonal:
+                        for t, d in T.Parallel(C, V):
+                            cv_f[t, d] = d_v[t] * cv_f[t, d]  # diag(delta) dv_new, the start of dv
                     T.wait_wgmma(1)
                     T.warpgroup_fence_operand(cc_f, num_regs=r_cc)
                     # A = I - A_beta Kg  (BWD-Abeta)
@@ -314,18 +322,22 @@ def _chunk_bwd_v2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     # dv = A_beta^T dv_new (chain); W = V - D U and v_new = A_beta W; X = A^T dv_new,
                     # issued once U is dead (U, X, v_new and dv live together would not fit in 240
                     # registers)
-                    T.wgmma_gemm(a_s, dvn_s, cv_f, transpose_A=True)
+                    T.wgmma_gemm(a_s, dvn_s, cv_f, transpose_A=True, clear_accum=not exact_diagonal)
                     if nvalid < C:
                         for t, d in T.Parallel(C, V):
                             if t >= nvalid:
                                 v_s[t, d] = T.cast(0, dtype)
                     T.wait_wgmma(1)
                     T.warpgroup_fence_operand(u_f, num_regs=r_cv)
-                    for t, d in T.Parallel(C, V):
-                        w_s[t, d] = T.cast(T.cast(v_s[t, d], acc) - gam_r[t] * u_f[t, d], dtype)
-                        ck2_f[t, d] = d_v[t] * (T.cast(v_s[t, d], acc) - gam_r[t] * u_f[t, d])  # diag(delta) W
+                    if exact_diagonal:
+                        for t, d in T.Parallel(C, V):
+                            w_s[t, d] = T.cast(T.cast(v_s[t, d], acc) - gam_r[t] * u_f[t, d], dtype)
+                            ck2_f[t, d] = d_v[t] * (T.cast(v_s[t, d], acc) - gam_r[t] * u_f[t, d])  # diag(delta) W
+                    else:
+                        for t, d in T.Parallel(C, V):
+                            w_s[t, d] = T.cast(T.cast(v_s[t, d], acc) - gam_r[t] * u_f[t, d], dtype)
                     T.fence_proxy_async()
-                    T.wgmma_gemm(a_s, w_s, ck2_f)
+                    T.wgmma_gemm(a_s, w_s, ck2_f, clear_accum=not exact_diagonal)
                     T.wait_wgmma(1)
                     T.warpgroup_fence_operand(cv_f, num_regs=r_cv)
                     for t, d in T.Parallel(C, V):
@@ -489,16 +501,19 @@ def _chunk_bwd_v2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
 
 @functools.lru_cache(maxsize=None)
 def build_chunk_bwd_v2_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
-                              varlen: bool):
-    """Compiled pass-2 kernel, variant v2 (cached). Same static key as v1's `build_chunk_bwd_kernel`."""
-    func = _chunk_bwd_v2_prim_func(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen)
-    return compile_kernel(func, f"gdn_chunk_bwd_v2_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{h_dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}")
+                              varlen: bool, exact_diagonal: bool = True):
+    """Compiled pass-2 kernel, variant v2 (cached). Same static key as v1's `build_chunk_bwd_kernel`;
+    `exact_diagonal=False` builds it without the diagonal's restoration (a measurement baseline only)."""
+    func = _chunk_bwd_v2_prim_func(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen, exact_diagonal)
+    return compile_kernel(func, f"gdn_chunk_bwd_v2_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{h_dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}"
+                                f"{'' if exact_diagonal else '_rounded_diagonal'}")
 
 
-def chunk_fused_bwd_v2(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens):
+def chunk_fused_bwd_v2(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, *, exact_diagonal: bool = True):
     """Launches pass 2 with the v2 kernel. Arguments and results as
     `chunk_bwd.chunk_fused_bwd`; dq_hv, dk_hv, dv, dbeta and dh0 are allocated uninitialised (the
-    kernel writes every row: see the module docstring)."""
+    kernel writes every row: see the module docstring). exact_diagonal=False: the measurement
+    baseline without the diagonal's restoration (`build_chunk_bwd_v2_kernel`)."""
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_bwd_kernel_args
     from flashqla.ops.gdn.kernels.sm90.prepare import dummy_cu_seqlens
 
@@ -522,7 +537,7 @@ def chunk_fused_bwd_v2(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, c
         return dq_hv, dk_hv, dv, dbeta, dG, dh0
     dht_arg = dht if dht is not None else torch.empty(1, HV, K, V, dtype=torch.float32, device=dev)
     cu = cu_seqlens if varlen else dummy_cu_seqlens(dev)
-    kernel = build_chunk_bwd_v2_kernel(*chunk_bwd_kernel_args(q, v, beta, h, cu_seqlens))
+    kernel = build_chunk_bwd_v2_kernel(*chunk_bwd_kernel_args(q, v, beta, h, cu_seqlens), exact_diagonal=exact_diagonal)
     kernel(q, k, v, beta, A, g_cum_log2, h, do, dht_arg, cu, float(scale), int(dht is not None),
            dq_hv, dk_hv, dv, dbeta, dG, dh0)
     return dq_hv, dk_hv, dv, dbeta, dG, dh0
