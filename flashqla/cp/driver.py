@@ -232,7 +232,7 @@ class Sm90Backend:
 
         _build_once(q, v, beta, cu_seqlens, h_dtype)
         q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
-        h = chunk_states_bwd(k, v, beta, A, g_cum_log2, initial_state, cu_seqlens, h_dtype)
+        h = chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype)
         dq_hv, dk_hv, dv, dbeta, dG, dh0 = chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens)
         dq, dk, dg = chunk_finish_bwd(dG, dq_hv, dk_hv, cu_seqlens, q.shape[2], q.dtype)
         return dq, dk, dv, dg, dbeta.to(beta.dtype), (dh0 if initial_state is not None else None)

@@ -180,7 +180,7 @@ def recompute_states(k, v, A_beta, g_cum, h0, lay: ChunkLayout, *, log2: bool = 
 
 
 def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, last=None, log2: bool = False,
-                    ds_dtype=None, operand_dtype=None) -> dict:
+                    ds_dtype=None, operand_dtype=None, A_beta_vd=None) -> dict:
     """Pass 2, one chunk (all chunks at once here; the kernel walks them in reverse): every gradient of
     the chunk from its chunk-start state h and the gradient dh of its chunk-end state.
 
@@ -195,7 +195,9 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
         kernel's bf16 copy). operand_dtype: rounds every other operand the sm_90 kernel
         (`flashqla/ops/gdn/kernels/sm90/chunk_bwd.py`) feeds to a tensor-core product from shared
         memory (Kg, A, Pg, W, v_new, dv_new, X, dLk, diag(beta) dLk, -D dv, scale M, scale D dO):
-        a model of the kernel's roundings (None: exact).
+        a model of the kernel's roundings (None: exact). A_beta_vd: None (A_beta) or the A diag(beta)
+        that v_new = A_beta W and dv = A_beta^T dv_new use (the kernels' exact diagonal: beta on it,
+        while A = I - A_beta Kg keeps the stored one).
 
     Returns dict of chunk tensors: dq, dk [NC, HV, C, K] (per value head, before the GVA sum);
     dv [NC, HV, C, V]; dbeta [NC, HV, C]; dG [NC, HV, C] (dL/dg_cum per position, before the
@@ -213,13 +215,14 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
     KK = k @ _t(k)
     Kg = KK * Gs
     A = o_(torch.eye(C, dtype=cdt, device=k.device) - A_beta @ o_(Kg))  # BWD-Abeta
+    Avd = A_beta if A_beta_vd is None else A_beta_vd
     U = k @ h
     W = v - gamma[..., None] * U
-    v_new = o_(A_beta @ o_(W))
+    v_new = o_(Avd @ o_(W)) if A_beta_vd is None else o_(A_beta @ o_(W) + (Avd - A_beta) @ W)
 
     dv_new = o_(o_(scale * ((q @ _t(k)) * Gam)).transpose(-1, -2) @ do + r[..., None] * (k @ Dop))
     X = _t(A) @ dv_new
-    dv = _t(A_beta) @ dv_new
+    dv = _t(Avd) @ dv_new
     dvg = o_(-gamma[..., None] * dv)
     dog = o_(scale * gamma[..., None] * do)
     dh_prev = gamma_C[..., None, None] * D + _t(q) @ dog + _t(k) @ dvg
@@ -281,10 +284,11 @@ def fused_gated_delta_rule_bwd(
         the state gradient in products (None: exact); operand_dtype: see `chunk_bwd_fused`. log2: run the stages in base 2 (the kernels).
         g: None, or the forward's per-token g [B, T, HV]: tokens with g < G_FLOOR (floored in the
         forward) get dg = 0, as `reference.gdn.op`.
-        exact_diagonal: use beta itself (the compute dtype) on the diagonal of A diag(beta) instead of
-        the stored value, as the sm_90 backward kernels do (the diagonal of (I + L)^-1 is exactly 1,
-        so the stored diagonal is beta rounded to q's dtype; the kernels add diag(beta - stored) x
-        the other operand to each product with A diag(beta)); NOTES-bwd.md, "The exact diagonal".
+        exact_diagonal: in v_new = A_beta W and dv = A_beta^T dv_new of pass 2, use beta itself (the
+        compute dtype) on the diagonal of A diag(beta) instead of the stored value, as the sm_90
+        backward kernels do (the diagonal of (I + L)^-1 is exactly 1, so the stored diagonal is beta
+        rounded to q's dtype; the kernels add diag(beta - stored) x the fp32 operand); pass 1 and
+        A = I - A_beta Kg keep the stored one. NOTES-bwd.md, "The exact diagonal".
 
     Returns:
         (dq [B, T, H, K], dk [B, T, H, K], dv [B, T, HV, V], dg [B, T, HV] (per token, natural log),
@@ -299,9 +303,10 @@ def fused_gated_delta_rule_bwd(
     qc, kc = to_chunks(q, lay, HV, cdt), to_chunks(k, lay, HV, cdt)
     vc, bc, doc = to_chunks(v, lay, dtype=cdt), to_chunks(beta, lay, dtype=cdt), to_chunks(do, lay, dtype=cdt)
     Ab = slots_to_chunks(A_beta, lay, cu_seqlens).to(cdt)
+    Ab_vd = None
     if exact_diagonal:
         eye = torch.eye(Ab.shape[-1], dtype=torch.bool, device=Ab.device)
-        Ab = torch.where(eye, torch.diag_embed(bc), Ab)
+        Ab_vd = torch.where(eye, torch.diag_embed(bc), Ab)
     G2 = slots_to_chunks(g_cum_log2, lay, cu_seqlens).to(cdt)
     G = G2 if log2 else G2 / LOG2_E
     gk = dict(log2=log2)
@@ -315,7 +320,8 @@ def fused_gated_delta_rule_bwd(
     for ids in reversed(lay.chunks_at):
         sq = lay.seq[ids]
         out = chunk_bwd_fused(qc[ids], kc[ids], vc[ids], bc[ids], Ab[ids], G[ids], h[ids], Dn[sq], doc[ids], scale,
-                              last=lay.length[ids] - 1, ds_dtype=ds_dtype, operand_dtype=operand_dtype, **gk)
+                              last=lay.length[ids] - 1, ds_dtype=ds_dtype, operand_dtype=operand_dtype,
+                              A_beta_vd=None if Ab_vd is None else Ab_vd[ids], **gk)
         for n in names:
             if acc[n] is None:
                 acc[n] = torch.zeros(lay.NC, *out[n].shape[1:], dtype=cdt, device=q.device)

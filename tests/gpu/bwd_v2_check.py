@@ -182,7 +182,7 @@ def check_case(name, kw, seed):
     xd, h_dtype, t_end = _case(seed, **kw)
     f = chunk_gated_delta_rule_fwd(xd["q"], xd["k"], xd["v"], xd["g"], xd["beta"], SCALE, xd["initial_state"], True,
                                    xd["cu_seqlens"])
-    h = chunk_states_bwd(f.k, xd["v"], xd["beta"], f.A, f.g_cum_log2, xd["initial_state"], xd["cu_seqlens"], h_dtype)
+    h = chunk_states_bwd(f.k, xd["v"], f.A, f.g_cum_log2, xd["initial_state"], xd["cu_seqlens"], h_dtype)
     g1 = _backward(xd, f, h, BASE, poison=False)
     g2 = _backward(xd, f, h, NEW, poison=True)
     g2b = _backward(xd, f, h, NEW, poison=True)
@@ -224,7 +224,7 @@ def time_row(name, H, HV, lengths, packed):
     N = len(lengths) if packed else x["v"].shape[0]
     dht = torch.randn(N, HV, 128, 128, device="cuda", generator=gen)
     f = chunk_gated_delta_rule_fwd(**x, output_final_state=True)
-    h = chunk_states_bwd(f.k, x["v"], x["beta"], f.A, f.g_cum_log2, x["initial_state"], x["cu_seqlens"], torch.bfloat16)
+    h = chunk_states_bwd(f.k, x["v"], f.A, f.g_cum_log2, x["initial_state"], x["cu_seqlens"], torch.bfloat16)
     row = {"row": name}
     for key, variant in (("v1", BASE), ("v2", NEW)):
         row[f"t_pass2_{key}"] = time_graph(lambda: chunk_bwd.chunk_fused_bwd(

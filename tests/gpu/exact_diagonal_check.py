@@ -1,11 +1,11 @@
 """One call on the GPU machine: what restoring the exact diagonal of A diag(beta) costs in the
-backward's pass 1 (`states_bwd.py`) and pass 2 (`chunk_bwd_v2.py`), each against its build without
-it (`exact_diagonal=False`, the stored bf16 diagonal), on the same inputs in one process.
+backward's pass 2 (`chunk_bwd_v2.py`), against its build without it (`exact_diagonal=False`, the
+stored bf16 diagonal), on the same inputs in one process.
 
     python tests/gpu/exact_diagonal_check.py [--rows "16/32 8k_8seq" ...] [--out DIR]
 
-Per row (`tests/gpu/bwd_v2_check.py`'s rows and inputs): CUDA-graph medians of pass 1 and pass 2,
-with and without the restoration, and the gradients of pass 2 both ways against each other (relative
+Per row (`tests/gpu/bwd_v2_check.py`'s rows and inputs): CUDA-graph medians of pass 2 with and
+without the restoration, and the gradients of pass 2 both ways against each other (relative
 RMS: the restoration must move them by about bf16's rounding of beta, ~1e-3, never by O(1)) and
 finite. Prints a table last and writes exact_diagonal_check.json to --out. Not collected by pytest.
 """
@@ -45,11 +45,7 @@ def check_row(name, H, HV, lengths, packed):
     for exact in (False, True):
         key = "exact" if exact else "stored"
 
-        def p1():
-            return chunk_states_bwd(f.k, x["v"], x["beta"], f.A, f.g_cum_log2, x["initial_state"], x["cu_seqlens"],
-                                    torch.bfloat16, exact_diagonal=exact)
-
-        h = p1()
+        h = chunk_states_bwd(f.k, x["v"], f.A, f.g_cum_log2, x["initial_state"], x["cu_seqlens"], torch.bfloat16)
 
         def p2():
             return chunk_fused_bwd_v2(f.q, f.k, x["v"], x["beta"], f.A, f.g_cum_log2, h, do, dht, SCALE, x["cu_seqlens"],
@@ -57,7 +53,6 @@ def check_row(name, H, HV, lengths, packed):
 
         outs[key] = dict(zip(NAMES, p2()))
         torch.cuda.synchronize()
-        row[f"t_pass1_{key}"] = time_graph(p1)
         row[f"t_pass2_{key}"] = time_graph(p2)
     for n in NAMES:
         a, b = outs["stored"][n], outs["exact"][n]
@@ -79,13 +74,12 @@ def main(argv=None) -> int:
         print(r, flush=True)
         with open(os.path.join(a.out, "exact_diagonal_check.json"), "w") as fh:
             json.dump(results, fh, indent=1)
-    print("\n| row | pass 1 stored / exact ms | pass 2 stored / exact ms | gradients moved (rel. RMS) | finite |")
-    print("|---|---|---|---|---|")
+    print("\n| row | pass 2 stored / exact ms | gradients moved (rel. RMS) | finite |")
+    print("|---|---|---|---|")
     for r in results:
         moved = " ".join(f"{n} {r[f'{n}_moved']:.1e}" for n in NAMES if r[f"{n}_moved"] is not None)
         fin = all(r[f"{n}_finite"] for n in NAMES)
-        print(f"| {r['row']} | {r['t_pass1_stored']:.3f} / {r['t_pass1_exact']:.3f} | "
-              f"{r['t_pass2_stored']:.3f} / {r['t_pass2_exact']:.3f} | {moved} | {fin} |")
+        print(f"| {r['row']} | {r['t_pass2_stored']:.3f} / {r['t_pass2_exact']:.3f} | {moved} | {fin} |")
     return 0
 
 

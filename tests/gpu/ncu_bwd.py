@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     do = torch.randn(x["v"].shape, device="cuda", generator=gen).to(x["v"].dtype)
     dht = torch.randn(len(lengths), HV, 128, 128, device="cuda", generator=gen)
     f = chunk_gated_delta_rule_fwd(**x, output_final_state=True)
-    h = chunk_states_bwd(f.k, x["v"], x["beta"], f.A, f.g_cum_log2, x["initial_state"], x["cu_seqlens"], torch.bfloat16)
+    h = chunk_states_bwd(f.k, x["v"], f.A, f.g_cum_log2, x["initial_state"], x["cu_seqlens"], torch.bfloat16)
     scale = 128**-0.5
 
     def call():

@@ -151,7 +151,7 @@ included since `cp="auto"` may split. Pure Python: needs neither a GPU nor TileL
         keys = [(seq_dtype, varlen)] + ([(seq_dtype if varlen else "int32", True)] if K == V else [])
         for sd, vl in dict.fromkeys(keys):
             specs += [
-                ("states_bwd", (H, HV, K, V, dtype, h_dtype, beta_dtype, sd, vl)),
+                ("states_bwd", (H, HV, K, V, dtype, h_dtype, sd, vl)),
                 ("chunk_bwd", (H, HV, K, V, dtype, h_dtype, beta_dtype, sd, vl, BWD_VARIANT)),
                 ("dg_cumsum", (HV, sd, vl)),
             ]

@@ -111,7 +111,7 @@ def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: s
             dvn_s = T.alloc_shared((C, V), dtype)  # dv_new; then -diag(gamma) dv
             gc_s = T.alloc_shared((C,), acc)
             b_s = T.alloc_shared((C,), acc)
-            dl_s = T.alloc_shared((C,), acc)  # beta - the stored diagonal of A diag(beta)
+            dl_s = T.alloc_shared((C,), acc)  # beta - beta rounded to q's dtype (the stored diagonal), 0 past the end
 
             ds_f = T.alloc_fragment((K, V), acc)
             cc_f = T.alloc_fragment((C, C), acc)
@@ -157,13 +157,12 @@ def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: s
                     do_s[t, d] = T.if_then_else(t < nvalid, do[bidx, t0 + t, hv, d], T.cast(0, dtype))
                 for t in T.Parallel(C):
                     b_s[t] = T.if_then_else(t < nvalid, T.cast(beta[bidx, t0 + t, hv], acc), T.float32(0))
+                    dl_s[t] = T.if_then_else(
+                        t < nvalid, T.cast(beta[bidx, t0 + t, hv], acc) - T.cast(T.cast(beta[bidx, t0 + t, hv], dtype), acc),
+                        T.float32(0))
                     gc_s[t] = g_cum_log2[hv, row0 + t]
                 for t, s in T.Parallel(C, C):
                     a_s[t, s] = A[hv, row0 + t, s]
-                # delta = beta - the stored diagonal of A diag(beta) (0 past the end): the products with
-                # A diag(beta) start from diag(delta) x their other operand (the exact diagonal)
-                for t in T.Parallel(C):
-                    dl_s[t] = b_s[t] - T.cast(a_s[t, t], acc)
                 for i, j in T.Parallel(K, V):
                     h_s[i, j] = T.cast(h[(slot0 + c) * HV + hv, i, j], dtype)
                     ds_s[i, j] = T.cast(ds_f[i, j], dtype)
@@ -176,10 +175,8 @@ def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: s
                     kg_s[t, s] = T.cast(
                         T.if_then_else(t > s, cc_f[t, s] * T.exp2(T.if_then_else(t > s, gc_s[t] - gc_s[s], T.float32(0))),
                                        T.float32(0)), dtype)
-                    cc2_f[t, s] = dl_s[t] * T.if_then_else(
-                        t > s, cc_f[t, s] * T.exp2(T.if_then_else(t > s, gc_s[t] - gc_s[s], T.float32(0))), T.float32(0))
                 T.fence_proxy_async()
-                T.gemm(a_s, kg_s, cc2_f)
+                T.gemm(a_s, kg_s, cc2_f, clear_accum=True)
                 for t, s in T.Parallel(C, C):
                     am_s[t, s] = T.cast(T.if_then_else(t == s, T.float32(1), T.float32(0)) - cc2_f[t, s], dtype)
                 # ---- Pg = scale (Q K^T) * Gamma (causal, diagonal included)
@@ -192,6 +189,7 @@ def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: s
                 # ---- U = K S0;  W = V - diag(gamma) U;  v_new = A_beta W
                 T.fence_proxy_async()
                 T.gemm(k_s, h_s, cv_f, clear_accum=True)
+                # the exact diagonal of A diag(beta): v_new and dv start from diag(delta) x their other operand
                 for t, d in T.Parallel(C, V):
                     w_s[t, d] = T.cast(T.cast(v_s[t, d], acc) - T.exp2(gc_s[t]) * cv_f[t, d], dtype)
                     cv2_f[t, d] = dl_s[t] * (T.cast(v_s[t, d], acc) - T.exp2(gc_s[t]) * cv_f[t, d])

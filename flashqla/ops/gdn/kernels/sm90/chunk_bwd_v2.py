@@ -96,6 +96,9 @@ def _chunk_bwd_v2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                             varlen: bool, exact_diagonal: bool = True):
     import tilelang.language as T
 
+    # beta in q's dtype: the stored diagonal is beta exactly, nothing to restore
+    exact_diagonal = exact_diagonal and beta_dtype != dtype
+
     C = CHUNK
     G = HV // H
     acc = "float32"
@@ -191,9 +194,9 @@ def _chunk_bwd_v2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
             gam_r = T.alloc_fragment((C,), acc)  # gamma = exp2(g) at the rows of the [C, V] accumulators
             r_r = T.alloc_fragment((C,), acc)  # r = exp2(min(g_C - g, 0)) at those rows
             gamc = T.alloc_local((1,), acc)  # gamma_C
-            # delta = beta - the stored diagonal of A diag(beta) (0 past the end), at the rows of cc_f and
-            # of the [C, V] accumulators: each product with A diag(beta) starts from diag(delta) x its
-            # other operand in fp32 (the exact diagonal; the stored one is beta rounded to q's dtype)
+            # delta = beta - beta rounded to q's dtype (the stored diagonal of A diag(beta): the diagonal
+            # of (I + L)^-1 is exactly 1), 0 past the end, at the rows of the [C, V] accumulators:
+            # v_new and dv start from diag(delta) x their other operand in fp32 (the exact diagonal)
             d_v = T.alloc_fragment((C,), acc)
             rg_f = T.alloc_fragment((C,), acc)
             cg_f = T.alloc_fragment((C,), acc)
@@ -259,10 +262,6 @@ def _chunk_bwd_v2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         b_s[t] = T.if_then_else(t < nvalid, T.cast(beta[bidx, t0 + t, hv], acc), T.float32(0))
                     for t in T.Parallel(C):
                         b_r[t] = T.if_then_else(t < nvalid, T.cast(beta[bidx, t0 + t, hv], acc), T.float32(0))
-                    if exact_diagonal:
-                        for t in T.Parallel(C):
-                            d_v[t] = T.if_then_else(t < nvalid, T.cast(beta[bidx, t0 + t, hv], acc) - T.cast(a_s[t, t], acc),
-                                                    T.float32(0))
                     if not h_tma:  # h stored in another dtype than q: loaded and rounded by the consumers
                         for i, j in T.Parallel(K, V):
                             h_s[i, j] = T.cast(h[(slot0 + c) * HV + hv, i, j], dtype)
@@ -280,19 +279,11 @@ def _chunk_bwd_v2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         cv_f[t, d] = cv_f[t, d] * r_r[t]
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(cc_f, num_regs=r_cc)
-                    # Kg = (K K^T) * Gamma_strict; cc_f = diag(delta) Kg, the start of A diag(beta) Kg
-                    if exact_diagonal:
-                        for t, s in T.Parallel(C, C):
-                            kg_s[t, s] = T.cast(
-                                T.if_then_else(t > s, cc_f[t, s] * T.exp2(T.if_then_else(t > s, g_r[t] - g_c[s], T.float32(0))),
-                                               T.float32(0)), dtype)
-                            cc_f[t, s] = (b_r[t] - T.cast(a_s[t, t], acc)) * T.if_then_else(
-                                t > s, cc_f[t, s] * T.exp2(T.if_then_else(t > s, g_r[t] - g_c[s], T.float32(0))), T.float32(0))
-                    else:
-                        for t, s in T.Parallel(C, C):
-                            kg_s[t, s] = T.cast(
-                                T.if_then_else(t > s, cc_f[t, s] * T.exp2(T.if_then_else(t > s, g_r[t] - g_c[s], T.float32(0))),
-                                               T.float32(0)), dtype)
+                    # Kg = (K K^T) * Gamma_strict
+                    for t, s in T.Parallel(C, C):
+                        kg_s[t, s] = T.cast(
+                            T.if_then_else(t > s, cc_f[t, s] * T.exp2(T.if_then_else(t > s, g_r[t] - g_c[s], T.float32(0))),
+                                           T.float32(0)), dtype)
                     T.fence_proxy_async()
 
                 for _ in T.serial(1):
@@ -303,12 +294,14 @@ def _chunk_bwd_v2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         T.fence_proxy_async()
                     # dv_new = diag(r) K D + Pg^T dO (chain), A_beta Kg, U = K S0
                     T.wgmma_gemm(pg_s, do_s, cv_f, transpose_A=True)
-                    T.wgmma_gemm(a_s, kg_s, cc_f, clear_accum=not exact_diagonal)
+                    T.wgmma_gemm(a_s, kg_s, cc_f, clear_accum=True)
                     T.wgmma_gemm(k_s, h_s, u_f, clear_accum=True)
                     T.wait_wgmma(2)
                     T.warpgroup_fence_operand(cv_f, num_regs=r_cv)
                     T.copy(cv_f, dvn_s)
                     if exact_diagonal:
+                        for t in T.Parallel(C):  # b_s is 0 past the end
+                            d_v[t] = b_s[t] - T.cast(T.cast(b_s[t], dtype), acc)
                         for t, d in T.Parallel(C, V):
                             cv_f[t, d] = d_v[t] * cv_f[t, d]  # diag(delta) dv_new, the start of dv
                     T.wait_wgmma(1)

@@ -4,11 +4,6 @@ chunk-start states h from the forward's A diag(beta) and g_cum_log2, and store t
 Reference stage: `reference.gdn.fused_bwd.recompute_states` (records CF-2, RW-2, RW-4):
     W     = V - diag(gamma) K S,   v_new = A_beta W
     S'    = gamma_C S + K^T diag(r) v_new
-The stored A_beta is rounded to q's dtype, and its diagonal is beta itself (the diagonal of
-(I + L)^-1 is exactly 1), so the stored diagonal is beta rounded. The kernel restores it: with
-delta_t = beta_t - A_beta[t, t] (fp32), v_new = A_beta W + diag(delta) W, the second term written
-into the accumulator before the product (`exact_diagonal` in the reference; NOTES-bwd.md, "Where
-the gradient error comes from").
 One CTA per (value slice of BV = 64 columns, value head, sequence), the transposed state S^T [BV, K]
 fp32 in registers, walking the sequence's chunks forward (the forward recurrent kernel's "serial"
 schedule without the output path). Before each chunk's update it stores S into
@@ -30,8 +25,7 @@ __all__ = ["build_states_kernel", "chunk_states_bwd", "states_kernel_args"]
 BV = 64
 
 
-def _states_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
-                       varlen: bool, exact_diagonal: bool = True):
+def _states_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, seq_dtype: str, varlen: bool):
     import tilelang.language as T
 
     C = CHUNK
@@ -51,7 +45,6 @@ def _states_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str,
     def gdn_states_bwd(
         k: T.Tensor((B, Tn, H, K), dtype),
         v: T.Tensor((B, Tn, HV, V), dtype),
-        beta: T.Tensor((B, Tn, HV), beta_dtype),
         A: T.Tensor((HV, R, C), dtype),
         g_cum_log2: T.Tensor((HV, R), "float32"),
         h0: T.Tensor((N0, HV, K, V), "float32"),
@@ -71,7 +64,6 @@ def _states_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str,
             v_s = T.alloc_shared((C, BV), dtype)
             a_s = T.alloc_shared((C, C), dtype)
             gc_s = T.alloc_shared((C,), acc)
-            dl_s = T.alloc_shared((C,), acc)  # delta = beta - stored diagonal (0 past the sequence end)
 
             st = T.alloc_fragment((BV, K), acc)
             st_b = T.alloc_fragment((BV, K), dtype)
@@ -93,26 +85,16 @@ def _states_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str,
                 T.copy(v[bidx, t0 : t0 + C, hv, v0 : v0 + BV], v_s)
                 T.copy(A[hv, row0 : row0 + C, 0:C], a_s)
                 T.copy(g_cum_log2[hv, row0 : row0 + C], gc_s)
-                if exact_diagonal:
-                    for s in T.Parallel(C):
-                        dl_s[s] = T.if_then_else(c * C + s < seqlen,
-                                                 T.cast(beta[bidx, t0 + s, hv], acc) - T.cast(a_s[s, s], acc), T.float32(0))
 
                 # h of this chunk = the state entering it
                 for i, j in T.Parallel(BV, K):
                     h[(slot0 + c) * HV + hv, j, v0 + i] = T.cast(st[i, j], h_dtype)
-                # U^T = S^T K^T;  W^T = V^T - U^T diag(gamma);  v_new^T = W^T diag(delta) + W^T A_beta^T
+                # U^T = S^T K^T;  W^T = V^T - U^T diag(gamma);  v_new^T = W^T A_beta^T
                 T.copy(st, st_b)
                 T.gemm(st_b, k_s, ut, transpose_B=True, clear_accum=True, policy=row_policy)
-                if exact_diagonal:
-                    for i, s in T.Parallel(BV, C):
-                        wt_b[i, s] = T.cast(T.cast(v_s[s, i], acc) - ut[i, s] * T.exp2(gc_s[s]), dtype)
-                        nvt[i, s] = dl_s[s] * (T.cast(v_s[s, i], acc) - ut[i, s] * T.exp2(gc_s[s]))
-                    T.gemm(wt_b, a_s, nvt, transpose_B=True, policy=row_policy)
-                else:  # the stored (rounded) diagonal: the A/B baseline of tests/gpu/exact_diagonal_check.py
-                    for i, s in T.Parallel(BV, C):
-                        wt_b[i, s] = T.cast(T.cast(v_s[s, i], acc) - ut[i, s] * T.exp2(gc_s[s]), dtype)
-                    T.gemm(wt_b, a_s, nvt, transpose_B=True, clear_accum=True, policy=row_policy)
+                for i, s in T.Parallel(BV, C):
+                    wt_b[i, s] = T.cast(T.cast(v_s[s, i], acc) - ut[i, s] * T.exp2(gc_s[s]), dtype)
+                T.gemm(wt_b, a_s, nvt, transpose_B=True, clear_accum=True, policy=row_policy)
                 # S^T = gamma_C S^T + (v_new^T diag(r)) K
                 for i, s in T.Parallel(BV, C):
                     vpt_b[i, s] = T.cast(nvt[i, s] * T.exp2(T.min(gc_s[C - 1] - gc_s[s], T.float32(0))), dtype)
@@ -124,35 +106,28 @@ def _states_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str,
 
 
 @functools.lru_cache(maxsize=None)
-def build_states_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
-                        varlen: bool, exact_diagonal: bool = True):
+def build_states_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, seq_dtype: str, varlen: bool):
     """Compiled state-recompute kernel (cached). Static key: H, HV, K, V, dtype of k/v/A, dtype of
-    the stored h (bfloat16 or float32), dtype of beta, cu_seqlens dtype, packed or not;
-    `exact_diagonal=False` builds the kernel without the diagonal's restoration (a measurement
-    baseline only)."""
+    the stored h (bfloat16 or float32), cu_seqlens dtype, packed or not."""
     if h_dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"h_dtype must be bfloat16, float16 or float32, got {h_dtype!r}")
-    func = _states_prim_func(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen, exact_diagonal)
-    return compile_kernel(func, f"gdn_states_bwd_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{h_dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}"
-                                f"{'' if exact_diagonal else '_rounded_diagonal'}")
+    func = _states_prim_func(H, HV, K, V, dtype, h_dtype, seq_dtype, varlen)
+    return compile_kernel(func, f"gdn_states_bwd_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{h_dtype}_{seq_dtype}_{int(varlen)}")
 
 
-def states_kernel_args(k, v, beta, cu_seqlens, h_dtype: torch.dtype) -> tuple:
+def states_kernel_args(k, v, cu_seqlens, h_dtype: torch.dtype) -> tuple:
     """The static key (`build_states_kernel` arguments) of a launch with these inputs."""
     seq_dtype = tl_dtype(cu_seqlens.dtype) if cu_seqlens is not None else "int32"
-    return (k.shape[2], v.shape[2], k.shape[3], v.shape[3], tl_dtype(k.dtype), tl_dtype(h_dtype), tl_dtype(beta.dtype),
-            seq_dtype, cu_seqlens is not None)
+    return (k.shape[2], v.shape[2], k.shape[3], v.shape[3], tl_dtype(k.dtype), tl_dtype(h_dtype), seq_dtype,
+            cu_seqlens is not None)
 
 
-def chunk_states_bwd(k, v, beta, A, g_cum_log2, initial_state, cu_seqlens, h_dtype: torch.dtype = torch.bfloat16, *,
-                     exact_diagonal: bool = True):
-    """Launches pass 1.
+def chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype: torch.dtype = torch.bfloat16):
+    """Launches pass 1. Not verified on a GPU yet.
 
-    Args: k [B, T, H, K], v [B, T, HV, V] (the forward's, contiguous); beta [B, T, HV] (fp32 or q's
-    dtype, contiguous; restores the exact diagonal of A diag(beta)); A [HV, S * 64, 64] and
+    Args: k [B, T, H, K], v [B, T, HV, V] (the forward's, contiguous); A [HV, S * 64, 64] and
     g_cum_log2 [HV, S * 64] (the forward's `ChunkGDNForward.A`, `.g_cum_log2`); initial_state None or
-    [N, HV, K, V] fp32; cu_seqlens None or [N + 1]; h_dtype: bf16 (default) or fp32; exact_diagonal=False:
-    the measurement baseline without the diagonal's restoration (`build_states_kernel`).
+    [N, HV, K, V] fp32; cu_seqlens None or [N + 1]; h_dtype: bf16 (default) or fp32.
 
     Returns h [S * HV, K, V] in h_dtype: the state entering chunk slot s of value head hv at row
     s * HV + hv (rows of unused slots are not written).
@@ -169,6 +144,6 @@ def chunk_states_bwd(k, v, beta, A, g_cum_log2, initial_state, cu_seqlens, h_dty
         return h
     h0 = initial_state if initial_state is not None else torch.empty(1, HV, K, V, dtype=torch.float32, device=k.device)
     cu = cu_seqlens if varlen else dummy_cu_seqlens(k.device)
-    kernel = build_states_kernel(*states_kernel_args(k, v, beta, cu_seqlens, h_dtype), exact_diagonal=exact_diagonal)
-    kernel(k, v, beta, A, g_cum_log2, h0, cu, int(initial_state is not None), h)
+    kernel = build_states_kernel(*states_kernel_args(k, v, cu_seqlens, h_dtype))
+    kernel(k, v, A, g_cum_log2, h0, cu, int(initial_state is not None), h)
     return h
