@@ -196,8 +196,8 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
         (`flashqla/ops/gdn/kernels/sm90/chunk_bwd.py`) feeds to a tensor-core product from shared
         memory (Kg, A, Pg, W, v_new, dv_new, X, dLk, diag(beta) dLk, -D dv, scale M, scale D dO):
         a model of the kernel's roundings (None: exact). A_beta_vd: None (A_beta) or the A diag(beta)
-        that v_new = A_beta W and dv = A_beta^T dv_new use (the kernels' exact diagonal: beta on it,
-        while A = I - A_beta Kg keeps the stored one).
+        that dv = A_beta^T dv_new uses (the kernels' exact diagonal: beta on it, while v_new and
+        A = I - A_beta Kg keep the stored one).
 
     Returns dict of chunk tensors: dq, dk [NC, HV, C, K] (per value head, before the GVA sum);
     dv [NC, HV, C, V]; dbeta [NC, HV, C]; dG [NC, HV, C] (dL/dg_cum per position, before the
@@ -218,7 +218,7 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
     Avd = A_beta if A_beta_vd is None else A_beta_vd
     U = k @ h
     W = v - gamma[..., None] * U
-    v_new = o_(Avd @ o_(W)) if A_beta_vd is None else o_(A_beta @ o_(W) + (Avd - A_beta) @ W)
+    v_new = o_(A_beta @ o_(W))
 
     dv_new = o_(o_(scale * ((q @ _t(k)) * Gam)).transpose(-1, -2) @ do + r[..., None] * (k @ Dop))
     X = _t(A) @ dv_new
@@ -284,11 +284,11 @@ def fused_gated_delta_rule_bwd(
         the state gradient in products (None: exact); operand_dtype: see `chunk_bwd_fused`. log2: run the stages in base 2 (the kernels).
         g: None, or the forward's per-token g [B, T, HV]: tokens with g < G_FLOOR (floored in the
         forward) get dg = 0, as `reference.gdn.op`.
-        exact_diagonal: in v_new = A_beta W and dv = A_beta^T dv_new of pass 2, use beta itself (the
-        compute dtype) on the diagonal of A diag(beta) instead of the stored value, as the sm_90
-        backward kernels do (the diagonal of (I + L)^-1 is exactly 1, so the stored diagonal is beta
-        rounded to q's dtype; the kernels add diag(beta - stored) x the fp32 operand); pass 1 and
-        A = I - A_beta Kg keep the stored one. NOTES-bwd.md, "The exact diagonal".
+        exact_diagonal: in dv = A_beta^T dv_new of pass 2, use beta itself (the compute dtype) on the
+        diagonal of A diag(beta) instead of the stored value, as the sm_90 backward kernels do (the
+        diagonal of (I + L)^-1 is exactly 1, so the stored diagonal is beta rounded to q's dtype;
+        the kernels add diag(beta - stored) dv_new in fp32); pass 1, v_new and A = I - A_beta Kg
+        keep the stored one. NOTES-bwd.md, "The exact diagonal".
 
     Returns:
         (dq [B, T, H, K], dk [B, T, H, K], dv [B, T, HV, V], dg [B, T, HV] (per token, natural log),

@@ -189,12 +189,10 @@ def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: s
                 # ---- U = K S0;  W = V - diag(gamma) U;  v_new = A_beta W
                 T.fence_proxy_async()
                 T.gemm(k_s, h_s, cv_f, clear_accum=True)
-                # the exact diagonal of A diag(beta): v_new and dv start from diag(delta) x their other operand
                 for t, d in T.Parallel(C, V):
                     w_s[t, d] = T.cast(T.cast(v_s[t, d], acc) - T.exp2(gc_s[t]) * cv_f[t, d], dtype)
-                    cv2_f[t, d] = dl_s[t] * (T.cast(v_s[t, d], acc) - T.exp2(gc_s[t]) * cv_f[t, d])
                 T.fence_proxy_async()
-                T.gemm(a_s, w_s, cv2_f)
+                T.gemm(a_s, w_s, cv2_f, clear_accum=True)
                 T.copy(cv2_f, vn_s)
                 # ---- dv_new = diag(r) K D + Pg^T dO
                 T.fence_proxy_async()
@@ -204,7 +202,7 @@ def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: s
                 T.fence_proxy_async()
                 T.gemm(pg_s, do_s, cv_f, transpose_A=True)
                 T.copy(cv_f, dvn_s)
-                for t, d in T.Parallel(C, V):
+                for t, d in T.Parallel(C, V):  # the exact diagonal of A diag(beta) in dv (as v2)
                     cv_f[t, d] = dl_s[t] * cv_f[t, d]
                 T.fence_proxy_async()
                 # ---- dv = A_beta^T dv_new (stored);  -diag(gamma) dv for dS and dk

@@ -195,8 +195,9 @@ def _chunk_bwd_v2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
             r_r = T.alloc_fragment((C,), acc)  # r = exp2(min(g_C - g, 0)) at those rows
             gamc = T.alloc_local((1,), acc)  # gamma_C
             # delta = beta - beta rounded to q's dtype (the stored diagonal of A diag(beta): the diagonal
-            # of (I + L)^-1 is exactly 1), 0 past the end, at the rows of the [C, V] accumulators:
-            # v_new and dv start from diag(delta) x their other operand in fp32 (the exact diagonal)
+            # of (I + L)^-1 is exactly 1), 0 past the end, at the rows of the [C, V] accumulators: dv
+            # starts from diag(delta) dv_new in fp32 (the exact diagonal; NOTES-bwd.md, "The exact
+            # diagonal": in v_new it measured worse on a strong-decay head, so v_new keeps the stored one)
             d_v = T.alloc_fragment((C,), acc)
             rg_f = T.alloc_fragment((C,), acc)
             cg_f = T.alloc_fragment((C,), acc)
@@ -322,15 +323,10 @@ def _chunk_bwd_v2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                                 v_s[t, d] = T.cast(0, dtype)
                     T.wait_wgmma(1)
                     T.warpgroup_fence_operand(u_f, num_regs=r_cv)
-                    if exact_diagonal:
-                        for t, d in T.Parallel(C, V):
-                            w_s[t, d] = T.cast(T.cast(v_s[t, d], acc) - gam_r[t] * u_f[t, d], dtype)
-                            ck2_f[t, d] = d_v[t] * (T.cast(v_s[t, d], acc) - gam_r[t] * u_f[t, d])  # diag(delta) W
-                    else:
-                        for t, d in T.Parallel(C, V):
-                            w_s[t, d] = T.cast(T.cast(v_s[t, d], acc) - gam_r[t] * u_f[t, d], dtype)
+                    for t, d in T.Parallel(C, V):
+                        w_s[t, d] = T.cast(T.cast(v_s[t, d], acc) - gam_r[t] * u_f[t, d], dtype)
                     T.fence_proxy_async()
-                    T.wgmma_gemm(a_s, w_s, ck2_f, clear_accum=not exact_diagonal)
+                    T.wgmma_gemm(a_s, w_s, ck2_f, clear_accum=True)
                     T.wait_wgmma(1)
                     T.warpgroup_fence_operand(cv_f, num_regs=r_cv)
                     for t, d in T.Parallel(C, V):
