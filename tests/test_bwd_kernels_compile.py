@@ -167,11 +167,12 @@ def test_cp_mode_is_checked_before_device_work(monkeypatch):
 #: columns of the [64, 64] accumulator, beta, gamma and r at the rows of the [64, 128] ones): 52 B
 #: since, and that build ran bitwise equal to the previous one and 1.10-1.18x faster on the H200
 #: (NOTES-bwd.md, "Gates in registers"). With h stored fp32 the consumers' h load and rounding add
-#: more (204 B before, 280 B since). The exact diagonal of A diag(beta) in v_new and dv (delta =
-#: beta - beta rounded, at the rows of the [64, 128] accumulators; compiled out when beta is in q's
-#: dtype, as in the fp16 build) raised the bf16 build's to 80 B. A budget, not a target: the test
-#: fails if the schedule's register pressure grows further.
-V2_SPILL_BUDGET = {"bfloat16": 80, "float32": 280}
+#: more (204 B before, 280 B since). The exact diagonal of A diag(beta) in dv (delta = beta - beta
+#: rounded, at the rows of the [64, 128] accumulators; compiled out when beta is in q's dtype, as in
+#: the fp16 build) raised the bf16 build's to 80 B; with fp32 h and fp32 beta (the diagonal compiled
+#: in) 432 B, measured when that build joined this test. A budget, not a target: the test fails if
+#: the schedule's register pressure grows further.
+V2_SPILL_BUDGET = {"bf16-hbf16-varlen": 80, "fp16-hfp32-fixed": 280, "bf16-hfp32-fixed": 432}
 
 
 def _ptxas_log(kernel) -> str:
@@ -197,8 +198,9 @@ def _ptxas_log(kernel) -> str:
 @needs_nvcc
 @pytest.mark.parametrize(
     "dtype,h_dtype,beta_dtype,seq_dtype,varlen",
-    [("bfloat16", "bfloat16", "float32", "int32", True), ("float16", "float32", "float16", "int64", False)],
-    ids=["bf16-hbf16-varlen", "fp16-hfp32-fixed"],
+    [("bfloat16", "bfloat16", "float32", "int32", True), ("float16", "float32", "float16", "int64", False),
+     ("bfloat16", "float32", "float32", "int32", False)],
+    ids=["bf16-hbf16-varlen", "fp16-hfp32-fixed", "bf16-hfp32-fixed"],
 )
 def test_chunk_bwd_v2_kernel_compiles(dtype, h_dtype, beta_dtype, seq_dtype, varlen):
     """v2 lowers and compiles for sm_90a: TMA loads by a producer warpgroup (setmaxnreg 24 / 240),
@@ -231,7 +233,8 @@ def test_chunk_bwd_v2_kernel_compiles(dtype, h_dtype, beta_dtype, seq_dtype, var
     log = _ptxas_log(kernel)
     assert "C751" not in log, "ptxas serialised wgmma: " + log
     assert r["dynamic_smem"] is not None and r["dynamic_smem"] + r["static_smem"] <= SMEM_LIMIT
-    assert r["spill_stores"] <= V2_SPILL_BUDGET[h_dtype], r
+    build = f"{'bf16' if dtype == 'bfloat16' else 'fp16'}-h{'bf16' if h_dtype == 'bfloat16' else 'fp32'}-{'varlen' if varlen else 'fixed'}"
+    assert r["spill_stores"] <= V2_SPILL_BUDGET[build], r
 
 
 def test_chunk_bwd_variant_is_checked():

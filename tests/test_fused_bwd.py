@@ -169,7 +169,7 @@ def test_low_precision_storage_cost():
 
 def test_kernel_rounding_model():
     """The sm_90 kernels' roundings, modelled: bf16 q/k/v/do and A diag(beta) (its diagonal restored
-    to beta, as the kernels do: `exact_diagonal`), fp32 arithmetic, h stored in bf16, every
+    to beta in dv's product, as the kernels do: `exact_diagonal`), fp32 arithmetic, h stored in bf16, every
     shared-memory product operand in bf16 (`operand_dtype`, `ds_dtype`); the relative error against
     fp64 on the same rounded inputs is what the GPU tier should see (printed; quoted in NOTES-bwd.md),
     and must sit under its provisional budgets."""
@@ -209,11 +209,11 @@ def _gpu_tier_inputs(T: int) -> dict:
 def test_exact_diagonal_model_against_fla_recorded(T):
     """Where our gradient error exceeded FLA's on the H200 (dg, dv, dbeta; FLA_ERRORS) with the
     stored bf16 diagonal of A diag(beta) (beta rounded): the model of the kernels' roundings
-    reproduces it, and beta itself on that diagonal in v_new and dv (`exact_diagonal`, what the
+    reproduces it, and beta itself on that diagonal in dv's product (`exact_diagonal`, what the
     kernels now compute) brings dv and dbeta within FLA's recorded error (x1.1 + 1e-4, the GPU
-    tier's rule) and cuts dg; dg stays above FLA's on these two inputs (measured on the H200 and
-    listed in NOTES-bwd.md, "The exact diagonal", with the spread over seeds), so the test pins the
-    improvement, not a pass."""
+    tier's rule). dg stays above FLA's on these two inputs and moves either way (here lower at
+    T = 63, higher at T = 64; on the H200 too, with its spread over seeds in NOTES-bwd.md, "The
+    exact diagonal"), so the test pins dv's improvement and dg's budget, not a pass against FLA."""
     from flashqla.testing import fla_errors_for
 
     bf = torch.bfloat16
@@ -236,4 +236,5 @@ def test_exact_diagonal_model_against_fla_recorded(T):
     assert now["dg"] > 1.1 * fla["dg"] + 1e-4  # the gap seen on the H200 is in the model
     for n in ("dv", "dbeta"):
         assert fixed[n] <= 1.1 * fla[n] + 1e-4, (n, fixed[n], fla[n])
-    assert fixed["dv"] < 0.9 * now["dv"] and fixed["dg"] < now["dg"]
+    assert fixed["dv"] < 0.9 * now["dv"]
+    assert fixed["dg"] < 3e-2  # the GPU tier's budget (tests/gpu/test_bwd_gpu.py)

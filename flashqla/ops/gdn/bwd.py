@@ -76,8 +76,9 @@ def chunk_gated_delta_rule_bwd(
 
 
 def _build_once(q, v, beta, cu_seqlens, h_dtype) -> None:
-    """First use of a configuration: compile the four backward kernels concurrently (each later
-    launch finds them in the builders' caches)."""
+    """First use of a configuration: compile concurrently what `op_kernel_specs` lists after the
+    forward's two kernels, passes 1-3 only on these offsets (each later launch finds them in the
+    builders' caches)."""
     from flashqla.ops.gdn.kernels.sm90 import build_kernels, op_kernel_specs
     from flashqla.ops.gdn.kernels.sm90._common import tl_dtype
 
@@ -94,5 +95,14 @@ def _build_once(q, v, beta, cu_seqlens, h_dtype) -> None:
         seq_dtype=tl_dtype(cu_seqlens.dtype) if cu_seqlens is not None else "int32", varlen=cu_seqlens is not None,
         h_dtype=tl_dtype(h_dtype),
     )[2:]
-    build_kernels(specs)
+    # passes 1-3 on this call's offsets only (listed first); their builds on the segments' packed
+    # offsets are left to the split path's first use
+    direct, seen = [], set()
+    for kind, args in specs:
+        if kind in ("states_bwd", "chunk_bwd", "dg_cumsum"):
+            if kind in seen:
+                continue
+            seen.add(kind)
+        direct.append((kind, args))
+    build_kernels(direct)
     _BUILT.add(key)

@@ -7,7 +7,8 @@ BWD-dG). Per chunk, with S0 = h (pass 1), D = dS (gradient of the chunk-end stat
 from g_cum_log2 by exp2 (RW-4; every exponent a difference <= 0, masked before exp2):
     Kg = (K K^T) * Gamma_strict;  A = I - A_beta Kg;  U = K S0;  W = V - D U;  v_new = A_beta W
     dv_new = scale (Q K^T * Gamma)^T dO + diag(r) K D
-    X = A^T dv_new;  dv = A_beta^T dv_new
+    X = A^T dv_new;  dv = A_beta^T dv_new + diag(beta - round(beta)) dv_new  (the stored diagonal of
+        A_beta is beta rounded to q's dtype: dv takes the exact one; NOTES-bwd.md, "The exact diagonal")
     M = (dO v_new^T) * Gamma;  dq = scale (diag(gamma) dO S0^T + M K)
     dL = -tril_-1(X v_new^T) * Gamma;  dk = diag(r) v_new D^T + scale M^T Q - diag(gamma) dv S0^T
          + diag(beta) dL K + dL^T diag(beta) K
@@ -205,7 +206,7 @@ def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: s
                 for t, d in T.Parallel(C, V):  # the exact diagonal of A diag(beta) in dv (as v2)
                     cv_f[t, d] = dl_s[t] * cv_f[t, d]
                 T.fence_proxy_async()
-                # ---- dv = A_beta^T dv_new (stored);  -diag(gamma) dv for dS and dk
+                # ---- dv = A_beta^T dv_new + diag(delta) dv_new (stored);  -diag(gamma) dv for dS and dk
                 T.fence_proxy_async()
                 T.gemm(a_s, dvn_s, cv_f, transpose_A=True)
                 for t, d in T.Parallel(C, V):

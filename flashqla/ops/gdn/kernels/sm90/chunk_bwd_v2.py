@@ -526,7 +526,9 @@ def chunk_fused_bwd_v2(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, c
         return dq_hv, dk_hv, dv, dbeta, dG, dh0
     dht_arg = dht if dht is not None else torch.empty(1, HV, K, V, dtype=torch.float32, device=dev)
     cu = cu_seqlens if varlen else dummy_cu_seqlens(dev)
-    kernel = build_chunk_bwd_v2_kernel(*chunk_bwd_kernel_args(q, v, beta, h, cu_seqlens), exact_diagonal=exact_diagonal)
+    args = chunk_bwd_kernel_args(q, v, beta, h, cu_seqlens)
+    # the default build under the builder-cache key the precompile path uses (no keyword)
+    kernel = build_chunk_bwd_v2_kernel(*args) if exact_diagonal else build_chunk_bwd_v2_kernel(*args, exact_diagonal=False)
     kernel(q, k, v, beta, A, g_cum_log2, h, do, dht_arg, cu, float(scale), int(dht is not None),
            dq_hv, dk_hv, dv, dbeta, dG, dh0)
     return dq_hv, dk_hv, dv, dbeta, dG, dh0
