@@ -212,18 +212,25 @@ def check_case(name, kw, seed):
 # ----------------------------------------------------------------------------------------------
 
 
-def time_row(name, H, HV, lengths, packed):
+def row_inputs(H, HV, lengths, packed):
+    """A timing row's inputs (`device_check.gen_inputs`), its do and dht (seed 7) and one forward:
+    (x, do, dht, f). Shared by the timing scripts of the backward."""
     from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
-    from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
-    from flashqla.ops.gdn.kernels.sm90 import chunk_bwd
-    from flashqla.ops.gdn.kernels.sm90.states_bwd import chunk_states_bwd
 
     x = gen_inputs(H, HV, lengths, packed)
     gen = torch.Generator(device="cuda").manual_seed(7)
     do = torch.randn(x["v"].shape, device="cuda", generator=gen).to(x["v"].dtype)
     N = len(lengths) if packed else x["v"].shape[0]
     dht = torch.randn(N, HV, 128, 128, device="cuda", generator=gen)
-    f = chunk_gated_delta_rule_fwd(**x, output_final_state=True)
+    return x, do, dht, chunk_gated_delta_rule_fwd(**x, output_final_state=True)
+
+
+def time_row(name, H, HV, lengths, packed):
+    from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
+    from flashqla.ops.gdn.kernels.sm90 import chunk_bwd
+    from flashqla.ops.gdn.kernels.sm90.states_bwd import chunk_states_bwd
+
+    x, do, dht, f = row_inputs(H, HV, lengths, packed)
     h = chunk_states_bwd(f.k, x["v"], f.A, f.g_cum_log2, x["initial_state"], x["cu_seqlens"], torch.bfloat16)
     row = {"row": name}
     for key, variant in (("v1", BASE), ("v2", NEW)):
@@ -238,7 +245,7 @@ def time_row(name, H, HV, lengths, packed):
             chunk_bwd.DEFAULT_VARIANT = saved
     nch = sum((t + 63) // 64 for t in lengths)  # chunks of the longest-running CTAs' sequences, all heads
     row["chunks_per_cta_max"] = max((t + 63) // 64 for t in lengths)
-    row["ctas"] = N * HV
+    row["ctas"] = dht.shape[0] * HV
     row["chunks"] = nch * HV
     return row
 

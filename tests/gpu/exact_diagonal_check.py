@@ -23,23 +23,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 from flashqla.testing import rel_rms  # noqa: E402
-from tests.gpu.bwd_v2_check import SCALE, _rows  # noqa: E402
-from tests.gpu.device_check import gen_inputs, time_graph  # noqa: E402
+from tests.gpu.bwd_v2_check import SCALE, _rows, row_inputs  # noqa: E402
+from tests.gpu.device_check import time_graph  # noqa: E402
 
 NAMES = ("dq_hv", "dk_hv", "dv", "dbeta", "dG", "dh0")
 
 
 def check_row(name, H, HV, lengths, packed):
-    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v2 import chunk_fused_bwd_v2
     from flashqla.ops.gdn.kernels.sm90.states_bwd import chunk_states_bwd
 
-    x = gen_inputs(H, HV, lengths, packed)
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    do = torch.randn(x["v"].shape, device="cuda", generator=gen).to(x["v"].dtype)
-    N = len(lengths) if packed else x["v"].shape[0]
-    dht = torch.randn(N, HV, 128, 128, device="cuda", generator=gen)
-    f = chunk_gated_delta_rule_fwd(**x, output_final_state=True)
+    x, do, dht, f = row_inputs(H, HV, lengths, packed)
     row = {"row": name}
     outs = {}
     for exact in (False, True):

@@ -28,7 +28,6 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from tests.gpu.device_check import gen_inputs  # noqa: E402
 from tests.gpu.ncu_fwd import parse_row, profiled  # noqa: E402
 
 
@@ -39,17 +38,13 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=1)
     ap.add_argument("--packed", action="store_true", help="cu_seqlens even when every length is equal")
     a = ap.parse_args(argv)
-    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_fused_bwd
     from flashqla.ops.gdn.kernels.sm90.states_bwd import chunk_states_bwd
+    from tests.gpu.bwd_v2_check import row_inputs
 
     H, HV, lengths = parse_row(a.row)
     packed = a.packed or len(set(lengths)) > 1
-    x = gen_inputs(H, HV, lengths, varlen=packed)
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    do = torch.randn(x["v"].shape, device="cuda", generator=gen).to(x["v"].dtype)
-    dht = torch.randn(len(lengths), HV, 128, 128, device="cuda", generator=gen)
-    f = chunk_gated_delta_rule_fwd(**x, output_final_state=True)
+    x, do, dht, f = row_inputs(H, HV, lengths, packed)
     h = chunk_states_bwd(f.k, x["v"], f.A, f.g_cum_log2, x["initial_state"], x["cu_seqlens"], torch.bfloat16)
     scale = 128**-0.5
 
