@@ -304,63 +304,6 @@ def test_block_v_heuristic():
     assert pick_block_v(2, 46) == 128  # 92 CTAs of 132 SMs
 
 
-def test_mixed_widths_plan():
-    """`pick_widths`: one launch unless N * HV CTAs fill one wave and part of a second; then every value
-    head in exactly one of a BV = 128 and a BV = 64 launch, whose simulated finish beats one width."""
-    from flashqla.ops.gdn.kernels.sm90.recurrent import MIXED_MIN_GAIN, WIDTH_COST, _makespan, pick_block_v, pick_widths
-
-    assert _makespan([1.0] * 192, 132) == 2.0 and _makespan([1.0] * 132 + [0.8] * 120, 132) == pytest.approx(1.8)
-    assert _makespan([], 132) == 0.0
-    for N, HV in [(4, 64), (8, 32), (4, 32), (1, 8), (1, 200), (8, 48), (1, 64)]:  # no partial second wave to fill
-        assert pick_widths(N, HV) == ((pick_block_v(N, HV), 0, HV),), (N, HV)
-    assert pick_widths(4, 48, V=64) == ((64, 0, 48),)
-    seen = 0
-    for N in range(1, 17):
-        for HV in range(1, 129):
-            w = pick_widths(N, HV)
-            if len(w) == 1:
-                continue
-            seen += 1
-            (b1, f1, n1), (b2, f2, n2) = w
-            assert (b1, b2, f1, f2, n1 + n2) == (128, 64, 0, n1, HV) and n1 > 0 and n2 > 0
-            assert 132 < N * HV < 264
-            t_one = _makespan([WIDTH_COST[128]] * (N * HV), 132)
-            t_mixed = _makespan([WIDTH_COST[128]] * (n1 * N) + [WIDTH_COST[64]] * (2 * n2 * N), 132)
-            assert t_one >= MIXED_MIN_GAIN * t_mixed
-    assert seen > 0
-    # the benchmark rows it was made for
-    assert pick_widths(4, 48) == ((128, 0, 33), (64, 33, 15))
-    assert pick_widths(8, 24) == ((128, 0, 16), (64, 16, 8))
-
-
-def test_op_kernel_specs_name_the_mixed_launches():
-    from flashqla.ops.gdn.kernels.sm90 import op_kernel_specs
-
-    rec = [a for k, a in op_kernel_specs(16, 48, N=4, varlen=True, backward=False) if k == "recurrent" and len(a) != 10]
-    assert rec == [(16, 48, 128, 128, bv, "bfloat16", "int32", True, "overlap", False, True) for bv in (128, 64)]
-    rec = [a for k, a in op_kernel_specs(16, 64, N=4, varlen=True, backward=False) if k == "recurrent" and len(a) != 10]
-    assert rec == [(16, 64, 128, 128, 128, "bfloat16", "int32", True, "overlap")]
-
-
-@needs_nvcc
-@pytest.mark.parametrize("BV", [128, 64])
-def test_recurrent_head_list_launch_compiles(BV):
-    """The mixed-width forward's launch over a list of value heads: the head read from the list, the
-    grid over its length; the plain launch's source has no list (it stays the kernel it was)."""
-    from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
-    from flashqla.ops.gdn.kernels.sm90.recurrent import build_recurrent_kernel
-
-    kernel = build_recurrent_kernel(2, 8, 128, 128, BV, "bfloat16", "int32", True, "overlap", False, True)
-    src = kernel.get_kernel_source()
-    assert "limit[" in src and "int NH" in src and "wgmma_rs" in src and "tma_load" in src
-    rep = ptxas_report(kernel)
-    assert rep["spill_stores"] <= 16, rep  # BV = 64 sits at the 255-register cap (12 B at 16/48 heads)
-    plain = build_recurrent_kernel(2, 8, 128, 128, BV, "bfloat16", "int32", True, "overlap").get_kernel_source()
-    assert "limit" not in plain and "NH" not in plain
-    with pytest.raises(ValueError, match="head_list"):
-        build_recurrent_kernel(2, 8, 128, 128, BV, "bfloat16", "int32", True, "overlap", True, True)
-
-
 def test_slot_count_is_an_upper_bound():
     from flashqla.ops.gdn.kernels.sm90._common import CHUNK, num_slots
 

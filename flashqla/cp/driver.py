@@ -195,12 +195,11 @@ class Sm90Backend:
         `dual`) concurrently, once per key."""
         from flashqla.ops.gdn.kernels.sm90 import build_kernels
         from flashqla.ops.gdn.kernels.sm90.prepare import prepare_kernel_args
-        from flashqla.ops.gdn.kernels.sm90.recurrent import recurrent_kernel_args, recurrent_launch_keys
+        from flashqla.ops.gdn.kernels.sm90.recurrent import recurrent_kernel_args
 
-        rec = [recurrent_kernel_args(q, v, cu_seqlens, block_v, dual=True)] if dual else recurrent_launch_keys(q, v, cu_seqlens, block_v)
-        key = (prepare_kernel_args(k, beta, cu_seqlens, HV), *rec)
+        key = (prepare_kernel_args(k, beta, cu_seqlens, HV), recurrent_kernel_args(q, v, cu_seqlens, block_v, dual=dual))
         if key not in self._built:
-            build_kernels([("prepare", key[0])] + [("recurrent", r) for r in rec])
+            build_kernels([("prepare", key[0]), ("recurrent", key[1])])
             self._built.add(key)
 
     def prepare(self, k, g, beta, cu_seqlens, HV: int):

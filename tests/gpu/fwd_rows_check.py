@@ -6,7 +6,7 @@ split plans around the planner's pick measure.
 Per row (the forward benchmark's inputs: `flashqla.bench.runner.InputFactory`, packed int32 offsets,
 initial state given, final state returned): the public op as the benchmark calls it (cp auto with the
 host length hint), the op with cp off, its two launches alone (prepare; recurrent at the planner's
-value-slice width, and at `pick_widths`' widths), the op at one width (cp off), the split forward at every L of `--lengths` below the longest sequence with BV 128
+value-slice width), the op at that width (cp off), the split forward at every L of `--lengths` below the longest sequence with BV 128
 and (where 128 leaves half the SMs idle) 64, and with `--flash-qla` FlashQLA's public op on the same inputs. Every variant is gated
 against the fp64 chunked result (relative RMS of o <= 2e-2) before it is CUDA-graph timed
 (`flashqla.bench.timing.time_cuda_graph`, the benchmark's timer). Prints a table last and writes
@@ -98,7 +98,6 @@ def main(argv=None) -> int:
             else:
                 plan = P.plan_cp(HV, len(lengths), sum(lengths), exact=True, max_seqlen=-(-max(lengths) // 64) * 64)
                 res["plan"] = f"{'split L=%d' % plan.segment_len if plan.split else 'unsplit'} BV={plan.BV}"
-                res["widths"] = str(R.pick_widths(len(lengths), HV))
                 bv = R.pick_block_v(len(lengths), HV)
                 res["rec_bv"] = bv
                 gate_time("op", lambda: chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, scale=scale, initial_state=x.h0,
@@ -116,10 +115,8 @@ def main(argv=None) -> int:
                     ht = torch.empty(len(lengths), HV, 128, 128, dtype=torch.float32, device="cuda")
                     res["recurrent"] = timed(lambda: R.chunk_recurrent_fwd(x.q, x.k, x.v, A, gcl, scale, x.h0, True, x.cu_seqlens,
                                                                            block_v=bv, o=o, final_state=ht))
-                    res["recurrent_auto"] = timed(lambda: R.chunk_recurrent_fwd(x.q, x.k, x.v, A, gcl, scale, x.h0, True,
-                                                                                x.cu_seqlens, o=o, final_state=ht))
                     del A, gcl, o, ht
-                print(name, "prepare", res["prepare"], "recurrent", res["recurrent"], "auto widths", res["recurrent_auto"], flush=True)
+                print(name, "prepare", res["prepare"], "recurrent", res["recurrent"], flush=True)
                 for L in a.lengths:
                     if L >= max(lengths):
                         continue
@@ -140,9 +137,9 @@ def main(argv=None) -> int:
         fq = r.get("flash_qla", math.nan)
         if "prepare" not in r:
             continue
-        print(f"{r['row']:16s} [{r['plan']}; {r['widths']}] op {r.get('op', math.nan):.3f} off {r.get('op_off', math.nan):.3f} "
+        print(f"{r['row']:16s} [{r['plan']}] op {r.get('op', math.nan):.3f} off {r.get('op_off', math.nan):.3f} "
               f"one width {r.get('op_one_width', math.nan):.3f} prep {r['prepare']:.3f} rec(BV{r['rec_bv']}) {r['recurrent']:.3f} "
-              f"rec(auto) {r['recurrent_auto']:.3f} fq {fq:.3f} | {splits}")
+              f"fq {fq:.3f} | {splits}")
     return 0
 
 

@@ -47,8 +47,6 @@ def tier_specs() -> list:
     specs += op_kernel_specs(16, 32, varlen=True, block_v=128)
     specs += op_kernel_specs(4, 16, varlen=True, seq_dtype="int64")  # tests/gpu/cp_dual_check.py
     specs += op_kernel_specs(4, 16, varlen=True)
-    specs += op_kernel_specs(8, 24, N=8, varlen=True, backward=False)  # the mixed-width forward
-    specs += op_kernel_specs(8, 24, N=8, varlen=True, backward=False, block_v=128)
     return list(dict.fromkeys(specs))
 
 
@@ -66,9 +64,6 @@ def bench_specs() -> list:
         for varlen in (False, True):
             for bv in (64, 128):
                 specs += op_kernel_specs(H, HV, varlen=varlen, block_v=bv, backward=False)
-            for N in (2, 4, 8):  # the mixed-width forward's launches where the grid's N x HV calls for them
-                specs += [s for s in op_kernel_specs(H, HV, N=N, varlen=varlen, backward=False)
-                          if s[0] == "recurrent" and len(s[1]) == 11]
     for H, HV in bwd_heads:
         for varlen in (False, True):
             for bv in (64, 128):

@@ -137,7 +137,7 @@ def chunk_gated_delta_rule_fwd(
     """
     from flashqla.ops.gdn.kernels.sm90 import build_kernels
     from flashqla.ops.gdn.kernels.sm90.prepare import chunk_prepare_fwd, prepare_kernel_args
-    from flashqla.ops.gdn.kernels.sm90.recurrent import chunk_recurrent_fwd, recurrent_launch_keys
+    from flashqla.ops.gdn.kernels.sm90.recurrent import chunk_recurrent_fwd, recurrent_kernel_args
 
     d = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     _check_supported(q, k, v, g, beta, initial_state)
@@ -164,10 +164,9 @@ def chunk_gated_delta_rule_fwd(
         q, k = _l2norm(q), _l2norm(k)
 
     if d.T > 0 and d.N > 0:
-        rec = recurrent_launch_keys(q, v, cu_seqlens, block_v)  # one, or two for the mixed-width launch
-        key = (prepare_kernel_args(k, beta, cu_seqlens, d.HV), *rec)
-        if key not in _BUILT:  # first use: compile the kernels concurrently
-            build_kernels([("prepare", key[0])] + [("recurrent", r) for r in rec])
+        key = (prepare_kernel_args(k, beta, cu_seqlens, d.HV), recurrent_kernel_args(q, v, cu_seqlens, block_v))
+        if key not in _BUILT:  # first use: compile both kernels concurrently
+            build_kernels([("prepare", key[0]), ("recurrent", key[1])])
             _BUILT.add(key)
     bufs = {}
     if poison_outputs:

@@ -121,22 +121,19 @@ def op_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype:
                     h_dtype: str = "bfloat16", block_v: int | None = None, K: int = 128, V: int = 128) -> list:
     """The kernels (`[(kind, args), ...]`, for `build_kernels` / `precompile`) that one call of
     `flashqla.chunk_gated_delta_rule` uses for H q/k heads, HV value heads, N sequences (the
-    recurrent kernel's value slice width, or the mixed widths, depend on N * HV: `recurrent.pick_widths`), packed or not,
+    recurrent kernel's value slice width depends on N * HV: `recurrent.pick_block_v`), packed or not,
     q/k/v in `dtype`, beta in `beta_dtype`, cu_seqlens in `seq_dtype`; with the backward's four when
     `backward`; the context-parallel kernels (scans, output correction, state gradients, the dual
 run + transition launch at both value slice widths, the transition limits and, for packed input,
 the segment tables) are
 included since `cp="auto"` may split. Pure Python: needs neither a GPU nor TileLang."""
     from flashqla.ops.gdn.kernels.sm90.prepare import DEFAULT_VARIANT
-    from flashqla.ops.gdn.kernels.sm90.recurrent import DEFAULT_SCHEDULE, pick_widths
+    from flashqla.ops.gdn.kernels.sm90.recurrent import DEFAULT_SCHEDULE, pick_block_v
 
-    widths = ((block_v, 0, HV),) if block_v else pick_widths(N, HV, V)
-    specs = [("prepare", (H, HV, K, dtype, beta_dtype, seq_dtype, varlen, DEFAULT_VARIANT))]
-    if len(widths) == 1:
-        specs.append(("recurrent", (H, HV, K, V, widths[0][0], dtype, seq_dtype, varlen, DEFAULT_SCHEDULE)))
-    else:  # the mixed-width forward's head-list launches
-        specs += [("recurrent", (H, HV, K, V, bv, dtype, seq_dtype, varlen, DEFAULT_SCHEDULE, False, True)) for bv, _, _ in widths]
-    specs += [
+    BV = block_v or pick_block_v(N, HV, V)
+    specs = [
+        ("prepare", (H, HV, K, dtype, beta_dtype, seq_dtype, varlen, DEFAULT_VARIANT)),
+        ("recurrent", (H, HV, K, V, BV, dtype, seq_dtype, varlen, DEFAULT_SCHEDULE)),
         ("cp_scan", (HV, K, V, False)),
         ("cp_correct", (HV, K, V, dtype, seq_dtype if varlen else "int32")),
     ]

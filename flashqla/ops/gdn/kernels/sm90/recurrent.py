@@ -45,11 +45,11 @@ import torch
 from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slots, placeholder, sequence_span, tl_dtype
 
 __all__ = ["DEFAULT_SCHEDULE", "SCHEDULES", "build_recurrent_kernel", "chunk_recurrent_dual", "chunk_recurrent_fwd", "pick_block_v",
-           "pick_widths", "recurrent_kernel_args", "recurrent_launch_keys"]
+           "recurrent_kernel_args"]
 
 
 def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, seq_dtype: str, varlen: bool,
-                         schedule: str, dual: bool = False, head_list: bool = False):
+                         schedule: str, dual: bool = False):
     """The recurrent kernel in one of its two schedules (`SCHEDULES`): the same products and stages,
     one signature, prologue, chunk loads and final-state store, two chunk-loop bodies.
 
@@ -73,11 +73,6 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, s
     In "overlap", v and o go through 128-byte-swizzled shared tiles (no bank conflicts on the
     transposed accesses), and each issue-and-wait group is one statement of the pipelined loop body,
     so the pipeliner releases a stage buffer only after the last wgmma that reads it has completed.
-
-    head_list (not with dual): the launch covers only the value heads listed in its last argument
-    (int32 [NH], which the plain launch takes as a one-element placeholder), NV x NH x N CTAs; the
-    other heads' o and final-state rows are not written. Two such launches at different value-slice
-    widths make up the mixed-width forward (`chunk_recurrent_fwd(heads=...)`, `pick_widths`).
     """
     import tilelang.language as T
     from tilelang.layout import make_swizzled_layout
@@ -101,15 +96,12 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, s
     N1 = T.dynamic("N1")  # rows of final_state (N, or 1 for the placeholder)
     if dual and (not overlap or K != V):
         raise ValueError("the dual launch needs schedule 'overlap' and K == V")
-    if dual and head_list:
-        raise ValueError("head_list is a mode of the plain launch, not of the dual one")
     NP = T.dynamic("NP")  # rows of pt and limit (dual: N)
-    NH = T.dynamic("NH")  # value heads of a head_list launch
     u_shape = (B, Tn, HV, K) if dual else (1,)
     pt_shape = (NP, HV, K, K) if dual else (1,)
-    lim_shape = (NP, HV) if dual else ((NH,) if head_list else (1,))
+    lim_shape = (NP, HV) if dual else (1,)
     nseq = (Np1 - 1) if varlen else B
-    ncta = NV * (NH if head_list else HV) * nseq
+    ncta = NV * HV * nseq
 
     @T.prim_func
     def gdn_recurrent_fwd(
@@ -136,13 +128,8 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, s
             else:
                 b1 = bx
             iv = b1 % NV
-            if head_list:  # `limit` holds the launch's value heads
-                hv = T.alloc_var("int32")
-                hv = limit[(b1 // NV) % NH]
-                n = b1 // (NV * NH)
-            else:
-                hv = (b1 // NV) % HV
-                n = b1 // (NV * HV)
+            hv = (b1 // NV) % HV
+            n = b1 // (NV * HV)
             bos, seqlen, bidx, slot0, nchunks = sequence_span(n, cu_seqlens, Tn, varlen)
             if dual:
                 nloop = T.alloc_var("int32")
@@ -346,23 +333,21 @@ DEFAULT_SCHEDULE = os.environ.get("FLASHQLA_RECURRENT_SCHEDULE", "overlap")
 
 @functools.lru_cache(maxsize=None)
 def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str, seq_dtype: str, varlen: bool, schedule: str = "overlap",
-                           dual: bool = False, head_list: bool = False):
+                           dual: bool = False):
     """Compiled recurrent kernel for one static configuration (cached).
 
     Static key: head counts, head dims, the value slice width BV (64 or 128), the input dtype,
     cu_seqlens' dtype, whether input is packed (varlen), the schedule (`SCHEDULES`) and whether it is
-    the split path's dual launch (run and transition in one grid, `chunk_recurrent_dual`) or a launch
-    over a list of value heads (`head_list`, the mixed-width forward). T, B, the number of sequences,
-    the scale, the initial/final-state switches, the transition limits and the head list are run-time
-    values.
+    the split path's dual launch (run and transition in one grid, `chunk_recurrent_dual`). T, B, the
+    number of sequences, the scale, the initial/final-state switches and the transition limits are
+    run-time values.
     """
     if V % BV or BV not in (64, 128):
         raise ValueError(f"value slice width BV must be 64 or 128 and divide V = {V}, got {BV}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    func = _recurrent_prim_func(H, HV, K, V, BV, dtype, seq_dtype, varlen, schedule, dual, head_list)
-    name = (f"gdn_recurrent_fwd_H{H}_HV{HV}_K{K}_V{V}_BV{BV}_{dtype}_{seq_dtype}_{int(varlen)}_{schedule}" + ("_dual" if dual else "")
-            + ("_heads" if head_list else ""))
+    func = _recurrent_prim_func(H, HV, K, V, BV, dtype, seq_dtype, varlen, schedule, dual)
+    name = f"gdn_recurrent_fwd_H{H}_HV{HV}_K{K}_V{V}_BV{BV}_{dtype}_{seq_dtype}_{int(varlen)}_{schedule}" + ("_dual" if dual else "")
     return compile_kernel(func, name)
 
 
@@ -378,50 +363,6 @@ def pick_block_v(N: int, HV: int, V: int = 128, sm_count: int = SM_COUNT) -> int
     return 64
 
 
-#: Per-CTA cost of one chunk step at each value-slice width, relative to BV = 128 (the context-parallel
-#: planner's `CHUNK_COST`; NOTES.md, 32/32 1x4096)
-WIDTH_COST = {128: 1.0, 64: 0.8}
-#: The mixed-width forward runs when its estimate beats the one-width launch by at least this factor.
-MIXED_MIN_GAIN = 1.05
-
-
-def _makespan(costs, sm_count: int) -> float:
-    """Finish time of tasks of the given durations, started in order on `sm_count` SMs, each on the
-    first SM free (the block scheduler's order for CTAs of one size, one CTA per SM)."""
-    import heapq
-
-    free = [0.0] * min(sm_count, len(costs))
-    for c in costs:
-        heapq.heapreplace(free, free[0] + c)
-    return max(free) if free else 0.0
-
-
-def pick_widths(N: int, HV: int, V: int = 128, sm_count: int = SM_COUNT) -> tuple:
-    """The recurrent launches of an unsplit forward: ((BV, first value head, number of heads), ...).
-
-    One launch at `pick_block_v`'s width, except when N * HV CTAs fill one wave of the SMs and only
-    part of a second (132 < N * HV < 264 on the H200: 16/48 heads x 4 sequences is 192 CTAs, the
-    second wave 60 CTAs on 132 SMs, 72 SMs idle for a whole wave). Then the first h value heads run at
-    BV = 128 and the rest at BV = 64 (two CTAs per head, each ~0.8 of a BV = 128 CTA's time per chunk,
-    `WIDTH_COST`), the two launches side by side on two streams (`chunk_recurrent_fwd`): one wave of
-    BV = 128 CTAs and one of BV = 64 ones, ~1.8 chunk chains instead of 2. h is chosen by simulating
-    the block scheduler on equal-length sequences (`_makespan`); the mixed form is used when it beats
-    the one-width launch by `MIXED_MIN_GAIN`."""
-    bv = pick_block_v(N, HV, V, sm_count)
-    if V != 128 or not (sm_count < N * HV < 2 * sm_count):
-        return ((bv, 0, HV),)
-    one = _makespan([WIDTH_COST[128]] * (N * HV), sm_count)
-    best = None
-    for h in range(HV - 1, 0, -1):  # most heads at 128 first: ties keep fewer CTAs
-        t = _makespan([WIDTH_COST[128]] * (h * N) + [WIDTH_COST[64]] * (2 * (HV - h) * N), sm_count)
-        if best is None or t < best[0] - 1e-9:
-            best = (t, h)
-    if best is None or one < MIXED_MIN_GAIN * best[0]:
-        return ((bv, 0, HV),)
-    h = best[1]
-    return ((128, 0, h), (64, h, HV - h))
-
-
 def recurrent_kernel_args(q, v, cu_seqlens, block_v=None, schedule=None, dual: bool = False) -> tuple:
     """The static key (`build_recurrent_kernel` arguments) a launch with these inputs uses (the dual
     launch's key ends with True; the plain key has nine entries)."""
@@ -434,47 +375,8 @@ def recurrent_kernel_args(q, v, cu_seqlens, block_v=None, schedule=None, dual: b
     return key + (True,) if dual else key
 
 
-def recurrent_launch_keys(q, v, cu_seqlens, block_v=None, schedule=None) -> list:
-    """The static keys (`build_recurrent_kernel` arguments) of the launches `chunk_recurrent_fwd`
-    makes with these inputs: one plain key, or two head-list keys for the mixed-width forward."""
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
-    widths = ((block_v, 0, HV),) if block_v else pick_widths(N, HV, V)
-    if len(widths) == 1:
-        return [recurrent_kernel_args(q, v, cu_seqlens, widths[0][0], schedule)]
-    return [recurrent_kernel_args(q, v, cu_seqlens, bv, schedule) + (False, True) for bv, _, _ in widths]
-
-
-_HEADS: dict = {}
-
-
-def _head_range(first: int, count: int, device) -> torch.Tensor:
-    """int32 [count] value heads first .. first + count - 1 on `device` (cached: a CUDA graph keeps it)."""
-    key = (first, count, str(device))
-    t = _HEADS.get(key)
-    if t is None:
-        t = _HEADS[key] = torch.arange(first, first + count, dtype=torch.int32, device=device)
-    return t
-
-
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device) -> torch.cuda.Stream:
-    key = str(device)
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
-    return _SIDE_STREAMS[key]
-
-
-def chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale: float, initial_state, output_final_state: bool, cu_seqlens, block_v=None, o=None, final_state=None, schedule=None,
-                        heads=None):
+def chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale: float, initial_state, output_final_state: bool, cu_seqlens, block_v=None, o=None, final_state=None, schedule=None):
     """Launches the recurrent kernel (arguments validated by the caller).
-
-    With block_v None and N * HV CTAs filling one wave and part of a second, the launch is split by
-    value heads into a BV = 128 and a BV = 64 launch run side by side on the current stream and a side
-    stream joined before return (`pick_widths`); CUDA-graph capturable.
 
     Args:
         q, k: [B, T, H, K]; v: [B, T, HV, V] (bf16 or fp16, contiguous).
@@ -486,8 +388,6 @@ def chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale: float, initial_state, out
         block_v: value slice width (None: `pick_block_v`).
         schedule: kernel schedule, one of `SCHEDULES` (None: `DEFAULT_SCHEDULE`).
         o, final_state: optional preallocated outputs of the shapes below (tests poison them).
-        heads: optional (BV, first value head, number of heads) tuples, the launches to make
-            (default: `pick_widths`, or one launch at block_v); a test aid to force a split.
 
     Returns:
         o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] fp32 or None.
@@ -514,24 +414,9 @@ def chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale: float, initial_state, out
     h0 = initial_state if use_h0 else placeholder((1, HV, K, V), torch.float32, q.device)
     ht_arg = ht if output_final_state else placeholder((1, HV, K, V), torch.float32, q.device)
     cu = cu_seqlens if varlen else placeholder((1,), torch.int32, q.device)
+    kernel = build_recurrent_kernel(*recurrent_kernel_args(q, v, cu_seqlens, block_v, schedule))
     u, pt, lim = (placeholder((1,), dt, q.device) for dt in (q.dtype, torch.float32, torch.int32))
-    widths = tuple(heads) if heads is not None else (((block_v, 0, HV),) if block_v else pick_widths(N, HV, V))
-    if len(widths) == 1 and widths[0][1:] == (0, HV):
-        kernel = build_recurrent_kernel(*recurrent_kernel_args(q, v, cu_seqlens, widths[0][0], schedule))
-        kernel(q, k, v, A, g_cum_log2, h0, cu, float(scale), int(use_h0), int(output_final_state), o, ht_arg, u, pt, lim)
-        return o, ht
-    # head-list launches: the first on the current stream, the others on a side stream, joined
-    cur = torch.cuda.current_stream(q.device)
-    side = _side_stream(q.device)
-    side.wait_stream(cur)
-    for i, (bv, first, count) in enumerate(widths):
-        if count <= 0:
-            continue
-        kernel = build_recurrent_kernel(*recurrent_kernel_args(q, v, cu_seqlens, bv, schedule) + (False, True))
-        hl = _head_range(first, count, q.device)
-        with torch.cuda.stream(cur if i == 0 else side):
-            kernel(q, k, v, A, g_cum_log2, h0, cu, float(scale), int(use_h0), int(output_final_state), o, ht_arg, u, pt, hl)
-    cur.wait_stream(side)
+    kernel(q, k, v, A, g_cum_log2, h0, cu, float(scale), int(use_h0), int(output_final_state), o, ht_arg, u, pt, lim)
     return o, ht
 
 
