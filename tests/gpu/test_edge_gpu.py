@@ -435,17 +435,24 @@ def _large_packed(label: str, lengths, groups, cu_dtype, threshold: int, fp64_la
 
 
 @pytest.mark.slow
-def test_tokens_past_2_18_with_32_value_heads():
+def test_tokens_past_2_18_with_32_value_heads(monkeypatch):
     """2^18 + 222 packed tokens, 16/32 heads, int32 offsets (recomputed states h: S * HV * K * V past
     2^31 elements; o, v past 2^31 bytes): the whole batch against the op on two pieces, the last four
-    sequences against fp64."""
+    sequences against fp64. Context parallelism off ($FLASHQLA_CP): the planner may split the whole
+    batch and not a piece (or the reverse), and a split and an unsplit run of the same sequences are
+    two bf16 computations ~4e-3 apart (seen on the H200: o 3.6e-3 whole against pieces), where the
+    pieces' tolerance is for the same kernels at other offsets. Large offsets on the split path: the
+    million-token test."""
+    monkeypatch.setenv("FLASHQLA_CP", "off")
     _large_packed("2^18+ tokens, 16/32 heads, int32", LENGTHS_2_18, GROUPS_2_18, torch.int32, THRESHOLDS["2^18"], 4)
 
 
 @pytest.mark.slow
-def test_tokens_past_2_19_with_int64_offsets():
+def test_tokens_past_2_19_with_int64_offsets(monkeypatch):
     """2^19 + 619 packed tokens, 16/32 heads, int64 offsets (v, o, dv, do past 2^31 elements): the
-    whole batch against the op on four pieces of three sequences, the last three against fp64."""
+    whole batch against the op on four pieces of three sequences, the last three against fp64.
+    Context parallelism off, as the 2^18 test (there: why)."""
+    monkeypatch.setenv("FLASHQLA_CP", "off")
     _large_packed("2^19+ tokens, 16/32 heads, int64", LENGTHS_2_19, GROUPS_2_19, torch.int64, THRESHOLDS["2^19"], 3)
 
 

@@ -343,7 +343,11 @@ def test_prepare_v2_matches_v1_and_reference(name):
     if tail.numel():
         assert (A2[:, tail] == 0).all(), "v2: A rows past the end of a sequence must be 0"
         last = (tail // CHUNK) * CHUNK + torch.tensor([int(valid[s * CHUNK : (s + 1) * CHUNK].sum()) - 1 for s in (tail // CHUNK).tolist()])
-        assert torch.equal(g2[:, tail], g2[:, last]), "v2: g_cum_log2 past the end must repeat the last value"
+        # the tail is the last valid value plus zeros, summed by a parallel scan in another association
+        # than the last valid row: equal up to a few fp32 ulps (seen on the H200: 1 ulp, -2510.2891
+        # against -2510.2893); the chunk-end gate a partial chunk reads there moves by ~1e-7 relative
+        torch.testing.assert_close(g2[:, tail], g2[:, last], rtol=2**-20, atol=0,
+                                   msg="v2: g_cum_log2 past the end must repeat the last value (to fp32 rounding)")
     # v2 against v1 (same products; the inverse's tf32 rounding differs in G = (I - F) X)
     d_g = (g2[:, slot_rows] - g1[:, slot_rows]).abs().max().item()
     d_A = rel_rms(A2[:, slot_rows], A1[:, slot_rows])
