@@ -5,7 +5,7 @@ split plans around the planner's pick measure.
 
 Per row (the forward benchmark's inputs: `flashqla.bench.runner.InputFactory`, packed int32 offsets,
 initial state given, final state returned): the public op as the benchmark calls it (cp auto with the
-host length hint), the op with cp off, its two launches alone (prepare; recurrent at the planner's
+host length hint), the op with cp off, its two launches alone (prepare, also on the batched layout when the lengths are equal; recurrent at the planner's
 value-slice width), the op at that width (cp off), the split forward at every L of `--lengths` below the longest sequence with BV 128
 and (where 128 leaves half the SMs idle) 64, and with `--flash-qla` FlashQLA's public op on the same inputs. Every variant is gated
 against the fp64 chunked result (relative RMS of o <= 2e-2) before it is CUDA-graph timed
@@ -115,8 +115,14 @@ def main(argv=None) -> int:
                     ht = torch.empty(len(lengths), HV, 128, 128, dtype=torch.float32, device="cuda")
                     res["recurrent"] = timed(lambda: R.chunk_recurrent_fwd(x.q, x.k, x.v, A, gcl, scale, x.h0, True, x.cu_seqlens,
                                                                            block_v=bv, o=o, final_state=ht))
+                    if len(set(lengths)) == 1:  # equal lengths: prepare on the batched layout too (no offsets to search)
+                        n, L = len(lengths), lengths[0]
+                        kb, gb, bb = (t.reshape(n, L, *t.shape[2:]) for t in (x.k, x.g, x.beta))
+                        Ab, gclb = chunk_prepare_fwd(kb, gb, bb, None, HV)
+                        res["prepare_batched"] = timed(lambda: chunk_prepare_fwd(kb, gb, bb, None, HV, A=Ab, g_cum_log2=gclb))
+                        del Ab, gclb
                     del A, gcl, o, ht
-                print(name, "prepare", res["prepare"], "recurrent", res["recurrent"], flush=True)
+                print(name, "prepare", res["prepare"], "batched", res.get("prepare_batched"), "recurrent", res["recurrent"], flush=True)
                 for L in a.lengths:
                     if L >= max(lengths):
                         continue
@@ -138,7 +144,7 @@ def main(argv=None) -> int:
         if "prepare" not in r:
             continue
         print(f"{r['row']:16s} [{r['plan']}] op {r.get('op', math.nan):.3f} off {r.get('op_off', math.nan):.3f} "
-              f"one width {r.get('op_one_width', math.nan):.3f} prep {r['prepare']:.3f} rec(BV{r['rec_bv']}) {r['recurrent']:.3f} "
+              f"one width {r.get('op_one_width', math.nan):.3f} prep {r['prepare']:.3f} (batched {r.get('prepare_batched', math.nan):.3f}) rec(BV{r['rec_bv']}) {r['recurrent']:.3f} "
               f"fq {fq:.3f} | {splits}")
     return 0
 
