@@ -17,7 +17,9 @@ are v3's, line for line):
 3. the zero blocks of the block-diagonal operands and of the staging tile are written once per CTA;
 4. one mbarrier for k, its phase carried across slots; a slot in a gap loads nothing and waits for
    nothing, and the slot after a gap loads its own k (no prefetch was issued for it).
-Shared memory: v3's + 8 KB (58,112 B dynamic at G = 1): three CTAs an SM instead of four.
+Shared memory: v3's + 8 KB for the staging tile - 2.5 KB (-Z_top^T of phases 1-2 lives in the first 32
+rows of the tile of L's diagonal blocks, dead by then): 55,552 B dynamic at G = 1, 56,320 at G = 2
+(four CTAs an SM, as v3), 56,832 at G = 3 (three).
 CPS = `chunks_per_cta(G)`: 4 at G = 1, 2 at G = 2 and 3; from G = 4 (one slot per CTA) the
 variant builds v3's kernel (`prepare._build_prepare_kernel`). Stage twin: `reference.gdn.fused.prepare_group_recursive`, per slot, as v3.
 """
@@ -34,16 +36,18 @@ def chunks_per_cta(G: int) -> int:
 
 
 def prepare_v4_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
-                         min_blocks: int = 3, cps: int | None = None):
+                         min_blocks: int | None = None, cps: int | None = None):
     """The v4 kernel for one static configuration: v3's per-slot stages (see prepare_v3.py for
     each), CPS slots per CTA (`chunks_per_cta(HV // H)` unless `cps` is given); `min_blocks` the
-    CTAs-per-SM hint of the launch bounds (3: the shared memory allows three)."""
+    CTAs-per-SM hint of the launch bounds (None: 4 at G <= 2, 3 at G = 3, what the shared memory allows)."""
     import tilelang.language as T
     from tilelang.layout import make_linear_layout
 
     C = CHUNK
     G = HV // H
     CPS = cps or chunks_per_cta(G)
+    if min_blocks is None:  # the shared memory allows four CTAs an SM at G <= 2 (56,320 B), three above
+        min_blocks = 4 if G <= 2 else 3
     BS = BLOCK
     HB = HALF
     acc = "float32"
@@ -79,13 +83,15 @@ def prepare_v4_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
             lbt_s = T.alloc_shared((HB, ROW), acc)  # Lb^T [s, t - 32]; then Q
             b0t_s = T.alloc_shared((HB, ROW), acc)  # (B_0^-1)^T
             y_s = T.alloc_shared((HB, ROW), acc)  # blockdiag(F10, F32)
-            zt_s = T.alloc_shared((HB, BS + 4), acc)  # -Z_top^T
             l2t_s = T.alloc_shared((BS, ROW), acc)  # [L10; L32]^T
             d2t_s = T.alloc_shared((BS, ROW), acc)  # [Ai00; Ai22]^T
-            ld_s = T.alloc_shared((C, DROW), acc)  # diagonal blocks of L, transposed: [s, t % 16]
+            # diagonal blocks of L, transposed: [s, t % 16] (L formation -> substitution); its first 32
+            # rows then hold -Z_top^T (phase 1 -> phase 2: v3's zt_s, same row length), 2.5 KB less
+            # shared memory, which keeps four CTAs an SM at G <= 2
+            ld_s = T.alloc_shared((C, DROW), acc)
             gc_s = T.alloc_shared((G, C), acc)
             b_s = T.alloc_shared((G, C), acc)
-            T.annotate_layout({x: make_linear_layout(x) for x in (dm_s, lbt_s, b0t_s, y_s, zt_s, l2t_s, d2t_s)})
+            T.annotate_layout({x: make_linear_layout(x) for x in (dm_s, lbt_s, b0t_s, y_s, ld_s, l2t_s, d2t_s)})
             kk_f = T.alloc_fragment((C, C), acc)
             g_row = T.alloc_fragment((C,), acc)
             g_col = T.alloc_fragment((C,), acc)
@@ -195,12 +201,12 @@ def prepare_v4_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
                             for t, s in T.Parallel(HB, BS):
                                 y_s[(t + BS) % HB, ((t + BS) % HB // BS) * BS + s] = y_f[t, s]
                             for t, n in T.Parallel(BS, HB):
-                                zt_s[n, t] = -z_f[t, n]
+                                ld_s[n, t] = -z_f[t, n]  # -Z_top^T over the diagonal blocks of L (read)
 
                             # phase 2
                             gemm_nt(y_s, d2t_s, w_f)
                             for kk in T.unroll(BS // 8, unroll_factor=1):
-                                T.gemm(y_s[:, BS + kk * 8 : BS + kk * 8 + 8], zt_s[:, kk * 8 : kk * 8 + 8], z_f, transpose_B=True)
+                                T.gemm(y_s[:, BS + kk * 8 : BS + kk * 8 + 8], ld_s[0:HB, kk * 8 : kk * 8 + 8], z_f, transpose_B=True)
                             for t, n in T.Parallel(HB, HB):
                                 lbt_s[t, n] = z_f[t, n]
                             for t, s in T.Parallel(HB, BS):
