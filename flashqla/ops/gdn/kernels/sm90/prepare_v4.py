@@ -12,8 +12,9 @@ What changes against v3 (the per-head stages, L, the forward substitution, phase
 are v3's, line for line):
 1. grid (ceil(S / CPS), H); CTA (bx, hk) walks slots bx CPS .. bx CPS + CPS - 1 (those < S);
 2. k has its own tile and the A diag(beta) staging tile its own 8 KB (v3 staged A in k's tile): the
-   next slot's k is loaded by TMA right after this slot's K K^T, under the value heads' work
-   (the slot of the next chunk is located then, too);
+   next slot's k is loaded by TMA right after this slot's K K^T, under the value heads' work; the
+   next slot is located then (the search over cu_seqlens) and its place carried to it, so a slot
+   costs one search (two after a gap slot, which looks nothing up);
 3. the zero blocks of the block-diagonal operands and of the staging tile are written once per CTA;
 4. one mbarrier for k, its phase carried across slots; a slot in a gap loads nothing and waits for
    nothing, and the slot after a gap loads its own k (no prefetch was issued for it).
@@ -104,6 +105,15 @@ def prepare_v4_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
             k_bar = T.alloc_barrier(128)  # every thread arrives; the copy engine completes the bytes
             phase = T.alloc_var("int32")  # parity of k_bar's next completion
             pending = T.alloc_var("int32")  # the current slot's k load has been issued
+            # the current slot's place (rows in it, first token, batch row), carried over from the slot
+            # before (its look-ahead for the prefetch) unless that one was a gap: one search per slot
+            known = T.alloc_var("int32")
+            c_nvalid = T.alloc_var("int32")
+            c_t0 = T.alloc_var("int32")
+            c_bidx = T.alloc_var("int32")
+            a_nvalid = T.alloc_var("int32")  # the look-ahead's, moved to c_* at the slot's end
+            a_t0 = T.alloc_var("int32")
+            a_bidx = T.alloc_var("int32")
             phase = 0
             pending = 0
 
@@ -118,6 +128,10 @@ def prepare_v4_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
 
             # the first slot's k
             f_seq, f_chunk, f_bos, f_seqlen, f_bidx, f_nvalid, f_t0 = locate_slot(bx * CPS, cu_seqlens, Tn, Np1, varlen)
+            c_nvalid = f_nvalid
+            c_t0 = f_t0
+            c_bidx = f_bidx
+            known = 1
             if f_nvalid > 0:
                 T.tma_copy(k[f_bidx, f_t0 : f_t0 + C, hk, 0:K], k_s, barrier=k_bar)
                 T.barrier_arrive(k_bar)
@@ -126,7 +140,15 @@ def prepare_v4_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
             for i in T.serial(CPS):
                 slot = bx * CPS + i
                 if slot < S:
-                    seq, chunk, bos, seqlen, bidx, nvalid, t0 = locate_slot(slot, cu_seqlens, Tn, Np1, varlen)
+                    if known == 0:  # the slot before was a gap: no look-ahead was made
+                        s_seq, s_chunk, s_bos, s_seqlen, s_bidx, s_nvalid, s_t0 = locate_slot(slot, cu_seqlens, Tn, Np1, varlen)
+                        c_nvalid = s_nvalid
+                        c_t0 = s_t0
+                        c_bidx = s_bidx
+                    known = 0
+                    nvalid = c_nvalid
+                    t0 = c_t0
+                    bidx = c_bidx
                     row0 = slot * C
                     if nvalid > 0:
                         if pending == 0:  # the slot before was a gap (no prefetch): load k now
@@ -141,12 +163,16 @@ def prepare_v4_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
                         T.cumsum(gc_s, dim=1)
                         T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
                         # k is dead: the next slot's k by the copy engine, under this slot's value heads
-                        n_seq, n_chunk, n_bos, n_seqlen, n_bidx, n_nvalid, n_t0 = locate_slot(slot + 1, cu_seqlens, Tn, Np1, varlen)
                         if (i + 1 < CPS) & (slot + 1 < S):
+                            n_seq, n_chunk, n_bos, n_seqlen, n_bidx, n_nvalid, n_t0 = locate_slot(slot + 1, cu_seqlens, Tn, Np1, varlen)
                             if n_nvalid > 0:
                                 T.tma_copy(k[n_bidx, n_t0 : n_t0 + C, hk, 0:K], k_s, barrier=k_bar)
                                 T.barrier_arrive(k_bar)
                                 pending = 1
+                            a_nvalid = n_nvalid
+                            a_t0 = n_t0
+                            a_bidx = n_bidx
+                            known = 1
 
                         for j in T.serial(G):
                             for t in T.Parallel(C):
@@ -224,5 +250,9 @@ def prepare_v4_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
 
                         for j, t in T.Parallel(G, C):
                             g_cum_log2[hk * G + j, row0 + t] = gc_s[j, t]
+                        if known == 1:  # this slot is done with c_*: the next one's place
+                            c_nvalid = a_nvalid
+                            c_t0 = a_t0
+                            c_bidx = a_bidx
 
     return gdn_prepare_v4_fwd
