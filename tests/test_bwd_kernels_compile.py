@@ -240,10 +240,33 @@ def test_chunk_bwd_v2_kernel_compiles(dtype, h_dtype, beta_dtype, seq_dtype, var
 def test_chunk_bwd_variant_is_checked():
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import DEFAULT_VARIANT, VARIANTS, build_chunk_bwd_kernel, chunk_fused_bwd
 
-    assert VARIANTS == ("v1", "v2")
+    assert VARIANTS == ("v1", "v2", "v2b")
     assert DEFAULT_VARIANT == "v2" or __import__("os").environ.get("FLASHQLA_BWD_VARIANT")  # v2 since its H200 check
     with pytest.raises(ValueError, match="variant"):
         build_chunk_bwd_kernel(1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True, "v9")
     x = torch.zeros(1, 1, 1, 128)
     with pytest.raises(ValueError, match="variant"):
         chunk_fused_bwd(x, x, x, x, x, x, x, x, None, 1.0, None, variant="v9")
+
+
+@needs_nvcc
+def test_chunk_bwd_v2b_forms_each_shared_term_once():
+    """Pass-2 variant "v2b" (v2 with `shared_terms`): the three element loops that add one term to two
+    sums form it once, so the generated code reads k and Kg from shared memory fewer times than v2
+    (the same values summed in the same order: its GPU check compares it with v2 bit for bit), spills
+    no more, and the variant is routed by name."""
+    from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
+    from flashqla.ops.gdn.kernels.sm90.chunk_bwd import VARIANTS, build_chunk_bwd_kernel
+
+    assert "v2b" in VARIANTS
+    key = (1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True)
+    v2 = build_chunk_bwd_kernel(*key, "v2")
+    v2b = build_chunk_bwd_kernel(*key, "v2b")
+    s2, s2b = v2.get_kernel_source(), v2b.get_kernel_source()
+    assert s2 != s2b
+    for tile in ("k_s", "kg_s", "pg_s"):
+        assert s2b.count(f"((bfloat16_t*)({tile}") + s2b.count(f"((bfloat16_t*){tile})") <= \
+            s2.count(f"((bfloat16_t*)({tile}") + s2.count(f"((bfloat16_t*){tile})"), tile
+    assert s2b.count("((bfloat16_t*)k_s)[") < s2.count("((bfloat16_t*)k_s)["), "the r-terms' k should be read once"
+    r2, r2b = ptxas_report(v2), ptxas_report(v2b)
+    assert r2b["spill_stores"] <= r2["spill_stores"] and r2b["dynamic_smem"] == r2["dynamic_smem"], (r2, r2b)
