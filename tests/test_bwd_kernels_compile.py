@@ -268,5 +268,14 @@ def test_chunk_bwd_v2b_forms_each_shared_term_once():
         assert s2b.count(f"((bfloat16_t*)({tile}") + s2b.count(f"((bfloat16_t*){tile})") <= \
             s2.count(f"((bfloat16_t*)({tile}") + s2.count(f"((bfloat16_t*){tile})"), tile
     assert s2b.count("((bfloat16_t*)k_s)[") < s2.count("((bfloat16_t*)k_s)["), "the r-terms' k should be read once"
+    # the default variant read at call time routes the same way ($FLASHQLA_BWD_VARIANT=v2b)
+    from flashqla.ops.gdn.kernels.sm90 import chunk_bwd
+
+    saved = chunk_bwd.DEFAULT_VARIANT
+    try:
+        chunk_bwd.DEFAULT_VARIANT = "v2b"
+        assert build_chunk_bwd_kernel(*key, None) is v2b
+    finally:
+        chunk_bwd.DEFAULT_VARIANT = saved
     r2, r2b = ptxas_report(v2), ptxas_report(v2b)
     assert r2b["spill_stores"] <= r2["spill_stores"] and r2b["dynamic_smem"] == r2["dynamic_smem"], (r2, r2b)

@@ -349,13 +349,12 @@ def build_chunk_bwd_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dtype:
     """Compiled pass-2 kernel (cached). Static key: head counts, head dims, dtype of q/k/v/A, dtype of
     the stored h, beta's dtype, cu_seqlens' dtype, packed or not, and the variant ("v1" or "v2",
     `VARIANTS`); T, B, sequences are run-time."""
-    if _variant(variant) == "v2":
+    variant = _variant(variant)
+    if variant in ("v2", "v2b"):
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v2 import build_chunk_bwd_v2_kernel
 
-        return build_chunk_bwd_v2_kernel(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen)
-    if variant == "v2b":
-        from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v2 import build_chunk_bwd_v2_kernel
-
+        if variant == "v2":  # the default build under the key precompiling uses (no extra arguments)
+            return build_chunk_bwd_v2_kernel(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen)
         return build_chunk_bwd_v2_kernel(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen, True, True)
     func = _chunk_bwd_prim_func(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen)
     return compile_kernel(func, f"gdn_chunk_bwd_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{h_dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}")

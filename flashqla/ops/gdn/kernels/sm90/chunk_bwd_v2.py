@@ -554,11 +554,9 @@ def chunk_fused_bwd_v2(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, c
     dht_arg = dht if dht is not None else torch.empty(1, HV, K, V, dtype=torch.float32, device=dev)
     cu = cu_seqlens if varlen else dummy_cu_seqlens(dev)
     args = chunk_bwd_kernel_args(q, v, beta, h, cu_seqlens)
-    # the default build under the builder-cache key the precompile path uses (no keyword)
-    if shared_terms:  # variant "v2b"
-        kernel = build_chunk_bwd_v2_kernel(*args, exact_diagonal, True)
-    else:
-        kernel = build_chunk_bwd_v2_kernel(*args) if exact_diagonal else build_chunk_bwd_v2_kernel(*args, exact_diagonal=False)
+    # the default build under the builder-cache key the precompile path uses (no extra arguments)
+    kernel = build_chunk_bwd_v2_kernel(*args, exact_diagonal, shared_terms) if not exact_diagonal or shared_terms \
+        else build_chunk_bwd_v2_kernel(*args)
     kernel(q, k, v, beta, A, g_cum_log2, h, do, dht_arg, cu, float(scale), int(dht is not None),
            dq_hv, dk_hv, dv, dbeta, dG, dh0)
     return dq_hv, dk_hv, dv, dbeta, dG, dh0

@@ -73,7 +73,7 @@ Per CTA (128 threads, one warpgroup):
 
 from flashqla.ops.gdn.kernels.sm90._common import CHUNK, RCP_LN2, locate_slot
 
-__all__ = ["prepare_v3_prim_func"]
+__all__ = ["prepare_v3_prim_func", "value_head_stages"]
 
 #: Diagonal block size of the forward substitution (WY-3)
 BLOCK = 16
@@ -88,6 +88,101 @@ ROW = HALF + 4
 MIN_BLOCKS = 4
 #: K slice of the tf32 products (`gemm_nt`)
 KSLICE = 16
+
+
+def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_s, b_s, g_row, g_col, b_row, ld_s,
+                      lbt_s, l2t_s, d2t_s, b0t_s, dm_s, y_s, zt, stage, y_f, w_f, z_f, o_f, xcol):
+    """Emits one value head's stages (L, the forward substitution, phases 1-3, the TMA store of
+    A diag(beta)) where it is called inside a kernel body: value head hk * G + j of the slot whose rows
+    start at row0, nvalid valid rows. Shared by v3 and v4 (`prepare_v4.py`), which differ in where the
+    staging tile (`stage`, its first 64 columns) and -Z_top^T (`zt`, its first 32 rows) live. The
+    buffers, the loop variable and the slot's values reach the stages through a closure (a macro
+    argument would rename the TIR variables)."""
+    C = CHUNK
+    BS = BLOCK
+    HB = HALF
+
+    @T.macro
+    def stages():
+        # L = beta_t (k_t . k_s) exp2(gc[t] - gc[s]) for s < t < nvalid, lower blocks only:
+        # diagonal blocks -> ld_s, L10 and L32 -> l2t_s, Lb = L[32:, :32] -> lbt_s (transposed)
+        for t in T.Parallel(C):
+            g_row[t] = gc_s[j, t]
+            b_row[t] = b_s[j, t]
+        for s in T.Parallel(C):
+            g_col[s] = gc_s[j, s]
+        for t, s in T.Parallel(C, C):
+            if t // BS >= s // BS:
+                lv = T.if_then_else(
+                    (t > s) & (t < nvalid),
+                    b_row[t] * kk_f[t, s] * T.exp2(T.if_then_else(t > s, g_row[t] - g_col[s], T.float32(0))),
+                    T.float32(0),
+                )
+                if t // BS == s // BS:
+                    ld_s[s, t % BS] = lv
+                elif t >= HB and s < HB:
+                    lbt_s[s, t - HB] = lv
+                else:
+                    l2t_s[s % BS, (t // HB) * BS + t % BS] = lv
+        # the previous head's A tile has been read out of the staging tile by the copy engine
+        T.tma_store_wait(0)
+
+        # D^-1: thread (blk, col) < 64 solves column col of diagonal block blk by forward
+        # substitution (WY-3's recursion, each row's sum taken column by column: fewer live
+        # registers than row by row), writes it where the products read it, and times beta
+        # into the staging tile
+        tx = T.get_thread_binding()
+        if tx < C:
+            blk = tx // BS
+            col = tx % BS
+            for r in T.unroll(BS):
+                xcol[r] = T.if_then_else(r == col, T.float32(1), T.float32(0))
+            for m in T.unroll(BS):
+                for r in T.unroll(BS):
+                    if r > m:
+                        xcol[r] = xcol[r] - ld_s[blk * BS + m, r] * xcol[m]
+            bc = b_s[j, blk * BS + col]
+            for r in T.unroll(BS):
+                stage[blk * BS + r, blk * BS + col] = T.cast(T.if_then_else(r >= col, xcol[r] * bc, T.float32(0)), dtype)
+                if blk == 0:
+                    d2t_s[col, r] = xcol[r]
+                    b0t_s[col, r] = xcol[r]
+                elif blk == 1:
+                    dm_s[2 * BS + r, col] = xcol[r]
+                    b0t_s[BS + col, BS + r] = xcol[r]
+                elif blk == 2:
+                    d2t_s[col, BS + r] = xcol[r]
+                    dm_s[r, col] = xcol[r]
+                else:
+                    dm_s[BS + r, BS + col] = xcol[r]
+
+        # phase 1: [F32; F10] = [[0 | Ai33], [Ai11 | 0]] [L10; L32]  and  Z = blockdiag(Ai22, Ai33) Lb
+        gemm_nt(dm_s, l2t_s, y_f, BS)
+        gemm_nt(dm_s, lbt_s, z_f)
+        for t, s in T.Parallel(HB, BS):
+            y_s[(t + BS) % HB, ((t + BS) % HB // BS) * BS + s] = y_f[t, s]
+        for t, n in T.Parallel(BS, HB):
+            zt[n, t] = -z_f[t, n]
+
+        # phase 2: [Ai10; Ai32] = -blockdiag(F10, F32) [Ai00; Ai22];  Q = Z - [0; F32 Z_top] onto Z
+        gemm_nt(y_s, d2t_s, w_f)
+        for kk in T.unroll(BS // 8, unroll_factor=1):  # K = 16 in rolled 8-wide slices (as gemm_nt)
+            T.gemm(y_s[:, BS + kk * 8 : BS + kk * 8 + 8], zt[0:HB, kk * 8 : kk * 8 + 8], z_f, transpose_B=True)
+        for t, n in T.Parallel(HB, HB):
+            lbt_s[t, n] = z_f[t, n]  # Q over Lb^T (read for the last time in phase 1)
+        for t, s in T.Parallel(HB, BS):
+            if t < BS:
+                b0t_s[s, BS + t] = -w_f[t, s]
+            stage[BS + t + (t // BS) * BS, s + (t // BS) * HB] = T.cast(-w_f[t, s] * b_s[j, s + (t // BS) * HB], dtype)
+
+        # phase 3: A[32:, :32] = -Q B_0^-1
+        gemm_nt(lbt_s, b0t_s, o_f)
+        for t, s in T.Parallel(HB, HB):
+            stage[HB + t, s] = T.cast(-o_f[t, s] * b_s[j, s], dtype)
+        T.fence_proxy_async()
+        T.tma_copy(stage[:, 0:C], A[hk * G + j, row0 : row0 + C, 0:C])  # waited before the next head writes the tile
+
+    stages()
 
 
 def prepare_v3_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
@@ -187,83 +282,10 @@ def prepare_v3_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
                     ka_s[t, s] = T.cast(0, dtype)
 
                 for j in T.serial(G):
-                    # L = beta_t (k_t . k_s) exp2(gc[t] - gc[s]) for s < t < nvalid, lower blocks only:
-                    # diagonal blocks -> ld_s, L10 and L32 -> l2t_s, Lb = L[32:, :32] -> lbt_s (transposed)
-                    for t in T.Parallel(C):
-                        g_row[t] = gc_s[j, t]
-                        b_row[t] = b_s[j, t]
-                    for s in T.Parallel(C):
-                        g_col[s] = gc_s[j, s]
-                    for t, s in T.Parallel(C, C):
-                        if t // BS >= s // BS:
-                            lv = T.if_then_else(
-                                (t > s) & (t < nvalid),
-                                b_row[t] * kk_f[t, s] * T.exp2(T.if_then_else(t > s, g_row[t] - g_col[s], T.float32(0))),
-                                T.float32(0),
-                            )
-                            if t // BS == s // BS:
-                                ld_s[s, t % BS] = lv
-                            elif t >= HB and s < HB:
-                                lbt_s[s, t - HB] = lv
-                            else:
-                                l2t_s[s % BS, (t // HB) * BS + t % BS] = lv
-                    # the previous head's A tile has been read out of ka_s by the copy engine
-                    T.tma_store_wait(0)
-
-                    # D^-1: thread (blk, col) < 64 solves column col of diagonal block blk by forward
-                    # substitution (WY-3's recursion, each row's sum taken column by column: fewer live
-                    # registers than row by row), writes it where the products read it, and times beta
-                    # into the staging tile
-                    tx = T.get_thread_binding()
-                    if tx < C:
-                        blk = tx // BS
-                        col = tx % BS
-                        for r in T.unroll(BS):
-                            xcol[r] = T.if_then_else(r == col, T.float32(1), T.float32(0))
-                        for m in T.unroll(BS):
-                            for r in T.unroll(BS):
-                                if r > m:
-                                    xcol[r] = xcol[r] - ld_s[blk * BS + m, r] * xcol[m]
-                        bc = b_s[j, blk * BS + col]
-                        for r in T.unroll(BS):
-                            ka_s[blk * BS + r, blk * BS + col] = T.cast(T.if_then_else(r >= col, xcol[r] * bc, T.float32(0)), dtype)
-                            if blk == 0:
-                                d2t_s[col, r] = xcol[r]
-                                b0t_s[col, r] = xcol[r]
-                            elif blk == 1:
-                                dm_s[2 * BS + r, col] = xcol[r]
-                                b0t_s[BS + col, BS + r] = xcol[r]
-                            elif blk == 2:
-                                d2t_s[col, BS + r] = xcol[r]
-                                dm_s[r, col] = xcol[r]
-                            else:
-                                dm_s[BS + r, BS + col] = xcol[r]
-
-                    # phase 1: [F32; F10] = [[0 | Ai33], [Ai11 | 0]] [L10; L32]  and  Z = blockdiag(Ai22, Ai33) Lb
-                    gemm_nt(dm_s, l2t_s, y_f, BS)
-                    gemm_nt(dm_s, lbt_s, z_f)
-                    for t, s in T.Parallel(HB, BS):
-                        y_s[(t + BS) % HB, ((t + BS) % HB // BS) * BS + s] = y_f[t, s]
-                    for t, n in T.Parallel(BS, HB):
-                        zt_s[n, t] = -z_f[t, n]
-
-                    # phase 2: [Ai10; Ai32] = -blockdiag(F10, F32) [Ai00; Ai22];  Q = Z - [0; F32 Z_top] onto Z
-                    gemm_nt(y_s, d2t_s, w_f)
-                    for kk in T.unroll(BS // 8, unroll_factor=1):  # K = 16 in rolled 8-wide slices (as gemm_nt)
-                        T.gemm(y_s[:, BS + kk * 8 : BS + kk * 8 + 8], zt_s[:, kk * 8 : kk * 8 + 8], z_f, transpose_B=True)
-                    for t, n in T.Parallel(HB, HB):
-                        lbt_s[t, n] = z_f[t, n]  # Q over Lb^T (read for the last time in phase 1)
-                    for t, s in T.Parallel(HB, BS):
-                        if t < BS:
-                            b0t_s[s, BS + t] = -w_f[t, s]
-                        ka_s[BS + t + (t // BS) * BS, s + (t // BS) * HB] = T.cast(-w_f[t, s] * b_s[j, s + (t // BS) * HB], dtype)
-
-                    # phase 3: A[32:, :32] = -Q B_0^-1
-                    gemm_nt(lbt_s, b0t_s, o_f)
-                    for t, s in T.Parallel(HB, HB):
-                        ka_s[HB + t, s] = T.cast(-o_f[t, s] * b_s[j, s], dtype)
-                    T.fence_proxy_async()
-                    T.tma_copy(ka_s[:, 0:C], A[hk * G + j, row0 : row0 + C, 0:C])  # waited before the next head writes ka_s
+                    value_head_stages(T, j=j, G=G, hk=hk, nvalid=nvalid, row0=row0, A=A, dtype=dtype, gemm_nt=gemm_nt, kk_f=kk_f,
+                                      gc_s=gc_s, b_s=b_s, g_row=g_row, g_col=g_col, b_row=b_row, ld_s=ld_s, lbt_s=lbt_s,
+                                      l2t_s=l2t_s, d2t_s=d2t_s, b0t_s=b0t_s, dm_s=dm_s, y_s=y_s, zt=zt_s, stage=ka_s, y_f=y_f,
+                                      w_f=w_f, z_f=z_f, o_f=o_f, xcol=xcol)
                 T.tma_store_wait(0)
 
                 for j, t in T.Parallel(G, C):

@@ -9,7 +9,7 @@ heads share (the slot search over cu_seqlens, k's load, g and beta, zero fills, 
 costs at G = 4, and the G <= 3 rows of the forward grid are 2-5% slower than FlashQLA's forward.
 
 What changes against v3 (the per-head stages, L, the forward substitution, phases 1-3, the stores,
-are v3's, line for line):
+are v3's: the same code, `prepare_v3.value_head_stages`):
 1. grid (ceil(S / CPS), H); CTA (bx, hk) walks slots bx CPS .. bx CPS + CPS - 1 (those < S);
 2. k has its own tile and the A diag(beta) staging tile its own 8 KB (v3 staged A in k's tile): the
    next slot's k is loaded by TMA right after this slot's K K^T, under the value heads' work; the
@@ -26,7 +26,7 @@ variant builds v3's kernel (`prepare._build_prepare_kernel`). Stage twin: `refer
 """
 
 from flashqla.ops.gdn.kernels.sm90._common import CHUNK, RCP_LN2, locate_slot
-from flashqla.ops.gdn.kernels.sm90.prepare_v3 import BLOCK, DROW, HALF, KSLICE, MIN_BLOCKS, ROW
+from flashqla.ops.gdn.kernels.sm90.prepare_v3 import BLOCK, DROW, HALF, KSLICE, ROW, value_head_stages
 
 __all__ = ["chunks_per_cta", "prepare_v4_prim_func"]
 
@@ -175,77 +175,11 @@ def prepare_v4_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
                             known = 1
 
                         for j in T.serial(G):
-                            for t in T.Parallel(C):
-                                g_row[t] = gc_s[j, t]
-                                b_row[t] = b_s[j, t]
-                            for s in T.Parallel(C):
-                                g_col[s] = gc_s[j, s]
-                            for t, s in T.Parallel(C, C):
-                                if t // BS >= s // BS:
-                                    lv = T.if_then_else(
-                                        (t > s) & (t < nvalid),
-                                        b_row[t] * kk_f[t, s] * T.exp2(T.if_then_else(t > s, g_row[t] - g_col[s], T.float32(0))),
-                                        T.float32(0),
-                                    )
-                                    if t // BS == s // BS:
-                                        ld_s[s, t % BS] = lv
-                                    elif t >= HB and s < HB:
-                                        lbt_s[s, t - HB] = lv
-                                    else:
-                                        l2t_s[s % BS, (t // HB) * BS + t % BS] = lv
-                            # the previous head's (or slot's) A tile has been read out of st_s
-                            T.tma_store_wait(0)
-
-                            tx = T.get_thread_binding()
-                            if tx < C:
-                                blk = tx // BS
-                                col = tx % BS
-                                for r in T.unroll(BS):
-                                    xcol[r] = T.if_then_else(r == col, T.float32(1), T.float32(0))
-                                for m in T.unroll(BS):
-                                    for r in T.unroll(BS):
-                                        if r > m:
-                                            xcol[r] = xcol[r] - ld_s[blk * BS + m, r] * xcol[m]
-                                bc = b_s[j, blk * BS + col]
-                                for r in T.unroll(BS):
-                                    st_s[blk * BS + r, blk * BS + col] = T.cast(T.if_then_else(r >= col, xcol[r] * bc, T.float32(0)), dtype)
-                                    if blk == 0:
-                                        d2t_s[col, r] = xcol[r]
-                                        b0t_s[col, r] = xcol[r]
-                                    elif blk == 1:
-                                        dm_s[2 * BS + r, col] = xcol[r]
-                                        b0t_s[BS + col, BS + r] = xcol[r]
-                                    elif blk == 2:
-                                        d2t_s[col, BS + r] = xcol[r]
-                                        dm_s[r, col] = xcol[r]
-                                    else:
-                                        dm_s[BS + r, BS + col] = xcol[r]
-
-                            # phase 1
-                            gemm_nt(dm_s, l2t_s, y_f, BS)
-                            gemm_nt(dm_s, lbt_s, z_f)
-                            for t, s in T.Parallel(HB, BS):
-                                y_s[(t + BS) % HB, ((t + BS) % HB // BS) * BS + s] = y_f[t, s]
-                            for t, n in T.Parallel(BS, HB):
-                                ld_s[n, t] = -z_f[t, n]  # -Z_top^T over the diagonal blocks of L (read)
-
-                            # phase 2
-                            gemm_nt(y_s, d2t_s, w_f)
-                            for kk in T.unroll(BS // 8, unroll_factor=1):
-                                T.gemm(y_s[:, BS + kk * 8 : BS + kk * 8 + 8], ld_s[0:HB, kk * 8 : kk * 8 + 8], z_f, transpose_B=True)
-                            for t, n in T.Parallel(HB, HB):
-                                lbt_s[t, n] = z_f[t, n]
-                            for t, s in T.Parallel(HB, BS):
-                                if t < BS:
-                                    b0t_s[s, BS + t] = -w_f[t, s]
-                                st_s[BS + t + (t // BS) * BS, s + (t // BS) * HB] = T.cast(-w_f[t, s] * b_s[j, s + (t // BS) * HB], dtype)
-
-                            # phase 3
-                            gemm_nt(lbt_s, b0t_s, o_f)
-                            for t, s in T.Parallel(HB, HB):
-                                st_s[HB + t, s] = T.cast(-o_f[t, s] * b_s[j, s], dtype)
-                            T.fence_proxy_async()
-                            T.tma_copy(st_s, A[hk * G + j, row0 : row0 + C, 0:C])
+                            # v3's stages for value head hk * G + j (-Z_top^T over the tile of L's diagonal blocks, A staged in st_s)
+                            value_head_stages(T, j=j, G=G, hk=hk, nvalid=nvalid, row0=row0, A=A, dtype=dtype, gemm_nt=gemm_nt, kk_f=kk_f,
+                                              gc_s=gc_s, b_s=b_s, g_row=g_row, g_col=g_col, b_row=b_row, ld_s=ld_s, lbt_s=lbt_s,
+                                              l2t_s=l2t_s, d2t_s=d2t_s, b0t_s=b0t_s, dm_s=dm_s, y_s=y_s, zt=ld_s, stage=st_s, y_f=y_f,
+                                              w_f=w_f, z_f=z_f, o_f=o_f, xcol=xcol)
                         T.tma_store_wait(0)
 
                         for j, t in T.Parallel(G, C):
