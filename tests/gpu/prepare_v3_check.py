@@ -3,10 +3,9 @@
 
     python tests/gpu/prepare_v3_check.py --precompile [--base V --new W] [--rows ROW ...] [--no-cases] [--no-op] [--out DIR]
 
-(--base / --new compare other prepare variants the same way, e.g. `--base v3 --new v4 --rows "32/32
-8x4096" "16/32 8x4096" "8/24 8x4096" "16/64 4x8192" "32/32 1x4096"` (v4: several chunk slots per CTA
-at G <= 3; it computes v3's products in v3's order, so A and g_cum_log2 should be bitwise v3's); the
-columns and JSON keys keep the names v2 (base) and v3 (new).)
+(--base / --new compare other prepare variants the same way, e.g. `--base v2 --new v3 --rows "32/32
+8x4096" "16/32 8x4096" "8/24 8x4096"`; the columns and JSON keys keep the names v2 (base) and v3
+(new). A variant that computes v3's products in v3's order should give bitwise v3's A and g_cum_log2.)
 
 (`--precompile-only` builds the kernels and exits without touching a GPU: run it on the CPU machine
 with TILELANG_CACHE_DIR set and ship the cache, as tests/gpu/precompile.py does.)
@@ -44,8 +43,8 @@ sys.path.insert(0, ROOT)
 
 from tests.gpu.device_check import BENCH_ROWS, PEERS, gen_inputs, time_graph  # noqa: E402
 
-#: rows of few value heads per q/k head (G = 1, 2, 3), where v4 (several chunk slots per CTA) is meant
-#: to gain, besides device_check's benchmark rows
+#: rows of few value heads per q/k head (G = 1, 2, 3), where a slot's shared part (k, K K^T, the
+#: gates) weighs most, besides device_check's benchmark rows
 SMALL_G_ROWS = {"32/32 8x4096": (32, 32, [4096] * 8), "16/32 8x4096": (16, 32, [4096] * 8), "8/24 8x4096": (8, 24, [4096] * 8)}
 BENCH_ROWS = {**BENCH_ROWS, **SMALL_G_ROWS}
 DEFAULT_ROWS = ["16/64 4x8192", "16/32 4x8192", "16/64 8x1024", "32/32 1x4096", "2/8 1x32768"]
@@ -54,7 +53,7 @@ CASES = {
     "varlen 0,1,63,64,65,0,130,5,0 2/8": (2, 8, [0, 1, 63, 64, 65, 0, 130, 5, 0], True, torch.bfloat16, torch.float32, torch.int32),
     "GVA-8 2/16 1000+333": (2, 16, [1000, 333], True, torch.bfloat16, torch.float32, torch.int32),
     "fp16 int64 fp16-beta 2/4 70,1,200": (2, 4, [70, 1, 200], True, torch.float16, torch.float16, torch.int64),
-    # G = 1 and 3 (v4 walks 4 and 2 slots per CTA): gap slots, empty and 1-token sequences at slot-group edges
+    # G = 1 and 3: gap slots, empty and 1-token sequences next to one another
     "G1 1/1 0,1,63,64,65,0,130,5,0,300": (1, 1, [0, 1, 63, 64, 65, 0, 130, 5, 0, 300], True, torch.bfloat16, torch.float32, torch.int32),
     "G3 2/6 130,1,0,64,257": (2, 6, [130, 1, 0, 64, 257], True, torch.bfloat16, torch.float32, torch.int32),
     "G1 fp16 int64 3/3 70,1,200": (3, 3, [70, 1, 200], True, torch.float16, torch.float16, torch.int64),

@@ -35,13 +35,11 @@ from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slo
 
 __all__ = ["DEFAULT_VARIANT", "VARIANTS", "build_chunk_bwd_kernel", "chunk_bwd_kernel_args", "chunk_fused_bwd"]
 
-#: Pass-2 kernels: "v1" (this module), "v2" (`chunk_bwd_v2.py`, rescheduled) and "v2b" (v2 with each
-#: term that feeds two sums formed once: `build_chunk_bwd_v2_kernel(shared_terms=True)`; the same bits
-#: expected, not yet run on a GPU). "v3" (the
+#: Pass-2 kernels: "v1" (this module) and "v2" (`chunk_bwd_v2.py`, rescheduled). "v3" (the
 #: state-gradient chain alone, then the other gradients chunk-parallel) and "v4" (role-specialised
 #: warpgroups) were measured on the H200, slower than v2, and removed: NOTES-bwd.md, "Pass-2 variant
 #: v3" and "Pass-2 variant v4".
-VARIANTS = ("v1", "v2", "v2b")
+VARIANTS = ("v1", "v2")
 #: The variant `chunk_fused_bwd` uses when none is given (read at every call; the environment variable
 #: FLASHQLA_BWD_VARIANT sets it at import). "v2" since its H200 check (2026-11-30,
 #: tests/gpu/bwd_v2_check.py): dq, dk, dv, dh0 bitwise v1's, dg and dbeta within 1e-6 (summation
@@ -350,12 +348,10 @@ def build_chunk_bwd_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dtype:
     the stored h, beta's dtype, cu_seqlens' dtype, packed or not, and the variant ("v1" or "v2",
     `VARIANTS`); T, B, sequences are run-time."""
     variant = _variant(variant)
-    if variant in ("v2", "v2b"):
+    if variant == "v2":
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v2 import build_chunk_bwd_v2_kernel
 
-        if variant == "v2":  # the default build under the key precompiling uses (no extra arguments)
-            return build_chunk_bwd_v2_kernel(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen)
-        return build_chunk_bwd_v2_kernel(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen, True, True)
+        return build_chunk_bwd_v2_kernel(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen)
     func = _chunk_bwd_prim_func(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen)
     return compile_kernel(func, f"gdn_chunk_bwd_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{h_dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}")
 
@@ -374,10 +370,10 @@ def chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_s
     Returns (dq_hv [B, T, HV, K] fp32, dk_hv [B, T, HV, K] fp32, dv [B, T, HV, V] v's dtype,
     dbeta [B, T, HV] fp32, dG [HV, S * 64] fp32, dh0 [N, HV, K, V] fp32)."""
     variant = _variant(variant)
-    if variant in ("v2", "v2b"):
+    if variant == "v2":
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v2 import chunk_fused_bwd_v2
 
-        return chunk_fused_bwd_v2(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens, shared_terms=variant == "v2b")
+        return chunk_fused_bwd_v2(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens)
     from flashqla.ops.gdn.kernels.sm90.prepare import dummy_cu_seqlens
 
     B, T, H, K = q.shape

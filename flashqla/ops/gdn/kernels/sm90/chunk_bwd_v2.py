@@ -93,7 +93,7 @@ __all__ = ["build_chunk_bwd_v2_kernel", "chunk_fused_bwd_v2"]
 
 
 def _chunk_bwd_v2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
-                            varlen: bool, exact_diagonal: bool = True, shared_terms: bool = False):
+                            varlen: bool, exact_diagonal: bool = True):
     import tilelang.language as T
 
     # beta in q's dtype: the stored diagonal is beta exactly, nothing to restore
@@ -370,15 +370,11 @@ def _chunk_bwd_v2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                             T.if_then_else(t > s, -cc_f[t, s] * T.exp2(T.if_then_else(t > s, g_r[t] - g_c[s], T.float32(0))),
                                            T.float32(0)), dtype)
                     # dG: rowsum(dL * L) - colsum(dL * L), L = diag(beta) Kg
-                    if shared_terms:  # the term formed once for both sums (the same value, the same sums)
-                        for t, s in T.Parallel(C, C):
-                            zl = T.if_then_else(t > s, -cc_f[t, s] * b_r[t] * T.cast(kg_s[t, s], acc), T.float32(0))
-                            T.reducer_update(rg[t], zl)
-                            T.reducer_update(cg[s], zl)
-                    else:
-                        for t, s in T.Parallel(C, C):
-                            T.reducer_update(rg[t], T.if_then_else(t > s, -cc_f[t, s] * b_r[t] * T.cast(kg_s[t, s], acc), T.float32(0)))
-                            T.reducer_update(cg[s], T.if_then_else(t > s, -cc_f[t, s] * b_r[t] * T.cast(kg_s[t, s], acc), T.float32(0)))
+                    # the term formed once for both sums (the same value, the same sums)
+                    for t, s in T.Parallel(C, C):
+                        zl = T.if_then_else(t > s, -cc_f[t, s] * b_r[t] * T.cast(kg_s[t, s], acc), T.float32(0))
+                        T.reducer_update(rg[t], zl)
+                        T.reducer_update(cg[s], zl)
                     T.wgmma_gemm(do_s, vn_s, cc_f, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(1)
                     T.warpgroup_fence_operand(cv_f, num_regs=r_ck)
@@ -390,21 +386,13 @@ def _chunk_bwd_v2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     T.warpgroup_fence_operand(cc_f, num_regs=r_cc)
                     # dG: rowsum(Z) - colsum(Z), Z = M * (Q K^T) strict (Pg holds scale Gamma Q K^T);
                     # then scale M = scale (dO v_new^T) * Gamma over Pg
-                    if shared_terms:
-                        for t, s in T.Parallel(C, C):
-                            zz = T.if_then_else(t > s, cc_f[t, s] * T.cast(pg_s[t, s], acc), T.float32(0))
-                            T.reducer_update(rg[t], zz)
-                            T.reducer_update(cg[s], zz)
-                            pg_s[t, s] = T.cast(
-                                T.if_then_else(t >= s, scale * cc_f[t, s] * T.exp2(T.if_then_else(t >= s, g_r[t] - g_c[s], T.float32(0))),
-                                               T.float32(0)), dtype)
-                    else:
-                        for t, s in T.Parallel(C, C):
-                            T.reducer_update(rg[t], T.if_then_else(t > s, cc_f[t, s] * T.cast(pg_s[t, s], acc), T.float32(0)))
-                            T.reducer_update(cg[s], T.if_then_else(t > s, cc_f[t, s] * T.cast(pg_s[t, s], acc), T.float32(0)))
-                            pg_s[t, s] = T.cast(
-                                T.if_then_else(t >= s, scale * cc_f[t, s] * T.exp2(T.if_then_else(t >= s, g_r[t] - g_c[s], T.float32(0))),
-                                               T.float32(0)), dtype)
+                    for t, s in T.Parallel(C, C):
+                        zz = T.if_then_else(t > s, cc_f[t, s] * T.cast(pg_s[t, s], acc), T.float32(0))
+                        T.reducer_update(rg[t], zz)
+                        T.reducer_update(cg[s], zz)
+                        pg_s[t, s] = T.cast(
+                            T.if_then_else(t >= s, scale * cc_f[t, s] * T.exp2(T.if_then_else(t >= s, g_r[t] - g_c[s], T.float32(0))),
+                                           T.float32(0)), dtype)
                     T.fence_proxy_async()
 
                 for _ in T.serial(1):
@@ -436,15 +424,11 @@ def _chunk_bwd_v2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     # dk_state = diag(r) v_new D^T; dG: -rowsum(dk_state * K), moved to the last valid row
                     for t, d in T.Parallel(C, K):
                         ck2_f[t, d] = ck2_f[t, d] * r_r[t]
-                    if shared_terms:  # -p adds -0.0 where the original added +0.0: the same sums, bit for bit
-                        for t, d in T.Parallel(C, K):
-                            pr = T.if_then_else(t == nvalid - 1, T.float32(0), ck2_f[t, d] * T.cast(k_s[t, d], acc))
-                            T.reducer_update(rg[t], -pr)
-                            sc[1] = sc[1] + pr
-                    else:
-                        for t, d in T.Parallel(C, K):
-                            T.reducer_update(rg[t], T.if_then_else(t == nvalid - 1, T.float32(0), -(ck2_f[t, d] * T.cast(k_s[t, d], acc))))
-                            sc[1] = sc[1] + T.if_then_else(t == nvalid - 1, T.float32(0), ck2_f[t, d] * T.cast(k_s[t, d], acc))
+                    # -p adds -0.0 where the original added +0.0: the same sums, bit for bit
+                    for t, d in T.Parallel(C, K):
+                        pr = T.if_then_else(t == nvalid - 1, T.float32(0), ck2_f[t, d] * T.cast(k_s[t, d], acc))
+                        T.reducer_update(rg[t], -pr)
+                        sc[1] = sc[1] + pr
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(u_f, num_regs=r_ck)
                     for t, d in T.Parallel(C, K):
@@ -511,21 +495,15 @@ def _chunk_bwd_v2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
 
 @functools.lru_cache(maxsize=None)
 def build_chunk_bwd_v2_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
-                              varlen: bool, exact_diagonal: bool = True, shared_terms: bool = False):
+                              varlen: bool, exact_diagonal: bool = True):
     """Compiled pass-2 kernel, variant v2 (cached). Same static key as v1's `build_chunk_bwd_kernel`;
-    `exact_diagonal=False` builds it without the diagonal's restoration (a measurement baseline only);
-    `shared_terms=True` is variant "v2b" (`chunk_bwd.VARIANTS`): the three element loops that add one
-    term to two sums (dG's rows and columns of dL * L and of Z; the r-terms of dG and their chunk-end
-    total) form it once instead of twice (the generated code formed it twice, two shared loads and two
-    products per element: ~600 of a consumer thread's ~6,300 instructions per chunk sat in the r-term
-    loop alone, by a static SASS count); the same values summed in the same order, so the same bits."""
-    func = _chunk_bwd_v2_prim_func(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen, exact_diagonal, shared_terms)
+    `exact_diagonal=False` builds it without the diagonal's restoration (a measurement baseline only)."""
+    func = _chunk_bwd_v2_prim_func(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen, exact_diagonal)
     return compile_kernel(func, f"gdn_chunk_bwd_v2_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{h_dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}"
-                                f"{'' if exact_diagonal else '_rounded_diagonal'}{'_shared_terms' if shared_terms else ''}")
+                                f"{'' if exact_diagonal else '_rounded_diagonal'}")
 
 
-def chunk_fused_bwd_v2(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, *, exact_diagonal: bool = True,
-                       shared_terms: bool = False):
+def chunk_fused_bwd_v2(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, *, exact_diagonal: bool = True):
     """Launches pass 2 with the v2 kernel. Arguments and results as
     `chunk_bwd.chunk_fused_bwd`; dq_hv, dk_hv, dv, dbeta and dh0 are allocated uninitialised (the
     kernel writes every row: see the module docstring). exact_diagonal=False: the measurement
@@ -555,8 +533,7 @@ def chunk_fused_bwd_v2(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, c
     cu = cu_seqlens if varlen else dummy_cu_seqlens(dev)
     args = chunk_bwd_kernel_args(q, v, beta, h, cu_seqlens)
     # the default build under the builder-cache key the precompile path uses (no extra arguments)
-    kernel = build_chunk_bwd_v2_kernel(*args, exact_diagonal, shared_terms) if not exact_diagonal or shared_terms \
-        else build_chunk_bwd_v2_kernel(*args)
+    kernel = build_chunk_bwd_v2_kernel(*args, exact_diagonal) if not exact_diagonal else build_chunk_bwd_v2_kernel(*args)
     kernel(q, k, v, beta, A, g_cum_log2, h, do, dht_arg, cu, float(scale), int(dht is not None),
            dq_hv, dk_hv, dv, dbeta, dG, dh0)
     return dq_hv, dk_hv, dv, dbeta, dG, dh0

@@ -54,10 +54,10 @@ __all__ = ["DEFAULT_VARIANT", "VARIANTS", "build_prepare_kernel", "chunk_prepare
 
 #: Prepare kernel variants: "v1" (this module's kernel: one CTA per (chunk slot, value head)),
 #: "v2" (`prepare_v2`: one CTA per (chunk slot, q/k head) for all its value heads), "v3"
-#: (`prepare_v3`: v2 with a block-recursive inverse) and "v4" (`prepare_v4`: v3 walking several chunk
-#: slots per CTA at small G, the next k loaded under the current slot; not yet run on a GPU).
-#: Same outputs, same layout.
-VARIANTS = ("v1", "v2", "v3", "v4")
+#: (`prepare_v3`: v2 with a block-recursive inverse). Same outputs, same layout. ("v4", v3 walking
+#: several chunk slots per CTA at G <= 3, was bitwise v3 on the H200 but 0.73-0.97x as fast at
+#: G = 1-3 and was removed: NOTES.md, "Prepare variant v4".)
+VARIANTS = ("v1", "v2", "v3")
 #: The variant `chunk_prepare_fwd` uses when none is given (read at every call; the environment
 #: variable FLASHQLA_PREPARE sets it at import). v3: faster on every benchmark row measured.
 DEFAULT_VARIANT = os.environ.get("FLASHQLA_PREPARE", "v3")
@@ -188,15 +188,6 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
 @functools.lru_cache(maxsize=None)
 def _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, variant):
     """One cache entry per key, whether or not the caller spelled out the default variant."""
-    from flashqla.ops.gdn.kernels.sm90.prepare_v4 import chunks_per_cta
-
-    if variant == "v4" and chunks_per_cta(HV // H) == 1:  # v4 walks one slot per CTA there: v3
-        variant = "v3"
-    if variant == "v4":
-        from flashqla.ops.gdn.kernels.sm90.prepare_v4 import prepare_v4_prim_func
-
-        func = prepare_v4_prim_func(H, HV, K, dtype, beta_dtype, seq_dtype, varlen)
-        return compile_kernel(func, f"gdn_prepare_v4_fwd_H{H}_HV{HV}_K{K}_{dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}")
     if variant == "v3":
         from flashqla.ops.gdn.kernels.sm90.prepare_v3 import prepare_v3_prim_func
 

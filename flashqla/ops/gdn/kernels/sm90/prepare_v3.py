@@ -94,9 +94,8 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
                       lbt_s, l2t_s, d2t_s, b0t_s, dm_s, y_s, zt, stage, y_f, w_f, z_f, o_f, xcol):
     """Emits one value head's stages (L, the forward substitution, phases 1-3, the TMA store of
     A diag(beta)) where it is called inside a kernel body: value head hk * G + j of the slot whose rows
-    start at row0, nvalid valid rows. Shared by v3 and v4 (`prepare_v4.py`), which differ in where the
-    staging tile (`stage`, its first 64 columns) and -Z_top^T (`zt`, its first 32 rows) live. The
-    buffers, the loop variable and the slot's values reach the stages through a closure (a macro
+    start at row0, nvalid valid rows; the staging tile is `stage` (its first 64 columns) and -Z_top^T
+    is `zt` (its first 32 rows). The buffers, the loop variable and the slot's values reach the stages through a closure (a macro
     argument would rename the TIR variables)."""
     C = CHUNK
     BS = BLOCK
