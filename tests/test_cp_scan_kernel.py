@@ -99,3 +99,42 @@ def test_cp_limits_kernel_compiles(seq_dtype):
     assert f"vals[{GROUP}]" in src and "limit[" in src
     rep = ptxas_report(kernel)
     assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+
+
+@needs_nvcc
+@pytest.mark.parametrize("to_segments", [True, False], ids=["to-segments", "to-sequences"])
+@pytest.mark.parametrize("varlen,seq_dtype", [(True, "int32"), (True, "int64"), (False, "int32")], ids=["packed", "packed-int64", "rows"])
+def test_cp_relayout_kernel_compiles(to_segments, varlen, seq_dtype):
+    """The slot relayout of A and g_cum_log2 (`kernels/sm90/cp_relayout.py`): one CTA per (destination
+    slot, value head), 16-byte vector copies of A, a zero fill where no chunk is, no host sync (its
+    values are checked against the torch gathers on the GPU: tests/gpu/test_cp_kernels_gpu.py)."""
+    from flashqla.ops.gdn.kernels.sm90.cp_relayout import build_relayout_kernel
+
+    src = build_relayout_kernel(4, "bfloat16", seq_dtype, seq_dtype, to_segments, varlen).get_kernel_source()
+    assert "uint4" in src, "A should be copied in 16-byte vectors"
+    assert "blockIdx.y" in src and "__launch_bounds__(128" in src
+    if to_segments or varlen:
+        assert "seg_cu" in src or "cu_seqlens" in src
+
+
+def test_cp_relayout_specs_and_cpu_path():
+    """op_kernel_specs names the relayout in both directions for the split path; on CPU tensors the
+    driver keeps the torch gathers (the reference the kernel is checked against)."""
+    from flashqla.cp.driver import segment_slots_to_sequence_slots, sequence_slots_to_segment_slots
+    from flashqla.cp.planner import build_segment_tables
+    from flashqla.ops.gdn.kernels.sm90 import op_kernel_specs
+
+    specs = [a for k, a in op_kernel_specs(2, 8, N=3, varlen=True) if k == "cp_relayout"]
+    assert sorted(a[4] for a in specs) == [False, True]
+    assert [a for k, a in op_kernel_specs(2, 8, N=3, varlen=True, backward=False) if k == "cp_relayout"] == \
+        [(8, "bfloat16", "int32", "int32", False, True)]
+    cu = torch.tensor([0, 100, 100, 300], dtype=torch.int32)
+    tab = build_segment_tables(cu, 128, T=300)
+    A = torch.randn(2, (300 // 64 + 3) * 64, 64)
+    G = torch.randn(2, (300 // 64 + 3) * 64)
+    Ap, Gp = sequence_slots_to_segment_slots(A, G, tab, cu, 1, 300)
+    A2, G2 = segment_slots_to_sequence_slots(Ap, Gp, tab, cu, 1, 300)
+    # the chunks of the two non-empty sequences survive the round trip; the slot after each is zero
+    for base, n in ((0, 2), (100 // 64 + 2, 4)):
+        assert torch.equal(A2[:, base * 64:(base + n) * 64], A[:, base * 64:(base + n) * 64])
+    assert not A2[:, 2 * 64:3 * 64].any()

@@ -745,6 +745,11 @@ def segment_slots_to_sequence_slots(A: torch.Tensor, g_cum_log2: torch.Tensor, t
         (A [HV, S * 64, 64], g_cum_log2 [HV, S * 64]) in the layout of cu_seqlens
         (S = B * ceil(T / 64), or floor(T / 64) + N); slots no chunk uses hold zeros. No host sync.
     """
+    if A.is_cuda:  # one launch (cp_relayout.py), the same values
+        from flashqla.ops.gdn.kernels.sm90.cp_relayout import relayout_slots
+
+        S = B * (-(-T // CHUNK)) if cu_seqlens is None else T // CHUNK + cu_seqlens.shape[0] - 1
+        return relayout_slots(A, g_cum_log2, tables, cu_seqlens, B, T, S, to_segments=False)
     HV = A.shape[0]
     dev = A.device
     L = tables.segment_len
@@ -791,6 +796,10 @@ def sequence_slots_to_segment_slots(A: torch.Tensor, g_cum_log2: torch.Tensor, t
         tokens); tables: `SegmentTables` for the same offsets. Returns (A [HV, S' * 64, 64],
         g_cum_log2 [HV, S' * 64]) with S' = floor(B T / 64) + M; slots no chunk uses hold zeros.
     """
+    if A.is_cuda:  # one launch (cp_relayout.py), the same values
+        from flashqla.ops.gdn.kernels.sm90.cp_relayout import relayout_slots
+
+        return relayout_slots(A, g_cum_log2, tables, cu_seqlens, B, T, B * T // CHUNK + tables.M, to_segments=True)
     HV = A.shape[0]
     dev = A.device
     L, M = tables.segment_len, tables.M

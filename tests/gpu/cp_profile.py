@@ -1,8 +1,11 @@
 """One call on the GPU machine: where the split forward / backward spends its time, kernel by kernel.
 
-    python tests/gpu/cp_profile.py [--rows "2/8 28672+4096" "2/8 1x32768"] [--bwd] [--top 20]
+    python tests/gpu/cp_profile.py [--rows "2/8 28672+4096" "2/8 1x32768"] [--bwd] [--top 20] [--no-hint]
 
-Per row (packed input as the benchmark makes it, cp auto): a few warm-up calls, then torch.profiler over
+ROW: "h_qk/h_v MIX", MIX either "COUNTxLENGTH" (1x32768: one sequence; note the benchmark's own
+notation is LENGTHxCOUNT) or "a+b+...". Per row (packed input as the benchmark makes it, cp auto, the
+planner given the longest length as its max_seqlen hint as the benchmark does; --no-hint: none):
+a few warm-up calls, then torch.profiler over
 5 calls; prints each device kernel's total time per call, launches per call and name, the sum, and
 the number of device launches per call. Not collected by pytest.
 """
@@ -31,6 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", nargs="+", default=["2/8 28672+4096", "2/8 1x32768"])
     ap.add_argument("--bwd", action="store_true")
     ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--no-hint", action="store_true", help="no max_seqlen hint for the planner")
     a = ap.parse_args(argv)
     reps = 5
     for row in a.rows:
@@ -42,12 +46,14 @@ def main(argv=None) -> int:
                             gate="qwen3next", special_heads=True, seed=0)
         q, k, v, g, beta, cu = x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu_seqlens"]
         scale = 128**-0.5
-        f = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, None, True, cu)
+        ms = None if a.no_hint else max(lengths)
+        f = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, None, True, cu, max_seqlen=ms)
         do, dht = torch.randn_like(f.o), torch.randn_like(f.final_state)
         if a.bwd:
-            fn = lambda: chunk_gated_delta_rule_bwd(f.q, f.k, v, g, beta, f.A, f.g_cum_log2, do, dht, scale, None, cu)  # noqa: E731
+            fn = lambda: chunk_gated_delta_rule_bwd(f.q, f.k, v, g, beta, f.A, f.g_cum_log2, do, dht, scale, None, cu,  # noqa: E731
+                                                    max_seqlen=ms)
         else:
-            fn = lambda: chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, None, True, cu)  # noqa: E731
+            fn = lambda: chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, None, True, cu, max_seqlen=ms)  # noqa: E731
         for _ in range(3):
             fn()
         torch.cuda.synchronize()

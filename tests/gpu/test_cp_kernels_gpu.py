@@ -68,3 +68,67 @@ def test_dual_launch_and_transition_cut(case):
 def test_backward_with_the_transition_cut():
     row = cp_dual_check.check_bwd("2/8 1x8192 L1024", 2, 8, [8192], 1024)
     assert row["ok"], row
+
+
+# (lengths or None for B rows, B, T, L, HV): empty and 1-token sequences, lengths at and off chunk
+# multiples, a segment length of one chunk, B rows with a partial last chunk
+RELAYOUT_CASES = [
+    ([161, 1928, 3157, 563, 1244, 229, 177, 733], 1, 8192, 512, 4),
+    ([0, 1, 63, 64, 65, 0, 130, 5, 0], 1, 327, 64, 2),
+    ([700, 0, 64, 1], 1, 765, 128, 3),
+    (None, 2, 1000, 512, 2),
+    (None, 3, 64, 64, 1),
+]
+
+
+@pytest.mark.parametrize("case", RELAYOUT_CASES, ids=[f"case{i}" for i in range(len(RELAYOUT_CASES))])
+def test_relayout_kernel_equals_the_torch_gathers(case):
+    """`kernels/sm90/cp_relayout.py` (A and g_cum_log2 between the caller's chunk slots and the
+    segments', one launch) against the torch gathers it replaces (`sequence_slots_to_segment_slots`,
+    `segment_slots_to_sequence_slots` on CPU tensors), bit for bit, both directions, with outputs of
+    random values everywhere (every slot written, zeros where no chunk is), and inside a CUDA graph."""
+    from flashqla.cp.driver import segment_slots_to_sequence_slots, sequence_slots_to_segment_slots
+    from flashqla.cp.planner import build_segment_tables
+
+    lengths, B, T, L, HV = case
+    gen = torch.Generator().manual_seed(len(RELAYOUT_CASES) + T)
+    if lengths is None:
+        cu = None
+        S = B * -(-T // 64)
+        tab = build_segment_tables(None, L, T=T, B=B)
+        tab = type(tab)(**{**tab.__dict__, "cu_seqlens": tab.cu_seqlens.to(torch.int32)})
+    else:
+        assert sum(lengths) == T
+        cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+        S = T // 64 + len(lengths)
+        tab = build_segment_tables(cu, L, T=T)
+    Sp = B * T // 64 + tab.M
+    A = torch.randn(HV, S * 64, 64, generator=gen).to(torch.bfloat16)
+    G = torch.randn(HV, S * 64, generator=gen)
+    Ap, Gp = sequence_slots_to_segment_slots(A, G, tab, cu, B, T)  # torch path (CPU)
+    A2, G2 = segment_slots_to_sequence_slots(Ap, Gp, tab, cu, B, T)
+    assert Ap.shape == (HV, Sp * 64, 64) and A2.shape == A.shape
+
+    def dev_tables(t):
+        return type(t)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in t.__dict__.items()})
+
+    tab_d, cu_d = dev_tables(tab), (None if cu is None else cu.cuda())
+    Ap_d, Gp_d = sequence_slots_to_segment_slots(A.cuda(), G.cuda(), tab_d, cu_d, B, T)  # the kernel
+    assert torch.equal(Ap_d.cpu(), Ap) and torch.equal(Gp_d.cpu(), Gp)
+    A2_d, G2_d = segment_slots_to_sequence_slots(Ap.cuda(), Gp.cuda(), tab_d, cu_d, B, T)
+    assert torch.equal(A2_d.cpu(), A2) and torch.equal(G2_d.cpu(), G2)
+    # the round trip keeps every used slot and zeroes the rest
+    assert torch.count_nonzero(A2) > 0 and torch.count_nonzero(Ap) > 0
+    # in a CUDA graph, on fresh inputs copied in before each replay
+    A_in, G_in = A.cuda(), G.cuda()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sequence_slots_to_segment_slots(A_in, G_in, tab_d, cu_d, B, T)
+    for seed in (1, 2):
+        A_new = torch.randn(HV, S * 64, 64, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        A_in.copy_(A_new.cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        want, _ = sequence_slots_to_segment_slots(A_new, G, tab, cu, B, T)
+        assert torch.equal(out[0].cpu(), want)

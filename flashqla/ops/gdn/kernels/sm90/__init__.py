@@ -11,6 +11,8 @@ Context parallelism (`flashqla.cp`):
                                          gradient E = sum U do^T of every segment, one launch each
     cp_limits.py  `cp_transition_limits`: the chunks each (segment, value head) transition walks
                                          (the gate-driven cut), one launch
+    cp_relayout.py `relayout_slots`:     A and g_cum_log2 between the caller's and the segments' chunk
+                                         slots, one launch
     recurrent.py  `chunk_recurrent_dual`: the run and the transitions of the segments in one launch
 
 Backward (three passes, four launches; `flashqla.ops.gdn.bwd`; NOTES-bwd.md):
@@ -69,6 +71,10 @@ def _build(kind: str, args: tuple):
         from flashqla.ops.gdn.kernels.sm90.cp_correct import build_cp_state_grads_kernel
 
         return build_cp_state_grads_kernel(*args)
+    if kind == "cp_relayout":
+        from flashqla.ops.gdn.kernels.sm90.cp_relayout import build_relayout_kernel
+
+        return build_relayout_kernel(*args)
     if kind == "cp_tables":
         from flashqla.cp.tables_kernel import build_segment_tables_kernel
 
@@ -86,8 +92,8 @@ def build_kernels(specs) -> list:
 
     kind is "prepare" (args of `build_prepare_kernel`), "recurrent" (`build_recurrent_kernel`),
     "states_bwd", "chunk_bwd", "dg_cumsum" or "gva_reduce" (the backward's builders), "cp_scan"
-    (`build_cp_scan_kernel`), "cp_correct", "cp_state_grads" (`cp_correct.py`), "cp_limits" (`cp_limits.py`), "cp_tables"
-    (`flashqla.cp.tables_kernel.build_segment_tables_kernel`).
+    (`build_cp_scan_kernel`), "cp_correct", "cp_state_grads" (`cp_correct.py`), "cp_limits" (`cp_limits.py`), "cp_relayout"
+    (`cp_relayout.py`), "cp_tables" (`flashqla.cp.tables_kernel.build_segment_tables_kernel`).
     Threads overlap the external compiler runs; the first call of the op uses this for its two
     kernels.
     """
@@ -143,6 +149,10 @@ included since `cp="auto"` may split. Pure Python: needs neither a GPU nor TileL
         cp_seq = seq_dtype if varlen else "int32"
         specs += [("recurrent", (H, HV, K, V, bv, dtype, cp_seq, True, "overlap", True)) for bv in (64, 128)]
         specs.append(("cp_limits", (HV, cp_seq)))
+        # A and g_cum_log2 between the caller's slots and the segments' (training forward: back to the
+        # caller's; backward: to the segments')
+        specs += [("cp_relayout", (HV, dtype, seq_dtype if varlen else "int32", cp_seq, to_seg, varlen))
+                  for to_seg in ((False, True) if backward else (False,))]
     if backward:
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd import DEFAULT_VARIANT as BWD_VARIANT
 

@@ -1,0 +1,133 @@
+"""The prepare products (A diag(beta), g_cum_log2) moved between the caller's chunk slots and the
+segments' chunk slots, in one launch.
+
+`flashqla.cp.driver.sequence_slots_to_segment_slots` (the split backward, before its kernels) and
+`segment_slots_to_sequence_slots` (the split forward for training, after them) express this move as
+about fifteen torch ops: slot searches and gathers over small index tensors, a gather of A and of
+g_cum_log2 over every slot, and a `torch.where` over the whole of A for the slots no chunk uses. In
+a CUDA graph that measured 0.03-0.15 ms per call on the H200 (seven gather kernels, one full pass of
+A for the mask, a dozen small launches; 2/4 heads with 8 packed sequences of 8192 tokens: ~0.05 of
+0.40 ms of the backward's kernel time; 16/32 x 8192: ~0.17 of 1.23 ms). `relayout_slots` does the
+same move with one TileLang launch that reads each used source slot once and writes each
+destination slot once, with the same values bit for bit (a copy; zeros where no chunk is).
+
+Kernel (`gdn_cp_relayout`): grid (destination slots, HV), 128 threads. The CTA of destination slot
+s finds where its chunk lives:
+    to segments (backward): s is a slot of the segments' layout; a binary search over the segment
+        offsets (`SegmentTables.cu_seqlens`, as `_common.locate_slot` does over any packed offsets)
+        gives segment p and chunk c' in it; the chunk is chunk index[p] L / 64 + c' of sequence
+        seq[p], i.e. source slot floor(cu[n] / 64) + n + c (packed) or n ceil(T / 64) + c (B rows);
+    to sequences (forward): s is a slot of the caller's layout; the search over cu_seqlens (packed)
+        or a division (B rows) gives sequence n and chunk c; the chunk is chunk c - j L / 64 of
+        segment p = seq_first[n] + j, j = floor(64 c / L), i.e. source slot floor(start[p] / 64) + p
+        + c - j L / 64;
+then copies the 64 x 64 tile of A and the 64 gates of its value head, or writes zeros when the slot
+holds no chunk (a gap slot, or a slot past a sequence's last chunk). No host synchronisation; every
+size is a run-time argument (compile key: HV, A's dtype, the offsets' dtypes, direction, packed).
+
+Checked on the GPU against the torch path bit for bit (`tests/gpu/test_cp_kernels_gpu.py`); the
+torch path stays the CPU one and the reference.
+"""
+
+import functools
+
+import torch
+
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, locate_slot, tl_dtype
+
+__all__ = ["build_relayout_kernel", "relayout_slots"]
+
+THREADS = 128
+
+
+def _relayout_prim_func(HV: int, dtype: str, seq_dtype: str, tab_dtype: str, to_segments: bool, varlen: bool):
+    import tilelang.language as T
+
+    C = CHUNK
+    Si = T.dynamic("Si")  # source slots
+    So = T.dynamic("So")  # destination slots
+    Np1 = T.dynamic("Np1")  # len(cu_seqlens) (packed) or 2 (placeholder, B rows)
+    Mp1 = T.dynamic("Mp1")  # len(segment offsets) = M + 1
+    M = T.dynamic("M")
+    N = T.dynamic("N")
+
+    @T.prim_func
+    def gdn_cp_relayout(
+        A_in: T.Tensor((HV, Si * C, C), dtype),
+        G_in: T.Tensor((HV, Si * C), "float32"),
+        cu_seqlens: T.Tensor((Np1,), seq_dtype),
+        seg_cu: T.Tensor((Mp1,), tab_dtype),
+        seg_seq: T.Tensor((M,), "int64"),
+        seg_index: T.Tensor((M,), "int64"),
+        seq_first: T.Tensor((N,), "int64"),
+        T_row: T.int32,  # tokens per row (B rows; unused when packed)
+        per: T.int32,  # L / 64
+        A_out: T.Tensor((HV, So * C, C), dtype),
+        G_out: T.Tensor((HV, So * C), "float32"),
+    ):
+        with T.Kernel(So, HV, threads=THREADS) as (s, hv):
+            src = T.alloc_var("int32")
+            src = -1
+            if to_segments:
+                p, c_loc, _bos, _len, _b, nvalid, _t0 = locate_slot(s, seg_cu, T_row, Mp1, True)  # packed: T unused
+                if nvalid > 0:
+                    n = T.cast(seg_seq[p], "int32")
+                    c = T.cast(seg_index[p], "int32") * per + c_loc
+                    if varlen:
+                        src = T.cast(cu_seqlens[n], "int32") // C + n + c
+                    else:
+                        src = n * T.ceildiv(T_row, C) + c
+            else:
+                n, c, _bos, _len, _b, nvalid, _t0 = locate_slot(s, cu_seqlens, T_row, Np1, varlen)
+                if nvalid > 0:
+                    j = c // per
+                    p = T.cast(seq_first[n], "int32") + j
+                    src = T.cast(seg_cu[p], "int32") // C + p + c - j * per
+            if src >= 0 and src < Si:
+                for t, d in T.Parallel(C, C):
+                    A_out[hv, s * C + t, d] = A_in[hv, src * C + t, d]
+                for t in T.Parallel(C):
+                    G_out[hv, s * C + t] = G_in[hv, src * C + t]
+            else:
+                for t, d in T.Parallel(C, C):
+                    A_out[hv, s * C + t, d] = T.cast(0, dtype)
+                for t in T.Parallel(C):
+                    G_out[hv, s * C + t] = T.float32(0)
+
+    return gdn_cp_relayout
+
+
+@functools.lru_cache(maxsize=None)
+def build_relayout_kernel(HV: int, dtype: str, seq_dtype: str, tab_dtype: str, to_segments: bool, varlen: bool):
+    """Compiled relayout kernel (cached). Static key: HV, A's dtype, cu_seqlens' and the segment
+    offsets' dtypes, the direction, packed or B rows."""
+    func = _relayout_prim_func(HV, dtype, seq_dtype, tab_dtype, to_segments, varlen)
+    return compile_kernel(func, f"gdn_cp_relayout_HV{HV}_{dtype}_{seq_dtype}_{tab_dtype}_{'seg' if to_segments else 'seq'}_{int(varlen)}")
+
+
+def relayout_slots(A: torch.Tensor, g_cum_log2: torch.Tensor, tables, cu_seqlens, B: int, T: int, out_slots: int,
+                   to_segments: bool):
+    """A [HV, S_in * 64, 64] and g_cum_log2 [HV, S_in * 64] moved to the other slot layout:
+    `to_segments` True: from the caller's (cu_seqlens, or B rows of T tokens) to the segments' of
+    `tables` (`flashqla.cp.planner.SegmentTables`), else back. Returns (A [HV, out_slots * 64, 64],
+    g_cum_log2 [HV, out_slots * 64]), zeros in the slots no chunk uses: the values
+    `flashqla.cp.driver.sequence_slots_to_segment_slots` / `segment_slots_to_sequence_slots` return.
+    CUDA tensors only (the torch functions are the CPU path)."""
+    HV = A.shape[0]
+    dev = A.device
+    A = A.contiguous()
+    g_cum_log2 = g_cum_log2.contiguous()
+    A_out = torch.empty(HV, out_slots * CHUNK, CHUNK, dtype=A.dtype, device=dev)
+    G_out = torch.empty(HV, out_slots * CHUNK, dtype=torch.float32, device=dev)
+    if out_slots == 0 or HV == 0:
+        return A_out, G_out
+    varlen = cu_seqlens is not None
+    if varlen:
+        cu = cu_seqlens.contiguous()
+    else:
+        cu = torch.zeros(2, dtype=torch.int32, device=dev)
+    seg_cu = tables.cu_seqlens.contiguous()
+    kernel = build_relayout_kernel(HV, tl_dtype(A.dtype), tl_dtype(cu.dtype), tl_dtype(seg_cu.dtype), bool(to_segments), varlen)
+    kernel(A, g_cum_log2, cu, seg_cu, tables.seq.contiguous(), tables.index.contiguous(),
+           tables.seq_first.contiguous(), int(T), tables.segment_len // CHUNK, A_out, G_out)
+    return A_out, G_out
