@@ -74,7 +74,7 @@ def test_backward_with_the_transition_cut():
 # multiples, a segment length of one chunk, B rows with a partial last chunk
 RELAYOUT_CASES = [
     ([161, 1928, 3157, 563, 1244, 229, 177, 733], 1, 8192, 512, 4),
-    ([0, 1, 63, 64, 65, 0, 130, 5, 0], 1, 327, 64, 2),
+    ([0, 1, 63, 64, 65, 0, 130, 5, 0], 1, 328, 64, 2),
     ([700, 0, 64, 1], 1, 765, 128, 3),
     (None, 2, 1000, 512, 2),
     (None, 3, 64, 64, 1),
