@@ -128,6 +128,9 @@ def relayout_slots(A: torch.Tensor, g_cum_log2: torch.Tensor, tables, cu_seqlens
         cu = torch.zeros(2, dtype=torch.int32, device=dev)
     seg_cu = tables.cu_seqlens.contiguous()
     kernel = build_relayout_kernel(HV, tl_dtype(A.dtype), tl_dtype(cu.dtype), tl_dtype(seg_cu.dtype), bool(to_segments), varlen)
+    # chunks per segment, an int32 argument: any value >= the longest sequence's chunk count gives the
+    # same slots (one segment per sequence), so a segment_len past 2^37 tokens is clamped, not wrapped
+    per = min(tables.segment_len // CHUNK, 2**31 - 1)
     kernel(A, g_cum_log2, cu, seg_cu, tables.seq.contiguous(), tables.index.contiguous(),
-           tables.seq_first.contiguous(), int(T), tables.segment_len // CHUNK, A_out, G_out)
+           tables.seq_first.contiguous(), int(T), per, A_out, G_out)
     return A_out, G_out
