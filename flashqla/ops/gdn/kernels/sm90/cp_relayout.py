@@ -46,7 +46,7 @@ def _relayout_prim_func(HV: int, dtype: str, seq_dtype: str, tab_dtype: str, to_
     C = CHUNK
     Si = T.dynamic("Si")  # source slots
     So = T.dynamic("So")  # destination slots
-    Np1 = T.dynamic("Np1")  # len(cu_seqlens) (packed) or 2 (placeholder, B rows)
+    Np1 = T.dynamic("Np1")  # len(cu_seqlens) (packed) or 1 (placeholder, B rows)
     Mp1 = T.dynamic("Mp1")  # len(segment offsets) = M + 1
     M = T.dynamic("M")
     N = T.dynamic("N")
@@ -113,6 +113,8 @@ def relayout_slots(A: torch.Tensor, g_cum_log2: torch.Tensor, tables, cu_seqlens
     g_cum_log2 [HV, out_slots * 64]), zeros in the slots no chunk uses: the values
     `flashqla.cp.driver.sequence_slots_to_segment_slots` / `segment_slots_to_sequence_slots` return.
     CUDA tensors only (the torch functions are the CPU path)."""
+    from flashqla.ops.gdn.kernels.sm90.prepare import dummy_cu_seqlens
+
     HV = A.shape[0]
     dev = A.device
     A = A.contiguous()
@@ -122,10 +124,8 @@ def relayout_slots(A: torch.Tensor, g_cum_log2: torch.Tensor, tables, cu_seqlens
     if out_slots == 0 or HV == 0:
         return A_out, G_out
     varlen = cu_seqlens is not None
-    if varlen:
-        cu = cu_seqlens.contiguous()
-    else:
-        cu = torch.zeros(2, dtype=torch.int32, device=dev)
+    # B rows: the kernel never reads offsets; the shared cached placeholder (no fill per call)
+    cu = cu_seqlens.contiguous() if varlen else dummy_cu_seqlens(dev)
     seg_cu = tables.cu_seqlens.contiguous()
     kernel = build_relayout_kernel(HV, tl_dtype(A.dtype), tl_dtype(cu.dtype), tl_dtype(seg_cu.dtype), bool(to_segments), varlen)
     # chunks per segment, an int32 argument: any value >= the longest sequence's chunk count gives the
