@@ -74,6 +74,11 @@ def test_cp_token_kernels_compile(dtype, seq_dtype):
         # the warp-specialised branches by TileLang, after the test (found on the H200)
         head = src[: src.index("for (int it")]
         assert "limit[" in head and "bool if_condition" not in head
+    # the correction's tile group is a block index: a remainder by the run-time group count was a
+    # 64-bit division that the generated code repeated in each of the epilogue's guarded stores
+    # (42.7 us at 2/8 2x4096 under Nsight Compute, 21 us without it)
+    src = build_cp_correct_kernel(8, 128, 128, dtype, seq_dtype).get_kernel_source()
+    assert "% ngroups" not in src and "/ ngroups" not in src and "blockIdx.y" in src
     src = build_cp_state_grads_kernel(8, 128, 128, dtype, seq_dtype).get_kernel_source()
     loop = src[src.index("for (int it_1"):]
     assert loop.index(".wait(") < loop.index("condval"), "the mask must follow the wait for the tile's load"

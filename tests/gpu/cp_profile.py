@@ -1,13 +1,15 @@
 """One call on the GPU machine: where the split forward / backward spends its time, kernel by kernel.
 
-    python tests/gpu/cp_profile.py [--rows "2/8 28672+4096" "2/8 1x32768"] [--bwd] [--top 20] [--no-hint]
+    python tests/gpu/cp_profile.py [--rows "2/8 28672+4096" "2/8 1x32768"] [--bwd | --inference] [--top 20] [--no-hint]
 
 ROW: "h_qk/h_v MIX", MIX either "COUNTxLENGTH" (1x32768: one sequence; note the benchmark's own
 notation is LENGTHxCOUNT) or "a+b+...". Per row (packed input as the benchmark makes it, cp auto, the
 planner given the longest length as its max_seqlen hint as the benchmark does; --no-hint: none):
 a few warm-up calls, then torch.profiler over
 5 calls; prints each device kernel's total time per call, launches per call and name, the sum, and
-the number of device launches per call. Not collected by pytest.
+the number of device launches per call, and the plan. --inference profiles the public op without
+gradients as the forward benchmark calls it (initial state given, final state returned, the host
+offsets as the hint): the inference op, which keeps A in the segments' slots. Not collected by pytest.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", nargs="+", default=["2/8 28672+4096", "2/8 1x32768"])
     ap.add_argument("--bwd", action="store_true")
+    ap.add_argument("--inference", action="store_true", help="the public op under no_grad, as the benchmark")
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--no-hint", action="store_true", help="no max_seqlen hint for the planner")
     a = ap.parse_args(argv)
@@ -49,7 +52,21 @@ def main(argv=None) -> int:
         ms = None if a.no_hint else max(lengths)
         f = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, None, True, cu, max_seqlen=ms)
         do, dht = torch.randn_like(f.o), torch.randn_like(f.final_state)
-        if a.bwd:
+        from flashqla.cp.driver import _plan
+
+        plan, _ = _plan(q, v, cu, "auto", None, None, ms, None, False, backward=a.bwd)
+        print(f"plan {row}: split={plan.split} L={plan.segment_len} BV={plan.BV} ({plan.reason})")
+        if a.inference:
+            from flashqla import chunk_gated_delta_rule
+
+            h0 = torch.randn(len(lengths), HV, 128, 128, device="cuda")
+            cpu = cu.cpu()
+
+            def fn():
+                with torch.no_grad():
+                    return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                  cu_seqlens=cu, cu_seqlens_cpu=cpu)
+        elif a.bwd:
             fn = lambda: chunk_gated_delta_rule_bwd(f.q, f.k, v, g, beta, f.A, f.g_cum_log2, do, dht, scale, None, cu,  # noqa: E731
                                                     max_seqlen=ms)
         else:
@@ -68,10 +85,13 @@ def main(argv=None) -> int:
                 tot[name] += ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
                 cnt[name] += 1
         total = sum(tot.values()) / reps
-        print(f"\n== {row} {'backward' if a.bwd else 'forward'}: {sum(cnt.values()) / reps:.0f} device launches per call, "
+        print(f"\n== {row} {'backward' if a.bwd else 'inference' if a.inference else 'forward'}: {sum(cnt.values()) / reps:.0f} device launches per call, "
               f"{total / 1e3:.3f} ms of kernel time per call")
         for name, t in sorted(tot.items(), key=lambda kv: -kv[1])[: a.top]:
             print(f"  {t / reps / 1e3:8.4f} ms  x{cnt[name] / reps:5.1f}  {name}")
+        from flashqla.bench.timing import time_cuda_graph
+
+        print(f"  CUDA-graph time per call: {time_cuda_graph(fn).ms:.4f} ms")
     return 0
 
 

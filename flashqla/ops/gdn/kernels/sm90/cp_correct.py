@@ -59,10 +59,12 @@ def _correct_prim_func(HV: int, K: int, V: int, dtype: str, seq_dtype: str):
         ngroups: T.int32,
         o: T.Tensor((1, Tn, HV, V), dtype),
     ):
-        with T.Kernel(M * HV * ngroups, threads=128) as (bx,):
-            grp = bx % ngroups  # tiles [TG grp, TG (grp + 1)) of the slot
-            slot = bx // ngroups // HV
-            hv = bx // ngroups % HV
+        # a 2-D grid: the group index is a block index, not a remainder by the run-time ngroups (a
+        # 64-bit division that the generated code repeated in every guarded store of the epilogue)
+        with T.Kernel(ngroups, M * HV, threads=128) as (bx, by):
+            grp = bx  # tiles [TG grp, TG (grp + 1)) of the slot
+            slot = by // HV
+            hv = by % HV
             s_s = T.alloc_shared((K, V), dtype)
             u_s = T.alloc_shared((C, K), dtype)
             o_s = T.alloc_shared((C, V), dtype)
