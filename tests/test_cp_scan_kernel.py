@@ -1,4 +1,4 @@
-"""CPU tier of the context-parallel scan kernel (`flashqla.ops.gdn.kernels.sm90.cp_scan`): it compiles
+"""CPU tier of the context-parallel scan kernel (`flashqla.ops.gdn.kernels.sm90.cp_scan`, both variants): it compiles
 for sm_90a in both directions, its FMA loop reads P from bank-conflict-free padded rows and keeps the
 chain on CUDA cores in fp32 (no tensor-core instruction), no spills; the torch scans it replaces are
 what runs off CUDA. Its values are checked against those torch scans on the GPU
@@ -20,7 +20,7 @@ def test_cp_scan_kernel_compiles(HV, reverse):
     from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
     from flashqla.ops.gdn.kernels.sm90.cp_scan import build_cp_scan_kernel, scan_slice_width
 
-    kernel = build_cp_scan_kernel(HV, 128, 128, reverse)
+    kernel = build_cp_scan_kernel(HV, 128, 128, reverse, "smem")
     src = kernel.get_kernel_source()
     assert "* 129)" in src, "P's shared rows should be padded to K + 1 words"
     assert "mma" not in src and "wgmma" not in src, "the chain must stay fp32 on CUDA cores"
@@ -28,6 +28,56 @@ def test_cp_scan_kernel_compiles(HV, reverse):
     rep = ptxas_report(kernel)
     assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
     assert scan_slice_width(HV) == (8 if HV <= 8 else 16)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("HV,reverse", [(8, False), (8, True), (32, False), (32, True)])
+def test_cp_scan_prefetch_variant_compiles(HV, reverse):
+    """Variant "prefetch": P's halves and Q reach shared memory by cp.async a half step ahead (the
+    waits count groups: every path commits the same number), the FMA loop is the first variant's
+    (padded rows, CUDA cores), two CTAs an SM at least, no spills."""
+    from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
+    from flashqla.ops.gdn.kernels.sm90.cp_scan import build_cp_scan_kernel
+
+    kernel = build_cp_scan_kernel(HV, 128, 128, reverse, "prefetch")
+    src = kernel.get_kernel_source()
+    assert "cp_async_gs_conditional<4>" in src and "cp_async_wait<1>" in src and "cp_async_wait<2>" in src
+    assert "* 65)" in src or "* 129)" in src, "P's shared rows should be padded by one word"
+    assert "mma" not in src
+    rep = ptxas_report(kernel)
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    assert rep["dynamic_smem"] <= 227 * 1024 // 2, rep
+
+
+@needs_nvcc
+def test_slot_h0_kernel_compiles():
+    """The runs' initial states in one launch (`cp_relayout.slot_initial_states`): float4 copies, a
+    zero fill for slots with h0_index < 0, no spills."""
+    from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
+    from flashqla.ops.gdn.kernels.sm90.cp_relayout import build_slot_h0_kernel
+
+    kernel = build_slot_h0_kernel(8, 128, 128)
+    src = kernel.get_kernel_source()
+    assert "float4" in src and "h0_index[" in src
+    rep = ptxas_report(kernel)
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+
+
+def test_run_states_torch_path():
+    """Off sm_90 the runs' initial states are the torch expression: h0 of the sequence on first
+    segments, zeros elsewhere."""
+    from flashqla.cp.driver import _run_states
+    from flashqla.cp.planner import build_segment_tables
+
+    cu = torch.tensor([0, 100, 100, 300], dtype=torch.int32)
+    tab = build_segment_tables(cu, 128, T=300)
+    h0 = torch.randn(3, 2, 4, 4)
+    got = _run_states(h0, tab)
+    for s in range(tab.M):
+        n = int(tab.h0_index[s])
+        want = h0[n] if n >= 0 else torch.zeros(2, 4, 4)
+        assert torch.equal(got[s], want)
+    assert int((tab.h0_index >= 0).sum()) == 2  # the empty sequence has no segment
 
 
 def test_kernel_only_for_fp32_cuda(monkeypatch):

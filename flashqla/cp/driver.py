@@ -319,6 +319,20 @@ def _token_rows(tab: SegmentTables, sel: torch.Tensor, width: int):
     return tok, valid
 
 
+def _run_states(h0: torch.Tensor, tab: SegmentTables) -> torch.Tensor:
+    """[M, HV, K, V]: the state each slot's run starts from, h0[h0_index] on first segments and zero
+    elsewhere. On sm_90 with fp32 states one launch (`kernels/sm90/cp_relayout.slot_initial_states`),
+    else the torch expression (its reference)."""
+    from flashqla.cp.merge import cp_kernels_enabled
+    from flashqla.ops.gdn.kernels.sm90._common import on_sm90
+
+    if cp_kernels_enabled() and h0.dtype == torch.float32 and on_sm90(h0):
+        from flashqla.ops.gdn.kernels.sm90.cp_relayout import slot_initial_states
+
+        return slot_initial_states(h0, tab.h0_index)
+    return torch.where(tab.first[:, None, None, None], h0.index_select(0, tab.h0_index.clamp(min=0)), h0.new_zeros(()))
+
+
 def _token_kernels_apply(rows: torch.Tensor, U: torch.Tensor) -> bool:
     """The one-launch correction / segment-gradient kernels (`kernels/sm90/cp_correct.py`) apply: U in
     bf16 or fp16 (`rows`, the forward's o or the backward's do, is cast to U's dtype), rows of width
@@ -607,7 +621,7 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
     h0_run = None
     h0 = None if initial_state is None else initial_state.to(sd)
     if h0 is not None and N > 0:
-        h0_run = torch.where(mask(tab.first), h0.index_select(0, tab.h0_index.clamp(min=0)), h0.new_zeros(()))
+        h0_run = _run_states(h0, tab)
     o_buf = torch.full_like(vf, float("nan")) if poison_outputs else None
 
     info = None
@@ -911,7 +925,7 @@ def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float,
     h0 = None if initial_state is None else initial_state.to(sd)
     h0_run = None
     if h0 is not None and N > 0:
-        h0_run = torch.where(tab.first[:, None, None, None], h0.index_select(0, tab.h0_index.clamp(min=0)), h0.new_zeros(()))
+        h0_run = _run_states(h0, tab)
     cutoff = resolve_truncate(truncate)
     limit = transition_limits(g_cum_log2, tab, cutoff)
     _, Q, U, P = _run_and_transition(backend, qf, kf, vf, A, g_cum_log2, scale, h0_run, limit, tab, pcu, block_v, None,

@@ -12,6 +12,8 @@ what they save (FLASHQLA_CP_SCAN=torch turns the scans and the token kernels off
    The output-correction and state-gradient kernels (`kernels/sm90/cp_correct.py`) against fp64 on
    the same tables: o within 8e-3 (one bf16 rounding), E within 1e-3, rows of no corrected slot
    untouched, E zero on unflagged slots.
+   The scan kernel's variants (`cp_scan.VARIANTS`) against the default one: every output bit for
+   bit, forward and reverse, and each one's time.
 2. Times (CUDA graphs, median): the scan alone, kernel and torch, on the benchmark's split shapes;
    and, unless --no-op, the forward and backward (`chunk_gated_delta_rule_fwd` / `_bwd`, cp auto)
    with each scan.
@@ -160,6 +162,35 @@ def check_token_kernels(out):
     return ok
 
 
+def compare_variants(out):
+    """Every scan variant against the default one: outputs bit for bit, and the time of each."""
+    from flashqla.ops.gdn.kernels.sm90.cp_scan import DEFAULT_VARIANT, VARIANTS, cp_scan
+
+    dev = "cuda"
+    gen = torch.Generator().manual_seed(3)
+    rows, ok = [], True
+    for name, (HV, lengths, T, L) in CASES.items():
+        tab = _tables(lengths, T, L, dev, gen)
+        M, N, K = tab.M, tab.N, 128
+        P = (torch.randn(M, HV, K, K, generator=gen) * (0.9 / K**0.5)).to(dev)
+        Q = torch.randn(M, HV, K, K, generator=gen).to(dev)
+        h0 = torch.randn(N, HV, K, K, generator=gen).to(dev)
+        for label, kw in (("fwd h0 skip", dict(init=h0, skip_first=True)), ("fwd", dict()),
+                          ("rev dht", dict(init=h0, reverse=True))):
+            call = lambda v, kw=kw: cp_scan(P, Q, tab.seq_first, tab.seq_num, variant=v, **kw)  # noqa: E731
+            base = call(DEFAULT_VARIANT)
+            cells = []
+            for v in VARIANTS:
+                got = call(v)
+                same = all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, base))
+                ok &= same
+                cells.append(f"{v} {time_graph(lambda v=v: call(v)) * 1e3:.1f} us" + ("" if same else " DIFFERS"))
+            rows.append((name, label, ", ".join(cells)))
+            print(rows[-1], flush=True)
+    out["variants"] = rows
+    return ok
+
+
 def time_scans(out):
     dev = "cuda"
     gen = torch.Generator().manual_seed(1)
@@ -220,6 +251,7 @@ def main(argv=None) -> int:
     out = {}
     ok = check_values(out)
     ok &= check_token_kernels(out)
+    ok &= compare_variants(out)
     time_scans(out)
     if not a.no_op:
         time_op(out)
@@ -233,6 +265,9 @@ def main(argv=None) -> int:
         for r in out["op_ms"]:
             print("  ", " | ".join(r))
     for r in out["token_kernels"]:
+        print("  ", " | ".join(r))
+    print("scan variants (CUDA graphs, median; DIFFERS: not bitwise the default)")
+    for r in out["variants"]:
         print("  ", " | ".join(r))
     print(f"values: {'all passed' if ok else 'FAILED'} ({len(out['values'])} scan cases, {len(out['token_kernels'])} token-kernel cases)")
     return 0 if ok else 1

@@ -132,3 +132,31 @@ def test_relayout_kernel_equals_the_torch_gathers(case):
         torch.cuda.synchronize()
         want, _ = sequence_slots_to_segment_slots(A_new, G, tab, cu, B, T)
         assert torch.equal(out[0].cpu(), want)
+
+
+@pytest.mark.parametrize("case", RELAYOUT_CASES[:3], ids=[f"case{i}" for i in range(3)])
+def test_slot_initial_states_equal_the_torch_expression(case):
+    """`cp_relayout.slot_initial_states` (the runs' initial states, one launch) against the torch
+    expression it replaces (h0[h0_index] on first segments, zero elsewhere), bit for bit, on tables
+    with empty and 1-token sequences; the output buffer is poisoned first, so every slot is written."""
+    from flashqla.cp.driver import _run_states
+    from flashqla.cp.planner import build_segment_tables
+    from flashqla.ops.gdn.kernels.sm90.cp_relayout import slot_initial_states
+
+    lengths, _, T, L, HV = case
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+    tab = build_segment_tables(cu, L, T=T)
+    h0 = torch.randn(len(lengths), HV, 128, 128, generator=torch.Generator().manual_seed(T))
+    want = _run_states(h0, tab)  # CPU: the torch expression
+    assert bool((want != 0).any()) and bool((want == 0).all(dim=(1, 2, 3)).any())
+    poison = torch.full((tab.M * HV * 128 * 128,), float("nan"), device="cuda")
+    del poison  # the allocator hands the NaN block to the kernel's output
+    got = slot_initial_states(h0.cuda(), tab.h0_index.cuda())
+    assert torch.equal(got.cpu(), want)
+
+
+def test_scan_variants_bitwise_equal():
+    """Every scan variant (`cp_scan.VARIANTS`) gives the default's bits, forward and reverse, on the
+    check script's packed mixes (tests/gpu/cp_scan_check.py)."""
+    out = {}
+    assert cp_scan_check.compare_variants(out), [r for r in out["variants"] if "DIFFERS" in r[2]]

@@ -75,6 +75,10 @@ def _build(kind: str, args: tuple):
         from flashqla.ops.gdn.kernels.sm90.cp_relayout import build_relayout_kernel
 
         return build_relayout_kernel(*args)
+    if kind == "cp_slot_h0":
+        from flashqla.ops.gdn.kernels.sm90.cp_relayout import build_slot_h0_kernel
+
+        return build_slot_h0_kernel(*args)
     if kind == "cp_tables":
         from flashqla.cp.tables_kernel import build_segment_tables_kernel
 
@@ -93,7 +97,7 @@ def build_kernels(specs) -> list:
     kind is "prepare" (args of `build_prepare_kernel`), "recurrent" (`build_recurrent_kernel`),
     "states_bwd", "chunk_bwd", "dg_cumsum" or "gva_reduce" (the backward's builders), "cp_scan"
     (`build_cp_scan_kernel`), "cp_correct", "cp_state_grads" (`cp_correct.py`), "cp_limits" (`cp_limits.py`), "cp_relayout"
-    (`cp_relayout.py`), "cp_tables" (`flashqla.cp.tables_kernel.build_segment_tables_kernel`).
+    (`cp_relayout.py`), "cp_slot_h0" (`cp_relayout.build_slot_h0_kernel`), "cp_tables" (`flashqla.cp.tables_kernel.build_segment_tables_kernel`).
     Threads overlap the external compiler runs; the first call of the op uses this for its two
     kernels.
     """
@@ -149,6 +153,7 @@ included since `cp="auto"` may split. Pure Python: needs neither a GPU nor TileL
         cp_seq = seq_dtype if varlen else "int32"
         specs += [("recurrent", (H, HV, K, V, bv, dtype, cp_seq, True, "overlap", True)) for bv in (64, 128)]
         specs.append(("cp_limits", (HV, cp_seq)))
+        specs.append(("cp_slot_h0", (HV, K, V)))  # the runs' initial states (when h0 is given)
         # A and g_cum_log2 between the caller's slots and the segments' (training forward: back to the
         # caller's; backward: to the segments')
         specs += [("cp_relayout", (HV, dtype, seq_dtype if varlen else "int32", cp_seq, to_seg, varlen))
