@@ -208,8 +208,9 @@ CHUNK = 64
 SEGMENT_QUANTUM = 512
 #: Value-slice widths of the recurrent kernel, preferred first on a tie.
 BV_CHOICES = (128, 64)
-#: Per-CTA cost of one chunk step, relative to BV = 128 (NOTES.md, 32/32 1x4096).
-CHUNK_COST = {128: 1.0, 64: 0.8}
+#: Per-CTA cost of one chunk step, relative to BV = 128 (NOTES.md, 32/32 1x4096: 0.8; 0.9 since the
+#: split path's fixed costs fell, fitted with HEAD_OVERHEAD and SCAN_STEP_COST below).
+CHUNK_COST = {128: 1.0, 64: 0.9}
 #: Resident CTAs per SM of the recurrent kernel.
 CTAS_PER_SM = {128: 1, 64: 1}
 #: Full-length recurrent launches over the segments in exact CP: run and transition (the output
@@ -236,11 +237,18 @@ CUT_CHUNKS = 4
 #: -> 1.49), 16/48 x 16384 (0.91 -> 0.78), 16/32 x 8192 (0.44 -> 0.41), 16/64 28672 + 4096 (1.89 ->
 #: 1.60); slower at 16/64 x 8192 (0.49 -> 0.56), 32/32 x 4096 (0.237 -> 0.286), 8/32 x 4096 (0.226 ->
 #: 0.275); even at 16/16 4 x 8192 (0.52). Every value in (0.59, 0.88) makes MIN_GAIN pick the faster
-#: of the two on all eight.
-HEAD_OVERHEAD = 0.75
+#: of the two on all eight. Refitted (2026-11-30, H200) after the correction kernel's epilogue fix, the
+#: scan's prefetch and the one-launch initial states: 0.25, with CHUNK_COST[64] 0.9 and SCAN_STEP_COST
+#: 1.0, picks the fastest measured plan on 11 of 12 swept rows (tests/gpu/cp_length_sweep.py, short
+#: few-head rows; the old costs: 5 of 12); the 36 rows of the forward grid whose plans it changes,
+#: timed under both plans (tests/gpu/cp_plan_ab.py): 32 faster (up to 1.49x, 4/16 6144 + 2048 0.281
+#: -> 0.189 ms), 4 slower by 1-3.4% (8/32 6144 + 2048 and 2048 + 6144, 16/64 x 8192, 16/64 12288 +
+#: 4096). The backward's plans do not change.
+HEAD_OVERHEAD = 0.25
 #: Cost of one combine-scan step (the one-launch scan kernel, `kernels/sm90/cp_scan.py`), chunk units.
-#: Measured on the H200 (CUDA graphs): 4.4 us a step at 8 value heads, 11 us at 32 (~1.3-3.3 units).
-SCAN_STEP_COST = 1.5
+#: Measured on the H200 (CUDA graphs): 4.4 us a step at 8 value heads, 11 us at 32 (~1.3-3.3 units),
+#: then 1.12-1.27x less with the "prefetch" variant; 1.0 since the refit (HEAD_OVERHEAD).
+SCAN_STEP_COST = 1.0
 #: The same in the backward's costs: the value its plans were measured with on the backward grid
 #: (the torch scan's cost; 1.5 would change two of its 32 rows, 2/4 x 8192 and 2/4 x 32768, unmeasured).
 BWD_SCAN_STEP_COST = 3.0
