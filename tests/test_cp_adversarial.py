@@ -463,11 +463,12 @@ def test_forward_and_backward_scan_costs_are_separate(monkeypatch, fresh_plans):
     kw = dict(exact=True, segment_len=1024, force=True)
     base_f = [plan_cp(HV, N, T, 128, 132, **kw) for HV, N, T in shapes]
     base_b = [plan_cp(HV, N, T, 128, 132, backward=True, **kw) for HV, N, T in shapes]
+    scan_step_cost = planner.SCAN_STEP_COST
     monkeypatch.setattr(planner, "SCAN_STEP_COST", 100.0)
     planner.clear_plan_cache()
     assert [plan_cp(HV, N, T, 128, 132, backward=True, **kw) for HV, N, T in shapes] == base_b
     assert all(p.est_split > q.est_split for p, q in zip([plan_cp(HV, N, T, 128, 132, **kw) for HV, N, T in shapes], base_f))
-    monkeypatch.setattr(planner, "SCAN_STEP_COST", 1.5)
+    monkeypatch.setattr(planner, "SCAN_STEP_COST", scan_step_cost)
     monkeypatch.setattr(planner, "BWD_SCAN_STEP_COST", 100.0)
     planner.clear_plan_cache()
     assert [plan_cp(HV, N, T, 128, 132, **kw) for HV, N, T in shapes] == base_f

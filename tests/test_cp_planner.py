@@ -60,7 +60,7 @@ MIXES = [
         (8, 1, 32768, False, True, 2048, 128),
         (64, 4, 32768, True, False, None, 128),  # 16/64 4x8192: 256 CTAs already
         (64, 4, 32768, False, False, None, 128),
-        (32, 1, 4096, True, False, None, 64),  # 32/32 1x4096: BV = 64 fills 64 SMs, split not worth 3 passes
+        (64, 1, 4096, True, False, None, 64),  # 16/64 1x4096: BV = 64 fills 128 SMs, split not worth it
         (64, 1, 65536, True, True, 33792, 128),  # BV = 64 unsplit against two segments at BV = 128
         (64, 1, 32768, True, True, 16896, 128),  # H200, default cut: 1.92 ms unsplit, 1.49 split
         (64, 4, 8192, True, False, None, 128),
@@ -126,9 +126,9 @@ def test_backward_rule_examples(HV, N, T, fwd_split, bwd_split):
 def test_unknown_lengths_are_balanced_and_a_hint_counts():
     """Without max_seqlen, N sequences are costed as ceil(T / N) tokens each (the case least
     favourable to splitting); a hint bounds the longest sequence (and only that one)."""
-    assert not plan_cp(16, 4, 32768, exact=True).split  # balanced: 4 x 8192 at 16 heads, 128 CTAs
-    assert plan_cp(16, 4, 32768, exact=True, max_seqlen=28672).split
-    assert plan_cp(16, 4, 32768, exact=True, backward=True, max_seqlen=28672).split
+    assert not plan_cp(32, 4, 32768, exact=True).split  # balanced: 4 x 8192 at 32 heads, 128 CTAs
+    assert plan_cp(32, 4, 32768, exact=True, max_seqlen=28672).split
+    assert plan_cp(32, 4, 32768, exact=True, backward=True, max_seqlen=28672).split
 
 
 def test_rule_overrides():

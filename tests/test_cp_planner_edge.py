@@ -67,8 +67,9 @@ def test_max_seqlen_hint_does_not_inflate_unsplit_cost(HV, N, T, max_seqlen, bac
 
 def test_packed_backward_plan():
     """A packed batch (N > 1) is planned with the backward's own costs (`PACKED_BWD_OWN_PLAN`): two
-    sequences of 8192 tokens in all at 16 value heads stay unsplit in the forward and split in the
-    backward (H200, the 8/16 7053 + 1139 row: 2.18 -> 1.09 ms). force and a fixed segment_len act as for one sequence (the distributed backend passes
+    sequences of 4096 tokens in all at 16 value heads stay unsplit in the forward and split in the
+    backward (at 8192 tokens both split; H200, the backward of the 8/16 7053 + 1139 row: 2.18 -> 1.09
+    ms). force and a fixed segment_len act as for one sequence (the distributed backend passes
     both); PACKED_BWD_OWN_PLAN = False restores the forward's plan for every packed batch."""
     from flashqla.cp import planner
 
@@ -76,14 +77,14 @@ def test_packed_backward_plan():
     for L in (1024, 2048, 4096):
         b = plan_cp(HV, N, T, 128, 132, exact=True, segment_len=L, force=True, backward=True)
         assert b.split and b.segment_len == L, (L, b)
-    auto_f = plan_cp(16, 2, 8192, 128, 132, exact=True)
-    auto_b = plan_cp(16, 2, 8192, 128, 132, exact=True, backward=True)
+    auto_f = plan_cp(16, 2, 4096, 128, 132, exact=True)
+    auto_b = plan_cp(16, 2, 4096, 128, 132, exact=True, backward=True)
     assert not auto_f.split and auto_b.split and "packed" not in auto_b.reason, (auto_f, auto_b)
     old = planner.PACKED_BWD_OWN_PLAN
     try:
         planner.PACKED_BWD_OWN_PLAN = False
         planner.clear_plan_cache()
-        b = plan_cp(16, 2, 8192, 128, 132, exact=True, backward=True)
+        b = plan_cp(16, 2, 4096, 128, 132, exact=True, backward=True)
         assert (b.split, b.segment_len) == (auto_f.split, auto_f.segment_len) and "packed" in b.reason, b
         f = plan_cp(HV, N, T, 128, 132, exact=True, force=True)
         b = plan_cp(HV, N, T, 128, 132, exact=True, force=True, backward=True)
@@ -241,7 +242,7 @@ def test_cp_splits_shapes_only(device, cu_dtype, backward, monkeypatch):
     for cu in (empty, none):
         for mode in ("auto", "on"):
             assert cp_splits(q, q, cu, mode, sm_count=132, backward=backward) is False
-    small = torch.empty(1, 4096, 32, 128, device=device, dtype=torch.bfloat16)
+    small = torch.empty(1, 4096, 64, 128, device=device, dtype=torch.bfloat16)
     assert not cp_splits(small, small, None, "auto", sm_count=132, backward=False)
 
 

@@ -23,6 +23,8 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHQLA_NB_SIZE", os.environ.get("FLASHQLA_NB_SIZE", "small"))
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.setenv("FLASHQLA_NB_FIGURES", str(tmp_path))  # never rewrite the committed figures
+    # the kernel starts in notebooks/: it imports this checkout's packages, not an installed copy's
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     nb = jupytext.read(path)
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "notebooks")}})
