@@ -21,9 +21,10 @@ splitting (an unbalanced mix only gains more from a split; `force` covers a call
 Cost model, in units of one chunk step of the recurrent kernel at BV = 128 (~3.3 us on the H200),
 for the launches `flashqla.cp.driver` makes:
 
-    t(BV)        per-CTA cost of one chunk: t(128) = 1.0, t(64) = 0.8 (NOTES.md, 32/32 1x4096, both
-                 launches under one wave: the op took 0.318 ms at BV = 64 and 0.378 ms at BV = 128;
-                 less the 0.082 ms prepare kernel, 0.236 vs 0.296 ms for the same chunk count)
+    t(BV)        per-CTA cost of one chunk: t(128) = 1.0, t(64) = 0.9 (first 0.8 from NOTES.md, 32/32
+                 1x4096, both launches under one wave: the op took 0.318 ms at BV = 64 and 0.378 ms
+                 at BV = 128; less the 0.082 ms prepare kernel, 0.236 vs 0.296 ms for the same chunk
+                 count; 0.9 in the refit described at HEAD_OVERHEAD)
     slots        SMs x CTAs per SM; both widths fit one CTA per SM (137 KB / 113 KB shared memory,
                  384 x 168 / 256 x 202 registers)
     unsplit      t(BV) * max(ceil(l_max / 64), ceil(NV HV N / slots) * ceil(l_avg / 64))
@@ -56,7 +57,10 @@ split, 1.05-1.83x). Then the run and the transitions became one launch (`chunk_r
 the gate-driven cut of each (segment, head) transition, costed by DUAL_LAUNCH,
 FULL_TRANSITION_HEADS, CUT_CHUNKS and HEAD_OVERHEAD below (tests/gpu/cp_dual_check.py): 2/8 x
 32768 is now split at L = 2560 (104 run CTAs, 12 full and 84 cut transitions in one wave) and takes
-0.370 ms.
+0.370 ms. Then the correction kernel's epilogue lost a 64-bit division per store (54 -> 21 us a
+call), the scan prefetches P (1.12-1.27x) and the runs' initial states are one launch: HEAD_OVERHEAD,
+SCAN_STEP_COST and t(64) were refitted (their comments), and 2/8 x 32768 takes 0.301 ms (forward
+benchmark, 2026-11-30).
 The planner evaluates both BV choices (only those dividing V), no split, and every segment length
 L = SEGMENT_QUANTUM * j (512 tokens = 8 chunks, as FlashInfer's exact CP; always a multiple of the
 64-token chunk) with L < l_max, and splits when the best split is predicted at least MIN_GAIN = 1.2x
@@ -66,8 +70,9 @@ lands where the segment CTAs fill one or a few whole waves: shorter segments do 
 critical path below total work / slots and add scan steps; longer ones leave SMs idle.
 Examples at 132 SMs (exact mode, the dual launch and the cut): 2/8 1x32768 -> split, L = 2560,
 BV = 128 (measured 1.56 -> 0.37 ms); 16/32 1x32768 -> split, L = 8192 (1.72 -> 0.96 ms); 16/64
-1x32768 -> split, L = 16896 (1.92 -> 1.48 ms); 32/32 1x4096 -> no split (split 0.286 against
-0.237 ms); 16/64 4x8192 (256 CTAs unsplit) -> no split. `disable=True` never splits; `force=True`
+1x32768 -> split, L = 16896 (1.92 -> 1.48 ms); 32/32 1x4096 -> split, L = 1024 (0.233 -> 0.228
+ms; no split before the split path's fixed costs fell, when it measured 0.286 split against 0.237);
+16/64 1x4096 -> no split; 16/64 4x8192 (256 CTAs unsplit) -> no split. `disable=True` never splits; `force=True`
 always splits (the best split, or `segment_len`); `segment_len` fixes L (a multiple of 64);
 `exact=True` costs exact mode, `exact=False` the gate-driven mode with `gate_chunks` chunks. The
 constants are module-level and named below.
