@@ -80,6 +80,73 @@ def test_run_states_torch_path():
     assert int((tab.h0_index >= 0).sum()) == 2  # the empty sequence has no segment
 
 
+def test_scan_builds_share_one_key(monkeypatch):
+    """`op_kernel_specs` lists the scan without a variant, `cp_scan` launches the resolved default:
+    both reach one cached build (not a second compile of the same kernel on the op's first split
+    call). A bad variant name is refused by name, empty inputs included."""
+    from flashqla.ops.gdn.kernels.sm90 import _build
+    from flashqla.ops.gdn.kernels.sm90 import cp_scan as cs
+
+    built = []
+    monkeypatch.setattr(cs, "compile_kernel", lambda func, name: built.append(name) or object())
+    monkeypatch.setattr(cs, "_cp_scan_prim_func", lambda *a: None)
+    monkeypatch.setattr(cs, "_cp_scan_prefetch_prim_func", lambda *a: None)
+    k = _build("cp_scan", (3, 8, 8, False))  # a shape no other test builds: the fake stays apart
+    assert cs.build_cp_scan_kernel(3, 8, 8, False, cs.DEFAULT_VARIANT) is k
+    assert cs.build_cp_scan_kernel(3, 8, 8, 0, None) is k and len(built) == 1, built
+    other = [v for v in cs.VARIANTS if v != cs.DEFAULT_VARIANT][0]
+    assert cs.build_cp_scan_kernel(3, 8, 8, False, other) is not k and len(built) == 2
+    P, Q = torch.zeros(0, 1, 8, 8), torch.zeros(0, 1, 8, 8)
+    idx = torch.zeros(0, dtype=torch.int64)
+    for bad in ("bogus", ""):
+        with pytest.raises(ValueError, match=f"variant.*got {bad!r}"):
+            cs.cp_scan(P, Q, idx, idx, variant=bad)
+        with pytest.raises(ValueError, match="variant"):
+            cs.build_cp_scan_kernel(3, 8, 8, False, bad)
+    assert cs.cp_scan(P, Q, idx, idx, variant=other)[0].shape == (0, 1, 8, 8)
+
+
+def test_correction_launches_fit_the_grid(monkeypatch):
+    """The correction's grid is (groups, M * HV) and a grid's y dimension holds at most 65535 blocks
+    (CUDA): with more (slot, value head) pairs `cp_correct` launches over slot ranges, each a valid
+    grid, and the rows come out as from one launch (the kernel emulated on the CPU)."""
+    from flashqla.ops.gdn.kernels.sm90 import cp_correct as cc
+
+    launches = []
+
+    def kernel(U, S, cu, lim, ngroups, o):  # gdn_cp_correct on the CPU: o[rows of slot] += U S
+        M, HV = S.shape[:2]
+        assert 1 <= ngroups <= 2**31 - 1 and M * HV <= 65535, (ngroups, M, HV)
+        assert cu.shape[0] == M + 1 and tuple(lim.shape) == (M, HV)
+        launches.append(M)
+        tiles = lim.clamp(max=ngroups * cc.TG).to(torch.int64)
+        for s in range(M):
+            a, b = int(cu[s]), int(cu[s + 1])
+            rows = torch.arange(a, b)[:, None] < a + 64 * tiles[s]  # [rows, HV]
+            o[0, a:b] += torch.einsum("thk,hkv->thv", U[0, a:b], S[s]) * rows[..., None]
+
+    monkeypatch.setattr(cc, "build_cp_correct_kernel", lambda *a: kernel)
+    gen = torch.Generator().manual_seed(0)
+    HV, K, V = 64, 4, 4
+    for M, want in ((1023, [1023]), (1024, [1023, 1]), (2100, [1023, 1023, 54])):
+        cu = torch.arange(M + 1, dtype=torch.int64) * 2
+        cu[M // 2:] += 1  # one slot of 3 rows
+        T = int(cu[-1])
+        U = torch.randn(1, T, HV, K, generator=gen)
+        S = torch.randn(M, HV, K, V, generator=gen)
+        flag = torch.rand(M, generator=gen) < 0.8
+        o0 = torch.randn(1, T, HV, V, generator=gen)
+        launches.clear()
+        got = cc.cp_correct(o0.clone(), U, S, cu, flag, max_rows=3)
+        assert launches == want
+        want_o = o0.clone()
+        for s in range(M):
+            if flag[s]:
+                a, b = int(cu[s]), int(cu[s + 1])
+                want_o[0, a:b] += torch.einsum("thk,hkv->thv", U[0, a:b], S[s])
+        assert torch.allclose(got, want_o, atol=1e-5, rtol=1e-5)
+
+
 def test_kernel_only_for_fp32_cuda(monkeypatch):
     from flashqla.cp import merge
 

@@ -151,6 +151,9 @@ def build_cp_state_grads_kernel(HV: int, K: int, V: int, dtype: str, seq_dtype: 
 
 #: A limit that never binds (more 64-row tiles than any slot has).
 _ALL = 2**30
+#: Blocks a grid's y dimension holds (CUDA): the correction's (slot, value head) pairs lie there, so
+#: `cp_correct` launches once per range of at most MAX_GRID_Y // HV slots.
+MAX_GRID_Y = 65535
 
 
 def _tile_limits(flag: torch.Tensor | None, limit: torch.Tensor | None, M: int, HV: int) -> torch.Tensor:
@@ -172,7 +175,8 @@ def cp_correct(o: torch.Tensor, U: torch.Tensor, S: torch.Tensor, cu: torch.Tens
     o: [1, T, HV, V] bf16/fp16 contiguous; U: [1, T, HV, K] (o's dtype); S: [M, HV, K, V] fp32
     entering states; cu: [M + 1] int32/int64 pseudo offsets (`SegmentTables.cu_seqlens`); flag: [M]
     bool, or limit: [M, HV] int (tiles; when given, flag is not read); max_rows: a host bound on any slot's rows (the segment
-    length; None: T), which sets the CTAs per slot (ceil(max_rows / (64 TG))). Returns o."""
+    length; None: T), which sets the CTAs per slot (ceil(max_rows / (64 TG))). More than
+    MAX_GRID_Y // HV slots take one launch per range of that many. Returns o."""
     if U.dtype != o.dtype:
         raise ValueError(f"U and o must share a dtype, got {U.dtype} and {o.dtype}")
     M = S.shape[0]
@@ -183,7 +187,16 @@ def cp_correct(o: torch.Tensor, U: torch.Tensor, S: torch.Tensor, cu: torch.Tens
     rows = o.shape[1] if max_rows is None else min(int(max_rows), o.shape[1])
     ngroups = max(-(-rows // (CHUNK * TG)), 1)
     kernel = build_cp_correct_kernel(HV, K, V, tl_dtype(o.dtype), tl_dtype(cu.dtype))
-    kernel(U.contiguous(), S.contiguous(), cu, lim, ngroups, o)
+    U, S = U.contiguous(), S.contiguous()
+    step = max(MAX_GRID_Y // HV, 1)
+    if M <= step:
+        kernel(U, S, cu, lim, ngroups, o)
+        return o
+    # grid y is M * HV: more slots than it holds go in launches over consecutive slot ranges (a CTA
+    # writes only its own slot's rows; cu keeps absolute token offsets into U and o)
+    for m0 in range(0, M, step):
+        m1 = min(m0 + step, M)
+        kernel(U, S[m0:m1], cu[m0 : m1 + 1], lim[m0:m1], ngroups, o)
     return o
 
 

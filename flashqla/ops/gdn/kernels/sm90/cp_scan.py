@@ -248,14 +248,26 @@ VARIANTS = ("smem", "prefetch")
 DEFAULT_VARIANT = os.environ.get("FLASHQLA_CP_SCAN_VARIANT", "prefetch")
 
 
-@functools.lru_cache(maxsize=None)
-def build_cp_scan_kernel(HV: int, K: int, V: int, reverse: bool, variant: str = DEFAULT_VARIANT):
-    """Compiled scan kernel for HV value heads, K x V states, forward or reverse (cached)."""
+def _resolve_variant(variant: str | None) -> str:
+    variant = DEFAULT_VARIANT if variant is None else variant
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS} (default from $FLASHQLA_CP_SCAN_VARIANT), got {variant!r}")
+    return variant
+
+
+def build_cp_scan_kernel(HV: int, K: int, V: int, reverse: bool, variant: str | None = None):
+    """Compiled scan kernel for HV value heads, K x V states, forward or reverse, in `variant` (None:
+    DEFAULT_VARIANT). Cached under the resolved variant, so `op_kernel_specs`' key (no variant) and
+    `cp_scan`'s launch share one build."""
     BS = scan_slice_width(HV)
     if V % BS or K % 8:
         raise ValueError(f"the scan kernel needs V % {BS} == 0 and K % 8 == 0, got K = {K}, V = {V}")
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    return _build_cp_scan_kernel(int(HV), int(K), int(V), bool(reverse), _resolve_variant(variant))
+
+
+@functools.lru_cache(maxsize=None)
+def _build_cp_scan_kernel(HV: int, K: int, V: int, reverse: bool, variant: str):
+    BS = scan_slice_width(HV)
     make = _cp_scan_prefetch_prim_func if variant == "prefetch" else _cp_scan_prim_func
     func = make(HV, K, V, BS, bool(reverse))
     tag = "" if variant == "smem" else f"_{variant}"
@@ -276,6 +288,7 @@ def cp_scan(P: torch.Tensor, Q: torch.Tensor, seq_first: torch.Tensor, seq_num: 
     Returns:
         (starts [M, HV, K, V] fp32, zeros on slots of no sequence, final [N, HV, K, V] fp32 or None).
     """
+    variant = _resolve_variant(variant)
     M, HV, K, V = Q.shape
     N = seq_num.shape[0]
     dev = Q.device
@@ -287,7 +300,7 @@ def cp_scan(P: torch.Tensor, Q: torch.Tensor, seq_first: torch.Tensor, seq_num: 
         elif final is not None:
             final.zero_()
         return starts, final
-    kernel = build_cp_scan_kernel(HV, K, V, bool(reverse), variant or DEFAULT_VARIANT)
+    kernel = build_cp_scan_kernel(HV, K, V, bool(reverse), variant)
     h0 = init.contiguous() if init is not None else placeholder((1, HV, K, V), torch.float32, dev)
     fin = final if final is not None else torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)  # not written
     kernel(P.contiguous(), Q.contiguous(), h0, seq_first.contiguous(), seq_num.contiguous(), int(init is not None),
