@@ -571,3 +571,23 @@ def test_cp_grid_rows_and_page(tmp_path):
     assert "8192x4" not in md and "8192x4" in paths["md"].read_text()
     if R.pyplot() is not None:
         assert paths["cp_png"].stat().st_size > 0
+
+
+def test_report_only_keeps_the_drift_section():
+    """A page rebuilt from the CSV (--report-only) keeps the measuring run's drift section when the
+    commit is the same (the drift of re-timed peers is not in the CSV), in its place; not for
+    another commit, and not when the new page has its own."""
+    from flashqla.bench.report import commit_from_markdown, keep_drift_section
+
+    old = ("| our commit | abc+cp-auto |\n\n## Rows\n\nold rows\n\n## Drift of the cached peer timings\n\n"
+           "| impl | now |\n| FLA | 1.0 |\n\n## Correctness gate\n\ngate\n")
+    new = "| our commit | abc+cp-auto |\n\n## Rows\n\nnew rows\n\n## Correctness gate\n\ngate\n"
+    assert commit_from_markdown(old) == "abc+cp-auto"
+    got = keep_drift_section(old, new, "abc+cp-auto", "abc+cp-auto")
+    assert "| FLA | 1.0 |" in got and "new rows" in got and "old rows" not in got
+    assert got.index("## Drift") < got.index("## Correctness gate") and got.count("## Drift") == 1
+    assert keep_drift_section(old, new, "abc+cp-auto", "def+cp-auto") == new
+    own = new + "\n## Drift of the cached peer timings\n\nfresh\n"
+    assert keep_drift_section(old, own, "abc+cp-auto", "abc+cp-auto") == own
+    last = old.split("## Correctness gate")[0]  # the drift section last on the old page
+    assert keep_drift_section(last, new, "abc+cp-auto", "abc+cp-auto").rstrip().endswith("| FLA | 1.0 |")

@@ -277,11 +277,21 @@ def main(argv=None) -> int:
             print(f"no results in {paths['csv']}", file=sys.stderr)
             return 1
         env, commit = key
-        method = R.method_from_markdown(paths["md"].read_text()) if paths["md"].exists() else []
+        old_md = paths["md"].read_text() if paths["md"].exists() else ""
+        old_cp = paths["cp_md"].read_text() if paths["cp_md"].exists() else ""
+        method = R.method_from_markdown(old_md)
         dates = [r.get("date", "") for r in S.rows_for_key(S.read_rows(paths["csv"]), env, commit)]
         meta = {"date": max(dates, default=now_utc()), "method": method or ["Rebuilt from the CSV (--report-only); method of the measuring run unknown."]}
         write_outputs(paths, env, commit, meta, [], not args.no_plot)
-        print(f"wrote {paths['md']}")
+        written = [paths["md"]]
+        for page, old in ((paths["md"], old_md), (paths["cp_md"], old_cp)):
+            if page.exists() and old:
+                page.write_text(R.keep_drift_section(old, page.read_text(), R.commit_from_markdown(old), commit))
+        if paths["cp_md"].exists() and paths["cp_md"].read_text() != old_cp:
+            written.append(paths["cp_md"])
+        if not args.no_plot:
+            written += [p for p in (paths["png"], paths.get("cp_png")) if p is not None and p.exists()]
+        print("wrote " + ", ".join(str(p) for p in written))
         return 0
 
     import torch

@@ -152,7 +152,7 @@ def write_outputs(paths: dict, env: dict, commit: str, meta: dict, drift, plot: 
 
 
 def report_only(args) -> int:
-    from flashqla.bench.report import method_from_markdown
+    from flashqla.bench.report import commit_from_markdown, keep_drift_section, method_from_markdown
     from flashqla.bench.__main__ import now_utc
 
     prefix = find_prefix(args, None)
@@ -163,12 +163,15 @@ def report_only(args) -> int:
         print(f"no results in {paths['csv']}", file=sys.stderr)
         return 1
     env, commit = key
-    method = method_from_markdown(paths["md"].read_text()) if paths["md"].exists() else []
+    old_md = paths["md"].read_text() if paths["md"].exists() else ""
+    method = method_from_markdown(old_md)
     dates = [r.get("date", "") for r in S.rows_for_key(rows, env, commit)]
     meta = {"date": max(dates, default=now_utc()),
             "method": method or ["Rebuilt from the CSV (--report-only); method of the measuring run unknown."]}
     write_outputs(paths, env, commit, meta, [], not args.no_plot)
-    print(f"wrote {paths['md']}")
+    if old_md:
+        paths["md"].write_text(keep_drift_section(old_md, paths["md"].read_text(), commit_from_markdown(old_md), commit))
+    print(f"wrote {paths['md']}" + ("" if args.no_plot else f", {paths['png']}"))
     return 0
 
 

@@ -221,6 +221,35 @@ def method_from_markdown(md: str) -> list[str]:
     return out
 
 
+def keep_drift_section(old_md: str, new_md: str, old_commit: str | None, commit: str) -> str:
+    """`new_md` with the '## Drift' section of `old_md` put back where it stood (before the section
+    that followed it, else at the end), when the page is rebuilt from the CSV (--report-only) for the
+    commit the old page was written for: the drift of the peers re-timed by the measuring run is not
+    in the CSV. Unchanged when new_md has its own drift section, the old page has none, or the commits
+    differ."""
+    if "\n## Drift" in new_md or old_commit != commit:
+        return new_md
+    lines = old_md.splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("## Drift")), None)
+    if start is None:
+        return new_md
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    section = "\n".join(lines[start:end]).rstrip("\n") + "\n"
+    after = lines[end] if end < len(lines) else None
+    if after is not None and ("\n" + after + "\n") in new_md:
+        at = new_md.index("\n" + after + "\n") + 1
+        return new_md[:at] + section + "\n" + new_md[at:]
+    return new_md.rstrip("\n") + "\n\n" + section
+
+
+def commit_from_markdown(md: str) -> str | None:
+    """The '| our commit | X |' cell of an earlier page, or None."""
+    for line in md.splitlines():
+        if line.startswith("| our commit |"):
+            return line.split("|")[2].strip()
+    return None
+
+
 def breakdown_markdown(brows: list[dict], rows: list[dict]) -> list[str]:
     """Markdown lines of the FLA step breakdown, one table per row."""
     from collections import OrderedDict
