@@ -63,6 +63,21 @@ def test_slot_h0_kernel_compiles():
     assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
 
 
+def test_slot_initial_states_rejects_bad_arguments():
+    """The one-launch initial states name a wrong h0 or h0_index before any device work."""
+    from flashqla.ops.gdn.kernels.sm90.cp_relayout import slot_initial_states
+
+    idx = torch.tensor([0, -1])
+    with pytest.raises(ValueError, match="h0 must be"):
+        slot_initial_states(torch.zeros(1, 2, 4, 4, dtype=torch.float64), idx)
+    with pytest.raises(ValueError, match="h0 must be"):
+        slot_initial_states(torch.zeros(2, 4, 4), idx)
+    with pytest.raises(ValueError, match="h0_index must be"):
+        slot_initial_states(torch.zeros(1, 2, 4, 4), idx.float())
+    with pytest.raises(ValueError, match="h0_index must be"):
+        slot_initial_states(torch.zeros(1, 2, 4, 4), idx[None])
+
+
 def test_run_states_torch_path():
     """Off sm_90 the runs' initial states are the torch expression: h0 of the sequence on first
     segments, zeros elsewhere."""

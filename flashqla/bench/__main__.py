@@ -277,20 +277,16 @@ def main(argv=None) -> int:
             print(f"no results in {paths['csv']}", file=sys.stderr)
             return 1
         env, commit = key
-        old_md = paths["md"].read_text() if paths["md"].exists() else ""
-        old_cp = paths["cp_md"].read_text() if paths["cp_md"].exists() else ""
-        method = R.method_from_markdown(old_md)
+        pages = {k: paths[k].read_text() if paths[k].exists() else "" for k in ("md", "cp_md")}
+        method = R.method_from_markdown(pages["md"])
         dates = [r.get("date", "") for r in S.rows_for_key(S.read_rows(paths["csv"]), env, commit)]
         meta = {"date": max(dates, default=now_utc()), "method": method or ["Rebuilt from the CSV (--report-only); method of the measuring run unknown."]}
+        started = time.time()
         write_outputs(paths, env, commit, meta, [], not args.no_plot)
-        written = [paths["md"]]
-        for page, old in ((paths["md"], old_md), (paths["cp_md"], old_cp)):
-            if page.exists() and old:
-                page.write_text(R.keep_drift_section(old, page.read_text(), R.commit_from_markdown(old), commit))
-        if paths["cp_md"].exists() and paths["cp_md"].read_text() != old_cp:
-            written.append(paths["cp_md"])
-        if not args.no_plot:
-            written += [p for p in (paths["png"], paths.get("cp_png")) if p is not None and p.exists()]
+        for k, old in pages.items():
+            if old and paths[k].exists():
+                paths[k].write_text(R.keep_drift_section(old, paths[k].read_text(), R.commit_from_markdown(old), commit))
+        written = [paths[k] for k in ("md", "cp_md", "png", "cp_png") if paths[k].exists() and paths[k].stat().st_mtime >= started - 1]
         print("wrote " + ", ".join(str(p) for p in written))
         return 0
 

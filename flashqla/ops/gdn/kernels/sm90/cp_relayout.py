@@ -177,7 +177,12 @@ def slot_initial_states(h0: torch.Tensor, h0_index: torch.Tensor) -> torch.Tenso
     states: `SegmentTables.h0_index` is the sequence of a first segment, -1 elsewhere).
 
     h0: [N, HV, K, V] fp32; h0_index: [M] int64 with values in [-1, N). CUDA tensors on sm_90 (the
-    torch expression in `flashqla.cp.driver` is the CPU path and the reference)."""
+    torch expression in `flashqla.cp.driver` is the CPU path and the reference).
+    Raises ValueError for an h0 that is not 4-D fp32 or an h0_index that is not 1-D integer."""
+    if h0.dim() != 4 or h0.dtype != torch.float32:
+        raise ValueError(f"h0 must be [N, HV, K, V] fp32, got shape {tuple(h0.shape)} and {h0.dtype}")
+    if h0_index.dim() != 1 or h0_index.dtype.is_floating_point or h0_index.dtype == torch.bool:
+        raise ValueError(f"h0_index must be a 1-D integer tensor, got shape {tuple(h0_index.shape)} and {h0_index.dtype}")
     M = h0_index.shape[0]
     _, HV, K, V = h0.shape
     out = torch.empty(M, HV, K, V, dtype=torch.float32, device=h0.device)
