@@ -278,11 +278,50 @@ def test_recurrent_dual_launch_compiles(BV, seq_dtype):
 
 
 def test_recurrent_schedule_is_checked():
-    from flashqla.ops.gdn.kernels.sm90.recurrent import SCHEDULES, build_recurrent_kernel
+    from flashqla.ops.gdn.kernels.sm90.recurrent import SCHEDULES, build_recurrent_kernel, resolve_schedule
 
-    assert SCHEDULES == ("serial", "overlap")
+    assert SCHEDULES == ("serial", "overlap", "roles")
     with pytest.raises(ValueError, match="schedule"):
         build_recurrent_kernel(1, 2, 128, 128, 64, "bfloat16", "int32", False, "bogus")
+    with pytest.raises(ValueError, match="schedule"):
+        resolve_schedule("bogus", 64)
+    with pytest.raises(ValueError, match="BV = 64"):
+        build_recurrent_kernel(1, 2, 128, 128, 128, "bfloat16", "int32", False, "roles")
+    with pytest.raises(ValueError, match="BV = 64"):
+        build_recurrent_kernel(1, 2, 128, 128, 64, "bfloat16", "int32", True, "roles", True)
+    # "auto": the role-split kernel at BV = 64, "overlap" at BV = 128 and in the dual launch
+    assert resolve_schedule("auto", 64) == "roles" and resolve_schedule("auto", 128) == "overlap"
+    assert resolve_schedule("auto", 64, dual=True) == "overlap" and resolve_schedule("roles", 128) == "overlap"
+    assert resolve_schedule("serial", 64) == "serial"
+
+
+@needs_nvcc
+@pytest.mark.parametrize("varlen", [False, True])
+def test_roles_kernel_compiles(varlen):
+    """The role-split recurrent kernel (BV = 64): three warpgroups whose setmaxnreg counts fit the
+    CTA's launch registers (an `inc` past them waits forever: the first build hung on the H200),
+    mbarrier hand-offs between the roles, wgmma with the state from registers on the chain, TMA loads
+    by one producer warp, no spills, no CTA-wide barrier inside the role branches."""
+    import re
+
+    from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
+    from flashqla.ops.gdn.kernels.sm90.recurrent import build_recurrent_kernel
+    from flashqla.ops.gdn.kernels.sm90.recurrent_roles import NREG, REG_BUDGET
+
+    kern = build_recurrent_kernel(2, 8, 128, 128, 64, "bfloat16", "int32", varlen, "roles")
+    src = kern.get_kernel_source()
+    rep = ptxas_report(kern)
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    launch_regs = rep["registers"]
+    alloc = [int(x) for x in re.findall(r"warpgroup_reg_alloc<(\d+)>", src)]
+    dealloc = [int(x) for x in re.findall(r"warpgroup_reg_dealloc<(\d+)>", src)]
+    assert sorted(alloc) == sorted([NREG["chain"], NREG["output"]]) and dealloc == [NREG["producer"]]
+    assert sum(alloc) + sum(dealloc) <= 3 * launch_regs == REG_BUDGET, (alloc, dealloc, launch_regs)
+    assert src.count("wgmma_rs") >= 4 and "wgmma_ss" in src and "tma_load" in src
+    body = src[src.index("warpgroup_reg_alloc"):]
+    assert "__syncthreads" not in body  # only partial (one-warpgroup) barriers inside the roles
+    for bar in ("full", "empty", "s_full", "s_empty", "n_full", "n_empty"):
+        assert f"{bar}[(" in body, bar
 
 
 @needs_nvcc

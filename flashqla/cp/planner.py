@@ -216,6 +216,12 @@ BV_CHOICES = (128, 64)
 #: Per-CTA cost of one chunk step, relative to BV = 128 (NOTES.md, 32/32 1x4096: 0.8; 0.9 since the
 #: split path's fixed costs fell, fitted with HEAD_OVERHEAD and SCAN_STEP_COST below).
 CHUNK_COST = {128: 1.0, 64: 0.9}
+#: The same for the unsplit forward launch, whose BV = 64 kernel is the role-split one (schedule
+#: "roles" of `kernels/sm90/recurrent.py`; the split path's dual launch stays "overlap", CHUNK_COST).
+#: Measured on the H200 (2026-11-30, tests/gpu/recurrent_floor.py, recurrent launch alone, us per
+#: chunk step against BV = 128 "overlap" on the same row): 0.55-0.61 with the SMs not full (2/8 2048x4,
+#: 1024x8, 1x8192, 4/16 8192x4), 0.535 per CTA at 256 CTAs on 132 SMs (16/32 8192x4).
+UNSPLIT_CHUNK_COST = {128: 1.0, 64: 0.58}
 #: Resident CTAs per SM of the recurrent kernel.
 CTAS_PER_SM = {128: 1, 64: 1}
 #: Full-length recurrent launches over the segments in exact CP: run and transition (the output
@@ -319,10 +325,11 @@ class CPPlan:
         return num_segment_slots(T, N, self.segment_len) if self.split else 0
 
 
-def _unsplit_time(BV: int, HV: int, V: int, N: int, l_avg: int, l_max: int, sms: int) -> float:
+def _unsplit_time(BV: int, HV: int, V: int, N: int, l_avg: int, l_max: int, sms: int, cost=None) -> float:
+    """The unsplit forward launch (cost: per-chunk costs by BV, default UNSPLIT_CHUNK_COST)."""
     ctas = _cdiv(V, BV) * HV * N
     slots = sms * CTAS_PER_SM[BV]
-    return CHUNK_COST[BV] * max(_cdiv(l_max, CHUNK), _cdiv(ctas, slots) * _cdiv(l_avg, CHUNK))
+    return (cost or UNSPLIT_CHUNK_COST)[BV] * max(_cdiv(l_max, CHUNK), _cdiv(ctas, slots) * _cdiv(l_avg, CHUNK))
 
 
 def _segments(T: int, N: int, L: int, l_avg: int, l_max: int, balanced: bool) -> int:
@@ -343,7 +350,7 @@ def _first_tokens(T: int, N: int, L: int, l_avg: int, l_max: int, balanced: bool
 def _unsplit_bwd_time(BV: int, HV: int, V: int, N: int, l_avg: int, l_max: int, sms: int) -> float:
     """The unsplit backward: the states pass (forward-like, NV HV N CTAs) and the fused chunk
     backward (HV N CTAs, one per SM, BWD_CHUNK_COST per chunk)."""
-    states = _unsplit_time(BV, HV, V, N, l_avg, l_max, sms)
+    states = _unsplit_time(BV, HV, V, N, l_avg, l_max, sms, CHUNK_COST)  # pass 1 is not the roles kernel
     return states + BWD_CHUNK_COST * max(_cdiv(l_max, CHUNK), _cdiv(HV * N, sms) * _cdiv(l_avg, CHUNK))
 
 

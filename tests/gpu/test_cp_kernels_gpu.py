@@ -160,3 +160,52 @@ def test_scan_variants_bitwise_equal():
     check script's packed mixes (tests/gpu/cp_scan_check.py)."""
     out = {}
     assert cp_scan_check.compare_variants(out), [r for r in out["variants"] if "DIFFERS" in r[2]]
+
+
+def test_correction_over_slot_ranges_equals_one_launch(monkeypatch):
+    """`cp_correct` launches once per range of slots when M * HV passes the grid's y limit: with the
+    limit lowered (so that a small case takes 2-7 launches) the result is bitwise the one launch's,
+    with a per-(slot, head) tile limit and with a flag; and at the real limit a case of 64 value heads
+    and 1100 slots (two launches) against fp64 on its corrected rows."""
+    from flashqla.ops.gdn.kernels.sm90 import cp_correct as cc
+    from flashqla.cp.planner import build_segment_tables
+
+    gen = torch.Generator().manual_seed(11)
+    lengths = [700, 0, 64, 1, 2000, 130, 1]
+    T, L, HV, K = sum(lengths), 128, 3, 128
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+    tab = build_segment_tables(cu, L, T=T)
+    cu_p, M = tab.cu_seqlens.cuda(), tab.M
+    U = torch.randn(1, T, HV, K, generator=gen).to("cuda", torch.bfloat16)
+    o = torch.randn(1, T, HV, K, generator=gen).to("cuda", torch.bfloat16)
+    S = (torch.randn(M, HV, K, K, generator=gen) / K**0.5).cuda()
+    flag = tab.need_correction.cuda()
+    limit = torch.randint(0, 3, (M, HV), generator=gen, dtype=torch.int32).cuda()
+    one_f = cc.cp_correct(o.clone(), U, S, cu_p, flag, max_rows=L)
+    one_l = cc.cp_correct(o.clone(), U, S, cu_p, limit=limit, max_rows=L)
+    assert not torch.equal(one_f, o) and not torch.equal(one_l, o)
+    for y in (HV, 4 * HV + 1, (M // 2) * HV):
+        monkeypatch.setattr(cc, "MAX_GRID_Y", y)
+        assert torch.equal(cc.cp_correct(o.clone(), U, S, cu_p, flag, max_rows=L), one_f), y
+        assert torch.equal(cc.cp_correct(o.clone(), U, S, cu_p, limit=limit, max_rows=L), one_l), y
+    monkeypatch.undo()
+
+    # the real limit: 64 value heads x 1100 slots = 70,400 > 65,535 (two launches)
+    HV, L = 64, 64
+    T = 1100 * L
+    tab = build_segment_tables(torch.tensor([0, T], dtype=torch.int32), L, T=T)
+    M = tab.M
+    assert M * HV > cc.MAX_GRID_Y
+    U = (torch.randn(1, T, HV, K, generator=gen) * 0.1).to("cuda", torch.bfloat16)
+    o = torch.randn(1, T, HV, K, generator=gen).to("cuda", torch.bfloat16)
+    S = (torch.randn(M, HV, K, K, generator=gen) / K**0.5).cuda()
+    got = cc.cp_correct(o.clone(), U, S, tab.cu_seqlens.cuda(), tab.need_correction.cuda(), max_rows=L)
+    st, fl = tab.start.tolist(), tab.need_correction.tolist()
+    step = cc.MAX_GRID_Y // HV  # slots of the first launch
+    for j in (1, step - 1, step, M - 2):  # slots on both sides of the launches' boundary
+        assert fl[j]
+        r = slice(st[j], st[j] + L)
+        want = o[0, r].double() + torch.einsum("thk,hkv->thv", U[0, r].double(), S[j].double())
+        err = ((got[0, r].double() - want).norm() / want.norm()).item()
+        assert err < 8e-3, (j, err)
+    assert torch.equal(got[0, :L], o[0, :L])  # the first segment is not corrected

@@ -138,12 +138,12 @@ run + transition launch at both value slice widths, the transition limits and, f
 the segment tables) are
 included since `cp="auto"` may split. Pure Python: needs neither a GPU nor TileLang."""
     from flashqla.ops.gdn.kernels.sm90.prepare import DEFAULT_VARIANT
-    from flashqla.ops.gdn.kernels.sm90.recurrent import DEFAULT_SCHEDULE, pick_block_v
+    from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v, resolve_schedule
 
     BV = block_v or pick_block_v(N, HV, V)
     specs = [
         ("prepare", (H, HV, K, dtype, beta_dtype, seq_dtype, varlen, DEFAULT_VARIANT)),
-        ("recurrent", (H, HV, K, V, BV, dtype, seq_dtype, varlen, DEFAULT_SCHEDULE)),
+        ("recurrent", (H, HV, K, V, BV, dtype, seq_dtype, varlen, resolve_schedule(None, BV))),
         ("cp_scan", (HV, K, V, False)),
         ("cp_correct", (HV, K, V, dtype, seq_dtype if varlen else "int32")),
     ]

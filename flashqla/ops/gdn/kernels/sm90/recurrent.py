@@ -45,11 +45,12 @@ import torch
 from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slots, placeholder, sequence_span, tl_dtype
 
 __all__ = ["DEFAULT_SCHEDULE", "SCHEDULES", "build_recurrent_kernel", "chunk_recurrent_dual", "chunk_recurrent_fwd", "pick_block_v",
+           "resolve_schedule",
            "recurrent_kernel_args"]
 
 
 def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, seq_dtype: str, varlen: bool,
-                         schedule: str, dual: bool = False):
+                         schedule: str, dual: bool = False, _measure: str = ""):
     """The recurrent kernel in one of its two schedules (`SCHEDULES`): the same products and stages,
     one signature, prologue, chunk loads and final-state store, two chunk-loop bodies.
 
@@ -78,6 +79,11 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, s
     from tilelang.layout import make_swizzled_layout
 
     overlap = schedule == "overlap"
+    # measuring builds (wrong results, never dispatched): "chain" leaves the output path out (Q K^T,
+    # S^T Q^T, Pg, O^T += v_new^T Pg^T and the o store), so its time is the state chain's alone
+    if _measure not in ("", "chain") or (_measure and (not overlap or dual)):
+        raise ValueError(f"unknown measuring build {_measure!r} (schedule 'overlap', not dual)")
+    out_path = _measure != "chain"
     C = CHUNK
     G = HV // H
     NV = V // BV
@@ -197,12 +203,13 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, s
                     for _ in T.serial(1):  # one statement of the loop body (see docstring)
                         # U^T = S^T K^T (on the chain), P = Q K^T, O^T = S^T Q^T
                         T.wgmma_gemm(st_b, k_s, ut, transpose_B=True, clear_accum=True, policy=row_policy)
-                        T.wgmma_gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
-                        T.wgmma_gemm(st_b, q_s, ot, transpose_B=True, clear_accum=True, policy=row_policy)
+                        if out_path:
+                            T.wgmma_gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
+                            T.wgmma_gemm(st_b, q_s, ot, transpose_B=True, clear_accum=True, policy=row_policy)
                         for s in T.Parallel(C):
                             gam_f[s] = T.exp2(gc_s[s])
                             r_f[s] = T.exp2(T.min(gc_s[C - 1] - gc_s[s], T.float32(0)))
-                        T.wait_wgmma(2)
+                        T.wait_wgmma(2 if out_path else 0)
                         T.warpgroup_fence_operand(ut, num_regs=r_acc)
                         # W^T = V^T - U^T diag(gamma) (transition CTAs: v = 0)
                         if dual:
@@ -212,26 +219,28 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, s
                         else:
                             for i, s in T.Parallel(BV, C):
                                 wt_b[i, s] = T.cast(T.cast(v_s[s, i], acc) - ut[i, s] * gam_f[s], dtype)
-                        T.wait_wgmma(0)
-                        T.warpgroup_fence_operand(p_f, num_regs=C * C // consumer_threads)
-                        T.warpgroup_fence_operand(ot, num_regs=r_acc)
+                        if out_path:
+                            T.wait_wgmma(0)
+                            T.warpgroup_fence_operand(p_f, num_regs=C * C // consumer_threads)
+                            T.warpgroup_fence_operand(ot, num_regs=r_acc)
 
                     for _ in T.serial(1):
                         # v_new^T = W^T A_beta^T (on the chain); the S-independent work runs meanwhile
                         T.wgmma_gemm(wt_b, a_s, nvt, transpose_B=True, clear_accum=True, policy=row_policy)
-                        # Pg = scale * (Q K^T * Gamma), causal (t >= s)
-                        for t, s in T.Parallel(C, C):
-                            p_s[t, s] = T.cast(
-                                T.if_then_else(
-                                    t >= s,
-                                    scale * p_f[t, s] * T.exp2(T.if_then_else(t >= s, gc_s[t] - gc_s[s], T.float32(0))),
-                                    T.float32(0),
-                                ),
-                                dtype,
-                            )
-                        T.fence_proxy_async()
-                        for i, t in T.Parallel(BV, C):
-                            ot[i, t] = ot[i, t] * (scale * gam_f[t])
+                        if out_path:
+                            # Pg = scale * (Q K^T * Gamma), causal (t >= s)
+                            for t, s in T.Parallel(C, C):
+                                p_s[t, s] = T.cast(
+                                    T.if_then_else(
+                                        t >= s,
+                                        scale * p_f[t, s] * T.exp2(T.if_then_else(t >= s, gc_s[t] - gc_s[s], T.float32(0))),
+                                        T.float32(0),
+                                    ),
+                                    dtype,
+                                )
+                            T.fence_proxy_async()
+                            for i, t in T.Parallel(BV, C):
+                                ot[i, t] = ot[i, t] * (scale * gam_f[t])
                         for i, j in T.Parallel(BV, K):
                             st[i, j] = st[i, j] * T.exp2(gc_s[C - 1])
                         T.wait_wgmma(0)
@@ -241,31 +250,37 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, s
                         nvt_b[i, s] = T.cast(nvt[i, s], dtype)
                         vpt_b[i, s] = T.cast(nvt[i, s] * r_f[s], dtype)
 
-                    for _ in T.serial(1):
-                        # O^T += v_new^T Pg^T, then S^T = gamma_C S^T + (v_new^T diag(r)) K
-                        T.wgmma_gemm(nvt_b, p_s, ot, transpose_B=True, policy=row_policy)
-                        T.wgmma_gemm(vpt_b, k_s, st, policy=row_policy)
-                        T.wait_wgmma(1)
-                        T.warpgroup_fence_operand(ot, num_regs=r_acc)
-                        # o rows of this chunk (only rows inside the sequence) while S^T updates
-                        for t, i in T.Parallel(C, BV):
-                            o_s[t, i] = T.cast(ot[i, t], dtype)
-                        nvalid = T.min(seqlen - c * C, C)
-                        if dual:
-                            if tr:
-                                for t, i in T.Parallel(C, BV):
-                                    if t < nvalid:
-                                        u[bidx, t0 + t, hv, v0 + i] = o_s[t, i]
+                    if not out_path:  # measuring build: the state update alone
+                        for _ in T.serial(1):
+                            T.wgmma_gemm(vpt_b, k_s, st, policy=row_policy)
+                            T.wait_wgmma(0)
+                            T.warpgroup_fence_operand(st, num_regs=r_st)
+                    else:
+                        for _ in T.serial(1):
+                            # O^T += v_new^T Pg^T, then S^T = gamma_C S^T + (v_new^T diag(r)) K
+                            T.wgmma_gemm(nvt_b, p_s, ot, transpose_B=True, policy=row_policy)
+                            T.wgmma_gemm(vpt_b, k_s, st, policy=row_policy)
+                            T.wait_wgmma(1)
+                            T.warpgroup_fence_operand(ot, num_regs=r_acc)
+                            # o rows of this chunk (only rows inside the sequence) while S^T updates
+                            for t, i in T.Parallel(C, BV):
+                                o_s[t, i] = T.cast(ot[i, t], dtype)
+                            nvalid = T.min(seqlen - c * C, C)
+                            if dual:
+                                if tr:
+                                    for t, i in T.Parallel(C, BV):
+                                        if t < nvalid:
+                                            u[bidx, t0 + t, hv, v0 + i] = o_s[t, i]
+                                else:
+                                    for t, i in T.Parallel(C, BV):
+                                        if t < nvalid:
+                                            o[bidx, t0 + t, hv, v0 + i] = o_s[t, i]
                             else:
                                 for t, i in T.Parallel(C, BV):
                                     if t < nvalid:
                                         o[bidx, t0 + t, hv, v0 + i] = o_s[t, i]
-                        else:
-                            for t, i in T.Parallel(C, BV):
-                                if t < nvalid:
-                                    o[bidx, t0 + t, hv, v0 + i] = o_s[t, i]
-                        T.wait_wgmma(0)
-                        T.warpgroup_fence_operand(st, num_regs=r_st)
+                            T.wait_wgmma(0)
+                            T.warpgroup_fence_operand(st, num_regs=r_st)
                 else:  # schedule "serial"
                     # Pg = scale * (Q K^T * Gamma), causal (t >= s); S-independent
                     T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
@@ -324,16 +339,34 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, s
 
 
 #: Recurrent kernel schedules: "serial" (each wgmma waited before the next step) and "overlap"
-#: (both built by `_recurrent_prim_func`).
-SCHEDULES = ("serial", "overlap")
+#: (both built by `_recurrent_prim_func`), and "roles" (BV = 64 only: the state chain and the output
+#: path on two warpgroups that run concurrently, `recurrent_roles.py`).
+SCHEDULES = ("serial", "overlap", "roles")
 #: The schedule `chunk_recurrent_fwd` uses when none is given (read at every call; the environment
-#: variable FLASHQLA_RECURRENT_SCHEDULE sets it at import).
-DEFAULT_SCHEDULE = os.environ.get("FLASHQLA_RECURRENT_SCHEDULE", "overlap")
+#: variable FLASHQLA_RECURRENT_SCHEDULE sets it at import). "auto": "roles" at BV = 64, "overlap" at
+#: BV = 128 and in the dual launch (`resolve_schedule`). Measured on the H200
+#: (tests/gpu/recurrent_floor.py, recurrent launch alone, us per chunk step): BV = 64 "overlap"
+#: 2.8-3.4, "roles" 1.8-2.2 (o and final state bitwise equal), BV = 128 "overlap" 3.2-3.6.
+DEFAULT_SCHEDULE = os.environ.get("FLASHQLA_RECURRENT_SCHEDULE", "auto")
+
+
+def resolve_schedule(schedule: str | None, BV: int, dual: bool = False) -> str:
+    """The concrete schedule (one of `SCHEDULES`) a launch at value slice width BV uses for a
+    requested one (None: `DEFAULT_SCHEDULE`; "auto"; or a concrete one). The dual launch exists in
+    "overlap" only, "roles" at BV = 64 only (elsewhere both fall back to "overlap")."""
+    schedule = schedule or DEFAULT_SCHEDULE
+    if schedule == "auto":
+        schedule = "roles" if BV == 64 else "overlap"
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be 'auto' or one of {SCHEDULES}, got {schedule!r}")
+    if dual or (schedule == "roles" and BV != 64):
+        return "overlap"
+    return schedule
 
 
 @functools.lru_cache(maxsize=None)
 def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str, seq_dtype: str, varlen: bool, schedule: str = "overlap",
-                           dual: bool = False):
+                           dual: bool = False, _measure: str = ""):
     """Compiled recurrent kernel for one static configuration (cached).
 
     Static key: head counts, head dims, the value slice width BV (64 or 128), the input dtype,
@@ -344,10 +377,20 @@ def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str,
     """
     if V % BV or BV not in (64, 128):
         raise ValueError(f"value slice width BV must be 64 or 128 and divide V = {V}, got {BV}")
+    if schedule == "auto":
+        schedule = resolve_schedule(schedule, BV, dual)
     if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    func = _recurrent_prim_func(H, HV, K, V, BV, dtype, seq_dtype, varlen, schedule, dual)
-    name = f"gdn_recurrent_fwd_H{H}_HV{HV}_K{K}_V{V}_BV{BV}_{dtype}_{seq_dtype}_{int(varlen)}_{schedule}" + ("_dual" if dual else "")
+        raise ValueError(f"schedule must be 'auto' or one of {SCHEDULES}, got {schedule!r}")
+    if schedule == "roles":
+        from flashqla.ops.gdn.kernels.sm90.recurrent_roles import ROLES_BV, recurrent_roles_prim_func
+
+        if BV != ROLES_BV or dual or _measure:
+            raise ValueError(f"schedule 'roles' is built for BV = {ROLES_BV} only, without the dual launch")
+        name = f"gdn_recurrent_roles_fwd_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{seq_dtype}_{int(varlen)}"
+        return compile_kernel(recurrent_roles_prim_func(H, HV, K, V, dtype, seq_dtype, varlen), name)
+    func = _recurrent_prim_func(H, HV, K, V, BV, dtype, seq_dtype, varlen, schedule, dual, _measure)
+    name = (f"gdn_recurrent_fwd_H{H}_HV{HV}_K{K}_V{V}_BV{BV}_{dtype}_{seq_dtype}_{int(varlen)}_{schedule}" + ("_dual" if dual else "")
+            + (f"_measure_{_measure}" if _measure else ""))
     return compile_kernel(func, name)
 
 
@@ -371,7 +414,7 @@ def recurrent_kernel_args(q, v, cu_seqlens, block_v=None, schedule=None, dual: b
     N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
     BV = block_v or pick_block_v(N, HV, V)
     seq_dtype = tl_dtype(cu_seqlens.dtype) if cu_seqlens is not None else "int32"
-    key = (H, HV, K, V, BV, tl_dtype(q.dtype), seq_dtype, cu_seqlens is not None, "overlap" if dual else (schedule or DEFAULT_SCHEDULE))
+    key = (H, HV, K, V, BV, tl_dtype(q.dtype), seq_dtype, cu_seqlens is not None, resolve_schedule(schedule, BV, dual))
     return key + (True,) if dual else key
 
 

@@ -1,0 +1,245 @@
+"""The recurrent kernel with role-specialised warpgroups (schedule "roles", value slice BV = 64).
+
+Same products as `recurrent.py` (records CF-1..CF-3, RW-2, RW-4; stage twins in
+`reference.gdn.fused`), split over two consumer warpgroups that run concurrently instead of one
+warpgroup doing all of them in turn:
+
+    chain  (threads 0-127)    owns S^T [BV, K] fp32 in registers; per chunk
+                              S^T -> bf16 copy (registers, and shared memory for the output role)
+                              U^T   = S^T K^T                        (wgmma, A from registers)
+                              W^T   = V^T - U^T diag(gamma)
+                              vn^T  = W^T A_beta^T                   (wgmma, A from registers)
+                              vn^T  -> shared memory (bf16) for the output role
+                              S^T   = gamma_C S^T + (vn^T diag(r)) K (wgmma, A from registers)
+    output (threads 128-255)  per chunk, in token-major form (o's own layout, no transpose)
+                              P  = Q K^T;  Pg = scale (P * Gamma) causal (registers)
+                              O  = scale diag(gamma) Q S             (S from the chain's bf16 copy)
+                              O += Pg vn                             (wgmma, A from registers)
+                              o  <- O (rows inside the sequence)
+    producer (threads 256-383) one warp issues the TMA loads of q, k, v, A_beta and g_cum_log2
+                              into a two-stage ring.
+
+Why: on the H200 the state chain alone (U^T, W^T, vn^T and the update) takes ~1.0 us a chunk at
+BV = 64 while the whole chunk step of the one-warpgroup kernel takes ~2.9-3.4 us
+(tests/gpu/recurrent_floor.py): the output path, serial behind the chain in one warpgroup, is two
+thirds of the step. Here it runs beside the chain.
+
+Synchronisation (mbarriers, two of each, indexed by the stage c % 2, parity (c // 2) % 2):
+    full     producer -> both roles: the stage's tiles landed (TMA transaction bytes)
+    empty    both roles -> producer: the stage's tiles are no longer read
+    s_full / s_empty    chain -> output / back: the bf16 S^T of chunk c in sb_s[c % 2]
+    n_full / n_empty    chain -> output / back: vn^T of chunk c in nv_s[c % 2]
+A waiter on an "empty" barrier uses the opposite parity, so its first two waits pass at once.
+
+The chain role also loads the initial state and stores the final one. Rows past a sequence's end
+are inert as in `recurrent.py` (the prepare kernel's zero rows of A_beta), and only rows inside the
+sequence are stored. The result is not bitwise the one-warpgroup kernel's: the output is
+accumulated as O = Q S (token rows) instead of O^T = S^T Q^T, the same bf16 operands summed in
+another order.
+"""
+
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, sequence_span
+
+__all__ = ["ROLES_BV", "recurrent_roles_prim_func"]
+
+#: The value slice width of the role-split kernel (one warpgroup holds S^T's 64 value rows).
+ROLES_BV = 64
+#: Registers per thread after setmaxnreg, per role. setmaxnreg only moves registers between the
+#: warpgroups of a CTA: the CTA launches with 168 a thread (65,536 / 384 rounded down to a multiple
+#: of 8), so the roles must sum to at most 3 x 168 = 504, or an `inc` waits forever.
+NREG = {"chain": 248, "output": 216, "producer": 40}
+REG_BUDGET = 3 * ((65536 // 384) // 8 * 8)
+
+
+def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: str, varlen: bool):
+    """The TileLang prim_func of the role-split recurrent kernel (BV = 64; the plain kernel's
+    signature, so that `recurrent.chunk_recurrent_fwd` launches either)."""
+    import tilelang.language as T
+    from tilelang.layout import make_swizzled_layout
+
+    C = CHUNK
+    BV = ROLES_BV
+    G = HV // H
+    NV = V // BV
+    acc = "float32"
+    if V % BV:
+        raise ValueError(f"the role-split kernel needs V divisible by {BV}, got V={V}")
+    if sum(NREG.values()) > REG_BUDGET or any(r % 8 for r in NREG.values()):
+        raise ValueError(f"role registers {NREG} must be multiples of 8 summing to <= {REG_BUDGET}")
+
+    B = T.dynamic("B")
+    Tn = T.dynamic("T")
+    R = T.dynamic("R")
+    Np1 = T.dynamic("Np1")
+    N0 = T.dynamic("N0")
+    N1 = T.dynamic("N1")
+    nseq = (Np1 - 1) if varlen else B
+    ncta = NV * HV * nseq
+
+    @T.prim_func
+    def gdn_recurrent_roles_fwd(
+        q: T.Tensor((B, Tn, H, K), dtype),
+        k: T.Tensor((B, Tn, H, K), dtype),
+        v: T.Tensor((B, Tn, HV, V), dtype),
+        A: T.Tensor((HV, R, C), dtype),
+        g_cum_log2: T.Tensor((HV, R), "float32"),
+        h0: T.Tensor((N0, HV, K, V), "float32"),
+        cu_seqlens: T.Tensor((Np1,), seq_dtype),
+        scale: T.float32,
+        use_h0: T.int32,
+        store_ht: T.int32,
+        o: T.Tensor((B, Tn, HV, V), dtype),
+        ht: T.Tensor((N1, HV, K, V), "float32"),
+        u: T.Tensor((1,), dtype),
+        pt: T.Tensor((1,), "float32"),
+        limit: T.Tensor((1,), "int32"),
+    ):
+        with T.Kernel(ncta, threads=384) as (bx,):
+            iv = bx % NV
+            hv = (bx // NV) % HV
+            n = bx // (NV * HV)
+            bos, seqlen, bidx, slot0, nchunks = sequence_span(n, cu_seqlens, Tn, varlen)
+            hk = hv // G
+            v0 = iv * BV
+            tx = T.get_thread_binding()
+
+            q_s = T.alloc_shared((2, C, K), dtype)
+            k_s = T.alloc_shared((2, C, K), dtype)
+            v_s = T.alloc_shared((2, C, BV), dtype)
+            a_s = T.alloc_shared((2, C, C), dtype)
+            gc_s = T.alloc_shared((2, C), acc)
+            sb_s = T.alloc_shared((2, BV, K), dtype)  # bf16 S^T of chunk c (chain -> output)
+            nv_s = T.alloc_shared((2, BV, C), dtype)  # vn^T of chunk c (chain -> output)
+            T.annotate_layout({v_s: make_swizzled_layout(v_s)})
+
+            full = T.alloc_barrier(arrive_count=[32, 32])
+            empty = T.alloc_barrier(arrive_count=[256, 256])
+            s_full = T.alloc_barrier(arrive_count=[128, 128])
+            s_empty = T.alloc_barrier(arrive_count=[128, 128])
+            n_full = T.alloc_barrier(arrive_count=[128, 128])
+            n_empty = T.alloc_barrier(arrive_count=[128, 128])
+
+            if tx < 128:
+                # ------------------------------------------------------------------ chain
+                T.set_max_nreg(NREG["chain"], 1)
+                st = T.alloc_fragment((BV, K), acc)
+                st_b = T.alloc_fragment((BV, K), dtype)
+                ut = T.alloc_fragment((BV, C), acc)
+                nvt = T.alloc_fragment((BV, C), acc)
+                wt_b = T.alloc_fragment((BV, C), dtype)
+                nvt_b = T.alloc_fragment((BV, C), dtype)
+                vpt_b = T.alloc_fragment((BV, C), dtype)
+                gam_f = T.alloc_fragment((C,), acc)
+                r_f = T.alloc_fragment((C,), acc)
+                gcl = T.alloc_local((1,), acc)
+                if use_h0 != 0:
+                    for i, j in T.Parallel(BV, K):
+                        st[i, j] = h0[n, hv, j, v0 + i]
+                else:
+                    T.clear(st)
+                for c in T.serial(nchunks):
+                    s = c % 2
+                    ph = (c // 2) % 2
+                    T.barrier_wait(full[s], ph)
+                    T.copy(st, st_b)
+                    # U^T = S^T K^T
+                    T.wgmma_gemm(st_b, k_s[s, :, :], ut, transpose_B=True, clear_accum=True)
+                    # meanwhile: publish the bf16 S^T, gates, S^T *= gamma_C
+                    T.barrier_wait(s_empty[s], 1 - ph)
+                    T.copy(st_b, sb_s[s, :, :])
+                    T.fence_proxy_async()
+                    T.barrier_arrive(s_full[s])
+                    for j in T.Parallel(C):
+                        gam_f[j] = T.exp2(gc_s[s, j])
+                        r_f[j] = T.exp2(T.min(gc_s[s, C - 1] - gc_s[s, j], T.float32(0)))
+                    gcl[0] = T.exp2(gc_s[s, C - 1])
+                    for i, j in T.Parallel(BV, K):
+                        st[i, j] = st[i, j] * gcl[0]
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(ut, num_regs=BV * C // 128)
+                    # W^T = V^T - U^T diag(gamma)
+                    for i, j in T.Parallel(BV, C):
+                        wt_b[i, j] = T.cast(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j], dtype)
+                    # vn^T = W^T A_beta^T
+                    T.wgmma_gemm(wt_b, a_s[s, :, :], nvt, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(nvt, num_regs=BV * C // 128)
+                    for i, j in T.Parallel(BV, C):
+                        nvt_b[i, j] = T.cast(nvt[i, j], dtype)
+                        vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j], dtype)
+                    # S^T = gamma_C S^T + (vn^T diag(r)) K; meanwhile publish vn^T
+                    T.wgmma_gemm(vpt_b, k_s[s, :, :], st)
+                    T.barrier_wait(n_empty[s], 1 - ph)
+                    T.copy(nvt_b, nv_s[s, :, :])
+                    T.fence_proxy_async()
+                    T.barrier_arrive(n_full[s])
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(st, num_regs=BV * K // 128)
+                    T.barrier_arrive(empty[s])
+                if store_ht != 0:
+                    for i, j in T.Parallel(BV, K):
+                        ht[n, hv, j, v0 + i] = st[i, j]
+            elif tx < 256:
+                # ------------------------------------------------------------------ output
+                T.set_max_nreg(NREG["output"], 1)
+                p_f = T.alloc_fragment((C, C), acc)
+                pg_b = T.alloc_fragment((C, C), dtype)
+                of = T.alloc_fragment((C, BV), acc)
+                gr_f = T.alloc_fragment((C,), acc)
+                for c in T.serial(nchunks):
+                    s = c % 2
+                    ph = (c // 2) % 2
+                    t0 = bos + c * C
+                    T.barrier_wait(full[s], ph)
+                    # P = Q K^T, then O = Q S from the chain's bf16 S^T
+                    T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
+                    T.barrier_wait(s_full[s], ph)
+                    T.wgmma_gemm(q_s[s, :, :], sb_s[s, :, :], of, transpose_B=True, clear_accum=True)
+                    for t in T.Parallel(C):
+                        gr_f[t] = scale * T.exp2(gc_s[s, t])
+                    T.wait_wgmma(1)
+                    T.warpgroup_fence_operand(p_f, num_regs=C * C // 128)
+                    # Pg = scale (P * Gamma), causal (t >= j)
+                    for t, j in T.Parallel(C, C):
+                        pg_b[t, j] = T.cast(
+                            T.if_then_else(
+                                t >= j,
+                                scale * p_f[t, j] * T.exp2(T.if_then_else(t >= j, gc_s[s, t] - gc_s[s, j], T.float32(0))),
+                                T.float32(0),
+                            ),
+                            dtype,
+                        )
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(of, num_regs=C * BV // 128)
+                    T.barrier_arrive(s_empty[s])
+                    for t, i in T.Parallel(C, BV):
+                        of[t, i] = of[t, i] * gr_f[t]
+                    # O += Pg vn
+                    T.barrier_wait(n_full[s], ph)
+                    T.wgmma_gemm(pg_b, nv_s[s, :, :], of, transpose_B=True)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(of, num_regs=C * BV // 128)
+                    T.barrier_arrive(n_empty[s])
+                    T.barrier_arrive(empty[s])
+                    nvalid = T.min(seqlen - c * C, C)
+                    for t, i in T.Parallel(C, BV):
+                        if t < nvalid:
+                            o[bidx, t0 + t, hv, v0 + i] = T.cast(of[t, i], dtype)
+            else:
+                # ------------------------------------------------------------------ producer
+                T.set_max_nreg(NREG["producer"], 0)
+                if tx < 256 + 32:
+                    for c in T.serial(nchunks):
+                        s = c % 2
+                        ph = (c // 2) % 2
+                        t0 = bos + c * C
+                        row0 = (slot0 + c) * C
+                        T.barrier_wait(empty[s], 1 - ph)
+                        T.tma_copy(q[bidx, t0 : t0 + C, hk, 0:K], q_s[s, :, :], barrier=full[s])
+                        T.tma_copy(k[bidx, t0 : t0 + C, hk, 0:K], k_s[s, :, :], barrier=full[s])
+                        T.tma_copy(v[bidx, t0 : t0 + C, hv, v0 : v0 + BV], v_s[s, :, :], barrier=full[s])
+                        T.tma_copy(A[hv, row0 : row0 + C, 0:C], a_s[s, :, :], barrier=full[s])
+                        T.tma_copy(g_cum_log2[hv, row0 : row0 + C], gc_s[s, :], barrier=full[s])
+                        T.barrier_arrive(full[s])
+
+    return gdn_recurrent_roles_fwd
