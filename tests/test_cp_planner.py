@@ -61,8 +61,10 @@ MIXES = [
         (64, 4, 32768, True, False, None, 128),  # 16/64 4x8192: 256 CTAs already
         (64, 4, 32768, False, False, None, 128),
         (64, 1, 4096, True, False, None, 64),  # 16/64 1x4096: BV = 64 fills 128 SMs, split not worth it
-        (64, 1, 65536, True, True, 33792, 128),  # BV = 64 unsplit against two segments at BV = 128
-        (64, 1, 32768, True, True, 16896, 128),  # H200, default cut: 1.92 ms unsplit, 1.49 split
+        # 16/64 x 65536 and x 32768: the unsplit launch at BV = 64 is the role-split kernel (H200, 16/64
+        # 1x32768: 1.330 ms unsplit, 1.350 split at L = 16896; with the one-warpgroup kernel 1.92 / 1.49)
+        (64, 1, 65536, True, False, None, 64),
+        (64, 1, 32768, True, False, None, 64),
         (64, 4, 8192, True, False, None, 128),
         (16, 8, 8192, False, False, None, 128),  # short sequences
     ],
@@ -107,8 +109,8 @@ def test_rule_properties(HV, N, T, exact, backward):
         (32, 1, 32768, True, True),  # 16/32 1x32768: forward L = 8192 (H200: 1.72 -> 1.43 ms), backward too
         (4, 1, 8192, True, True),  # 2/4 1x8192
         (64, 4, 32768, False, False),  # 16/64 4x8192: 256 CTAs
-        (32, 2, 32768, True, True),  # packed: the backward's own costs too (PACKED_BWD_OWN_PLAN); the forward
-        # as 16/64 x 32768 (128 CTAs at BV = 64 unsplit), split faster there; this row unmeasured
+        (32, 2, 32768, False, True),  # packed: the backward's own costs (PACKED_BWD_OWN_PLAN); the forward
+        # unsplit at BV = 64 (role-split kernel; H200, 16/32 16384+16384: 0.708 ms against 0.835 split)
         (32, 8, 65536, False, False),  # 8 x 8192 at 32 heads: 256 CTAs fill the SMs in both
     ],
 )

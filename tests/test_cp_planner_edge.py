@@ -15,7 +15,8 @@ import torch
 
 import flashqla.cp.planner as P
 from flashqla.cp.driver import cp_splits
-from flashqla.cp.planner import BWD_CHUNK_COST, CHUNK, CHUNK_COST, CTAS_PER_SM, get_cp_plan, plan_cp, plan_key
+from flashqla.cp.planner import (BWD_CHUNK_COST, CHUNK, CHUNK_COST, CTAS_PER_SM, UNSPLIT_CHUNK_COST, get_cp_plan, plan_cp,
+                                  plan_key)
 from flashqla.ops.gdn.api import CP_ENV, cp_mode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +48,8 @@ def _fresh_caches():
 def test_max_seqlen_hint_does_not_inflate_unsplit_cost(HV, N, T, max_seqlen, backward):
     """A max_seqlen hint bounds the longest sequence; it does not make every sequence that long (N *
     max_seqlen > T here). The unsplit cost is the module docstring's
-    t(BV) max(ceil(l_max / 64), ceil(NV HV N / slots) ceil(l_avg / 64)) with l_avg = ceil(T / N), and
+    t(BV) max(ceil(l_max / 64), ceil(NV HV N / slots) ceil(l_avg / 64)) with l_avg = ceil(T / N) (t: UNSPLIT_CHUNK_COST
+    forward, CHUNK_COST for the backward's states pass; one sequence's CTAs are fewer than half the SMs here), and
     can never exceed the list-scheduling bound (total CTA-chunks / slots + longest chain). Costing all
     N sequences at l_max quadruples it here and turns 'no split' into a predicted 1.3-2.5x split."""
     p = plan_cp(HV, N, T, 128, 132, exact=True, max_seqlen=max_seqlen, backward=backward)
@@ -55,8 +57,9 @@ def test_max_seqlen_hint_does_not_inflate_unsplit_cost(HV, N, T, max_seqlen, bac
     bv = p.BV
     slots = 132 * CTAS_PER_SM[bv]
     NV = 128 // bv
-    formula = CHUNK_COST[bv] * max(_cdiv(max_seqlen, CHUNK), _cdiv(NV * HV * N, slots) * _cdiv(l_avg, CHUNK))
-    bound = CHUNK_COST[bv] * (_cdiv(NV * HV * (_cdiv(T, CHUNK) + N), slots) + _cdiv(max_seqlen, CHUNK))
+    cost = CHUNK_COST if backward else UNSPLIT_CHUNK_COST  # the backward's states pass: CHUNK_COST
+    formula = cost[bv] * max(_cdiv(max_seqlen, CHUNK), _cdiv(NV * HV * N, slots) * _cdiv(l_avg, CHUNK))
+    bound = cost[bv] * (_cdiv(NV * HV * (_cdiv(T, CHUNK) + N), slots) + _cdiv(max_seqlen, CHUNK))
     if backward:  # plus the fused chunk backward: HV N CTAs, one per SM, BWD_CHUNK_COST per chunk
         formula += BWD_CHUNK_COST * max(_cdiv(max_seqlen, CHUNK), _cdiv(HV * N, 132) * _cdiv(l_avg, CHUNK))
         bound += BWD_CHUNK_COST * (_cdiv(HV * (_cdiv(T, CHUNK) + N), 132) + _cdiv(max_seqlen, CHUNK))

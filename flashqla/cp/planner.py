@@ -27,7 +27,10 @@ for the launches `flashqla.cp.driver` makes:
                  count; 0.9 in the refit described at HEAD_OVERHEAD)
     slots        SMs x CTAs per SM; both widths fit one CTA per SM (137 KB / 113 KB shared memory,
                  384 x 168 / 256 x 202 registers)
-    unsplit      t(BV) * max(ceil(l_max / 64), ceil(NV HV N / slots) * ceil(l_avg / 64))
+    unsplit      u(BV) * max(ceil(l_max / 64), ceil(NV HV N / slots) * ceil(l_avg / 64)), u = the
+                 unsplit launch's costs (UNSPLIT_CHUNK_COST: u(64) = 0.58, the role-split kernel);
+                 with more than one wave, unequal lengths and one sequence's CTAs >= half the slots,
+                 ceil(l_max / 64) counts once per wave (`_unsplit_time`)
     run(L)       t(BV) * ceil(NV HV m / slots) * ceil(min(L, l_max) / 64), m = number of segments
     exact        dual(L) (DUAL_LAUNCH; else PASSES_EXACT * run(L), two launches)
                  + SCAN_STEP_COST * (ceil(l_max / L) - 1)        sequential combine products
@@ -326,10 +329,22 @@ class CPPlan:
 
 
 def _unsplit_time(BV: int, HV: int, V: int, N: int, l_avg: int, l_max: int, sms: int, cost=None) -> float:
-    """The unsplit forward launch (cost: per-chunk costs by BV, default UNSPLIT_CHUNK_COST)."""
-    ctas = _cdiv(V, BV) * HV * N
+    """The unsplit forward launch (cost: per-chunk costs by BV, default UNSPLIT_CHUNK_COST).
+
+    More than one wave, unequal lengths (l_max > l_avg) and one sequence's CTAs filling at least half
+    the SMs: every wave is priced at the longest chain (the long sequence's CTAs hold most SMs while
+    the others' queue on the rest). Measured on the H200 (2026-11-30, forward grid at BV = 64, 256
+    CTAs): 16/64 28672 + 4096 1.79 ms, 24576 + 8192 1.59 ms against ~1.40 and ~1.40 predicted by
+    max(longest chain, waves x mean chain); with many shorter sequences (one sequence's CTAs fewer
+    than half the SMs) the mean-chain form stands (tests/test_cp_planner_edge.py)."""
+    per_seq = _cdiv(V, BV) * HV
+    ctas = per_seq * N
     slots = sms * CTAS_PER_SM[BV]
-    return (cost or UNSPLIT_CHUNK_COST)[BV] * max(_cdiv(l_max, CHUNK), _cdiv(ctas, slots) * _cdiv(l_avg, CHUNK))
+    waves = _cdiv(ctas, slots)
+    chains = _cdiv(l_max, CHUNK)
+    if waves > 1 and l_max > l_avg and 2 * per_seq >= slots:
+        chains *= waves
+    return (cost or UNSPLIT_CHUNK_COST)[BV] * max(chains, waves * _cdiv(l_avg, CHUNK))
 
 
 def _segments(T: int, N: int, L: int, l_avg: int, l_max: int, balanced: bool) -> int:
