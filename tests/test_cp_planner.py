@@ -417,3 +417,20 @@ def test_exact_cp_fixed_length_rows_fp64(first_from_h0):
     tab = build_segment_tables(None, L, T=T, B=B)
     o, ht = _segmented_forward(d, tab, T, scale, first_from_h0)
     assert _rel(o, o_ref) <= 1e-12 and _rel(ht, ht_ref) <= 1e-12
+
+
+@pytest.mark.parametrize("HV", [2, 8, 16, 32, 48, 64, 128])
+@pytest.mark.parametrize("N,T,hint", [(1, 8192, None), (2, 32768, 28672), (4, 32768, None), (8, 8192, 4096)])
+def test_unsplit_plan_prices_the_width_the_launch_runs(HV, N, T, hint):
+    """A plan that does not split reports (and is costed at) the value slice width the unsplit launch
+    runs at, `recurrent.pick_block_v`: pricing the cheaper width instead once kept 16/64 28672 + 4096
+    unsplit at a predicted BV = 64 cost while the launch ran BV = 128 (1.79 against 1.60 ms split)."""
+    from flashqla.cp.planner import _unsplit_time
+    from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
+
+    p = plan_cp(HV, N, T, 128, 132, exact=True, max_seqlen=hint)
+    bv = pick_block_v(N, HV, 128, 132)
+    l_max = hint or -(-T // N)
+    assert p.est_unsplit == pytest.approx(_unsplit_time(bv, HV, 128, N, min(-(-T // N), l_max), l_max, 132))
+    if not p.split:
+        assert p.BV == bv, p

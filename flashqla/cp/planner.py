@@ -25,12 +25,13 @@ for the launches `flashqla.cp.driver` makes:
                  1x4096, both launches under one wave: the op took 0.318 ms at BV = 64 and 0.378 ms
                  at BV = 128; less the 0.082 ms prepare kernel, 0.236 vs 0.296 ms for the same chunk
                  count; 0.9 in the refit described at HEAD_OVERHEAD)
-    slots        SMs x CTAs per SM; both widths fit one CTA per SM (137 KB / 113 KB shared memory,
-                 384 x 168 / 256 x 202 registers)
+    slots        SMs x CTAs per SM; both widths fit one CTA per SM (137 KB / 148 KB shared memory,
+                 384 x 168 registers; BV = 64 unsplit is the role-split kernel, in the dual launch the
+                 one-warpgroup kernel: 113 KB, 256 x 202)
     unsplit      u(BV) * max(ceil(l_max / 64), ceil(NV HV N / slots) * ceil(l_avg / 64)), u = the
-                 unsplit launch's costs (UNSPLIT_CHUNK_COST: u(64) = 0.58, the role-split kernel);
-                 with more than one wave, unequal lengths and one sequence's CTAs >= half the slots,
-                 ceil(l_max / 64) counts once per wave (`_unsplit_time`)
+                 unsplit launch's costs (UNSPLIT_CHUNK_COST: u(64) = 0.58, the role-split kernel), at
+                 the width the unsplit launch runs at (`recurrent.pick_block_v`; the backward: the
+                 cheaper width)
     run(L)       t(BV) * ceil(NV HV m / slots) * ceil(min(L, l_max) / 64), m = number of segments
     exact        dual(L) (DUAL_LAUNCH; else PASSES_EXACT * run(L), two launches)
                  + SCAN_STEP_COST * (ceil(l_max / L) - 1)        sequential combine products
@@ -329,22 +330,10 @@ class CPPlan:
 
 
 def _unsplit_time(BV: int, HV: int, V: int, N: int, l_avg: int, l_max: int, sms: int, cost=None) -> float:
-    """The unsplit forward launch (cost: per-chunk costs by BV, default UNSPLIT_CHUNK_COST).
-
-    More than one wave, unequal lengths (l_max > l_avg) and one sequence's CTAs filling at least half
-    the SMs: every wave is priced at the longest chain (the long sequence's CTAs hold most SMs while
-    the others' queue on the rest). Measured on the H200 (2026-11-30, forward grid at BV = 64, 256
-    CTAs): 16/64 28672 + 4096 1.79 ms, 24576 + 8192 1.59 ms against ~1.40 and ~1.40 predicted by
-    max(longest chain, waves x mean chain); with many shorter sequences (one sequence's CTAs fewer
-    than half the SMs) the mean-chain form stands (tests/test_cp_planner_edge.py)."""
-    per_seq = _cdiv(V, BV) * HV
-    ctas = per_seq * N
+    """The unsplit forward launch (cost: per-chunk costs by BV, default UNSPLIT_CHUNK_COST)."""
+    ctas = _cdiv(V, BV) * HV * N
     slots = sms * CTAS_PER_SM[BV]
-    waves = _cdiv(ctas, slots)
-    chains = _cdiv(l_max, CHUNK)
-    if waves > 1 and l_max > l_avg and 2 * per_seq >= slots:
-        chains *= waves
-    return (cost or UNSPLIT_CHUNK_COST)[BV] * max(chains, waves * _cdiv(l_avg, CHUNK))
+    return (cost or UNSPLIT_CHUNK_COST)[BV] * max(_cdiv(l_max, CHUNK), _cdiv(ctas, slots) * _cdiv(l_avg, CHUNK))
 
 
 def _segments(T: int, N: int, L: int, l_avg: int, l_max: int, balanced: bool) -> int:
@@ -499,7 +488,14 @@ def plan_cp(
             return _unsplit_bwd_time(bv, HV, V, N, l_mean, l_max, sm_count)
         return _unsplit_time(bv, HV, V, N, l_mean, l_max, sm_count)
 
-    bv_u = min(bvs, key=lambda bv: (unsplit(bv), bvs.index(bv)))
+    if backward:
+        bv_u = min(bvs, key=lambda bv: (unsplit(bv), bvs.index(bv)))
+    else:  # the width the unsplit launch runs at (`recurrent.pick_block_v`), not the cheapest one
+        from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
+
+        bv_u = pick_block_v(N, HV, V, sm_count)
+        if bv_u not in bvs:
+            bv_u = min(bvs, key=lambda bv: (unsplit(bv), bvs.index(bv)))
     t_u = unsplit(bv_u)
     lens = [segment_len] if segment_len is not None else _segment_lengths(l_max)
     cands = [(_split_time(bv, HV, V, T, N, L, l_avg, l_max, balanced, sm_count, exact, gate_chunks, backward), L, bv)

@@ -29,8 +29,9 @@ Threads: one producer warpgroup (TMA loads of q, k, v, A_beta, g_cum_log2, two s
 made by TileLang's pipeliner from `T.Pipelined`) plus one (BV = 64; 256 threads, 113 KB shared
 memory, 202 registers) or two (BV = 128; 384 threads, 137 KB, setmaxnreg 24 / 240, 168 registers at
 entry, no spills) consumer warpgroups, each owning 64 value rows of S^T. One CTA per SM.
-Two schedules of the same products (`SCHEDULES`; bitwise-identical results on the H200):
-"overlap" (default) issues independent wgmma back to back and hides
+Schedules of the same products (`SCHEDULES`; bitwise-identical results on the H200): "roles" (BV = 64,
+`recurrent_roles.py`: the state chain and the output path on two warpgroups; the default there),
+"overlap" (the default at BV = 128 and in the dual launch) issues independent wgmma back to back and hides
 the output path (Q K^T, Gamma, Pg, the o store) under the state chain; "serial" (the first version,
 kept for comparison) waits for each wgmma before the next step. Timings in NOTES.md.
 Tail chunks load whole 64-row tiles: rows past the end of the sequence are inert because the prepare
