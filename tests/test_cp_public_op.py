@@ -58,18 +58,21 @@ def test_public_op_cp_on_equals_reference(cpu_backend, seqlens):
 
 # --- the host copy of the offsets (FLA's `cu_seqlens_cpu`) as the planner's length hint -------------
 
-UNBALANCED = [64, 3008]  # at 4 SMs and 1 value head: unsplit when taken as 2 x 1536, split at L = 1024 when known
+UNBALANCED = [64, 1984]  # at 16 SMs and 2 value heads: unsplit when taken as 2 x 1024, split at L = 512 when known
 
 
 @pytest.fixture
 def small_gpu(cpu_backend, monkeypatch):
-    """The planner sees 4 SMs (a CPU tensor's device reports DEFAULT_SM_COUNT)."""
+    """The planner sees 16 SMs (a CPU tensor's device reports DEFAULT_SM_COUNT), and prices the unsplit
+    launch at BV = 64 as the split path's (CHUNK_COST): these tests check how the hint reaches the
+    plans, on a mix chosen for those costs (UNSPLIT_CHUNK_COST's cheaper BV = 64 keeps it unsplit)."""
     from flashqla.cp import planner
 
-    monkeypatch.setattr(planner, "DEFAULT_SM_COUNT", 4)
-    planner._plan_for_key.cache_clear()
+    monkeypatch.setattr(planner, "DEFAULT_SM_COUNT", 16)
+    monkeypatch.setattr(planner, "UNSPLIT_CHUNK_COST", dict(planner.CHUNK_COST))
+    planner.clear_plan_cache()  # both caches: plans made under other costs must not leak in or out
     yield cpu_backend
-    planner._plan_for_key.cache_clear()
+    planner.clear_plan_cache()
 
 
 def _forward_split(backend, N) -> bool:
@@ -77,17 +80,17 @@ def _forward_split(backend, N) -> bool:
 
 
 def test_without_the_hint_lengths_are_taken_balanced(small_gpu):
-    x = make_gdn_inputs(B=1, T=sum(UNBALANCED), H=1, HV=1, K=128, V=128, seqlens=UNBALANCED, seed=23)
+    x = make_gdn_inputs(B=1, T=sum(UNBALANCED), H=1, HV=2, K=128, V=128, seqlens=UNBALANCED, seed=23)
     assert not driver.cp_splits(x["q"], x["v"], x["cu_seqlens"], "auto")
-    assert driver.cp_splits(x["q"], x["v"], x["cu_seqlens"], "auto", max_seqlen=3008)
+    assert driver.cp_splits(x["q"], x["v"], x["cu_seqlens"], "auto", max_seqlen=1984)
 
 
-@pytest.mark.parametrize("hint", [UNBALANCED, [3008, 64], [16, 3056]], ids=["true-lengths", "swapped", "wrong-longest"])
+@pytest.mark.parametrize("hint", [UNBALANCED, [1984, 64], [16, 2032]], ids=["true-lengths", "swapped", "wrong-longest"])
 def test_cu_seqlens_cpu_plans_only(small_gpu, hint):
     """With the hint the unbalanced batch is split; whatever the hint says (here it may disagree with
     cu_seqlens), the outputs and every gradient equal the fp64 reference op's: the segment tables come
     from cu_seqlens."""
-    x = make_gdn_inputs(B=1, T=sum(UNBALANCED), H=1, HV=1, K=128, V=128, seqlens=UNBALANCED, seed=23)
+    x = make_gdn_inputs(B=1, T=sum(UNBALANCED), H=1, HV=2, K=128, V=128, seqlens=UNBALANCED, seed=23)
     o, ht, grads = _run(flashqla.chunk_gated_delta_rule, x, cp="auto",
                         cu_seqlens_cpu=torch.tensor([0, hint[0], hint[0] + hint[1]]))
     o_ref, ht_ref, g_ref = _run(reference.chunk_gated_delta_rule, x)
@@ -114,6 +117,6 @@ def spy(small_gpu, monkeypatch):
 
 def test_cu_seqlens_cpu_reaches_the_backward_plan(spy):
     """The autograd backward plans with the same hint as the forward."""
-    x = make_gdn_inputs(B=1, T=sum(UNBALANCED), H=1, HV=1, K=128, V=128, seqlens=UNBALANCED, seed=24)
-    _run(flashqla.chunk_gated_delta_rule, x, cp="auto", cu_seqlens_cpu=torch.tensor([0, 64, 3072], dtype=torch.int32))
-    assert (False, 3008) in spy and (True, 3008) in spy, spy
+    x = make_gdn_inputs(B=1, T=sum(UNBALANCED), H=1, HV=2, K=128, V=128, seqlens=UNBALANCED, seed=24)
+    _run(flashqla.chunk_gated_delta_rule, x, cp="auto", cu_seqlens_cpu=torch.tensor([0, 64, 2048], dtype=torch.int32))
+    assert (False, 1984) in spy and (True, 1984) in spy, spy
