@@ -3,6 +3,7 @@ the public op rejects unsupported inputs before any device work (and before buil
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -287,17 +288,20 @@ def test_recurrent_schedule_is_checked():
         resolve_schedule("bogus", 64)
     with pytest.raises(ValueError, match="BV = 64"):
         build_recurrent_kernel(1, 2, 128, 128, 128, "bfloat16", "int32", False, "roles")
-    with pytest.raises(ValueError, match="BV = 64"):
-        build_recurrent_kernel(1, 2, 128, 128, 64, "bfloat16", "int32", True, "roles", True)
-    # "auto": the role-split kernel at BV = 64, "overlap" at BV = 128 and in the dual launch
+    with pytest.raises(ValueError, match="K == V"):
+        build_recurrent_kernel(1, 2, 128, 64, 64, "bfloat16", "int32", True, "roles", True)
+    # "auto": the role-split kernel at BV = 64, "overlap" at BV = 128; the dual launch: DUAL_SCHEDULE
+    # ("overlap" unless FLASHQLA_DUAL_SCHEDULE says otherwise) at BV = 64, "overlap" at 128
     assert resolve_schedule("auto", 64) == "roles" and resolve_schedule("auto", 128) == "overlap"
-    assert resolve_schedule("auto", 64, dual=True) == "overlap" and resolve_schedule("roles", 128) == "overlap"
+    assert resolve_schedule("auto", 128, dual=True) == "overlap" and resolve_schedule("roles", 128) == "overlap"
+    if "FLASHQLA_DUAL_SCHEDULE" not in os.environ:
+        assert resolve_schedule("auto", 64, dual=True) == "overlap"
     assert resolve_schedule("serial", 64) == "serial"
 
 
 @needs_nvcc
-@pytest.mark.parametrize("varlen", [False, True])
-def test_roles_kernel_compiles(varlen):
+@pytest.mark.parametrize("varlen,dual", [(False, False), (True, False), (True, True)])
+def test_roles_kernel_compiles(varlen, dual):
     """The role-split recurrent kernel (BV = 64): three warpgroups whose setmaxnreg counts fit the
     CTA's launch registers (an `inc` past them waits forever: the first build hung on the H200),
     mbarrier hand-offs between the roles, wgmma with the state from registers on the chain, TMA loads
@@ -308,8 +312,10 @@ def test_roles_kernel_compiles(varlen):
     from flashqla.ops.gdn.kernels.sm90.recurrent import build_recurrent_kernel
     from flashqla.ops.gdn.kernels.sm90.recurrent_roles import NREG, REG_BUDGET
 
-    kern = build_recurrent_kernel(2, 8, 128, 128, 64, "bfloat16", "int32", varlen, "roles")
+    kern = build_recurrent_kernel(2, 8, 128, 128, 64, "bfloat16", "int32", varlen, "roles", dual)
     src = kern.get_kernel_source()
+    if dual:  # the run + transition launch: limits read, transitions to u and pt, cut-short ones 0
+        assert "limit[" in src and "pt[" in src and "(u + " in src and "min(nchunks, lim)" in src
     rep = ptxas_report(kern)
     assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
     launch_regs = rep["registers"]

@@ -73,7 +73,8 @@ def bench_specs() -> list:
 
 def variant_specs(specs: list) -> list:
     """The variants the GPU checks compare next to the defaults of `specs`: prepare "v2" and "v3"
-    (tests/gpu/prepare_v3_check.py) and pass-2 "v1" and "v2" (tests/gpu/bwd_v2_check.py), less the
+    (tests/gpu/prepare_v3_check.py), pass-2 "v1" and "v2" (tests/gpu/bwd_v2_check.py) and the dual
+    launch's two schedules at BV = 64 ("overlap", "roles"), less the
     default of each (already in `specs`; FLASHQLA_PREPARE / FLASHQLA_BWD_VARIANT select the others)."""
     from flashqla.ops.gdn.kernels.sm90 import chunk_bwd, prepare
 
@@ -83,6 +84,9 @@ def variant_specs(specs: list) -> list:
             out += [(kind, args[:-1] + (v,)) for v in ("v2", "v3") if v != prepare.DEFAULT_VARIANT]
         elif kind == "chunk_bwd":
             out += [(kind, tuple(args[:-1]) + (v,)) for v in ("v1", "v2") if v != chunk_bwd.DEFAULT_VARIANT]
+        elif kind == "recurrent" and len(args) == 10 and args[-1] and args[4] == 64:
+            # the dual launch's role-split form (FLASHQLA_DUAL_SCHEDULE=roles) beside the default
+            out += [(kind, args[:-2] + (s, True)) for s in ("overlap", "roles") if s != args[-2]]
     return list(dict.fromkeys(out))
 
 

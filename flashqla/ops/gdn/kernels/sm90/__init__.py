@@ -151,7 +151,8 @@ included since `cp="auto"` may split. Pure Python: needs neither a GPU nor TileL
         specs.append(("cp_tables", (seq_dtype,)))
     if K == V:  # the split path's run + transition launch, on the segments' packed offsets, either slice width
         cp_seq = seq_dtype if varlen else "int32"
-        specs += [("recurrent", (H, HV, K, V, bv, dtype, cp_seq, True, "overlap", True)) for bv in (64, 128)]
+        specs += [("recurrent", (H, HV, K, V, bv, dtype, cp_seq, True, resolve_schedule(None, bv, dual=True), True))
+                  for bv in (64, 128)]
         specs.append(("cp_limits", (HV, cp_seq)))
         specs.append(("cp_slot_h0", (HV, K, V)))  # the runs' initial states (when h0 is given)
         # A and g_cum_log2 between the caller's slots and the segments' (training forward: back to the

@@ -102,7 +102,7 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, s
     N0 = T.dynamic("N0")  # rows of initial_state (N, or 1 for the placeholder)
     N1 = T.dynamic("N1")  # rows of final_state (N, or 1 for the placeholder)
     if dual and (not overlap or K != V):
-        raise ValueError("the dual launch needs schedule 'overlap' and K == V")
+        raise ValueError("the dual launch needs schedule 'overlap' (or 'roles' at BV = 64) and K == V")
     NP = T.dynamic("NP")  # rows of pt and limit (dual: N)
     u_shape = (B, Tn, HV, K) if dual else (1,)
     pt_shape = (NP, HV, K, K) if dual else (1,)
@@ -351,16 +351,27 @@ SCHEDULES = ("serial", "overlap", "roles")
 DEFAULT_SCHEDULE = os.environ.get("FLASHQLA_RECURRENT_SCHEDULE", "auto")
 
 
+#: The schedule of the split path's dual (run + transition) launch at BV = 64: "overlap" (measured,
+#: the default) or "roles" (the role-split form of `recurrent_roles.py`; compiled and checked on the
+#: CPU, not yet run on a GPU). Environment variable FLASHQLA_DUAL_SCHEDULE, read at import.
+DUAL_SCHEDULE = os.environ.get("FLASHQLA_DUAL_SCHEDULE", "overlap")
+
+
 def resolve_schedule(schedule: str | None, BV: int, dual: bool = False) -> str:
     """The concrete schedule (one of `SCHEDULES`) a launch at value slice width BV uses for a
-    requested one (None: `DEFAULT_SCHEDULE`; "auto"; or a concrete one). The dual launch exists in
-    "overlap" only, "roles" at BV = 64 only (elsewhere both fall back to "overlap")."""
+    requested one (None: `DEFAULT_SCHEDULE`; "auto"; or a concrete one). "roles" exists at BV = 64
+    only (elsewhere "overlap"); the dual launch takes DUAL_SCHEDULE at BV = 64 and "overlap" at 128,
+    whatever is requested."""
     schedule = schedule or DEFAULT_SCHEDULE
     if schedule == "auto":
         schedule = "roles" if BV == 64 else "overlap"
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be 'auto' or one of {SCHEDULES}, got {schedule!r}")
-    if dual or (schedule == "roles" and BV != 64):
+    if dual:
+        if DUAL_SCHEDULE not in ("overlap", "roles"):
+            raise ValueError(f"FLASHQLA_DUAL_SCHEDULE must be 'overlap' or 'roles', got {DUAL_SCHEDULE!r}")
+        return DUAL_SCHEDULE if BV == 64 else "overlap"
+    if schedule == "roles" and BV != 64:
         return "overlap"
     return schedule
 
@@ -385,10 +396,12 @@ def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str,
     if schedule == "roles":
         from flashqla.ops.gdn.kernels.sm90.recurrent_roles import ROLES_BV, recurrent_roles_prim_func
 
-        if BV != ROLES_BV or dual or _measure:
-            raise ValueError(f"schedule 'roles' is built for BV = {ROLES_BV} only, without the dual launch")
-        name = f"gdn_recurrent_roles_fwd_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{seq_dtype}_{int(varlen)}"
-        return compile_kernel(recurrent_roles_prim_func(H, HV, K, V, dtype, seq_dtype, varlen), name)
+        if BV != ROLES_BV or _measure:
+            raise ValueError(f"schedule 'roles' is built for BV = {ROLES_BV} only")
+        if dual and K != V:
+            raise ValueError(f"the dual launch needs K == V, got K={K}, V={V}")
+        name = f"gdn_recurrent_roles_fwd_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{seq_dtype}_{int(varlen)}" + ("_dual" if dual else "")
+        return compile_kernel(recurrent_roles_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, dual), name)
     func = _recurrent_prim_func(H, HV, K, V, BV, dtype, seq_dtype, varlen, schedule, dual, _measure)
     name = (f"gdn_recurrent_fwd_H{H}_HV{HV}_K{K}_V{V}_BV{BV}_{dtype}_{seq_dtype}_{int(varlen)}_{schedule}" + ("_dual" if dual else "")
             + (f"_measure_{_measure}" if _measure else ""))

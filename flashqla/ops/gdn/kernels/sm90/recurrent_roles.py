@@ -51,9 +51,16 @@ NREG = {"chain": 248, "output": 216, "producer": 40}
 REG_BUDGET = 3 * ((65536 // 384) // 8 * 8)
 
 
-def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: str, varlen: bool):
+def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: str, varlen: bool,
+                              dual: bool = False):
     """The TileLang prim_func of the role-split recurrent kernel (BV = 64; the plain kernel's
-    signature, so that `recurrent.chunk_recurrent_fwd` launches either)."""
+    signature, so that `recurrent.chunk_recurrent_fwd` launches either).
+
+    dual (K == V): the split path's run and transition launch in one grid, as
+    `recurrent._recurrent_prim_func(dual=True)` (same signature and semantics: the first half of the
+    CTAs are transitions, v taken as 0, the state started from I where limit > 0, min(chunks, limit)
+    chunks walked, rows to u and the end state to pt, 0 when cut short). Compiled and checked on the
+    CPU only; not dispatched unless FLASHQLA_DUAL_SCHEDULE=roles (`recurrent.resolve_schedule`)."""
     import tilelang.language as T
     from tilelang.layout import make_swizzled_layout
 
@@ -64,6 +71,8 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
     acc = "float32"
     if V % BV:
         raise ValueError(f"the role-split kernel needs V divisible by {BV}, got V={V}")
+    if dual and K != V:
+        raise ValueError(f"the dual launch needs K == V, got K={K}, V={V}")
     if sum(NREG.values()) > REG_BUDGET or any(r % 8 for r in NREG.values()):
         raise ValueError(f"role registers {NREG} must be multiples of 8 summing to <= {REG_BUDGET}")
 
@@ -73,6 +82,10 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
     Np1 = T.dynamic("Np1")
     N0 = T.dynamic("N0")
     N1 = T.dynamic("N1")
+    NP = T.dynamic("NP")  # rows of pt and limit (dual: N)
+    u_shape = (B, Tn, HV, K) if dual else (1,)
+    pt_shape = (NP, HV, K, K) if dual else (1,)
+    lim_shape = (NP, HV) if dual else (1,)
     nseq = (Np1 - 1) if varlen else B
     ncta = NV * HV * nseq
 
@@ -90,15 +103,28 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
         store_ht: T.int32,
         o: T.Tensor((B, Tn, HV, V), dtype),
         ht: T.Tensor((N1, HV, K, V), "float32"),
-        u: T.Tensor((1,), dtype),
-        pt: T.Tensor((1,), "float32"),
-        limit: T.Tensor((1,), "int32"),
+        u: T.Tensor(u_shape, dtype),
+        pt: T.Tensor(pt_shape, "float32"),
+        limit: T.Tensor(lim_shape, "int32"),
     ):
-        with T.Kernel(ncta, threads=384) as (bx,):
-            iv = bx % NV
-            hv = (bx // NV) % HV
-            n = bx // (NV * HV)
+        with T.Kernel(ncta * (2 if dual else 1), threads=384) as (bx,):
+            if dual:
+                tr = bx < ncta  # transition CTA (first half)
+                b1 = T.if_then_else(tr, bx, bx - ncta)
+            else:
+                b1 = bx
+            iv = b1 % NV
+            hv = (b1 // NV) % HV
+            n = b1 // (NV * HV)
             bos, seqlen, bidx, slot0, nchunks = sequence_span(n, cu_seqlens, Tn, varlen)
+            if dual:
+                nloop = T.alloc_var("int32")
+                lim = T.alloc_var("int32")
+                nloop = nchunks
+                lim = 0
+                if tr:
+                    lim = limit[n, hv]
+                    nloop = T.min(nchunks, lim)
             hk = hv // G
             v0 = iv * BV
             tx = T.get_thread_binding()
@@ -132,12 +158,21 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
                 gam_f = T.alloc_fragment((C,), acc)
                 r_f = T.alloc_fragment((C,), acc)
                 gcl = T.alloc_local((1,), acc)
-                if use_h0 != 0:
+                if dual:
+                    if tr:
+                        for i, j in T.Parallel(BV, K):
+                            st[i, j] = T.if_then_else(v0 + i == j, T.if_then_else(lim > 0, T.float32(1), T.float32(0)), T.float32(0))
+                    elif use_h0 != 0:
+                        for i, j in T.Parallel(BV, K):
+                            st[i, j] = h0[n, hv, j, v0 + i]
+                    else:
+                        T.clear(st)
+                elif use_h0 != 0:
                     for i, j in T.Parallel(BV, K):
                         st[i, j] = h0[n, hv, j, v0 + i]
                 else:
                     T.clear(st)
-                for c in T.serial(nchunks):
+                for c in T.serial(nloop if dual else nchunks):
                     s = c % 2
                     ph = (c // 2) % 2
                     T.barrier_wait(full[s], ph)
@@ -158,8 +193,13 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(ut, num_regs=BV * C // 128)
                     # W^T = V^T - U^T diag(gamma)
-                    for i, j in T.Parallel(BV, C):
-                        wt_b[i, j] = T.cast(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j], dtype)
+                    if dual:  # transition CTAs: v = 0
+                        for i, j in T.Parallel(BV, C):
+                            wt_b[i, j] = T.cast(
+                                T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j], dtype)
+                    else:
+                        for i, j in T.Parallel(BV, C):
+                            wt_b[i, j] = T.cast(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j], dtype)
                     # vn^T = W^T A_beta^T
                     T.wgmma_gemm(wt_b, a_s[s, :, :], nvt, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
@@ -176,7 +216,14 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(st, num_regs=BV * K // 128)
                     T.barrier_arrive(empty[s])
-                if store_ht != 0:
+                if dual:
+                    if tr:  # the transition P, or 0 where it was cut short
+                        for i, j in T.Parallel(BV, K):
+                            pt[n, hv, j, v0 + i] = T.if_then_else(nloop == nchunks, st[i, j], T.float32(0))
+                    elif store_ht != 0:
+                        for i, j in T.Parallel(BV, K):
+                            ht[n, hv, j, v0 + i] = st[i, j]
+                elif store_ht != 0:
                     for i, j in T.Parallel(BV, K):
                         ht[n, hv, j, v0 + i] = st[i, j]
             elif tx < 256:
@@ -186,7 +233,7 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
                 pg_b = T.alloc_fragment((C, C), dtype)
                 of = T.alloc_fragment((C, BV), acc)
                 gr_f = T.alloc_fragment((C,), acc)
-                for c in T.serial(nchunks):
+                for c in T.serial(nloop if dual else nchunks):
                     s = c % 2
                     ph = (c // 2) % 2
                     t0 = bos + c * C
@@ -222,14 +269,24 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
                     T.barrier_arrive(n_empty[s])
                     T.barrier_arrive(empty[s])
                     nvalid = T.min(seqlen - c * C, C)
-                    for t, i in T.Parallel(C, BV):
-                        if t < nvalid:
-                            o[bidx, t0 + t, hv, v0 + i] = T.cast(of[t, i], dtype)
+                    if dual:
+                        if tr:
+                            for t, i in T.Parallel(C, BV):
+                                if t < nvalid:
+                                    u[bidx, t0 + t, hv, v0 + i] = T.cast(of[t, i], dtype)
+                        else:
+                            for t, i in T.Parallel(C, BV):
+                                if t < nvalid:
+                                    o[bidx, t0 + t, hv, v0 + i] = T.cast(of[t, i], dtype)
+                    else:
+                        for t, i in T.Parallel(C, BV):
+                            if t < nvalid:
+                                o[bidx, t0 + t, hv, v0 + i] = T.cast(of[t, i], dtype)
             else:
                 # ------------------------------------------------------------------ producer
                 T.set_max_nreg(NREG["producer"], 0)
                 if tx < 256 + 32:
-                    for c in T.serial(nchunks):
+                    for c in T.serial(nloop if dual else nchunks):
                         s = c % 2
                         ph = (c // 2) % 2
                         t0 = bos + c * C
