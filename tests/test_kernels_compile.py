@@ -294,9 +294,25 @@ def test_recurrent_schedule_is_checked():
     # ("overlap" unless FLASHQLA_DUAL_SCHEDULE says otherwise) at BV = 64, "overlap" at 128
     assert resolve_schedule("auto", 64) == "roles" and resolve_schedule("auto", 128) == "overlap"
     assert resolve_schedule("auto", 128, dual=True) == "overlap" and resolve_schedule("roles", 128) == "overlap"
+    assert resolve_schedule("serial", 64) == "serial"
     if "FLASHQLA_DUAL_SCHEDULE" not in os.environ:
         assert resolve_schedule("auto", 64, dual=True) == "overlap"
-    assert resolve_schedule("serial", 64) == "serial"
+
+
+def test_dual_schedule_setting(monkeypatch):
+    """FLASHQLA_DUAL_SCHEDULE picks the dual launch's schedule at BV = 64 only; a bad value is refused
+    by name when the module is imported."""
+    from flashqla.ops.gdn.kernels.sm90 import recurrent
+
+    monkeypatch.setattr(recurrent, "DUAL_SCHEDULE", "roles")
+    assert recurrent.resolve_schedule(None, 64, dual=True) == "roles"
+    assert recurrent.resolve_schedule(None, 128, dual=True) == "overlap"
+    assert recurrent.resolve_schedule(None, 64) == recurrent.resolve_schedule(None, 64, dual=False)
+    code = "import flashqla.ops.gdn.kernels.sm90.recurrent"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, FLASHQLA_DUAL_SCHEDULE="bogus", PYTHONPATH=root)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and "FLASHQLA_DUAL_SCHEDULE" in r.stderr, r.stderr[-500:]
 
 
 @needs_nvcc

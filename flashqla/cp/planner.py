@@ -221,7 +221,8 @@ BV_CHOICES = (128, 64)
 #: split path's fixed costs fell, fitted with HEAD_OVERHEAD and SCAN_STEP_COST below).
 CHUNK_COST = {128: 1.0, 64: 0.9}
 #: The same for the unsplit forward launch, whose BV = 64 kernel is the role-split one (schedule
-#: "roles" of `kernels/sm90/recurrent.py`; the split path's dual launch stays "overlap", CHUNK_COST).
+#: "roles" of `kernels/sm90/recurrent.py`; the split path's dual launch stays "overlap" unless
+#: FLASHQLA_DUAL_SCHEDULE=roles, and is priced at CHUNK_COST either way).
 #: Measured on the H200 (2026-11-30, tests/gpu/recurrent_floor.py, recurrent launch alone, us per
 #: chunk step against BV = 128 "overlap" on the same row): 0.55-0.61 with the SMs not full (2/8 2048x4,
 #: 1024x8, 1x8192, 4/16 8192x4), 0.535 per CTA at 256 CTAs on 132 SMs (16/32 8192x4).

@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tier", action="store_true", help="the GPU tier's kernels")
     ap.add_argument("--bench", action="store_true", help="the benchmark grids' kernels")
     ap.add_argument("--variants", action="store_true",
-                    help="also the other kernel variants the GPU checks compare (prepare v2 / v3, pass-2 v1 / v2)")
+                    help="also the other kernel variants the GPU checks compare (prepare v2 / v3, pass-2 v1 / v2, the dual launch's two schedules at BV = 64)")
     ap.add_argument("--workers", type=int, default=None, help="worker processes (default: CPU count)")
     ap.add_argument("--pack", metavar="FILE", help="write the cache directory as FILE (tar.xz) afterwards")
     ap.add_argument("--list", action="store_true", help="print the kernel specs and exit")

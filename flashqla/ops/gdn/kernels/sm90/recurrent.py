@@ -102,7 +102,7 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, s
     N0 = T.dynamic("N0")  # rows of initial_state (N, or 1 for the placeholder)
     N1 = T.dynamic("N1")  # rows of final_state (N, or 1 for the placeholder)
     if dual and (not overlap or K != V):
-        raise ValueError("the dual launch needs schedule 'overlap' (or 'roles' at BV = 64) and K == V")
+        raise ValueError("the dual launch needs schedule 'overlap' and K == V (its role-split form: recurrent_roles.py)")
     NP = T.dynamic("NP")  # rows of pt and limit (dual: N)
     u_shape = (B, Tn, HV, K) if dual else (1,)
     pt_shape = (NP, HV, K, K) if dual else (1,)
@@ -355,6 +355,8 @@ DEFAULT_SCHEDULE = os.environ.get("FLASHQLA_RECURRENT_SCHEDULE", "auto")
 #: the default) or "roles" (the role-split form of `recurrent_roles.py`; compiled and checked on the
 #: CPU, not yet run on a GPU). Environment variable FLASHQLA_DUAL_SCHEDULE, read at import.
 DUAL_SCHEDULE = os.environ.get("FLASHQLA_DUAL_SCHEDULE", "overlap")
+if DUAL_SCHEDULE not in ("overlap", "roles"):
+    raise ValueError(f"FLASHQLA_DUAL_SCHEDULE must be 'overlap' or 'roles', got {DUAL_SCHEDULE!r}")
 
 
 def resolve_schedule(schedule: str | None, BV: int, dual: bool = False) -> str:
