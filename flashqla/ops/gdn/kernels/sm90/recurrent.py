@@ -369,9 +369,7 @@ def resolve_schedule(schedule: str | None, BV: int, dual: bool = False) -> str:
         schedule = "roles" if BV == 64 else "overlap"
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be 'auto' or one of {SCHEDULES}, got {schedule!r}")
-    if dual:
-        if DUAL_SCHEDULE not in ("overlap", "roles"):
-            raise ValueError(f"FLASHQLA_DUAL_SCHEDULE must be 'overlap' or 'roles', got {DUAL_SCHEDULE!r}")
+    if dual:  # DUAL_SCHEDULE is checked where it is read
         return DUAL_SCHEDULE if BV == 64 else "overlap"
     if schedule == "roles" and BV != 64:
         return "overlap"
