@@ -286,27 +286,29 @@ def test_recurrent_schedule_is_checked():
         build_recurrent_kernel(1, 2, 128, 128, 64, "bfloat16", "int32", False, "bogus")
     with pytest.raises(ValueError, match="schedule"):
         resolve_schedule("bogus", 64)
-    with pytest.raises(ValueError, match="BV = 64"):
-        build_recurrent_kernel(1, 2, 128, 128, 128, "bfloat16", "int32", False, "roles")
+    with pytest.raises(ValueError, match="BV in"):
+        build_recurrent_kernel(1, 2, 128, 128, 128, "bfloat16", "int32", False, "roles", False, "chain")
     with pytest.raises(ValueError, match="K == V"):
         build_recurrent_kernel(1, 2, 128, 64, 64, "bfloat16", "int32", True, "roles", True)
-    # "auto": the role-split kernel at BV = 64, "overlap" at BV = 128; the dual launch: DUAL_SCHEDULE
-    # ("overlap" unless FLASHQLA_DUAL_SCHEDULE says otherwise) at BV = 64, "overlap" at 128
-    assert resolve_schedule("auto", 64) == "roles" and resolve_schedule("auto", 128) == "overlap"
-    assert resolve_schedule("auto", 128, dual=True) == "overlap" and resolve_schedule("roles", 128) == "overlap"
+    # "auto": the role-split kernel at both widths; the dual launch: DUAL_SCHEDULE ("roles" unless
+    # FLASHQLA_DUAL_SCHEDULE says otherwise) whatever is requested
+    assert resolve_schedule("auto", 64) == "roles" and resolve_schedule("auto", 128) == "roles"
+    assert resolve_schedule("roles", 128) == "roles" and resolve_schedule("overlap", 128) == "overlap"
     assert resolve_schedule("serial", 64) == "serial"
     if "FLASHQLA_DUAL_SCHEDULE" not in os.environ:
-        assert resolve_schedule("auto", 64, dual=True) == "overlap"
+        assert resolve_schedule("auto", 64, dual=True) == "roles" and resolve_schedule("overlap", 128, dual=True) == "roles"
 
 
 def test_dual_schedule_setting(monkeypatch):
-    """FLASHQLA_DUAL_SCHEDULE picks the dual launch's schedule at BV = 64 only; a bad value is refused
-    by name when the module is imported."""
+    """FLASHQLA_DUAL_SCHEDULE picks the dual launch's schedule at both widths, whatever is requested
+    for the plain launches; a bad value is refused by name when the module is imported."""
     from flashqla.ops.gdn.kernels.sm90 import recurrent
 
-    monkeypatch.setattr(recurrent, "DUAL_SCHEDULE", "roles")
-    assert recurrent.resolve_schedule(None, 64, dual=True) == "roles"
-    assert recurrent.resolve_schedule(None, 128, dual=True) == "overlap"
+    for dual_schedule in ("overlap", "roles"):
+        monkeypatch.setattr(recurrent, "DUAL_SCHEDULE", dual_schedule)
+        for bv in (64, 128):
+            assert recurrent.resolve_schedule(None, bv, dual=True) == dual_schedule
+            assert recurrent.resolve_schedule("serial", bv, dual=True) == dual_schedule
     assert recurrent.resolve_schedule(None, 64) == recurrent.resolve_schedule(None, 64, dual=False)
     code = "import flashqla.ops.gdn.kernels.sm90.recurrent"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -316,32 +318,43 @@ def test_dual_schedule_setting(monkeypatch):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("varlen,dual", [(False, False), (True, False), (True, True)])
-def test_roles_kernel_compiles(varlen, dual):
-    """The role-split recurrent kernel (BV = 64): three warpgroups whose setmaxnreg counts fit the
-    CTA's launch registers (an `inc` past them waits forever: the first build hung on the H200),
-    mbarrier hand-offs between the roles, wgmma with the state from registers on the chain, TMA loads
-    by one producer warp, no spills, no CTA-wide barrier inside the role branches."""
+@pytest.mark.parametrize("BV,varlen,dual", [(64, False, False), (64, True, False), (64, True, True),
+                                            (128, False, False), (128, True, False), (128, True, True)])
+def test_roles_kernel_compiles(BV, varlen, dual):
+    """The role-split recurrent kernel (BV = 64: one chain warpgroup; BV = 128: two, 512 threads):
+    warpgroups whose setmaxnreg counts fit the CTA's launch registers (an `inc` past them waits
+    forever: the first build hung on the H200), mbarrier hand-offs between the roles, wgmma with the
+    state from registers on the chain, TMA loads by one producer warp, no spills, no CTA-wide barrier
+    inside the role branches, and the chain warpgroups' barriers counting all of their threads."""
     import re
 
     from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
     from flashqla.ops.gdn.kernels.sm90.recurrent import build_recurrent_kernel
-    from flashqla.ops.gdn.kernels.sm90.recurrent_roles import NREG, REG_BUDGET
+    from flashqla.ops.gdn.kernels.sm90.recurrent_roles import NREG, reg_budget, roles_threads
 
-    kern = build_recurrent_kernel(2, 8, 128, 128, 64, "bfloat16", "int32", varlen, "roles", dual)
+    kern = build_recurrent_kernel(2, 8, 128, 128, BV, "bfloat16", "int32", varlen, "roles", dual)
     src = kern.get_kernel_source()
     if dual:  # the run + transition launch: limits read, transitions to u and pt, cut-short ones 0
         assert "limit[" in src and "pt[" in src and "(u + " in src and "min(nchunks, lim)" in src
     rep = ptxas_report(kern)
     assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    assert rep["dynamic_smem"] is None or rep["dynamic_smem"] + rep["static_smem"] <= 232448, rep
     launch_regs = rep["registers"]
+    n_chain = BV // 64
+    nreg = NREG[BV]
+    wgs = roles_threads(BV) // 128
+    assert launch_regs == (65536 // roles_threads(BV)) // 8 * 8
     alloc = [int(x) for x in re.findall(r"warpgroup_reg_alloc<(\d+)>", src)]
     dealloc = [int(x) for x in re.findall(r"warpgroup_reg_dealloc<(\d+)>", src)]
-    assert sorted(alloc) == sorted([NREG["chain"], NREG["output"]]) and dealloc == [NREG["producer"]]
-    assert sum(alloc) + sum(dealloc) <= 3 * launch_regs == REG_BUDGET, (alloc, dealloc, launch_regs)
+    assert sorted(alloc) == sorted([nreg["chain"], nreg["output"]]) and dealloc == [nreg["producer"]]
+    assert n_chain * nreg["chain"] + nreg["output"] + nreg["producer"] <= wgs * launch_regs == reg_budget(BV), (alloc, dealloc, launch_regs)
+    assert all(r >= launch_regs for r in alloc) and all(r <= launch_regs for r in dealloc)
     assert src.count("wgmma_rs") >= 4 and "wgmma_ss" in src and "tma_load" in src
     body = src[src.index("warpgroup_reg_alloc"):]
     assert "__syncthreads" not in body  # only partial (one-warpgroup) barriers inside the roles
+    # named barriers inside the roles span one role's threads (the chain's: all its warpgroups)
+    parts = {int(n) for n in re.findall(r"__sync_thread_partial\(\d+, (\d+)\)", body)}
+    assert parts <= {128 * n_chain}, parts
     for bar in ("full", "empty", "s_full", "s_empty", "n_full", "n_empty"):
         assert f"{bar}[(" in body, bar
 
@@ -360,9 +373,14 @@ def test_compile_cache_hit_does_not_recompile():
 def test_block_v_heuristic():
     from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
 
-    assert pick_block_v(4, 64) == 128
+    assert pick_block_v(4, 64) == 128  # 256 walks: two waves at 128 against four at 64
     assert pick_block_v(1, 8) == 64
-    assert pick_block_v(2, 46) == 128  # 92 CTAs of 132 SMs
+    assert pick_block_v(1, 66) == 64 and pick_block_v(1, 67) == 128  # 2 x 66 CTAs fill one wave
+    assert pick_block_v(2, 46) == 128  # 92 CTAs, one wave, against two at BV = 64
+    assert pick_block_v(4, 48) == 64  # 192 walks: three waves at 64 (5.7 us) against two at 128 (6.2)
+    assert pick_block_v(8, 24) == 64 and pick_block_v(8, 32) == 128
+    assert pick_block_v(1, 8, V=64) == 64
+    assert pick_block_v(4, 48, sm_count=264) == 128  # one wave of 192 at 128 against two at 64
 
 
 def test_slot_count_is_an_upper_bound():

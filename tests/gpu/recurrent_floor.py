@@ -32,8 +32,13 @@ ROWS = {  # name (LENGTHxCOUNT, as the benchmark): (H, HV, lengths)
     "2/8 8192x1": (2, 8, [8192]),
     "4/16 8192x4": (4, 16, [8192] * 4),
     "16/32 8192x4": (16, 32, [8192] * 4),
+    # rows that fill the SMs at BV = 128 (the forward grid's, slower than FlashQLA at 69c42b8)
+    "32/32 4096x8": (32, 32, [4096] * 8),
+    "16/16 4096x8": (16, 16, [4096] * 8),
+    "16/48 8192x4": (16, 48, [8192] * 4),
+    "8/24 4096x8": (8, 24, [4096] * 8),
 }
-BUILDS = ("", "chain", "roles")  # "roles": schedule "roles" (BV = 64 only)
+BUILDS = ("", "chain", "roles")  # "": schedule "overlap"; "roles": the role-split kernel (BV = 64 and 128)
 
 
 def main():
@@ -45,9 +50,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", nargs="*", default=list(ROWS))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--builds", nargs="*", default=list(BUILDS), help=f"of {BUILDS} ('' is written as overlap)")
     a = ap.parse_args()
-    keys = sorted({(ROWS[r][0], ROWS[r][1], bv, m) for r in a.rows for bv in (64, 128) for m in BUILDS
-                   if not (m == "roles" and bv != 64)})
+    builds = tuple("" if b == "overlap" else b for b in a.builds)
+    if "" not in builds:
+        builds = ("",) + builds
+    keys = sorted({(ROWS[r][0], ROWS[r][1], bv, m) for r in a.rows for bv in (64, 128) for m in builds})
 
     def build(key):
         H, HV, bv, m = key
@@ -69,29 +77,29 @@ def main():
         ht = torch.empty(N, HV, 128, 128, device="cuda")
         u, pt, lim = (placeholder((1,), dt, q.device) for dt in (q.dtype, torch.float32, torch.int32))
         row = {"row": name}
-        # the role-split kernel against the default one (same inputs; outputs poisoned first)
-        outs = {}
-        for m in ("", "roles"):
-            o.fill_(float("nan"))
-            ht.fill_(float("nan"))
-            kernels[(H, HV, 64, m)](q, k, v, A, gcl, h0, cu, 128**-0.5, 1, 1, o, ht, u, pt, lim)
-            outs[m] = (o.clone(), ht.clone())
-        torch.cuda.synchronize()
-
         def rel(x, y):
             return ((x.float() - y.float()).norm() / y.float().norm()).item()
 
-        (o1, h1), (o2, h2) = outs[""], outs["roles"]
-        row["roles_vs_overlap"] = {"o_rel": rel(o2, o1), "ht_rel": rel(h2, h1), "o_max": (o2.float() - o1.float()).abs().max().item(),
-                                   "finite": bool(torch.isfinite(o2).all() and torch.isfinite(h2).all())}
-        del outs, o1, h1, o2, h2
+        # the role-split kernel against the "overlap" one at each width (same inputs; outputs poisoned)
+        for bv in (64, 128) if "roles" in builds else ():
+            outs = {}
+            for m in ("", "roles"):
+                o.fill_(float("nan"))
+                ht.fill_(float("nan"))
+                kernels[(H, HV, bv, m)](q, k, v, A, gcl, h0, cu, 128**-0.5, 1, 1, o, ht, u, pt, lim)
+                outs[m] = (o.clone(), ht.clone())
+            torch.cuda.synchronize()
+            (o1, h1), (o2, h2) = outs[""], outs["roles"]
+            row[f"roles_vs_overlap_BV{bv}"] = {
+                "o_rel": rel(o2, o1), "ht_rel": rel(h2, h1), "o_max": (o2.float() - o1.float()).abs().max().item(),
+                "bitwise": bool(torch.equal(o1, o2) and torch.equal(h1, h2)),
+                "finite": bool(torch.isfinite(o2).all() and torch.isfinite(h2).all())}
+            del outs, o1, h1, o2, h2
         for bv in (64, 128):
             ctas = (128 // bv) * HV * N
             waves = -(-ctas // 132)
             steps = -(-max(lengths) // 64) * waves
-            for m in BUILDS:
-                if m == "roles" and bv != 64:
-                    continue
+            for m in builds:
                 kern = kernels[(H, HV, bv, m)]
                 t = time_graph(lambda: kern(q, k, v, A, gcl, h0, cu, 128**-0.5, 1, 1, o, ht, u, pt, lim))
                 row[f"BV{bv}{'_' + m if m else ''}"] = (round(t, 4), round(1e3 * t / steps, 2), ctas)
@@ -100,12 +108,12 @@ def main():
     with open(os.path.join(a.out, "recurrent_floor.json"), "w") as f:
         json.dump(table, f, indent=1)
     print("\n== recurrent launch alone, ms / us per chunk step / CTAs (CUDA graphs, median); 'chain': output path left out")
-    cols = [f"BV{bv}{'_' + m if m else ''}" for bv in (64, 128) for m in BUILDS if not (m == "roles" and bv != 64)]
-    print(f"{'row':14s} " + " ".join(f"{c:>22s}" for c in cols) + "   roles vs overlap (o rel, ht rel, finite)")
+    cols = [f"BV{bv}{'_' + m if m else ''}" for bv in (64, 128) for m in builds]
+    print(f"{'row':14s} " + " ".join(f"{c:>22s}" for c in cols) + "   roles vs overlap per width (o rel, ht rel, bitwise, finite)")
     for r in table:
-        d = r["roles_vs_overlap"]
-        print(f"{r['row']:14s} " + " ".join(f"{r[c][0]:8.3f} {r[c][1]:6.2f} {r[c][2]:5d}" for c in cols)
-              + f"   {d['o_rel']:.1e} {d['ht_rel']:.1e} {d['finite']}")
+        cmp = "  ".join(f"BV{bv}: {d['o_rel']:.1e} {d['ht_rel']:.1e} {d['bitwise']} {d['finite']}"
+                        for bv in (64, 128) if (d := r.get(f"roles_vs_overlap_BV{bv}")))
+        print(f"{r['row']:14s} " + " ".join(f"{r[c][0]:8.3f} {r[c][1]:6.2f} {r[c][2]:5d}" for c in cols) + "   " + cmp)
 
 
 if __name__ == "__main__":

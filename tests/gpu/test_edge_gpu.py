@@ -366,8 +366,9 @@ def test_packed_tail_output_is_defined():
 
 #: sizes of the scale tests (module constants, so the file's logic can be exercised at small sizes)
 SHORT_SEQS = dict(n=3000, max_len=40, group=500)
-#: 2^18 + 222 tokens, 32 value heads, int32 offsets; pieces of >= 3 sequences keep N * HV >= 92 (the
-#: whole's value slice width, `recurrent.pick_block_v`); the last four sequences (296 tokens) go to fp64
+#: 2^18 + 222 tokens, 32 value heads, int32 offsets; the pieces are compared within PIECES_TOL (the
+#: second piece, 5 x 32 walks, runs at BV = 64, the whole at 128: `recurrent.pick_block_v`); the last
+#: four sequences (296 tokens) go to fp64
 LENGTHS_2_18 = [87000, 7, 87000, 63, 88000, 65, 1, 130, 100]
 GROUPS_2_18 = [(0, 4), (4, 9)]
 #: 2^19 + 619 tokens, int64 offsets; every piece under 2^18 tokens; the last three (270 tokens) to fp64

@@ -340,39 +340,37 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, BV: int, dtype: str, s
 
 
 #: Recurrent kernel schedules: "serial" (each wgmma waited before the next step) and "overlap"
-#: (both built by `_recurrent_prim_func`), and "roles" (BV = 64 only: the state chain and the output
-#: path on two warpgroups that run concurrently, `recurrent_roles.py`).
+#: (both built by `_recurrent_prim_func`), and "roles" (the state chain and the output path on
+#: warpgroups of their own that run concurrently, `recurrent_roles.py`; BV = 64 and 128).
 SCHEDULES = ("serial", "overlap", "roles")
 #: The schedule `chunk_recurrent_fwd` uses when none is given (read at every call; the environment
-#: variable FLASHQLA_RECURRENT_SCHEDULE sets it at import). "auto": "roles" at BV = 64, "overlap" at
-#: BV = 128 and in the dual launch (`resolve_schedule`). Measured on the H200
-#: (tests/gpu/recurrent_floor.py, recurrent launch alone, us per chunk step): BV = 64 "overlap"
-#: 2.8-3.4, "roles" 1.8-2.2 (o and final state bitwise equal), BV = 128 "overlap" 3.2-3.6.
+#: variable FLASHQLA_RECURRENT_SCHEDULE sets it at import). "auto" is "roles" (`resolve_schedule`).
+#: Measured on the H200 (tests/gpu/recurrent_floor.py, recurrent launch alone, us per chunk step;
+#: o and final state bitwise equal between the schedules): BV = 64 "overlap" 2.7-3.4, "roles"
+#: 1.8-2.2; BV = 128 "overlap" 3.2-3.7, "roles" 2.96-3.27.
 DEFAULT_SCHEDULE = os.environ.get("FLASHQLA_RECURRENT_SCHEDULE", "auto")
 
 
-#: The schedule of the split path's dual (run + transition) launch at BV = 64: "overlap" (measured,
-#: the default) or "roles" (the role-split form of `recurrent_roles.py`; compiled and checked on the
-#: CPU, not yet run on a GPU). Environment variable FLASHQLA_DUAL_SCHEDULE, read at import.
-DUAL_SCHEDULE = os.environ.get("FLASHQLA_DUAL_SCHEDULE", "overlap")
+#: The schedule of the split path's dual (run + transition) launch: "roles" (the default; the
+#: role-split form of `recurrent_roles.py`, checked on the H200 against the plain launches by
+#: tests/gpu/test_cp_kernels_gpu.py) or "overlap". Environment variable FLASHQLA_DUAL_SCHEDULE, read at
+#: import.
+DUAL_SCHEDULE = os.environ.get("FLASHQLA_DUAL_SCHEDULE", "roles")
 if DUAL_SCHEDULE not in ("overlap", "roles"):
     raise ValueError(f"FLASHQLA_DUAL_SCHEDULE must be 'overlap' or 'roles', got {DUAL_SCHEDULE!r}")
 
 
 def resolve_schedule(schedule: str | None, BV: int, dual: bool = False) -> str:
     """The concrete schedule (one of `SCHEDULES`) a launch at value slice width BV uses for a
-    requested one (None: `DEFAULT_SCHEDULE`; "auto"; or a concrete one). "roles" exists at BV = 64
-    only (elsewhere "overlap"); the dual launch takes DUAL_SCHEDULE at BV = 64 and "overlap" at 128,
-    whatever is requested."""
+    requested one (None: `DEFAULT_SCHEDULE`; "auto"; or a concrete one). "auto" is "roles"; the dual
+    launch takes DUAL_SCHEDULE whatever is requested."""
     schedule = schedule or DEFAULT_SCHEDULE
     if schedule == "auto":
-        schedule = "roles" if BV == 64 else "overlap"
+        schedule = "roles"
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be 'auto' or one of {SCHEDULES}, got {schedule!r}")
     if dual:  # DUAL_SCHEDULE is checked where it is read
-        return DUAL_SCHEDULE if BV == 64 else "overlap"
-    if schedule == "roles" and BV != 64:
-        return "overlap"
+        return DUAL_SCHEDULE
     return schedule
 
 
@@ -394,30 +392,39 @@ def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str,
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be 'auto' or one of {SCHEDULES}, got {schedule!r}")
     if schedule == "roles":
-        from flashqla.ops.gdn.kernels.sm90.recurrent_roles import ROLES_BV, recurrent_roles_prim_func
+        from flashqla.ops.gdn.kernels.sm90.recurrent_roles import ROLES_WIDTHS, recurrent_roles_prim_func
 
-        if BV != ROLES_BV or _measure:
-            raise ValueError(f"schedule 'roles' is built for BV = {ROLES_BV} only")
+        if BV not in ROLES_WIDTHS or _measure:
+            raise ValueError(f"schedule 'roles' is built for BV in {ROLES_WIDTHS} only, without measuring builds")
         if dual and K != V:
             raise ValueError(f"the dual launch needs K == V, got K={K}, V={V}")
-        name = f"gdn_recurrent_roles_fwd_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{seq_dtype}_{int(varlen)}" + ("_dual" if dual else "")
-        return compile_kernel(recurrent_roles_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, dual), name)
+        name = (f"gdn_recurrent_roles_fwd_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{seq_dtype}_{int(varlen)}" + ("" if BV == 64 else f"_BV{BV}")
+                + ("_dual" if dual else ""))
+        return compile_kernel(recurrent_roles_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, dual, BV), name)
     func = _recurrent_prim_func(H, HV, K, V, BV, dtype, seq_dtype, varlen, schedule, dual, _measure)
     name = (f"gdn_recurrent_fwd_H{H}_HV{HV}_K{K}_V{V}_BV{BV}_{dtype}_{seq_dtype}_{int(varlen)}_{schedule}" + ("_dual" if dual else "")
             + (f"_measure_{_measure}" if _measure else ""))
     return compile_kernel(func, name)
 
 
-#: Number of streaming multiprocessors of the H200/H100 SXM; the slice heuristic aims at >= 70% of it.
+#: Number of streaming multiprocessors of the H200/H100 SXM.
 SM_COUNT = 132
+#: Chunk step of the role-split kernel per CTA (one CTA an SM), us, by value slice width: measured on
+#: the H200 (2026-11-30, tests/gpu/recurrent_floor.py, recurrent launch alone): BV = 64 1.82-1.96,
+#: BV = 128 2.96-3.27 on rows of 32 to 512 CTAs. Only their ratio is used (`pick_block_v`).
+ROLES_STEP_US = {64: 1.9, 128: 3.1}
 
 
 def pick_block_v(N: int, HV: int, V: int = 128, sm_count: int = SM_COUNT) -> int:
-    """Value slice width: 128 when N * HV fills >= 70% of the SMs, else 64 (two CTAs per head)."""
-    target = int(0.7 * sm_count)
-    if N * HV >= target or V < 128:
-        return min(V, 128)
-    return 64
+    """Value slice width of an unsplit launch: the one whose waves cost less, taking the N * HV
+    (sequence, value head) walks as equally long (the host does not read the lengths) and one CTA an SM:
+    ceil(2 N HV / sms) steps of ROLES_STEP_US[64] against ceil(N HV / sms) of ROLES_STEP_US[128]. On
+    132 SMs: BV = 64 up to 66 walks and from 133 to 198, else 128 (64 when V < 128)."""
+    if V < 128:
+        return V
+    nh = N * HV
+    waves64, waves128 = -(-2 * nh // sm_count), -(-nh // sm_count)
+    return 64 if waves64 * ROLES_STEP_US[64] < waves128 * ROLES_STEP_US[128] else 128
 
 
 def recurrent_kernel_args(q, v, cu_seqlens, block_v=None, schedule=None, dual: bool = False) -> tuple:

@@ -1,28 +1,34 @@
-"""The recurrent kernel with role-specialised warpgroups (schedule "roles", value slice BV = 64).
+"""The recurrent kernel with role-specialised warpgroups (schedule "roles", value slice BV = 64 or 128).
 
 Same products as `recurrent.py` (records CF-1..CF-3, RW-2, RW-4; stage twins in
-`reference.gdn.fused`), split over two consumer warpgroups that run concurrently instead of one
+`reference.gdn.fused`), split over consumer warpgroups that run concurrently instead of one
 warpgroup doing all of them in turn:
 
-    chain  (threads 0-127)    owns S^T [BV, K] fp32 in registers; per chunk
+    chain  (threads [0, CH))  owns S^T [BV, K] fp32 in registers; per chunk
                               S^T -> bf16 copy (registers, and shared memory for the output role)
                               U^T   = S^T K^T                        (wgmma, A from registers)
                               W^T   = V^T - U^T diag(gamma)
                               vn^T  = W^T A_beta^T                   (wgmma, A from registers)
                               vn^T  -> shared memory (bf16) for the output role
                               S^T   = gamma_C S^T + (vn^T diag(r)) K (wgmma, A from registers)
-    output (threads 128-255)  per chunk, in token-major form (o's own layout, no transpose)
+    output (next 128 threads) per chunk, in token-major form (o's own layout, no transpose)
                               P  = Q K^T;  Pg = scale (P * Gamma) causal (registers)
                               O  = scale diag(gamma) Q S             (S from the chain's bf16 copy)
                               O += Pg vn                             (wgmma, A from registers)
                               o  <- O (rows inside the sequence)
-    producer (threads 256-383) one warp issues the TMA loads of q, k, v, A_beta and g_cum_log2
+    producer (last 128)       one warp issues the TMA loads of q, k, v, A_beta and g_cum_log2
                               into a two-stage ring.
+
+CH = 128 at BV = 64 (384 threads). At BV = 128 the chain is two warpgroups (CH = 256, 512 threads),
+each owning 64 value rows of S^T; every chain product is one wgmma split by rows over the two (as the
+one-warpgroup kernel's two consumers at BV = 128), and the output role's O is [64, 128].
 
 Why: on the H200 the state chain alone (U^T, W^T, vn^T and the update) takes ~1.0 us a chunk at
 BV = 64 while the whole chunk step of the one-warpgroup kernel takes ~2.9-3.4 us
 (tests/gpu/recurrent_floor.py): the output path, serial behind the chain in one warpgroup, is two
-thirds of the step. Here it runs beside the chain.
+thirds of the step. Here it runs beside the chain. Measured (same script, us per chunk step):
+BV = 64 1.82-2.22 against 2.74-3.37; BV = 128 2.96-3.27 against 3.32-3.74 (there the output role,
+with twice the O work of BV = 64, is the longer of the two).
 
 Synchronisation (mbarriers, two of each, indexed by the stage c % 2, parity (c // 2) % 2):
     full     producer -> both roles: the stage's tiles landed (TMA transaction bytes)
@@ -33,28 +39,48 @@ A waiter on an "empty" barrier uses the opposite parity, so its first two waits 
 
 The chain role also loads the initial state and stores the final one. Rows past a sequence's end
 are inert as in `recurrent.py` (the prepare kernel's zero rows of A_beta), and only rows inside the
-sequence are stored. The output is accumulated as O = Q S (token rows) instead of O^T = S^T Q^T: the same bf16 operands
-summed over k in the same order, and on the H200 o and the final state came out bitwise equal to the
-one-warpgroup kernel's on every row of tests/gpu/recurrent_floor.py (NOTES.md).
+sequence are stored. The output is accumulated as O = Q S (token rows) instead of O^T = S^T Q^T: the
+same bf16 operands summed over k in the same order, and on the H200 o and the final state came out
+bitwise equal to the one-warpgroup kernel's at both widths on every row of
+tests/gpu/recurrent_floor.py (NOTES.md).
 """
 
 from flashqla.ops.gdn.kernels.sm90._common import CHUNK, sequence_span
 
-__all__ = ["ROLES_BV", "recurrent_roles_prim_func"]
+__all__ = ["NREG", "ROLES_BV", "ROLES_WIDTHS", "recurrent_roles_prim_func", "reg_budget", "roles_threads"]
 
-#: The value slice width of the role-split kernel (one warpgroup holds S^T's 64 value rows).
+#: The value slice widths of the role-split kernel. At BV = 64 one chain warpgroup holds S^T's 64
+#: value rows; at BV = 128 two chain warpgroups hold 64 rows each (every chain product is one wgmma
+#: split by rows over the two, as the one-warpgroup kernel's consumers at BV = 128), beside one output
+#: warpgroup and the producer: 512 threads.
+ROLES_WIDTHS = (64, 128)
 ROLES_BV = 64
-#: Registers per thread after setmaxnreg, per role. setmaxnreg only moves registers between the
-#: warpgroups of a CTA: the CTA launches with 168 a thread (65,536 / 384 rounded down to a multiple
-#: of 8), so the roles must sum to at most 3 x 168 = 504, or an `inc` waits forever.
-NREG = {"chain": 248, "output": 216, "producer": 40}
-REG_BUDGET = 3 * ((65536 // 384) // 8 * 8)
+#: Registers per thread after setmaxnreg, per role and width. setmaxnreg only moves registers between
+#: the warpgroups of a CTA: the CTA launches with 65,536 / threads rounded down to a multiple of 8
+#: (168 at 384 threads, 128 at 512), so the warpgroups' counts must sum to at most `reg_budget(BV)`,
+#: or an `inc` waits forever. At BV = 128 "chain" is each of the two chain warpgroups' count.
+NREG = {
+    64: {"chain": 248, "output": 216, "producer": 40},
+    128: {"chain": 168, "output": 152, "producer": 24},
+}
+
+
+def roles_threads(BV: int) -> int:
+    """Threads of the role-split kernel at value slice width BV: 128 per chain warpgroup (BV / 64 of
+    them), 128 for the output role, 128 for the producer warpgroup."""
+    return 128 * (BV // 64) + 256
+
+
+def reg_budget(BV: int) -> int:
+    """The registers the warpgroups' setmaxnreg counts may sum to at width BV (see `NREG`)."""
+    threads = roles_threads(BV)
+    return (threads // 128) * ((65536 // threads) // 8 * 8)
 
 
 def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: str, varlen: bool,
-                              dual: bool = False):
-    """The TileLang prim_func of the role-split recurrent kernel (BV = 64; the plain kernel's
-    signature, so that `recurrent.chunk_recurrent_fwd` launches either).
+                              dual: bool = False, BV: int = ROLES_BV):
+    """The TileLang prim_func of the role-split recurrent kernel at value slice width BV (64 or 128;
+    the plain kernel's signature, so that `recurrent.chunk_recurrent_fwd` launches either).
 
     dual (K == V): the split path's run and transition launch in one grid, as
     `recurrent._recurrent_prim_func(dual=True)` (same signature and semantics: the first half of the
@@ -65,7 +91,8 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
     from tilelang.layout import make_swizzled_layout
 
     C = CHUNK
-    BV = ROLES_BV
+    if BV not in ROLES_WIDTHS:
+        raise ValueError(f"the role-split kernel is built for BV in {ROLES_WIDTHS}, got {BV}")
     G = HV // H
     NV = V // BV
     acc = "float32"
@@ -73,8 +100,14 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
         raise ValueError(f"the role-split kernel needs V divisible by {BV}, got V={V}")
     if dual and K != V:
         raise ValueError(f"the dual launch needs K == V, got K={K}, V={V}")
-    if sum(NREG.values()) > REG_BUDGET or any(r % 8 for r in NREG.values()):
-        raise ValueError(f"role registers {NREG} must be multiples of 8 summing to <= {REG_BUDGET}")
+    nreg = NREG[BV]
+    n_chain = BV // 64  # chain warpgroups
+    CH = 128 * n_chain  # chain threads [0, CH); output [CH, CH + 128); producer [CH + 128, CH + 256)
+    threads = roles_threads(BV)
+    if nreg["chain"] * n_chain + nreg["output"] + nreg["producer"] > reg_budget(BV) or any(r % 8 for r in nreg.values()):
+        raise ValueError(f"role registers {nreg} (chain x {n_chain}) must be multiples of 8 summing to <= {reg_budget(BV)}")
+    # chain products at BV = 128: one wgmma over both chain warpgroups, split by rows (64 each)
+    chain_kw = {"policy": T.GemmWarpPolicy.FullRow} if n_chain > 1 else {}
 
     B = T.dynamic("B")
     Tn = T.dynamic("T")
@@ -107,7 +140,7 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
         pt: T.Tensor(pt_shape, "float32"),
         limit: T.Tensor(lim_shape, "int32"),
     ):
-        with T.Kernel(ncta * (2 if dual else 1), threads=384) as (bx,):
+        with T.Kernel(ncta * (2 if dual else 1), threads=threads) as (bx,):
             if dual:
                 tr = bx < ncta  # transition CTA (first half)
                 b1 = T.if_then_else(tr, bx, bx - ncta)
@@ -139,15 +172,15 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
             T.annotate_layout({v_s: make_swizzled_layout(v_s)})
 
             full = T.alloc_barrier(arrive_count=[32, 32])
-            empty = T.alloc_barrier(arrive_count=[256, 256])
-            s_full = T.alloc_barrier(arrive_count=[128, 128])
+            empty = T.alloc_barrier(arrive_count=[CH + 128, CH + 128])
+            s_full = T.alloc_barrier(arrive_count=[CH, CH])
             s_empty = T.alloc_barrier(arrive_count=[128, 128])
-            n_full = T.alloc_barrier(arrive_count=[128, 128])
+            n_full = T.alloc_barrier(arrive_count=[CH, CH])
             n_empty = T.alloc_barrier(arrive_count=[128, 128])
 
-            if tx < 128:
+            if tx < CH:
                 # ------------------------------------------------------------------ chain
-                T.set_max_nreg(NREG["chain"], 1)
+                T.set_max_nreg(nreg["chain"], 1)
                 st = T.alloc_fragment((BV, K), acc)
                 st_b = T.alloc_fragment((BV, K), dtype)
                 ut = T.alloc_fragment((BV, C), acc)
@@ -178,7 +211,7 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
                     T.barrier_wait(full[s], ph)
                     T.copy(st, st_b)
                     # U^T = S^T K^T
-                    T.wgmma_gemm(st_b, k_s[s, :, :], ut, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(st_b, k_s[s, :, :], ut, transpose_B=True, clear_accum=True, **chain_kw)
                     # meanwhile: publish the bf16 S^T, gates, S^T *= gamma_C
                     T.barrier_wait(s_empty[s], 1 - ph)
                     T.copy(st_b, sb_s[s, :, :])
@@ -191,7 +224,7 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
                     for i, j in T.Parallel(BV, K):
                         st[i, j] = st[i, j] * gcl[0]
                     T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(ut, num_regs=BV * C // 128)
+                    T.warpgroup_fence_operand(ut, num_regs=BV * C // CH)
                     # W^T = V^T - U^T diag(gamma)
                     if dual:  # transition CTAs: v = 0
                         for i, j in T.Parallel(BV, C):
@@ -201,20 +234,20 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
                         for i, j in T.Parallel(BV, C):
                             wt_b[i, j] = T.cast(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j], dtype)
                     # vn^T = W^T A_beta^T
-                    T.wgmma_gemm(wt_b, a_s[s, :, :], nvt, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(wt_b, a_s[s, :, :], nvt, transpose_B=True, clear_accum=True, **chain_kw)
                     T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(nvt, num_regs=BV * C // 128)
+                    T.warpgroup_fence_operand(nvt, num_regs=BV * C // CH)
                     for i, j in T.Parallel(BV, C):
                         nvt_b[i, j] = T.cast(nvt[i, j], dtype)
                         vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j], dtype)
                     # S^T = gamma_C S^T + (vn^T diag(r)) K; meanwhile publish vn^T
-                    T.wgmma_gemm(vpt_b, k_s[s, :, :], st)
+                    T.wgmma_gemm(vpt_b, k_s[s, :, :], st, **chain_kw)
                     T.barrier_wait(n_empty[s], 1 - ph)
                     T.copy(nvt_b, nv_s[s, :, :])
                     T.fence_proxy_async()
                     T.barrier_arrive(n_full[s])
                     T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(st, num_regs=BV * K // 128)
+                    T.warpgroup_fence_operand(st, num_regs=BV * K // CH)
                     T.barrier_arrive(empty[s])
                 if dual:
                     if tr:  # the transition P, or 0 where it was cut short
@@ -226,9 +259,9 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
                 elif store_ht != 0:
                     for i, j in T.Parallel(BV, K):
                         ht[n, hv, j, v0 + i] = st[i, j]
-            elif tx < 256:
+            elif tx < CH + 128:
                 # ------------------------------------------------------------------ output
-                T.set_max_nreg(NREG["output"], 1)
+                T.set_max_nreg(nreg["output"], 1)
                 p_f = T.alloc_fragment((C, C), acc)
                 pg_b = T.alloc_fragment((C, C), dtype)
                 of = T.alloc_fragment((C, BV), acc)
@@ -284,8 +317,8 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
                                 o[bidx, t0 + t, hv, v0 + i] = T.cast(of[t, i], dtype)
             else:
                 # ------------------------------------------------------------------ producer
-                T.set_max_nreg(NREG["producer"], 0)
-                if tx < 256 + 32:
+                T.set_max_nreg(nreg["producer"], 0)
+                if tx < CH + 128 + 32:
                     for c in T.serial(nloop if dual else nchunks):
                         s = c % 2
                         ph = (c // 2) % 2
