@@ -119,6 +119,21 @@ def test_trusted_matches_token_recurrence(lengths, C, HV):
     assert rel_rms(ht, ht_ref) < 1e-12
 
 
+@pytest.mark.parametrize("initial_state", [True, False])
+def test_trusted_in_head_groups_equals_one_piece(initial_state):
+    """Above its memory bound the trusted result is computed one q/k head group at a time: the
+    groups' o and final state equal the one-piece result and the token recurrence."""
+    from reference.gdn.recurrent import recurrent_gated_delta_rule
+
+    x = make_gdn_inputs(B=1, T=150, H=3, HV=6, K=16, V=8, cu_seqlens=[70, 1, 79], initial_state=initial_state)
+    o_ref, ht_ref = recurrent_gated_delta_rule(**x, output_final_state=True)
+    whole = chunk_gdn_fp64(**x, chunk_size=16)
+    for max_bytes in (1, 4 * 12 * 1024 * (150 + 3 * 16)):  # one q/k head a group; groups of 2 + 1
+        parts = chunk_gdn_fp64(**x, chunk_size=16, max_bytes=max_bytes)
+        for got, one, ref in zip(parts, whole, (o_ref, ht_ref)):
+            assert got.shape == one.shape and rel_rms(got, one) < 1e-14 and rel_rms(got, ref) < 1e-12
+
+
 def test_trusted_from_bf16_inputs_without_state():
     from reference.gdn.recurrent import recurrent_gated_delta_rule
 

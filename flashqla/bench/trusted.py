@@ -61,10 +61,42 @@ def chunk_gdn_fp64(
     initial_state: torch.Tensor | None = None,
     cu_seqlens=None,
     chunk_size: int = 64,
+    max_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GDN forward in fp64 by the chunked algorithm (the trusted result of the benchmark gate).
-    Arguments and return as `chunk_gdn_fp64_autograd`, without autograd."""
-    return chunk_gdn_fp64_autograd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
+    Arguments and return as `chunk_gdn_fp64_autograd`, without autograd.
+
+    max_bytes: the fp64 working set allowed at once (default FP64_GROUP_BYTES). The value heads are
+    independent, so above it the result is computed one group of q/k heads (with their value heads)
+    at a time and concatenated, each group on the same algorithm (4 x 2^20 tokens at 16 value heads
+    needs ~190 GiB in one piece)."""
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    if HV % H:
+        raise ValueError(f"HV={HV} is not a multiple of H={H}")
+    G = HV // H
+    n_seq = (len(cu_seqlens) - 1) if cu_seqlens is not None else B
+    per_value_head = FP64_BYTES_PER_TOKEN_HEAD * (B * T + n_seq * chunk_size)
+    hg = max(1, min(H, int((max_bytes or FP64_GROUP_BYTES) // max(per_value_head * G, 1))))
+    if hg >= H:
+        return chunk_gdn_fp64_autograd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
+    outs, states = [], []
+    for h0 in range(0, H, hg):
+        h1 = min(H, h0 + hg)
+        vs = slice(h0 * G, h1 * G)
+        o, S = chunk_gdn_fp64_autograd(q[:, :, h0:h1], k[:, :, h0:h1], v[:, :, vs], g[:, :, vs], beta[:, :, vs],
+                                       K**-0.5 if scale is None else scale,
+                                       None if initial_state is None else initial_state[:, vs], cu_seqlens, chunk_size)
+        outs.append(o)
+        states.append(S)
+    return torch.cat(outs, 2), torch.cat(states, 1)
+
+
+#: Bytes of the fp64 chunked forward's working set per (padded token, value head), an upper estimate
+#: (q, k, v, w, u, o and the output gathered in fp64, four [C, C] matrices per chunk, with C = 64).
+FP64_BYTES_PER_TOKEN_HEAD = 12 * 1024
+#: The working set `chunk_gdn_fp64` computes in one piece (above it: groups of q/k heads).
+FP64_GROUP_BYTES = 48 * 2**30
 
 
 def chunk_gdn_fp64_autograd(
