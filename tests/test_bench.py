@@ -214,6 +214,13 @@ def test_csv_append_and_resume_keys(tmp_path):
     assert len(got) == 2 and {R.num(r["ours_ms"]) for r in got} == {0.5, 1.0}
     env, commit = S.latest_key(S.read_rows(p))
     assert commit == "c1" and env == ENV
+    # rows of several commits: each row key from the first commit that has it, other envs never
+    S.append_row(p, _result_line(ENV, "c2", 16, 32, "1x8192", ours_ms=0.25), S.RESULT_FIELDS)
+    merged = {(r["h_qk"], r["mix"]): r for r in S.rows_for_commits(S.read_rows(p), ENV, ["c2", "c1"])}
+    assert merged[("16", "1x8192")]["commit"] == "c2" and R.num(merged[("16", "1x8192")]["ours_ms"]) == 0.25
+    assert merged[("16", "8192x4")]["commit"] == "c1" and merged[("2", "1x32768")]["commit"] == "c2"
+    assert ("16", "1024x8") not in merged
+    assert {r["commit"] for r in S.rows_for_commits(S.read_rows(p), ENV, ["c1"])} == {"c1"}
     with pytest.raises(ValueError):
         S.append_row(p, {"bogus": 1}, S.RESULT_FIELDS)
 

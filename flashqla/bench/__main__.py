@@ -82,6 +82,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--list", action="store_true", help="print the selected rows and exit")
     p.add_argument("--report-only", action="store_true", help="rebuild markdown and plot from the CSVs and exit")
+    p.add_argument("--also-commits", metavar="C1,C2",
+                   help="with --report-only: rows not measured at the latest commit are taken from these commits "
+                        "(CSV commit ids such as abc1234+cp-auto, first match wins), for a grid measured over "
+                        "several calls at commits of the same code; the header lists the rows per commit")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failing implementations")
     b = p.add_argument_group("backward (--bwd)")
     b.add_argument("--bwd", action="store_true",
@@ -236,12 +240,16 @@ def fill_cached_peers(rows: list[dict], cache) -> list[dict]:
     return out
 
 
-def write_outputs(paths: dict, env: dict, commit: str, meta: dict, drift, plot: bool) -> None:
-    """The forward report (markdown, plot) from the CSV rows of (env, commit); and, when some of them
-    are rows of the context-parallel benchmark (`--cp-grid`), its own page `<gpu>-cp.md` with a plot
-    of time against T."""
-    rows = fill_cached_peers(S.rows_for_key(S.read_rows(paths["csv"]), env, commit), S.PeerCache(paths["peers"], env))
+def write_outputs(paths: dict, env: dict, commit: str, meta: dict, drift, plot: bool, also=()) -> None:
+    """The forward report (markdown, plot) from the CSV rows of (env, commit), and for rows not
+    measured at `commit` those of the commits in `also` (first match wins; the header lists how many
+    rows each commit gave); and, when some of them are rows of the context-parallel benchmark
+    (`--cp-grid`), its own page `<gpu>-cp.md` with a plot of time against T."""
+    rows = fill_cached_peers(S.rows_for_commits(S.read_rows(paths["csv"]), env, [commit, *also]), S.PeerCache(paths["peers"], env))
     brows = [b for b in S.read_rows(paths["breakdown"]) if S.env_key(b) == S.env_key(env) and b.get("commit") == commit]
+    if also:
+        counts = {c: sum(r.get("commit") == c for r in rows) for c in [commit, *also]}
+        commit = "; ".join(f"{c} ({n} rows)" for c, n in counts.items() if n)
     paths["md"].write_text(R.markdown(rows, env, commit, meta, drift, brows))
     if plot and rows:
         R.plot(rows, paths["png"])
@@ -282,7 +290,8 @@ def main(argv=None) -> int:
         dates = [r.get("date", "") for r in S.rows_for_key(S.read_rows(paths["csv"]), env, commit)]
         meta = {"date": max(dates, default=now_utc()), "method": method or ["Rebuilt from the CSV (--report-only); method of the measuring run unknown."]}
         started = time.time()
-        write_outputs(paths, env, commit, meta, [], not args.no_plot)
+        also = [c.strip() for c in (args.also_commits or "").split(",") if c.strip()]
+        write_outputs(paths, env, commit, meta, [], not args.no_plot, also)
         for k, old in pages.items():
             if old and paths[k].exists():
                 paths[k].write_text(R.keep_drift_section(old, paths[k].read_text(), R.commit_from_markdown(old), commit))

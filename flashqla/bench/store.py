@@ -111,6 +111,16 @@ def rows_for_key(rows: list[dict], env: dict, commit: str) -> list[dict]:
     return list(out.values())
 
 
+def rows_for_commits(rows: list[dict], env: dict, commits) -> list[dict]:
+    """Rows of one environment key, each row key from the first of `commits` that measured it (so a
+    report can show a grid whose rows were measured at several commits of the same code); every row
+    keeps its own `commit` field."""
+    out = {}
+    for c in reversed(list(commits)):
+        out.update({row_key(r): r for r in rows_for_key(rows, env, c)})
+    return list(out.values())
+
+
 def done_keys(rows: list[dict], env: dict, commit: str, need=("ours",)) -> set[tuple[int, int, str]]:
     """Row keys already measured under this environment key and commit (skipped on a rerun).
 
