@@ -352,9 +352,15 @@ def test_roles_kernel_compiles(BV, varlen, dual):
     assert src.count("wgmma_rs") >= 4 and "wgmma_ss" in src and "tma_load" in src
     body = src[src.index("warpgroup_reg_alloc"):]
     assert "__syncthreads" not in body  # only partial (one-warpgroup) barriers inside the roles
-    # named barriers inside the roles span one role's threads (the chain's: all its warpgroups)
-    parts = {int(n) for n in re.findall(r"__sync_thread_partial\(\d+, (\d+)\)", body)}
-    assert parts <= {128 * n_chain}, parts
+    # named barriers inside the roles span one role's threads (the chain's: all its warpgroups, the
+    # output role's: its own 128, around the staged o tile), each role with its own barrier id
+    counts = {}
+    for bid, n in re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", body):
+        counts.setdefault(int(bid), set()).add(int(n))
+    assert len(counts) == 2 and all(len(n) == 1 for n in counts.values()), counts
+    assert sorted(n for (n,) in counts.values()) == sorted([128 * n_chain, 128]), counts
+    # the staged o store: 16-byte vector stores of o (and of u in the dual launch)
+    assert "*(uint4*)(o + " in src and (not dual or "*(uint4*)(u + " in src)
     for bar in ("full", "empty", "s_full", "s_empty", "n_full", "n_empty"):
         assert f"{bar}[(" in body, bar
 

@@ -347,7 +347,7 @@ SCHEDULES = ("serial", "overlap", "roles")
 #: variable FLASHQLA_RECURRENT_SCHEDULE sets it at import). "auto" is "roles" (`resolve_schedule`).
 #: Measured on the H200 (tests/gpu/recurrent_floor.py, recurrent launch alone, us per chunk step;
 #: o and final state bitwise equal between the schedules): BV = 64 "overlap" 2.7-3.4, "roles"
-#: 1.8-2.2; BV = 128 "overlap" 3.2-3.7, "roles" 2.96-3.27.
+#: 1.6-1.8; BV = 128 "overlap" 3.3-3.7, "roles" 2.7-2.9.
 DEFAULT_SCHEDULE = os.environ.get("FLASHQLA_RECURRENT_SCHEDULE", "auto")
 
 
@@ -412,9 +412,10 @@ def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str,
 #: Number of streaming multiprocessors of the H200/H100 SXM.
 SM_COUNT = 132
 #: Chunk step of the role-split kernel per CTA (one CTA an SM), us, by value slice width: measured on
-#: the H200 (2026-11-30, tests/gpu/recurrent_floor.py, recurrent launch alone): BV = 64 1.82-1.96,
-#: BV = 128 2.96-3.27 on rows of 32 to 512 CTAs. Only their ratio is used (`pick_block_v`).
-ROLES_STEP_US = {64: 1.9, 128: 3.1}
+#: the H200 (2026-11-30, tests/gpu/recurrent_floor.py, recurrent launch alone, the staged o store):
+#: BV = 64 1.62-1.74, BV = 128 2.70-2.91 on rows of 32 to 512 CTAs. Only their ratio is used
+#: (`pick_block_v`).
+ROLES_STEP_US = {64: 1.67, 128: 2.78}
 
 
 def pick_block_v(N: int, HV: int, V: int = 128, sm_count: int = SM_COUNT) -> int:
