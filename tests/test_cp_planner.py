@@ -434,3 +434,23 @@ def test_unsplit_plan_prices_the_width_the_launch_runs(HV, N, T, hint):
     assert p.est_unsplit == pytest.approx(_unsplit_time(bv, HV, 128, N, min(-(-T // N), l_max), l_max, 132))
     if not p.split:
         assert p.BV == bv, p
+
+
+def test_plan_ab_rows_changed_by_a_candidate_constant():
+    """tests/gpu/cp_plan_ab.py --changed-by: the grid rows whose plan a candidate constant changes,
+    each with its plan now and the candidate's; the planner's constants are restored afterwards."""
+    from flashqla.cp import planner as P
+    from tests.gpu.cp_plan_ab import changed_rows, grid_plans
+
+    before = (dict(P.CHUNK_COST), P.HEAD_OVERHEAD)
+    assert changed_rows(f"CHUNK_COST[128]={P.CHUNK_COST[128]}") == []
+    specs = changed_rows("CHUNK_COST[128]=1.35,HEAD_OVERHEAD=0.25")
+    assert (dict(P.CHUNK_COST), P.HEAD_OVERHEAD) == before
+    now = grid_plans()
+    assert specs and all(s.count(":") == 2 for s in specs)
+    for spec in specs:
+        row, old, new = spec.split(":")
+        assert now[row] == old != new
+    assert "8/32 1x8192:2048/128:off" in specs  # measured faster unsplit (NOTES.md)
+    with pytest.raises(SystemExit, match="cannot read"):
+        changed_rows("NOT_A_CONSTANT=1")

@@ -9,6 +9,13 @@ length L with value slices of BV). Inputs of the forward benchmark (`make_gdn_in
 offsets, Qwen3-Next gates with the g == 0 and g = -30 heads, initial state given). Each plan is
 CUDA-graph timed (median) after a gate: its o against the unsplit o, relative RMS <= 1e-2. Prints a
 table last (ms per plan, the fastest marked), writes cp_plan_ab.json to --out. Not collected by pytest.
+
+    python tests/gpu/cp_plan_ab.py --changed-by "CHUNK_COST[128]=1.35" [--list]
+
+instead of --rows: every row of the forward grid and the CP grid whose forward plan (with the
+benchmark's length hint) changes when the planner's constants are set as given (NAME=VALUE or
+NAME[KEY]=VALUE, comma-separated, names of `flashqla.cp.planner`), timed under its plan now and
+under the candidate's; --list prints those row specs and exits (no GPU needed).
 """
 
 from __future__ import annotations
@@ -26,17 +33,83 @@ sys.path.insert(0, ROOT)
 from tests.gpu.device_check import time_graph  # noqa: E402
 
 
+def _plan_text(p) -> str:
+    return f"{p.segment_len}/{p.BV}" if p.split else "off"
+
+
+def grid_plans() -> dict:
+    """{"h_qk/h_v MIX": plan text} for every forward-grid and CP-grid row, as the benchmark's op
+    plans it (the longest length as the hint; "off" when not split)."""
+    from flashqla.bench.grid import H200_SMS, cp_grid_rows, fwd_rows
+    from flashqla.cp import planner as P
+
+    P.clear_plan_cache()
+    out = {}
+    for r in fwd_rows() + cp_grid_rows():
+        lengths = list(r.mix.lengths)
+        p = P.plan_cp(r.heads.h_v, len(lengths), sum(lengths), 128, H200_SMS, max_seqlen=max(lengths))
+        out[f"{r.heads.h_qk}/{r.heads.h_v} {r.mix.label}"] = _plan_text(p)
+    return out
+
+
+def changed_rows(assignments: str) -> list[str]:
+    """Row specs "ROW:PLAN_NOW:PLAN_CANDIDATE" of the grid rows whose plan changes under the planner
+    constants `assignments` ("NAME=VALUE" or "NAME[KEY]=VALUE", comma-separated); the planner's
+    constants are restored afterwards."""
+    import re
+
+    from flashqla.cp import planner as P
+
+    saved = {}
+    now = grid_plans()
+    try:
+        for item in filter(None, (x.strip() for x in assignments.split(","))):
+            m = re.fullmatch(r"([A-Z_]+)(?:\[(\d+)\])?=([-+.\deE]+)", item)
+            if not m or not hasattr(P, m.group(1)):
+                raise SystemExit(f"--changed-by: cannot read {item!r} (NAME=VALUE or NAME[KEY]=VALUE of flashqla.cp.planner)")
+            name, key, value = m.group(1), m.group(2), float(m.group(3))
+            if name not in saved:
+                cur = getattr(P, name)
+                saved[name] = dict(cur) if isinstance(cur, dict) else cur
+            if key is None:
+                setattr(P, name, value)
+            else:
+                getattr(P, name)[int(key)] = value
+        cand = grid_plans()
+    finally:
+        for name, value in saved.items():
+            if isinstance(value, dict):
+                getattr(P, name).clear()
+                getattr(P, name).update(value)
+            else:
+                setattr(P, name, value)
+        P.clear_plan_cache()
+    return [f"{row}:{now[row]}:{cand[row]}" for row in now if now[row] != cand[row]]
+
+
 def main(argv=None) -> int:
     from flashqla.bench.grid import parse_heads, parse_mix
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", nargs="+")
+    ap.add_argument("--changed-by", metavar="ASSIGNMENTS",
+                    help='rows whose plan changes under these planner constants, e.g. "CHUNK_COST[128]=1.35"')
+    ap.add_argument("--list", action="store_true", help="print the row specs and exit")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args(argv)
+    if bool(a.rows) == bool(a.changed_by):
+        ap.error("give --rows or --changed-by")
+    specs = a.rows or changed_rows(a.changed_by)
+    if a.list:
+        for spec in specs:
+            print(spec)
+        print(f"{len(specs)} rows")
+        return 0
     from flashqla.cp.driver import chunk_gated_delta_rule_cp_fwd
     from flashqla.testing import make_gdn_inputs
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", nargs="+", required=True)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    a = ap.parse_args(argv)
     results, ok = [], True
-    for spec in a.rows:
+    for spec in specs:
         row, *plans = spec.split(":")
         heads, mix = row.split()
         h = parse_heads(heads)
