@@ -359,10 +359,36 @@ def test_roles_kernel_compiles(BV, varlen, dual):
         counts.setdefault(int(bid), set()).add(int(n))
     assert len(counts) == 2 and all(len(n) == 1 for n in counts.values()), counts
     assert sorted(n for (n,) in counts.values()) == sorted([128 * n_chain, 128]), counts
-    # the staged o store: 16-byte vector stores of o (and of u in the dual launch)
+    # the staged o store: 16-byte vector stores of o (and of u in the dual launch); the single o tile
+    # is guarded by the output role's own barrier before its writes (the previous chunk's reads) and
+    # between its writes and the reads (TileLang inserts both: a change there would race silently)
     assert "*(uint4*)(o + " in src and (not dual or "*(uint4*)(u + " in src)
+    out_id = next(b for b, n in counts.items() if n == {128} and (n_chain > 1 or b != min(counts)))
+    out = body[body.index(f"warpgroup_reg_alloc<{nreg['output']}>"):]
+    sync = f"__sync_thread_partial({out_id}, 128)"
+    first_w = out.index("((bfloat16_t*)o_s) + ")
+    last_w = out.index("*(uint4*)(o + ")
+    assert sync in out[out.rindex("empty[", 0, first_w):first_w], "no barrier before the o tile's writes"
+    assert sync in out[first_w:last_w], "no barrier between the o tile's writes and reads"
     for bar in ("full", "empty", "s_full", "s_empty", "n_full", "n_empty"):
         assert f"{bar}[(" in body, bar
+
+
+def test_preallocated_o_is_checked():
+    """A caller's o for the recurrent launch: v's shape, dtype and device, contiguous and on a 16-byte
+    boundary (the role-split kernel stores it with 16-byte vectors), refused by name otherwise."""
+    from flashqla.ops.gdn.kernels.sm90.recurrent import _check_out
+
+    v = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
+    o = torch.empty_like(v)
+    assert _check_out(o, v) is o
+    shifted = torch.empty(v.numel() + 1, dtype=torch.bfloat16)[1:].view(v.shape)
+    with pytest.raises(ValueError, match="o must start on a 16-byte boundary"):
+        _check_out(shifted, v)
+    for bad in (torch.empty(1, 8, 2, 128), torch.empty(1, 8, 2, 64, dtype=torch.bfloat16),
+                torch.empty(1, 8, 128, 2, dtype=torch.bfloat16).transpose(2, 3)):
+        with pytest.raises(ValueError, match="^o must be a contiguous"):
+            _check_out(bad, v)
 
 
 @needs_nvcc

@@ -430,6 +430,17 @@ def pick_block_v(N: int, HV: int, V: int = 128, sm_count: int = SM_COUNT) -> int
     return 64 if waves64 * ROLES_STEP_US[64] < waves128 * ROLES_STEP_US[128] else 128
 
 
+def _check_out(o, v):
+    """A caller's preallocated o: v's shape, dtype and device, contiguous, 16-byte aligned (the
+    role-split kernel stores o with 16-byte vectors)."""
+    if o.shape != v.shape or o.dtype != v.dtype or o.device != v.device or not o.is_contiguous():
+        raise ValueError(f"o must be a contiguous {v.dtype} tensor of shape {tuple(v.shape)} on {v.device}, "
+                         f"got {o.dtype} {tuple(o.shape)} on {o.device} (contiguous: {o.is_contiguous()})")
+    if o.data_ptr() % 16:
+        raise ValueError("o must start on a 16-byte boundary (the kernel stores it with 16-byte vectors)")
+    return o
+
+
 def recurrent_kernel_args(q, v, cu_seqlens, block_v=None, schedule=None, dual: bool = False) -> tuple:
     """The static key (`build_recurrent_kernel` arguments) a launch with these inputs uses (the dual
     launch's key ends with True; the plain key has nine entries)."""
@@ -465,6 +476,8 @@ def chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale: float, initial_state, out
     N = cu_seqlens.numel() - 1 if varlen else B
     if o is None:
         o = torch.empty_like(v)
+    else:
+        _check_out(o, v)
     ht = None
     if output_final_state:
         ht = final_state if final_state is not None else torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
@@ -516,7 +529,7 @@ def chunk_recurrent_dual(q, k, v, A, g_cum_log2, scale: float, initial_state, li
     N = cu_seqlens.numel() - 1 if varlen else B
     if tuple(limit.shape) != (N, HV) or limit.dtype != torch.int32:
         raise ValueError(f"limit must be int32 of shape {(N, HV)}, got {limit.dtype} {tuple(limit.shape)}")
-    o = torch.empty_like(v) if o is None else o
+    o = torch.empty_like(v) if o is None else _check_out(o, v)
     U = torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
     Q = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
     P = torch.empty(N, HV, K, K, dtype=torch.float32, device=q.device)

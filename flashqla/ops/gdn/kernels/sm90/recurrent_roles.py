@@ -26,9 +26,9 @@ one-warpgroup kernel's two consumers at BV = 128), and the output role's O is [6
 Why: on the H200 the state chain alone (U^T, W^T, vn^T and the update) takes ~1.0 us a chunk at
 BV = 64 while the whole chunk step of the one-warpgroup kernel takes ~2.9-3.4 us
 (tests/gpu/recurrent_floor.py): the output path, serial behind the chain in one warpgroup, is two
-thirds of the step. Here it runs beside the chain. Measured (same script, us per chunk step):
-BV = 64 1.82-2.22 against 2.74-3.37; BV = 128 2.96-3.27 against 3.32-3.74 (there the output role,
-with twice the O work of BV = 64, is the longer of the two).
+thirds of the step. Here it runs beside the chain. Measured (same script, us per chunk step, the
+staged o store): BV = 64 1.62-1.74 against "overlap"'s 2.84-3.13; BV = 128 2.70-2.91 against
+3.43-3.67 (there the output role, with twice the O work of BV = 64, is the longer of the two).
 
 Synchronisation (mbarriers, two of each, indexed by the stage c % 2, parity (c // 2) % 2):
     full     producer -> both roles: the stage's tiles landed (TMA transaction bytes)
