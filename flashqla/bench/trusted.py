@@ -70,7 +70,7 @@ def chunk_gdn_fp64(
     independent, so above it the result is computed one group of q/k heads (with their value heads)
     at a time and concatenated, each group on the same algorithm (4 x 2^20 tokens at 16 value heads
     needs ~190 GiB in one piece)."""
-    B, T, H, K = q.shape
+    B, T, H = q.shape[:3]
     HV = v.shape[2]
     if HV % H:
         raise ValueError(f"HV={HV} is not a multiple of H={H}")
@@ -84,8 +84,7 @@ def chunk_gdn_fp64(
     for h0 in range(0, H, hg):
         h1 = min(H, h0 + hg)
         vs = slice(h0 * G, h1 * G)
-        o, S = chunk_gdn_fp64_autograd(q[:, :, h0:h1], k[:, :, h0:h1], v[:, :, vs], g[:, :, vs], beta[:, :, vs],
-                                       K**-0.5 if scale is None else scale,
+        o, S = chunk_gdn_fp64_autograd(q[:, :, h0:h1], k[:, :, h0:h1], v[:, :, vs], g[:, :, vs], beta[:, :, vs], scale,
                                        None if initial_state is None else initial_state[:, vs], cu_seqlens, chunk_size)
         outs.append(o)
         states.append(S)

@@ -39,7 +39,6 @@ ROWS = {  # name (LENGTHxCOUNT, as the benchmark): (H, HV, lengths)
     "8/24 4096x8": (8, 24, [4096] * 8),
 }
 BUILDS = ("", "chain", "roles")  # "": schedule "overlap"; "roles": the role-split kernel (BV = 64 and 128)
-#: also accepted by --builds: "roles_direct", the role-split kernel with its first o store (`_measure="direct_o"`)
 
 
 def main():
@@ -62,8 +61,6 @@ def main():
         H, HV, bv, m = key
         if m == "roles":
             return build_recurrent_kernel(H, HV, 128, 128, bv, "bfloat16", "int32", True, "roles")
-        if m == "roles_direct":
-            return build_recurrent_kernel(H, HV, 128, 128, bv, "bfloat16", "int32", True, "roles", False, "direct_o")
         return build_recurrent_kernel(H, HV, 128, 128, bv, "bfloat16", "int32", True, "overlap", False, m)
 
     with ThreadPoolExecutor(8) as ex:

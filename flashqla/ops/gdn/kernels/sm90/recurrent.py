@@ -394,15 +394,13 @@ def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str,
     if schedule == "roles":
         from flashqla.ops.gdn.kernels.sm90.recurrent_roles import ROLES_WIDTHS, recurrent_roles_prim_func
 
-        # "direct_o": the first o store (each pair of values from the fragment), for timing comparisons
-        if BV not in ROLES_WIDTHS or _measure not in ("", "direct_o"):
+        if BV not in ROLES_WIDTHS or _measure:
             raise ValueError(f"schedule 'roles' is built for BV in {ROLES_WIDTHS} only, without measuring builds")
         if dual and K != V:
             raise ValueError(f"the dual launch needs K == V, got K={K}, V={V}")
         name = (f"gdn_recurrent_roles_fwd_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{seq_dtype}_{int(varlen)}" + ("" if BV == 64 else f"_BV{BV}")
-                + ("_dual" if dual else "") + ("_direct_o" if _measure else ""))
-        func = recurrent_roles_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, dual, BV, "direct" if _measure else "staged")
-        return compile_kernel(func, name)
+                + ("_dual" if dual else ""))
+        return compile_kernel(recurrent_roles_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, dual, BV), name)
     func = _recurrent_prim_func(H, HV, K, V, BV, dtype, seq_dtype, varlen, schedule, dual, _measure)
     name = (f"gdn_recurrent_fwd_H{H}_HV{HV}_K{K}_V{V}_BV{BV}_{dtype}_{seq_dtype}_{int(varlen)}_{schedule}" + ("_dual" if dual else "")
             + (f"_measure_{_measure}" if _measure else ""))

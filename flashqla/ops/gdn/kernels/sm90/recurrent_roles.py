@@ -78,7 +78,7 @@ def reg_budget(BV: int) -> int:
 
 
 def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: str, varlen: bool,
-                              dual: bool = False, BV: int = ROLES_BV, o_store: str = "staged"):
+                              dual: bool = False, BV: int = ROLES_BV):
     """The TileLang prim_func of the role-split recurrent kernel at value slice width BV (64 or 128;
     the plain kernel's signature, so that `recurrent.chunk_recurrent_fwd` launches either).
 
@@ -88,19 +88,15 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
     chunks walked, rows to u and the end state to pt, 0 when cut short). The split path's default
     (`recurrent.DUAL_SCHEDULE`); checked on the H200 against the plain launches at both widths.
 
-    o_store: how the output role writes o (u for transition CTAs): "staged" (the default) casts O
-    into a 128-byte-swizzled shared tile and stores it with 16-byte vector stores, one row check per
-    8 values; "direct" (the first version, kept for timing comparisons) stores each pair of values
-    from the accumulator fragment with its own row check. Same values either way."""
+    The output role writes o (u in transition CTAs) through a 128-byte-swizzled shared tile with
+    16-byte vector stores, one row check per 8 values (storing each pair of values from the
+    accumulator fragment with its own check was 1.11-1.28x slower on the H200, NOTES.md)."""
     import tilelang.language as T
     from tilelang.layout import make_swizzled_layout
 
     C = CHUNK
     if BV not in ROLES_WIDTHS:
         raise ValueError(f"the role-split kernel is built for BV in {ROLES_WIDTHS}, got {BV}")
-    if o_store not in ("staged", "direct"):
-        raise ValueError(f"o_store must be 'staged' or 'direct', got {o_store!r}")
-    staged = o_store == "staged"
     G = HV // H
     NV = V // BV
     acc = "float32"
@@ -177,11 +173,8 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
             gc_s = T.alloc_shared((2, C), acc)
             sb_s = T.alloc_shared((2, BV, K), dtype)  # bf16 S^T of chunk c (chain -> output)
             nv_s = T.alloc_shared((2, BV, C), dtype)  # vn^T of chunk c (chain -> output)
-            if staged:
-                o_s = T.alloc_shared((C, BV), dtype)  # O of this chunk in o's dtype (output role)
-                T.annotate_layout({v_s: make_swizzled_layout(v_s), o_s: make_swizzled_layout(o_s)})
-            else:
-                T.annotate_layout({v_s: make_swizzled_layout(v_s)})
+            o_s = T.alloc_shared((C, BV), dtype)  # O of this chunk in o's dtype (output role)
+            T.annotate_layout({v_s: make_swizzled_layout(v_s), o_s: make_swizzled_layout(o_s)})
 
             full = T.alloc_barrier(arrive_count=[32, 32])
             empty = T.alloc_barrier(arrive_count=[CH + 128, CH + 128])
@@ -314,35 +307,21 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
                     T.barrier_arrive(n_empty[s])
                     T.barrier_arrive(empty[s])
                     nvalid = T.min(seqlen - c * C, C)
-                    if staged:
-                        for t, i in T.Parallel(C, BV):
-                            o_s[t, i] = T.cast(of[t, i], dtype)
-                        if dual:
-                            if tr:
-                                for t, i in T.Parallel(C, BV):
-                                    if t < nvalid:
-                                        u[bidx, t0 + t, hv, v0 + i] = o_s[t, i]
-                            else:
-                                for t, i in T.Parallel(C, BV):
-                                    if t < nvalid:
-                                        o[bidx, t0 + t, hv, v0 + i] = o_s[t, i]
+                    for t, i in T.Parallel(C, BV):
+                        o_s[t, i] = T.cast(of[t, i], dtype)
+                    if dual:
+                        if tr:
+                            for t, i in T.Parallel(C, BV):
+                                if t < nvalid:
+                                    u[bidx, t0 + t, hv, v0 + i] = o_s[t, i]
                         else:
                             for t, i in T.Parallel(C, BV):
                                 if t < nvalid:
                                     o[bidx, t0 + t, hv, v0 + i] = o_s[t, i]
-                    elif dual:
-                        if tr:
-                            for t, i in T.Parallel(C, BV):
-                                if t < nvalid:
-                                    u[bidx, t0 + t, hv, v0 + i] = T.cast(of[t, i], dtype)
-                        else:
-                            for t, i in T.Parallel(C, BV):
-                                if t < nvalid:
-                                    o[bidx, t0 + t, hv, v0 + i] = T.cast(of[t, i], dtype)
                     else:
                         for t, i in T.Parallel(C, BV):
                             if t < nvalid:
-                                o[bidx, t0 + t, hv, v0 + i] = T.cast(of[t, i], dtype)
+                                o[bidx, t0 + t, hv, v0 + i] = o_s[t, i]
             else:
                 # ------------------------------------------------------------------ producer
                 T.set_max_nreg(nreg["producer"], 0)
