@@ -21,7 +21,7 @@ splitting (an unbalanced mix only gains more from a split; `force` covers a call
 Cost model, in units of one chunk step of the recurrent kernel at BV = 128 (~3.3 us on the H200),
 for the launches `flashqla.cp.driver` makes:
 
-    t(BV)        per-CTA cost of one chunk: t(128) = 1.0, t(64) = 0.9 (first 0.8 from NOTES.md, 32/32
+    t(BV)        per-CTA cost of one chunk: t(128) = 1.1 (1.0 before the refit at UNSPLIT_CHUNK_COST), t(64) = 0.9 (first 0.8 from NOTES.md, 32/32
                  1x4096, both launches under one wave: the op took 0.318 ms at BV = 64 and 0.378 ms
                  at BV = 128; less the 0.082 ms prepare kernel, 0.236 vs 0.296 ms for the same chunk
                  count; 0.9 in the refit described at HEAD_OVERHEAD)
@@ -29,7 +29,7 @@ for the launches `flashqla.cp.driver` makes:
                  384 x 168 registers; BV = 64 unsplit is the role-split kernel, in the dual launch the
                  one-warpgroup kernel: 113 KB, 256 x 202)
     unsplit      u(BV) * max(ceil(l_max / 64), ceil(NV HV N / slots) * ceil(l_avg / 64)), u = the
-                 unsplit launch's costs (UNSPLIT_CHUNK_COST: u(64) = 0.58, the role-split kernel), at
+                 unsplit launch's costs (UNSPLIT_CHUNK_COST: u(64) = 0.5, the role-split kernel), at
                  the width the unsplit launch runs at (`recurrent.pick_block_v`; the backward: the
                  cheaper width)
     run(L)       t(BV) * ceil(NV HV m / slots) * ceil(min(L, l_max) / 64), m = number of segments
@@ -219,14 +219,28 @@ SEGMENT_QUANTUM = 512
 BV_CHOICES = (128, 64)
 #: Per-CTA cost of one chunk step, relative to BV = 128 (NOTES.md, 32/32 1x4096: 0.8; 0.9 since the
 #: split path's fixed costs fell, fitted with HEAD_OVERHEAD and SCAN_STEP_COST below).
-CHUNK_COST = {128: 1.0, 64: 0.9}
+#: Refitted on the H200 with the role-split dual launch and the staged o store (2026-11-30, commit
+#: 4c5bf31, tests/gpu/cp_plan_ab.py): 1.0 -> 1.1 at BV = 128 (with UNSPLIT_CHUNK_COST[64] 0.58 -> 0.5),
+#: see UNSPLIT_CHUNK_COST.
+CHUNK_COST = {128: 1.1, 64: 0.9}
 #: The same for the unsplit forward launch, whose BV = 64 kernel is the role-split one (schedule
 #: "roles" of `kernels/sm90/recurrent.py`; the split path's dual launch stays "overlap" unless
 #: FLASHQLA_DUAL_SCHEDULE=roles, and is priced at CHUNK_COST either way).
 #: Measured on the H200 (2026-11-30, tests/gpu/recurrent_floor.py, recurrent launch alone, us per
 #: chunk step against BV = 128 "overlap" on the same row): 0.55-0.61 with the SMs not full (2/8 2048x4,
 #: 1024x8, 1x8192, 4/16 8192x4), 0.535 per CTA at 256 CTAs on 132 SMs (16/32 8192x4).
-UNSPLIT_CHUNK_COST = {128: 1.0, 64: 0.58}
+#: Then the staged o store (the role-split kernel's output warpgroup writes o through shared memory):
+#: BV = 64 1.62-1.74 us a step against 3.43-3.67 for BV = 128 "overlap" (0.47-0.49), BV = 128 role
+#: split 2.70-2.91 (0.79). The split path's BV = 128 dual launch is now underpriced against these for
+#: short segments (5.3-6.1 us a planner unit against 3.8-3.9 for the rest), so with u(64) = 0.5 the
+#: split's chunk cost at BV = 128 rose to 1.1: of 34 forward-grid rows timed under their old plan and
+#: under CHUNK_COST[128] = 1.35's (cp_plan_ab.py --changed-by), the 14 whose plan this pair changes
+#: (all to unsplit) measured 1.23x, 1.22x, 1.17x, 1.17x, 1.01x (8/32 12288 + 4096), 1.13x, 0.92x (16/32
+#: 12288 + 4096), 0.99x (8/24 1024 + 7168), 1.09x (16/48 x 32768), 1.28x, 1.33x, 1.18x, 1.13x, 0.98x
+#: (32/32 12288 + 4096), geometric mean 1.12x; the other grid rows and every backward plan are unchanged
+#: (4/16 x 1048576: L 133632 -> 133120). The remaining misses are mixed: BV = 128 splits of 24576 +
+#: 8192 measured 1.09-1.16x faster than unsplit, which a higher CHUNK_COST[128] loses.
+UNSPLIT_CHUNK_COST = {128: 1.0, 64: 0.5}
 #: Resident CTAs per SM of the recurrent kernel.
 CTAS_PER_SM = {128: 1, 64: 1}
 #: Full-length recurrent launches over the segments in exact CP: run and transition (the output
