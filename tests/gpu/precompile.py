@@ -43,6 +43,9 @@ def tier_specs() -> list:
             specs += op_kernel_specs(H, HV, varlen=varlen, dtype="float16", beta_dtype="float16", seq_dtype="int64")
             specs += op_kernel_specs(H, HV, varlen=varlen, seq_dtype="int64")
     specs += op_kernel_specs(2, 4, h_dtype="float32")
+    for varlen in (False, True):  # flashqla.warmup(2, 4, varlen=...): both widths (test_fwd_gpu's no-recompile test)
+        for bv in (64, 128):
+            specs += op_kernel_specs(2, 4, varlen=varlen, block_v=bv)
     specs += op_kernel_specs(16, 32, varlen=True, seq_dtype="int64", block_v=128)
     specs += op_kernel_specs(16, 32, varlen=True, block_v=128)
     specs += op_kernel_specs(4, 16, varlen=True, seq_dtype="int64")  # tests/gpu/cp_dual_check.py

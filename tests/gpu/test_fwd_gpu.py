@@ -228,20 +228,61 @@ def test_stages_g_cum_and_A(lengths):
 
 
 def test_new_lengths_and_mixes_do_not_recompile():
+    """After `flashqla.warmup`, no length or sequence mix compiles a kernel, forward or backward: packed
+    and fixed-length batches, empty sequences, both value-slice widths (N * HV walks on either side of
+    `pick_block_v`'s switch) and lengths the planner splits."""
+    import flashqla
+    from flashqla.cp.planner import plan_cp
+    from flashqla.ops.gdn.kernels.sm90._common import compile_count
+    from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
+
+    H, HV = 2, 4
+    for varlen in (True, False):
+        flashqla.warmup(H, HV, varlen=varlen)
+    n = compile_count()
+    assert flashqla.warmup(H, HV, varlen=True) == 0  # everything built: nothing to do
+
+    def run(T, lengths, train=False):
+        xd = _to_device(make_gdn_inputs(B=1, T=T, H=H, HV=HV, cu_seqlens=lengths, seed=T))
+        if train:
+            for name in ("q", "k", "v", "beta"):
+                xd[name].requires_grad_(True)
+        o, ht = flashqla.chunk_gated_delta_rule(**xd, output_final_state=True)
+        if train:
+            (o.float().square().sum() + ht.square().sum()).backward()
+        assert torch.isfinite(o).all()
+
+    # the paths these runs take differ (else the test would prove less than it says)
+    assert plan_cp(HV, 1, 4000, 128, 132).split and not plan_cp(HV, 2, 300, 128, 132).split
+    assert pick_block_v(2, HV) == 64 and pick_block_v(20, HV) == 128
+    run(300, [100, 200])
+    run(300, None)
+    run(1234, [1000, 0, 234])
+    run(77, [7, 70])
+    run(4000, None)  # split
+    run(65, None)
+    run(1000, [50] * 20)  # 80 walks: BV = 128
+    run(777, [700, 0, 77], train=True)
+    run(4000, None, train=True)  # the split backward
+    assert compile_count() == n, f"{compile_count() - n} kernels compiled after warmup"
+
+
+def test_same_path_new_lengths_do_not_recompile():
+    """Without warmup: once a path is built, new lengths and mixes on it compile nothing (unsplit,
+    BV = 64, packed)."""
     from flashqla import chunk_gated_delta_rule
     from flashqla.ops.gdn.kernels.sm90._common import compile_count
 
     def run(T, lengths):
-        xd = _to_device(make_gdn_inputs(B=1, T=T, H=2, HV=4, cu_seqlens=lengths, seed=T))
-        chunk_gated_delta_rule(**xd, output_final_state=True)
+        xd = _to_device(make_gdn_inputs(B=1, T=T, H=1, HV=2, cu_seqlens=lengths, seed=T))
+        chunk_gated_delta_rule(**xd, output_final_state=True, cp="off")
 
     run(300, [100, 200])
-    run(300, None)
     n = compile_count()
     run(1234, [1000, 0, 234])
     run(77, [7, 70])
-    run(4000, None)
-    run(65, None)
+    run(65, [65])
+    run(2049, [1, 2048])
     assert compile_count() == n, "a new T or sequence mix recompiled a kernel"
 
 

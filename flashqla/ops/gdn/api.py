@@ -15,7 +15,7 @@ import torch
 
 from flashqla.validation import check_gdn_inputs, planning_max_seqlen
 
-__all__ = ["chunk_gated_delta_rule", "chunk_gated_delta_rule_fwd", "ChunkGDNForward", "SUPPORTED"]
+__all__ = ["chunk_gated_delta_rule", "chunk_gated_delta_rule_fwd", "warmup", "ChunkGDNForward", "SUPPORTED"]
 
 #: What the fast path supports; anything else raises before any device work.
 SUPPORTED = {
@@ -297,3 +297,61 @@ def chunk_gated_delta_rule(
         o, final_state = gdn_fwd_inference(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens,
                                            cp, max_seqlen)
     return o, (final_state if output_final_state else None)
+
+
+def warmup(H: int, HV: int, *, dtype: torch.dtype = torch.bfloat16, beta_dtype: torch.dtype = torch.float32,
+           varlen: bool = True, seqlens_dtype: torch.dtype = torch.int32, backward: bool = True,
+           K: int = 128, V: int = 128) -> int:
+    """Compiles every sm_90 kernel that `chunk_gated_delta_rule` can launch for one head
+    configuration, so that no later call compiles, whatever its lengths and sequence mix.
+
+    The op compiles on first use: a call builds the kernels its own path needs (the prepare and
+    recurrent kernels at the value-slice width `recurrent.pick_block_v` picks from N * HV; the split
+    path's kernels when the context-parallel planner splits; the backward's at the first backward).
+    Kernels are keyed by head counts, head dims, dtypes and flags only, never by T, N or
+    `cu_seqlens`; but a new length or mix can take a path or width not taken before. `warmup` builds
+    them all up front, concurrently: both value-slice widths, the split path's kernels (run +
+    transition launch at both widths, transition limits, combine scans, output correction, segment
+    tables, slot relayouts) and, with `backward`, the backward's passes on the caller's and the
+    segments' offsets (`kernels.sm90.op_kernel_specs`).
+
+    Args:
+        H, HV: q/k heads and value heads (HV a multiple of H).
+        dtype: q, k, v dtype (torch.bfloat16 or torch.float16).
+        beta_dtype: beta's dtype (torch.float32 or `dtype`).
+        varlen: whether calls pass `cu_seqlens` (packed sequences); a fixed-length batch is False.
+        seqlens_dtype: `cu_seqlens`' dtype (torch.int32 or torch.int64); ignored unless `varlen`.
+        backward: also the backward's kernels (training).
+        K, V: head dims (128 only).
+
+    Returns: the number of kernels compiled by this call (0 when all were built before; a kernel in
+    TileLang's disk cache counts as built here, it is loaded, not recompiled).
+    Raises: ValueError naming the argument for an unsupported value. Needs TileLang and nvcc, not a GPU.
+    """
+    from flashqla.ops.gdn.kernels.sm90 import build_kernels, op_kernel_specs
+    from flashqla.ops.gdn.kernels.sm90._common import compile_count, tl_dtype
+
+    for name, x in (("H", H), ("HV", HV)):
+        if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+            raise ValueError(f"{name} must be a positive int, got {x!r}")
+    if HV % H:
+        raise ValueError(f"HV must be a multiple of H (grouped value attention), got H={H}, HV={HV}")
+    if (K, V) != (SUPPORTED["K"], SUPPORTED["V"]):
+        raise ValueError(f"K and V must be {SUPPORTED['K']} (the sm_90 kernels' head dims), got K={K}, V={V}")
+    if dtype not in SUPPORTED["qkv_dtypes"]:
+        raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+    if beta_dtype not in (torch.float32, dtype):
+        raise ValueError(f"beta_dtype must be torch.float32 or dtype ({dtype}), got {beta_dtype}")
+    if seqlens_dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"seqlens_dtype must be torch.int32 or torch.int64, got {seqlens_dtype}")
+    for name, x in (("varlen", varlen), ("backward", backward)):
+        if not isinstance(x, bool):
+            raise ValueError(f"{name} must be a bool, got {x!r}")
+    specs = []
+    for bv in (64, 128):
+        specs += op_kernel_specs(H, HV, varlen=varlen, dtype=tl_dtype(dtype), beta_dtype=tl_dtype(beta_dtype),
+                                 seq_dtype=tl_dtype(seqlens_dtype) if varlen else "int32", backward=backward,
+                                 block_v=bv, K=K, V=V)
+    n0 = compile_count()
+    build_kernels(list(dict.fromkeys(specs)))
+    return compile_count() - n0
