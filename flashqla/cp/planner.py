@@ -25,9 +25,9 @@ for the launches `flashqla.cp.driver` makes:
                  1x4096, both launches under one wave: the op took 0.318 ms at BV = 64 and 0.378 ms
                  at BV = 128; less the 0.082 ms prepare kernel, 0.236 vs 0.296 ms for the same chunk
                  count; 0.9 in the refit described at HEAD_OVERHEAD)
-    slots        SMs x CTAs per SM; both widths fit one CTA per SM (137 KB / 148 KB shared memory,
-                 384 x 168 registers; BV = 64 unsplit is the role-split kernel, in the dual launch the
-                 one-warpgroup kernel: 113 KB, 256 x 202)
+    slots        SMs x CTAs per SM; one CTA per SM at both widths (the role-split recurrent kernel,
+                 unsplit and in the dual launch: 156,160 B of shared memory at BV = 64, 229,888 B at
+                 BV = 128)
     unsplit      u(BV) * max(ceil(l_max / 64), ceil(NV HV N / slots) * ceil(l_avg / 64)), u = the
                  unsplit launch's costs (UNSPLIT_CHUNK_COST: u(64) = 0.5, the role-split kernel), at
                  the width the unsplit launch runs at (`recurrent.pick_block_v`; the backward: the
