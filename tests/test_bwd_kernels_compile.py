@@ -129,10 +129,12 @@ def test_op_kernel_specs_match_the_launch_keys(varlen):
     N = 2 if varlen else 1
     listed = op_kernel_specs(2, 4, N=N, varlen=varlen, seq_dtype="int64" if varlen else "int32")
     specs = dict(s for s in listed if not (s[0] == "recurrent" and len(s[1]) == 10))  # the plain launch's key
-    assert specs["prepare"] == prepare_kernel_args(q, beta, cu, 4)
+    assert ("prepare", prepare_kernel_args(q, beta, cu, 4)) in listed
     assert specs["recurrent"] == recurrent_kernel_args(q, v, cu)
-    # the split path's dual launch on the segments' packed offsets, at both value slice widths
+    # the split path on the segments' packed offsets (int32 for a fixed-length batch): the prepare
+    # kernel and the dual launch at both value slice widths
     pcu = torch.tensor([0, 3, 10], dtype=torch.int64 if varlen else torch.int32)
+    assert ("prepare", prepare_kernel_args(q, beta, pcu, 4)) in listed
     for bv in (64, 128):
         assert ("recurrent", recurrent_kernel_args(q, v, pcu, bv, dual=True)) in listed
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import DEFAULT_VARIANT

@@ -45,9 +45,49 @@ def test_forward_only_and_dtypes(recorded):
     kinds = _kinds(specs)
     assert "chunk_bwd" not in kinds and "cp_tables" not in kinds  # fixed length: tables by torch ops
     prepare = [a for k, a in specs if k == "prepare"]
-    assert prepare and all(a[3] == "float16" and a[4] == "float16" and a[6] is False for a in prepare)
+    assert all(a[3] == "float16" and a[4] == "float16" for a in prepare)
+    # the caller's rows, and the split path's packed int32 segment offsets
+    assert sorted((a[5], a[6]) for a in prepare) == [("int32", False), ("int32", True)]
     flashqla.warmup(4, 8, seqlens_dtype=torch.int64, backward=False)
     assert all(a[5] == "int64" for k, a in recorded[1] if k == "prepare")
+
+
+@pytest.mark.parametrize("dtype, beta_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float16)])
+def test_fixed_length_covers_the_split_path(recorded, monkeypatch, dtype, beta_dtype):
+    """A fixed-length batch splits on packed int32 offsets of its segments (`cp.driver`): warmup with
+    varlen=False builds what that path builds on them, keys taken from the op's own first uses (the
+    backend's warm of the split forward and of the backward's recompute, the segments' backward
+    `bwd._build_once`, the slot relayouts both ways)."""
+    import flashqla.ops.gdn.kernels.sm90.cp_relayout as cp_relayout
+    from flashqla.cp.driver import Sm90Backend, _dual_applies, _flat, _int32_tables
+    from flashqla.cp.planner import build_segment_tables
+    from flashqla.ops.gdn import bwd
+
+    H, HV, B, T = 2, 4, 3, 3000
+    flashqla.warmup(H, HV, dtype=dtype, beta_dtype=beta_dtype, varlen=False)
+    (warm,) = recorded
+    recorded.clear()
+
+    q = torch.zeros(B, T, H, 128, dtype=dtype)
+    v = torch.zeros(B, T, HV, 128, dtype=dtype)
+    beta = torch.zeros(B, T, HV, dtype=beta_dtype)
+    tables = _int32_tables(build_segment_tables(None, 512, T=T, B=B), B * T)
+    pcu = tables.cu_seqlens
+    assert pcu.dtype == torch.int32 and _dual_applies(q, v)
+    qf, vf, bf = _flat(q), _flat(v), _flat(beta)
+    for bv in (64, 128):  # either width the planner picks
+        Sm90Backend().warm(qf, bf, qf, vf, pcu, HV, bv, dual=True)
+    monkeypatch.setattr(bwd, "_BUILT", set())
+    bwd._build_once(qf, vf, bf, pcu, torch.bfloat16)
+    relayouts = []
+    monkeypatch.setattr(cp_relayout, "build_relayout_kernel",
+                        lambda *args: relayouts.append(("cp_relayout", args)) or (lambda *a: None))
+    A, G = torch.zeros(HV, 64, 64, dtype=dtype), torch.zeros(HV, 64)
+    for to_segments in (False, True):
+        cp_relayout.relayout_slots(A, G, tables, None, B, T, 1, to_segments)
+    want = {s for call in recorded for s in call} | set(relayouts)
+    assert {k for k, _ in want} >= {"prepare", "recurrent", "cp_tables", "cp_relayout", "chunk_bwd"}
+    assert want <= set(warm), f"not warmed up: {sorted(want - set(warm))}"
 
 
 @pytest.mark.parametrize("kwargs, name", [
@@ -55,6 +95,9 @@ def test_forward_only_and_dtypes(recorded):
     (dict(H=2, HV=4.0), "HV"),
     (dict(H=3, HV=4), "HV"),
     (dict(H=2, HV=4, K=64), "K"),
+    (dict(H=2, HV=4, K=128.0), "K"),
+    (dict(H=2, HV=4, V=128.0), "V"),
+    (dict(H=2, HV=4, K=True), "K"),
     (dict(H=2, HV=4, dtype=torch.float32), "dtype"),
     (dict(H=2, HV=4, beta_dtype=torch.float64), "beta_dtype"),
     (dict(H=2, HV=4, seqlens_dtype=torch.int16), "seqlens_dtype"),
@@ -65,3 +108,13 @@ def test_bad_arguments_name_the_argument(recorded, kwargs, name):
     with pytest.raises(ValueError, match=rf"\b{name}\b"):
         flashqla.warmup(**kwargs)
     assert recorded == []
+
+
+def test_seqlens_dtype_is_checked_without_varlen(recorded):
+    """Validated always, used only with varlen (the split path's offsets are int32 either way)."""
+    with pytest.raises(ValueError, match=r"\bseqlens_dtype\b"):
+        flashqla.warmup(2, 4, varlen=False, seqlens_dtype=torch.int16)
+    assert recorded == []
+    flashqla.warmup(2, 4, varlen=False, seqlens_dtype=torch.int32)
+    flashqla.warmup(2, 4, varlen=False, seqlens_dtype=torch.int64)
+    assert recorded[0] == recorded[1] and "int64" not in str(recorded[1])

@@ -230,20 +230,18 @@ def test_stages_g_cum_and_A(lengths):
 def test_new_lengths_and_mixes_do_not_recompile():
     """After `flashqla.warmup`, no length or sequence mix compiles a kernel, forward or backward: packed
     and fixed-length batches, empty sequences, both value-slice widths (N * HV walks on either side of
-    `pick_block_v`'s switch) and lengths the planner splits."""
+    `pick_block_v`'s switch) and lengths the planner splits. Each mode is warmed up on its own before
+    its runs: varlen=False alone covers fixed-length batches (whose split path runs on packed int32
+    segment offsets), varlen=True the packed ones."""
     import flashqla
     from flashqla.cp.planner import plan_cp
     from flashqla.ops.gdn.kernels.sm90._common import compile_count
     from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
 
     H, HV = 2, 4
-    for varlen in (True, False):
-        flashqla.warmup(H, HV, varlen=varlen)
-    n = compile_count()
-    assert flashqla.warmup(H, HV, varlen=True) == 0  # everything built: nothing to do
 
-    def run(T, lengths, train=False):
-        xd = _to_device(make_gdn_inputs(B=1, T=T, H=H, HV=HV, cu_seqlens=lengths, seed=T))
+    def run(T, lengths, train=False, B=1):
+        xd = _to_device(make_gdn_inputs(B=B, T=T, H=H, HV=HV, cu_seqlens=lengths, seed=T))
         if train:
             for name in ("q", "k", "v", "beta"):
                 xd[name].requires_grad_(True)
@@ -254,17 +252,33 @@ def test_new_lengths_and_mixes_do_not_recompile():
 
     # the paths these runs take differ (else the test would prove less than it says)
     assert plan_cp(HV, 1, 4000, 128, 132).split and not plan_cp(HV, 2, 300, 128, 132).split
+    from flashqla.cp.driver import cp_splits
+
+    def splits(T, lengths, backward=False):
+        x = _to_device(make_gdn_inputs(B=1, T=T, H=H, HV=HV, cu_seqlens=lengths, seed=T))
+        return cp_splits(x["q"], x["v"], x["cu_seqlens"], backward=backward)
+
+    assert splits(4000, None, True) and splits(4000, [4000]) and splits(4000, [1000, 3000], True)
     assert pick_block_v(2, HV) == 64 and pick_block_v(20, HV) == 128
-    run(300, [100, 200])
+    flashqla.warmup(H, HV, varlen=False)
+    n = compile_count()
+    assert flashqla.warmup(H, HV, varlen=False) == 0  # everything built: nothing to do
     run(300, None)
+    run(4000, None)  # split
+    run(65, None, B=20)  # 80 walks: BV = 128
+    run(300, None, train=True)
+    run(4000, None, train=True)  # the split backward
+    assert compile_count() == n, f"{compile_count() - n} kernels compiled after warmup(varlen=False)"
+    flashqla.warmup(H, HV, varlen=True)
+    n = compile_count()
+    run(300, [100, 200])
     run(1234, [1000, 0, 234])
     run(77, [7, 70])
-    run(4000, None)  # split
-    run(65, None)
     run(1000, [50] * 20)  # 80 walks: BV = 128
+    run(4000, [4000])  # split
     run(777, [700, 0, 77], train=True)
-    run(4000, None, train=True)  # the split backward
-    assert compile_count() == n, f"{compile_count() - n} kernels compiled after warmup"
+    run(4000, [1000, 3000], train=True)  # the split backward
+    assert compile_count() == n, f"{compile_count() - n} kernels compiled after warmup(varlen=True)"
 
 
 def test_same_path_new_lengths_do_not_recompile():

@@ -310,19 +310,21 @@ def warmup(H: int, HV: int, *, dtype: torch.dtype = torch.bfloat16, beta_dtype: 
     path's kernels when the context-parallel planner splits; the backward's at the first backward).
     Kernels are keyed by head counts, head dims, dtypes and flags only, never by T, N or
     `cu_seqlens`; but a new length or mix can take a path or width not taken before. `warmup` builds
-    them all up front, concurrently: both value-slice widths, the split path's kernels (run +
-    transition launch at both widths, transition limits, combine scans, output correction, segment
-    tables, slot relayouts) and, with `backward`, the backward's passes on the caller's and the
-    segments' offsets (`kernels.sm90.op_kernel_specs`).
+    them all up front, concurrently: both value-slice widths, the split path's kernels, which run on
+    the segments' packed offsets even for a fixed-length batch (prepare, run + transition launch at
+    both widths, transition limits, combine scans, output correction, segment tables, slot
+    relayouts) and, with `backward`, the backward's passes on the caller's and the segments' offsets
+    (`kernels.sm90.op_kernel_specs`).
 
     Args:
         H, HV: q/k heads and value heads (HV a multiple of H).
         dtype: q, k, v dtype (torch.bfloat16 or torch.float16).
         beta_dtype: beta's dtype (torch.float32 or `dtype`).
         varlen: whether calls pass `cu_seqlens` (packed sequences); a fixed-length batch is False.
-        seqlens_dtype: `cu_seqlens`' dtype (torch.int32 or torch.int64); ignored unless `varlen`.
+        seqlens_dtype: `cu_seqlens`' dtype (torch.int32 or torch.int64); validated always, used only
+            when `varlen` (the split path of a fixed-length batch runs on int32 segment offsets).
         backward: also the backward's kernels (training).
-        K, V: head dims (128 only).
+        K, V: head dims, ints (128 only).
 
     Returns: the number of kernels compiled by this call (0 when all were built before; a kernel in
     TileLang's disk cache counts as built here, it is loaded, not recompiled).
@@ -334,6 +336,9 @@ def warmup(H: int, HV: int, *, dtype: torch.dtype = torch.bfloat16, beta_dtype: 
     for name, x in (("H", H), ("HV", HV)):
         if isinstance(x, bool) or not isinstance(x, int) or x < 1:
             raise ValueError(f"{name} must be a positive int, got {x!r}")
+    for name, x in (("K", K), ("V", V)):
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise ValueError(f"{name} must be an int, got {x!r}")
     if HV % H:
         raise ValueError(f"HV must be a multiple of H (grouped value attention), got H={H}, HV={HV}")
     if (K, V) != (SUPPORTED["K"], SUPPORTED["V"]):

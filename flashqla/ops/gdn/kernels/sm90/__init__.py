@@ -128,7 +128,8 @@ def precompile(specs, max_workers: int | None = None) -> None:
 
 def op_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype: str = "bfloat16",
                     beta_dtype: str = "float32", seq_dtype: str = "int32", backward: bool = True,
-                    h_dtype: str = "bfloat16", block_v: int | None = None, K: int = 128, V: int = 128) -> list:
+                    h_dtype: str = "bfloat16", block_v: int | None = None, K: int = 128, V: int = 128,
+                    segments_first_use: bool = True) -> list:
     """The kernels (`[(kind, args), ...]`, for `build_kernels` / `precompile`) that one call of
     `flashqla.chunk_gated_delta_rule` uses for H q/k heads, HV value heads, N sequences (the
     recurrent kernel's value slice width depends on N * HV: `recurrent.pick_block_v`), packed or not,
@@ -136,7 +137,12 @@ def op_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype:
     `backward`; the context-parallel kernels (scans, output correction, state gradients, the dual
 run + transition launch at both value slice widths, the transition limits and, for packed input,
 the segment tables) are
-included since `cp="auto"` may split. Pure Python: needs neither a GPU nor TileLang."""
+included since `cp="auto"` may split. The split path runs on the segments' packed offsets, int32
+for a fixed-length batch too; with `segments_first_use` (the default) such a batch's list also holds
+what that path builds on them and the rest does not name: the prepare kernel on packed offsets and,
+with `backward`, the segment tables and packed relayouts that the backward's first use on the
+segments builds (`bwd._build_once`, which passes False: a call's own first use leaves them to the
+split path's). Pure Python: needs neither a GPU nor TileLang."""
     from flashqla.ops.gdn.kernels.sm90.prepare import DEFAULT_VARIANT
     from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v, resolve_schedule
 
@@ -151,6 +157,8 @@ included since `cp="auto"` may split. Pure Python: needs neither a GPU nor TileL
         specs.append(("cp_tables", (seq_dtype,)))
     if K == V:  # the split path's run + transition launch, on the segments' packed offsets, either slice width
         cp_seq = seq_dtype if varlen else "int32"
+        if not varlen and segments_first_use:  # a fixed-length batch's segments are packed: prepare on them
+            specs.append(("prepare", (H, HV, K, dtype, beta_dtype, cp_seq, True, DEFAULT_VARIANT)))
         specs += [("recurrent", (H, HV, K, V, bv, dtype, cp_seq, True, resolve_schedule(None, bv, dual=True), True))
                   for bv in (64, 128)]
         specs.append(("cp_limits", (HV, cp_seq)))
@@ -159,6 +167,11 @@ included since `cp="auto"` may split. Pure Python: needs neither a GPU nor TileL
         # caller's; backward: to the segments')
         specs += [("cp_relayout", (HV, dtype, seq_dtype if varlen else "int32", cp_seq, to_seg, varlen))
                   for to_seg in ((False, True) if backward else (False,))]
+        if backward and not varlen and segments_first_use:
+            # the backward's first use on a fixed-length batch's segments builds the list of a packed int32
+            # call: its segment tables and relayouts too (the caller's side packed, never launched here)
+            specs.append(("cp_tables", (cp_seq,)))
+            specs += [("cp_relayout", (HV, dtype, cp_seq, cp_seq, to_seg, True)) for to_seg in (False, True)]
     if backward:
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd import DEFAULT_VARIANT as BWD_VARIANT
 
