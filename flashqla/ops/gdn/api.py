@@ -82,37 +82,6 @@ def _check_device(q) -> None:
 #: Environment variable with the op's default context-parallel mode (`cp_mode`).
 CP_ENV = "FLASHQLA_CP"
 
-#: Environment variable choosing the streamed forward (`kernels.sm90.streamed`: the recurrent kernel
-#: launched while the prepare kernel runs, chunk slots handed over through flags): "auto" (default,
-#: `STREAMED_MAX_CTAS`), "1" always, "0" never.
-STREAMED_ENV = "FLASHQLA_STREAMED"
-#: "auto" streams an unsplit forward whose recurrent grid has at most `STREAMED_MAX_CTAS` CTAs
-#: (N * HV * V / BV) and whose streamed prepare grid (one CTA per chunk slot and value head) has at
-#: most `STREAMED_MAX_PREPARE_CTAS` (two waves of four CTAs on each of the 132 SMs): there the
-#: recurrence leaves SMs to the prepare kernel and its short CTAs finish the first chunks early.
-#: Measured on the H200 (NOTES.md, "The streamed forward"): 1.15-1.22x at 16-32 recurrent CTAs and
-#: 256-512 prepare CTAs, 1.01x at 64 and ~1050, 0.88-0.91x at 2048 or more prepare CTAs.
-STREAMED_MAX_CTAS = 64
-STREAMED_MAX_PREPARE_CTAS = 8 * 132
-
-
-def streamed_launch(N: int = 1, HV: int = 1, BV: int = 64, V: int = 128, S: int = 1) -> bool:
-    """Whether an unsplit forward of N sequences x HV value heads over S chunk slots
-    (`_common.num_slots`), at value slice width BV, launches prepare and recurrent streamed
-    (`kernels.sm90.streamed`): $FLASHQLA_STREAMED ("auto": within `STREAMED_MAX_CTAS` and
-    `STREAMED_MAX_PREPARE_CTAS`; "1" / "0"), and only with the kernels it is built for (prepare
-    variant v3, recurrent schedule "roles"). The same arithmetic either way (o and the final state
-    bitwise equal, tests/gpu/streamed_check.py). Raises ValueError naming FLASHQLA_STREAMED for
-    another value."""
-    from flashqla.ops.gdn.kernels.sm90 import prepare, recurrent
-
-    mode = os.environ.get(STREAMED_ENV, "auto")
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"${STREAMED_ENV} must be 'auto', '0' or '1', got {mode!r}")
-    if mode == "0" or prepare.DEFAULT_VARIANT != "v3" or recurrent.resolve_schedule(None, BV) != "roles":
-        return False
-    return mode == "1" or (N * HV * (V // BV) <= STREAMED_MAX_CTAS and S * HV <= STREAMED_MAX_PREPARE_CTAS)
-
 
 def cp_mode(cp: str | bool | None, default: str = "auto") -> str:
     """The intra-device context-parallel mode of a call: "off" (never split), "auto" (the planner of
@@ -194,21 +163,16 @@ def chunk_gated_delta_rule_fwd(
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
 
-    from flashqla.ops.gdn.kernels.sm90._common import num_slots
-    from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
-
-    S = num_slots(d.B, d.T, d.N, cu_seqlens is not None)
-    streamed = streamed_launch(d.N, d.HV, block_v or pick_block_v(d.N, d.HV, d.V), d.V, S)
     if d.T > 0 and d.N > 0:
-        key = (prepare_kernel_args(k, beta, cu_seqlens, d.HV, streamed=streamed),
-               recurrent_kernel_args(q, v, cu_seqlens, block_v, streamed=streamed))
+        key = (prepare_kernel_args(k, beta, cu_seqlens, d.HV), recurrent_kernel_args(q, v, cu_seqlens, block_v))
         if key not in _BUILT:  # first use: compile both kernels concurrently
             build_kernels([("prepare", key[0]), ("recurrent", key[1])])
             _BUILT.add(key)
     bufs = {}
     if poison_outputs:
-        from flashqla.ops.gdn.kernels.sm90._common import CHUNK
+        from flashqla.ops.gdn.kernels.sm90._common import CHUNK, num_slots
 
+        S = num_slots(d.B, d.T, d.N, cu_seqlens is not None)
         nan = float("nan")
         bufs = dict(
             A=torch.full((d.HV, S * CHUNK, CHUNK), nan, dtype=k.dtype, device=k.device),
@@ -216,14 +180,10 @@ def chunk_gated_delta_rule_fwd(
             o=torch.full_like(v, nan),
             final_state=torch.full((d.N, d.HV, d.K, d.V), nan, dtype=torch.float32, device=k.device),
         )
-    ready = None
-    if streamed:
-        ready = torch.zeros(S, d.HV, dtype=torch.int32, device=q.device)
-    A, g_cum_log2 = chunk_prepare_fwd(k, g, beta, cu_seqlens, d.HV, A=bufs.get("A"), g_cum_log2=bufs.get("g_cum_log2"),
-                                      ready=ready)
+    A, g_cum_log2 = chunk_prepare_fwd(k, g, beta, cu_seqlens, d.HV, A=bufs.get("A"), g_cum_log2=bufs.get("g_cum_log2"))
     o, final_state = chunk_recurrent_fwd(
         q, k, v, A, g_cum_log2, scale, initial_state, output_final_state, cu_seqlens, block_v=block_v,
-        o=bufs.get("o"), final_state=bufs.get("final_state"), ready=ready,
+        o=bufs.get("o"), final_state=bufs.get("final_state"),
     )
     return ChunkGDNForward(o=o, final_state=final_state, A=A, g_cum_log2=g_cum_log2, q=q, k=k)
 

@@ -170,33 +170,29 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
 
 
 def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
-                         variant: str | None = None, streamed: bool = False):
+                         variant: str | None = None):
     """Compiled prepare kernel for one static configuration (cached).
 
     Static key: head counts H, HV; head dim K; dtype of k (and of the stored A); beta's dtype;
     cu_seqlens' dtype; whether input is packed (varlen); the variant (`VARIANTS`; None:
-    `DEFAULT_VARIANT`); `streamed` (v3 only): the launch the recurrent kernel starts beside
-    (`streamed`; one more output, `ready`). Sequence lengths,
+    `DEFAULT_VARIANT`). Sequence lengths,
     the number of sequences and B are run-time values: a new T or sequence mix reuses the compiled
     kernel.
     """
     variant = variant or DEFAULT_VARIANT
     if variant not in VARIANTS:
         raise ValueError(f"prepare variant must be one of {VARIANTS}, got {variant!r}")
-    if streamed and variant != "v3":
-        raise ValueError(f"the streamed launch is built for prepare variant 'v3' only, got {variant!r}")
-    return _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, variant, bool(streamed))
+    return _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, variant)
 
 
 @functools.lru_cache(maxsize=None)
-def _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, variant, streamed=False):
+def _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, variant):
     """One cache entry per key, whether or not the caller spelled out the default variant."""
     if variant == "v3":
         from flashqla.ops.gdn.kernels.sm90.prepare_v3 import prepare_v3_prim_func
 
-        func = prepare_v3_prim_func(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, pdl=streamed)
-        return compile_kernel(func, f"gdn_prepare_v3_fwd_H{H}_HV{HV}_K{K}_{dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}"
-                              + ("_streamed" if streamed else ""))
+        func = prepare_v3_prim_func(H, HV, K, dtype, beta_dtype, seq_dtype, varlen)
+        return compile_kernel(func, f"gdn_prepare_v3_fwd_H{H}_HV{HV}_K{K}_{dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}")
     if variant == "v2":
         from flashqla.ops.gdn.kernels.sm90.prepare_v2 import prepare_v2_prim_func
 
@@ -206,13 +202,12 @@ def _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, varian
     return compile_kernel(func, f"gdn_prepare_fwd_H{H}_HV{HV}_K{K}_{dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}")
 
 
-def prepare_kernel_args(k, beta, cu_seqlens, HV: int, variant: str | None = None, streamed: bool = False) -> tuple:
+def prepare_kernel_args(k, beta, cu_seqlens, HV: int, variant: str | None = None) -> tuple:
     """The static key (`build_prepare_kernel` arguments) a launch with these inputs uses
-    (variant None: `DEFAULT_VARIANT`; the streamed launch's key ends with True)."""
+    (variant None: `DEFAULT_VARIANT`)."""
     H, K = k.shape[2], k.shape[3]
     seq_dtype = tl_dtype(cu_seqlens.dtype) if cu_seqlens is not None else "int32"
-    key = (H, HV, K, tl_dtype(k.dtype), tl_dtype(beta.dtype), seq_dtype, cu_seqlens is not None, variant or DEFAULT_VARIANT)
-    return key + (True,) if streamed else key
+    return (H, HV, K, tl_dtype(k.dtype), tl_dtype(beta.dtype), seq_dtype, cu_seqlens is not None, variant or DEFAULT_VARIANT)
 
 
 def dummy_cu_seqlens(device) -> torch.Tensor:
@@ -221,13 +216,11 @@ def dummy_cu_seqlens(device) -> torch.Tensor:
 
 
 def chunk_prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens, HV: int, A=None, g_cum_log2=None,
-                      variant: str | None = None, ready=None):
+                      variant: str | None = None):
     """Launches the prepare kernel. Arguments as in `chunk_gated_delta_rule` (already validated,
     contiguous, on an sm_90 device). `A` and `g_cum_log2` may be given as preallocated outputs of
     the shapes below (tests poison them to prove every used row is written). `variant` picks the
     kernel (`VARIANTS`; None: `DEFAULT_VARIANT`, env FLASHQLA_PREPARE); both write the same outputs.
-    `ready`: the streamed launch (`streamed`, variant v3): a zeroed [S, HV] int32 tensor the kernel sets
-    slot by slot for `chunk_recurrent_fwd(..., ready=ready)`, launched next in the same stream.
 
     Returns:
         A: [HV, S * 64, 64] in k's dtype, S = number of chunk slots (`_common.num_slots`); rows
@@ -247,11 +240,6 @@ def chunk_prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_s
     if S == 0 or T == 0:
         return A, g_cum_log2
     cu = cu_seqlens if varlen else dummy_cu_seqlens(k.device)
-    kernel = build_prepare_kernel(*prepare_kernel_args(k, beta, cu_seqlens, HV, variant, streamed=ready is not None))
-    if ready is not None:
-        if tuple(ready.shape) != (S, HV) or ready.dtype != torch.int32 or not ready.is_contiguous():
-            raise ValueError(f"ready must be a contiguous int32 tensor of shape {(S, HV)}, got {ready.dtype} {tuple(ready.shape)}")
-        kernel(k, g, beta, cu, A, g_cum_log2, ready)
-    else:
-        kernel(k, g, beta, cu, A, g_cum_log2)
+    kernel = build_prepare_kernel(*prepare_kernel_args(k, beta, cu_seqlens, HV, variant))
+    kernel(k, g, beta, cu, A, g_cum_log2)
     return A, g_cum_log2

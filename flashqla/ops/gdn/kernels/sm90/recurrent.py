@@ -376,14 +376,12 @@ def resolve_schedule(schedule: str | None, BV: int, dual: bool = False) -> str:
 
 @functools.lru_cache(maxsize=None)
 def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str, seq_dtype: str, varlen: bool, schedule: str = "overlap",
-                           dual: bool = False, streamed: bool = False, _measure: str = ""):
+                           dual: bool = False, _measure: str = ""):
     """Compiled recurrent kernel for one static configuration (cached).
 
     Static key: head counts, head dims, the value slice width BV (64 or 128), the input dtype,
     cu_seqlens' dtype, whether input is packed (varlen), the schedule (`SCHEDULES`) and whether it is
-    the split path's dual launch (run and transition in one grid, `chunk_recurrent_dual`) or the
-    streamed launch (`streamed`: started while the prepare kernel runs; schedule "roles", not dual,
-    one more argument `ready`). T, B, the
+    the split path's dual launch (run and transition in one grid, `chunk_recurrent_dual`). T, B, the
     number of sequences, the scale, the initial/final-state switches and the transition limits are
     run-time values.
     """
@@ -401,10 +399,8 @@ def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str,
         if dual and K != V:
             raise ValueError(f"the dual launch needs K == V, got K={K}, V={V}")
         name = (f"gdn_recurrent_roles_fwd_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{seq_dtype}_{int(varlen)}" + ("" if BV == 64 else f"_BV{BV}")
-                + ("_dual" if dual else "") + ("_streamed" if streamed else ""))
-        return compile_kernel(recurrent_roles_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, dual, BV, pdl=streamed), name)
-    if streamed:
-        raise ValueError(f"the streamed launch is built with schedule 'roles' only, got {schedule!r}")
+                + ("_dual" if dual else ""))
+        return compile_kernel(recurrent_roles_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, dual, BV), name)
     func = _recurrent_prim_func(H, HV, K, V, BV, dtype, seq_dtype, varlen, schedule, dual, _measure)
     name = (f"gdn_recurrent_fwd_H{H}_HV{HV}_K{K}_V{V}_BV{BV}_{dtype}_{seq_dtype}_{int(varlen)}_{schedule}" + ("_dual" if dual else "")
             + (f"_measure_{_measure}" if _measure else ""))
@@ -443,23 +439,19 @@ def _check_out(o, v):
     return o
 
 
-def recurrent_kernel_args(q, v, cu_seqlens, block_v=None, schedule=None, dual: bool = False, streamed: bool = False) -> tuple:
+def recurrent_kernel_args(q, v, cu_seqlens, block_v=None, schedule=None, dual: bool = False) -> tuple:
     """The static key (`build_recurrent_kernel` arguments) a launch with these inputs uses (the dual
-    launch's key ends with True, the streamed launch's with (False, True); the plain key has nine
-    entries)."""
+    launch's key ends with True; the plain key has nine entries)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
     BV = block_v or pick_block_v(N, HV, V)
     seq_dtype = tl_dtype(cu_seqlens.dtype) if cu_seqlens is not None else "int32"
     key = (H, HV, K, V, BV, tl_dtype(q.dtype), seq_dtype, cu_seqlens is not None, resolve_schedule(schedule, BV, dual))
-    if streamed:
-        return key + (False, True)
     return key + (True,) if dual else key
 
 
-def chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale: float, initial_state, output_final_state: bool, cu_seqlens, block_v=None, o=None, final_state=None, schedule=None,
-                        ready=None):
+def chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale: float, initial_state, output_final_state: bool, cu_seqlens, block_v=None, o=None, final_state=None, schedule=None):
     """Launches the recurrent kernel (arguments validated by the caller).
 
     Args:
@@ -472,8 +464,6 @@ def chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale: float, initial_state, out
         block_v: value slice width (None: `pick_block_v`).
         schedule: kernel schedule, one of `SCHEDULES` (None: `DEFAULT_SCHEDULE`).
         o, final_state: optional preallocated outputs of the shapes below (tests poison them).
-        ready: the streamed launch (`streamed`): the [S, HV] int32 flags that `chunk_prepare_fwd(...,
-            ready=ready)`, launched just before in the same stream, sets; None: the plain launch.
 
     Returns:
         o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] fp32 or None.
@@ -502,10 +492,9 @@ def chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale: float, initial_state, out
     h0 = initial_state if use_h0 else placeholder((1, HV, K, V), torch.float32, q.device)
     ht_arg = ht if output_final_state else placeholder((1, HV, K, V), torch.float32, q.device)
     cu = cu_seqlens if varlen else placeholder((1,), torch.int32, q.device)
-    kernel = build_recurrent_kernel(*recurrent_kernel_args(q, v, cu_seqlens, block_v, schedule, streamed=ready is not None))
+    kernel = build_recurrent_kernel(*recurrent_kernel_args(q, v, cu_seqlens, block_v, schedule))
     u, pt, lim = (placeholder((1,), dt, q.device) for dt in (q.dtype, torch.float32, torch.int32))
-    args = (q, k, v, A, g_cum_log2, h0, cu, float(scale), int(use_h0), int(output_final_state), o, ht_arg, u, pt, lim)
-    kernel(*args, ready) if ready is not None else kernel(*args)
+    kernel(q, k, v, A, g_cum_log2, h0, cu, float(scale), int(use_h0), int(output_final_state), o, ht_arg, u, pt, lim)
     return o, ht
 
 

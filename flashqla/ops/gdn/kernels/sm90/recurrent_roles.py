@@ -46,7 +46,6 @@ tests/gpu/recurrent_floor.py (NOTES.md).
 """
 
 from flashqla.ops.gdn.kernels.sm90._common import CHUNK, sequence_span
-from flashqla.ops.gdn.kernels.sm90.streamed import SOURCE
 
 __all__ = ["NREG", "ROLES_BV", "ROLES_WIDTHS", "recurrent_roles_prim_func", "reg_budget", "roles_threads"]
 
@@ -79,7 +78,7 @@ def reg_budget(BV: int) -> int:
 
 
 def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: str, varlen: bool,
-                              dual: bool = False, BV: int = ROLES_BV, pdl: bool = False):
+                              dual: bool = False, BV: int = ROLES_BV):
     """The TileLang prim_func of the role-split recurrent kernel at value slice width BV (64 or 128;
     the plain kernel's signature, so that `recurrent.chunk_recurrent_fwd` launches either).
 
@@ -91,12 +90,7 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
 
     The output role writes o (u in transition CTAs) through a 128-byte-swizzled shared tile with
     16-byte vector stores, one row check per 8 values (storing each pair of values from the
-    accumulator fragment with its own check was 1.11-1.28x slower on the H200, NOTES.md).
-
-    pdl (not with dual): the streamed launch (`streamed`): one more input, `ready` [S, HV] int32,
-    written by the prepare kernel built with pdl; the producer acquires ready[slot, hv] before
-    it loads a slot's A diag(beta) and g_cum_log2, and the kernel ends with `griddepcontrol.wait`.
-    Without pdl the kernel is the same TIR as before this option existed."""
+    accumulator fragment with its own check was 1.11-1.28x slower on the H200, NOTES.md)."""
     import tilelang.language as T
     from tilelang.layout import make_swizzled_layout
 
@@ -110,8 +104,6 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
         raise ValueError(f"the role-split kernel needs V divisible by {BV}, got V={V}")
     if dual and K != V:
         raise ValueError(f"the dual launch needs K == V, got K={K}, V={V}")
-    if dual and pdl:
-        raise ValueError("the streamed launch (pdl) is built for the plain kernel, not the dual launch")
     nreg = NREG[BV]
     n_chain = BV // 64  # chain warpgroups
     CH = 128 * n_chain  # chain threads [0, CH); output [CH, CH + 128); producer [CH + 128, CH + 256)
@@ -134,8 +126,24 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
     nseq = (Np1 - 1) if varlen else B
     ncta = NV * HV * nseq
 
-    @T.macro
-    def body(q, k, v, A, g_cum_log2, h0, cu_seqlens, scale, use_h0, store_ht, o, ht, u, pt, limit, ready):
+    @T.prim_func
+    def gdn_recurrent_roles_fwd(
+        q: T.Tensor((B, Tn, H, K), dtype),
+        k: T.Tensor((B, Tn, H, K), dtype),
+        v: T.Tensor((B, Tn, HV, V), dtype),
+        A: T.Tensor((HV, R, C), dtype),
+        g_cum_log2: T.Tensor((HV, R), "float32"),
+        h0: T.Tensor((N0, HV, K, V), "float32"),
+        cu_seqlens: T.Tensor((Np1,), seq_dtype),
+        scale: T.float32,
+        use_h0: T.int32,
+        store_ht: T.int32,
+        o: T.Tensor((B, Tn, HV, V), dtype),
+        ht: T.Tensor((N1, HV, K, V), "float32"),
+        u: T.Tensor(u_shape, dtype),
+        pt: T.Tensor(pt_shape, "float32"),
+        limit: T.Tensor(lim_shape, "int32"),
+    ):
         with T.Kernel(ncta * (2 if dual else 1), threads=threads) as (bx,):
             if dual:
                 tr = bx < ncta  # transition CTA (first half)
@@ -157,8 +165,6 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
             hk = hv // G
             v0 = iv * BV
             tx = T.get_thread_binding()
-            if pdl:
-                T.import_source(SOURCE)
 
             q_s = T.alloc_shared((2, C, K), dtype)
             k_s = T.alloc_shared((2, C, K), dtype)
@@ -329,57 +335,8 @@ def recurrent_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_d
                         T.tma_copy(q[bidx, t0 : t0 + C, hk, 0:K], q_s[s, :, :], barrier=full[s])
                         T.tma_copy(k[bidx, t0 : t0 + C, hk, 0:K], k_s[s, :, :], barrier=full[s])
                         T.tma_copy(v[bidx, t0 : t0 + C, hv, v0 : v0 + BV], v_s[s, :, :], barrier=full[s])
-                        if pdl:  # the prepare grid may still be writing this slot
-                            T.call_extern("handle", "flashqla_wait_ready", T.address_of(ready[slot0 + c, hv]))
                         T.tma_copy(A[hv, row0 : row0 + C, 0:C], a_s[s, :, :], barrier=full[s])
                         T.tma_copy(g_cum_log2[hv, row0 : row0 + C], gc_s[s, :], barrier=full[s])
                         T.barrier_arrive(full[s])
-            if pdl:
-                T.pdl_sync()  # complete only after the prepare grid (stream order for later work)
-
-    if pdl:
-        NR = T.dynamic("NR")  # rows of ready: the chunk slots
-
-        @T.prim_func
-        def gdn_recurrent_roles_fwd(
-            q: T.Tensor((B, Tn, H, K), dtype),
-            k: T.Tensor((B, Tn, H, K), dtype),
-            v: T.Tensor((B, Tn, HV, V), dtype),
-            A: T.Tensor((HV, R, C), dtype),
-            g_cum_log2: T.Tensor((HV, R), "float32"),
-            h0: T.Tensor((N0, HV, K, V), "float32"),
-            cu_seqlens: T.Tensor((Np1,), seq_dtype),
-            scale: T.float32,
-            use_h0: T.int32,
-            store_ht: T.int32,
-            o: T.Tensor((B, Tn, HV, V), dtype),
-            ht: T.Tensor((N1, HV, K, V), "float32"),
-            u: T.Tensor(u_shape, dtype),
-            pt: T.Tensor(pt_shape, "float32"),
-            limit: T.Tensor(lim_shape, "int32"),
-            ready: T.Tensor((NR, HV), "int32"),
-        ):
-            body(q, k, v, A, g_cum_log2, h0, cu_seqlens, scale, use_h0, store_ht, o, ht, u, pt, limit, ready)
-    else:
-
-        @T.prim_func
-        def gdn_recurrent_roles_fwd(
-            q: T.Tensor((B, Tn, H, K), dtype),
-            k: T.Tensor((B, Tn, H, K), dtype),
-            v: T.Tensor((B, Tn, HV, V), dtype),
-            A: T.Tensor((HV, R, C), dtype),
-            g_cum_log2: T.Tensor((HV, R), "float32"),
-            h0: T.Tensor((N0, HV, K, V), "float32"),
-            cu_seqlens: T.Tensor((Np1,), seq_dtype),
-            scale: T.float32,
-            use_h0: T.int32,
-            store_ht: T.int32,
-            o: T.Tensor((B, Tn, HV, V), dtype),
-            ht: T.Tensor((N1, HV, K, V), "float32"),
-            u: T.Tensor(u_shape, dtype),
-            pt: T.Tensor(pt_shape, "float32"),
-            limit: T.Tensor(lim_shape, "int32"),
-        ):
-            body(q, k, v, A, g_cum_log2, h0, cu_seqlens, scale, use_h0, store_ht, o, ht, u, pt, limit, None)
 
     return gdn_recurrent_roles_fwd
