@@ -46,8 +46,10 @@ def test_forward_only_and_dtypes(recorded):
     assert "chunk_bwd" not in kinds and "cp_tables" not in kinds  # fixed length: tables by torch ops
     prepare = [a for k, a in specs if k == "prepare"]
     assert all(a[3] == "float16" and a[4] == "float16" for a in prepare)
-    # the caller's rows, and the split path's packed int32 segment offsets
-    assert sorted((a[5], a[6]) for a in prepare) == [("int32", False), ("int32", True)]
+    # the caller's rows, and the split path's packed int32 segment offsets, each with all G value
+    # heads a CTA and with one (`prepare.pick_heads_per_cta`, for few chunk slots)
+    assert sorted((a[5], a[6], a[8] if len(a) > 8 else 0) for a in prepare) == [
+        ("int32", False, 0), ("int32", False, 1), ("int32", True, 0), ("int32", True, 1)]
     flashqla.warmup(4, 8, seqlens_dtype=torch.int64, backward=False)
     assert all(a[5] == "int64" for k, a in recorded[1] if k == "prepare")
 

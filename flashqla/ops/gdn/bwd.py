@@ -93,7 +93,7 @@ def _build_once(q, v, beta, cu_seqlens, h_dtype) -> None:
     specs = op_kernel_specs(
         q.shape[2], v.shape[2], K=q.shape[3], V=v.shape[3], dtype=tl_dtype(q.dtype), beta_dtype=tl_dtype(beta.dtype),
         seq_dtype=tl_dtype(cu_seqlens.dtype) if cu_seqlens is not None else "int32", varlen=cu_seqlens is not None,
-        h_dtype=tl_dtype(h_dtype), segments_first_use=False,
+        h_dtype=tl_dtype(h_dtype), segments_first_use=False, one_head_prepare=False,
     )[2:]
     # passes 1-3 on this call's offsets only (listed first); their builds on the segments' packed
     # offsets are left to the split path's first use

@@ -129,7 +129,7 @@ def precompile(specs, max_workers: int | None = None) -> None:
 def op_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype: str = "bfloat16",
                     beta_dtype: str = "float32", seq_dtype: str = "int32", backward: bool = True,
                     h_dtype: str = "bfloat16", block_v: int | None = None, K: int = 128, V: int = 128,
-                    segments_first_use: bool = True) -> list:
+                    segments_first_use: bool = True, one_head_prepare: bool = True) -> list:
     """The kernels (`[(kind, args), ...]`, for `build_kernels` / `precompile`) that one call of
     `flashqla.chunk_gated_delta_rule` uses for H q/k heads, HV value heads, N sequences (the
     recurrent kernel's value slice width depends on N * HV: `recurrent.pick_block_v`), packed or not,
@@ -142,7 +142,10 @@ for a fixed-length batch too; with `segments_first_use` (the default) such a bat
 what that path builds on them and the rest does not name: the prepare kernel on packed offsets and,
 with `backward`, the segment tables and packed relayouts that the backward's first use on the
 segments builds (`bwd._build_once`, which passes False: a call's own first use leaves them to the
-split path's). Pure Python: needs neither a GPU nor TileLang."""
+split path's). With `one_head_prepare` (the default) and G = HV / H > 1 the list ends with the
+prepare kernel that takes one value head a CTA (`prepare.pick_heads_per_cta` picks it for few chunk
+slots), on the call's offsets and on the segments' packed ones. Pure Python: needs neither a GPU nor
+TileLang."""
     from flashqla.ops.gdn.kernels.sm90.prepare import DEFAULT_VARIANT
     from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v, resolve_schedule
 
@@ -189,4 +192,7 @@ split path's). Pure Python: needs neither a GPU nor TileLang."""
             ("cp_scan", (HV, K, V, True)),
             ("cp_state_grads", (HV, K, V, dtype, seq_dtype if varlen else "int32")),
         ]
+    if one_head_prepare and HV // H > 1 and DEFAULT_VARIANT == "v3":
+        offsets = [(seq_dtype, varlen)] + ([(seq_dtype if varlen else "int32", True)] if K == V else [])
+        specs += [("prepare", (H, HV, K, dtype, beta_dtype, sd, vl, DEFAULT_VARIANT, 1)) for sd, vl in dict.fromkeys(offsets)]
     return specs

@@ -50,7 +50,7 @@ import torch
 
 from flashqla.ops.gdn.kernels.sm90._common import CHUNK, RCP_LN2, compile_kernel, locate_slot, num_slots, placeholder, tl_dtype
 
-__all__ = ["DEFAULT_VARIANT", "VARIANTS", "build_prepare_kernel", "chunk_prepare_fwd", "prepare_kernel_args"]
+__all__ = ["DEFAULT_VARIANT", "VARIANTS", "build_prepare_kernel", "chunk_prepare_fwd", "pick_heads_per_cta", "prepare_kernel_args"]
 
 #: Prepare kernel variants: "v1" (this module's kernel: one CTA per (chunk slot, value head)),
 #: "v2" (`prepare_v2`: one CTA per (chunk slot, q/k head) for all its value heads), "v3"
@@ -170,29 +170,35 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
 
 
 def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
-                         variant: str | None = None):
+                         variant: str | None = None, heads_per_cta: int | None = None):
     """Compiled prepare kernel for one static configuration (cached).
 
     Static key: head counts H, HV; head dim K; dtype of k (and of the stored A); beta's dtype;
     cu_seqlens' dtype; whether input is packed (varlen); the variant (`VARIANTS`; None:
-    `DEFAULT_VARIANT`). Sequence lengths,
+    `DEFAULT_VARIANT`); `heads_per_cta` (v3 only; None: all HV / H value heads of a q/k head, 1: one
+    value head a CTA, `pick_heads_per_cta`). Sequence lengths,
     the number of sequences and B are run-time values: a new T or sequence mix reuses the compiled
     kernel.
     """
     variant = variant or DEFAULT_VARIANT
     if variant not in VARIANTS:
         raise ValueError(f"prepare variant must be one of {VARIANTS}, got {variant!r}")
-    return _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, variant)
+    if heads_per_cta == HV // H:
+        heads_per_cta = None
+    if heads_per_cta is not None and (variant != "v3" or heads_per_cta != 1):
+        raise ValueError(f"heads_per_cta must be None or 1 (variant 'v3'), got {heads_per_cta!r} with {variant!r}")
+    return _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, variant, heads_per_cta)
 
 
 @functools.lru_cache(maxsize=None)
-def _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, variant):
+def _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, variant, heads_per_cta=None):
     """One cache entry per key, whether or not the caller spelled out the default variant."""
     if variant == "v3":
         from flashqla.ops.gdn.kernels.sm90.prepare_v3 import prepare_v3_prim_func
 
-        func = prepare_v3_prim_func(H, HV, K, dtype, beta_dtype, seq_dtype, varlen)
-        return compile_kernel(func, f"gdn_prepare_v3_fwd_H{H}_HV{HV}_K{K}_{dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}")
+        func = prepare_v3_prim_func(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta=heads_per_cta)
+        return compile_kernel(func, f"gdn_prepare_v3_fwd_H{H}_HV{HV}_K{K}_{dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}"
+                              + ("_one_head" if heads_per_cta == 1 else ""))
     if variant == "v2":
         from flashqla.ops.gdn.kernels.sm90.prepare_v2 import prepare_v2_prim_func
 
@@ -202,12 +208,39 @@ def _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, varian
     return compile_kernel(func, f"gdn_prepare_fwd_H{H}_HV{HV}_K{K}_{dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}")
 
 
+#: Number of streaming multiprocessors of the H200/H100 SXM (the grid-shape rule below).
+SM_COUNT = 132
+#: `pick_heads_per_cta` takes one value head a CTA while the grid of one CTA per chunk slot and q/k
+#: head has at most this many CTAs (two per SM).
+ONE_HEAD_MAX_CTAS = 2 * SM_COUNT
+
+
+def pick_heads_per_cta(S: int, H: int, HV: int, variant: str | None = None) -> int | None:
+    """Value heads a v3 prepare CTA takes for S chunk slots: 1 (one CTA per slot and value head) when
+    G = HV / H > 1 and the S x H grid of one CTA per slot and q/k head has at most ONE_HEAD_MAX_CTAS
+    CTAs, else None (all G value heads: K K^T formed once for them).
+
+    Measured on the H200 (tests/gpu/prepare_heads_check.py, packed input, ms): 2/8 x 2048 tokens
+    (66 CTAs against 264) 0.0202 -> 0.0084, 4/16 x 2048 (132 / 528) 0.0206 -> 0.0107, 2/8 x 4 x 2048
+    (264 / 1056) 0.0225 -> 0.0191, 8/24 x 2048 (264 / 792) 0.0184 -> 0.0181; 16/32 x 2048 (528 /
+    1056) 0.0164 -> 0.0194, slower: K K^T formed twice costs more than the SMs it fills."""
+    variant = variant or DEFAULT_VARIANT
+    if variant != "v3" or HV // H == 1 or S * H > ONE_HEAD_MAX_CTAS:
+        return None
+    return 1
+
+
 def prepare_kernel_args(k, beta, cu_seqlens, HV: int, variant: str | None = None) -> tuple:
     """The static key (`build_prepare_kernel` arguments) a launch with these inputs uses
-    (variant None: `DEFAULT_VARIANT`)."""
-    H, K = k.shape[2], k.shape[3]
+    (variant None: `DEFAULT_VARIANT`). The key ends with 1 where `pick_heads_per_cta` takes one value
+    head a CTA (the slot count comes from shapes alone: no host synchronisation)."""
+    B, T, H, K = k.shape
     seq_dtype = tl_dtype(cu_seqlens.dtype) if cu_seqlens is not None else "int32"
-    return (H, HV, K, tl_dtype(k.dtype), tl_dtype(beta.dtype), seq_dtype, cu_seqlens is not None, variant or DEFAULT_VARIANT)
+    variant = variant or DEFAULT_VARIANT
+    key = (H, HV, K, tl_dtype(k.dtype), tl_dtype(beta.dtype), seq_dtype, cu_seqlens is not None, variant)
+    N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
+    one = pick_heads_per_cta(num_slots(B, T, N, cu_seqlens is not None), H, HV, variant)
+    return key + (one,) if one else key
 
 
 def dummy_cu_seqlens(device) -> torch.Tensor:

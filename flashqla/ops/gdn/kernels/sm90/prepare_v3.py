@@ -185,7 +185,7 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
 
 
 def prepare_v3_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
-                         min_blocks: int = MIN_BLOCKS):
+                         min_blocks: int = MIN_BLOCKS, heads_per_cta: int | None = None):
     """The v3 kernel for one static configuration. `min_blocks` is the CTAs-per-SM hint of the launch
     bounds (4: 128 registers), a tuning knob for the GPU timing (`tests/gpu/prepare_v3_check.py`).
 
@@ -193,7 +193,13 @@ def prepare_v3_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
     the columns of kk_f this thread holds, beta at its rows): read in the element loop itself, they
     were reloaded from shared memory at every element (the loop's stores to the L tiles may alias
     them), ~54 instructions an element. Bitwise the same A; the kernel 1.20-1.21x faster on the H200
-    (NOTES.md, "Prepare v3: gates in registers")."""
+    (NOTES.md, "Prepare v3: gates in registers").
+
+    heads_per_cta: the value heads one CTA takes, a divisor of G = HV / H (None: G, one CTA per chunk
+    slot and q/k head, K K^T formed once for its G value heads). 1: one CTA per chunk slot and value
+    head (K K^T formed G times, by G times as many CTAs, each G times shorter): faster where the
+    slots x q/k heads leave SMs idle (`prepare.pick_heads_per_cta`). The default builds the same TIR
+    as before the option existed."""
     import tilelang.language as T
     from tilelang.layout import make_linear_layout
 
@@ -219,6 +225,15 @@ def prepare_v3_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
             T.gemm(a[a_row0 : a_row0 + HB, kk * KSLICE : (kk + 1) * KSLICE], b[:, kk * KSLICE : (kk + 1) * KSLICE], c,
                    transpose_B=True)
 
+    # value heads per CTA (the grid's y extent is HV / P; CTA row hb reads q/k head hb // (G / P))
+    P = heads_per_cta or G
+    if G % P:
+        raise ValueError(f"heads_per_cta must divide HV // H = {G}, got {P}")
+
+    def k_head(hb):
+        """The q/k head of CTA row hb (the identity when a CTA takes all G value heads)."""
+        return hb if P == G else hb // (G // P)
+
     @T.prim_func
     def gdn_prepare_v3_fwd(
         k: T.Tensor((B, Tn, H, K), dtype),
@@ -228,7 +243,7 @@ def prepare_v3_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
         A: T.Tensor((HV, R, C), dtype),
         g_cum_log2: T.Tensor((HV, R), "float32"),
     ):
-        with T.Kernel(R // C, H, threads=128) as (slot, hk):  # slots on x (up to 2^31 - 1)
+        with T.Kernel(R // C, HV // P, threads=128) as (slot, hk):  # slots on x (up to 2^31 - 1)
             T.annotate_min_blocks_per_sm(min_blocks)
             seq, chunk, bos, seqlen, bidx, nvalid, t0 = locate_slot(slot, cu_seqlens, Tn, Np1, varlen)
             row0 = slot * C
@@ -244,8 +259,8 @@ def prepare_v3_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
             l2t_s = T.alloc_shared((BS, ROW), acc)  # [L10; L32]^T
             d2t_s = T.alloc_shared((BS, ROW), acc)  # [Ai00; Ai22]^T
             ld_s = T.alloc_shared((C, DROW), acc)  # diagonal blocks of L, transposed: [s, t % 16]
-            gc_s = T.alloc_shared((G, C), acc)  # g_cum_log2 of the G value heads, head-major
-            b_s = T.alloc_shared((G, C), acc)
+            gc_s = T.alloc_shared((P, C), acc)  # g_cum_log2 of the CTA's value heads, head-major
+            b_s = T.alloc_shared((P, C), acc)
             T.annotate_layout({x: make_linear_layout(x) for x in (dm_s, lbt_s, b0t_s, y_s, zt_s, l2t_s, d2t_s)})
             kk_f = T.alloc_fragment((C, C), acc)
             g_row = T.alloc_fragment((C,), acc)  # gc of value head j at the rows of kk_f this thread holds
@@ -261,11 +276,11 @@ def prepare_v3_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
             if nvalid > 0:
                 # k by the copy engine (zero-filled past the end of the tensor; rows past the end of
                 # a packed sequence hold the next sequence's keys and are masked in L below)
-                T.tma_copy(k[bidx, t0 : t0 + C, hk, 0:K], ka_s, barrier=k_bar)  # waited after g and beta
+                T.tma_copy(k[bidx, t0 : t0 + C, k_head(hk), 0:K], ka_s, barrier=k_bar)  # waited after g and beta
                 T.barrier_arrive(k_bar)
-                for t, j in T.Parallel(C, G):
-                    gc_s[j, t] = T.if_then_else(t < nvalid, g[bidx, t0 + t, hk * G + j] * RCP_LN2, T.float32(0))
-                    b_s[j, t] = T.if_then_else(t < nvalid, T.cast(beta[bidx, t0 + t, hk * G + j], acc), T.float32(0))
+                for t, j in T.Parallel(C, P):
+                    gc_s[j, t] = T.if_then_else(t < nvalid, g[bidx, t0 + t, hk * P + j] * RCP_LN2, T.float32(0))
+                    b_s[j, t] = T.if_then_else(t < nvalid, T.cast(beta[bidx, t0 + t, hk * P + j], acc), T.float32(0))
                 # blocks no value head writes, zeroed once: the off-diagonal blocks of the block-diagonal
                 # operands and the upper block of (B_0^-1)^T
                 for t, s in T.Parallel(3 * BS, HB):
@@ -280,14 +295,14 @@ def prepare_v3_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
                 for t, s in T.Parallel(C, C):
                     ka_s[t, s] = T.cast(0, dtype)
 
-                for j in T.serial(G):
-                    value_head_stages(T, j=j, G=G, hk=hk, nvalid=nvalid, row0=row0, A=A, dtype=dtype, gemm_nt=gemm_nt, kk_f=kk_f,
+                for j in T.serial(P):
+                    value_head_stages(T, j=j, G=P, hk=hk, nvalid=nvalid, row0=row0, A=A, dtype=dtype, gemm_nt=gemm_nt, kk_f=kk_f,
                                       gc_s=gc_s, b_s=b_s, g_row=g_row, g_col=g_col, b_row=b_row, ld_s=ld_s, lbt_s=lbt_s,
                                       l2t_s=l2t_s, d2t_s=d2t_s, b0t_s=b0t_s, dm_s=dm_s, y_s=y_s, zt=zt_s, stage=ka_s, y_f=y_f,
                                       w_f=w_f, z_f=z_f, o_f=o_f, xcol=xcol)
                 T.tma_store_wait(0)
 
-                for j, t in T.Parallel(G, C):
-                    g_cum_log2[hk * G + j, row0 + t] = gc_s[j, t]
+                for j, t in T.Parallel(P, C):
+                    g_cum_log2[hk * P + j, row0 + t] = gc_s[j, t]
 
     return gdn_prepare_v3_fwd
