@@ -12,9 +12,40 @@ import torch
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="compiling for sm_90a needs nvcc on PATH")
 
 
+#: sha256 of the default build's TIR (TileLang's compile-cache key) before the option existed
+#: (commit f450c95), TileLang 0.1.15: (H, HV, varlen) -> digest
+DEFAULT_TIR_SHA256 = {
+    (2, 8, True): "ba32b0751ded0ca726ad9725a5f2019d2721842018abc4a61a7512ee11056704",
+    (1, 2, False): "854694a8043866971de003c3e8faab84358776601bb21bcad533067d89523024",
+}
+
+
+@pytest.fixture(autouse=True)
+def _v3_default(monkeypatch):
+    """The rule is v3's: run these tests on v3 whatever FLASHQLA_PREPARE says."""
+    from flashqla.ops.gdn.kernels.sm90 import prepare
+
+    monkeypatch.setattr(prepare, "DEFAULT_VARIANT", "v3")
+
+
+def test_default_build_tir_is_the_one_before_the_option():
+    import hashlib
+
+    import tilelang
+
+    from flashqla.ops.gdn.kernels.sm90.prepare_v3 import prepare_v3_prim_func
+
+    if tilelang.__version__ != "0.1.15":
+        pytest.skip(f"digests recorded with TileLang 0.1.15, found {tilelang.__version__}")
+    for (H, HV, varlen), digest in DEFAULT_TIR_SHA256.items():
+        for heads in (None, HV // H):
+            script = prepare_v3_prim_func(H, HV, 128, "bfloat16", "float32", "int32", varlen, heads_per_cta=heads).script()
+            assert hashlib.sha256(script.encode()).hexdigest() == digest, (H, HV, varlen, heads)
+
+
 def test_default_build_is_unchanged_and_one_head_differs():
-    """heads_per_cta None or G gives the TIR of the kernel before the option (TileLang's cache key);
-    1 gives a grid of HV rows whose k loads read q/k head hb // G."""
+    """heads_per_cta None or G gives the same TIR; 1 gives a grid of HV rows whose k loads read q/k
+    head hb // G."""
     from flashqla.ops.gdn.kernels.sm90.prepare_v3 import prepare_v3_prim_func
 
     for varlen in (False, True):

@@ -445,3 +445,33 @@ def test_op_with_prepare_v2(name, monkeypatch):
     for q in ("o", "ht"):
         assert res["v2"][1][q] <= _budget(q)
         assert res["v2"][1][q] <= 1.10 * res["v1"][1][q] + FLA_FLOOR
+
+
+@pytest.mark.parametrize("name", ["fixed-gva2", "varlen-gva4", "varlen-gva4-h2", "fp16-int64-beta16"])
+def test_one_head_prepare_matches_g_head_build(name):
+    """The prepare kernel with one value head a CTA (`prepare.pick_heads_per_cta`) against the build
+    with all G value heads of a q/k head a CTA: every row of every used slot written by both (outputs
+    NaN-poisoned), A diag(beta) and g_cum_log2 bitwise equal (the same products per value head; only
+    the grid differs)."""
+    from flashqla.ops.gdn.kernels.sm90._common import CHUNK, num_slots
+    from flashqla.ops.gdn.kernels.sm90.prepare import build_prepare_kernel, prepare_kernel_args
+
+    xd, B, T, HV = _prepare_case(name)
+    cu = xd["cu_seqlens"]
+    N = cu.numel() - 1 if cu is not None else B
+    S = num_slots(B, T, N, cu is not None)
+    key = prepare_kernel_args(xd["k"], xd["beta"], cu, HV, "v3")[:8]
+    cu_arg = cu if cu is not None else torch.zeros(1, dtype=torch.int32, device=DEV)
+    outs = []
+    for heads in (None, 1):
+        A = torch.full((HV, S * CHUNK, CHUNK), float("nan"), dtype=xd["k"].dtype, device=DEV)
+        gcl = torch.full((HV, S * CHUNK), float("nan"), dtype=torch.float32, device=DEV)
+        build_prepare_kernel(*key, heads)(xd["k"], xd["g"], xd["beta"], cu_arg, A, gcl)
+        outs.append((A, gcl))
+    torch.cuda.synchronize()
+    slots = torch.tensor(_used_slots(B, T, cu.cpu() if cu is not None else None), device=DEV)
+    rows = (slots[:, None] * CHUNK + torch.arange(CHUNK, device=DEV)).reshape(-1)
+    (A_g, g_g), (A_1, g_1) = ((A[:, rows], g[:, rows]) for A, g in outs)
+    assert torch.isfinite(A_1).all() and torch.isfinite(g_1).all(), "the one-head build left rows of a used slot unwritten"
+    assert torch.isfinite(A_g).all() and torch.isfinite(g_g).all()
+    assert torch.equal(A_1, A_g) and torch.equal(g_1, g_g)

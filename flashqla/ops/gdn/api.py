@@ -309,8 +309,10 @@ def warmup(H: int, HV: int, *, dtype: torch.dtype = torch.bfloat16, beta_dtype: 
     recurrent kernels at the value-slice width `recurrent.pick_block_v` picks from N * HV; the split
     path's kernels when the context-parallel planner splits; the backward's at the first backward).
     Kernels are keyed by head counts, head dims, dtypes and flags only, never by T, N or
-    `cu_seqlens`; but a new length or mix can take a path or width not taken before. `warmup` builds
-    them all up front, concurrently: both value-slice widths, the split path's kernels, which run on
+    `cu_seqlens`; but a new length or mix can take a path or width not taken before (or the prepare
+    build with one value head a CTA that few chunk slots pick, `prepare.pick_heads_per_cta`). `warmup`
+    builds them all up front, concurrently: both value-slice widths, both prepare builds, the split
+    path's kernels, which run on
     the segments' packed offsets even for a fixed-length batch (prepare, run + transition launch at
     both widths, transition limits, combine scans, output correction, segment tables, slot
     relayouts) and, with `backward`, the backward's passes on the caller's and the segments' offsets

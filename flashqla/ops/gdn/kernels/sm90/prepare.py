@@ -220,10 +220,10 @@ def pick_heads_per_cta(S: int, H: int, HV: int, variant: str | None = None) -> i
     G = HV / H > 1 and the S x H grid of one CTA per slot and q/k head has at most ONE_HEAD_MAX_CTAS
     CTAs, else None (all G value heads: K K^T formed once for them).
 
-    Measured on the H200 (tests/gpu/prepare_heads_check.py, packed input, ms): 2/8 x 2048 tokens
-    (66 CTAs against 264) 0.0202 -> 0.0084, 4/16 x 2048 (132 / 528) 0.0206 -> 0.0107, 2/8 x 4 x 2048
-    (264 / 1056) 0.0225 -> 0.0191, 8/24 x 2048 (264 / 792) 0.0184 -> 0.0181; 16/32 x 2048 (528 /
-    1056) 0.0164 -> 0.0194, slower: K K^T formed twice costs more than the SMs it fills."""
+    Measured on the H200 (tests/gpu/prepare_heads_check.py, packed input, ms; NOTES.md): 2/8 x 2048
+    tokens (66 CTAs against 264) 0.0201 -> 0.0084, 4/16 x 2048 (132 / 528) 0.0205 -> 0.0106, 2/8 x 4 x
+    2048 (264 / 1056) 0.0223 -> 0.0189, 8/24 x 2048 (264 / 792) 0.0183 -> 0.0180; 16/32 x 2048 (528 /
+    1056) 0.0162 -> 0.0192, slower: K K^T formed twice costs more than the SMs it fills."""
     variant = variant or DEFAULT_VARIANT
     if variant != "v3" or HV // H == 1 or S * H > ONE_HEAD_MAX_CTAS:
         return None

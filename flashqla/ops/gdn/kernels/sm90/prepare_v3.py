@@ -61,6 +61,10 @@ dynamic at G = 1 up to 53,504 at G = 8, + 1 KB static; launch bounds (128, 4): f
 ptxas (sm_90a, CUDA 13.0; `_common.ptxas_report`): 128 registers without spills for G = 2 (H = 1
 and 2, packed), 4 and 8, 79 at G = 1 (no head loop); 161 uncapped at G = 4.
 
+With `heads_per_cta=1` (`prepare.pick_heads_per_cta`, few chunk slots) the grid has one CTA per chunk
+slot and value head instead: the same stages for that one head (K K^T formed by each of the G CTAs of a
+q/k head), the same outputs bit for bit (H200, tests/gpu/test_fwd_gpu.py).
+
 Per CTA (128 threads, one warpgroup):
 1. map the slot to (sequence, chunk) (binary search over cu_seqlens for packed input; `_common`);
 2. issue the TMA load of the k tile of q/k head hk; load g and beta of value heads hk*G .. hk*G+G-1
