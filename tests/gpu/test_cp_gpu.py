@@ -81,6 +81,7 @@ def _precompile():
     bf, f32, i32 = "bfloat16", "float32", "int32"
     specs = [
         ("prepare", (2, 8, 128, bf, f32, i32, False)),  # CP off, 1 x 8192
+        ("prepare", (2, 8, 128, bf, f32, i32, False, "v3", 1)),  # ... whose 128 slots take one value head a CTA
         ("recurrent", (2, 8, 128, 128, 64, bf, i32, False)),
         ("prepare", (2, 8, 128, bf, f32, i32, True)),  # CP on (int32 pseudo offsets), varlen CP off
         ("recurrent", (2, 8, 128, 128, 64, bf, i32, True)),
