@@ -32,6 +32,7 @@ import torch
 
 __all__ = [
     "CHUNK",
+    "SM_COUNT",
     "RCP_LN2",
     "to_log2_units",
     "sm90_target",
@@ -48,6 +49,10 @@ __all__ = [
 
 #: Chunk length (tokens) of the fast path.
 CHUNK = 64
+
+#: Number of streaming multiprocessors of the H200/H100 SXM (the grid-shape rules of the prepare
+#: and recurrent kernels: `prepare.pick_heads_per_cta`, `recurrent.pick_block_v`).
+SM_COUNT = 132
 
 #: 1 / ln 2: multiplies a natural-log gate into base-2 units for exp2.
 RCP_LN2 = 1.0 / math.log(2.0)

@@ -48,7 +48,7 @@ import os
 
 import torch
 
-from flashqla.ops.gdn.kernels.sm90._common import CHUNK, RCP_LN2, compile_kernel, locate_slot, num_slots, placeholder, tl_dtype
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, RCP_LN2, SM_COUNT, compile_kernel, locate_slot, num_slots, placeholder, tl_dtype
 
 __all__ = ["DEFAULT_VARIANT", "VARIANTS", "build_prepare_kernel", "chunk_prepare_fwd", "pick_heads_per_cta", "prepare_kernel_args"]
 
@@ -208,8 +208,6 @@ def _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, varian
     return compile_kernel(func, f"gdn_prepare_fwd_H{H}_HV{HV}_K{K}_{dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}")
 
 
-#: Number of streaming multiprocessors of the H200/H100 SXM (the grid-shape rule below).
-SM_COUNT = 132
 #: `pick_heads_per_cta` takes one value head a CTA while the grid of one CTA per chunk slot and q/k
 #: head has at most this many CTAs (two per SM).
 ONE_HEAD_MAX_CTAS = 2 * SM_COUNT

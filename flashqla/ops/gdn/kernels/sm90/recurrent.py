@@ -43,7 +43,7 @@ import os
 
 import torch
 
-from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slots, placeholder, sequence_span, tl_dtype
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, SM_COUNT, compile_kernel, num_slots, placeholder, sequence_span, tl_dtype
 
 __all__ = ["DEFAULT_SCHEDULE", "SCHEDULES", "build_recurrent_kernel", "chunk_recurrent_dual", "chunk_recurrent_fwd", "pick_block_v",
            "resolve_schedule",
@@ -407,8 +407,6 @@ def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str,
     return compile_kernel(func, name)
 
 
-#: Number of streaming multiprocessors of the H200/H100 SXM.
-SM_COUNT = 132
 #: Chunk step of the role-split kernel per CTA (one CTA an SM), us, by value slice width: measured on
 #: the H200 (2026-11-30, tests/gpu/recurrent_floor.py, recurrent launch alone, the staged o store):
 #: BV = 64 1.62-1.74, BV = 128 2.70-2.91 on rows of 32 to 512 CTAs. Only their ratio is used
