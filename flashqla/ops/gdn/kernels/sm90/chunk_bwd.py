@@ -39,7 +39,7 @@ __all__ = ["DEFAULT_VARIANT", "VARIANTS", "build_chunk_bwd_kernel", "chunk_bwd_k
 #: state-gradient chain alone, then the other gradients chunk-parallel) and "v4" (role-specialised
 #: warpgroups) were measured on the H200, slower than v2, and removed: NOTES-bwd.md, "Pass-2 variant
 #: v3" and "Pass-2 variant v4".
-VARIANTS = ("v1", "v2")
+VARIANTS = ("v1", "v2", "v5")
 #: The variant `chunk_fused_bwd` uses when none is given (read at every call; the environment variable
 #: FLASHQLA_BWD_VARIANT sets it at import). "v2" since its H200 check (2026-11-30,
 #: tests/gpu/bwd_v2_check.py): dq, dk, dv, dh0 bitwise v1's, dg and dbeta within 1e-6 (summation
@@ -348,6 +348,12 @@ def build_chunk_bwd_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dtype:
     the stored h, beta's dtype, cu_seqlens' dtype, packed or not, and the variant ("v1" or "v2",
     `VARIANTS`); T, B, sequences are run-time."""
     variant = _variant(variant)
+    if variant == "v5":
+        from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import build_chunk_bwd_v5_kernel, v5_applies
+
+        if v5_applies(K, V, dtype, h_dtype):
+            return build_chunk_bwd_v5_kernel(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen)
+        variant = "v2"
     if variant == "v2":
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v2 import build_chunk_bwd_v2_kernel
 
@@ -370,6 +376,12 @@ def chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_s
     Returns (dq_hv [B, T, HV, K] fp32, dk_hv [B, T, HV, K] fp32, dv [B, T, HV, V] v's dtype,
     dbeta [B, T, HV] fp32, dG [HV, S * 64] fp32, dh0 [N, HV, K, V] fp32)."""
     variant = _variant(variant)
+    if variant == "v5":
+        from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import chunk_fused_bwd_v5, v5_applies
+
+        if v5_applies(*chunk_bwd_kernel_args(q, v, beta, h, cu_seqlens)[2:4], tl_dtype(q.dtype), tl_dtype(h.dtype)):
+            return chunk_fused_bwd_v5(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens)
+        variant = "v2"
     if variant == "v2":
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v2 import chunk_fused_bwd_v2
 

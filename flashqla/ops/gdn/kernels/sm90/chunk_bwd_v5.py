@@ -1,0 +1,542 @@
+"""Backward pass 2, variant "v5" (experimental): v2's per-chunk math with the products split over
+three consumer warpgroups with their own roles and a TMA producer warpgroup, synchronised by
+mbarriers that name each cross-role dependency (no warpgroup waits for a product it does not use).
+
+Why: v2 (two warpgroups share every product) issues ~4,400 instructions a consumer warp per chunk at
+~6 cycles each (NOTES-bwd.md, "Where pass 2's chunk goes"); v4 (three roles, no producer, six
+CTA-wide stages, gates read from global memory) was 2.3x slower. Here every product is one
+warpgroup's full-width wgmma, row sums stay inside a warp, the next chunk's tiles are loaded by TMA
+while the roles still work, and each role only waits for the tiles and results it reads.
+
+One CTA of 512 threads per (sequence, value head), chunks in reverse:
+
+    S  (threads   0-127) dS [K, V] fp32 in registers: D's bf16 copy, <S0, D>, gamma_C dS,
+                         + Q^T (scale diag(gamma) dO), + K^T (-diag(gamma) dv); dh0; the chunk's dG row
+                         and dbeta from the roles' partial sums
+    K  (threads 128-255) dv_new = diag(r) K D + Pg^T dO; dv = A_beta^T dv_new (+ the exact diagonal);
+                         -diag(gamma) dv; dk = diag(r) v_new D^T + (-diag(gamma) dv) S0^T
+                         + beta (dLk K) + (diag(beta) dLk)^T K + (scale M Gamma)^T Q; their dG / dbeta rows
+    A  (threads 256-383) Pg, Kg, A = I - A_beta Kg, U = K S0, W, v_new, X = A^T dv_new, dL, M,
+                         dq = scale diag(gamma) dO S0^T + (scale M Gamma) K; their dG rows, columns and
+                         dbeta rows
+    P  (threads 384-511) one warp: TMA loads of the next chunk's g, A_beta, v, h, dO, q, k (beta by
+                         plain loads), each as soon as the tile's last reader released it
+
+Math and reference: `reference.gdn.fused_bwd.chunk_bwd_fused` (records BWD-Abeta, BWD-fused, BWD-dq,
+BWD-dG), v2's products and operand roundings except: rowsum(-diag(gamma) dv * U) is formed as
+rowsum(((-diag(gamma) dv) S0^T) * K) from dk's own product (U = K S0; the bf16 -diag(gamma) dv
+operand instead of fp32 dv and U), and dq's first term is (dO S0^T) scaled by scale * gamma in fp32
+(v2 rounds scale diag(gamma) dO to bf16 first). dv and dh0 should equal v2's bitwise; dq, dk, dg and
+dbeta differ by fp32 summation order and those roundings.
+
+The sequence's last chunk (the first walked; the only one that may be partial) is loaded by every
+thread with rows past the end zeroed, before the roles split; the producer loads the earlier, full
+chunks by TMA. Only bf16/fp16 h stored in q's dtype and K = V = 128 (else v2 runs:
+`chunk_bwd.chunk_fused_bwd`).
+"""
+
+import functools
+
+import torch
+
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slots, sequence_span
+
+__all__ = ["build_chunk_bwd_v5_kernel", "chunk_fused_bwd_v5", "v5_applies"]
+
+#: Registers per thread of each role (setmaxnreg). The CTA launches with 128 a thread (65,536 / 512);
+#: the producer gives back 104, which the consumers take.
+NREG = {"S": 160, "K": 192, "A": 136, "P": 24}
+
+
+def v5_applies(K: int, V: int, dtype: str, h_dtype: str) -> bool:
+    """Whether the v5 kernel covers this configuration (else pass 2 runs v2)."""
+    return K == 128 and V == 128 and h_dtype == dtype
+
+
+def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
+                            varlen: bool, exact_diagonal: bool = True):
+    import tilelang.language as T
+
+    if not v5_applies(K, V, dtype, h_dtype):
+        raise ValueError(f"v5 needs K = V = 128 and h in q's dtype, got K={K}, V={V}, {dtype}, h {h_dtype}")
+    exact_diagonal = exact_diagonal and beta_dtype != dtype
+    C = CHUNK
+    G = HV // H
+    acc = "float32"
+
+    B = T.dynamic("B")
+    Tn = T.dynamic("T")
+    R = T.dynamic("R")
+    Np1 = T.dynamic("Np1")
+    N1 = T.dynamic("N1")
+    N2 = T.dynamic("N2")
+    SH = T.dynamic("SH")
+
+    # red_s slots: K's dG rows, K's dbeta rows, A's dG rows, A's dG columns (A writes its dbeta rows
+    # to dbeta, S adds K's); scalars after g in g_s: <S0, D> per S warp, then the r-terms moved to the
+    # last valid row per K warp (every byte counts: the tiles fill 229,376 of the 232,448 B)
+    RGK, RBK, RGA, CGA, SCS = 0, C, 2 * C, 3 * C, C
+
+    @T.prim_func
+    def gdn_chunk_bwd_v5(
+        q: T.Tensor((B, Tn, H, K), dtype),
+        k: T.Tensor((B, Tn, H, K), dtype),
+        v: T.Tensor((B, Tn, HV, V), dtype),
+        beta: T.Tensor((B, Tn, HV), beta_dtype),
+        A: T.Tensor((HV, R, C), dtype),
+        g_cum_log2: T.Tensor((HV, R), "float32"),
+        h: T.Tensor((SH, K, V), h_dtype),
+        do: T.Tensor((B, Tn, HV, V), dtype),
+        dht: T.Tensor((N1, HV, K, V), "float32"),
+        cu_seqlens: T.Tensor((Np1,), seq_dtype),
+        scale: T.float32,
+        use_dht: T.int32,
+        dq_hv: T.Tensor((B, Tn, HV, K), "float32"),
+        dk_hv: T.Tensor((B, Tn, HV, K), "float32"),
+        dv: T.Tensor((B, Tn, HV, V), dtype),
+        dbeta: T.Tensor((B, Tn, HV), "float32"),
+        dG: T.Tensor((HV, R), "float32"),
+        dh0: T.Tensor((N2, HV, K, V), "float32"),
+    ):
+        with T.Kernel(HV * ((Np1 - 1) if varlen else B), threads=512) as (bx,):
+            hv = bx % HV
+            n = bx // HV
+            bos, seqlen, bidx, slot0, nchunks = sequence_span(n, cu_seqlens, Tn, varlen)
+            hk = hv // G
+            tx = T.get_thread_binding()
+
+            # loaded tiles (the last chunk by every thread, the others by the producer's TMA)
+            q_s = T.alloc_shared((C, K), dtype)
+            k_s = T.alloc_shared((C, K), dtype)
+            v_s = T.alloc_shared((C, V), dtype)  # V; then X = A^T dv_new (A)
+            do_s = T.alloc_shared((C, V), dtype)
+            ab_s = T.alloc_shared((C, C), dtype)  # A diag(beta)
+            h_s = T.alloc_shared((K, V), dtype)  # S0
+            g_s = T.alloc_shared((C + 8,), acc)  # g_cum_log2, then the chunk's scalars
+            # tiles the roles write
+            ds_s = T.alloc_shared((K, V), dtype)  # D (S)
+            dog_s = T.alloc_shared((C, V), dtype)  # scale diag(gamma) dO (S)
+            pg_s = T.alloc_shared((C, C), dtype)  # Pg; then scale M * Gamma (A)
+            kg_s = T.alloc_shared((C, C), dtype)  # Kg; then diag(beta) dLk (A)
+            am_s = T.alloc_shared((C, C), dtype)  # A = I - A_beta Kg; then dLk (A)
+            w_s = T.alloc_shared((C, V), dtype)  # W (A)
+            vn_s = T.alloc_shared((C, V), dtype)  # v_new (A)
+            dvn_s = T.alloc_shared((C, V), dtype)  # dv_new; then -diag(gamma) dv (K)
+            red_s = T.alloc_shared((4 * C,), acc)
+
+            # tile full (producer -> roles; 32 producer arrivals + TMA bytes) and empty (roles -> producer)
+            f_g = T.alloc_barrier(arrive_count=32)
+            f_ab = T.alloc_barrier(arrive_count=32)
+            f_v = T.alloc_barrier(arrive_count=32)
+            f_late = T.alloc_barrier(arrive_count=32)  # h, dO, q, k
+            e_g = T.alloc_barrier(arrive_count=384)
+            e_ab = T.alloc_barrier(arrive_count=256)
+            e_v = T.alloc_barrier(arrive_count=128)
+            e_late = T.alloc_barrier(arrive_count=384)
+            # results between roles (each completes once a chunk)
+            d_ready = T.alloc_barrier(arrive_count=128)  # S -> K: D in ds_s
+            pg_ready = T.alloc_barrier(arrive_count=128)  # A -> K: Pg in pg_s
+            pg_read = T.alloc_barrier(arrive_count=128)  # K -> A: Pg^T dO done (pg_s may take scale M)
+            dvn_ready = T.alloc_barrier(arrive_count=128)  # K -> A: dv_new in dvn_s
+            x_done = T.alloc_barrier(arrive_count=128)  # A -> K: A^T dv_new done (dvn_s may take -gamma dv)
+            dvg_ready = T.alloc_barrier(arrive_count=128)  # K -> S: -diag(gamma) dv in dvn_s
+            dvg_read = T.alloc_barrier(arrive_count=128)  # S -> K: K^T dvg done (dvn_s free)
+            vn_ready = T.alloc_barrier(arrive_count=128)  # A -> K: v_new in vn_s
+            kd_done = T.alloc_barrier(arrive_count=128)  # K -> S, A: ds_s and vn_s free
+            m_ready = T.alloc_barrier(arrive_count=128)  # A -> K: dLk, diag(beta) dLk, scale M Gamma
+            km_done = T.alloc_barrier(arrive_count=128)  # K -> A: pg_s, kg_s, am_s free
+            r_ka = T.alloc_barrier(arrive_count=256)  # K, A -> S: their partial rows in red_s
+            s_sync = T.alloc_barrier(arrive_count=128)  # S's own warps
+
+            # ---- the sequence's last chunk, every thread (rows past the end zero)
+            if nchunks > 0:
+                c_last = nchunks - 1
+                t0_l = bos + c_last * C
+                row0_l = (slot0 + c_last) * C
+                nv_l = seqlen - c_last * C
+                for t, d in T.Parallel(C, K):
+                    q_s[t, d] = T.if_then_else(t < nv_l, q[bidx, t0_l + t, hk, d], T.cast(0, dtype))
+                    k_s[t, d] = T.if_then_else(t < nv_l, k[bidx, t0_l + t, hk, d], T.cast(0, dtype))
+                for t, d in T.Parallel(C, V):
+                    v_s[t, d] = T.if_then_else(t < nv_l, v[bidx, t0_l + t, hv, d], T.cast(0, dtype))
+                    do_s[t, d] = T.if_then_else(t < nv_l, do[bidx, t0_l + t, hv, d], T.cast(0, dtype))
+                for t, s in T.Parallel(C, C):
+                    ab_s[t, s] = A[hv, row0_l + t, s]
+                for i, j in T.Parallel(K, V):
+                    h_s[i, j] = h[(slot0 + c_last) * HV + hv, i, j]
+                for t in T.Parallel(C):
+                    g_s[t] = g_cum_log2[hv, row0_l + t]
+                T.fence_proxy_async()
+            T.sync_threads()
+
+            if tx < 128:
+                # ================================================================ S
+                T.set_max_nreg(NREG["S"], 1)
+                dS = T.alloc_fragment((K, V), acc)
+                sc = T.alloc_local((1,), acc)
+                gamc = T.alloc_local((1,), acc)
+                if use_dht != 0:
+                    for i, j in T.Parallel(K, V):
+                        dS[i, j] = dht[n, hv, i, j]
+                else:
+                    T.clear(dS)
+                for ci in T.serial(nchunks):
+                    c = nchunks - 1 - ci
+                    t0 = bos + c * C
+                    row0 = (slot0 + c) * C
+                    nvalid = T.min(seqlen - c * C, C)
+                    par = ci % 2
+                    pprev = (ci + 1) % 2
+                    if ci > 0:
+                        T.barrier_wait(f_g, pprev)
+                    gamc[0] = T.exp2(g_s[C - 1])
+                    # D of this chunk (dS after the later chunks); K read the previous one
+                    if ci > 0:
+                        T.barrier_wait(kd_done, pprev)
+                    T.copy(dS, ds_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(d_ready)
+                    # scale diag(gamma) dO
+                    if ci > 0:
+                        T.barrier_wait(f_late, pprev)
+                    for t, d in T.Parallel(C, V):
+                        dog_s[t, d] = T.cast(scale * T.exp2(g_s[t]) * T.cast(do_s[t, d], acc), dtype)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(e_g)
+                    # <S0, D> (the chunk-end term of dG), then gamma_C dS
+                    sc[0] = T.float32(0)
+                    for i, j in T.Parallel(K, V):
+                        sc[0] = sc[0] + T.cast(h_s[i, j], acc) * dS[i, j]
+                        dS[i, j] = dS[i, j] * gamc[0]
+                    # dS += Q^T (scale diag(gamma) dO)
+                    T.gemm(q_s, dog_s, dS, transpose_A=True)
+                    # dS += K^T (-diag(gamma) dv)   (the chain's end)
+                    T.barrier_wait(dvg_ready, par)
+                    T.gemm(k_s, dvn_s, dS, transpose_A=True)
+                    T.barrier_arrive(dvg_read)
+                    T.barrier_arrive(e_late)
+                    # the chunk's dG row and dbeta: the roles' partial sums, <S0, D> and the r-terms
+                    # moved to the last valid row (K wrote 0 there, -r-term elsewhere)
+                    w0 = T.warp_reduce_sum(sc[0])
+                    if tx % 32 == 0:
+                        g_s[SCS + tx // 32] = w0
+                    T.barrier_arrive(s_sync)
+                    T.barrier_wait(s_sync, par)
+                    T.barrier_wait(r_ka, par)
+                    for t in T.Parallel(C):
+                        if t < nvalid:
+                            dbeta[bidx, t0 + t, hv] = dbeta[bidx, t0 + t, hv] + red_s[RBK + t]
+                        dG[hv, row0 + t] = red_s[RGK + t] + red_s[RGA + t] - red_s[CGA + t] + T.if_then_else(
+                            t == nvalid - 1,
+                            gamc[0] * (g_s[SCS] + g_s[SCS + 1] + g_s[SCS + 2] + g_s[SCS + 3])
+                            + (g_s[SCS + 4] + g_s[SCS + 5] + g_s[SCS + 6] + g_s[SCS + 7]),
+                            T.float32(0))
+                for i, j in T.Parallel(K, V):
+                    dh0[n, hv, i, j] = dS[i, j]
+                if varlen:
+                    # rows of no sequence (before cu_seqlens[0], past cu_seqlens[-1]) get zero gradients,
+                    # written by S of the first / last sequence's CTA of each value head
+                    lo = T.alloc_var("int32")
+                    cnt = T.alloc_var("int32")
+                    lo = 0
+                    cnt = 0
+                    if n == 0:
+                        cnt = T.cast(cu_seqlens[0], "int32")
+                    for side in T.serial(2):
+                        if side == 1:
+                            lo = T.cast(cu_seqlens[Np1 - 1], "int32")
+                            cnt = T.if_then_else(n == Np1 - 2, Tn - lo, 0)
+                        for tb in T.serial(T.ceildiv(cnt, C)):
+                            for t, d in T.Parallel(C, K):
+                                if tb * C + t < cnt:
+                                    dq_hv[0, lo + tb * C + t, hv, d] = T.float32(0)
+                                    dk_hv[0, lo + tb * C + t, hv, d] = T.float32(0)
+                            for t, d in T.Parallel(C, V):
+                                if tb * C + t < cnt:
+                                    dv[0, lo + tb * C + t, hv, d] = T.cast(0, dtype)
+                            for t in T.Parallel(C):
+                                if tb * C + t < cnt:
+                                    dbeta[0, lo + tb * C + t, hv] = T.float32(0)
+            elif tx < 256:
+                # ================================================================ K
+                T.set_max_nreg(NREG["K"], 1)
+                cv = T.alloc_fragment((C, V), acc)  # dv_new, dv; then scratch
+                dk = T.alloc_fragment((C, K), acc)
+                r_r = T.alloc_fragment((C,), acc)
+                gam_r = T.alloc_fragment((C,), acc)
+                b_r = T.alloc_fragment((C,), acc)
+                d_r = T.alloc_fragment((C,), acc)
+                rs = T.alloc_fragment((C,), acc)
+                gk = T.alloc_fragment((C,), acc)
+                scr = T.alloc_local((1,), acc)
+                for ci in T.serial(nchunks):
+                    c = nchunks - 1 - ci
+                    t0 = bos + c * C
+                    nvalid = T.min(seqlen - c * C, C)
+                    par = ci % 2
+                    pprev = (ci + 1) % 2
+                    if ci > 0:
+                        T.barrier_wait(f_g, pprev)
+                    for t in T.Parallel(C):
+                        r_r[t] = T.exp2(T.min(g_s[C - 1] - g_s[t], T.float32(0)))
+                        gam_r[t] = T.exp2(g_s[t])
+                    for t in T.Parallel(C):
+                        b_r[t] = T.if_then_else(t < nvalid, T.cast(beta[bidx, t0 + t, hv], acc), T.float32(0))
+                    if exact_diagonal:
+                        for t in T.Parallel(C):  # b_r is 0 past the end
+                            d_r[t] = b_r[t] - T.cast(T.cast(b_r[t], dtype), acc)
+                    T.barrier_arrive(e_g)
+                    # dv_new = diag(r) K D + Pg^T dO
+                    T.barrier_wait(d_ready, par)
+                    if ci > 0:
+                        T.barrier_wait(f_late, pprev)
+                    T.gemm(k_s, ds_s, cv, clear_accum=True)
+                    for t, d in T.Parallel(C, V):
+                        cv[t, d] = cv[t, d] * r_r[t]
+                    T.barrier_wait(pg_ready, par)
+                    T.gemm(pg_s, do_s, cv, transpose_A=True)
+                    T.barrier_arrive(pg_read)
+                    if ci > 0:
+                        T.barrier_wait(dvg_read, pprev)
+                    T.copy(cv, dvn_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(dvn_ready)
+                    # dv = A_beta^T dv_new (+ diag(beta - stored diagonal) dv_new in fp32)
+                    if exact_diagonal:
+                        for t, d in T.Parallel(C, V):
+                            cv[t, d] = d_r[t] * cv[t, d]
+                    if ci > 0:
+                        T.barrier_wait(f_ab, pprev)
+                    T.gemm(ab_s, dvn_s, cv, transpose_A=True, clear_accum=not exact_diagonal)
+                    T.barrier_arrive(e_ab)
+                    for t, d in T.Parallel(C, V):
+                        if t < nvalid:
+                            dv[bidx, t0 + t, hv, d] = T.cast(cv[t, d], dtype)
+                    # -diag(gamma) dv over dv_new, once A has read dv_new
+                    T.barrier_wait(x_done, par)
+                    for t, d in T.Parallel(C, V):
+                        dvn_s[t, d] = T.cast(-gam_r[t] * cv[t, d], dtype)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(dvg_ready)
+                    # dk = diag(r) v_new D^T; its r-terms of dG (moved to the last valid row: 0 there)
+                    T.barrier_wait(vn_ready, par)
+                    T.gemm(vn_s, ds_s, dk, transpose_B=True, clear_accum=True)
+                    T.barrier_arrive(kd_done)
+                    for t, d in T.Parallel(C, K):
+                        dk[t, d] = dk[t, d] * r_r[t]
+                    scr[0] = T.float32(0)
+                    for t, d in T.Parallel(C, K):
+                        pr = T.if_then_else(t == nvalid - 1, T.float32(0), dk[t, d] * T.cast(k_s[t, d], acc))
+                        cv[t, d] = pr
+                        scr[0] = scr[0] + pr
+                    T.reduce_sum(cv, rs, dim=1)
+                    for t in T.Parallel(C):
+                        gk[t] = -rs[t]
+                    wr = T.warp_reduce_sum(scr[0])
+                    if tx % 32 == 0:
+                        g_s[SCS + 4 + (tx // 32) % 4] = wr
+                    # dk += (-diag(gamma) dv) S0^T; dG rows += rowsum(that * K) (= rowsum(-diag(gamma) dv * U))
+                    T.gemm(dvn_s, h_s, cv, transpose_B=True, clear_accum=True)
+                    for t, d in T.Parallel(C, K):
+                        dk[t, d] = dk[t, d] + cv[t, d]
+                    for t, d in T.Parallel(C, K):
+                        cv[t, d] = cv[t, d] * T.cast(k_s[t, d], acc)
+                    T.reduce_sum(cv, gk, dim=1, clear=False)
+                    # t = dLk K: dk += diag(beta) t; dbeta rows = rowsum(t * K)
+                    T.barrier_wait(m_ready, par)
+                    T.gemm(am_s, k_s, cv, clear_accum=True)
+                    for t, d in T.Parallel(C, K):
+                        dk[t, d] = dk[t, d] + b_r[t] * cv[t, d]
+                    for t, d in T.Parallel(C, K):
+                        cv[t, d] = cv[t, d] * T.cast(k_s[t, d], acc)
+                    T.reduce_sum(cv, rs, dim=1)
+                    # dk += (diag(beta) dLk)^T K + (scale M Gamma)^T Q
+                    T.gemm(kg_s, k_s, dk, transpose_A=True)
+                    T.gemm(pg_s, q_s, dk, transpose_A=True)
+                    for t, d in T.Parallel(C, K):
+                        if t < nvalid:
+                            dk_hv[bidx, t0 + t, hv, d] = dk[t, d]
+                    # dq = scale diag(gamma) dO S0^T + (scale M Gamma) K; dG rows += rowsum(first term * Q)
+                    T.gemm(do_s, h_s, cv, transpose_B=True, clear_accum=True)
+                    for t, d in T.Parallel(C, K):
+                        cv[t, d] = cv[t, d] * (scale * gam_r[t])
+                    for t, d in T.Parallel(C, K):
+                        dk[t, d] = cv[t, d] * T.cast(q_s[t, d], acc)
+                    T.reduce_sum(dk, gk, dim=1, clear=False)
+                    T.gemm(pg_s, k_s, cv)
+                    T.barrier_arrive(km_done)
+                    T.barrier_arrive(e_late)
+                    for t, d in T.Parallel(C, K):
+                        if t < nvalid:
+                            dq_hv[bidx, t0 + t, hv, d] = cv[t, d]
+                    T.copy(gk, red_s[RGK : RGK + C])
+                    T.copy(rs, red_s[RBK : RBK + C])
+                    T.barrier_arrive(r_ka)
+            elif tx < 384:
+                # ================================================================ A
+                T.set_max_nreg(NREG["A"], 1)
+                cc = T.alloc_fragment((C, C), acc)
+                msk = T.alloc_fragment((C, C), acc)  # Gamma (t >= s), 0 above the diagonal
+                za = T.alloc_fragment((C, C), acc)  # dL * L + Z (the dG rows and columns)
+                F = T.alloc_fragment((C, V), acc)
+                gam_a = T.alloc_fragment((C,), acc)
+                b_a = T.alloc_fragment((C,), acc)
+                rg = T.alloc_fragment((C,), acc)
+                cg = T.alloc_fragment((C,), acc)
+                rb = T.alloc_fragment((C,), acc)
+                for ci in T.serial(nchunks):
+                    c = nchunks - 1 - ci
+                    t0 = bos + c * C
+                    nvalid = T.min(seqlen - c * C, C)
+                    par = ci % 2
+                    pprev = (ci + 1) % 2
+                    if ci > 0:
+                        T.barrier_wait(f_g, pprev)
+                    for t, s in T.Parallel(C, C):
+                        msk[t, s] = T.if_then_else(t >= s, T.exp2(T.if_then_else(t >= s, g_s[t] - g_s[s], T.float32(0))),
+                                                   T.float32(0))
+                    for t in T.Parallel(C):
+                        gam_a[t] = T.exp2(g_s[t])
+                    for t in T.Parallel(C):
+                        b_a[t] = T.if_then_else(t < nvalid, T.cast(beta[bidx, t0 + t, hv], acc), T.float32(0))
+                    T.barrier_arrive(e_g)
+                    # Pg = scale (Q K^T) * Gamma
+                    if ci > 0:
+                        T.barrier_wait(km_done, pprev)
+                        T.barrier_wait(f_late, pprev)
+                    T.gemm(q_s, k_s, cc, transpose_B=True, clear_accum=True)
+                    for t, s in T.Parallel(C, C):
+                        pg_s[t, s] = T.cast(scale * cc[t, s] * msk[t, s], dtype)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(pg_ready)
+                    # Kg = (K K^T) * Gamma_strict;  A = I - A_beta Kg  (BWD-Abeta)
+                    T.gemm(k_s, k_s, cc, transpose_B=True, clear_accum=True)
+                    for t, s in T.Parallel(C, C):
+                        kg_s[t, s] = T.cast(T.if_then_else(t > s, cc[t, s] * msk[t, s], T.float32(0)), dtype)
+                    T.fence_proxy_async()
+                    if ci > 0:
+                        T.barrier_wait(f_ab, pprev)
+                    T.gemm(ab_s, kg_s, cc, clear_accum=True)
+                    for t, s in T.Parallel(C, C):
+                        am_s[t, s] = T.cast(T.if_then_else(t == s, T.float32(1), T.float32(0)) - cc[t, s], dtype)
+                    T.fence_proxy_async()
+                    # U = K S0, W = V - diag(gamma) U
+                    if ci > 0:
+                        T.barrier_wait(f_v, pprev)
+                    T.gemm(k_s, h_s, F, clear_accum=True)
+                    for t, d in T.Parallel(C, V):
+                        w_s[t, d] = T.cast(T.cast(v_s[t, d], acc) - gam_a[t] * F[t, d], dtype)
+                    T.fence_proxy_async()
+                    # X = A^T dv_new, over V (dead); dbeta rows: rowsum(X * W)
+                    T.barrier_wait(dvn_ready, par)
+                    T.gemm(am_s, dvn_s, F, transpose_A=True, clear_accum=True)
+                    T.barrier_arrive(x_done)
+                    T.copy(F, v_s)
+                    T.fence_proxy_async()
+                    for t, d in T.Parallel(C, V):
+                        F[t, d] = F[t, d] * T.cast(w_s[t, d], acc)
+                    T.reduce_sum(F, rb, dim=1)
+                    # v_new = A_beta W
+                    if ci > 0:
+                        T.barrier_wait(kd_done, pprev)
+                    T.gemm(ab_s, w_s, F, clear_accum=True)
+                    T.barrier_arrive(e_ab)
+                    T.copy(F, vn_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(vn_ready)
+                    # dL = -X v_new^T (strict): dLk = dL * Gamma over A; dG rows / columns of dL * L,
+                    # L = diag(beta) Kg; diag(beta) dLk over Kg
+                    T.gemm(v_s, vn_s, cc, transpose_B=True, clear_accum=True)
+                    T.barrier_arrive(e_v)
+                    for t, s in T.Parallel(C, C):
+                        dl = T.if_then_else(t > s, -cc[t, s], T.float32(0))
+                        dlk = T.cast(dl * msk[t, s], dtype)
+                        zl = dl * b_a[t] * T.cast(kg_s[t, s], acc)
+                        am_s[t, s] = dlk
+                        kg_s[t, s] = T.cast(b_a[t] * T.cast(dlk, acc), dtype)
+                        za[t, s] = zl
+                    # M = dO v_new^T: dG rows / columns of Z = M * Pg (strict); scale M * Gamma over Pg
+                    T.gemm(do_s, vn_s, cc, transpose_B=True, clear_accum=True)
+                    T.barrier_wait(pg_read, par)
+                    for t, s in T.Parallel(C, C):
+                        m = cc[t, s]
+                        z = T.if_then_else(t > s, m * T.cast(pg_s[t, s], acc), T.float32(0))
+                        pg_s[t, s] = T.cast(scale * m * msk[t, s], dtype)
+                        za[t, s] = za[t, s] + z
+                    T.fence_proxy_async()
+                    T.barrier_arrive(m_ready)
+                    T.reduce_sum(za, rg, dim=1)
+                    T.reduce_sum(za, cg, dim=0)
+                    T.barrier_arrive(e_late)
+                    T.copy(rg, red_s[RGA : RGA + C])
+                    T.copy(cg, red_s[CGA : CGA + C])
+                    for t in T.Parallel(C):
+                        if t < nvalid:
+                            dbeta[bidx, t0 + t, hv] = rb[t]
+                    T.barrier_arrive(r_ka)
+            else:
+                # ================================================================ P (one warp)
+                T.set_max_nreg(NREG["P"], 0)
+                if tx < 416:
+                    for ci in T.serial(nchunks - 1):
+                        par = ci % 2
+                        c = nchunks - 2 - ci
+                        t0 = bos + c * C
+                        row0 = (slot0 + c) * C
+                        T.barrier_wait(e_g, par)
+                        T.tma_copy(g_cum_log2[hv, row0 : row0 + C], g_s[0:C], barrier=f_g)
+                        T.barrier_arrive(f_g)
+                        T.barrier_wait(e_ab, par)
+                        T.tma_copy(A[hv, row0 : row0 + C, 0:C], ab_s, barrier=f_ab)
+                        T.barrier_arrive(f_ab)
+                        T.barrier_wait(e_v, par)
+                        T.tma_copy(v[bidx, t0 : t0 + C, hv, 0:V], v_s, barrier=f_v)
+                        T.barrier_arrive(f_v)
+                        T.barrier_wait(e_late, par)
+                        T.tma_copy(k[bidx, t0 : t0 + C, hk, 0:K], k_s, barrier=f_late)
+                        T.tma_copy(q[bidx, t0 : t0 + C, hk, 0:K], q_s, barrier=f_late)
+                        T.tma_copy(h[(slot0 + c) * HV + hv, 0:K, 0:V], h_s, barrier=f_late)
+                        T.tma_copy(do[bidx, t0 : t0 + C, hv, 0:V], do_s, barrier=f_late)
+                        T.barrier_arrive(f_late)
+
+    return gdn_chunk_bwd_v5
+
+
+@functools.lru_cache(maxsize=None)
+def build_chunk_bwd_v5_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
+                              varlen: bool):
+    """Compiled pass-2 kernel, variant v5 (cached). Same static key as `build_chunk_bwd_kernel`."""
+    func = _chunk_bwd_v5_prim_func(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen)
+    return compile_kernel(func, f"gdn_chunk_bwd_v5_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{h_dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}")
+
+
+def chunk_fused_bwd_v5(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens):
+    """Launches pass 2 with the v5 kernel. Arguments and results as `chunk_bwd.chunk_fused_bwd`;
+    dq_hv, dk_hv, dv, dbeta and dh0 are allocated uninitialised (the kernel writes every row, as v2)."""
+    from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_bwd_kernel_args
+    from flashqla.ops.gdn.kernels.sm90.prepare import dummy_cu_seqlens
+
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    varlen = cu_seqlens is not None
+    N = cu_seqlens.numel() - 1 if varlen else B
+    S = num_slots(B, T, N, varlen)
+    dev = q.device
+    dq_hv = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
+    dk_hv = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
+    dv = torch.empty_like(v)
+    dbeta = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
+    dG = torch.zeros(HV, S * CHUNK, dtype=torch.float32, device=dev)
+    dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
+    if S == 0 or T == 0 or N == 0:
+        for x in (dq_hv, dk_hv, dv, dbeta, dh0):
+            x.zero_()
+        if dht is not None:
+            dh0.copy_(dht)
+        return dq_hv, dk_hv, dv, dbeta, dG, dh0
+    dht_arg = dht if dht is not None else torch.empty(1, HV, K, V, dtype=torch.float32, device=dev)
+    cu = cu_seqlens if varlen else dummy_cu_seqlens(dev)
+    kernel = build_chunk_bwd_v5_kernel(*chunk_bwd_kernel_args(q, v, beta, h, cu_seqlens))
+    kernel(q, k, v, beta, A, g_cum_log2, h, do, dht_arg, cu, float(scale), int(dht is not None),
+           dq_hv, dk_hv, dv, dbeta, dG, dh0)
+    return dq_hv, dk_hv, dv, dbeta, dG, dh0
