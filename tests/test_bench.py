@@ -296,11 +296,12 @@ def test_markdown_report(tmp_path):
     rows = [_row(16, 32, "8192x4", 0.5, 2.0, 0.5), _row(2, 8, "1x32768", 0.4, 0.9, 0.3),
             _row(16, 32, "1x8192", 0.25, 0.5, 0.3, fla_status="FAIL"),
             {**_row(16, 64, "1024x8", 1.0, 1.0, 1.0), "ours_status": "not available (ImportError: no op)", "ours_ms": ""}]
+    # the first row's peers came from the cache and were re-timed: FLA 2.0 ms cached, 2.1 ms live; FlashQLA's
+    # live run failed its gate
+    rows[0].update({"peers_source": "cached (re-timed)", "fla_retime_ms": "2.1", "fla_retime_status": "ok",
+                    "flash_qla_retime_ms": "", "flash_qla_retime_status": "FAIL"})
     meta = {"date": "2026-11-29T00:00:00Z", "method": ["timer line"]}
-    drift = [{"impl": "fla", "heads": "16/32", "mix": "8192x4", "cached_ms": 2.0, "now_ms": 2.1, "status": "ok"},
-             {"impl": "flash_qla", "heads": "16/32", "mix": "8192x4", "cached_ms": math.nan, "cached_status": "FAIL",
-              "now_ms": math.nan, "status": "FAIL"}]
-    md = R.markdown(rows, ENV, "abc123", meta, drift)
+    md = R.markdown(rows, ENV, "abc123", meta)
     for needle in ("| GPU | Test GPU |", "| driver | 1.0 |", "| CUDA (torch build) | 12.8 |", "| triton | 3.x |",
                    "| tilelang | 0.1.15 |", "| fla | 0.6.0 |", "| flash_qla | 0.1.3 |", "| our commit | abc123 |",
                    "2026-11-29", "- timer line", "FAIL (5.0e-02)", "| n/a |", "+5.0%", "single-sequence few-head"):
@@ -316,6 +317,43 @@ def test_markdown_report(tmp_path):
     line = [ln for ln in md.splitlines() if ln.startswith("| 2/8 | 1x32768")][0]
     assert "| CP |" in line and "107 (14.8%)" in line
     assert "Gate errors" in md
+    drift = md[md.index("## Drift"):]
+    assert "| 16/32 | 8192x4 | FLA | 2.000 | 2.100 | +5.0% | c |" in drift
+    assert "| 16/32 | 8192x4 | FlashQLA | 0.500 | FAIL | - | c |" in drift
+    assert "No re-timed rows recorded" not in drift and "not recorded" not in drift
+
+
+def test_drift_section_from_the_csv_columns_only():
+    """The Drift section lists what the rows keep: re-timed columns when filled; a row marked
+    re-timed without them (written before they existed) by name, with no number; else nothing."""
+    plain = _row(16, 32, "8192x4", 0.5, 2.0, 0.5)
+    assert R.drift_section([plain])[2] == "No re-timed rows recorded."
+    legacy = {**_row(2, 8, "1x32768", 0.4, 0.9, 0.3), "peers_source": "cached (re-timed)"}
+    text = "\n".join(R.drift_section([plain, legacy]))
+    assert text.startswith("## Drift") and "No re-timed rows recorded: " in text and "2/8 1x32768 at c" in text
+    assert "| " not in text and "0.900" not in text and "%" not in text           # no number is made up
+    new = {**_row(16, 32, "1x8192", 0.25, 0.5, 0.3), "peers_source": "cached (re-timed)",
+           "fla_retime_ms": "0.45", "fla_retime_status": "ok"}
+    text = "\n".join(R.drift_section([plain, legacy, new]))
+    assert "| 16/32 | 1x8192 | FLA | 0.500 | 0.450 | -10.0% | c |" in text and "FlashQLA" not in text
+    assert "Also re-timed, live times not recorded: " in text and "2/8 1x32768 at c" in text
+
+
+def test_every_page_that_names_drift_has_the_section():
+    """The committed pages: a Method that points at the Drift section is backed by one; and the CP
+    page's header counts its own rows (it shows a subset of the forward CSV's rows)."""
+    import re
+
+    pages = {name: (ROOT / "benchmarks" / "results" / name).read_text() for name in ("h200-fwd.md", "h200-cp.md", "h200-bwd.md")}
+    for name, md in pages.items():
+        assert "Drift" in md[md.index("## Method"):md.index("## Geometric-mean")], name
+        assert "\n## Drift of the cached peer timings\n" in md, name
+        assert "listed under Drift" not in md, name
+    cp = pages["h200-cp.md"]
+    shown = [ln for ln in cp[cp.index("## Forward, per row"):].splitlines() if re.match(r"\| \d+/\d+ \|", ln)]
+    header = [ln for ln in cp.splitlines() if ln.startswith("| our commit |")][0]
+    counts = [int(n) for n in re.findall(r"\((\d+) rows\)", header)]
+    assert counts and sum(counts) == len(shown) == 24
 
 
 def test_breakdown_bytes_and_markdown():
@@ -420,7 +458,44 @@ def test_loop_gate_resume_cache_and_drift(tmp_path, capsys):
     assert len(retimed) == 1
     assert "drift FlashQLA 1/2 " + retimed[0] in out and "drift FLA" in out
     assert len(S.read_rows(tmp_path / "peers-test-gpu-fwd.csv")) == 4   # cached mode appends nothing
-    assert "## Drift" in (tmp_path / "test-gpu-fwd.md").read_text()
+    # the live re-timing is kept in the results CSV beside the cached timing, and the page lists it
+    r = res[retimed[0]]
+    assert r["flash_qla_status"] == "ok" and r["flash_qla_retime_status"] == "ok"
+    cached, live = R.num(r["flash_qla_ms"]), R.num(r["flash_qla_retime_ms"])
+    assert cached > 0 and live > 0 and cached != live                    # the host timer's times grow per call
+    assert r["fla_status"] == "FAIL" and r["fla_retime_status"] == "FAIL" and r["fla_retime_ms"] == ""
+    assert all(not o[f"{p}_retime_status"] for m, o in res.items() if m != retimed[0] for p in ("fla", "flash_qla"))
+    md = (tmp_path / "test-gpu-fwd.md").read_text()
+    drift = md[md.index("## Drift"):]
+    assert (f"| 1/2 | {retimed[0]} | FlashQLA | {cached:.3f} | {live:.3f} | {100 * (live / cached - 1):+.1f}% | c2 |"
+            in drift)
+    assert f"| 1/2 | {retimed[0]} | FLA | FAIL | FAIL | - | c2 |" in drift
+    assert R.PEERS_METHOD in md and "listed under Drift" not in md
+
+
+def test_retime_columns_append_to_an_older_csv(tmp_path):
+    """A results CSV written before the re-timed columns: a new row appends them as the last columns
+    (the old columns keep their places), the old rows still load (empty re-timed cells), and the page
+    names the old re-timed row without numbers and lists the new one with them."""
+    import csv
+
+    p = tmp_path / "test-gpu-fwd.csv"
+    old_fields = [f for f in S.RESULT_FIELDS if "_retime_" not in f]
+    assert list(S.RESULT_FIELDS[:len(old_fields)]) == old_fields               # the new columns come last
+    old = {**_row(2, 8, "1x32768", 0.4, 0.9, 0.3), "peers_source": "cached (re-timed)"}
+    S.append_row(p, old, old_fields)
+    new = {**_row(16, 32, "8192x4", 0.5, 2.0, 0.5), "peers_source": "cached (re-timed)", "fla_retime_ms": "2.2",
+           "fla_retime_status": "ok", "flash_qla_retime_ms": "0.5", "flash_qla_retime_status": "ok"}
+    S.append_row(p, new, S.RESULT_FIELDS)
+    with p.open(newline="") as f:
+        assert next(csv.reader(f)) == list(S.RESULT_FIELDS)
+    rows = {r["mix"]: r for r in S.read_rows(p)}
+    assert rows["1x32768"]["fla_ms"] == "0.9" and rows["1x32768"]["fla_retime_ms"] == ""
+    md = R.markdown(list(rows.values()), ENV, "c", {"method": []})
+    drift = md[md.index("## Drift"):]
+    assert "| 16/32 | 8192x4 | FLA | 2.000 | 2.200 | +10.0% | c |" in drift
+    assert "| 16/32 | 8192x4 | FlashQLA | 0.500 | 0.500 | +0.0% | c |" in drift
+    assert "Also re-timed, live times not recorded: " in drift and "2/8 1x32768 at c" in drift
 
 
 def test_loop_unavailable_and_crashing(tmp_path):
@@ -587,7 +662,7 @@ def test_cp_grid_rows_and_page(tmp_path):
         S.append_row(p, r, S.RESULT_FIELDS)
     paths = _paths(tmp_path, "test-gpu-fwd")
     assert paths["cp_md"].name == "test-gpu-cp.md"
-    write_outputs(paths, ENV, "c", {"date": "d", "method": ["m"]}, [], plot=R.pyplot() is not None)
+    write_outputs(paths, ENV, "c", {"date": "d", "method": ["m"]}, plot=R.pyplot() is not None)
     md = paths["cp_md"].read_text()
     assert "one long sequence" in md and "| 2/8 | 1x2048 |" in md and "| 2/8 | 1x32768 |" in md
     assert "8192x4" not in md and "8192x4" in paths["md"].read_text()
@@ -595,21 +670,41 @@ def test_cp_grid_rows_and_page(tmp_path):
         assert paths["cp_png"].stat().st_size > 0
 
 
-def test_report_only_keeps_the_drift_section():
-    """A page rebuilt from the CSV (--report-only) keeps the measuring run's drift section when the
-    commit is the same (the drift of re-timed peers is not in the CSV), in its place; not for
-    another commit, and not when the new page has its own."""
-    from flashqla.bench.report import commit_from_markdown, keep_drift_section
+def test_cp_page_header_counts_its_own_rows(tmp_path):
+    """With --also-commits each page's header counts the rows it shows: the CP page only its CP rows,
+    not every row of the forward CSV."""
+    from flashqla.bench.__main__ import _paths, write_outputs
 
-    old = ("| our commit | abc+cp-auto |\n\n## Rows\n\nold rows\n\n## Drift of the cached peer timings\n\n"
-           "| impl | now |\n| FLA | 1.0 |\n\n## Correctness gate\n\ngate\n")
-    new = "| our commit | abc+cp-auto |\n\n## Rows\n\nnew rows\n\n## Correctness gate\n\ngate\n"
-    assert commit_from_markdown(old) == "abc+cp-auto"
-    got = keep_drift_section(old, new, "abc+cp-auto", "abc+cp-auto")
-    assert "| FLA | 1.0 |" in got and "new rows" in got and "old rows" not in got
-    assert got.index("## Drift") < got.index("## Correctness gate") and got.count("## Drift") == 1
-    assert keep_drift_section(old, new, "abc+cp-auto", "def+cp-auto") == new
-    own = new + "\n## Drift of the cached peer timings\n\nfresh\n"
-    assert keep_drift_section(old, own, "abc+cp-auto", "abc+cp-auto") == own
-    last = old.split("## Correctness gate")[0]  # the drift section last on the old page
-    assert keep_drift_section(last, new, "abc+cp-auto", "abc+cp-auto").rstrip().endswith("| FLA | 1.0 |")
+    p = tmp_path / "test-gpu-fwd.csv"
+    for commit, rows in (("new", [_row(2, 8, "1x2048", 0.1, 0.2, 0.05), _row(16, 32, "8192x4", 0.5, 2.0, 0.5)]),
+                         ("old", [_row(2, 8, "1x32768", 0.9, 0.9, 0.4), _row(2, 8, "1x4096", 0.2, 0.3, 0.1),
+                                  _row(16, 32, "1024x8", 0.2, 0.5, 0.2), _row(16, 64, "8192x4", 0.5, 2.0, 0.5)])):
+        for r in rows:
+            S.append_row(p, {**r, "commit": commit}, S.RESULT_FIELDS)
+    paths = _paths(tmp_path, "test-gpu-fwd")
+    write_outputs(paths, ENV, "new", {"date": "d", "method": ["m"]}, plot=False, also=["old"])
+    assert "| our commit | new (2 rows); old (4 rows) |" in paths["md"].read_text()
+    assert "| our commit | new (1 rows); old (2 rows) |" in paths["cp_md"].read_text()
+    write_outputs(paths, ENV, "new", {"date": "d", "method": ["m"]}, plot=False)
+    assert "| our commit | new |" in paths["cp_md"].read_text()
+
+
+def test_report_only_renders_drift_from_the_csv_and_updates_the_peers_method(tmp_path):
+    """--report-only builds the Drift section from the CSV's re-timed columns (and the CP page's from
+    its own rows), and replaces an earlier page's peers-column bullet (which claimed a Drift section
+    the page did not have) by the current one; the other method bullets are kept."""
+    p = tmp_path / "test-gpu-fwd.csv"
+    retimed = {**_row(2, 8, "1x32768", 0.4, 0.9, 0.3), "peers_source": "cached (re-timed)", "fla_retime_ms": "0.99",
+               "fla_retime_status": "ok"}
+    for r in (_row(16, 32, "8192x4", 0.5, 2.0, 0.5), retimed):
+        S.append_row(p, r, S.RESULT_FIELDS)
+    old_peers = ("Peers column: `live` = timed in this process on the same inputs; `cached` = read from the peers "
+                 "CSV of this environment key (re-timed rows are listed under Drift).")
+    (tmp_path / "test-gpu-fwd.md").write_text(f"# old\n\n## Method\n\n- timer X.\n- {old_peers}\n\n## Rest\n")
+    out = subprocess.run([sys.executable, "-m", "flashqla.bench", "--report-only", "--no-plot",
+                          "--results-dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    for page in ("test-gpu-fwd.md", "test-gpu-cp.md"):
+        md = (tmp_path / page).read_text()
+        assert "- timer X." in md and f"- {R.PEERS_METHOD}" in md and old_peers not in md, page
+        assert "| 2/8 | 1x32768 | FLA | 0.900 | 0.990 | +10.0% | c |" in md[md.index("## Drift"):], page

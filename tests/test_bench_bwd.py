@@ -22,6 +22,7 @@ from flashqla.bench import grid as G
 from flashqla.bench import store as S
 from flashqla.bench.bwd_impls import BwdImpl, FwdOut, patch_flash_qla_bwd
 from flashqla.bench.peers import ENV_FIELDS
+from flashqla.bench.report import PEERS_METHOD
 from flashqla.bench.timing import Timing
 from flashqla.bench.trusted import GRAD_NAMES, chunk_gdn_fp64_grads, rel_rms
 from flashqla.testing import make_gdn_inputs
@@ -295,9 +296,11 @@ def test_markdown_report():
     rows = [_line(16, 32, "32k_1seq", (2.0, 2.8), (6.0, 9.0), (3.0, 4.0)),
             _line(2, 4, "8k_4seq", (0.5, 0.7), (1.0, 1.4), (0.5, 0.6)),
             _line(16, 32, "8k_8seq", (0.6, 0.9), (1.6, 2.5), (0.75, 1.0), fla_status="FAIL")]
+    # FLA cached on the first row and re-timed: 6.0 / 9.0 ms cached, 6.3 / 9.9 ms live
+    rows[0].update({"peers_source": "cached (re-timed)", "fla_retime_bwd_ms": "6.3", "fla_retime_step_ms": "9.9",
+                    "fla_retime_status": "ok"})
     meta = {"date": "2026-12-01T00:00:00Z", "method": ["timer line"]}
-    drift = [{"impl": "fla", "heads": "16/32", "mix": "32k_1seq", "cached_ms": 6.0, "now_ms": 6.3, "status": "ok"}]
-    md = BR.markdown(rows, ENV, "abc123", meta, drift)
+    md = BR.markdown(rows, ENV, "abc123", meta)
     for needle in ("| GPU | Test GPU |", "| driver | 1.0 |", "| CUDA (torch build) | 12.8 |", "| torch | 2.x |",
                    "| tilelang | 0.1.15 |", "| fla | 0.6.0 |", "| flash_qla | 0.1.3 |", "| our commit | abc123 |",
                    "2026-12-01", "- timer line", "## Backward, per row",
@@ -317,8 +320,19 @@ def test_markdown_report():
     # ours over FLA, backward, on the two passing rows: sqrt(3 * 2) = 2.449
     assert "| backward: ours over FLA | 2.45x (n=2) |" in gm
     assert "| training step: ours over FlashQLA |" in gm
-    gate = md[md.index("## Correctness gate"):]
+    gate = md[md.index("## Correctness gate"):md.index("## Drift")]
     assert "dg 5.0e-02 FAIL" in gate and "6.0e-03" in gate
+    drift = md[md.index("## Drift"):]
+    assert ("| heads | mix | impl | cached bwd ms | re-timed bwd ms | bwd difference | cached step ms | "
+            "re-timed step ms | step difference | our commit |") in drift
+    assert "| 16/32 | 32k_1seq | FLA | 6.000 | 6.300 | +5.0% | 9.000 | 9.900 | +10.0% | c |" in drift
+    assert "FlashQLA" not in drift and "not recorded" not in drift
+    # rows written before the re-timed columns: named, no number
+    legacy = _line(2, 4, "8k_1seq", (0.5, 0.7), (1.0, 1.4), (0.5, 0.6))
+    legacy["peers_source"] = "cached (re-timed)"
+    drift = BR.markdown([legacy], ENV, "abc123", meta).split("## Drift")[1]
+    assert "No re-timed rows recorded: " in drift and "2/4 8k_1seq at c" in drift and "|" not in drift
+    assert "No re-timed rows recorded." in BR.markdown(rows[1:], ENV, "abc123", meta)
 
 
 def test_console_line_and_plot(tmp_path):
@@ -414,7 +428,37 @@ def test_loop_gate_resume_cache_and_drift(tmp_path, capsys):
     assert len(retimed) == 1 and "drift FlashQLA 1/2 " in out and "drift FLA" in out
     assert res["40+30"]["flash_qla_status"] == "ok" and res["40+30"]["peers_source"].startswith("cached")
     assert len(S.read_rows(tmp_path / f"peers-{PREFIX}.csv")) == 4      # cached mode appends nothing
-    assert "## Drift" in (tmp_path / f"{PREFIX}.md").read_text()
+    # the live re-timing is kept in the results CSV beside the cached timing, and the page lists it
+    r = res[retimed[0]]
+    assert r["flash_qla_retime_status"] == "ok" and r["fla_retime_status"] == "FAIL" and r["fla_retime_bwd_ms"] == ""
+    cached = [BR.num(r[f"flash_qla_{k}_ms"]) for k in ("bwd", "step")]
+    live = [BR.num(r[f"flash_qla_retime_{k}_ms"]) for k in ("bwd", "step")]
+    assert min(cached + live) > 0 and cached != live
+    assert all(not o[f"{p}_retime_status"] for m, o in res.items() if m != retimed[0] for p in ("fla", "flash_qla"))
+    md = (tmp_path / f"{PREFIX}.md").read_text()
+    cells = " | ".join(f"{c:.3f} | {v:.3f} | {100 * (v / c - 1):+.1f}%" for c, v in zip(cached, live))
+    assert f"| 1/2 | {BR.row_name(r)} | FlashQLA | {cells} | c2 |" in md[md.index("## Drift"):]
+    assert "listed under Drift" not in md
+
+
+def test_retime_columns_append_to_an_older_bwd_csv(tmp_path):
+    """A backward CSV written before the re-timed columns still loads after a row with them is
+    appended (they become its last columns), and the page names its re-timed row without numbers."""
+    p = tmp_path / f"{PREFIX}.csv"
+    old_fields = [f for f in BR.RESULT_FIELDS_BWD if "_retime_" not in f]
+    assert list(BR.RESULT_FIELDS_BWD[:len(old_fields)]) == old_fields
+    old = _line(2, 4, "8k_1seq", (0.5, 0.7), (1.0, 1.4), (0.5, 0.6))
+    old["peers_source"] = "cached (re-timed)"
+    S.append_row(p, old, old_fields)
+    new = _line(2, 4, "8k_2seq", (0.5, 0.7), (1.0, 1.4), (0.5, 0.6))
+    new.update({"peers_source": "cached (re-timed)", "fla_retime_bwd_ms": "1.1", "fla_retime_step_ms": "1.4",
+                "fla_retime_status": "ok"})
+    S.append_row(p, new, BR.RESULT_FIELDS_BWD)
+    rows = S.read_rows(p)
+    assert [r["name"] for r in rows] == ["8k_1seq", "8k_2seq"] and rows[0]["fla_retime_bwd_ms"] == ""
+    drift = BR.markdown(rows, ENV, "c", {"method": []}).split("## Drift")[1]
+    assert "| 2/4 | 8k_2seq | FLA | 1.000 | 1.100 | +10.0% | 1.400 | 1.400 | +0.0% | c |" in drift
+    assert "Also re-timed, live times not recorded: " in drift and "2/4 8k_1seq at c" in drift
 
 
 def test_loop_pairwise_gate_and_failures(tmp_path):
@@ -470,6 +514,24 @@ def test_time_budget_defers_peers_to_the_next_run(tmp_path, capsys):
     assert calls == []
 
 
+def test_a_retime_left_to_the_time_budget_is_not_marked(tmp_path, capsys):
+    """A row picked for re-timing whose cached peers are not run (the time budget spent by ours) is
+    not marked re-timed: the peers column and the Drift section claim only what was timed."""
+    import time as _time
+
+    peers = {"fla": _stand_in("fla"), "flash_qla": _stand_in("flash_qla")}
+    _run(tmp_path, ["--heads", "1/2", "--mixes", "20", "--peers", "live", "--impls", "fla,flash_qla"], peers)
+    slow = _stand_in("ours")
+    fwd = slow.fwd
+    slow.fwd = lambda x: (_time.sleep(0.6), fwd(x))[1]
+    rc, calls = _run(tmp_path, ["--heads", "1/2", "--mixes", "20", "--peers", "cached", "--retime", "1",
+                                "--time-budget", "0.3"], {"ours": slow, **peers}, commit="c2")
+    r = _rows(tmp_path, "c2")["1x20"]
+    assert r["ours_status"] == "ok" and r["fla_status"] == "ok" and len(calls) == 2   # ours only: bwd + step
+    assert r["peers_source"] == "cached" and not r["fla_retime_status"] and not r["flash_qla_retime_status"]
+    assert "No re-timed rows recorded." in (tmp_path / f"{PREFIX}.md").read_text()
+
+
 def test_time_budget_stops_early(tmp_path, capsys):
     rc, calls = _run(tmp_path, ["--heads", "1/2", "--mixes", "20,21", "--peers", "none", "--time-budget", "0"],
                      {"ours": _stand_in("ours")})
@@ -522,6 +584,16 @@ def test_cli_bwd_report_only(tmp_path):
     assert out.returncode == 0, out.stderr
     md = (tmp_path / f"{PREFIX}.md").read_text()
     assert "| 16/32 | 32k_1seq |" in md and "3.00x" in md and "Rebuilt from the CSV" in md
+    assert "## Drift" in md and "No re-timed rows recorded." in md
+    # a rebuild keeps the method bullets of the page it replaces, but not a peers bullet that claimed
+    # more than the page shows
+    old = ("- Peers column: `live` = timed in this process on the same inputs; `cached` = read from the peers CSV of "
+           "this environment key (re-timed rows are listed under Drift).")
+    (tmp_path / f"{PREFIX}.md").write_text("## Method\n\n- timer X.\n" + old + "\n")
+    subprocess.run([sys.executable, "-m", "flashqla.bench", "--bwd", "--report-only", "--no-plot",
+                    "--results-dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, check=True)
+    md = (tmp_path / f"{PREFIX}.md").read_text()
+    assert "- timer X." in md and old not in md and f"- {PEERS_METHOD}" in md
 
 
 def test_importing_the_bwd_harness_needs_no_peer():

@@ -19,9 +19,10 @@ tilelang, fla, flash_qla versions and our commit; a rerun skips rows already the
 to `benchmarks/results/peers-<gpu>-fwd.csv`, and `<gpu>-fwd.md` / `<gpu>-fwd.png` are rewritten.
 
 Peers (`--peers`): `live` times them on every row and appends to the peers CSV; `cached` reads
-them from it (rows without a cached line show '-') and re-times `--retime` rows to print the
-drift; `auto` (default) uses the cache where it has the row and times live otherwise; `none`
-times ours only. Needs a CUDA GPU (except `--list` and `--report-only`): without one it exits 2.
+them from it (rows without a cached line show '-') and re-times `--retime` rows to check it
+(the live times go to the results CSV's `<peer>_retime_*` columns and the page's Drift section);
+`auto` (default) uses the cache where it has the row and times live otherwise; `none` times ours
+only. Needs a CUDA GPU (except `--list` and `--report-only`): without one it exits 2.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", action="append", help="head configs h_qk/h_v, comma-separated or repeated (e.g. 16/32)")
     p.add_argument("--mixes", action="append", help="sequence mixes, comma-separated or repeated (e.g. 1x8192,8192x4)")
     p.add_argument("--peers", choices=("auto", "live", "cached", "none"), default="auto", help="where peer timings come from")
-    p.add_argument("--retime", type=int, default=3, help="cached peer rows re-timed to show drift (default 3)")
+    p.add_argument("--retime", type=int, default=3,
+                   help="cached peer rows re-timed to show drift (default 3; kept in the CSV, listed under Drift)")
     p.add_argument("--impls", default=",".join(IMPLS),
                    help="implementations to run, comma-separated from ours,fla,flash_qla (default all)")
     p.add_argument("--cp", choices=("off", "auto", "on"), default=None,
@@ -198,8 +200,7 @@ def method_lines(args, impls: dict, fla_target: str, tol: dict) -> list[str]:
                     f"`flashqla.ops.gdn.api.chunk_gated_delta_rule` with cp={os.environ.get('FLASHQLA_CP', 'auto')!r} "
                     "(intra-device context parallelism, `flashqla.cp`)" if impls["ours"].available
                     else (impls["ours"].reason or "not available")) + ".",
-        "Peers column: `live` = timed in this process on the same inputs; `cached` = read from the peers CSV of this "
-        "environment key (re-timed rows are listed under Drift).",
+        R.PEERS_METHOD,
     ]
     return out
 
@@ -241,23 +242,29 @@ def fill_cached_peers(rows: list[dict], cache) -> list[dict]:
     return out
 
 
-def write_outputs(paths: dict, env: dict, commit: str, meta: dict, drift, plot: bool, also=()) -> None:
+def commit_label(rows: list[dict], commit: str, also=()) -> str:
+    """The header's commit cell of a page showing `rows`: `commit`, or with `also` the commits that
+    gave these rows, each with how many ("abc (4 rows); def (20 rows)"), counted over `rows` only."""
+    if not also:
+        return commit
+    counts = {c: sum(r.get("commit") == c for r in rows) for c in [commit, *also]}
+    return "; ".join(f"{c} ({n} rows)" for c, n in counts.items() if n)
+
+
+def write_outputs(paths: dict, env: dict, commit: str, meta: dict, plot: bool, also=()) -> None:
     """The forward report (markdown, plot) from the CSV rows of (env, commit), and for rows not
     measured at `commit` those of the commits in `also` (first match wins; the header lists how many
     rows each commit gave); and, when some of them are rows of the context-parallel benchmark
-    (`--cp-grid`), its own page `<gpu>-cp.md` with a plot of time against T."""
+    (`--cp-grid`), its own page `<gpu>-cp.md` with a plot of time against T (its header counts its
+    own rows). Each page's Drift section comes from its rows' re-timed columns."""
     rows = fill_cached_peers(S.rows_for_commits(S.read_rows(paths["csv"]), env, [commit, *also]), S.PeerCache(paths["peers"], env))
     brows = [b for b in S.read_rows(paths["breakdown"]) if S.env_key(b) == S.env_key(env) and b.get("commit") == commit]
-    if also:
-        counts = {c: sum(r.get("commit") == c for r in rows) for c in [commit, *also]}
-        commit = "; ".join(f"{c} ({n} rows)" for c, n in counts.items() if n)
-    paths["md"].write_text(R.markdown(rows, env, commit, meta, drift, brows))
+    paths["md"].write_text(R.markdown(rows, env, commit_label(rows, commit, also), meta, brows))
     if plot and rows:
         R.plot(rows, paths["png"])
     cp_rows = [r for r in rows if G.is_cp_grid_row(int(r["h_qk"]), int(r["h_v"]), r["mix"])]
     if cp_rows:
-        cp_drift = [d for d in drift or [] if G.is_cp_grid_row(*map(int, d["heads"].split("/")), d["mix"])]
-        paths["cp_md"].write_text(R.markdown(cp_rows, env, commit, meta, cp_drift, [],
+        paths["cp_md"].write_text(R.markdown(cp_rows, env, commit_label(cp_rows, commit, also), meta, [],
                                              title="GDN chunked prefill, forward, one long sequence (context "
                                                    "parallelism): ours vs FLA vs FlashQLA"))
         if plot:
@@ -287,15 +294,12 @@ def main(argv=None) -> int:
             return 1
         env, commit = key
         pages = {k: paths[k].read_text() if paths[k].exists() else "" for k in ("md", "cp_md")}
-        method = R.method_from_markdown(pages["md"])
+        method = R.with_current_peers_method(R.method_from_markdown(pages["md"]))
         dates = [r.get("date", "") for r in S.rows_for_key(S.read_rows(paths["csv"]), env, commit)]
         meta = {"date": max(dates, default=now_utc()), "method": method or ["Rebuilt from the CSV (--report-only); method of the measuring run unknown."]}
         started = time.time()
         also = [c.strip() for c in (args.also_commits or "").split(",") if c.strip()]
-        write_outputs(paths, env, commit, meta, [], not args.no_plot, also)
-        for k, old in pages.items():
-            if old and paths[k].exists():
-                paths[k].write_text(R.keep_drift_section(old, paths[k].read_text(), R.commit_from_markdown(old), commit))
+        write_outputs(paths, env, commit, meta, not args.no_plot, also)
         written = [paths[k] for k in ("md", "cp_md", "png", "cp_png") if paths[k].exists() and paths[k].stat().st_mtime >= started - 1]
         print("wrote " + ", ".join(str(p) for p in written))
         return 0
@@ -355,7 +359,6 @@ def run_rows(rows, args, impls: dict, env: dict, commit: str, device="cuda", sm_
     if use_cache and args.retime > 0 and live_peers:
         retime = set(S.pick_retime([r.key for r in todo if cache.has_row(r.key, live_peers)], args.retime))
     meta = {"date": now_utc(), "method": method_lines(args, impls, fla_target, tol)}
-    drift: list[dict] = []
     factory = InputFactory(device, max(r.mix.T for r in todo) if todo else 0, seed=args.seed)
 
     bar = tqdm(todo, desc="rows", unit="row", dynamic_ncols=True)
@@ -372,7 +375,7 @@ def run_rows(rows, args, impls: dict, env: dict, commit: str, device="cuda", sm_
         retimed = row.key in retime
         need_ref = any(v == "live" for v in plan.values()) or retimed or args.breakdown
         ref = reference_for(x) if need_ref else None
-        res = {}
+        res, retimes = {}, {}
         for name in IMPLS:
             how = plan[name]
             if how == "live":
@@ -385,9 +388,7 @@ def run_rows(rows, args, impls: dict, env: dict, commit: str, device="cuda", sm_
                 if retimed and name in impls:
                     live = measure(impls[name].fn, x, ref, tol, timer, args.verbose, time_fn)
                     cached_ms = R.num(c.get("ms"))
-                    drift.append({"impl": name, "heads": row.heads.label, "mix": row.mix.label,
-                                  "cached_ms": cached_ms, "cached_status": c.get("status", ""),
-                                  "now_ms": live["ms"], "status": live["status"]})
+                    retimes.update({f"{name}_retime_{f}": live.get(f, "") for f in S.RETIME_FIELDS})
                     tqdm.write(f"drift {LABELS[name]} {row.label}: " + drift_text(cached_ms, c.get("status", ""), live))
             elif how == "n/a":
                 res[name] = {"status": impls[name].reason or "not available"}
@@ -399,8 +400,8 @@ def run_rows(rows, args, impls: dict, env: dict, commit: str, device="cuda", sm_
         line = {**{f: env[f] for f in ENV_FIELDS}, "commit": commit, **row_fields,
                 "cp_row": int(G.is_cp_row(row.mix.lengths, row.heads.h_v, sm_count)),
                 "parallelism": G.effective_parallelism(row.mix.lengths, row.heads.h_v),
-                "peers_source": "+".join(sources) + (" (re-timed)" if retimed else ""),
-                "date": now_utc()}
+                "peers_source": "+".join(sources) + (" (re-timed)" if retimes else ""),
+                "date": now_utc(), **retimes}
         for name in IMPLS:
             for f in S.IMPL_FIELDS:
                 line[f"{name}_{f}"] = res[name].get(f, "")
@@ -411,10 +412,10 @@ def run_rows(rows, args, impls: dict, env: dict, commit: str, device="cuda", sm_
         del x, ref
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        write_outputs(paths, env, commit, meta, drift, plot=not args.no_plot and (i % 10 == 9))
+        write_outputs(paths, env, commit, meta, plot=not args.no_plot and (i % 10 == 9))
     bar.close()
     factory.release()
-    write_outputs(paths, env, commit, meta, drift, plot=not args.no_plot)
+    write_outputs(paths, env, commit, meta, plot=not args.no_plot)
     all_rows = S.rows_for_key(S.read_rows(paths["csv"]), env, commit)
     print("\n".join(R.geomean_table(all_rows)))
     print(f"wrote {paths['csv']}, {paths['md']}" + ("" if args.no_plot else f", {paths['png']}")

@@ -41,6 +41,7 @@ from flashqla.bench import bwd_report as BR
 from flashqla.bench import store as S
 from flashqla.bench.grid import effective_parallelism
 from flashqla.bench.peers import ENV_FIELDS, FLA_ENV_VARS, IMPLS, LABELS, PEERS, collect_env, gpu_slug, plan_sources
+from flashqla.bench.report import PEERS_METHOD
 from flashqla.bench.timing import DEFAULTS
 
 __all__ = ["main_bwd", "run_bwd_rows", "select_rows", "list_rows", "paths_for", "method_lines", "done_keys",
@@ -139,20 +140,19 @@ def method_lines(args, impls: dict, tol: dict, fla_dispatch: str = "n/a") -> lis
         f"FLA: {src['fla']}; env " + ", ".join(f"{v}={os.environ.get(v, '(unset)')}" for v in FLA_ENV_VARS)
         + f"; `common` backends in order: {fla_dispatch}.",
         f"FlashQLA: {src['flash_qla']}.",
-        "Peers column: `live` = timed in this process on the same inputs; `cached` = read from the peers CSV of this "
-        "environment key (re-timed rows are listed under Drift).",
+        PEERS_METHOD,
     ]
 
 
-def write_outputs(paths: dict, env: dict, commit: str, meta: dict, drift, plot: bool) -> None:
+def write_outputs(paths: dict, env: dict, commit: str, meta: dict, plot: bool) -> None:
     rows = S.rows_for_key(S.read_rows(paths["csv"]), env, commit)
-    paths["md"].write_text(BR.markdown(rows, env, commit, meta, drift))
+    paths["md"].write_text(BR.markdown(rows, env, commit, meta))
     if plot and rows:
         BR.plot(rows, paths["png"])
 
 
 def report_only(args) -> int:
-    from flashqla.bench.report import commit_from_markdown, keep_drift_section, method_from_markdown
+    from flashqla.bench.report import method_from_markdown, with_current_peers_method
     from flashqla.bench.__main__ import now_utc
 
     prefix = find_prefix(args, None)
@@ -164,13 +164,11 @@ def report_only(args) -> int:
         return 1
     env, commit = key
     old_md = paths["md"].read_text() if paths["md"].exists() else ""
-    method = method_from_markdown(old_md)
+    method = with_current_peers_method(method_from_markdown(old_md))
     dates = [r.get("date", "") for r in S.rows_for_key(rows, env, commit)]
     meta = {"date": max(dates, default=now_utc()),
             "method": method or ["Rebuilt from the CSV (--report-only); method of the measuring run unknown."]}
-    write_outputs(paths, env, commit, meta, [], not args.no_plot)
-    if old_md:
-        paths["md"].write_text(keep_drift_section(old_md, paths["md"].read_text(), commit_from_markdown(old_md), commit))
+    write_outputs(paths, env, commit, meta, not args.no_plot)
     print(f"wrote {paths['md']}" + ("" if args.no_plot else f", {paths['png']}"))
     return 0
 
@@ -254,7 +252,6 @@ def run_bwd_rows(rows, args, impls: dict, env: dict, commit: str, device="cuda",
     if use_cache and args.retime > 0 and live_peers:
         retime = set(S.pick_retime([r.key for r in todo if cache.has_row(r.key, live_peers)], args.retime))
     meta = {"date": now_utc(), "method": method_lines(args, impls, tol, fla_dispatch)}
-    drift: list[dict] = []
     factory = BRun.BwdInputFactory(device, max(r.mix.T for r in todo) if todo else 0, seed=args.seed)
 
     bar = tqdm(todo, desc="rows", unit="row", dynamic_ncols=True)
@@ -341,23 +338,23 @@ def run_bwd_rows(rows, args, impls: dict, env: dict, commit: str, device="cuda",
         del got, ref
 
         sources = sorted({plan[p] for p in PEERS if plan[p] in ("live", "cached")})
+        # the cached peers timed again on this row (one left to the next run by --time-budget is not)
+        retimed_peers = [n for n in PEERS if retimed and plan[n] == "cached" and n in res]
         line = {**{f: env[f] for f in ENV_FIELDS}, "commit": commit, **row_fields,
                 "name": BG.short_name(row.mix.lengths),
                 "parallelism": effective_parallelism(row.mix.lengths, row.heads.h_v), "gate": gate,
-                "peers_source": "+".join(sources) + (" (re-timed)" if retimed else ""), "date": now_utc()}
+                "peers_source": "+".join(sources) + (" (re-timed)" if retimed_peers else ""), "date": now_utc()}
         for name in IMPLS:
             how = plan[name]
             if how == "live":
                 r = res.get(name, {"status": "error: not run"})
             elif how == "cached":
                 r = cache.get(name, row.key)
-                if retimed and name in res:
+                if name in retimed_peers:
                     live = res[name]
                     cached_ms = BR.num(r.get("bwd_ms"))
                     now = {"status": live.get("status"), "ms": live.get("bwd_ms", float("nan"))}
-                    drift.append({"impl": name, "heads": row.heads.label, "mix": BG.short_name(row.mix.lengths),
-                                  "cached_ms": cached_ms, "cached_status": r.get("status", ""),
-                                  "now_ms": now["ms"], "status": now["status"]})
+                    line.update({f"{name}_retime_{f}": live.get(f, "") for f in BR.RETIME_FIELDS_BWD})
                     tqdm.write(f"drift {LABELS[name]} {row.heads.label} {BG.short_name(row.mix.lengths)}: "
                                + drift_text(cached_ms, r.get("status", ""), now))
             elif how == "n/a":
@@ -377,10 +374,10 @@ def run_bwd_rows(rows, args, impls: dict, env: dict, commit: str, device="cuda",
         del x
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        write_outputs(paths, env, commit, meta, drift, plot=not args.no_plot and (i % 8 == 7))
+        write_outputs(paths, env, commit, meta, plot=not args.no_plot and (i % 8 == 7))
     bar.close()
     factory.release()
-    write_outputs(paths, env, commit, meta, drift, plot=not args.no_plot)
+    write_outputs(paths, env, commit, meta, plot=not args.no_plot)
     all_rows = S.rows_for_key(S.read_rows(paths["csv"]), env, commit)
     print("\n".join(BR.geomean_table(all_rows)))
     print(f"wrote {paths['csv']}, {paths['md']}" + ("" if args.no_plot else f", {paths['png']}")

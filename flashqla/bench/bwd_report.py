@@ -15,13 +15,14 @@ from pathlib import Path
 from flashqla.bench.bwd_grid import BWD_HEADS, bwd_mixes, bwd_tflops, short_name, step_tflops
 from flashqla.bench.bwd_runner import CHECKED, GATE_TOL_BWD, parse_errs, worst
 from flashqla.bench.grid import PEAK_TFLOPS, parse_mix, pct_of_peak
-from flashqla.bench.peers import ENV_FIELDS, IMPLS, LABELS
-from flashqla.bench.report import fmt_x, geomean, heads_in_order, num, pyplot, save_figure
+from flashqla.bench.peers import ENV_FIELDS, IMPLS, LABELS, PEERS
+from flashqla.bench.report import drift_section, fmt_x, geomean, heads_in_order, num, pyplot, save_figure
 from flashqla.bench.store import ROW_FIELDS
 
 __all__ = [
     "IMPL_FIELDS_BWD",
     "PAIR_FIELDS",
+    "RETIME_FIELDS_BWD",
     "RESULT_FIELDS_BWD",
     "KINDS",
     "is_ok",
@@ -39,6 +40,9 @@ IMPL_FIELDS_BWD = ("bwd_ms", "step_ms", "status", "err", "errs", "bwd_launches",
                    "step_spread")
 #: Pairwise agreement columns: the largest relative RMS over o, final state and gradients.
 PAIR_FIELDS = tuple(f"pair_{a}_{b}" for i, a in enumerate(IMPLS) for b in IMPLS[i + 1:])
+#: A cached peer's live re-timing on a row (`--retime`), as `<peer>_retime_<field>` columns: the
+#: cached timing stays in `<peer>_bwd_ms` / `<peer>_step_ms`; the page's Drift section sets them side by side.
+RETIME_FIELDS_BWD = ("bwd_ms", "step_ms", "status")
 RESULT_FIELDS_BWD = (
     ENV_FIELDS
     + ("commit",)
@@ -47,6 +51,8 @@ RESULT_FIELDS_BWD = (
     + tuple(f"{i}_{f}" for i in IMPLS for f in IMPL_FIELDS_BWD)
     + PAIR_FIELDS
     + ("peers_source", "date")
+    # added after `date`, so that a file of the older schema gains them as its last columns
+    + tuple(f"{p}_retime_{f}" for p in PEERS for f in RETIME_FIELDS_BWD)
 )
 #: The timed columns: key, title, TFLOP/s function.
 KINDS = (("bwd", "backward", bwd_tflops), ("step", "training step (forward + backward)", step_tflops))
@@ -182,8 +188,9 @@ def _gate_table(rows: list[dict]) -> list[str]:
     return L
 
 
-def markdown(rows: list[dict], env: dict, commit: str, meta: dict, drift: list[dict] | None = None) -> str:
-    """The backward results page: header, method, geometric means, the two tables, the gate."""
+def markdown(rows: list[dict], env: dict, commit: str, meta: dict) -> str:
+    """The backward results page: header, method, geometric means, the two tables, the gate, the
+    drift of the re-timed cached peers (from the rows' re-timed columns)."""
     rows = sorted(rows, key=grid_order)
     L = ["# GDN chunked prefill, backward and training step: ours vs FLA vs FlashQLA", ""]
     L += ["| | |", "| --- | --- |"]
@@ -208,16 +215,7 @@ def markdown(rows: list[dict], env: dict, commit: str, meta: dict, drift: list[d
           ""]
     L += _gate_table(rows)
     L.append("")
-    if drift:
-        L += ["## Drift of the cached peer timings (re-timed this run)", "",
-              "| impl | heads | mix | cached bwd ms | now bwd ms | drift |", "| --- | --- | --- | --- | --- | --- |"]
-        for d in drift:
-            now, cached = num(d.get("now_ms")), num(d.get("cached_ms"))
-            dr = f"{100 * (now / cached - 1):+.1f}%" if now > 0 and cached > 0 else "-"
-            now_s = f"{now:.3f}" if now > 0 else str(d.get("status", "-"))
-            cached_s = f"{cached:.3f}" if cached > 0 else str(d.get("cached_status", "-"))
-            L.append(f"| {LABELS[d['impl']]} | {d['heads']} | {d['mix']} | {cached_s} | {now_s} | {dr} |")
-        L.append("")
+    L += drift_section(rows, kinds=(("bwd ", "bwd_ms"), ("step ", "step_ms")), mix_of=row_name)
     return "\n".join(L) + "\n"
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from flashqla.bench.breakdown import COPY_TBPS, STEP_NAMES
 from flashqla.bench.grid import FWD_HEADS, FWD_MIXES, PEAK_TFLOPS, parse_mix, pct_of_peak, tflops
-from flashqla.bench.peers import ENV_FIELDS, IMPLS, LABELS
+from flashqla.bench.peers import ENV_FIELDS, IMPLS, LABELS, PEERS
 
 __all__ = [
     "num",
@@ -25,8 +25,20 @@ __all__ = [
     "geomean_table",
     "markdown",
     "method_from_markdown",
+    "PEERS_METHOD",
+    "with_current_peers_method",
+    "drift_section",
     "plot",
 ]
+
+#: The Method bullet on the peers column, the same on every page (forward, CP, backward); a page
+#: rebuilt from the CSV (--report-only) gets it in place of the one its earlier version had.
+PEERS_METHOD = (
+    "Peers column: `live` = timed in this process on the same inputs; `cached` = read from the peers CSV of this "
+    "environment key; `cached (re-timed)` = cached, and timed again live by the measuring run to check the cache "
+    "(`--retime`): the Drift section lists these rows, with the live time and its difference from the cached one "
+    "where the results CSV keeps them (its `<peer>_retime_*` columns; rows re-timed before those columns existed "
+    "are named without them).")
 
 
 def num(x) -> float:
@@ -140,10 +152,10 @@ def geomean_table(rows: list[dict]) -> list[str]:
     return out
 
 
-def markdown(rows: list[dict], env: dict, commit: str, meta: dict, drift: list[dict] | None = None,
-             breakdown_rows: list[dict] | None = None,
+def markdown(rows: list[dict], env: dict, commit: str, meta: dict, breakdown_rows: list[dict] | None = None,
              title: str = "GDN chunked prefill, forward: ours vs FLA vs FlashQLA") -> str:
-    """The results page: header, method, geometric means, the table, drift and breakdown."""
+    """The results page: header, method, geometric means, the table, drift (from the rows' re-timed
+    columns) and breakdown."""
     rows = sorted(rows, key=grid_order)
     L = [f"# {title}", ""]
     L += ["| | |", "| --- | --- |"]
@@ -192,18 +204,7 @@ def markdown(rows: list[dict], env: dict, commit: str, meta: dict, drift: list[d
         L.append("Gate errors (relative RMS of o and final state against the fp64 result, worst over the passing "
                  "rows): " + "; ".join(errs) + ".")
         L.append("")
-    if drift:
-        L.append("## Drift of the cached peer timings (re-timed this run)")
-        L.append("")
-        L.append("| impl | heads | mix | cached ms | now ms | drift |")
-        L.append("| --- | --- | --- | --- | --- | --- |")
-        for d in drift:
-            now, cached = num(d.get("now_ms")), num(d.get("cached_ms"))
-            dr = f"{100 * (now / cached - 1):+.1f}%" if now > 0 and cached > 0 else "-"
-            now_s = f"{now:.3f}" if now > 0 else str(d.get("status", "-"))
-            cached_s = f"{cached:.3f}" if cached > 0 else str(d.get("cached_status", "-"))
-            L.append(f"| {LABELS[d['impl']]} | {d['heads']} | {d['mix']} | {cached_s} | {now_s} | {dr} |")
-        L.append("")
+    L += drift_section(rows)
     if breakdown_rows:
         L += breakdown_markdown(breakdown_rows, rows)
     return "\n".join(L) + "\n"
@@ -221,33 +222,63 @@ def method_from_markdown(md: str) -> list[str]:
     return out
 
 
-def keep_drift_section(old_md: str, new_md: str, old_commit: str | None, commit: str) -> str:
-    """`new_md` with the '## Drift' section of `old_md` put back where it stood (before the section
-    that followed it, else at the end), when the page is rebuilt from the CSV (--report-only) for the
-    commit the old page was written for: the drift of the peers re-timed by the measuring run is not
-    in the CSV. Unchanged when new_md has its own drift section, the old page has none, or the commits
-    differ."""
-    if "\n## Drift" in new_md or old_commit != commit:
-        return new_md
-    lines = old_md.splitlines()
-    start = next((i for i, ln in enumerate(lines) if ln.startswith("## Drift")), None)
-    if start is None:
-        return new_md
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    section = "\n".join(lines[start:end]).rstrip("\n") + "\n"
-    after = lines[end] if end < len(lines) else None
-    if after is not None and ("\n" + after + "\n") in new_md:
-        at = new_md.index("\n" + after + "\n") + 1
-        return new_md[:at] + section + "\n" + new_md[at:]
-    return new_md.rstrip("\n") + "\n\n" + section
+def with_current_peers_method(lines: list[str]) -> list[str]:
+    """Method lines (of an earlier page, for --report-only) with the peers-column bullet replaced by
+    `PEERS_METHOD`, the one that says what the page's Drift section shows."""
+    return [PEERS_METHOD if line.startswith("Peers column:") else line for line in lines]
 
 
-def commit_from_markdown(md: str) -> str | None:
-    """The '| our commit | X |' cell of an earlier page, or None."""
-    for line in md.splitlines():
-        if line.startswith("| our commit |"):
-            return line.split("|")[2].strip()
-    return None
+def _timed_cell(ms: float, status: str) -> str:
+    return f"{ms:.3f}" if str(status) == "ok" and ms > 0 else (str(status) or "-")
+
+
+def drift_section(rows: list[dict], kinds=(("", "ms"),), mix_of=None) -> list[str]:
+    """Markdown lines of the '## Drift' section, from the rows as the results CSV keeps them: each
+    cached peer that the measuring run timed again (`<peer>_retime_status` filled) with the cached
+    time (`<peer>_<field>`, the one the tables show), the live one (`<peer>_retime_<field>`) and the
+    difference live / cached - 1, per timed `field` of `kinds` ((label, field) pairs: the forward's
+    "ms", the backward's "bwd_ms" and "step_ms"); then the rows marked re-timed in the peers column
+    whose live times the CSV does not keep (written before the re-timed columns existed), by name
+    only. Nothing is computed that the rows do not hold. `mix_of(row)`: the mix cell (default the
+    `mix` column)."""
+    mix_of = mix_of or (lambda r: str(r["mix"]))
+    recorded, unrecorded = [], []
+    for r in rows:
+        peers = [p for p in PEERS if str(r.get(f"{p}_retime_status", "")).strip()]
+        recorded += [(r, p) for p in peers]
+        if not peers and "re-timed" in str(r.get("peers_source", "")):
+            unrecorded.append(r)
+    L = ["## Drift of the cached peer timings", ""]
+    if recorded:
+        L += ["Cached peer timings that the measuring run timed again live (`--retime`; peers column "
+              "`cached (re-timed)`), as the results CSV keeps them: the cached time (the one in the tables above), "
+              "the live one, and the difference live / cached - 1.", ""]
+        head = ["heads", "mix", "impl"]
+        for label, _ in kinds:
+            head += [f"cached {label}ms", f"re-timed {label}ms", f"{label}difference"]
+        head.append("our commit")
+        L += ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+        for r, p in recorded:
+            cells = [f"{r['h_qk']}/{r['h_v']}", mix_of(r), LABELS[p]]
+            for _, field in kinds:
+                cached, live = num(r.get(f"{p}_{field}")), num(r.get(f"{p}_retime_{field}"))
+                cached_st, live_st = str(r.get(f"{p}_status", "")), str(r.get(f"{p}_retime_status", ""))
+                ok = cached_st == "ok" and live_st == "ok" and cached > 0 and live > 0
+                cells += [_timed_cell(cached, cached_st), _timed_cell(live, live_st),
+                          f"{100 * (live / cached - 1):+.1f}%" if ok else "-"]
+            cells.append(str(r.get("commit", "")))
+            L.append("| " + " | ".join(cells) + " |")
+        L.append("")
+    if unrecorded:
+        names = "; ".join(f"{r['h_qk']}/{r['h_v']} {mix_of(r)} at {r.get('commit', '')}" for r in unrecorded)
+        L.append(("Also re-timed, live times not recorded" if recorded else "No re-timed rows recorded")
+                 + f": the rows marked `cached (re-timed)` in the peers column ({names}) were re-timed by runs "
+                   "that predate the results CSV's re-timed columns (`<peer>_retime_*`); their live times went "
+                   "to those runs' logs only.")
+        L.append("")
+    elif not recorded:
+        L += ["No re-timed rows recorded.", ""]
+    return L
 
 
 def breakdown_markdown(brows: list[dict], rows: list[dict]) -> list[str]:

@@ -5,7 +5,10 @@ killed at its time limit keeps everything it finished). When the columns of a fi
 the columns being written (a newer harness), the file is rewritten once with the union of both.
 
 - results (`<slug>-fwd.csv`): one line per (environment key, commit, row); a rerun with the same
-  key skips the rows already present (`done_keys`).
+  key skips the rows already present (`done_keys`). A row whose peers came from the cache and were
+  timed again to check it (`--retime`, peers_source "cached (re-timed)") keeps that live timing in
+  `<peer>_retime_ms` / `<peer>_retime_status` (the last columns; empty on rows written before them),
+  next to the cached one in `<peer>_ms`: the report's Drift section is built from them.
 - peers (`peers-<slug>-fwd.csv`, committed): one line per (environment key, implementation, row);
   the last line for a key wins (`PeerCache`).
 """
@@ -16,10 +19,11 @@ import csv
 import os
 from pathlib import Path
 
-from flashqla.bench.peers import ENV_FIELDS, IMPLS
+from flashqla.bench.peers import ENV_FIELDS, IMPLS, PEERS
 
 __all__ = [
     "RESULT_FIELDS",
+    "RETIME_FIELDS",
     "PEER_FIELDS",
     "read_rows",
     "append_row",
@@ -33,6 +37,8 @@ __all__ = [
 
 ROW_FIELDS = ("h_qk", "h_v", "mix", "T", "N")
 IMPL_FIELDS = ("ms", "status", "err_o", "err_ht", "launches", "spread")
+#: A cached peer's live re-timing on a row (`--retime`), as `<peer>_retime_<field>` columns.
+RETIME_FIELDS = ("ms", "status")
 RESULT_FIELDS = (
     ENV_FIELDS
     + ("commit",)
@@ -40,6 +46,8 @@ RESULT_FIELDS = (
     + ("cp_row", "parallelism")
     + tuple(f"{i}_{f}" for i in IMPLS for f in IMPL_FIELDS)
     + ("peers_source", "date")
+    # added after `date`, so that a file of the older schema gains them as its last columns
+    + tuple(f"{p}_retime_{f}" for p in PEERS for f in RETIME_FIELDS)
 )
 PEER_FIELDS = ENV_FIELDS + ("impl",) + ROW_FIELDS + IMPL_FIELDS + ("date",)
 
