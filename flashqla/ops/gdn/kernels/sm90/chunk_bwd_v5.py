@@ -115,11 +115,10 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
             g_s = T.alloc_shared((C + 8,), acc)  # g_cum_log2, then the chunk's scalars
             # tiles the roles write
             ds_s = T.alloc_shared((K, V), dtype)  # D (S)
-            dog_s = T.alloc_shared((C, V), dtype)  # scale diag(gamma) dO (S)
             pg_s = T.alloc_shared((C, C), dtype)  # Pg; then scale M * Gamma (A)
             kg_s = T.alloc_shared((C, C), dtype)  # Kg; then diag(beta) dLk (A)
             am_s = T.alloc_shared((C, C), dtype)  # A = I - A_beta Kg; then dLk (A)
-            w_s = T.alloc_shared((C, V), dtype)  # W (A)
+            w_s = T.alloc_shared((C, V), dtype)  # W (A); then scale diag(gamma) dO (S)
             vn_s = T.alloc_shared((C, V), dtype)  # v_new (A)
             dvn_s = T.alloc_shared((C, V), dtype)  # dv_new; then -diag(gamma) dv (K)
             red_s = T.alloc_shared((4 * C,), acc)
@@ -141,7 +140,8 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
             x_done = T.alloc_barrier(arrive_count=128)  # A -> K: A^T dv_new done (dvn_s may take -gamma dv)
             dvg_ready = T.alloc_barrier(arrive_count=128)  # K -> S: -diag(gamma) dv in dvn_s
             dvg_read = T.alloc_barrier(arrive_count=128)  # S -> K: K^T dvg done (dvn_s free)
-            vn_ready = T.alloc_barrier(arrive_count=128)  # A -> K: v_new in vn_s
+            vn_ready = T.alloc_barrier(arrive_count=128)  # A -> K, S: v_new in vn_s (and W dead)
+            dog_read = T.alloc_barrier(arrive_count=128)  # S -> A: Q^T (scale diag(gamma) dO) done (w_s free)
             kd_done = T.alloc_barrier(arrive_count=128)  # K -> S, A: ds_s and vn_s free
             m_ready = T.alloc_barrier(arrive_count=128)  # A -> K: dLk, diag(beta) dLk, scale M Gamma
             km_done = T.alloc_barrier(arrive_count=128)  # K -> A: pg_s, kg_s, am_s free
@@ -196,20 +196,21 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     T.copy(dS, ds_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(d_ready)
-                    # scale diag(gamma) dO
+                    # <S0, D> (the chunk-end term of dG), then gamma_C dS
                     if ci > 0:
                         T.barrier_wait(f_late, pprev)
-                    for t, d in T.Parallel(C, V):
-                        dog_s[t, d] = T.cast(scale * T.exp2(g_s[t]) * T.cast(do_s[t, d], acc), dtype)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(e_g)
-                    # <S0, D> (the chunk-end term of dG), then gamma_C dS
                     sc[0] = T.float32(0)
                     for i, j in T.Parallel(K, V):
                         sc[0] = sc[0] + T.cast(h_s[i, j], acc) * dS[i, j]
                         dS[i, j] = dS[i, j] * gamc[0]
-                    # dS += Q^T (scale diag(gamma) dO)
-                    T.gemm(q_s, dog_s, dS, transpose_A=True)
+                    # dS += Q^T (scale diag(gamma) dO), the scaled dO over W once A formed v_new
+                    T.barrier_wait(vn_ready, par)
+                    for t, d in T.Parallel(C, V):
+                        w_s[t, d] = T.cast(scale * T.exp2(g_s[t]) * T.cast(do_s[t, d], acc), dtype)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(e_g)
+                    T.gemm(q_s, w_s, dS, transpose_A=True)
+                    T.barrier_arrive(dog_read)
                     # dS += K^T (-diag(gamma) dv)   (the chain's end)
                     T.barrier_wait(dvg_ready, par)
                     T.gemm(k_s, dvn_s, dS, transpose_A=True)
@@ -329,7 +330,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         pr = T.if_then_else(t == nvalid - 1, T.float32(0), dk[t, d] * T.cast(k_s[t, d], acc))
                         cv[t, d] = pr
                         scr[0] = scr[0] + pr
-                    T.reduce_sum(cv, rs, dim=1)
+                    T.reduce_sum(cv, rs, dim=1, batch=2)
                     for t in T.Parallel(C):
                         gk[t] = -rs[t]
                     wr = T.warp_reduce_sum(scr[0])
@@ -341,7 +342,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         dk[t, d] = dk[t, d] + cv[t, d]
                     for t, d in T.Parallel(C, K):
                         cv[t, d] = cv[t, d] * T.cast(k_s[t, d], acc)
-                    T.reduce_sum(cv, gk, dim=1, clear=False)
+                    T.reduce_sum(cv, gk, dim=1, clear=False, batch=2)
                     # t = dLk K: dk += diag(beta) t; dbeta rows = rowsum(t * K)
                     T.barrier_wait(m_ready, par)
                     T.gemm(am_s, k_s, cv, clear_accum=True)
@@ -349,7 +350,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         dk[t, d] = dk[t, d] + b_r[t] * cv[t, d]
                     for t, d in T.Parallel(C, K):
                         cv[t, d] = cv[t, d] * T.cast(k_s[t, d], acc)
-                    T.reduce_sum(cv, rs, dim=1)
+                    T.reduce_sum(cv, rs, dim=1, batch=2)
                     # dk += (diag(beta) dLk)^T K + (scale M Gamma)^T Q
                     T.gemm(kg_s, k_s, dk, transpose_A=True)
                     T.gemm(pg_s, q_s, dk, transpose_A=True)
@@ -362,7 +363,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         cv[t, d] = cv[t, d] * (scale * gam_r[t])
                     for t, d in T.Parallel(C, K):
                         dk[t, d] = cv[t, d] * T.cast(q_s[t, d], acc)
-                    T.reduce_sum(dk, gk, dim=1, clear=False)
+                    T.reduce_sum(dk, gk, dim=1, clear=False, batch=2)
                     T.gemm(pg_s, k_s, cv)
                     T.barrier_arrive(km_done)
                     T.barrier_arrive(e_late)
@@ -424,6 +425,8 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     if ci > 0:
                         T.barrier_wait(f_v, pprev)
                     T.gemm(k_s, h_s, F, clear_accum=True)
+                    if ci > 0:
+                        T.barrier_wait(dog_read, pprev)
                     for t, d in T.Parallel(C, V):
                         w_s[t, d] = T.cast(T.cast(v_s[t, d], acc) - gam_a[t] * F[t, d], dtype)
                     T.fence_proxy_async()
@@ -435,7 +438,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     T.fence_proxy_async()
                     for t, d in T.Parallel(C, V):
                         F[t, d] = F[t, d] * T.cast(w_s[t, d], acc)
-                    T.reduce_sum(F, rb, dim=1)
+                    T.reduce_sum(F, rb, dim=1, batch=2)
                     # v_new = A_beta W
                     if ci > 0:
                         T.barrier_wait(kd_done, pprev)
@@ -465,8 +468,8 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         za[t, s] = za[t, s] + z
                     T.fence_proxy_async()
                     T.barrier_arrive(m_ready)
-                    T.reduce_sum(za, rg, dim=1)
-                    T.reduce_sum(za, cg, dim=0)
+                    T.reduce_sum(za, rg, dim=1, batch=2)
+                    T.reduce_sum(za, cg, dim=0, batch=16)
                     T.barrier_arrive(e_late)
                     T.copy(rg, red_s[RGA : RGA + C])
                     T.copy(cg, red_s[CGA : CGA + C])
