@@ -35,16 +35,17 @@ from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slo
 
 __all__ = ["DEFAULT_VARIANT", "VARIANTS", "build_chunk_bwd_kernel", "chunk_bwd_kernel_args", "chunk_fused_bwd"]
 
-#: Pass-2 kernels: "v1" (this module) and "v2" (`chunk_bwd_v2.py`, rescheduled). "v3" (the
-#: state-gradient chain alone, then the other gradients chunk-parallel) and "v4" (role-specialised
-#: warpgroups) were measured on the H200, slower than v2, and removed: NOTES-bwd.md, "Pass-2 variant
-#: v3" and "Pass-2 variant v4".
+#: Pass-2 kernels: "v1" (this module), "v2" (`chunk_bwd_v2.py`, rescheduled) and "v5"
+#: (`chunk_bwd_v5.py`, role warpgroups with a TMA producer; h in q's dtype and K = V = 128, else v2 runs).
+#: "v3" (the state-gradient chain alone, then the other gradients chunk-parallel) and "v4" (role
+#: warpgroups without a producer) were measured on the H200, slower than v2, and removed: NOTES-bwd.md,
+#: "Pass-2 variant v3" and "Pass-2 variant v4".
 VARIANTS = ("v1", "v2", "v5")
 #: The variant `chunk_fused_bwd` uses when none is given (read at every call; the environment variable
-#: FLASHQLA_BWD_VARIANT sets it at import). "v2" since its H200 check (2026-11-30,
-#: tests/gpu/bwd_v2_check.py): dq, dk, dv, dh0 bitwise v1's, dg and dbeta within 1e-6 (summation
-#: order), 1.4-1.5x faster than v1 on the whole backward.
-DEFAULT_VARIANT = os.environ.get("FLASHQLA_BWD_VARIANT", "v2")
+#: FLASHQLA_BWD_VARIANT sets it at import). "v5" since its H200 check (2026-12-01,
+#: tests/gpu/bwd_v2_check.py --base v2 --new v5): dv, dh0 bitwise v2's, the other gradients within
+#: summation order and two roundings, pass 2 1.11-1.27x faster than v2.
+DEFAULT_VARIANT = os.environ.get("FLASHQLA_BWD_VARIANT", "v5")
 
 
 def _variant(variant):
