@@ -137,7 +137,8 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
             f_g = T.alloc_barrier(arrive_count=32)
             f_ab = T.alloc_barrier(arrive_count=32)
             f_v = T.alloc_barrier(arrive_count=32)
-            f_late = T.alloc_barrier(arrive_count=32)  # h, dO, q, k
+            f_kq = T.alloc_barrier(arrive_count=32)  # k, q (freed with h, dO: e_late)
+            f_hd = T.alloc_barrier(arrive_count=32)  # h, dO
             e_g = T.alloc_barrier(arrive_count=384)
             e_ab = T.alloc_barrier(arrive_count=256)
             e_v = T.alloc_barrier(arrive_count=128)
@@ -208,7 +209,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     T.barrier_arrive(d_ready)
                     # <S0, D> (the chunk-end term of dG), then gamma_C dS
                     if ci > 0:
-                        T.barrier_wait(f_late, pprev)
+                        T.barrier_wait(f_hd, pprev)
                     sc[0] = T.float32(0)
                     for i, j in T.Parallel(K, V):
                         sc[0] = sc[0] + T.cast(h_s[i, j], acc) * dS[i, j]
@@ -219,6 +220,8 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         w_s[t, d] = T.cast(scale * T.exp2(g_s[t]) * T.cast(do_s[t, d], acc), dtype)
                     T.fence_proxy_async()
                     T.barrier_arrive(e_g)
+                    if ci > 0:
+                        T.barrier_wait(f_kq, pprev)
                     T.gemm(q_s, w_s, dS, transpose_A=True)
                     T.barrier_arrive(dog_read)
                     # dS += K^T (-diag(gamma) dv)   (the chain's end)
@@ -300,11 +303,13 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     # dv_new = diag(r) K D + Pg^T dO
                     T.barrier_wait(d_ready, par)
                     if ci > 0:
-                        T.barrier_wait(f_late, pprev)
+                        T.barrier_wait(f_kq, pprev)
                     T.gemm(k_s, ds_s, cv, clear_accum=True)
                     for t, d in T.Parallel(C, V):
                         cv[t, d] = cv[t, d] * r_r[t]
                     T.barrier_wait(pg_ready, par)
+                    if ci > 0:
+                        T.barrier_wait(f_hd, pprev)
                     T.gemm(pg_s, do_s, cv, transpose_A=True)
                     T.barrier_arrive(pg_read)
                     if ci > 0:
@@ -414,7 +419,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     # Pg = scale (Q K^T) * Gamma
                     if ci > 0:
                         T.barrier_wait(km_done, pprev)
-                        T.barrier_wait(f_late, pprev)
+                        T.barrier_wait(f_kq, pprev)
                     T.gemm(q_s, k_s, cc, transpose_B=True, clear_accum=True)
                     for t, s in T.Parallel(C, C):
                         pg_s[t, s] = T.cast(scale * cc[t, s] * msk[t, s], dtype)
@@ -434,6 +439,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     # U = K S0, W = V - diag(gamma) U
                     if ci > 0:
                         T.barrier_wait(f_v, pprev)
+                        T.barrier_wait(f_hd, pprev)
                     T.gemm(k_s, h_s, F, clear_accum=True)
                     if ci > 0:
                         T.barrier_wait(dog_read, pprev)
@@ -506,11 +512,12 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         T.tma_copy(v[bidx, t0 : t0 + C, hv, 0:V], v_s, barrier=f_v)
                         T.barrier_arrive(f_v)
                         T.barrier_wait(e_late, par)
-                        T.tma_copy(k[bidx, t0 : t0 + C, hk, 0:K], k_s, barrier=f_late)
-                        T.tma_copy(q[bidx, t0 : t0 + C, hk, 0:K], q_s, barrier=f_late)
-                        T.tma_copy(h[(slot0 + c) * HV + hv, 0:K, 0:V], h_s, barrier=f_late)
-                        T.tma_copy(do[bidx, t0 : t0 + C, hv, 0:V], do_s, barrier=f_late)
-                        T.barrier_arrive(f_late)
+                        T.tma_copy(k[bidx, t0 : t0 + C, hk, 0:K], k_s, barrier=f_kq)
+                        T.tma_copy(q[bidx, t0 : t0 + C, hk, 0:K], q_s, barrier=f_kq)
+                        T.barrier_arrive(f_kq)
+                        T.tma_copy(h[(slot0 + c) * HV + hv, 0:K, 0:V], h_s, barrier=f_hd)
+                        T.tma_copy(do[bidx, t0 : t0 + C, hv, 0:V], do_s, barrier=f_hd)
+                        T.barrier_arrive(f_hd)
 
     return gdn_chunk_bwd_v5
 
