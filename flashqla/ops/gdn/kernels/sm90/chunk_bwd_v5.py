@@ -21,7 +21,8 @@ One CTA of 512 threads per (sequence, value head), chunks in reverse:
     A  (threads 256-383) Pg, Kg, A = I - A_beta Kg, U = K S0, W, X = A^T dv_new, v_new, dL, M;
                          their dG rows, columns and dbeta rows
     P  (threads 384-511) one warp: TMA loads of the next chunk's g, A_beta, v and k, q, h, dO, each
-                         group as soon as its last reader released it
+                         group as soon as its last reader released it (k and q then arrive on their own
+                         barrier, before h and dO)
 
 Math and reference: `reference.gdn.fused_bwd.chunk_bwd_fused` (records BWD-Abeta, BWD-fused, BWD-dq,
 BWD-dG), v2's products and operand roundings except: rowsum(-diag(gamma) dv * U) is formed as
@@ -32,9 +33,9 @@ operand instead of fp32 dv and U), and dq's first term is (dO S0^T) scaled by sc
 Measured on the H200 (`tests/gpu/bwd_v2_check.py --base v2 --new v5`, nine cases incl. varlen with
 empty and 1-token sequences, the packed tail, GVA 1 / 4, the g == 0 / g = -30 heads): dv and dh0
 bitwise equal to v2's, dk within 7e-5 relative RMS, dbeta 2e-7, dg 2e-4 .. 9e-4, dq 2.5e-3 from v2 and
-closer to fp64 in every case; finite, bitwise repeatable, packed tail zero. Pass 2 1.11x (16/32, 8
-packed sequences of 8192 tokens) to 1.27x (2/4, 1 x 32768) faster than v2: 12.8 us a chunk on 16/32
-4 x 8192 (v2 16.1). NOTES-bwd.md, "Pass-2 variant v5", has the table and the Nsight Compute profile.
+closer to fp64 in every case; finite, bitwise repeatable, packed tail zero. Pass 2 1.15x (16/32, 8
+packed sequences of 8192 tokens) to 1.28x (16/32, 4 x 8192) faster than v2: 12.6 us a chunk on 16/32
+4 x 8192 (v2 16.2). NOTES-bwd.md, "Pass-2 variant v5", has the tables and the Nsight Compute profile.
 
 Resources (ptxas, sm_90a; `tests/test_bwd_kernels_compile.py`): 223,232 B dynamic + 1,024 B static
 shared memory (the tiles alone take 229,376 of 232,448 B before the reuse listed at the tiles),
