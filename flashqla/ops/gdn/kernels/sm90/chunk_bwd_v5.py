@@ -56,7 +56,7 @@ __all__ = ["build_chunk_bwd_v5_kernel", "chunk_fused_bwd_v5", "v5_applies"]
 
 #: Registers per thread of each role (setmaxnreg). The CTA launches with 128 a thread (65,536 / 512);
 #: the producer gives back 104, which the consumers take.
-NREG = {"S": 160, "K": 192, "A": 136, "P": 24}
+NREG = {"S": 160, "K": 184, "A": 144, "P": 24}
 
 
 def v5_applies(K: int, V: int, dtype: str, h_dtype: str) -> bool:
@@ -126,7 +126,10 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
             g_s = T.alloc_shared((C + 8,), acc)  # g_cum_log2, then the chunk's scalars
             # tiles the roles write
             ds_s = T.alloc_shared((K, V), dtype)  # D (S)
-            pg_s = T.alloc_shared((C, C), dtype)  # Pg; then scale M * Gamma (A)
+            pg_s = T.alloc_shared((C, C), dtype)  # Pg (A)
+            pm_s = T.alloc_shared((C, C), dtype)  # scale M * Gamma (A; its own tile: a loop that reads and
+            # writes one shared tile costs a warpgroup barrier an element, TileLang cannot prove each
+            # thread keeps to its own elements)
             kg_s = T.alloc_shared((C, C), dtype)  # Kg; then diag(beta) dLk (A)
             am_s = T.alloc_shared((C, C), dtype)  # A = I - A_beta Kg; then dLk (A)
             w_s = T.alloc_shared((C, V), dtype)  # W (A); then scale diag(gamma) dO (S)
@@ -369,7 +372,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     T.reduce_sum(cv, rs, dim=1, batch=2)
                     # dk += (diag(beta) dLk)^T K + (scale M Gamma)^T Q
                     T.gemm(kg_s, k_s, dk, transpose_A=True)
-                    T.gemm(pg_s, q_s, dk, transpose_A=True)
+                    T.gemm(pm_s, q_s, dk, transpose_A=True)
                     for t, d in T.Parallel(C, K):
                         if t < nvalid:
                             dk_hv[bidx, t0 + t, hv, d] = dk[t, d]
@@ -380,7 +383,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     for t, d in T.Parallel(C, K):
                         dk[t, d] = cv[t, d] * T.cast(q_s[t, d], acc)
                     T.reduce_sum(dk, gk, dim=1, clear=False, batch=2)
-                    T.gemm(pg_s, k_s, cv)
+                    T.gemm(pm_s, k_s, cv)
                     T.barrier_arrive(km_done)
                     T.barrier_arrive(e_late)
                     for t, d in T.Parallel(C, K):
@@ -394,7 +397,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                 T.set_max_nreg(NREG["A"], 1)
                 cc = T.alloc_fragment((C, C), acc)
                 msk = T.alloc_fragment((C, C), acc)  # Gamma (t >= s), 0 above the diagonal
-                za = T.alloc_fragment((C, C), acc)  # dL * L + Z (the dG rows and columns)
+                za = T.alloc_fragment((C, C), acc)  # Kg; then dL * L + Z (the dG rows and columns)
                 F = T.alloc_fragment((C, V), acc)
                 gam_a = T.alloc_fragment((C,), acc)
                 b_a = T.alloc_fragment((C,), acc)
@@ -466,12 +469,15 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     T.barrier_arrive(vn_ready)
                     # dL = -X v_new^T (strict): dLk = dL * Gamma over A; dG rows / columns of dL * L,
                     # L = diag(beta) Kg; diag(beta) dLk over Kg
+                    # Kg into registers first (its tile then takes diag(beta) dLk: see pm_s)
+                    for t, s in T.Parallel(C, C):
+                        za[t, s] = T.cast(kg_s[t, s], acc)
                     T.gemm(v_s, vn_s, cc, transpose_B=True, clear_accum=True)
                     T.barrier_arrive(e_v)
                     for t, s in T.Parallel(C, C):
                         dl = T.if_then_else(t > s, -cc[t, s], T.float32(0))
                         dlk = T.cast(dl * msk[t, s], dtype)
-                        zl = dl * b_a[t] * T.cast(kg_s[t, s], acc)
+                        zl = dl * b_a[t] * za[t, s]
                         am_s[t, s] = dlk
                         kg_s[t, s] = T.cast(b_a[t] * T.cast(dlk, acc), dtype)
                         za[t, s] = zl
@@ -481,7 +487,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     for t, s in T.Parallel(C, C):
                         m = cc[t, s]
                         z = T.if_then_else(t > s, m * T.cast(pg_s[t, s], acc), T.float32(0))
-                        pg_s[t, s] = T.cast(scale * m * msk[t, s], dtype)
+                        pm_s[t, s] = T.cast(scale * m * msk[t, s], dtype)
                         za[t, s] = za[t, s] + z
                     T.fence_proxy_async()
                     T.barrier_arrive(m_ready)
