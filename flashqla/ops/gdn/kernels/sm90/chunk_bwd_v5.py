@@ -33,13 +33,15 @@ operand instead of fp32 dv and U), and dq's first term is (dO S0^T) scaled by sc
 Measured on the H200 (`tests/gpu/bwd_v2_check.py --base v2 --new v5`, nine cases incl. varlen with
 empty and 1-token sequences, the packed tail, GVA 1 / 4, the g == 0 / g = -30 heads): dv and dh0
 bitwise equal to v2's, dk within 7e-5 relative RMS, dbeta 2e-7, dg 2e-4 .. 9e-4, dq 2.5e-3 from v2 and
-closer to fp64 in every case; finite, bitwise repeatable, packed tail zero. Pass 2 1.15x (16/32, 8
-packed sequences of 8192 tokens) to 1.28x (16/32, 4 x 8192) faster than v2: 12.6 us a chunk on 16/32
-4 x 8192 (v2 16.2). NOTES-bwd.md, "Pass-2 variant v5", has the tables and the Nsight Compute profile.
+closer to fp64 in every case; finite, bitwise repeatable, packed tail zero. Pass 2 1.17x (16/32, 8
+packed sequences of 8192 tokens) to 1.35x (16/32, 4 x 8192; 2/4, 1 x 32768) faster than v2: 12.0 us a
+chunk on 16/32 4 x 8192 (v2 16.2). NOTES-bwd.md, "Pass-2 variant v5", has the tables, the Nsight
+Compute profile and the GPU tier (run on the build before the last change, which was checked on seven
+cases of bwd_v2_check.py).
 
-Resources (ptxas, sm_90a; `tests/test_bwd_kernels_compile.py`): 223,232 B dynamic + 1,024 B static
-shared memory (the tiles alone take 229,376 of 232,448 B before the reuse listed at the tiles),
-setmaxnreg S 160 / K 192 / A 136 / producer 24, 56-68 B of spills, no wgmma serialisation.
+Resources (ptxas, sm_90a; `tests/test_bwd_kernels_compile.py`): 231,424 B dynamic + 1,024 B static
+shared memory, the whole 232,448 B (five results reuse dead tiles, listed at the tiles),
+setmaxnreg S 160 / K 184 / A 144 / producer 24, ~44 B of spills, no wgmma serialisation.
 
 The sequence's last chunk (the first walked; the only one that may be partial) is loaded by every
 thread with rows past the end zeroed, before the roles split; the producer loads the earlier, full
