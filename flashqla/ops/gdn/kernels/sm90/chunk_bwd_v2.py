@@ -89,7 +89,7 @@ import torch
 
 from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slots, sequence_span, tl_dtype
 
-__all__ = ["build_chunk_bwd_v2_kernel", "chunk_fused_bwd_v2"]
+__all__ = ["build_chunk_bwd_v2_kernel", "chunk_fused_bwd_v2", "launch_pass2"]
 
 
 def _chunk_bwd_v2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
@@ -503,11 +503,11 @@ def build_chunk_bwd_v2_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dty
                                 f"{'' if exact_diagonal else '_rounded_diagonal'}")
 
 
-def chunk_fused_bwd_v2(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, *, exact_diagonal: bool = True):
-    """Launches pass 2 with the v2 kernel. Arguments and results as
-    `chunk_bwd.chunk_fused_bwd`; dq_hv, dk_hv, dv, dbeta and dh0 are allocated uninitialised (the
-    kernel writes every row: see the module docstring). exact_diagonal=False: the measurement
-    baseline without the diagonal's restoration (`build_chunk_bwd_v2_kernel`)."""
+def launch_pass2(build, q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens):
+    """Launches a pass-2 kernel whose CTAs write every row of their outputs (v2, v5): dq_hv, dk_hv,
+    dv, dbeta and dh0 allocated uninitialised, dG zeroed; with no CTA to run (no slot, token or
+    sequence), zeros and dh0 = dht. build(args) returns the compiled kernel for the static key
+    `chunk_bwd.chunk_bwd_kernel_args`. Arguments and results as `chunk_bwd.chunk_fused_bwd`."""
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_bwd_kernel_args
     from flashqla.ops.gdn.kernels.sm90.prepare import dummy_cu_seqlens
 
@@ -531,9 +531,20 @@ def chunk_fused_bwd_v2(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, c
         return dq_hv, dk_hv, dv, dbeta, dG, dh0
     dht_arg = dht if dht is not None else torch.empty(1, HV, K, V, dtype=torch.float32, device=dev)
     cu = cu_seqlens if varlen else dummy_cu_seqlens(dev)
-    args = chunk_bwd_kernel_args(q, v, beta, h, cu_seqlens)
-    # the default build under the builder-cache key the precompile path uses (no extra arguments)
-    kernel = build_chunk_bwd_v2_kernel(*args, exact_diagonal) if not exact_diagonal else build_chunk_bwd_v2_kernel(*args)
+    kernel = build(chunk_bwd_kernel_args(q, v, beta, h, cu_seqlens))
     kernel(q, k, v, beta, A, g_cum_log2, h, do, dht_arg, cu, float(scale), int(dht is not None),
            dq_hv, dk_hv, dv, dbeta, dG, dh0)
     return dq_hv, dk_hv, dv, dbeta, dG, dh0
+
+
+def chunk_fused_bwd_v2(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, *, exact_diagonal: bool = True):
+    """Launches pass 2 with the v2 kernel (`launch_pass2`). Arguments and results as
+    `chunk_bwd.chunk_fused_bwd`; dq_hv, dk_hv, dv, dbeta and dh0 are allocated uninitialised (the
+    kernel writes every row: see the module docstring). exact_diagonal=False: the measurement
+    baseline without the diagonal's restoration (`build_chunk_bwd_v2_kernel`)."""
+
+    def build(args):
+        # the default build under the builder-cache key the precompile path uses (no extra arguments)
+        return build_chunk_bwd_v2_kernel(*args) if exact_diagonal else build_chunk_bwd_v2_kernel(*args, False)
+
+    return launch_pass2(build, q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens)

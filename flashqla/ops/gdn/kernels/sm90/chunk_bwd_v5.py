@@ -50,9 +50,7 @@ chunks by TMA. Only h stored in q's dtype and K = V = 128 (else `chunk_bwd` runs
 
 import functools
 
-import torch
-
-from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slots, sequence_span
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, sequence_span
 
 __all__ = ["build_chunk_bwd_v5_kernel", "chunk_fused_bwd_v5", "v5_applies"]
 
@@ -540,32 +538,10 @@ def build_chunk_bwd_v5_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dty
 
 
 def chunk_fused_bwd_v5(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens):
-    """Launches pass 2 with the v5 kernel. Arguments and results as `chunk_bwd.chunk_fused_bwd`;
-    dq_hv, dk_hv, dv, dbeta and dh0 are allocated uninitialised (the kernel writes every row, as v2)."""
-    from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_bwd_kernel_args
-    from flashqla.ops.gdn.kernels.sm90.prepare import dummy_cu_seqlens
+    """Launches pass 2 with the v5 kernel (`chunk_bwd_v2.launch_pass2`). Arguments and results as
+    `chunk_bwd.chunk_fused_bwd`; dq_hv, dk_hv, dv, dbeta and dh0 are allocated uninitialised (the
+    kernel writes every row, as v2)."""
+    from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v2 import launch_pass2
 
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    varlen = cu_seqlens is not None
-    N = cu_seqlens.numel() - 1 if varlen else B
-    S = num_slots(B, T, N, varlen)
-    dev = q.device
-    dq_hv = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
-    dk_hv = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
-    dv = torch.empty_like(v)
-    dbeta = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
-    dG = torch.zeros(HV, S * CHUNK, dtype=torch.float32, device=dev)
-    dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
-    if S == 0 or T == 0 or N == 0:
-        for x in (dq_hv, dk_hv, dv, dbeta, dh0):
-            x.zero_()
-        if dht is not None:
-            dh0.copy_(dht)
-        return dq_hv, dk_hv, dv, dbeta, dG, dh0
-    dht_arg = dht if dht is not None else torch.empty(1, HV, K, V, dtype=torch.float32, device=dev)
-    cu = cu_seqlens if varlen else dummy_cu_seqlens(dev)
-    kernel = build_chunk_bwd_v5_kernel(*chunk_bwd_kernel_args(q, v, beta, h, cu_seqlens))
-    kernel(q, k, v, beta, A, g_cum_log2, h, do, dht_arg, cu, float(scale), int(dht is not None),
-           dq_hv, dk_hv, dv, dbeta, dG, dh0)
-    return dq_hv, dk_hv, dv, dbeta, dG, dh0
+    return launch_pass2(lambda args: build_chunk_bwd_v5_kernel(*args), q, k, v, beta, A, g_cum_log2, h, do, dht, scale,
+                        cu_seqlens)
