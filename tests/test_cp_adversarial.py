@@ -438,7 +438,8 @@ def _fwd_exact_split(HV, T, V, sms, L, BV):
 
 def _bwd_split(HV, T, V, sms, L, BV):
     run, both, segs, chunks, _ = _run_and_transition(HV, T, V, sms, L, BV)
-    bwd = planner.BWD_CHUNK_COST * _cd(HV * segs, sms) * chunks
+    waves = _cd(HV * segs, sms)
+    bwd = planner.BWD_CHUNK_COST * waves * chunks + planner.BWD_WAVE_COST * waves
     return (both + run + 2 * planner.BWD_SCAN_STEP_COST * (segs - 1) + bwd
             + planner.LAUNCH_COST * (2 * planner.EXTRA_LAUNCHES + HV))
 
@@ -446,8 +447,8 @@ def _bwd_split(HV, T, V, sms, L, BV):
 @pytest.mark.parametrize("HV,T,L", [(2, 32768, 2048), (8, 32768, 2048), (16, 65536, 4096), (4, 10000, 512)])
 def test_plan_fixed_length_costs_follow_the_model(HV, T, L, fresh_plans):
     """At a fixed L the split estimate is the documented model with the forward's scan step
-    (SCAN_STEP_COST = 1.0) and the backward's (BWD_SCAN_STEP_COST = 3.0)."""
-    assert planner.SCAN_STEP_COST == 1.0 and planner.BWD_SCAN_STEP_COST == 3.0
+    (SCAN_STEP_COST = 1.0) and the backward's (BWD_SCAN_STEP_COST = 1.5, BWD_WAVE_COST = 20 a wave)."""
+    assert planner.SCAN_STEP_COST == 1.0 and planner.BWD_SCAN_STEP_COST == 1.5 and planner.BWD_WAVE_COST == 20.0
     f = plan_cp(HV, 1, T, 128, 132, exact=True, segment_len=L, force=True)
     b = plan_cp(HV, 1, T, 128, 132, segment_len=L, force=True, backward=True)
     # the estimate of the width picked, which is within TIE of the cheapest (BV = 128 wins near-ties)

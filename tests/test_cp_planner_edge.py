@@ -15,7 +15,7 @@ import torch
 
 import flashqla.cp.planner as P
 from flashqla.cp.driver import cp_splits
-from flashqla.cp.planner import (BWD_CHUNK_COST, CHUNK, CHUNK_COST, CTAS_PER_SM, UNSPLIT_CHUNK_COST, get_cp_plan, plan_cp,
+from flashqla.cp.planner import (BWD_CHUNK_COST, BWD_WAVE_COST, CHUNK, CHUNK_COST, CTAS_PER_SM, UNSPLIT_CHUNK_COST, get_cp_plan, plan_cp,
                                   plan_key)
 from flashqla.ops.gdn.api import CP_ENV, cp_mode
 
@@ -60,9 +60,11 @@ def test_max_seqlen_hint_does_not_inflate_unsplit_cost(HV, N, T, max_seqlen, bac
     cost = CHUNK_COST if backward else UNSPLIT_CHUNK_COST  # the backward's states pass: CHUNK_COST
     formula = cost[bv] * max(_cdiv(max_seqlen, CHUNK), _cdiv(NV * HV * N, slots) * _cdiv(l_avg, CHUNK))
     bound = cost[bv] * (_cdiv(NV * HV * (_cdiv(T, CHUNK) + N), slots) + _cdiv(max_seqlen, CHUNK))
-    if backward:  # plus the fused chunk backward: HV N CTAs, one per SM, BWD_CHUNK_COST per chunk
-        formula += BWD_CHUNK_COST * max(_cdiv(max_seqlen, CHUNK), _cdiv(HV * N, 132) * _cdiv(l_avg, CHUNK))
-        bound += BWD_CHUNK_COST * (_cdiv(HV * (_cdiv(T, CHUNK) + N), 132) + _cdiv(max_seqlen, CHUNK))
+    if backward:  # plus the fused chunk backward: HV N CTAs, one per SM, BWD_CHUNK_COST per chunk, BWD_WAVE_COST a wave
+        waves = _cdiv(HV * N, 132)
+        formula += BWD_CHUNK_COST * max(_cdiv(max_seqlen, CHUNK), waves * _cdiv(l_avg, CHUNK)) + BWD_WAVE_COST * waves
+        bound += (BWD_CHUNK_COST * (_cdiv(HV * (_cdiv(T, CHUNK) + N), 132) + _cdiv(max_seqlen, CHUNK))
+                  + BWD_WAVE_COST * waves)
     assert p.est_unsplit <= bound, (p, bound)
     assert p.est_unsplit == pytest.approx(formula), (p, formula)
     assert not p.split, p  # the split is predicted slower than the (correctly costed) unsplit launch

@@ -86,8 +86,9 @@ Backward (`backward=True`) and unknown lengths
 The backward's plan (`flashqla.cp.driver.chunk_gated_delta_rule_cp_bwd`) costs its own launches for
 one sequence: the forward's run and transition recomputed, the combine scan and the reverse scan,
 the states pass over the segments, and the fused chunk backward at BWD_CHUNK_COST forward chunk
-steps per chunk with one CTA per (segment, value head). Its unsplit cost is the states pass plus
-BWD_CHUNK_COST times the longest chain, so one long sequence splits far sooner than in the forward
+steps per chunk with one CTA per (segment, value head) and BWD_WAVE_COST per wave of them. Its
+unsplit cost is the states pass plus BWD_CHUNK_COST times the longest chain (and one wave cost per
+wave), so one long sequence splits far sooner than in the forward
 (16/32 heads x 32768 tokens: forward unsplit, backward L = 8192; H200: 9.99 -> 5.36 ms). A packed
 batch (N > 1) is planned the same way (`PACKED_BWD_OWN_PLAN`) since the segment tables and both
 scans became one launch each (the forward and the backward plan independently: the backward
@@ -188,6 +189,7 @@ __all__ = [
     "EXTRA_LAUNCHES_GATED",
     "DEFAULT_GATE_CHUNKS",
     "BWD_CHUNK_COST",
+    "BWD_WAVE_COST",
     "PACKED_BWD_OWN_PLAN",
     "MIN_GAIN",
     "TIE",
@@ -279,9 +281,18 @@ HEAD_OVERHEAD = 0.25
 #: Measured on the H200 (CUDA graphs): 4.4 us a step at 8 value heads, 11 us at 32 (~1.3-3.3 units),
 #: then 1.12-1.27x less with the "prefetch" variant; 1.0 since the refit (HEAD_OVERHEAD).
 SCAN_STEP_COST = 1.0
-#: The same in the backward's costs: the value its plans were measured with on the backward grid
-#: (the torch scan's cost; 1.5 would change two of its 32 rows, 2/4 x 8192 and 2/4 x 32768, unmeasured).
-BWD_SCAN_STEP_COST = 3.0
+#: The same in the backward's costs, and BWD_WAVE_COST: a fixed cost per wave of the backward's
+#: (segment, value head) CTAs (their first and last chunk, the states pass's and the segment
+#: gradients' per-CTA work). Refitted on the H200 (2026-12-01, pass 2 v5, `tests/gpu/cp_bwd_sweep.py`:
+#: 15 rows of the backward grid, each timed unsplit and at 6-10 segment lengths): with 3.0 and no wave
+#: cost the plan was the fastest measured on 5 of the 15 rows (up to 1.21x slower: 2/4 1 x 8192 at
+#: L = 1024, 0.372 ms, against 0.307 at 512); with 1.5 and 20 on 10, the six one-sequence rows all
+#: among them. The five left are packed rows whose best L depends on the lengths below the longest,
+#: which the plan does not see (1.00-1.14x; 4/8 with 8 sequences of 32768 tokens: 1.206 ms at
+#: L = 1536 against 1.057 at 2560). Lowering only the scan cost (1.5, no wave cost) moved two packed
+#: rows to shorter, slower segments (16/32 5809 + 1244 + 406 + 733: L 1536 -> 512, 1.028 -> 1.272 ms).
+BWD_SCAN_STEP_COST = 1.5
+BWD_WAVE_COST = 20.0
 #: Cost of the output correction per corrected token and value head, chunk units (bf16 o, U, o).
 CORRECTION_COST = 8e-5
 #: Cost of one extra launch in chunk units, and the extra small launches of a CP forward.
@@ -373,7 +384,8 @@ def _unsplit_bwd_time(BV: int, HV: int, V: int, N: int, l_avg: int, l_max: int, 
     """The unsplit backward: the states pass (forward-like, NV HV N CTAs) and the fused chunk
     backward (HV N CTAs, one per SM, BWD_CHUNK_COST per chunk)."""
     states = _unsplit_time(BV, HV, V, N, l_avg, l_max, sms, CHUNK_COST)  # pass 1 is not the roles kernel
-    return states + BWD_CHUNK_COST * max(_cdiv(l_max, CHUNK), _cdiv(HV * N, sms) * _cdiv(l_avg, CHUNK))
+    waves = _cdiv(HV * N, sms)
+    return states + BWD_CHUNK_COST * max(_cdiv(l_max, CHUNK), waves * _cdiv(l_avg, CHUNK)) + BWD_WAVE_COST * waves
 
 
 def _split_time(BV, HV, V, T, N, L, l_avg, l_max, balanced, sms, exact, gate_chunks, backward=False) -> float:
@@ -397,7 +409,8 @@ def _split_time(BV, HV, V, T, N, L, l_avg, l_max, balanced, sms, exact, gate_chu
     if backward:
         # forward run and transition recomputed, combine scan and reverse scan, then the unsplit
         # backward over the segments: states pass (like a run) and the fused chunk backward
-        bwd = BWD_CHUNK_COST * _cdiv(HV * segs, sms) * chunks
+        waves = _cdiv(HV * segs, sms)
+        bwd = BWD_CHUNK_COST * waves * chunks + BWD_WAVE_COST * waves
         return (both + run + 2 * BWD_SCAN_STEP_COST * scan_steps + bwd
                 + LAUNCH_COST * (2 * EXTRA_LAUNCHES + HV))
     if exact:

@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     ap.add_argument("--inference", action="store_true", help="the public op under no_grad, as the benchmark")
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--no-hint", action="store_true", help="no max_seqlen hint for the planner")
+    ap.add_argument("--impl", default="ours", choices=("ours", "flash_qla", "fla"),
+                    help="with --bwd: whose backward to profile (peers through flashqla.bench.bwd_impls)")
     a = ap.parse_args(argv)
     reps = 5
     for row in a.rows:
@@ -66,6 +68,18 @@ def main(argv=None) -> int:
                 with torch.no_grad():
                     return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                                   cu_seqlens=cu, cu_seqlens_cpu=cpu)
+        elif a.bwd and a.impl != "ours":
+            from types import SimpleNamespace
+
+            from flashqla.bench.bwd_impls import load_bwd_impls
+
+            impl = load_bwd_impls((a.impl,))[a.impl]
+            if not impl.available:
+                print(f"{a.impl}: not available ({impl.reason})")
+                continue
+            xs = SimpleNamespace(q=q, k=k, v=v, g=g, beta=beta, scale=scale, h0=None, cu_seqlens=cu, do=do, dht=dht)
+            saved = impl.fwd(xs).saved
+            fn = lambda: impl.bwd(xs, saved)  # noqa: E731
         elif a.bwd:
             fn = lambda: chunk_gated_delta_rule_bwd(f.q, f.k, v, g, beta, f.A, f.g_cum_log2, do, dht, scale, None, cu,  # noqa: E731
                                                     max_seqlen=ms)
@@ -85,7 +99,7 @@ def main(argv=None) -> int:
                 tot[name] += ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
                 cnt[name] += 1
         total = sum(tot.values()) / reps
-        print(f"\n== {row} {'backward' if a.bwd else 'inference' if a.inference else 'forward'}: {sum(cnt.values()) / reps:.0f} device launches per call, "
+        print(f"\n== {row} [{a.impl}] {'backward' if a.bwd else 'inference' if a.inference else 'forward'}: {sum(cnt.values()) / reps:.0f} device launches per call, "
               f"{total / 1e3:.3f} ms of kernel time per call")
         for name, t in sorted(tot.items(), key=lambda kv: -kv[1])[: a.top]:
             print(f"  {t / reps / 1e3:8.4f} ms  x{cnt[name] / reps:5.1f}  {name}")
