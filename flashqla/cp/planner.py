@@ -304,9 +304,9 @@ DEFAULT_GATE_CHUNKS = 4
 #: Backward (`backward=True`): per-CTA cost of one chunk of the fused chunk backward (pass 2), in
 #: forward chunk units. Measured on the H200 (2026-11-30, pass-2 variant v2, `tests/gpu/bwd_v2_check.py`):
 #: 16.7-16.9 us per chunk on one-sequence rows against ~3.3 us for the forward's recurrent step.
-#: Pass 2's default since 2026-12-01 (v5) takes 11.4-12.6 us, about 3.5-3.8; the constant was left at 5.0:
-#: at 3.7 two of the backward grid's 32 plans change (8/16 8k_8seq unsplit instead of L = 512, 2/4 8k_2seq
-#: L = 1024 instead of 512), which has not been measured.
+#: Pass 2's default since 2026-12-01 (v5) takes 10.8-12.6 us, about 3.5-3.8; fitted with BWD_SCAN_STEP_COST
+#: and BWD_WAVE_COST on the measured sweep (their comment), 5.0 still picks best: the value stands for
+#: pass 2's chunk plus the states pass's and the recomputed run's share that scales with chunks.
 BWD_CHUNK_COST = 5.0
 #: Whether a packed batch's backward (N > 1) is planned with the backward's own costs (True) or takes
 #: the forward's plan (False). Read
