@@ -116,7 +116,8 @@ def spy(small_gpu, monkeypatch):
 
 
 def test_cu_seqlens_cpu_reaches_the_backward_plan(spy):
-    """The autograd backward plans with the same hint as the forward."""
+    """The autograd backward plans with the same hint as the forward (which, keeping its split states
+    for the backward, asks the backward's plan first and stops there when that splits)."""
     x = make_gdn_inputs(B=1, T=sum(UNBALANCED), H=1, HV=2, K=128, V=128, seqlens=UNBALANCED, seed=24)
     _run(flashqla.chunk_gated_delta_rule, x, cp="auto", cu_seqlens_cpu=torch.tensor([0, 64, 2048], dtype=torch.int32))
-    assert (False, 1984) in spy and (True, 1984) in spy, spy
+    assert len(spy) >= 2 and all(ms == 1984 for _, ms in spy) and (True, 1984) in spy, spy

@@ -144,13 +144,13 @@ def test_public_op_rejects_bad_hints_before_the_device_check():
 )
 def test_any_valid_hint_gives_the_reference_results(spy, small_gpu, seqlens, hint, cu_dtype, hint_dtype):
     """cp="on": the forward and the backward split and plan with the hint (its longest sequence, in
-    whole chunks), and the results equal the fp64 reference op's even where the hint disagrees
-    with cu_seqlens."""
+    whole chunks; the forward, keeping its split states for the backward, asks the backward's plan),
+    and the results equal the fp64 reference op's even where the hint disagrees with cu_seqlens."""
     x = _inputs(seqlens)
     x["cu_seqlens"] = x["cu_seqlens"].to(cu_dtype)
     o, ht, grads = _run(flashqla.chunk_gated_delta_rule, x, cp="on", cu_seqlens_cpu=_offsets(hint, hint_dtype))
     ms = -(-max(hint) // 64) * 64
-    assert spy == [(False, ms), (True, ms)], spy
+    assert spy == [(True, ms), (True, ms)], spy
     assert {"prepare", "recurrent", "bwd"} <= {k for k, _ in small_gpu.launches}, small_gpu.launches
     _assert_equals_reference(x, o, ht, grads)
 
@@ -158,9 +158,10 @@ def test_any_valid_hint_gives_the_reference_results(spy, small_gpu, seqlens, hin
 def test_hint_changes_the_segment_length_not_the_results(small_gpu):
     """The same inputs under two hints that lead to different segment lengths: different launches,
     results equal to each other and to the reference."""
-    x = _inputs([64, 3008], seed=33)
+    x = _inputs([64, 8128], seed=33)
     runs = {}
-    for hint in ([1536, 1536], [64, 3008]):  # the forward's L: 512, 1024 (cp="on", 16 SMs)
+    # L 1024 and 1536 (cp="on", 16 SMs; the backward's plan, which a forward keeping its states takes)
+    for hint in ([4096, 4096], [64, 8128]):
         small_gpu.launches.clear()
         runs[tuple(hint)] = (_run(flashqla.chunk_gated_delta_rule, x, cp="on", cu_seqlens_cpu=_offsets(hint)),
                              list(small_gpu.launches))
@@ -177,7 +178,8 @@ def test_cu_seqlens_on_the_host_too(spy, small_gpu):
     splits the unbalanced batch."""
     x = _inputs(UNBALANCED, seed=34)
     o, ht, grads = _run(flashqla.chunk_gated_delta_rule, x, cp="auto", cu_seqlens_cpu=x["cu_seqlens"])
-    assert spy == [(False, 1984), (True, 1984)], spy
+    # the forward keeps its split states for the backward: it asks the backward's plan (which splits)
+    assert spy == [(True, 1984), (True, 1984)], spy
     assert max(n for k, n in small_gpu.launches if k == "recurrent") > 2, small_gpu.launches  # split
     _assert_equals_reference(x, o, ht, grads)
 
@@ -222,7 +224,7 @@ def test_backward_twice_with_retain_graph(spy):
     loss.backward(retain_graph=True)
     first = {n: t.grad.clone() for n, t in leaves.items()}
     loss.backward()
-    assert spy == [(False, 1984), (True, 1984), (True, 1984)], spy
+    assert spy == [(True, 1984), (True, 1984), (True, 1984)], spy  # the forward asks the backward's plan
     ref = {n: x[n].clone().requires_grad_(True) for n in NAMES}
     o_r, ht_r = reference.chunk_gated_delta_rule(*(ref[n] for n in ("q", "k", "v", "g", "beta")),
                                                  initial_state=ref["initial_state"], output_final_state=True,
@@ -326,7 +328,7 @@ def test_torch_compile_fullgraph_with_the_hint(spy, device_like_values):
         return loss.detach(), {n: t.grad for n, t in leaves.items()}
 
     loss_e, g_e = run(step, _offsets(UNBALANCED))
-    assert spy == [(False, 1984), (True, 1984)], spy
+    assert spy == [(True, 1984), (True, 1984)], spy  # eager: the forward asks the backward's plan
     spy.clear()
     torch._dynamo.reset()
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
@@ -399,7 +401,7 @@ def test_bench_bwd_ours_loader_passes_the_hint(spy, monkeypatch):
     fwd, bwd, _ = _load_ours()
     f = fwd(row)
     grads = bwd(row, f.saved)
-    assert spy == [(False, 1984), (True, 1984)], spy
+    assert spy == [(True, 1984), (True, 1984)], spy  # the forward keeps its split states: the backward's plan
     leaves = {n: x[n].clone().requires_grad_(True) for n in NAMES}
     o_r, ht_r = reference.chunk_gated_delta_rule(*(leaves[n] for n in ("q", "k", "v", "g", "beta")),
                                                  initial_state=leaves["initial_state"], output_final_state=True,

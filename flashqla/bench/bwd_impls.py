@@ -108,15 +108,16 @@ def _load_ours() -> tuple[Callable, Callable, str]:
 
     def fwd(x):  # the longest sequence is the planner's host-side hint (no device read)
         ms = planning_max_seqlen(x.cu_seqlens_cpu, x.cu_seqlens, x.q.shape[1])
-        f = fwd_fn(x.q, x.k, x.v, x.g, x.beta, x.scale, x.h0, True, x.cu_seqlens, max_seqlen=ms)
+        f = fwd_fn(x.q, x.k, x.v, x.g, x.beta, x.scale, x.h0, True, x.cu_seqlens, max_seqlen=ms, keep_cp_states=True)
         return FwdOut(f.o, f.final_state, f)
 
     def bwd(x, f):
         ms = planning_max_seqlen(x.cu_seqlens_cpu, x.cu_seqlens, x.q.shape[1])
         return tuple(bwd_fn(f.q, f.k, x.v, x.g, x.beta, f.A, f.g_cum_log2, x.do, x.dht, x.scale, x.h0, x.cu_seqlens,
-                            max_seqlen=ms, **extra))
+                            max_seqlen=ms, cp_saved=f.cp_saved, **extra))
 
-    return fwd, bwd, f"forward `flashqla.ops.gdn.api.chunk_gated_delta_rule_fwd`, backward `{name}`"
+    return fwd, bwd, (f"forward `flashqla.ops.gdn.api.chunk_gated_delta_rule_fwd(keep_cp_states=True)`, backward `{name}`"
+                      " with its `cp_saved` (what the public op's autograd does outside torch.compile)")
 
 
 def _load_fla() -> tuple[Callable, Callable, str]:

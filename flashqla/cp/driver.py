@@ -117,6 +117,7 @@ __all__ = [
     "CPBackend",
     "Sm90Backend",
     "CPInfo",
+    "CPSaved",
     "cp_forward",
     "cp_backward",
     "cp_forward_open",
@@ -266,7 +267,8 @@ class CPInfo(NamedTuple):
     of the slot itself when it has more than m chunks, the whole previous segment of its sequence),
     True where nothing was dropped. transition_chunks: [M, HV] int32, exact mode: the chunks each
     slot's transition walked (0 on slots not corrected; fewer than the slot has where the gate-driven
-    cut applied, `transition_limits`).
+    cut applied, `transition_limits`). saved: the `CPSaved` of `cp_forward(keep_for_backward=True)`,
+    else None.
     """
 
     plan: object
@@ -279,6 +281,40 @@ class CPInfo(NamedTuple):
     gate_decay_segment: torch.Tensor | None
     gate_ok: torch.Tensor | None
     transition_chunks: torch.Tensor | None = None
+    saved: CPSaved | None = None
+
+
+class CPSaved(NamedTuple):
+    """What a split exact forward keeps so that its backward need not recompute it (all on the device).
+
+    segment_len: L of the forward's plan. cutoff: the transitions' gate-driven cut (natural-log
+    decay, `resolve_truncate`; None: whole segments). T, N: tokens (B * T) and sequences.
+    S_in: [M, HV, K, V] (state dtype) the true state entering every segment slot (the initial state
+    on first slots). P: [M, HV, K, K] the slots' transitions (0 where the cut dropped them). U:
+    [1, T, HV, K] the transition rows of the walked chunks (the rows the backward's E sums read).
+    limit: [M, HV] int32 chunks each slot's transition walked.
+
+    `cp_backward(saved=...)` uses them instead of the run-and-transition launch and the combine
+    scan, which would recompute the same values from the same inputs (bitwise: the same kernels on
+    the same operands). Memory: S_in and P 64 KB each per slot and value head (about 2 * 64 KB / L
+    per token and value head: 64 B at L = 2048), U 256 B per token and value head (bf16).
+    """
+
+    segment_len: int
+    cutoff: float | None
+    T: int
+    N: int
+    S_in: torch.Tensor
+    P: torch.Tensor
+    U: torch.Tensor
+    limit: torch.Tensor
+
+
+def _saved_applies(saved, tables: SegmentTables, total: int, HV: int, cutoff) -> bool:
+    """Whether a forward's `CPSaved` matches the backward's segmentation (same L, sizes and cut)."""
+    return (saved is not None and saved.segment_len == tables.segment_len and saved.T == total
+            and saved.N == tables.N and saved.cutoff == cutoff and saved.S_in.shape[0] == tables.M
+            and saved.S_in.shape[1] == HV)
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -574,7 +610,8 @@ def _gated_layout(tab: SegmentTables, Mc: int, m: int, S_slots: int):
 
 def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens,
                tables: SegmentTables, *, block_v: int, gate_chunks: int | None = None, correction: str = "gemm",
-               poison_outputs: bool = False, want_info: bool = True, static_key=None, truncate=False):
+               poison_outputs: bool = False, want_info: bool = True, static_key=None, truncate=False,
+               keep_for_backward: bool = False):
     """The CP forward over the planner's segment tables (the steps in the module docstring).
 
     Args:
@@ -590,7 +627,9 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
             whole segments; default here False, the public entry points default to
             TRUNCATE_LOG_DECAY). want_info: build the
             `CPInfo` (in gated mode that includes the per-(slot, head) decays and flag: a few dozen
-            small launches). static_key: a hashable key of the static facts when the tables depend on
+            small launches). keep_for_backward: exact mode: also return the `CPSaved` a backward over
+            the same segments can use (`cp_backward(saved=...)`), as the info's `saved` field (the
+            info is then built even without want_info). static_key: a hashable key of the static facts when the tables depend on
             shapes alone (fixed-length input): the index tensors are then built once per key.
     Returns:
         (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] in backend.state_dtype or None,
@@ -647,9 +686,10 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
             Ug = U.view(total, HV, K).index_select(0, tok.reshape(-1)).view(Mc, L, HV, K)
             Sx = torch.where(mask(tab.need_correction), S_in, S_in.new_zeros(())).to(o.dtype)
             _correct_gathered(o, Ug, _ext(Sx, 0)[sel], tok, valid)
-        if want_info:
+        if want_info or keep_for_backward:
             S_c = torch.where(mask(tab.need_correction), S_in, S_in.new_zeros(()))
-            info = CPInfo(None, tab, "exact", S_c, P, Q, None, None, None, limit)
+            saved = CPSaved(L, cutoff, total, N, S_in, P, U, limit) if keep_for_backward else None
+            info = CPInfo(None, tab, "exact", S_c, P, Q, None, None, None, limit, saved)
     else:
         o, Q = _recurrent(backend, qf, kf, vf, A, G2, scale, h0_run, True, pcu, block_v, o_buf)
         m = min(int(gate_chunks), L // CHUNK)  # a segment has at most L / 64 chunks
@@ -892,7 +932,7 @@ def _state_grads_from_outputs(U, do, tab: SegmentTables, total: int, L: int, one
 
 
 def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float, initial_state, cu_seqlens,
-                tables: SegmentTables, *, block_v: int, static_key=None, truncate=False):
+                tables: SegmentTables, *, block_v: int, static_key=None, truncate=False, saved: CPSaved | None = None):
     """Gradients of the forward over the planner's segments (every launch runs all segments at once).
 
     1. entering states S_in: run (v, h0 on first segments) -> Q; transition (v = 0 from I) -> U, P;
@@ -909,8 +949,12 @@ def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float,
     and E_j sums the walked rows only (each dropped U_t is at most scale ||q_t||
     exp(cutoff) in norm, CP-5).
 
+    With `saved` (a split forward's `CPSaved` over the same segments and cut, `_saved_applies`) step 1
+    is skipped: its entering states, transitions, U rows and limits are what it would recompute.
+
     Args: as `chunk_gated_delta_rule_bwd`, with A, g_cum_log2 in the slot layout of
-    tables.cu_seqlens, and tables, block_v, static_key, truncate as `cp_forward`.
+    tables.cu_seqlens, and tables, block_v, static_key, truncate as `cp_forward`; saved: None or a
+    `CPSaved` (ignored when it does not match).
     Returns (dq, dk, dv, dg, dbeta, dh0 [N, HV, K, V] or None when initial_state is None).
     """
     B, T = q.shape[0], q.shape[1]
@@ -923,14 +967,15 @@ def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float,
     key = lambda *parts: None if static_key is None else (static_key, *parts)  # noqa: E731
     one_sequence = N == 1 and B == 1 and _ONE_SEQUENCE_FAST_PATH
     h0 = None if initial_state is None else initial_state.to(sd)
-    h0_run = None
-    if h0 is not None and N > 0:
-        h0_run = _run_states(h0, tab)
     cutoff = resolve_truncate(truncate)
-    limit = transition_limits(g_cum_log2, tab, cutoff)
-    _, Q, U, P = _run_and_transition(backend, qf, kf, vf, A, g_cum_log2, scale, h0_run, limit, tab, pcu, block_v, None,
-                                     cutoff is not None)
-    S_in, _ = scan_segment_states(P, Q, tab, T, h0, first_from_h0=True)
+    if _saved_applies(saved, tab, total, v.shape[2], cutoff):
+        S_in, P, U, limit = saved.S_in, saved.P, saved.U, saved.limit
+    else:
+        h0_run = _run_states(h0, tab) if h0 is not None and N > 0 else None
+        limit = transition_limits(g_cum_log2, tab, cutoff)
+        _, Q, U, P = _run_and_transition(backend, qf, kf, vf, A, g_cum_log2, scale, h0_run, limit, tab, pcu, block_v,
+                                         None, cutoff is not None)
+        S_in, _ = scan_segment_states(P, Q, tab, T, h0, first_from_h0=True)
     E = _state_grads_from_outputs(U, dof, tab, total, L, one_sequence, key, limit=limit)
     D = None if dht is None else dht.to(E.dtype)
     G = scan_segment_grads(P.to(E.dtype), E, tab, T, D).to(sd)
@@ -1188,6 +1233,7 @@ def chunk_gated_delta_rule_cp_fwd(
     backend=None,
     return_info: bool = False,
     truncate=None,
+    keep_for_backward: bool = False,
 ):
     """`flashqla.ops.gdn.api.chunk_gated_delta_rule_fwd` with intra-device context parallelism.
 
@@ -1221,10 +1267,16 @@ def chunk_gated_delta_rule_cp_fwd(
             None ($FLASHQLA_CP_EXACT=1: none; else at TRUNCATE_LOG_DECAY = ln 2^-24), False (whole
             segments: exact), True, or a negative natural-log decay (e.g. -10, FlashQLA's). Heads
             whose gates do not decay past the cutoff within a segment walk it whole.
+        keep_for_backward: training: when the backward's plan (`plan_cp(backward=True)`, the one
+            `chunk_gated_delta_rule_cp_bwd` makes for these inputs) splits, split the forward the
+            same way (exact mode) and return its `CPSaved` as `ChunkGDNForward.cp_saved`, so that the
+            backward skips recomputing the run, the transitions and the combine scan; otherwise as
+            without it (cp_saved None). Ignored with gate_chunks or segment_len.
 
     Returns:
-        `ChunkGDNForward(o, final_state, A, g_cum_log2, q, k)` (o [B, T, HV, V] in q's dtype;
-        final_state [N, HV, K, V] fp32 or None), and the `CPInfo` when return_info.
+        `ChunkGDNForward(o, final_state, A, g_cum_log2, q, k, cp_saved)` (o [B, T, HV, V] in q's dtype;
+        final_state [N, HV, K, V] fp32 or None; cp_saved a `CPSaved` or None), and the `CPInfo` when
+        return_info.
 
     Raises:
         TypeError, ValueError, RuntimeError: as `chunk_gated_delta_rule_fwd` (argument checks, the
@@ -1259,8 +1311,14 @@ def chunk_gated_delta_rule_cp_fwd(
 
         q, k = _l2norm(q), _l2norm(k)
 
-    plan, _ = _plan(q, v, cu_seqlens, cp, segment_len, gate_chunks, None if max_seqlen is None else int(max_seqlen),
-                    sm_count, False)
+    ms = None if max_seqlen is None else int(max_seqlen)
+    keep = keep_for_backward and gate_chunks is None and segment_len is None
+    plan = None
+    if keep:  # the backward's segmentation, so that its CPSaved applies
+        plan, _ = _plan(q, v, cu_seqlens, cp, None, None, ms, sm_count, False, backward=True)
+        keep = plan.split
+    if not keep:
+        plan, _ = _plan(q, v, cu_seqlens, cp, segment_len, gate_chunks, ms, sm_count, False)
     if not plan.split:
         out = _unsplit(backend, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, block_v,
                        poison_outputs, d)
@@ -1281,10 +1339,11 @@ def chunk_gated_delta_rule_cp_fwd(
     o, final, A, G2, info = cp_forward(backend, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                        tables, block_v=BV, gate_chunks=gate_chunks, correction=correction,
                                        poison_outputs=poison_outputs, want_info=return_info, static_key=static_key,
-                                       truncate=False if cutoff is None else cutoff)
+                                       truncate=False if cutoff is None else cutoff, keep_for_backward=keep)
     if relayout:
         A, G2 = segment_slots_to_sequence_slots(A, G2, tables, cu_seqlens, d.B, d.T)
-    out = ChunkGDNForward(o=o, final_state=final, A=A, g_cum_log2=G2, q=q, k=k)
+    out = ChunkGDNForward(o=o, final_state=final, A=A, g_cum_log2=G2, q=q, k=k,
+                          cp_saved=info.saved if keep and info is not None else None)
     return (out, info._replace(plan=plan)) if return_info else out
 
 
@@ -1324,7 +1383,7 @@ def _unsplit(backend, q, k, v, g, beta, scale, initial_state, output_final_state
 def chunk_gated_delta_rule_cp_bwd(
     q, k, v, g, beta, A, g_cum_log2, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
     *, cp=None, segment_len: int | None = None, max_seqlen: int | None = None, block_v: int | None = None,
-    sm_count: int | None = None, backend=None, truncate=None,
+    sm_count: int | None = None, backend=None, truncate=None, cp_saved: CPSaved | None = None,
 ):
     """`flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd` with intra-device context parallelism.
 
@@ -1338,7 +1397,8 @@ def chunk_gated_delta_rule_cp_bwd(
     Args: q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; A [HV, S * 64, 64]; g_cum_log2
         [HV, S * 64]; do [B, T, HV, V]; dht None or [N, HV, K, V]; scale; initial_state None or
         [N, HV, K, V]; cu_seqlens None or [N + 1]; cp, segment_len, max_seqlen, block_v, sm_count,
-        backend, truncate as `chunk_gated_delta_rule_cp_fwd`.
+        backend, truncate as `chunk_gated_delta_rule_cp_fwd`; cp_saved: the forward's
+        `ChunkGDNForward.cp_saved` (`keep_for_backward`), used when it matches this plan's segments.
     Returns (dq, dk, dv, dg, dbeta, dh0 or None), the unsplit backward's dtypes.
     Raises ValueError for an unknown cp mode or a bad segment_len.
     """
@@ -1363,4 +1423,5 @@ def chunk_gated_delta_rule_cp_bwd(
     if hasattr(backend, "warm"):
         backend.warm(_flat(k), _flat(beta), _flat(q), _flat(v), tables.cu_seqlens, v.shape[2], BV, dual=_dual_applies(q, v))
     return cp_backward(backend, q, k, v, g, beta, A_p, G_p, do, dht, scale, initial_state, cu_seqlens, tables,
-                       block_v=BV, static_key=static_key, truncate=False if cutoff is None else cutoff)
+                       block_v=BV, static_key=static_key, truncate=False if cutoff is None else cutoff,
+                       saved=cp_saved)

@@ -44,6 +44,9 @@ class ChunkGDNForward(NamedTuple):
         A and g_cum_log2 are None when `chunk_gated_delta_rule_fwd(for_backward=False)` split the
         sequences (context parallelism keeps them in the segments' layout, useless to a backward).
     q, k: the q and k the kernels used (L2-normalised when use_qk_l2norm_in_kernel).
+    cp_saved: None, or a split forward's `flashqla.cp.driver.CPSaved` (entering states, transitions
+        and U rows of its segments; `chunk_gated_delta_rule_fwd(keep_cp_states=True)`), which
+        `flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd(cp_saved=...)` uses instead of recomputing.
     """
 
     o: torch.Tensor
@@ -52,6 +55,7 @@ class ChunkGDNForward(NamedTuple):
     g_cum_log2: torch.Tensor | None
     q: torch.Tensor
     k: torch.Tensor
+    cp_saved: object = None
 
 
 def _check_supported(q, k, v, g, beta, initial_state) -> None:
@@ -122,6 +126,7 @@ def chunk_gated_delta_rule_fwd(
     cp: str | None = None,
     for_backward: bool = True,
     max_seqlen: int | None = None,
+    keep_cp_states: bool = False,
 ) -> ChunkGDNForward:
     """Forward of `chunk_gated_delta_rule` returning what a backward needs (see `ChunkGDNForward`).
 
@@ -134,6 +139,12 @@ def chunk_gated_delta_rule_fwd(
     ~0.15 ms at 2/8 heads x 32768 tokens on the H200): they are then returned as None.
     `max_seqlen`: host-side bound on the longest sequence, the context-parallel planner's hint
     (`flashqla.validation.planning_max_seqlen`); it changes the plan, never the results.
+    `keep_cp_states` (training, with for_backward): when the backward's context-parallel plan splits
+    these inputs, the forward splits the same way and keeps its segments' entering states,
+    transitions and U rows (`ChunkGDNForward.cp_saved`, `flashqla.cp.driver.CPSaved`) for
+    `chunk_gated_delta_rule_bwd(cp_saved=...)`, which then skips recomputing them (the same values).
+    Memory kept: about 64 KB per segment slot and value head twice (S_in, P) plus 256 B per token and
+    value head (U, bf16).
     """
     from flashqla.ops.gdn.kernels.sm90 import build_kernels
     from flashqla.ops.gdn.kernels.sm90.prepare import chunk_prepare_fwd, prepare_kernel_args
@@ -154,10 +165,13 @@ def chunk_gated_delta_rule_fwd(
     if cp != "off":
         from flashqla.cp.driver import chunk_gated_delta_rule_cp_fwd, cp_splits
 
-        if cp_splits(q, v, cu_seqlens, cp, max_seqlen=max_seqlen):
+        keep = bool(keep_cp_states) and for_backward and cp_splits(q, v, cu_seqlens, cp, max_seqlen=max_seqlen,
+                                                                   backward=True)
+        if keep or cp_splits(q, v, cu_seqlens, cp, max_seqlen=max_seqlen):
             f = chunk_gated_delta_rule_cp_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                               use_qk_l2norm_in_kernel, cp=cp, block_v=block_v, max_seqlen=max_seqlen,
-                                              poison_outputs=poison_outputs, relayout=for_backward)
+                                              poison_outputs=poison_outputs, relayout=for_backward,
+                                              keep_for_backward=keep)
             return f if for_backward else f._replace(A=None, g_cum_log2=None)
 
     if use_qk_l2norm_in_kernel:
@@ -277,7 +291,7 @@ def chunk_gated_delta_rule(
     Source: FLA `fla.ops.gated_delta_rule.chunk_gated_delta_rule` (signature and semantics);
     algorithm DESIGN.md section 1 and `reference.gdn.fused`.
     """
-    from flashqla.ops.gdn.autograd import gdn_fwd, gdn_fwd_inference
+    from flashqla.ops.gdn.autograd import GDNEagerFunction, gdn_fwd, gdn_fwd_inference
 
     d = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     max_seqlen = planning_max_seqlen(cu_seqlens_cpu, cu_seqlens, d.T)
@@ -291,8 +305,12 @@ def chunk_gated_delta_rule(
         q, k = _l2norm(q), _l2norm(k)
     tensors = (q, k, v, g, beta, initial_state)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        o, final_state, _, _ = gdn_fwd(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens, cp,
-                                       max_seqlen)
+        if torch.compiler.is_compiling():  # opaque custom ops (the backward recomputes the split states)
+            o, final_state, _, _ = gdn_fwd(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens,
+                                           cp, max_seqlen)
+        else:  # the same, keeping a split forward's states for the backward
+            o, final_state = GDNEagerFunction.apply(q, k, v, g, beta, initial_state, scale, bool(output_final_state),
+                                                    cu_seqlens, cp, max_seqlen)
     else:  # inference: nothing is kept for a backward
         o, final_state = gdn_fwd_inference(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens,
                                            cp, max_seqlen)

@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["gdn_fwd", "gdn_fwd_inference", "gdn_bwd", "num_slots_for"]
+__all__ = ["gdn_fwd", "gdn_fwd_inference", "gdn_bwd", "num_slots_for", "GDNEagerFunction"]
 
 _EMPTY_SHAPE = (0,)
 
@@ -171,3 +171,45 @@ def _backward(ctx, do, dht, dA, dg_cum):
 
 
 gdn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class GDNEagerFunction(torch.autograd.Function):
+    """The public op's autograd outside torch.compile: the forward and backward of `gdn_fwd` /
+    `gdn_bwd`, plus the split forward's kept states (`chunk_gated_delta_rule_fwd(keep_cp_states=True)`:
+    when the backward's context-parallel plan splits, the forward splits the same way and the backward
+    reuses its segments' entering states, transitions and U rows instead of recomputing them; the
+    gradients are the same bits). The kept states are a Python object on the autograd context, which
+    torch.compile cannot trace: under compilation the custom ops above run instead (and the backward
+    recomputes them).
+
+    apply(q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, cp, max_seqlen)
+        -> (o, final_state or an empty [0] tensor), as `gdn_fwd`'s first two outputs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, cp, max_seqlen):
+        from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
+
+        f = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp=cp,
+                                       max_seqlen=max_seqlen, keep_cp_states=True)
+        ctx.save_for_backward(q, k, v, g, beta, f.A, f.g_cum_log2, initial_state, cu_seqlens)
+        ctx.scale, ctx.output_final_state, ctx.cp, ctx.max_seqlen = scale, output_final_state, cp, max_seqlen
+        ctx.cp_saved = f.cp_saved
+        final_state = f.final_state if f.final_state is not None else q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
+        return f.o, final_state
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
+
+        q, k, v, g, beta, A, g_cum_log2, initial_state, cu_seqlens = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(v, dtype=q.dtype)
+        if not ctx.output_final_state or dht is None or dht.numel() == 0:
+            dht = None
+        saved, ctx.cp_saved = ctx.cp_saved, None  # used once: a second backward (retain_graph) recomputes
+        dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
+            q, k, v, g, beta, A, g_cum_log2, do.contiguous(), dht, ctx.scale, initial_state, cu_seqlens, cp=ctx.cp,
+            max_seqlen=ctx.max_seqlen, cp_saved=saved,
+        )
+        return (dq, dk, dv, dg.to(g.dtype), dbeta, (dh0 if initial_state is not None else None), None, None, None,
+                None, None)

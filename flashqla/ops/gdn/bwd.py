@@ -22,6 +22,7 @@ _BUILT: set = set()
 def chunk_gated_delta_rule_bwd(
     q, k, v, g, beta, A, g_cum_log2, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
     *, h_dtype: torch.dtype = torch.bfloat16, cp: str | None = None, max_seqlen: int | None = None,
+    cp_saved=None,
 ):
     """Gradients of `chunk_gated_delta_rule` from the forward's products.
 
@@ -39,6 +40,9 @@ def chunk_gated_delta_rule_bwd(
             checked against fp64 on the H200, tests/gpu/test_cp_gpu.py).
         max_seqlen: the planner's host-side bound on the longest sequence (None: balanced lengths
             assumed; `flashqla.validation.planning_max_seqlen`); it changes the plan, never the results.
+        cp_saved: the forward's `ChunkGDNForward.cp_saved` (`chunk_gated_delta_rule_fwd(keep_cp_states=True)`)
+            or None; a split backward whose segments match uses it instead of recomputing the
+            forward's run, transitions and combine scan (the same values; ignored otherwise).
 
     Returns:
         (dq [B, T, H, K] q's dtype, dk [B, T, H, K] q's dtype, dv [B, T, HV, V] v's dtype,
@@ -60,7 +64,7 @@ def chunk_gated_delta_rule_bwd(
 
         if cp_splits(q, v, cu_seqlens, cp, backward=True, max_seqlen=max_seqlen):
             return chunk_gated_delta_rule_cp_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens,
-                                                 cp=cp, max_seqlen=max_seqlen)
+                                                 cp=cp, max_seqlen=max_seqlen, cp_saved=cp_saved)
     _build_once(q, v, beta, cu_seqlens, h_dtype)
     q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
     # the kernels take compact arrays: autograd hands over dht as the caller's view (ht.sum() gives a

@@ -1,0 +1,180 @@
+"""The split forward's kept states (`flashqla.cp.driver.CPSaved`) reused by the split backward, on CPU
+with the fp64 reference backend (`reference.gdn.cp.ReferenceCPBackend`).
+
+A forward with `keep_for_backward=True` returns its segments' entering states, transitions, U rows and
+limits; `cp_backward(saved=...)` over the same segments then launches no run or transition and
+gives bitwise the gradients of the backward that recomputes them (the same values from the same
+inputs), for every case of `tests/test_cp_backward.py`'s matrix shape (fixed length, batch rows,
+varlen mixes with empty and 1-token sequences, GVA, initial state and dht on and off, the gate-driven
+cut on and off). A CPSaved that does not match (another L, another cut, other sizes) is ignored.
+The entry points plan the forward with the backward's plan when asked, and the backward reports the
+same gradients with and without the cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashqla.cp import build_segment_tables, chunk_gated_delta_rule_cp_bwd, chunk_gated_delta_rule_cp_fwd, cp_backward
+from flashqla.cp.driver import CPSaved, cp_forward
+from flashqla.cp.planner import clear_plan_cache, plan_cp
+from flashqla.testing import make_gdn_inputs
+from reference.gdn.cp import ReferenceCPBackend
+
+CASES = [  # (B, T, seqlens, L, H, HV)
+    (1, 1000, None, 128, 1, 2),
+    (2, 300, None, 128, 1, 2),
+    (1, 1300, [500, 0, 1, 130, 669], 128, 1, 2),
+    (1, 263, [5, 0, 63, 1, 64, 130], 64, 2, 4),
+]
+
+
+def _inputs(B, T, seqlens, H, HV, h0, seed, K=32, V=16):
+    d = make_gdn_inputs(B, T, H, HV, K, V, seqlens=seqlens, initial_state=h0, dtype=torch.float64, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(d["v"].shape, generator=gen, dtype=torch.float64)
+    N = B if seqlens is None else len(seqlens)
+    dht = torch.randn(N, HV, K, V, generator=gen, dtype=torch.float64)
+    return d, do, dht
+
+
+def _forward(d, L, truncate):
+    """cp_forward with kept states; returns (tables, A, G2 in the segments' layout, CPSaved, backend)."""
+    B, T = d["q"].shape[:2]
+    tab = build_segment_tables(d["cu_seqlens"], L, T=T, B=B)
+    be = ReferenceCPBackend()
+    _, _, A, G2, info = cp_forward(be, d["q"], d["k"], d["v"], d["g"], d["beta"], 32**-0.5, d["initial_state"], True,
+                                   d["cu_seqlens"], tab, block_v=None, want_info=False, truncate=truncate,
+                                   keep_for_backward=True)
+    return tab, A, G2, info.saved, be
+
+
+def _backward(d, do, dht, tab, A, G2, truncate, saved):
+    be = ReferenceCPBackend()
+    got = cp_backward(be, d["q"], d["k"], d["v"], d["g"], d["beta"], A, G2, do, dht, 32**-0.5, d["initial_state"],
+                      d["cu_seqlens"], tab, block_v=None, truncate=truncate, saved=saved)
+    return got, [k for k, _ in be.launches]
+
+
+def _same(a, b):
+    for x, y in zip(a, b):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("B,T,seqlens,L,H,HV", CASES)
+@pytest.mark.parametrize("h0", [True, False])
+@pytest.mark.parametrize("truncate", [False, -10.0])
+def test_saved_backward_is_bitwise_the_recomputing_one(B, T, seqlens, L, H, HV, h0, truncate):
+    d, do, dht = _inputs(B, T, seqlens, H, HV, h0, seed=T + L)
+    tab, A, G2, saved, _ = _forward(d, L, truncate)
+    assert isinstance(saved, CPSaved) and saved.segment_len == L and saved.S_in.shape[0] == tab.M
+    want, launches_recompute = _backward(d, do, dht, tab, A, G2, truncate, None)
+    got, launches_saved = _backward(d, do, dht, tab, A, G2, truncate, saved)
+    _same(got, want)
+    # the recomputing backward runs the run and the transition; the one with the saved states only the backward
+    assert launches_recompute == ["recurrent", "recurrent", "bwd"]
+    assert launches_saved == ["bwd"]
+
+
+def test_saved_states_that_do_not_match_are_ignored():
+    d, do, dht = _inputs(1, 1000, None, 1, 2, True, seed=3)
+    tab, A, G2, saved, _ = _forward(d, 128, False)
+    want, _ = _backward(d, do, dht, tab, A, G2, False, None)
+    for bad in (saved._replace(segment_len=256), saved._replace(cutoff=-10.0), saved._replace(T=999),
+                saved._replace(N=2), saved._replace(S_in=saved.S_in[:-1])):
+        got, launches = _backward(d, do, dht, tab, A, G2, False, bad)
+        assert launches == ["recurrent", "recurrent", "bwd"]  # recomputed
+        _same(got, want)
+
+
+def test_kept_states_are_the_true_entering_states():
+    """S_in of every slot equals the recurrence's state at that slot's first token (the initial
+    state on first slots)."""
+    from reference.gdn.recurrent import recurrent_gated_delta_rule
+
+    d, _, _ = _inputs(1, 700, [300, 0, 400], 1, 2, True, seed=5)
+    tab, _, _, saved, _ = _forward(d, 128, False)
+    start = tab.start.tolist()
+    seq = tab.seq.tolist()
+    valid = tab.valid.tolist()
+    cu = d["cu_seqlens"].tolist()
+    for j in range(tab.M):
+        if not valid[j]:
+            continue
+        n, s0 = seq[j], cu[seq[j]]
+        if start[j] == s0:
+            want = d["initial_state"][n]
+        else:
+            x = {k: (v[:, s0:start[j]] if k in ("q", "k", "v", "g", "beta") else v) for k, v in d.items()
+                 if k not in ("cu_seqlens", "initial_state")}
+            _, want = recurrent_gated_delta_rule(**x, initial_state=d["initial_state"][n:n + 1], output_final_state=True)
+            want = want[0]
+        assert torch.allclose(saved.S_in[j], want, rtol=1e-10, atol=1e-10), j
+
+
+def test_entry_points_plan_the_forward_for_the_backward():
+    """`chunk_gated_delta_rule_cp_fwd(keep_for_backward=True)` splits with the backward's plan where the
+    forward's own plan would not split (2 value heads x 2048 tokens at K = V = 64: the forward stays
+    whole, the backward splits at L = 512), with the same outputs; the backward given its cp_saved
+    returns bitwise the gradients of the one that recomputes, without the run and transition launches."""
+    clear_plan_cache()
+    B, T, HV, K = 1, 2048, 2, 64
+    d, do, dht = _inputs(B, T, [T], 1, HV, True, seed=7, K=K, V=K)
+    assert not plan_cp(HV, 1, T, K, 132, exact=True, max_seqlen=T).split
+    bwd_plan = plan_cp(HV, 1, T, K, 132, exact=True, max_seqlen=T, backward=True)
+    assert bwd_plan.split
+    args = (d["q"], d["k"], d["v"], d["g"], d["beta"], K**-0.5, d["initial_state"], True, d["cu_seqlens"])
+    f = chunk_gated_delta_rule_cp_fwd(*args, backend=ReferenceCPBackend(), sm_count=132, max_seqlen=T,
+                                      keep_for_backward=True)
+    assert f.cp_saved is not None and f.cp_saved.segment_len == bwd_plan.segment_len
+    plain = chunk_gated_delta_rule_cp_fwd(*args, backend=ReferenceCPBackend(), sm_count=132, max_seqlen=T)
+    assert plain.cp_saved is None
+    assert torch.allclose(f.o, plain.o, rtol=1e-10, atol=1e-10)
+    assert torch.allclose(f.final_state, plain.final_state, rtol=1e-10, atol=1e-10)
+    bargs = (f.q, f.k, d["v"], d["g"], d["beta"], f.A, f.g_cum_log2, do, dht, K**-0.5, d["initial_state"],
+             d["cu_seqlens"])
+    be_saved, be_plain = ReferenceCPBackend(), ReferenceCPBackend()
+    got = chunk_gated_delta_rule_cp_bwd(*bargs, backend=be_saved, sm_count=132, max_seqlen=T, cp_saved=f.cp_saved)
+    want = chunk_gated_delta_rule_cp_bwd(*bargs, backend=be_plain, sm_count=132, max_seqlen=T)
+    _same(got, want)
+    assert [k for k, _ in be_saved.launches].count("recurrent") == 0
+    assert [k for k, _ in be_plain.launches].count("recurrent") == 2
+
+
+def test_public_op_backward_reuses_the_forward_states(monkeypatch):
+    """`flashqla.chunk_gated_delta_rule` under autograd (eager): the split forward keeps its states and
+    the backward launches no recurrent pass (2 recurrent launches in all: the forward's run and
+    transition; 4 when the backward recomputes them, as under torch.compile's custom ops), with the
+    gradients of the reference op."""
+    import flashqla
+    import reference
+    from flashqla.cp import driver
+    from flashqla.ops.gdn import api
+    from flashqla.testing import rel_rms
+
+    backend = ReferenceCPBackend()
+    monkeypatch.setattr(driver, "_BACKEND", backend)
+    monkeypatch.setattr(api, "_check_device", lambda q: None)
+    monkeypatch.setattr(api, "_check_supported", lambda *a: None)
+    x = make_gdn_inputs(B=1, T=1000, H=1, HV=2, K=128, V=128, seqlens=[700, 300], seed=21)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+
+    def run(op, **kw):
+        leaves = {n: x[n].clone().requires_grad_(True) for n in names}
+        o, ht = op(*(leaves[n] for n in names[:5]), initial_state=leaves["initial_state"], output_final_state=True,
+                   cu_seqlens=x["cu_seqlens"], **kw)
+        gen = torch.Generator().manual_seed(5)
+        ((o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum()
+         + (ht * torch.randn(ht.shape, generator=gen, dtype=ht.dtype)).sum()).backward()
+        return {n: t.grad for n, t in leaves.items()}
+
+    got = run(flashqla.chunk_gated_delta_rule, cp="on")
+    kinds = [k for k, _ in backend.launches]
+    assert kinds.count("recurrent") == 2 and kinds.count("bwd") == 1, kinds
+    want = run(reference.chunk_gated_delta_rule)
+    for n in names:
+        assert want[n].abs().sum() > 0, n
+        assert rel_rms(got[n], want[n]) < 1e-10, (n, rel_rms(got[n], want[n]))
