@@ -602,3 +602,25 @@ def test_importing_the_bwd_harness_needs_no_peer():
             "print(any(m in sys.modules for m in ('fla', 'flash_qla', 'tilelang', 'triton', 'matplotlib')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_cli_bwd_report_only_also_commits(tmp_path):
+    """`--bwd --report-only --also-commits`: rows the latest commit did not measure come from the named
+    commit; the header counts each commit's rows; a row both measured shows the latest's."""
+    p = tmp_path / f"{PREFIX}.csv"
+    for r in (_line(16, 32, "32k_1seq", (2.0, 2.8), (6.0, 9.0), (3.0, 4.0), commit="old", date="2026-12-01T00:00:00Z"),
+              _line(2, 4, "8k_4seq", (0.9, 1.1), (1.0, 1.4), (0.5, 0.6), commit="old", date="2026-12-01T00:00:00Z"),
+              _line(2, 4, "8k_4seq", (0.5, 0.7), (1.0, 1.4), (0.5, 0.6), commit="new", date="2026-12-01T01:00:00Z")):
+        S.append_row(p, r, BR.RESULT_FIELDS_BWD)
+    run = lambda *extra: subprocess.run([sys.executable, "-m", "flashqla.bench", "--bwd", "--report-only", "--no-plot",  # noqa: E731
+                                         "--results-dir", str(tmp_path), *extra], capture_output=True, text=True, cwd=ROOT)
+    out = run()
+    assert out.returncode == 0, out.stderr
+    md = (tmp_path / f"{PREFIX}.md").read_text()
+    assert "| our commit | new |" in md and "| 16/32 | 32k_1seq |" not in md
+    out = run("--also-commits", "old")
+    assert out.returncode == 0, out.stderr
+    md = (tmp_path / f"{PREFIX}.md").read_text()
+    assert "| our commit | new (1 rows); old (1 rows) |" in md
+    assert "| 16/32 | 32k_1seq |" in md
+    assert "| 2/4 | 8k_4seq |" in md and "| 0.500 |" in md and "| 0.900 |" not in md

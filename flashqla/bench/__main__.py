@@ -85,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--list", action="store_true", help="print the selected rows and exit")
     p.add_argument("--report-only", action="store_true", help="rebuild markdown and plot from the CSVs and exit")
     p.add_argument("--also-commits", metavar="C1,C2",
-                   help="with --report-only: rows not measured at the latest commit are taken from these commits "
+                   help="with --report-only (forward or --bwd): rows not measured at the latest commit are taken from these commits "
                         "(CSV commit ids such as abc1234+cp-auto, first match wins) and shown as they were measured "
                         "there, older code included, not re-measured; the header counts the rows each commit gave, "
                         "the CSV's commit column names each row's")

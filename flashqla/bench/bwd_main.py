@@ -144,9 +144,14 @@ def method_lines(args, impls: dict, tol: dict, fla_dispatch: str = "n/a") -> lis
     ]
 
 
-def write_outputs(paths: dict, env: dict, commit: str, meta: dict, plot: bool) -> None:
-    rows = S.rows_for_key(S.read_rows(paths["csv"]), env, commit)
-    paths["md"].write_text(BR.markdown(rows, env, commit, meta))
+def write_outputs(paths: dict, env: dict, commit: str, meta: dict, plot: bool, also=()) -> None:
+    """The backward page (markdown, plot) from the CSV rows of (env, commit), and for rows not measured
+    at `commit` those of the commits in `also` (first match wins; the header counts the rows each
+    commit gave, as the forward page's `--also-commits`)."""
+    from flashqla.bench.__main__ import commit_label
+
+    rows = S.rows_for_commits(S.read_rows(paths["csv"]), env, [commit, *also])
+    paths["md"].write_text(BR.markdown(rows, env, commit_label(rows, commit, also), meta))
     if plot and rows:
         BR.plot(rows, paths["png"])
 
@@ -168,7 +173,8 @@ def report_only(args) -> int:
     dates = [r.get("date", "") for r in S.rows_for_key(rows, env, commit)]
     meta = {"date": max(dates, default=now_utc()),
             "method": method or ["Rebuilt from the CSV (--report-only); method of the measuring run unknown."]}
-    write_outputs(paths, env, commit, meta, not args.no_plot)
+    also = [c.strip() for c in (getattr(args, "also_commits", None) or "").split(",") if c.strip()]
+    write_outputs(paths, env, commit, meta, not args.no_plot, also)
     print(f"wrote {paths['md']}" + ("" if args.no_plot else f", {paths['png']}"))
     return 0
 
