@@ -270,9 +270,12 @@ def chunk_gated_delta_rule(
     float32, dbeta in beta's dtype, d initial_state float32; the final state's gradient flows in when
     the final state is used. The forward keeps A diag(beta) [HV, S * 64, 64] (q's dtype) and
     g_cum_log2 [HV, S * 64] fp32 for the backward (S chunk slots, about T / 64 per sequence), and
-    the backward recomputes the chunk states (`flashqla.ops.gdn.bwd`, NOTES-bwd.md). Under
-    `torch.compile` the op is one opaque custom op per direction (`flashqla::gdn_fwd`,
-    `flashqla::gdn_bwd`).
+    the backward recomputes the chunk states (`flashqla.ops.gdn.bwd`, NOTES-bwd.md). Where the
+    backward's context-parallel plan splits, the eager forward splits the same way and also keeps
+    its segments' entering states, transitions and U rows (`flashqla.cp.driver.CPSaved`: 256 B per
+    token and value head, plus 128 KB per segment and value head) so that the backward does not
+    recompute them (`autograd.GDNEagerFunction`). Under `torch.compile` the op is one opaque custom
+    op per direction (`flashqla::gdn_fwd`, `flashqla::gdn_bwd`), and that backward recomputes them.
 
     Returns:
         (o, final_state): o [B, T, HV, V] in q's dtype; final_state [N, HV, K, V] float32, or None

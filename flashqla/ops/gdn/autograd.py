@@ -18,7 +18,9 @@ hint (`flashqla.validation.planning_max_seqlen`; None: balanced lengths assumed)
 never the results. S is the number of chunk slots (`kernels.sm90._common.num_slots`: B * ceil(T / 64), or
 floor(T / 64) + N for packed input), a function of shapes only. `gdn_fwd` has a registered
 autograd formula that calls `gdn_bwd` with the saved forward products (A diag(beta), g_cum_log2;
-nothing state-sized is kept: the backward recomputes the chunk states, NOTES-bwd.md).
+nothing state-sized is kept: the backward recomputes the chunk states, NOTES-bwd.md). Outside
+torch.compile the public op uses `GDNEagerFunction` instead: the same launches, plus the split
+forward's kept states (`flashqla.cp.driver.CPSaved`) handed to the split backward.
 
 The L2 normalisation of q and k (`use_qk_l2norm_in_kernel`) happens before these ops, in plain
 differentiable torch (`flashqla.ops.gdn.api._l2norm`), so its gradient comes from autograd.
