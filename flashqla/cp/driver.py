@@ -289,6 +289,8 @@ class CPSaved(NamedTuple):
 
     segment_len: L of the forward's plan. cutoff: the transitions' gate-driven cut (natural-log
     decay, `resolve_truncate`; None: whole segments). T, N: tokens (B * T) and sequences.
+    has_h0: whether the forward had an initial state. cu_key: (data pointer, version counter) of the
+    forward's cu_seqlens, or None for fixed-length input.
     S_in: [M, HV, K, V] (state dtype) the true state entering every segment slot (the initial state
     on first slots). P: [M, HV, K, K] the slots' transitions (0 where the cut dropped them). U:
     [1, T, HV, K] the transition rows of the walked chunks (the rows the backward's E sums read).
@@ -298,23 +300,36 @@ class CPSaved(NamedTuple):
     scan, which would recompute the same values from the same inputs (bitwise: the same kernels on
     the same operands). Memory: S_in and P 64 KB each per slot and value head (about 2 * 64 KB / L
     per token and value head: 64 B at L = 2048), U 256 B per token and value head (bf16).
+
+    Like A and g_cum_log2, it belongs to the forward of the very inputs the backward is given: the
+    backward checks what it can without reading values (segmentation, sizes, cut, whether an initial
+    state was given, the same unmodified cu_seqlens storage) and recomputes when any differs; it
+    cannot tell other q, k, v, g or beta of the same shapes.
     """
 
     segment_len: int
     cutoff: float | None
     T: int
     N: int
+    has_h0: bool
+    cu_key: tuple | None
     S_in: torch.Tensor
     P: torch.Tensor
     U: torch.Tensor
     limit: torch.Tensor
 
 
-def _saved_applies(saved, tables: SegmentTables, total: int, HV: int, cutoff) -> bool:
-    """Whether a forward's `CPSaved` matches the backward's segmentation (same L, sizes and cut)."""
+def _cu_key(cu_seqlens) -> tuple | None:
+    return None if cu_seqlens is None else (cu_seqlens.data_ptr(), cu_seqlens._version)
+
+
+def _saved_applies(saved, tables: SegmentTables, total: int, HV: int, cutoff, has_h0: bool, cu_seqlens) -> bool:
+    """Whether a forward's `CPSaved` matches the backward's segmentation (same L, sizes and cut) and
+    inputs as far as they can be told apart without reading values (initial state given or not, the
+    same cu_seqlens storage at the same version)."""
     return (saved is not None and saved.segment_len == tables.segment_len and saved.T == total
             and saved.N == tables.N and saved.cutoff == cutoff and saved.S_in.shape[0] == tables.M
-            and saved.S_in.shape[1] == HV)
+            and saved.S_in.shape[1] == HV and saved.has_h0 == has_h0 and saved.cu_key == _cu_key(cu_seqlens))
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -688,7 +703,8 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
             _correct_gathered(o, Ug, _ext(Sx, 0)[sel], tok, valid)
         if want_info or keep_for_backward:
             S_c = torch.where(mask(tab.need_correction), S_in, S_in.new_zeros(()))
-            saved = CPSaved(L, cutoff, total, N, S_in, P, U, limit) if keep_for_backward else None
+            saved = (CPSaved(L, cutoff, total, N, h0 is not None, _cu_key(cu_seqlens), S_in, P, U, limit)
+                     if keep_for_backward else None)
             info = CPInfo(None, tab, "exact", S_c, P, Q, None, None, None, limit, saved)
     else:
         o, Q = _recurrent(backend, qf, kf, vf, A, G2, scale, h0_run, True, pcu, block_v, o_buf)
@@ -968,7 +984,7 @@ def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float,
     one_sequence = N == 1 and B == 1 and _ONE_SEQUENCE_FAST_PATH
     h0 = None if initial_state is None else initial_state.to(sd)
     cutoff = resolve_truncate(truncate)
-    if _saved_applies(saved, tab, total, v.shape[2], cutoff):
+    if _saved_applies(saved, tab, total, v.shape[2], cutoff, h0 is not None, cu_seqlens):
         S_in, P, U, limit = saved.S_in, saved.P, saved.U, saved.limit
     else:
         h0_run = _run_states(h0, tab) if h0 is not None and N > 0 else None

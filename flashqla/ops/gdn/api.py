@@ -274,8 +274,10 @@ def chunk_gated_delta_rule(
     backward's context-parallel plan splits, the eager forward splits the same way and also keeps
     its segments' entering states, transitions and U rows (`flashqla.cp.driver.CPSaved`: 256 B per
     token and value head, plus 128 KB per segment and value head) so that the backward does not
-    recompute them (`autograd.GDNEagerFunction`). Under `torch.compile` the op is one opaque custom
-    op per direction (`flashqla::gdn_fwd`, `flashqla::gdn_bwd`), and that backward recomputes them.
+    recompute them (`autograd.GDNEagerFunction`); o then comes from the backward's segmentation and
+    can differ from a no-grad call's at the level of its rounding. Under `torch.compile` the op is one
+    opaque custom op per direction (`flashqla::gdn_fwd`, `flashqla::gdn_bwd`), and that backward
+    recomputes them. The gradients are differentiable once (a double backward raises).
 
     Returns:
         (o, final_state): o [B, T, HV, V] in q's dtype; final_state [N, HV, K, V] float32, or None

@@ -180,9 +180,11 @@ class GDNEagerFunction(torch.autograd.Function):
     `gdn_bwd`, plus the split forward's kept states (`chunk_gated_delta_rule_fwd(keep_cp_states=True)`:
     when the backward's context-parallel plan splits, the forward splits the same way and the backward
     reuses its segments' entering states, transitions and U rows instead of recomputing them; the
-    gradients are the same bits). The kept states are a Python object on the autograd context, which
-    torch.compile cannot trace: under compilation the custom ops above run instead (and the backward
-    recomputes them).
+    gradients are the same bits). The kept tensors are saved with save_for_backward (saved-tensor
+    hooks such as activation checkpointing or CPU offloading see them); their sizes and flags ride on
+    the autograd context as Python values, which torch.compile cannot trace: under compilation the
+    custom ops above run instead (and the backward recomputes them). Differentiable once, as the
+    custom ops (a double backward raises).
 
     apply(q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, cp, max_seqlen)
         -> (o, final_state or an empty [0] tensor), as `gdn_fwd`'s first two outputs."""
@@ -193,22 +195,28 @@ class GDNEagerFunction(torch.autograd.Function):
 
         f = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp=cp,
                                        max_seqlen=max_seqlen, keep_cp_states=True)
-        ctx.save_for_backward(q, k, v, g, beta, f.A, f.g_cum_log2, initial_state, cu_seqlens)
+        kept = f.cp_saved
+        # the kept tensors go through save_for_backward too, so that saved-tensor hooks see them
+        # (activation checkpointing drops and regenerates them, offloading moves them)
+        extra = () if kept is None else (kept.S_in, kept.P, kept.U, kept.limit)
+        ctx.save_for_backward(q, k, v, g, beta, f.A, f.g_cum_log2, initial_state, cu_seqlens, *extra)
         ctx.scale, ctx.output_final_state, ctx.cp, ctx.max_seqlen = scale, output_final_state, cp, max_seqlen
-        ctx.cp_saved = f.cp_saved
+        ctx.kept_meta = None if kept is None else kept[:6]  # the CPSaved fields before the tensors
         final_state = f.final_state if f.final_state is not None else q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
         return f.o, final_state
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, do, dht):
+        from flashqla.cp.driver import CPSaved
         from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
 
-        q, k, v, g, beta, A, g_cum_log2, initial_state, cu_seqlens = ctx.saved_tensors
+        q, k, v, g, beta, A, g_cum_log2, initial_state, cu_seqlens, *extra = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(v, dtype=q.dtype)
         if not ctx.output_final_state or dht is None or dht.numel() == 0:
             dht = None
-        saved, ctx.cp_saved = ctx.cp_saved, None  # used once: a second backward (retain_graph) recomputes
+        saved = CPSaved(*ctx.kept_meta, *extra) if ctx.kept_meta is not None else None
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
             q, k, v, g, beta, A, g_cum_log2, do.contiguous(), dht, ctx.scale, initial_state, cu_seqlens, cp=ctx.cp,
             max_seqlen=ctx.max_seqlen, cp_saved=saved,

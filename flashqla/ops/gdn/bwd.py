@@ -42,7 +42,10 @@ def chunk_gated_delta_rule_bwd(
             assumed; `flashqla.validation.planning_max_seqlen`); it changes the plan, never the results.
         cp_saved: the forward's `ChunkGDNForward.cp_saved` (`chunk_gated_delta_rule_fwd(keep_cp_states=True)`)
             or None; a split backward whose segments match uses it instead of recomputing the
-            forward's run, transitions and combine scan (the same values; ignored otherwise).
+            forward's run, transitions and combine scan (the same values). Like A and g_cum_log2 it
+            must come from the forward of these inputs: what can be checked without reading values
+            is (segments, sizes, cut, initial state given or not, the same unmodified cu_seqlens);
+            on a mismatch there it is ignored.
 
     Returns:
         (dq [B, T, H, K] q's dtype, dk [B, T, H, K] q's dtype, dv [B, T, HV, V] v's dtype,
