@@ -268,7 +268,7 @@ class CPInfo(NamedTuple):
     True where nothing was dropped. transition_chunks: [M, HV] int32, exact mode: the chunks each
     slot's transition walked (0 on slots not corrected; fewer than the slot has where the gate-driven
     cut applied, `transition_limits`). saved: the `CPSaved` of `cp_forward(keep_for_backward=True)`,
-    else None.
+    else None (the info `cp_forward` builds for that alone, without want_info, leaves S_in None).
     """
 
     plan: object
@@ -701,8 +701,8 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
             Ug = U.view(total, HV, K).index_select(0, tok.reshape(-1)).view(Mc, L, HV, K)
             Sx = torch.where(mask(tab.need_correction), S_in, S_in.new_zeros(())).to(o.dtype)
             _correct_gathered(o, Ug, _ext(Sx, 0)[sel], tok, valid)
-        if want_info or keep_for_backward:
-            S_c = torch.where(mask(tab.need_correction), S_in, S_in.new_zeros(()))
+        if want_info or keep_for_backward:  # (the masked copy only when the info is wanted)
+            S_c = torch.where(mask(tab.need_correction), S_in, S_in.new_zeros(())) if want_info else None
             saved = (CPSaved(L, cutoff, total, N, h0 is not None, _cu_key(cu_seqlens), S_in, P, U, limit)
                      if keep_for_backward else None)
             info = CPInfo(None, tab, "exact", S_c, P, Q, None, None, None, limit, saved)

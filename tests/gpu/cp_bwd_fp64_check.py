@@ -26,14 +26,13 @@ def main(argv=None) -> int:
     from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
     from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
     from flashqla.testing import make_gdn_inputs
+    from tests.gpu.device_check import parse_row
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--row", default="8/16 1x8192")
     ap.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048])
     a = ap.parse_args(argv)
-    heads, mix = a.row.split()
-    H, HV = (int(n) for n in heads.split("/"))
-    lengths = [int(mix.split("x")[1])] * int(mix.split("x")[0]) if "x" in mix else [int(n) for n in mix.split("+")]
+    H, HV, lengths = parse_row(a.row)
     T = sum(lengths)
     x = make_gdn_inputs(1, T, H, HV, 128, 128, seqlens=lengths, dtype=torch.bfloat16, device="cuda",
                         gate="qwen3next", special_heads=True, seed=0)

@@ -27,7 +27,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from tests.gpu.device_check import time_graph  # noqa: E402
+from tests.gpu.device_check import parse_row, time_graph  # noqa: E402
 
 ROWS = ["4/8 1x8192", "16/32 1x8192", "4/8 1x32768", "4/8 3274+1029+2909+5061+2011+3793+9932+4759",
         "16/32 161+1928+3157+563+1244+229+177+733"]
@@ -35,7 +35,6 @@ LENGTHS = [512, 768, 1024, 1536, 2048, 2560, 3072, 4096, 6144, 8192]
 
 
 def main(argv=None) -> int:
-    from flashqla.bench.grid import parse_heads
     from flashqla.cp import planner as P
     from flashqla.cp.driver import chunk_gated_delta_rule_cp_bwd
     from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
@@ -50,11 +49,8 @@ def main(argv=None) -> int:
     results = []
     names = ("dq", "dk", "dv", "dg", "dbeta")
     for row in a.rows:
-        heads, mix = row.split()
-        h = parse_heads(heads)
-        # COUNTxLENGTH (1x8192: one sequence) or a+b+...
-        lengths = [int(mix.split("x")[1])] * int(mix.split("x")[0]) if "x" in mix else [int(n) for n in mix.split("+")]
-        H, HV, T, N = h.h_qk, h.h_v, sum(lengths), len(lengths)
+        H, HV, lengths = parse_row(row)
+        T, N = sum(lengths), len(lengths)
         lm = max(lengths)
         x = make_gdn_inputs(1, T, H, HV, 128, 128, seqlens=lengths, dtype=torch.bfloat16, device="cuda",
                             gate="qwen3next", special_heads=True, seed=0)

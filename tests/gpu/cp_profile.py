@@ -31,6 +31,7 @@ def main(argv=None) -> int:
     from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
     from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
     from flashqla.testing import make_gdn_inputs
+    from tests.gpu.device_check import parse_row
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", nargs="+", default=["2/8 28672+4096", "2/8 1x32768"])
@@ -43,9 +44,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     reps = 5
     for row in a.rows:
-        heads, mix = row.split()
-        H, HV = (int(x) for x in heads.split("/"))
-        lengths = [int(mix.split("x")[1])] * int(mix.split("x")[0]) if "x" in mix else [int(x) for x in mix.split("+")]
+        H, HV, lengths = parse_row(row)
         T = sum(lengths)
         x = make_gdn_inputs(1, T, H, HV, 128, 128, seqlens=lengths, dtype=torch.bfloat16, device="cuda",
                             gate="qwen3next", special_heads=True, seed=0)
@@ -57,7 +56,7 @@ def main(argv=None) -> int:
         from flashqla.cp.driver import _plan
 
         plan, _ = _plan(q, v, cu, "auto", None, None, ms, None, False, backward=a.bwd)
-        print(f"plan {row}: split={plan.split} L={plan.segment_len} BV={plan.BV} ({plan.reason})")
+        print(f"our plan {row}: split={plan.split} L={plan.segment_len} BV={plan.BV} ({plan.reason})")
         if a.inference:
             from flashqla import chunk_gated_delta_rule
 

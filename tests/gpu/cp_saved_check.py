@@ -20,7 +20,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from tests.gpu.device_check import time_graph  # noqa: E402
+from tests.gpu.device_check import parse_row, time_graph  # noqa: E402
 
 ROWS = ["16/32 1x8192", "4/8 3274+1029+2909+5061+2011+3793+9932+4759", "2/4 1x32768"]
 
@@ -35,9 +35,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     table = []
     for row in a.rows:
-        heads, mix = row.split()
-        H, HV = (int(n) for n in heads.split("/"))
-        lengths = [int(mix.split("x")[1])] * int(mix.split("x")[0]) if "x" in mix else [int(n) for n in mix.split("+")]
+        H, HV, lengths = parse_row(row)
         T, ms = sum(lengths), max(lengths)
         x = make_gdn_inputs(1, T, H, HV, 128, 128, seqlens=lengths, dtype=torch.bfloat16, device="cuda",
                             gate="qwen3next", special_heads=True, initial_state=True, seed=0)

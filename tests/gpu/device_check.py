@@ -41,6 +41,17 @@ PEERS = {  # H200, ms, FlashQLA / FLA forward (shared/device/README.md)
 }
 
 
+def parse_row(row: str) -> tuple[int, int, list[int]]:
+    """"h_qk/h_v MIX" -> (H, HV, lengths), MIX either COUNTxLENGTH ("1x32768": one sequence; the
+    benchmark's own notation is LENGTHxCOUNT) or "a+b+..." (the GPU scripts' row notation)."""
+    heads, mix = row.split()
+    H, HV = (int(n) for n in heads.split("/"))
+    if "x" in mix:
+        count, length = mix.split("x")
+        return H, HV, [int(length)] * int(count)
+    return H, HV, [int(n) for n in mix.split("+")]
+
+
 def gen_inputs(H, HV, lengths, varlen, dtype=torch.bfloat16, seed=0, h0=True):
     """Valid-domain inputs made on the GPU (q, k L2-normalised, logsigmoid/16 gate)."""
     g = torch.Generator(device="cuda").manual_seed(seed)

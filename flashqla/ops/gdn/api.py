@@ -154,6 +154,8 @@ def chunk_gated_delta_rule_fwd(
     _check_supported(q, k, v, g, beta, initial_state)
     if not isinstance(use_qk_l2norm_in_kernel, bool):
         raise TypeError(f"use_qk_l2norm_in_kernel must be a bool, got {type(use_qk_l2norm_in_kernel).__name__}")
+    if not isinstance(keep_cp_states, bool):
+        raise TypeError(f"keep_cp_states must be a bool, got {type(keep_cp_states).__name__}")
     cp = cp_mode(cp)
     _check_device(q)
     scale = d.K**-0.5 if scale is None else float(scale)
@@ -165,7 +167,7 @@ def chunk_gated_delta_rule_fwd(
     if cp != "off":
         from flashqla.cp.driver import chunk_gated_delta_rule_cp_fwd, cp_splits
 
-        keep = bool(keep_cp_states) and for_backward and cp_splits(q, v, cu_seqlens, cp, max_seqlen=max_seqlen,
+        keep = keep_cp_states and for_backward and cp_splits(q, v, cu_seqlens, cp, max_seqlen=max_seqlen,
                                                                    backward=True)
         if keep or cp_splits(q, v, cu_seqlens, cp, max_seqlen=max_seqlen):
             f = chunk_gated_delta_rule_cp_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -314,7 +316,7 @@ def chunk_gated_delta_rule(
             o, final_state, _, _ = gdn_fwd(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens,
                                            cp, max_seqlen)
         else:  # the same, keeping a split forward's states for the backward
-            o, final_state = GDNEagerFunction.apply(q, k, v, g, beta, initial_state, scale, bool(output_final_state),
+            o, final_state = GDNEagerFunction.apply(q, k, v, g, beta, scale, initial_state, bool(output_final_state),
                                                     cu_seqlens, cp, max_seqlen)
     else:  # inference: nothing is kept for a backward
         o, final_state = gdn_fwd_inference(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens,

@@ -159,17 +159,29 @@ def _setup_context(ctx, inputs, output):
     ctx.max_seqlen = max_seqlen
 
 
-def _backward(ctx, do, dht, dA, dg_cum):
-    del dA, dg_cum  # A and g_cum_log2 are saved products, not differentiable outputs
-    q, k, v, g, beta, A, g_cum_log2, initial_state, cu_seqlens = ctx.saved_tensors
+def _cotangents(ctx, q, v, do, dht):
+    """(do, dht) as the backward takes them: zeros for an unused o, None for an unused final state."""
     if do is None:
         do = torch.zeros_like(v, dtype=q.dtype)
     if not ctx.output_final_state or dht is None or dht.numel() == 0:
         dht = None
-    dq, dk, dv, dg, dbeta, dh0 = gdn_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, ctx.scale, initial_state, cu_seqlens,
-                                         ctx.cp, ctx.max_seqlen)
+    return do, dht
+
+
+def _input_grads(g, initial_state, dq, dk, dv, dg, dbeta, dh0) -> tuple:
+    """The gradients of (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp,
+    max_seqlen), the forward's inputs in `gdn_fwd`'s order."""
     return (dq, dk, dv, dg.to(g.dtype), dbeta, None, (dh0 if initial_state is not None else None), None, None, None,
             None)
+
+
+def _backward(ctx, do, dht, dA, dg_cum):
+    del dA, dg_cum  # A and g_cum_log2 are saved products, not differentiable outputs
+    q, k, v, g, beta, A, g_cum_log2, initial_state, cu_seqlens = ctx.saved_tensors
+    do, dht = _cotangents(ctx, q, v, do, dht)
+    grads = gdn_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, ctx.scale, initial_state, cu_seqlens, ctx.cp,
+                    ctx.max_seqlen)
+    return _input_grads(g, initial_state, *grads)
 
 
 gdn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -186,11 +198,11 @@ class GDNEagerFunction(torch.autograd.Function):
     custom ops above run instead (and the backward recomputes them). Differentiable once, as the
     custom ops (a double backward raises).
 
-    apply(q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, cp, max_seqlen)
-        -> (o, final_state or an empty [0] tensor), as `gdn_fwd`'s first two outputs."""
+    apply(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp, max_seqlen)
+        -> (o, final_state or an empty [0] tensor), as `gdn_fwd`'s arguments and first two outputs."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, cp, max_seqlen):
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp, max_seqlen):
         from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
 
         f = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp=cp,
@@ -212,14 +224,9 @@ class GDNEagerFunction(torch.autograd.Function):
         from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
 
         q, k, v, g, beta, A, g_cum_log2, initial_state, cu_seqlens, *extra = ctx.saved_tensors
-        if do is None:
-            do = torch.zeros_like(v, dtype=q.dtype)
-        if not ctx.output_final_state or dht is None or dht.numel() == 0:
-            dht = None
+        do, dht = _cotangents(ctx, q, v, do, dht)
         saved = CPSaved(*ctx.kept_meta, *extra) if ctx.kept_meta is not None else None
-        dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
-            q, k, v, g, beta, A, g_cum_log2, do.contiguous(), dht, ctx.scale, initial_state, cu_seqlens, cp=ctx.cp,
-            max_seqlen=ctx.max_seqlen, cp_saved=saved,
-        )
-        return (dq, dk, dv, dg.to(g.dtype), dbeta, (dh0 if initial_state is not None else None), None, None, None,
-                None, None)
+        grads = chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, g_cum_log2, do.contiguous(), dht, ctx.scale,
+                                           initial_state, cu_seqlens, cp=ctx.cp, max_seqlen=ctx.max_seqlen,
+                                           cp_saved=saved)
+        return _input_grads(g, initial_state, *grads)

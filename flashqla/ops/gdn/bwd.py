@@ -45,7 +45,7 @@ def chunk_gated_delta_rule_bwd(
             forward's run, transitions and combine scan (the same values). Like A and g_cum_log2 it
             must come from the forward of these inputs: what can be checked without reading values
             is (segments, sizes, cut, initial state given or not, the same unmodified cu_seqlens);
-            on a mismatch there it is ignored.
+            on a mismatch there it is ignored. TypeError when it is neither None nor a `CPSaved`.
 
     Returns:
         (dq [B, T, H, K] q's dtype, dk [B, T, H, K] q's dtype, dv [B, T, HV, V] v's dtype,
@@ -62,6 +62,12 @@ def chunk_gated_delta_rule_bwd(
 
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     cp = cp_mode(cp)
+    if cp_saved is not None:
+        from flashqla.cp.driver import CPSaved
+
+        if not isinstance(cp_saved, CPSaved):
+            raise TypeError(f"cp_saved must be None or the forward's ChunkGDNForward.cp_saved (a CPSaved), "
+                            f"got {type(cp_saved).__name__}")
     if cp != "off":
         from flashqla.cp.driver import chunk_gated_delta_rule_cp_bwd, cp_splits
 
