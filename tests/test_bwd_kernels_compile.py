@@ -70,6 +70,10 @@ def test_finish_kernels_compile():
     assert "float4" in src and "uint2" in src, "the GVA reduction should move vectors"
     src = build_gva_reduce_kernel(2, 6, 128, "float16").get_kernel_source()
     assert src.count("*(float4*)(dq_hv") == 3, "G = 3: three loads summed per vector"
+    # from pass-2 v5's per-value-head dq / dk in q's dtype: vector loads of bf16, summed in fp32
+    src = build_gva_reduce_kernel(2, 4, 128, "bfloat16", "bfloat16").get_kernel_source()
+    assert "bfloat16_t* __restrict__ dq_hv" in src or "bfloat16_t* dq_hv" in src, src[:2000]
+    assert "float4" in src or "uint4" in src or "uint2" in src, "the GVA reduction should move vectors"
 
 
 def test_build_kernels_knows_the_backward_kinds():
@@ -145,7 +149,11 @@ def test_op_kernel_specs_match_the_launch_keys(varlen):
         assert ("states_bwd", states_kernel_args(q, v, offsets, torch.bfloat16)) in listed
         assert ("chunk_bwd", chunk_bwd_kernel_args(q, v, beta, h, offsets) + (DEFAULT_VARIANT,)) in listed
         assert ("dg_cumsum", (4, "int64" if varlen else "int32", offsets is not None)) in listed
-    assert specs["gva_reduce"] == (2, 4, 128, "bfloat16")
+    # v5 hands over dq / dk per value head in q's dtype: the GVA sum reads bf16; with HV == H nothing is
+    # reduced (pass 2's outputs are dq and dk)
+    assert specs["gva_reduce"] == (2, 4, 128, "bfloat16") + (("bfloat16",) if DEFAULT_VARIANT == "v5" else ())
+    same = op_kernel_specs(4, 4, N=N, varlen=varlen, seq_dtype="int64" if varlen else "int32")
+    assert ("gva_reduce" in dict(same)) == (DEFAULT_VARIANT != "v5")
 
 
 def test_cp_mode_is_checked_before_device_work(monkeypatch):
@@ -312,6 +320,9 @@ def test_chunk_bwd_v5_kernel_compiles(dtype, beta_dtype, seq_dtype, varlen):
     assert "wgmma" in src
     if varlen:
         assert "(Np1 - 2)" in src and "cu_seqlens[0]" in src, "rows of no sequence must be zeroed in-kernel"
+    # dq and dk per value head are stored in q's dtype (rounded once from the fp32 accumulators)
+    ctype = {"bfloat16": "bfloat16_t", "float16": "half_t"}[dtype]
+    assert f"{ctype}* __restrict__ dq_hv" in src and f"{ctype}* __restrict__ dk_hv" in src
     r = ptxas_report(kernel)
     log = _ptxas_log(kernel)
     assert "C751" not in log, "ptxas serialised wgmma: " + log
@@ -326,3 +337,32 @@ def test_chunk_bwd_v5_applies_to_its_configurations_only():
     assert v5_applies(128, 128, "bfloat16", "bfloat16") and v5_applies(128, 128, "float16", "float16")
     assert not v5_applies(128, 128, "bfloat16", "float32")
     assert not v5_applies(64, 128, "bfloat16", "bfloat16") and not v5_applies(128, 64, "bfloat16", "bfloat16")
+
+
+def test_finish_skips_the_gva_sum_when_pass2_wrote_dq_and_dk(monkeypatch):
+    """Pass 3 on pass-2 outputs in q's dtype (v5): with one value head per q/k head dq_hv, dk_hv are
+    returned as dq, dk (no launch); with a group of two the sum is built for bf16 inputs; fp32 inputs
+    (v1 / v2) keep the fp32 build."""
+    from flashqla.ops.gdn.kernels.sm90 import finish_bwd
+
+    built = []
+
+    def fake_reduce(H, HV, K, dtype, in_dtype="float32"):
+        built.append((H, HV, K, dtype, in_dtype))
+        return lambda dq_hv, dk_hv, dq, dk: (dq.copy_(dq_hv.view(*dq.shape[:2], H, -1, K).float().sum(3)),
+                                             dk.copy_(dk_hv.view(*dk.shape[:2], H, -1, K).float().sum(3)))
+
+    monkeypatch.setattr(finish_bwd, "build_gva_reduce_kernel", fake_reduce)
+    monkeypatch.setattr(finish_bwd, "build_dg_cumsum_kernel", lambda *a: (lambda *b: None))
+    B, T, K = 1, 5, 128
+    dG = torch.zeros(2, 64)
+    dq_hv = torch.randn(B, T, 2, K).to(torch.bfloat16)
+    dk_hv = torch.randn(B, T, 2, K).to(torch.bfloat16)
+    dq, dk, dg = finish_bwd.chunk_finish_bwd(dG, dq_hv, dk_hv, None, 2, torch.bfloat16)
+    assert dq is dq_hv and dk is dk_hv and built == [] and dg.shape == (B, T, 2)
+    dq, dk, _ = finish_bwd.chunk_finish_bwd(dG, dq_hv, dk_hv, None, 1, torch.bfloat16)
+    assert built == [(1, 2, K, "bfloat16", "bfloat16")] and dq.shape == (B, T, 1, K)
+    torch.testing.assert_close(dq[:, :, 0].float(), dq_hv.float().sum(2), rtol=1e-2, atol=1e-2)
+    built.clear()
+    dq, _, _ = finish_bwd.chunk_finish_bwd(dG, dq_hv.float(), dk_hv.float(), None, 2, torch.bfloat16)
+    assert built == [(2, 2, K, "bfloat16", "float32")] and dq.dtype == torch.bfloat16 and dq is not dq_hv

@@ -149,8 +149,9 @@ def _pass2_poisoned(variant, q, k, v, beta, A, gcl, h, do, dht, cu):
     N = cu.numel() - 1 if cu is not None else B
     S = num_slots(B, T, N, cu is not None)
     nan = dict(device="cuda")
-    dq_hv = torch.full((B, T, HV, K), float("nan"), **nan)
-    dk_hv = torch.full((B, T, HV, K), float("nan"), **nan)
+    qk = dict(nan, dtype=q.dtype if variant == "v5" else torch.float32)  # v5 stores dq / dk in q's dtype
+    dq_hv = torch.full((B, T, HV, K), float("nan"), **qk)
+    dk_hv = torch.full((B, T, HV, K), float("nan"), **qk)
     dv = torch.full_like(v, float("nan"))
     dbeta = torch.full((B, T, HV), float("nan"), **nan)
     dG = torch.full((HV, S * CHUNK), float("nan"), **nan)

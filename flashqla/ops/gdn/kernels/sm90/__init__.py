@@ -187,8 +187,14 @@ TileLang."""
                 ("chunk_bwd", (H, HV, K, V, dtype, h_dtype, beta_dtype, sd, vl, BWD_VARIANT)),
                 ("dg_cumsum", (HV, sd, vl)),
             ]
+        from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import v5_applies
+
+        # pass 2's per-value-head dq / dk: q's dtype from v5 (then with HV == H they are dq / dk and
+        # nothing is reduced), fp32 from v1 / v2
+        qk_in = dtype if BWD_VARIANT == "v5" and v5_applies(K, V, dtype, h_dtype) else "float32"
+        if HV != H or qk_in != dtype:
+            specs.append(("gva_reduce", (H, HV, K, dtype) + (() if qk_in == "float32" else (qk_in,))))
         specs += [
-            ("gva_reduce", (H, HV, K, dtype)),
             ("cp_scan", (HV, K, V, True)),
             ("cp_state_grads", (HV, K, V, dtype, seq_dtype if varlen else "int32")),
         ]

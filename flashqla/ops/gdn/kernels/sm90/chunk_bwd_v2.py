@@ -503,11 +503,12 @@ def build_chunk_bwd_v2_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dty
                                 f"{'' if exact_diagonal else '_rounded_diagonal'}")
 
 
-def launch_pass2(build, q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens):
-    """Launches a pass-2 kernel whose CTAs write every row of their outputs (v2, v5): dq_hv, dk_hv,
-    dv, dbeta and dh0 allocated uninitialised, dG zeroed; with no CTA to run (no slot, token or
-    sequence), zeros and dh0 = dht. build(args) returns the compiled kernel for the static key
-    `chunk_bwd.chunk_bwd_kernel_args`. Arguments and results as `chunk_bwd.chunk_fused_bwd`."""
+def launch_pass2(build, q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, qk_dtype=torch.float32):
+    """Launches a pass-2 kernel whose CTAs write every row of their outputs (v2, v5): dq_hv, dk_hv
+    (in qk_dtype: fp32 for v2, q's dtype for v5), dv, dbeta and dh0 allocated uninitialised, dG
+    zeroed; with no CTA to run (no slot, token or sequence), zeros and dh0 = dht. build(args) returns
+    the compiled kernel for the static key `chunk_bwd.chunk_bwd_kernel_args`. Arguments and results
+    as `chunk_bwd.chunk_fused_bwd`."""
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_bwd_kernel_args
     from flashqla.ops.gdn.kernels.sm90.prepare import dummy_cu_seqlens
 
@@ -517,8 +518,8 @@ def launch_pass2(build, q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, 
     N = cu_seqlens.numel() - 1 if varlen else B
     S = num_slots(B, T, N, varlen)
     dev = q.device
-    dq_hv = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
-    dk_hv = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
+    dq_hv = torch.empty(B, T, HV, K, dtype=qk_dtype, device=dev)
+    dk_hv = torch.empty(B, T, HV, K, dtype=qk_dtype, device=dev)
     dv = torch.empty_like(v)
     dbeta = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
     dG = torch.zeros(HV, S * CHUNK, dtype=torch.float32, device=dev)

@@ -102,8 +102,8 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
         cu_seqlens: T.Tensor((Np1,), seq_dtype),
         scale: T.float32,
         use_dht: T.int32,
-        dq_hv: T.Tensor((B, Tn, HV, K), "float32"),
-        dk_hv: T.Tensor((B, Tn, HV, K), "float32"),
+        dq_hv: T.Tensor((B, Tn, HV, K), dtype),
+        dk_hv: T.Tensor((B, Tn, HV, K), dtype),
         dv: T.Tensor((B, Tn, HV, V), dtype),
         dbeta: T.Tensor((B, Tn, HV), "float32"),
         dG: T.Tensor((HV, R), "float32"),
@@ -267,8 +267,8 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         for tb in T.serial(T.ceildiv(cnt, C)):
                             for t, d in T.Parallel(C, K):
                                 if tb * C + t < cnt:
-                                    dq_hv[0, lo + tb * C + t, hv, d] = T.float32(0)
-                                    dk_hv[0, lo + tb * C + t, hv, d] = T.float32(0)
+                                    dq_hv[0, lo + tb * C + t, hv, d] = T.cast(0, dtype)
+                                    dk_hv[0, lo + tb * C + t, hv, d] = T.cast(0, dtype)
                             for t, d in T.Parallel(C, V):
                                 if tb * C + t < cnt:
                                     dv[0, lo + tb * C + t, hv, d] = T.cast(0, dtype)
@@ -375,7 +375,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     T.gemm(pm_s, q_s, dk, transpose_A=True)
                     for t, d in T.Parallel(C, K):
                         if t < nvalid:
-                            dk_hv[bidx, t0 + t, hv, d] = dk[t, d]
+                            dk_hv[bidx, t0 + t, hv, d] = T.cast(dk[t, d], dtype)
                     # dq = scale diag(gamma) dO S0^T + (scale M Gamma) K; dG rows += rowsum(first term * Q)
                     T.gemm(do_s, h_s, cv, transpose_B=True, clear_accum=True)
                     for t, d in T.Parallel(C, K):
@@ -388,7 +388,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     T.barrier_arrive(e_late)
                     for t, d in T.Parallel(C, K):
                         if t < nvalid:
-                            dq_hv[bidx, t0 + t, hv, d] = cv[t, d]
+                            dq_hv[bidx, t0 + t, hv, d] = T.cast(cv[t, d], dtype)
                     T.copy(gk, red_s[RGK : RGK + C])
                     T.copy(rs, red_s[RBK : RBK + C])
                     T.barrier_arrive(r_ka)
@@ -539,9 +539,11 @@ def build_chunk_bwd_v5_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dty
 
 def chunk_fused_bwd_v5(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens):
     """Launches pass 2 with the v5 kernel (`chunk_bwd_v2.launch_pass2`). Arguments and results as
-    `chunk_bwd.chunk_fused_bwd`; dq_hv, dk_hv, dv, dbeta and dh0 are allocated uninitialised (the
-    kernel writes every row, as v2)."""
+    `chunk_bwd.chunk_fused_bwd` except dq_hv and dk_hv, which come in q's dtype (rounded per value
+    head, as FLA and FlashQLA store them: half the bytes of fp32 for pass 2 to write and for the GVA
+    sum to read, and with one value head per q/k head they are dq and dk themselves). dq_hv, dk_hv,
+    dv, dbeta and dh0 are allocated uninitialised (the kernel writes every row, as v2)."""
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v2 import launch_pass2
 
     return launch_pass2(lambda args: build_chunk_bwd_v5_kernel(*args), q, k, v, beta, A, g_cum_log2, h, do, dht, scale,
-                        cu_seqlens)
+                        cu_seqlens, qk_dtype=q.dtype)

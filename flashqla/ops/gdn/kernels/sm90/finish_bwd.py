@@ -9,8 +9,10 @@ Two kernels, both dynamic in T, B and the sequence mix (no host synchronisation)
 - `gdn_dg_reverse_cumsum`: grid (slots, HV), 64 threads; slot -> (sequence, chunk) as the prepare
   kernel (binary search over cu_seqlens for packed input); reads dG [HV, S * 64] fp32 (slot-major,
   written by pass 2), writes dg [B, T, HV] fp32 for the valid rows of the chunk only.
-- `gdn_gva_reduce`: grid (ceil(T / 16), B, H), 128 threads; dq_hv, dk_hv [B, T, HV, K] fp32 -> dq, dk
-  [B, T, H, K] in q's dtype (the sum over the group in fp32, left to right, one rounding).
+- `gdn_gva_reduce`: grid (ceil(T / 16), B, H), 128 threads; dq_hv, dk_hv [B, T, HV, K] (fp32 from
+  pass-2 variants v1 / v2, q's dtype from v5) -> dq, dk [B, T, H, K] in q's dtype (the sum over the
+  group in fp32, left to right, one rounding). Not launched when dq_hv is already dq: one value head
+  per q/k head and dq_hv in q's dtype (v5).
 """
 
 
@@ -58,7 +60,7 @@ def _dg_cumsum_prim_func(HV: int, seq_dtype: str, varlen: bool):
     return gdn_dg_reverse_cumsum
 
 
-def _gva_reduce_prim_func(H: int, HV: int, K: int, dtype: str):
+def _gva_reduce_prim_func(H: int, HV: int, K: int, dtype: str, in_dtype: str = "float32"):
     import tilelang.language as T
 
     RT = GVA_ROWS
@@ -66,16 +68,16 @@ def _gva_reduce_prim_func(H: int, HV: int, K: int, dtype: str):
     B = T.dynamic("B")
     Tn = T.dynamic("T")
 
-    def group_sum(x, b, t, h, d):  # x[b, t, h G, d] + ... + x[b, t, h G + G - 1, d], left to right
-        total = x[b, t, h * G, d]
+    def group_sum(x, b, t, h, d):  # x[b, t, h G, d] + ... + x[b, t, h G + G - 1, d], left to right, in fp32
+        total = T.cast(x[b, t, h * G, d], "float32")
         for j in range(1, G):
-            total = total + x[b, t, h * G + j, d]
+            total = total + T.cast(x[b, t, h * G + j, d], "float32")
         return total
 
     @T.prim_func
     def gdn_gva_reduce(
-        dq_hv: T.Tensor((B, Tn, HV, K), "float32"),
-        dk_hv: T.Tensor((B, Tn, HV, K), "float32"),
+        dq_hv: T.Tensor((B, Tn, HV, K), in_dtype),
+        dk_hv: T.Tensor((B, Tn, HV, K), in_dtype),
         dq: T.Tensor((B, Tn, H, K), dtype),
         dk: T.Tensor((B, Tn, H, K), dtype),
     ):
@@ -96,34 +98,39 @@ def build_dg_cumsum_kernel(HV: int, seq_dtype: str, varlen: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def build_gva_reduce_kernel(H: int, HV: int, K: int, dtype: str):
-    """Compiled GVA reduction kernel (cached). Static key: H, HV, K, output dtype."""
-    return compile_kernel(_gva_reduce_prim_func(H, HV, K, dtype), f"gdn_gva_reduce_H{H}_HV{HV}_K{K}_{dtype}")
+def build_gva_reduce_kernel(H: int, HV: int, K: int, dtype: str, in_dtype: str = "float32"):
+    """Compiled GVA reduction kernel (cached). Static key: H, HV, K, output dtype, input dtype (fp32
+    from pass-2 variants v1 / v2, q's dtype from v5)."""
+    name = f"gdn_gva_reduce_H{H}_HV{HV}_K{K}_{dtype}" + ("" if in_dtype == "float32" else f"_from_{in_dtype}")
+    return compile_kernel(_gva_reduce_prim_func(H, HV, K, dtype, in_dtype), name)
 
 
 def chunk_finish_bwd(dG: torch.Tensor, dq_hv: torch.Tensor, dk_hv: torch.Tensor, cu_seqlens, H: int, dtype: torch.dtype):
-    """Launches pass 3. Not verified on a GPU yet.
+    """Launches pass 3.
 
     Args:
-        dG: [HV, S * 64] fp32, dL/dg_cum per slot row (pass 2); dq_hv, dk_hv: [B, T, HV, K] fp32 per
-        value head (pass 2); cu_seqlens: None or [N + 1] int32/int64 offsets; H: q/k heads;
+        dG: [HV, S * 64] fp32, dL/dg_cum per slot row (pass 2); dq_hv, dk_hv: [B, T, HV, K] per value
+        head (pass 2), fp32 or `dtype`; cu_seqlens: None or [N + 1] int32/int64 offsets; H: q/k heads;
         dtype: dtype of dq, dk (q's).
 
     Returns:
         (dq [B, T, H, K] dtype, dk [B, T, H, K] dtype, dg [B, T, HV] fp32 per token, natural log).
+        With HV == H and dq_hv, dk_hv in `dtype`, dq and dk are dq_hv and dk_hv themselves.
     """
     from flashqla.ops.gdn.kernels.sm90.prepare import dummy_cu_seqlens
 
     B, T, HV, K = dq_hv.shape
     varlen = cu_seqlens is not None
     dg = torch.zeros(B, T, HV, dtype=torch.float32, device=dG.device)
-    dq = torch.empty(B, T, H, K, dtype=dtype, device=dG.device)
-    dk = torch.empty(B, T, H, K, dtype=dtype, device=dG.device)
+    same = HV == H and dq_hv.dtype == dtype and dk_hv.dtype == dtype
+    dq = dq_hv if same else torch.empty(B, T, H, K, dtype=dtype, device=dG.device)
+    dk = dk_hv if same else torch.empty(B, T, H, K, dtype=dtype, device=dG.device)
     if T == 0 or B == 0:
         return dq, dk, dg
     seq_dtype = tl_dtype(cu_seqlens.dtype) if varlen else "int32"
     cu = cu_seqlens if varlen else dummy_cu_seqlens(dG.device)
     if dG.shape[1] > 0:
         build_dg_cumsum_kernel(HV, seq_dtype, varlen)(dG, cu, dg)
-    build_gva_reduce_kernel(H, HV, K, tl_dtype(dtype))(dq_hv, dk_hv, dq, dk)
+    if not same:
+        build_gva_reduce_kernel(H, HV, K, tl_dtype(dtype), tl_dtype(dq_hv.dtype))(dq_hv, dk_hv, dq, dk)
     return dq, dk, dg
