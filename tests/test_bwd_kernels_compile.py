@@ -149,11 +149,16 @@ def test_op_kernel_specs_match_the_launch_keys(varlen):
         assert ("states_bwd", states_kernel_args(q, v, offsets, torch.bfloat16)) in listed
         assert ("chunk_bwd", chunk_bwd_kernel_args(q, v, beta, h, offsets) + (DEFAULT_VARIANT,)) in listed
         assert ("dg_cumsum", (4, "int64" if varlen else "int32", offsets is not None)) in listed
-    # v5 hands over dq / dk per value head in q's dtype: the GVA sum reads bf16; with HV == H nothing is
-    # reduced (pass 2's outputs are dq and dk)
-    assert specs["gva_reduce"] == (2, 4, 128, "bfloat16") + (("bfloat16",) if DEFAULT_VARIANT == "v5" else ())
-    same = op_kernel_specs(4, 4, N=N, varlen=varlen, seq_dtype="int64" if varlen else "int32")
-    assert ("gva_reduce" in dict(same)) == (DEFAULT_VARIANT != "v5")
+    assert specs["gva_reduce"] == (2, 4, 128, "bfloat16")
+    # v5 under $FLASHQLA_BWD_QK_DTYPE=input hands over dq / dk per value head in q's dtype: the GVA sum
+    # reads bf16; with HV == H nothing is reduced (pass 2's outputs are dq and dk)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLASHQLA_BWD_QK_DTYPE", "input")
+        listed = dict(op_kernel_specs(2, 4, N=N, varlen=varlen, seq_dtype="int64" if varlen else "int32"))
+        same = dict(op_kernel_specs(4, 4, N=N, varlen=varlen, seq_dtype="int64" if varlen else "int32"))
+    if DEFAULT_VARIANT == "v5":
+        assert listed["gva_reduce"] == (2, 4, 128, "bfloat16", "bfloat16") and "gva_reduce" not in same
+    assert "gva_reduce" in dict(op_kernel_specs(4, 4, N=N, varlen=varlen))
 
 
 def test_cp_mode_is_checked_before_device_work(monkeypatch):
@@ -320,9 +325,13 @@ def test_chunk_bwd_v5_kernel_compiles(dtype, beta_dtype, seq_dtype, varlen):
     assert "wgmma" in src
     if varlen:
         assert "(Np1 - 2)" in src and "cu_seqlens[0]" in src, "rows of no sequence must be zeroed in-kernel"
-    # dq and dk per value head are stored in q's dtype (rounded once from the fp32 accumulators)
-    ctype = {"bfloat16": "bfloat16_t", "float16": "half_t"}[dtype]
-    assert f"{ctype}* __restrict__ dq_hv" in src and f"{ctype}* __restrict__ dk_hv" in src
+    # dq and dk per value head are stored in fp32 (the GVA sum rounds once), or in q's dtype on request
+    assert "float* __restrict__ dq_hv" in src and "float* __restrict__ dk_hv" in src
+    if varlen:
+        from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import build_chunk_bwd_v5_kernel
+
+        src = build_chunk_bwd_v5_kernel(1, 2, 128, 128, dtype, dtype, beta_dtype, seq_dtype, varlen, dtype).get_kernel_source()
+        assert "bfloat16_t* __restrict__ dq_hv" in src and "bfloat16_t* __restrict__ dk_hv" in src
     r = ptxas_report(kernel)
     log = _ptxas_log(kernel)
     assert "C751" not in log, "ptxas serialised wgmma: " + log
@@ -366,3 +375,15 @@ def test_finish_skips_the_gva_sum_when_pass2_wrote_dq_and_dk(monkeypatch):
     built.clear()
     dq, _, _ = finish_bwd.chunk_finish_bwd(dG, dq_hv.float(), dk_hv.float(), None, 2, torch.bfloat16)
     assert built == [(2, 2, K, "bfloat16", "float32")] and dq.dtype == torch.bfloat16 and dq is not dq_hv
+
+
+def test_qk_store_dtype_reads_its_variable(monkeypatch):
+    from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import QK_DTYPE_ENV, qk_store_dtype
+
+    monkeypatch.delenv(QK_DTYPE_ENV, raising=False)
+    assert qk_store_dtype("bfloat16") == "float32"
+    monkeypatch.setenv(QK_DTYPE_ENV, "input")
+    assert qk_store_dtype("bfloat16") == "bfloat16" and qk_store_dtype("float16") == "float16"
+    monkeypatch.setenv(QK_DTYPE_ENV, "bf16")
+    with pytest.raises(ValueError, match=QK_DTYPE_ENV):
+        qk_store_dtype("bfloat16")

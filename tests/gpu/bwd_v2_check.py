@@ -149,7 +149,11 @@ def _pass2_poisoned(variant, q, k, v, beta, A, gcl, h, do, dht, cu):
     N = cu.numel() - 1 if cu is not None else B
     S = num_slots(B, T, N, cu is not None)
     nan = dict(device="cuda")
-    qk = dict(nan, dtype=q.dtype if variant == "v5" else torch.float32)  # v5 stores dq / dk in q's dtype
+    from flashqla.ops.gdn.kernels.sm90._common import tl_dtype
+    from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import qk_store_dtype
+
+    # v5 stores dq / dk in fp32, or in q's dtype under $FLASHQLA_BWD_QK_DTYPE=input
+    qk = dict(nan, dtype=getattr(torch, qk_store_dtype(tl_dtype(q.dtype))) if variant == "v5" else torch.float32)
     dq_hv = torch.full((B, T, HV, K), float("nan"), **qk)
     dk_hv = torch.full((B, T, HV, K), float("nan"), **qk)
     dv = torch.full_like(v, float("nan"))

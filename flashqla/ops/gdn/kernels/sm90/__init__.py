@@ -187,11 +187,11 @@ TileLang."""
                 ("chunk_bwd", (H, HV, K, V, dtype, h_dtype, beta_dtype, sd, vl, BWD_VARIANT)),
                 ("dg_cumsum", (HV, sd, vl)),
             ]
-        from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import v5_applies
+        from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import qk_store_dtype, v5_applies
 
-        # pass 2's per-value-head dq / dk: q's dtype from v5 (then with HV == H they are dq / dk and
-        # nothing is reduced), fp32 from v1 / v2
-        qk_in = dtype if BWD_VARIANT == "v5" and v5_applies(K, V, dtype, h_dtype) else "float32"
+        # pass 2's per-value-head dq / dk: fp32, or q's dtype from v5 under $FLASHQLA_BWD_QK_DTYPE=input
+        # (then with HV == H they are dq / dk and nothing is reduced)
+        qk_in = qk_store_dtype(dtype) if BWD_VARIANT == "v5" and v5_applies(K, V, dtype, h_dtype) else "float32"
         if HV != H or qk_in != dtype:
             specs.append(("gva_reduce", (H, HV, K, dtype) + (() if qk_in == "float32" else (qk_in,))))
         specs += [

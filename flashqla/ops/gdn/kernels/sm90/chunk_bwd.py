@@ -17,7 +17,7 @@ from g_cum_log2 by exp2 (RW-4; every exponent a difference <= 0, masked before e
          chunk-end terms at the last VALID row
     dS <- gamma_C dS + scale Q^T diag(gamma) dO - K^T diag(gamma) dv       (dh0 after the first chunk)
 Outputs: dq_hv, dk_hv [B, T, HV, K] fp32 per value head (pass 3 sums the GVA groups and rounds;
-the default variant v5 stores them in q's dtype instead),
+v5 stores them in q's dtype on request: $FLASHQLA_BWD_QK_DTYPE),
 dv [B, T, HV, V] in v's dtype, dbeta [B, T, HV] fp32, dG [HV, S * 64] fp32 slot-major, dh0
 [N, HV, K, V] fp32. Rows past a sequence end are loaded as zero (masked loads) and never stored.
 
@@ -375,7 +375,8 @@ def chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_s
     A and g_cum_log2, h from pass 1, do [B, T, HV, V], dht None or [N, HV, K, V] fp32; variant: "v1"
     (this kernel) or "v2" (`chunk_bwd_v2`), None for `DEFAULT_VARIANT`.
 
-    Returns (dq_hv [B, T, HV, K], dk_hv [B, T, HV, K] (fp32 from v1 / v2, q's dtype from v5),
+    Returns (dq_hv [B, T, HV, K], dk_hv [B, T, HV, K] (fp32; q's dtype from v5 under
+    $FLASHQLA_BWD_QK_DTYPE=input),
     dv [B, T, HV, V] v's dtype,
     dbeta [B, T, HV] fp32, dG [HV, S * 64] fp32, dh0 [N, HV, K, V] fp32)."""
     variant = _variant(variant)

@@ -505,7 +505,7 @@ def build_chunk_bwd_v2_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dty
 
 def launch_pass2(build, q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, qk_dtype=torch.float32):
     """Launches a pass-2 kernel whose CTAs write every row of their outputs (v2, v5): dq_hv, dk_hv
-    (in qk_dtype: fp32 for v2, q's dtype for v5), dv, dbeta and dh0 allocated uninitialised, dG
+    (in qk_dtype: fp32, or q's dtype for v5 on request), dv, dbeta and dh0 allocated uninitialised, dG
     zeroed; with no CTA to run (no slot, token or sequence), zeros and dh0 = dht. build(args) returns
     the compiled kernel for the static key `chunk_bwd.chunk_bwd_kernel_args`. Arguments and results
     as `chunk_bwd.chunk_fused_bwd`."""

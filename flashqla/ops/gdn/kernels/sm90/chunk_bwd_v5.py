@@ -50,6 +50,8 @@ chunks by TMA. Only h stored in q's dtype and K = V = 128 (else `chunk_bwd` runs
 
 import functools
 
+import torch
+
 from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, sequence_span
 
 __all__ = ["build_chunk_bwd_v5_kernel", "chunk_fused_bwd_v5", "v5_applies"]
@@ -59,18 +61,38 @@ __all__ = ["build_chunk_bwd_v5_kernel", "chunk_fused_bwd_v5", "v5_applies"]
 NREG = {"S": 160, "K": 184, "A": 144, "P": 24}
 
 
+#: Environment variable: "input" makes v5 store dq_hv, dk_hv in q's dtype (rounded per value head, as
+#: FLA and FlashQLA store them; with HV == H pass 3 then launches no GVA sum) instead of fp32. Read at
+#: each launch. Not the default: measured on the H200 (2026-12-01, `tests/gpu/cp_profile.py --bwd`,
+#: NOTES-bwd.md "dq and dk stored in bf16"), the bf16 stores slow pass 2 by 4-9% (16/32 7212 + 7072 +
+#: 13725 + 4759: 2.856 against 2.612 ms) for a GVA sum 0.12 ms faster there: 3.736 against 3.599 ms in all.
+QK_DTYPE_ENV = "FLASHQLA_BWD_QK_DTYPE"
+
+
+def qk_store_dtype(dtype: str) -> str:
+    """TileLang dtype in which v5 stores dq_hv, dk_hv: "float32", or `dtype` (q's) when
+    $FLASHQLA_BWD_QK_DTYPE is "input". ValueError naming the variable for any other value."""
+    import os
+
+    want = os.environ.get(QK_DTYPE_ENV, "")
+    if want not in ("", "float32", "input"):
+        raise ValueError(f"${QK_DTYPE_ENV} must be unset, 'float32' or 'input', got {want!r}")
+    return dtype if want == "input" else "float32"
+
+
 def v5_applies(K: int, V: int, dtype: str, h_dtype: str) -> bool:
     """Whether the v5 kernel covers this configuration (else pass 2 runs v2)."""
     return K == 128 and V == 128 and h_dtype == dtype
 
 
 def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
-                            varlen: bool, exact_diagonal: bool = True):
+                            varlen: bool, exact_diagonal: bool = True, qk_dtype: str | None = None):
     import tilelang.language as T
 
     if not v5_applies(K, V, dtype, h_dtype):
         raise ValueError(f"v5 needs K = V = 128 and h in q's dtype, got K={K}, V={V}, {dtype}, h {h_dtype}")
     exact_diagonal = exact_diagonal and beta_dtype != dtype
+    qk_dtype = qk_dtype or "float32"  # dq_hv / dk_hv storage (QK_DTYPE_ENV)
     C = CHUNK
     G = HV // H
     acc = "float32"
@@ -102,8 +124,8 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
         cu_seqlens: T.Tensor((Np1,), seq_dtype),
         scale: T.float32,
         use_dht: T.int32,
-        dq_hv: T.Tensor((B, Tn, HV, K), dtype),
-        dk_hv: T.Tensor((B, Tn, HV, K), dtype),
+        dq_hv: T.Tensor((B, Tn, HV, K), qk_dtype),
+        dk_hv: T.Tensor((B, Tn, HV, K), qk_dtype),
         dv: T.Tensor((B, Tn, HV, V), dtype),
         dbeta: T.Tensor((B, Tn, HV), "float32"),
         dG: T.Tensor((HV, R), "float32"),
@@ -267,8 +289,8 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         for tb in T.serial(T.ceildiv(cnt, C)):
                             for t, d in T.Parallel(C, K):
                                 if tb * C + t < cnt:
-                                    dq_hv[0, lo + tb * C + t, hv, d] = T.cast(0, dtype)
-                                    dk_hv[0, lo + tb * C + t, hv, d] = T.cast(0, dtype)
+                                    dq_hv[0, lo + tb * C + t, hv, d] = T.cast(0, qk_dtype)
+                                    dk_hv[0, lo + tb * C + t, hv, d] = T.cast(0, qk_dtype)
                             for t, d in T.Parallel(C, V):
                                 if tb * C + t < cnt:
                                     dv[0, lo + tb * C + t, hv, d] = T.cast(0, dtype)
@@ -375,7 +397,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     T.gemm(pm_s, q_s, dk, transpose_A=True)
                     for t, d in T.Parallel(C, K):
                         if t < nvalid:
-                            dk_hv[bidx, t0 + t, hv, d] = T.cast(dk[t, d], dtype)
+                            dk_hv[bidx, t0 + t, hv, d] = dk[t, d] if qk_dtype == acc else T.cast(dk[t, d], qk_dtype)
                     # dq = scale diag(gamma) dO S0^T + (scale M Gamma) K; dG rows += rowsum(first term * Q)
                     T.gemm(do_s, h_s, cv, transpose_B=True, clear_accum=True)
                     for t, d in T.Parallel(C, K):
@@ -388,7 +410,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     T.barrier_arrive(e_late)
                     for t, d in T.Parallel(C, K):
                         if t < nvalid:
-                            dq_hv[bidx, t0 + t, hv, d] = T.cast(cv[t, d], dtype)
+                            dq_hv[bidx, t0 + t, hv, d] = cv[t, d] if qk_dtype == acc else T.cast(cv[t, d], qk_dtype)
                     T.copy(gk, red_s[RGK : RGK + C])
                     T.copy(rs, red_s[RBK : RBK + C])
                     T.barrier_arrive(r_ka)
@@ -531,19 +553,24 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
 
 @functools.lru_cache(maxsize=None)
 def build_chunk_bwd_v5_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
-                              varlen: bool):
-    """Compiled pass-2 kernel, variant v5 (cached). Same static key as `build_chunk_bwd_kernel`."""
-    func = _chunk_bwd_v5_prim_func(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen)
-    return compile_kernel(func, f"gdn_chunk_bwd_v5_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{h_dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}")
+                              varlen: bool, qk_dtype: str | None = None):
+    """Compiled pass-2 kernel, variant v5 (cached). Same static key as `build_chunk_bwd_kernel`, plus the
+    storage dtype of dq_hv, dk_hv (None: "float32", as v1 / v2; or `dtype`: QK_DTYPE_ENV)."""
+    qk = qk_dtype or "float32"
+    func = _chunk_bwd_v5_prim_func(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen, qk_dtype=qk)
+    return compile_kernel(func, f"gdn_chunk_bwd_v5_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{h_dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}"
+                          + ("" if qk == "float32" else f"_qk_{qk}"))
 
 
 def chunk_fused_bwd_v5(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens):
     """Launches pass 2 with the v5 kernel (`chunk_bwd_v2.launch_pass2`). Arguments and results as
-    `chunk_bwd.chunk_fused_bwd` except dq_hv and dk_hv, which come in q's dtype (rounded per value
-    head, as FLA and FlashQLA store them: half the bytes of fp32 for pass 2 to write and for the GVA
-    sum to read, and with one value head per q/k head they are dq and dk themselves). dq_hv, dk_hv,
-    dv, dbeta and dh0 are allocated uninitialised (the kernel writes every row, as v2)."""
+    `chunk_bwd.chunk_fused_bwd`; dq_hv and dk_hv in fp32, or in q's dtype under QK_DTYPE_ENV. dq_hv,
+    dk_hv, dv, dbeta and dh0 are allocated uninitialised (the kernel writes every row, as v2)."""
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v2 import launch_pass2
 
-    return launch_pass2(lambda args: build_chunk_bwd_v5_kernel(*args), q, k, v, beta, A, g_cum_log2, h, do, dht, scale,
-                        cu_seqlens, qk_dtype=q.dtype)
+    from flashqla.ops.gdn.kernels.sm90._common import tl_dtype
+
+    qk = qk_store_dtype(tl_dtype(q.dtype))
+    build = (lambda args: build_chunk_bwd_v5_kernel(*args)) if qk == "float32" else (
+        lambda args: build_chunk_bwd_v5_kernel(*args, qk))
+    return launch_pass2(build, q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens, qk_dtype=getattr(torch, qk))

@@ -9,10 +9,10 @@ Two kernels, both dynamic in T, B and the sequence mix (no host synchronisation)
 - `gdn_dg_reverse_cumsum`: grid (slots, HV), 64 threads; slot -> (sequence, chunk) as the prepare
   kernel (binary search over cu_seqlens for packed input); reads dG [HV, S * 64] fp32 (slot-major,
   written by pass 2), writes dg [B, T, HV] fp32 for the valid rows of the chunk only.
-- `gdn_gva_reduce`: grid (ceil(T / 16), B, H), 128 threads; dq_hv, dk_hv [B, T, HV, K] (fp32 from
-  pass-2 variants v1 / v2, q's dtype from v5) -> dq, dk [B, T, H, K] in q's dtype (the sum over the
-  group in fp32, left to right, one rounding). Not launched when dq_hv is already dq: one value head
-  per q/k head and dq_hv in q's dtype (v5).
+- `gdn_gva_reduce`: grid (ceil(T / 16), B, H), 128 threads; dq_hv, dk_hv [B, T, HV, K] (fp32, or
+  q's dtype from pass-2 v5 under $FLASHQLA_BWD_QK_DTYPE=input) -> dq, dk [B, T, H, K] in q's dtype
+  (the sum over the group in fp32, left to right, one rounding). Not launched when dq_hv is already
+  dq: one value head per q/k head and dq_hv in q's dtype.
 """
 
 
@@ -99,8 +99,8 @@ def build_dg_cumsum_kernel(HV: int, seq_dtype: str, varlen: bool):
 
 @functools.lru_cache(maxsize=None)
 def build_gva_reduce_kernel(H: int, HV: int, K: int, dtype: str, in_dtype: str = "float32"):
-    """Compiled GVA reduction kernel (cached). Static key: H, HV, K, output dtype, input dtype (fp32
-    from pass-2 variants v1 / v2, q's dtype from v5)."""
+    """Compiled GVA reduction kernel (cached). Static key: H, HV, K, output dtype, input dtype (fp32,
+    or q's dtype: `chunk_bwd_v5.QK_DTYPE_ENV`)."""
     name = f"gdn_gva_reduce_H{H}_HV{HV}_K{K}_{dtype}" + ("" if in_dtype == "float32" else f"_from_{in_dtype}")
     return compile_kernel(_gva_reduce_prim_func(H, HV, K, dtype, in_dtype), name)
 
