@@ -1,0 +1,77 @@
+"""One call on the GPU machine: the training step (forward keeping its split states + backward) and the
+backward alone on backward-grid rows, with the planner's split threshold `planner.MIN_GAIN` at several
+values, to see whether rows it keeps whole would gain from a split now that the backward reuses the
+forward's states.
+
+    python tests/gpu/cp_train_plan_check.py [--rows "8/16 8k_8seq" ...] [--gains 1.2 1.0]
+
+Per row: the benchmark's inputs and our loader (`flashqla.bench.bwd_impls`, exactly what the backward
+benchmark times), the plan the forward keeps (L or unsplit), the gradients' relative RMS against the
+first threshold's (gate 1e-2; dg 3e-2), and CUDA-graph times of the backward alone and the training step.
+Prints a table last. Not collected by pytest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+ROWS = ["8/16 8k_8seq", "16/32 32k_4seq", "16/32 32k_8seq", "4/8 32k_8seq", "8/16 32k_2seq", "16/32 8k_2seq"]
+
+
+def _rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def main(argv=None) -> int:
+    from flashqla.bench.bwd_grid import select_bwd_rows
+    from flashqla.bench.bwd_impls import load_bwd_impls
+    from flashqla.bench.bwd_runner import BwdInputFactory
+    from flashqla.bench.timing import time_cuda_graph
+    from flashqla.cp import planner as P
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", nargs="+", default=ROWS)
+    ap.add_argument("--gains", nargs="+", type=float, default=[1.2, 1.0])
+    a = ap.parse_args(argv)
+    impl = load_bwd_impls(("ours",))["ours"]
+    fac = BwdInputFactory("cuda", 32768)
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+    table = []
+    for text in a.rows:
+        heads, mix = text.split()
+        (row,) = select_bwd_rows([heads], [mix])
+        x = fac.get(row)
+        base = None
+        for gain in a.gains:
+            P.MIN_GAIN = gain
+            P.clear_plan_cache()
+            f = impl.fwd(x)
+            L = f.saved.cp_saved.segment_len if f.saved.cp_saved is not None else None
+            grads = dict(zip(names, impl.bwd(x, f.saved)))
+            if base is None:
+                base = grads
+            errs = {n: _rel(grads[n], base[n]) for n in names if grads[n] is not None}
+            ok = all(e <= (3e-2 if n == "dg" else 1e-2) and torch.isfinite(grads[n]).all() for n, e in errs.items())
+            bwd = time_cuda_graph(lambda: impl.bwd(x, f.saved)).ms
+            step = time_cuda_graph(lambda: impl.step(x)).ms
+            table.append((text, gain, L, bwd, step, max(errs.values()), ok))
+            print(f"{text} MIN_GAIN {gain}: L={L} bwd {bwd:.3f} step {step:.3f} max rel {max(errs.values()):.1e} {'ok' if ok else 'FAIL'}",
+                  flush=True)
+        fac.release()
+    print("\n| row | MIN_GAIN | kept L | backward ms | training step ms | max rel vs first | gate |")
+    print("|---|---|---|---|---|---|---|")
+    for r in table:
+        print(f"| {r[0]} | {r[1]} | {r[2] or 'unsplit'} | {r[3]:.3f} | {r[4]:.3f} | {r[5]:.1e} | {'ok' if r[6] else 'FAIL'} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
