@@ -398,7 +398,7 @@ def test_plan_invariants_random_sweep(fresh_plans):
             if "segment_len" in kw:
                 assert p.segment_len == kw["segment_len"], what
             if not kw.get("force"):
-                assert p.est_split is not None and p.est_unsplit >= planner.MIN_GAIN * p.est_split * (1 - 1e-12), what
+                assert p.est_split is not None and p.est_unsplit >= (planner.BWD_MIN_GAIN if kw["backward"] else planner.MIN_GAIN) * p.est_split * (1 - 1e-12), what
         else:
             assert p.segment_len is None, what
         if kw.get("disable") or N == 0 or T == 0:

@@ -32,7 +32,7 @@ from flashqla.cp.driver import (
     resolve_truncate,
     transition_limits,
 )
-from flashqla.cp.planner import CHUNK, MIN_GAIN, TRUNCATE_LOG_DECAY, clear_plan_cache, plan_cp
+from flashqla.cp.planner import BWD_MIN_GAIN, CHUNK, MIN_GAIN, TRUNCATE_LOG_DECAY, clear_plan_cache, plan_cp
 from flashqla.testing import make_gdn_inputs
 from reference.gdn.chunk import floor_gates
 from reference.gdn.cp import ReferenceCPBackend
@@ -622,7 +622,7 @@ PLAN_N = (1, 2, 4, 8)
 PLAN_T = sorted({64 * 2**i for i in range(15)} | {65, 100, 127, 1000, 4097, 12345, 2**20 - 1})
 
 
-def _check_plan(p, HV, N, T, *, forced=False, max_seqlen=None):
+def _check_plan(p, HV, N, T, *, forced=False, max_seqlen=None, backward=False):
     lmax = -(-T // N) if max_seqlen is None else min(max_seqlen, T)
     assert math.isfinite(p.est_unsplit) and p.est_unsplit >= 0
     if p.split:
@@ -631,7 +631,7 @@ def _check_plan(p, HV, N, T, *, forced=False, max_seqlen=None):
             assert math.isfinite(p.est_split) and p.est_split > 0
         if not forced:
             assert p.segment_len < lmax, (HV, N, T, p)
-            assert p.est_unsplit >= MIN_GAIN * p.est_split
+            assert p.est_unsplit >= (BWD_MIN_GAIN if backward else MIN_GAIN) * p.est_split
     else:
         assert p.segment_len is None
     assert p.BV in (64, 128)
@@ -644,7 +644,7 @@ def test_plan_grid(backward, V):
         for N in PLAN_N:
             for T in PLAN_T:
                 p = plan_cp(HV, N, T, V, 132, exact=True, backward=backward)
-                _check_plan(p, HV, N, T)
+                _check_plan(p, HV, N, T, backward=backward)
                 pf = plan_cp(HV, N, T, V, 132, exact=True, backward=backward, force=True)
                 assert pf.split
                 _check_plan(pf, HV, N, T, forced=True)
@@ -678,7 +678,7 @@ def test_plan_grid_with_other_constants(consts, monkeypatch):
             for N in (1, 8):
                 for T in (64, 1000, 32768, 2**20):
                     for backward in (False, True):
-                        _check_plan(plan_cp(HV, N, T, 128, 132, exact=True, backward=backward), HV, N, T)
+                        _check_plan(plan_cp(HV, N, T, 128, 132, exact=True, backward=backward), HV, N, T, backward=backward)
     finally:
         monkeypatch.undo()
         clear_plan_cache()

@@ -177,7 +177,7 @@ def test_plan_invariants(case, backward, exact):
         L = p.segment_len
         assert isinstance(L, int) and L > 0 and L % CHUNK == 0
         assert L < longest, p
-        assert p.est_split is not None and p.est_unsplit >= P.MIN_GAIN * p.est_split * (1 - 1e-9), p
+        assert p.est_split is not None and p.est_unsplit >= (P.BWD_MIN_GAIN if backward else P.MIN_GAIN) * p.est_split * (1 - 1e-9), p
     else:
         assert p.segment_len is None
 

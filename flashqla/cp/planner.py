@@ -67,8 +67,8 @@ SCAN_STEP_COST and t(64) were refitted (their comments), and 2/8 x 32768 takes 0
 benchmark, 2026-11-30).
 The planner evaluates both BV choices (only those dividing V), no split, and every segment length
 L = SEGMENT_QUANTUM * j (512 tokens = 8 chunks, as FlashInfer's exact CP; always a multiple of the
-64-token chunk) with L < l_max, and splits when the best split is predicted at least MIN_GAIN = 1.2x
-faster than the best unsplit launch (among split candidates within TIE = 3% of the best, the
+64-token chunk) with L < l_max, and splits when the best split is predicted at least MIN_GAIN = 1.2x (the
+backward's plan: BWD_MIN_GAIN = 1.05x) faster than the best unsplit launch (among split candidates within TIE = 3% of the best, the
 longest L wins: fewer waves, fewer scan steps, less overhead the model leaves out). The optimum
 lands where the segment CTAs fill one or a few whole waves: shorter segments do not shorten the
 critical path below total work / slots and add scan steps; longer ones leave SMs idle.
@@ -192,6 +192,7 @@ __all__ = [
     "BWD_WAVE_COST",
     "PACKED_BWD_OWN_PLAN",
     "MIN_GAIN",
+    "BWD_MIN_GAIN",
     "TIE",
     "GATE_THRESHOLD",
     "TRUNCATE_LOG_DECAY",
@@ -317,6 +318,16 @@ BWD_CHUNK_COST = 5.0
 PACKED_BWD_OWN_PLAN = True
 #: Split only when the predicted time improves at least this much.
 MIN_GAIN = 1.2
+#: The same for the backward's plan (`backward=True`). Measured on the H200 (2026-12-01,
+#: `tests/gpu/cp_train_plan_check.py`, the backward benchmark's calls: a forward keeping its split
+#: states, the backward reusing them): of the 32 backward-grid rows, two plans change between 1.2 and
+#: 1.0 (both at 1.05), both faster: 8/16 with 8 sequences of 8192 tokens (predicted 1.12x) unsplit -> L = 512,
+#: backward 0.764 -> 0.571 ms, training step 0.927 -> 0.837; 16/32 7212 + 7072 + 13725 + 4759 (1.06x)
+#: -> L = 1536, 3.590 -> 2.993 ms, 4.375 -> 4.025. The backward's split costs include the recomputed
+#: forward run, transitions and combine scan, which a backward on kept states does not launch (its
+#: forward does, under the training step). 1.05, not 1.0: a split predicted within the model's noise
+#: of the unsplit launch is not taken.
+BWD_MIN_GAIN = 1.05
 #: Split candidates within this fraction of the best are ties; the longest segment wins.
 TIE = 0.03
 #: Summed log-decay below which a carried state is dropped by the gate-driven shortcut (FlashQLA's).
@@ -539,11 +550,12 @@ def plan_cp(
     # among near-ties (within TIE), the longest segments: fewest waves and scan steps
     t_min = min(c[0] for c in cands)
     t_s, L, bv_s = max((c for c in cands if c[0] <= t_min * (1 + TIE)), key=lambda c: (c[1], -bvs.index(c[2])))
-    if t_u >= MIN_GAIN * t_s:
+    gain = BWD_MIN_GAIN if backward else MIN_GAIN
+    if t_u >= gain * t_s:
         return CPPlan(True, L, bv_s, exact, sm_count, t_u, t_s, f"split predicted {t_u / t_s:.2f}x faster")
     if force:
         return CPPlan(True, L, bv_s, exact, sm_count, t_u, t_s, "forced")
-    return CPPlan(False, None, bv_u, exact, sm_count, t_u, t_s, f"split predicted only {t_u / t_s:.2f}x (< {MIN_GAIN})")
+    return CPPlan(False, None, bv_u, exact, sm_count, t_u, t_s, f"split predicted only {t_u / t_s:.2f}x (< {gain})")
 
 
 @functools.cache

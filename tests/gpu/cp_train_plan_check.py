@@ -1,5 +1,5 @@
 """One call on the GPU machine: the training step (forward keeping its split states + backward) and the
-backward alone on backward-grid rows, with the planner's split threshold `planner.MIN_GAIN` at several
+backward alone on backward-grid rows, with the backward planner's split threshold `planner.BWD_MIN_GAIN` at several
 values, to see whether rows it keeps whole would gain from a split now that the backward reuses the
 forward's states.
 
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
         x = fac.get(row)
         base = None
         for gain in a.gains:
-            P.MIN_GAIN = gain
+            P.BWD_MIN_GAIN = gain
             P.clear_plan_cache()
             f = impl.fwd(x)
             L = f.saved.cp_saved.segment_len if f.saved.cp_saved is not None else None
@@ -63,10 +63,10 @@ def main(argv=None) -> int:
             bwd = time_cuda_graph(lambda: impl.bwd(x, f.saved)).ms
             step = time_cuda_graph(lambda: impl.step(x)).ms
             table.append((text, gain, L, bwd, step, max(errs.values()), ok))
-            print(f"{text} MIN_GAIN {gain}: L={L} bwd {bwd:.3f} step {step:.3f} max rel {max(errs.values()):.1e} {'ok' if ok else 'FAIL'}",
+            print(f"{text} BWD_MIN_GAIN {gain}: L={L} bwd {bwd:.3f} step {step:.3f} max rel {max(errs.values()):.1e} {'ok' if ok else 'FAIL'}",
                   flush=True)
         fac.release()
-    print("\n| row | MIN_GAIN | kept L | backward ms | training step ms | max rel vs first | gate |")
+    print("\n| row | BWD_MIN_GAIN | kept L | backward ms | training step ms | max rel vs first | gate |")
     print("|---|---|---|---|---|---|---|")
     for r in table:
         print(f"| {r[0]} | {r[1]} | {r[2] or 'unsplit'} | {r[3]:.3f} | {r[4]:.3f} | {r[5]:.1e} | {'ok' if r[6] else 'FAIL'} |")
