@@ -36,6 +36,45 @@ def test_states_kernel_compiles(h_dtype, seq_dtype, varlen):
     assert "wgmma" in src and "exp2" in src
 
 
+@needs_nvcc
+@pytest.mark.parametrize(
+    "H,HV,K,dtype,seq_dtype,varlen",
+    [(2, 4, 128, "bfloat16", "int32", True), (1, 2, 64, "float16", "int64", False)],
+    ids=["bf16-K128-varlen", "fp16-K64-fixed"],
+)
+def test_states_roles_kernel_compiles(H, HV, K, dtype, seq_dtype, varlen):
+    """The role-split states kernel (the default where it applies): 512 threads, the chain's two
+    warpgroups take registers from the producer (setmaxnreg), k / v / A / gates by TMA, h stored by TMA
+    from a shared tile, within Hopper's shared memory, no spills; the serial schedule stays selectable."""
+    from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
+    from flashqla.ops.gdn.kernels.sm90.states_bwd import build_states_kernel, resolve_schedule
+    from flashqla.ops.gdn.kernels.sm90.states_roles import NREG
+
+    assert resolve_schedule(None, K, 128, dtype, dtype) == "roles"
+    kernel = build_states_kernel(H, HV, K, 128, dtype, dtype, seq_dtype, varlen)
+    src = kernel.get_kernel_source()
+    assert "gdn_states_roles_bwd" in src and "__launch_bounds__(512, 1)" in src
+    assert 2 * NREG["chain"] + NREG["store"] + NREG["producer"] == 512
+    assert "warpgroup_reg_dealloc<24>" in src and f"warpgroup_reg_alloc<{NREG['chain']}>" in src
+    for tile in ("k_desc", "v_desc", "A_desc", "g_cum_log2_desc", "h_desc"):
+        assert tile in src, tile
+    assert "tma_store" in src and "wgmma" in src
+    r = ptxas_report(kernel)
+    assert r["dynamic_smem"] + r["static_smem"] <= SMEM_LIMIT and r["spill_stores"] == 0, r
+    serial = build_states_kernel(H, HV, K, 128, dtype, dtype, seq_dtype, varlen, "serial").get_kernel_source()
+    assert "gdn_states_bwd" in serial and "roles" not in serial
+
+
+def test_states_schedule_resolution():
+    from flashqla.ops.gdn.kernels.sm90.states_bwd import resolve_schedule
+
+    assert resolve_schedule("roles", 128, 128, "bfloat16", "float32") == "serial"  # h fp32: serial kernel
+    assert resolve_schedule("roles", 128, 64, "bfloat16", "bfloat16") == "serial"  # V = 64
+    assert resolve_schedule("serial", 128, 128, "bfloat16", "bfloat16") == "serial"
+    with pytest.raises(ValueError, match="FLASHQLA_STATES_SCHEDULE"):
+        resolve_schedule("fast", 128, 128, "bfloat16", "bfloat16")
+
+
 def test_states_kernel_rejects_h_dtype():
     from flashqla.ops.gdn.kernels.sm90.states_bwd import build_states_kernel
 

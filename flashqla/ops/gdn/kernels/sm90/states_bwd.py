@@ -4,8 +4,9 @@ chunk-start states h from the forward's A diag(beta) and g_cum_log2, and store t
 Reference stage: `reference.gdn.fused_bwd.recompute_states` (records CF-2, RW-2, RW-4):
     W     = V - diag(gamma) K S,   v_new = A_beta W
     S'    = gamma_C S + K^T diag(r) v_new
-One CTA per (value slice of BV = 64 columns, value head, sequence), the transposed state S^T [BV, K]
-fp32 in registers, walking the sequence's chunks forward (the forward recurrent kernel's "serial"
+Schedule "serial" (this module's kernel; "roles", `states_roles.py`, is the default where it applies:
+K in (64, 128), V = 128, h in the inputs' dtype): one CTA per (value slice of BV = 64 columns, value
+head, sequence), the transposed state S^T [BV, K] fp32 in registers, walking the sequence's chunks forward (the forward recurrent kernel's "serial"
 schedule without the output path). Before each chunk's update it stores S into
 h [S * HV, K, V] (slot-major: row (slot * HV + hv) * K + k), in `h_dtype` (bf16 halves the bytes:
 `tests/test_fused_bwd.py::test_low_precision_storage_cost` measures 1.2e-3 .. 1.8e-3 relative RMS on
@@ -15,6 +16,7 @@ Dynamic in T, B, the sequence mix; no host synchronisation.
 """
 
 import functools
+import os
 
 import torch
 
@@ -23,6 +25,12 @@ from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slo
 __all__ = ["build_states_kernel", "chunk_states_bwd", "states_kernel_args"]
 
 BV = 64
+
+#: Schedules: "roles" (`states_roles`: the chain, the h stores and the loads on warpgroups of their
+#: own; where `states_roles.states_roles_applies`, else "serial") and "serial" (this module's kernel).
+#: Read when a kernel is built; the environment variable FLASHQLA_STATES_SCHEDULE sets it at import.
+SCHEDULES = ("roles", "serial")
+DEFAULT_SCHEDULE = os.environ.get("FLASHQLA_STATES_SCHEDULE", "roles")
 
 
 def _states_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, seq_dtype: str, varlen: bool):
@@ -105,12 +113,33 @@ def _states_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str,
     return gdn_states_bwd
 
 
+def resolve_schedule(schedule, K: int, V: int, dtype: str, h_dtype: str) -> str:
+    """The schedule a build runs: `schedule` (None: DEFAULT_SCHEDULE), "roles" falling back to
+    "serial" where the role-split kernel does not apply. ValueError naming an unknown schedule."""
+    from flashqla.ops.gdn.kernels.sm90.states_roles import states_roles_applies
+
+    schedule = DEFAULT_SCHEDULE if schedule is None else schedule
+    if schedule not in SCHEDULES:
+        raise ValueError(f"states schedule must be one of {SCHEDULES} (FLASHQLA_STATES_SCHEDULE), got {schedule!r}")
+    if schedule == "roles" and not states_roles_applies(K, V, dtype, h_dtype):
+        return "serial"
+    return schedule
+
+
 @functools.lru_cache(maxsize=None)
-def build_states_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, seq_dtype: str, varlen: bool):
+def build_states_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, seq_dtype: str, varlen: bool,
+                        schedule: str | None = None):
     """Compiled state-recompute kernel (cached). Static key: H, HV, K, V, dtype of k/v/A, dtype of
-    the stored h (bfloat16 or float32), cu_seqlens dtype, packed or not."""
+    the stored h (bfloat16 or float32), cu_seqlens dtype, packed or not; schedule (None:
+    DEFAULT_SCHEDULE; `resolve_schedule`). Both schedules take the same arguments and grid-size
+    themselves from the shapes."""
     if h_dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"h_dtype must be bfloat16, float16 or float32, got {h_dtype!r}")
+    if resolve_schedule(schedule, K, V, dtype, h_dtype) == "roles":
+        from flashqla.ops.gdn.kernels.sm90.states_roles import states_roles_prim_func
+
+        func = states_roles_prim_func(H, HV, K, V, dtype, seq_dtype, varlen)
+        return compile_kernel(func, f"gdn_states_roles_bwd_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{seq_dtype}_{int(varlen)}")
     func = _states_prim_func(H, HV, K, V, dtype, h_dtype, seq_dtype, varlen)
     return compile_kernel(func, f"gdn_states_bwd_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{h_dtype}_{seq_dtype}_{int(varlen)}")
 
@@ -122,8 +151,9 @@ def states_kernel_args(k, v, cu_seqlens, h_dtype: torch.dtype) -> tuple:
             cu_seqlens is not None)
 
 
-def chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype: torch.dtype = torch.bfloat16):
-    """Launches pass 1. Not verified on a GPU yet.
+def chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype: torch.dtype = torch.bfloat16,
+                     schedule: str | None = None):
+    """Launches pass 1 (schedule: None for DEFAULT_SCHEDULE, "roles" or "serial"; both give the same h).
 
     Args: k [B, T, H, K], v [B, T, HV, V] (the forward's, contiguous); A [HV, S * 64, 64] and
     g_cum_log2 [HV, S * 64] (the forward's `ChunkGDNForward.A`, `.g_cum_log2`); initial_state None or
@@ -144,6 +174,7 @@ def chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype: to
         return h
     h0 = initial_state if initial_state is not None else torch.empty(1, HV, K, V, dtype=torch.float32, device=k.device)
     cu = cu_seqlens if varlen else dummy_cu_seqlens(k.device)
-    kernel = build_states_kernel(*states_kernel_args(k, v, cu_seqlens, h_dtype))
+    args = states_kernel_args(k, v, cu_seqlens, h_dtype)
+    kernel = build_states_kernel(*args) if schedule is None else build_states_kernel(*args, schedule)
     kernel(k, v, A, g_cum_log2, h0, cu, int(initial_state is not None), h)
     return h

@@ -1,0 +1,179 @@
+"""Backward pass 1 with role-specialised warpgroups (schedule "roles"): the chunk-start states h,
+recomputed from the forward's A diag(beta) and g_cum_log2, as `states_bwd` computes them (the same
+products, operands and roundings), with the stores and the loads off the state chain.
+
+    chain  (threads [0, 256))   two warpgroups own S^T [128, K] fp32 in registers (64 value rows each;
+                                each product is one wgmma split by rows over the two); per chunk
+                                S^T -> bf16 copy (registers, and shared memory for the store role)
+                                U^T   = S^T K^T                        (wgmma, A from registers)
+                                W^T   = V^T - U^T diag(gamma)
+                                vn^T  = W^T A_beta^T                   (wgmma, A from registers)
+                                S^T   = gamma_C S^T + (vn^T diag(r)) K (wgmma, A from registers)
+    store  (next 128 threads)   h of chunk c <- the bf16 S^T in shared memory (transposed to h's
+                                [K, V] rows: consecutive threads write consecutive values)
+    producer (last 128)         one warp issues the TMA loads of k, v, A_beta and g_cum_log2 into a
+                                two-stage ring.
+
+This is the forward's role-split recurrent kernel (`recurrent_roles.py`, BV = 128) without its output
+role: there the chain alone takes ~1.0 us a chunk on the H200, where the one-warpgroup states kernel
+(`states_bwd`, which stores h from the fragment between its products) takes 2.9-4.2 us a chunk.
+
+Synchronisation (mbarriers, two of each, indexed by the stage c % 2, parity (c // 2) % 2): full
+(producer -> chain: the stage's tiles landed), empty (chain -> producer), s_full / s_empty (chain ->
+store / back: the bf16 S^T of chunk c in sb_s[c % 2]). A waiter on an "empty" barrier uses the
+opposite parity, so its first two waits pass at once.
+
+h is stored in the inputs' dtype (the rounding `states_bwd` applies for h_dtype == dtype: the bf16
+copy of S^T the chain feeds its own product with). Rows past a sequence's end are inert as in the
+forward (A_beta's rows and columns are zero there). Dynamic in T, B and the sequence mix.
+"""
+
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, sequence_span
+
+__all__ = ["NREG", "STATES_BV", "states_roles_applies", "states_roles_prim_func"]
+
+#: Value slice width: one CTA per (value head, sequence) at V = 128.
+STATES_BV = 128
+#: Registers per thread after setmaxnreg (the CTA launches with 128 a thread at 512 threads): each of the
+#: two chain warpgroups, the store role, the producer. Sum 2 x 168 + 152 + 24 = 512 = 4 x 128.
+NREG = {"chain": 168, "store": 152, "producer": 24}
+
+
+def states_roles_applies(K: int, V: int, dtype: str, h_dtype: str) -> bool:
+    """Whether the role-split states kernel covers this configuration (else `states_bwd`'s kernel)."""
+    return K in (64, 128) and V == STATES_BV and h_dtype == dtype and dtype in ("bfloat16", "float16")
+
+
+def states_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: str, varlen: bool):
+    """The TileLang prim_func (the signature of `states_bwd`'s kernel with h in `dtype`)."""
+    import tilelang.language as T
+    from tilelang.layout import make_swizzled_layout
+
+    if not states_roles_applies(K, V, dtype, dtype):
+        raise ValueError(f"the role-split states kernel needs K in (64, 128), V = {STATES_BV} and bf16/fp16 inputs, "
+                         f"got K={K}, V={V}, {dtype}")
+    C = CHUNK
+    BV = STATES_BV
+    G = HV // H
+    acc = "float32"
+    CH = 256  # chain threads [0, 256); store [256, 384); producer [384, 512)
+    chain_kw = {"policy": T.GemmWarpPolicy.FullRow}
+
+    B = T.dynamic("B")
+    Tn = T.dynamic("T")
+    R = T.dynamic("R")
+    Np1 = T.dynamic("Np1")
+    N0 = T.dynamic("N0")
+    SH = T.dynamic("SH")  # slots * HV
+
+    @T.prim_func
+    def gdn_states_roles_bwd(
+        k: T.Tensor((B, Tn, H, K), dtype),
+        v: T.Tensor((B, Tn, HV, V), dtype),
+        A: T.Tensor((HV, R, C), dtype),
+        g_cum_log2: T.Tensor((HV, R), "float32"),
+        h0: T.Tensor((N0, HV, K, V), "float32"),
+        cu_seqlens: T.Tensor((Np1,), seq_dtype),
+        use_h0: T.int32,
+        h: T.Tensor((SH, K, V), dtype),
+    ):
+        with T.Kernel(HV * ((Np1 - 1) if varlen else B), threads=512) as (bx,):
+            hv = bx % HV
+            n = bx // HV
+            bos, seqlen, bidx, slot0, nchunks = sequence_span(n, cu_seqlens, Tn, varlen)
+            hk = hv // G
+            tx = T.get_thread_binding()
+
+            k_s = T.alloc_shared((2, C, K), dtype)
+            v_s = T.alloc_shared((2, C, BV), dtype)
+            a_s = T.alloc_shared((2, C, C), dtype)
+            gc_s = T.alloc_shared((2, C), acc)
+            sb_s = T.alloc_shared((2, K, BV), dtype)  # bf16 S of chunk c = h's tile (chain -> store)
+            T.annotate_layout({v_s: make_swizzled_layout(v_s), sb_s: make_swizzled_layout(sb_s)})
+
+            full = T.alloc_barrier(arrive_count=[32, 32])
+            empty = T.alloc_barrier(arrive_count=[CH, CH])
+            s_full = T.alloc_barrier(arrive_count=[CH, CH])
+            s_empty = T.alloc_barrier(arrive_count=[128, 128])
+
+            if tx < CH:
+                # ------------------------------------------------------------------ chain
+                T.set_max_nreg(NREG["chain"], 1)
+                st = T.alloc_fragment((BV, K), acc)
+                st_b = T.alloc_fragment((BV, K), dtype)
+                ut = T.alloc_fragment((BV, C), acc)
+                nvt = T.alloc_fragment((BV, C), acc)
+                wt_b = T.alloc_fragment((BV, C), dtype)
+                vpt_b = T.alloc_fragment((BV, C), dtype)
+                gam_f = T.alloc_fragment((C,), acc)
+                r_f = T.alloc_fragment((C,), acc)
+                gcl = T.alloc_local((1,), acc)
+                if use_h0 != 0:
+                    for i, j in T.Parallel(BV, K):
+                        st[i, j] = h0[n, hv, j, i]
+                else:
+                    T.clear(st)
+                for c in T.serial(nchunks):
+                    s = c % 2
+                    ph = (c // 2) % 2
+                    T.barrier_wait(full[s], ph)
+                    T.copy(st, st_b)
+                    # U^T = S^T K^T
+                    T.wgmma_gemm(st_b, k_s[s, :, :], ut, transpose_B=True, clear_accum=True, **chain_kw)
+                    # meanwhile: hand the bf16 S^T (h of this chunk) to the store role, gates, S^T *= gamma_C
+                    T.barrier_wait(s_empty[s], 1 - ph)
+                    for i, j in T.Parallel(BV, K):
+                        sb_s[s, j, i] = st_b[i, j]
+                    T.fence_proxy_async()
+                    T.barrier_arrive(s_full[s])
+                    for j in T.Parallel(C):
+                        gam_f[j] = T.exp2(gc_s[s, j])
+                        r_f[j] = T.exp2(T.min(gc_s[s, C - 1] - gc_s[s, j], T.float32(0)))
+                    gcl[0] = T.exp2(gc_s[s, C - 1])
+                    for i, j in T.Parallel(BV, K):
+                        st[i, j] = st[i, j] * gcl[0]
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(ut, num_regs=BV * C // CH)
+                    # W^T = V^T - U^T diag(gamma)
+                    for i, j in T.Parallel(BV, C):
+                        wt_b[i, j] = T.cast(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j], dtype)
+                    # vn^T = W^T A_beta^T
+                    T.wgmma_gemm(wt_b, a_s[s, :, :], nvt, transpose_B=True, clear_accum=True, **chain_kw)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(nvt, num_regs=BV * C // CH)
+                    for i, j in T.Parallel(BV, C):
+                        vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j], dtype)
+                    # S^T = gamma_C S^T + (vn^T diag(r)) K
+                    T.wgmma_gemm(vpt_b, k_s[s, :, :], st, **chain_kw)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(st, num_regs=BV * K // CH)
+                    T.barrier_arrive(empty[s])
+            elif tx < CH + 128:
+                # ------------------------------------------------------------------ store
+                T.set_max_nreg(NREG["store"], 1)
+                for c in T.serial(nchunks):
+                    s = c % 2
+                    ph = (c // 2) % 2
+                    T.barrier_wait(s_full[s], ph)
+                    if tx == CH:
+                        T.tma_copy(sb_s[s, :, :], h[(slot0 + c) * HV + hv, 0:K, 0:BV])
+                        T.tma_store_arrive()
+                        T.tma_store_wait(0)
+                    T.barrier_arrive(s_empty[s])
+            else:
+                # ------------------------------------------------------------------ producer
+                T.set_max_nreg(NREG["producer"], 0)
+                if tx < CH + 128 + 32:
+                    for c in T.serial(nchunks):
+                        s = c % 2
+                        ph = (c // 2) % 2
+                        t0 = bos + c * C
+                        row0 = (slot0 + c) * C
+                        T.barrier_wait(empty[s], 1 - ph)
+                        T.tma_copy(k[bidx, t0 : t0 + C, hk, 0:K], k_s[s, :, :], barrier=full[s])
+                        T.tma_copy(v[bidx, t0 : t0 + C, hv, 0:BV], v_s[s, :, :], barrier=full[s])
+                        T.tma_copy(A[hv, row0 : row0 + C, 0:C], a_s[s, :, :], barrier=full[s])
+                        T.tma_copy(g_cum_log2[hv, row0 : row0 + C], gc_s[s, :], barrier=full[s])
+                        T.barrier_arrive(full[s])
+
+    return gdn_states_roles_bwd
