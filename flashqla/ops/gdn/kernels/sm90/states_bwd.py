@@ -4,8 +4,8 @@ chunk-start states h from the forward's A diag(beta) and g_cum_log2, and store t
 Reference stage: `reference.gdn.fused_bwd.recompute_states` (records CF-2, RW-2, RW-4):
     W     = V - diag(gamma) K S,   v_new = A_beta W
     S'    = gamma_C S + K^T diag(r) v_new
-Schedule "serial" (this module's kernel; "roles", `states_roles.py`, is the default where it applies:
-K in (64, 128), V = 128, h in the inputs' dtype): one CTA per (value slice of BV = 64 columns, value
+Schedule "serial" (this module's kernel, the default; "roles", `states_roles.py`, on request where it
+applies: K in (64, 128), V = 128, h in the inputs' dtype; not yet checked on a GPU): one CTA per (value slice of BV = 64 columns, value
 head, sequence), the transposed state S^T [BV, K] fp32 in registers, walking the sequence's chunks forward (the forward recurrent kernel's "serial"
 schedule without the output path). Before each chunk's update it stores S into
 h [S * HV, K, V] (slot-major: row (slot * HV + hv) * K + k), in `h_dtype` (bf16 halves the bytes:
@@ -26,11 +26,14 @@ __all__ = ["build_states_kernel", "chunk_states_bwd", "states_kernel_args"]
 
 BV = 64
 
-#: Schedules: "roles" (`states_roles`: the chain, the h stores and the loads on warpgroups of their
-#: own; where `states_roles.states_roles_applies`, else "serial") and "serial" (this module's kernel).
-#: Read when a kernel is built; the environment variable FLASHQLA_STATES_SCHEDULE sets it at import.
+#: Schedules: "serial" (this module's kernel, the default) and "roles" (`states_roles`: the chain, the
+#: h stores and the loads on warpgroups of their own; where `states_roles.states_roles_applies`, else
+#: "serial"). Read when a kernel is built; the environment variable FLASHQLA_STATES_SCHEDULE sets it at
+#: import. "roles" is not the default: its first H200 build hung from a sequence's third chunk on (a
+#: one-thread guard around an elect.sync; fixed since, on the CPU only), and it has not run on a GPU
+#: since (NOTES-bwd.md, "Pass 1 with role-specialised warpgroups").
 SCHEDULES = ("roles", "serial")
-DEFAULT_SCHEDULE = os.environ.get("FLASHQLA_STATES_SCHEDULE", "roles")
+DEFAULT_SCHEDULE = os.environ.get("FLASHQLA_STATES_SCHEDULE", "serial")
 
 
 def _states_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, seq_dtype: str, varlen: bool):

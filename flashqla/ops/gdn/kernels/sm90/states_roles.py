@@ -14,6 +14,11 @@ products, operands and roundings), with the stores and the loads off the state c
     producer (last 128)         one warp issues the TMA loads of k, v, A_beta and g_cum_log2 into a
                                 two-stage ring.
 
+Not the default (`states_bwd.DEFAULT_SCHEDULE`): its first H200 run hung from a sequence's third chunk
+on (the store role's TMA store was issued under a one-thread guard, around TileLang's elect.sync;
+now a whole warp issues it, checked on the CPU only). `tests/gpu/states_roles_check.py` compares it
+with the serial kernel on NaN-filled outputs and times both.
+
 This is the forward's role-split recurrent kernel (`recurrent_roles.py`, BV = 128) without its output
 role: there the chain alone takes ~1.0 us a chunk on the H200, where the one-warpgroup states kernel
 (`states_bwd`, which stores h from the fragment between its products) takes 2.9-4.2 us a chunk.
@@ -155,7 +160,10 @@ def states_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtyp
                     s = c % 2
                     ph = (c // 2) % 2
                     T.barrier_wait(s_full[s], ph)
-                    if tx == CH:
+                    # one whole warp takes the TMA store (TileLang elects its issuing lane with elect.sync,
+                    # which every lane of the warp must execute: under a one-thread guard the other
+                    # lanes ran ahead to the next chunk's wait and the kernel hung from the third chunk on)
+                    if tx < CH + 32:
                         T.tma_copy(sb_s[s, :, :], h[(slot0 + c) * HV + hv, 0:K, 0:BV])
                         T.tma_store_arrive()
                         T.tma_store_wait(0)
