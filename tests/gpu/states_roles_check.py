@@ -1,7 +1,8 @@
 """One call on the GPU machine: backward pass 1 (`states_bwd.chunk_states_bwd`), schedule "roles"
-(`states_roles.py`, the default) against "serial", on NaN-filled outputs: h compared slot by slot
-(bitwise-equal fraction, relative RMS, every written row finite, the same rows written), then both
-CUDA-graph timed.
+(`states_roles.py`, on request) against "serial" (the default), on NaN-filled outputs: h compared slot
+by slot (the same products and roundings, so a case passes only when h is bitwise equal; also the
+relative RMS, every written row finite, the same rows written), then both CUDA-graph timed. Run it
+under `timeout` (a kernel that hangs would hold the GPU).
 
     python tests/gpu/states_roles_check.py [--rows "16/32 7212+7072+13725+4759" ...]
 
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
         finite = bool(torch.isfinite(hr[wr]).all()) if wr.any() else True
         eq = float((hr[wr] == hs[wr]).float().mean()) if wr.any() else 1.0
         err = rel_rms(hr[wr].float(), hs[wr].float()) if wr.any() else 0.0
-        ok = same_rows and finite and err <= 1e-2 and int(wr.sum()) > 0
+        ok = same_rows and finite and eq == 1.0 and int(wr.sum()) > 0
         ok_all &= ok
         out.append((name, int(wr.sum()) // (K * 128), eq, err, same_rows, finite, ok))
         print(out[-1], flush=True)
