@@ -393,13 +393,14 @@ def test_chunk_bwd_v5_applies_to_its_configurations_only():
 def test_finish_skips_the_gva_sum_when_pass2_wrote_dq_and_dk(monkeypatch):
     """Pass 3 on pass-2 outputs in q's dtype (v5): with one value head per q/k head dq_hv, dk_hv are
     returned as dq, dk (no launch); with a group of two the sum is built for bf16 inputs; fp32 inputs
-    (v1 / v2) keep the fp32 build."""
+    keep the fp32 build, under the very key `op_kernel_specs` lists (so a warmed-up call builds nothing)."""
     from flashqla.ops.gdn.kernels.sm90 import finish_bwd
 
     built = []
 
-    def fake_reduce(H, HV, K, dtype, in_dtype="float32"):
-        built.append((H, HV, K, dtype, in_dtype))
+    def fake_reduce(*key):
+        built.append(key)
+        H, K = key[0], key[2]
         return lambda dq_hv, dk_hv, dq, dk: (dq.copy_(dq_hv.view(*dq.shape[:2], H, -1, K).float().sum(3)),
                                              dk.copy_(dk_hv.view(*dk.shape[:2], H, -1, K).float().sum(3)))
 
@@ -416,7 +417,10 @@ def test_finish_skips_the_gva_sum_when_pass2_wrote_dq_and_dk(monkeypatch):
     torch.testing.assert_close(dq[:, :, 0].float(), dq_hv.float().sum(2), rtol=1e-2, atol=1e-2)
     built.clear()
     dq, _, _ = finish_bwd.chunk_finish_bwd(dG, dq_hv.float(), dk_hv.float(), None, 2, torch.bfloat16)
-    assert built == [(2, 2, K, "bfloat16", "float32")] and dq.dtype == torch.bfloat16 and dq is not dq_hv
+    assert built == [(2, 2, K, "bfloat16")] and dq.dtype == torch.bfloat16 and dq is not dq_hv
+    from flashqla.ops.gdn.kernels.sm90 import op_kernel_specs
+
+    assert ("gva_reduce", built[0]) in op_kernel_specs(2, 2)
 
 
 def test_qk_store_dtype_reads_its_variable(monkeypatch):

@@ -132,5 +132,7 @@ def chunk_finish_bwd(dG: torch.Tensor, dq_hv: torch.Tensor, dk_hv: torch.Tensor,
     if dG.shape[1] > 0:
         build_dg_cumsum_kernel(HV, seq_dtype, varlen)(dG, cu, dg)
     if not same:
-        build_gva_reduce_kernel(H, HV, K, tl_dtype(dtype), tl_dtype(dq_hv.dtype))(dq_hv, dk_hv, dq, dk)
+        # the key `op_kernel_specs` lists (and warm-up builds): the input dtype only when not fp32
+        key = (H, HV, K, tl_dtype(dtype)) + (() if dq_hv.dtype == torch.float32 else (tl_dtype(dq_hv.dtype),))
+        build_gva_reduce_kernel(*key)(dq_hv, dk_hv, dq, dk)
     return dq, dk, dg
