@@ -67,9 +67,10 @@ SCAN_STEP_COST and t(64) were refitted (their comments), and 2/8 x 32768 takes 0
 benchmark, 2026-11-30).
 The planner evaluates both BV choices (only those dividing V), no split, and every segment length
 L = SEGMENT_QUANTUM * j (512 tokens = 8 chunks, as FlashInfer's exact CP; always a multiple of the
-64-token chunk) with L < l_max, and splits when the best split is predicted at least MIN_GAIN = 1.2x (the
-backward's plan: BWD_MIN_GAIN = 1.05x) faster than the best unsplit launch (among split candidates within TIE = 3% of the best, the
-longest L wins: fewer waves, fewer scan steps, less overhead the model leaves out). The optimum
+64-token chunk) with L < l_max, and splits when the best split is predicted at least MIN_GAIN = 1.2x
+(the backward's plan: BWD_MIN_GAIN = 1.05x) faster than the best unsplit launch (among split
+candidates within TIE = 3% of the best, the longest L wins: fewer waves, fewer scan steps, less
+overhead the model leaves out). The optimum
 lands where the segment CTAs fill one or a few whole waves: shorter segments do not shorten the
 critical path below total work / slots and add scan steps; longer ones leave SMs idle.
 Examples at 132 SMs (exact mode, the dual launch and the cut): 2/8 1x32768 -> split, L = 2560,

@@ -5,8 +5,9 @@ Reference stage: `reference.gdn.fused_bwd.recompute_states` (records CF-2, RW-2,
     W     = V - diag(gamma) K S,   v_new = A_beta W
     S'    = gamma_C S + K^T diag(r) v_new
 Schedule "serial" (this module's kernel, the default; "roles", `states_roles.py`, on request where it
-applies: K in (64, 128), V = 128, h in the inputs' dtype; not yet checked on a GPU): one CTA per (value slice of BV = 64 columns, value
-head, sequence), the transposed state S^T [BV, K] fp32 in registers, walking the sequence's chunks forward (the forward recurrent kernel's "serial"
+applies: K in (64, 128), V = 128, h in the inputs' dtype; not yet checked on a GPU): one CTA per
+(value slice of BV = 64 columns, value head, sequence), the transposed state S^T [BV, K] fp32 in
+registers, walking the sequence's chunks forward (the forward recurrent kernel's "serial"
 schedule without the output path). Before each chunk's update it stores S into
 h [S * HV, K, V] (slot-major: row (slot * HV + hv) * K + k), in `h_dtype` (bf16 halves the bytes:
 `tests/test_fused_bwd.py::test_low_precision_storage_cost` measures 1.2e-3 .. 1.8e-3 relative RMS on

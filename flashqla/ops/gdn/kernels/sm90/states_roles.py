@@ -4,13 +4,14 @@ products, operands and roundings), with the stores and the loads off the state c
 
     chain  (threads [0, 256))   two warpgroups own S^T [128, K] fp32 in registers (64 value rows each;
                                 each product is one wgmma split by rows over the two); per chunk
-                                S^T -> bf16 copy (registers, and shared memory for the store role)
+                                S^T -> bf16 copy (registers), and S = h of chunk c, transposed,
+                                into a 128-byte-swizzled shared tile for the store role
                                 U^T   = S^T K^T                        (wgmma, A from registers)
                                 W^T   = V^T - U^T diag(gamma)
                                 vn^T  = W^T A_beta^T                   (wgmma, A from registers)
                                 S^T   = gamma_C S^T + (vn^T diag(r)) K (wgmma, A from registers)
-    store  (next 128 threads)   h of chunk c <- the bf16 S^T in shared memory (transposed to h's
-                                [K, V] rows: consecutive threads write consecutive values)
+    store  (next 128 threads)   one warp TMA-stores that tile to h's [K, V] rows (the other three
+                                warps only count in the stage's release)
     producer (last 128)         one warp issues the TMA loads of k, v, A_beta and g_cum_log2 into a
                                 two-stage ring.
 
@@ -25,7 +26,7 @@ role: there the chain alone takes ~1.0 us a chunk on the H200, where the one-war
 
 Synchronisation (mbarriers, two of each, indexed by the stage c % 2, parity (c // 2) % 2): full
 (producer -> chain: the stage's tiles landed), empty (chain -> producer), s_full / s_empty (chain ->
-store / back: the bf16 S^T of chunk c in sb_s[c % 2]). A waiter on an "empty" barrier uses the
+store / back: h of chunk c in sb_s[c % 2], released after the TMA store has read it). A waiter on an "empty" barrier uses the
 opposite parity, so its first two waits pass at once.
 
 h is stored in the inputs' dtype (the rounding `states_bwd` applies for h_dtype == dtype: the bf16
