@@ -43,7 +43,7 @@ def test_states_kernel_compiles(h_dtype, seq_dtype, varlen):
     ids=["bf16-K128-varlen", "fp16-K64-fixed"],
 )
 def test_states_roles_kernel_compiles(H, HV, K, dtype, seq_dtype, varlen):
-    """The role-split states kernel (on request, FLASHQLA_STATES_SCHEDULE=roles): 512 threads, the chain's two
+    """The role-split states kernel (the default schedule where it applies): 512 threads, the chain's two
     warpgroups take registers from the producer (setmaxnreg), k / v / A / gates by TMA, h stored by TMA
     from a shared tile, within Hopper's shared memory, no spills; the serial schedule stays selectable."""
     from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
@@ -64,8 +64,10 @@ def test_states_roles_kernel_compiles(H, HV, K, dtype, seq_dtype, varlen):
     assert "tl_shuffle_elect<1>" not in src and "tl_shuffle_elect<32>" in src
     r = ptxas_report(kernel)
     assert r["dynamic_smem"] + r["static_smem"] <= SMEM_LIMIT and r["spill_stores"] == 0, r
-    serial = build_states_kernel(H, HV, K, 128, dtype, dtype, seq_dtype, varlen).get_kernel_source()
-    assert "gdn_states_bwd" in serial and "roles" not in serial  # the default schedule
+    serial = build_states_kernel(H, HV, K, 128, dtype, dtype, seq_dtype, varlen, "serial").get_kernel_source()
+    assert "gdn_states_bwd" in serial and "roles" not in serial
+    if resolve_schedule(None, K, 128, dtype, dtype) == "roles":  # the default (no FLASHQLA_STATES_SCHEDULE)
+        assert build_states_kernel(H, HV, K, 128, dtype, dtype, seq_dtype, varlen).get_kernel_source() == src
 
 
 def test_states_schedule_resolution():

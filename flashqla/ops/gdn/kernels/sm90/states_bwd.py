@@ -27,14 +27,14 @@ __all__ = ["build_states_kernel", "chunk_states_bwd", "states_kernel_args"]
 
 BV = 64
 
-#: Schedules: "serial" (this module's kernel, the default) and "roles" (`states_roles`: the chain, the
-#: h stores and the loads on warpgroups of their own; where `states_roles.states_roles_applies`, else
-#: "serial"). Read when a kernel is built; the environment variable FLASHQLA_STATES_SCHEDULE sets it at
-#: import. "roles" is not the default: its first H200 build hung from a sequence's third chunk on (a
-#: one-thread guard around an elect.sync; fixed since, on the CPU only), and it has not run on a GPU
-#: since (NOTES-bwd.md, "Pass 1 with role-specialised warpgroups").
+#: Schedules: "roles" (`states_roles`: the chain, the h stores and the loads on warpgroups of their
+#: own; the default where `states_roles.states_roles_applies`, else "serial") and "serial" (this
+#: module's kernel: one warpgroup stores h from the fragment between its products). Both give bitwise
+#: the same h (H200, `tests/gpu/states_roles_check.py`). Read when a kernel is built; the environment
+#: variable FLASHQLA_STATES_SCHEDULE sets it at import (NOTES-bwd.md, "Pass 1 with role-specialised
+#: warpgroups").
 SCHEDULES = ("roles", "serial")
-DEFAULT_SCHEDULE = os.environ.get("FLASHQLA_STATES_SCHEDULE", "serial")
+DEFAULT_SCHEDULE = os.environ.get("FLASHQLA_STATES_SCHEDULE", "roles")
 
 
 def _states_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, seq_dtype: str, varlen: bool):
