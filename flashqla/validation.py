@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GDNDims", "check_gdn_inputs", "check_cu_seqlens_values", "planning_max_seqlen", "check_gate_values", "FLOAT_DTYPES"]
+__all__ = ["GDNDims", "check_gdn_inputs", "check_cu_seqlens_values", "planning_max_seqlen", "planning_seqlens", "check_gate_values", "FLOAT_DTYPES"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -119,6 +119,18 @@ def planning_max_seqlen(cu_seqlens_cpu, cu_seqlens, T: int) -> int | None:
     cu = cu_seqlens_cpu.to(torch.int64)
     longest = int((cu[1:] - cu[:-1]).max())
     return -(-longest // 64) * 64
+
+
+def planning_seqlens(cu_seqlens_cpu, cu_seqlens, T: int) -> tuple[int, ...] | None:
+    """The sequence lengths of `cu_seqlens_cpu` (a host copy of `cu_seqlens`, FLA's argument of that
+    name) as a tuple of ints: the backward's context-parallel planner costs its plan on them
+    (`flashqla.cp.planner.plan_cp(seqlens=...)`, packed batches). None when `cu_seqlens_cpu` is None or
+    while torch.compile or torch.export traces the caller; the same checks and errors as
+    `planning_max_seqlen`. Like it, the lengths shape the plan, never the results."""
+    if planning_max_seqlen(cu_seqlens_cpu, cu_seqlens, T) is None:
+        return None
+    cu = cu_seqlens_cpu.to(torch.int64)
+    return tuple((cu[1:] - cu[:-1]).tolist())
 
 
 def check_gate_values(g: torch.Tensor) -> None:

@@ -1198,15 +1198,16 @@ def _mode(cp) -> str:
     return cp_mode(cp, default="auto")
 
 
-def _plan(q, v, cu_seqlens, cp, segment_len, gate_chunks, max_seqlen, sm_count, build_tables, backward=False):
+def _plan(q, v, cu_seqlens, cp, segment_len, gate_chunks, max_seqlen, sm_count, build_tables, backward=False,
+          seqlens=None):
     mode = _mode(cp)
     return get_cp_plan(q, v, cu_seqlens, sm_count_override=sm_count, force=mode == "on", disable=mode == "off",
                        exact=gate_chunks is None, segment_len=segment_len, max_seqlen=max_seqlen,
-                       gate_chunks=gate_chunks, build_tables=build_tables, backward=backward)
+                       gate_chunks=gate_chunks, build_tables=build_tables, backward=backward, seqlens=seqlens)
 
 
 def cp_splits(q, v, cu_seqlens=None, cp=None, *, segment_len=None, gate_chunks=None, max_seqlen=None,
-              sm_count=None, backward=False) -> bool:
+              sm_count=None, backward=False, seqlens=None) -> bool:
     """Whether `chunk_gated_delta_rule_cp_fwd` (backward=True: `chunk_gated_delta_rule_cp_bwd`, whose
     plan is costed for the backward's launches) would split these inputs (a cached plan lookup on
     static facts: shapes, dtypes, device, SM count, options; no host read of any tensor value).
@@ -1219,7 +1220,8 @@ def cp_splits(q, v, cu_seqlens=None, cp=None, *, segment_len=None, gate_chunks=N
     if mode == "off":
         return False
     try:
-        plan, _ = _plan(q, v, cu_seqlens, mode, segment_len, gate_chunks, max_seqlen, sm_count, False, backward=backward)
+        plan, _ = _plan(q, v, cu_seqlens, mode, segment_len, gate_chunks, max_seqlen, sm_count, False, backward=backward,
+                        seqlens=seqlens)
     except (AttributeError, TypeError, ValueError, IndexError):
         return False
     return plan.split
@@ -1241,6 +1243,7 @@ def chunk_gated_delta_rule_cp_fwd(
     segment_len: int | None = None,
     gate_chunks: int | None = None,
     max_seqlen: int | None = None,
+    seqlens: tuple[int, ...] | None = None,
     correction: str = "gemm",
     relayout: bool = True,
     block_v: int | None = None,
@@ -1269,6 +1272,8 @@ def chunk_gated_delta_rule_cp_fwd(
         gate_chunks: None (exact) or m >= 1: gate-driven mode (module docstring; opt-in, not exact
             on heads whose gates do not decay below GATE_THRESHOLD within m chunks).
         max_seqlen: optional host-side bound on the longest sequence (planning hint).
+        seqlens: optional host-side lengths of the sequences (a tuple; `flashqla.validation.planning_seqlens`):
+            the backward's plan (keep_for_backward) is costed on them (`planner.plan_cp`).
         correction: "gemm" (default) or "rerun" (exact mode's output correction).
         relayout: return A and g_cum_log2 in the slot layout of the caller's cu_seqlens (what a
             backward needs; one gather); False keeps the segments' layout (A, g_cum_log2 then match
@@ -1331,7 +1336,7 @@ def chunk_gated_delta_rule_cp_fwd(
     keep = keep_for_backward and gate_chunks is None and segment_len is None
     plan = None
     if keep:  # the backward's segmentation, so that its CPSaved applies
-        plan, _ = _plan(q, v, cu_seqlens, cp, None, None, ms, sm_count, False, backward=True)
+        plan, _ = _plan(q, v, cu_seqlens, cp, None, None, ms, sm_count, False, backward=True, seqlens=seqlens)
         keep = plan.split
     if not keep:
         plan, _ = _plan(q, v, cu_seqlens, cp, segment_len, gate_chunks, ms, sm_count, False)
@@ -1398,7 +1403,7 @@ def _unsplit(backend, q, k, v, g, beta, scale, initial_state, output_final_state
 
 def chunk_gated_delta_rule_cp_bwd(
     q, k, v, g, beta, A, g_cum_log2, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
-    *, cp=None, segment_len: int | None = None, max_seqlen: int | None = None, block_v: int | None = None,
+    *, cp=None, segment_len: int | None = None, max_seqlen: int | None = None, seqlens=None, block_v: int | None = None,
     sm_count: int | None = None, backend=None, truncate=None, cp_saved: CPSaved | None = None,
 ):
     """`flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd` with intra-device context parallelism.
@@ -1412,7 +1417,7 @@ def chunk_gated_delta_rule_cp_bwd(
 
     Args: q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; A [HV, S * 64, 64]; g_cum_log2
         [HV, S * 64]; do [B, T, HV, V]; dht None or [N, HV, K, V]; scale; initial_state None or
-        [N, HV, K, V]; cu_seqlens None or [N + 1]; cp, segment_len, max_seqlen, block_v, sm_count,
+        [N, HV, K, V]; cu_seqlens None or [N + 1]; cp, segment_len, max_seqlen, seqlens, block_v, sm_count,
         backend, truncate as `chunk_gated_delta_rule_cp_fwd`; cp_saved: the forward's
         `ChunkGDNForward.cp_saved` (`keep_for_backward`), used when it matches this plan's segments.
     Returns (dq, dk, dv, dg, dbeta, dh0 or None), the unsplit backward's dtypes.
@@ -1422,7 +1427,8 @@ def chunk_gated_delta_rule_cp_bwd(
     if backend is None:
         backend = _default_backend()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    plan, _ = _plan(q, v, cu_seqlens, cp, segment_len, None, max_seqlen, sm_count, False, backward=True)
+    plan, _ = _plan(q, v, cu_seqlens, cp, segment_len, None, max_seqlen, sm_count, False, backward=True,
+                    seqlens=seqlens)
     B, T = q.shape[0], q.shape[1]
     if not plan.split:
         return backend.bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens)

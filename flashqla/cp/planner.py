@@ -94,7 +94,9 @@ wave), so one long sequence splits far sooner than in the forward
 batch (N > 1) is planned the same way (`PACKED_BWD_OWN_PLAN`) since the segment tables and both
 scans became one launch each (the forward and the backward plan independently: the backward
 recomputes every product it needs from the forward's A and g_cum_log2).
-Without a max_seqlen hint lengths are taken as balanced. (Costing a skewed batch too, one sequence
+Given every length (`seqlens`, a packed batch), the backward's plan is costed on them instead: the
+CTAs in launch order on the SMs (BWD_LEN_TOKEN_COST's comment). Else, without a max_seqlen hint,
+lengths are taken as balanced. (Costing a skewed batch too, one sequence
 holding all but N - 1 tokens, was measured on the backward grid: its splits lost as often as they won.)
 Segment lengths are searched on every quantum up to DENSE_QUANTA quanta, then on a geometric grid.
 
@@ -168,6 +170,7 @@ Kernel launches (`flashqla.cp.driver`, existing kernels only)
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -329,6 +332,27 @@ MIN_GAIN = 1.2
 #: forward does, under the training step). 1.05, not 1.0: a split predicted within the model's noise
 #: of the unsplit launch is not taken.
 BWD_MIN_GAIN = 1.05
+#: The backward's plan when the caller gives every sequence's length (`seqlens`, N > 1; from FLA's
+#: `cu_seqlens_cpu`): the time of the training step's CP work (the forward keeping its split states and
+#: the backward reusing them) is costed per launch order instead of from the longest and mean lengths,
+#: in units of one chunk step of a backward CTA (~14 us on the H200):
+#:
+#:     t(L) = makespan(L) + BWD_LEN_TOKEN_COST * HV * T + BWD_LEN_WAVE_COST * HV * m / SMs
+#:            + [split] (BWD_LEN_SPLIT_COST + BWD_LEN_SCAN_STEP_COST * (most segments of a sequence - 1))
+#:
+#: makespan(L): the CTAs (one per segment, or sequence when unsplit, and value head: m segments) in
+#: launch order (segment-major, value heads fastest), each sent to the first SM that is free, each
+#: lasting its segment's chunks; the latest finish (`_greedy_makespan`). Fitted on the H200
+#: (2026-12-01, commit 5f7465c, `tests/gpu/cp_train_plan_check.py --lengths`: ten packed rows of the
+#: backward grid, each unsplit and at ten L from 512 to 8192, 106 training steps; least squares, the
+#: makespan's coefficient scaled to 1): RMS error 0.053 ms on steps of 0.45-6.2 ms, and the L it
+#: predicts fastest is the fastest measured on all ten rows (within 0.1%). The mean and longest
+#: lengths (the model above) had missed by up to 1.25x on the same rows (4/8 7053 + 1139: L = 1024,
+#: 0.486 ms, against 0.446 at L = 512; 8/16 7212 + 25556: L = 2560, 2.050 against 1.892 at 4096).
+BWD_LEN_TOKEN_COST = 72.9e-6
+BWD_LEN_WAVE_COST = 7.27
+BWD_LEN_SPLIT_COST = 11.07
+BWD_LEN_SCAN_STEP_COST = 0.55
 #: Split candidates within this fraction of the best are ties; the longest segment wins.
 TIE = 0.03
 #: Summed log-decay below which a carried state is dropped by the gate-driven shortcut (FlashQLA's).
@@ -390,6 +414,67 @@ def _first_tokens(T: int, N: int, L: int, l_avg: int, l_max: int, balanced: bool
         return N * min(L, l_avg)
     others, rest = N - 1, max(T - l_max, 0)
     return min(L, l_max) + (min(rest, others * L) if others else 0)
+
+
+def _greedy_makespan(runs, slots: int) -> int:
+    """Latest finish of CTAs sent in order to `slots` SMs, each to the first one free: runs is a list of
+    (chunks, count), `count` CTAs of `chunks` steps each, in launch order. Exact for that greedy
+    schedule; the work is per distinct finish time, not per CTA."""
+    free = {0: slots}  # finish time -> SMs free from then
+    times = [0]
+    end = 0
+    for chunks, count in runs:
+        while count:
+            t = times[0]
+            n = free[t]
+            take = min(n, count)
+            if take == n:
+                heapq.heappop(times)
+                del free[t]
+            else:
+                free[t] = n - take
+            t2 = t + chunks
+            if t2 in free:
+                free[t2] += take
+            else:
+                free[t2] = take
+                heapq.heappush(times, t2)
+            end = max(end, t2)
+            count -= take
+    return end
+
+
+def _lengths_runs(seqlens, L: int | None, HV: int) -> tuple[list, int, int]:
+    """The backward's CTAs for these sequence lengths cut at L (None: whole sequences), as
+    `_greedy_makespan` runs, with the segment count and the most segments of one sequence."""
+    runs, segs, most = [], 0, 0
+    for n in seqlens:
+        if n <= 0:
+            continue
+        if L is None or n <= L:
+            parts = [(_cdiv(n, CHUNK), 1)]
+        else:
+            full, rest = divmod(n, L)
+            parts = [(L // CHUNK, full)] + ([(_cdiv(rest, CHUNK), 1)] if rest else [])
+        k = sum(p[1] for p in parts)
+        segs += k
+        most = max(most, k)
+        for chunks, num in parts:
+            if runs and runs[-1][0] == chunks:
+                runs[-1][1] += num * HV
+            else:
+                runs.append([chunks, num * HV])
+    return runs, segs, most
+
+
+def _bwd_lengths_time(seqlens, L: int | None, HV: int, sms: int) -> float:
+    """The training step's CP work at segment length L (None: unsplit) with every length known
+    (BWD_LEN_TOKEN_COST's comment), in backward chunk steps."""
+    runs, segs, most = _lengths_runs(seqlens, L, HV)
+    t = _greedy_makespan(runs, sms) + BWD_LEN_TOKEN_COST * HV * sum(seqlens) + BWD_LEN_WAVE_COST * HV * segs / sms
+    if L is not None:
+        t += BWD_LEN_SPLIT_COST + BWD_LEN_SCAN_STEP_COST * max(most - 1, 0)
+    return t
 
 
 def _unsplit_bwd_time(BV: int, HV: int, V: int, N: int, l_avg: int, l_max: int, sms: int) -> float:
@@ -474,6 +559,7 @@ def plan_cp(
     max_seqlen: int | None = None,
     gate_chunks: int | None = None,
     backward: bool = False,
+    seqlens: tuple[int, ...] | None = None,
 ) -> CPPlan:
     """Whether and how to split (the rule in the module docstring). Pure and cached.
 
@@ -487,10 +573,14 @@ def plan_cp(
         gate_chunks: chunks the gate-driven transition launch covers (None: DEFAULT_GATE_CHUNKS).
         backward: cost the backward's launches (`flashqla.cp.driver.chunk_gated_delta_rule_cp_bwd`,
             exact) instead of the forward's.
+        seqlens: optional host-side lengths of the N sequences (a tuple summing to T; FLA's
+            cu_seqlens_cpu, `flashqla.validation.planning_seqlens`). With backward and N > 1 the plan
+            is costed on them (`_bwd_lengths_time`, BWD_LEN_TOKEN_COST's comment); elsewhere only their
+            maximum is used, as max_seqlen.
 
     Returns a `CPPlan`. Raises ValueError for non-positive sizes, force with disable, a segment_len
-    that is not a positive multiple of 64, a gate_chunks < 1, or a V that no width in BV_CHOICES
-    divides.
+    that is not a positive multiple of 64, a gate_chunks < 1, a V that no width in BV_CHOICES
+    divides, or seqlens that are not N lengths >= 0 summing to T.
     """
     if HV <= 0 or N < 0 or T < 0 or V <= 0 or sm_count <= 0:
         raise ValueError(f"plan_cp needs HV, V, sm_count > 0 and N, T >= 0, got HV={HV} N={N} T={T} V={V} sm_count={sm_count}")
@@ -503,6 +593,13 @@ def plan_cp(
         raise ValueError(f"gate_chunks must be a positive number of chunks, got {gate_chunks}")
     if max_seqlen is not None and int(max_seqlen) < 0:
         raise ValueError(f"max_seqlen must be >= 0 tokens, got {max_seqlen}")
+    if seqlens is not None:
+        if (not isinstance(seqlens, tuple) or len(seqlens) != N
+                or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in seqlens) or sum(seqlens) != T):
+            raise ValueError(f"seqlens must be a tuple of N = {N} int lengths >= 0 summing to T = {T}, got "
+                             f"{seqlens if not isinstance(seqlens, tuple) or len(seqlens) <= 8 else str(seqlens[:8])[:-1] + ', ...)'}")
+        longest = max(seqlens, default=0)
+        max_seqlen = longest if max_seqlen is None else min(int(max_seqlen), longest)
     bvs = [bv for bv in BV_CHOICES if V % bv == 0]
     if not bvs:
         raise ValueError(f"no value-slice width in {BV_CHOICES} divides V={V}")
@@ -531,6 +628,13 @@ def plan_cp(
             return _unsplit_bwd_time(bv, HV, V, N, l_mean, l_max, sm_count)
         return _unsplit_time(bv, HV, V, N, l_mean, l_max, sm_count)
 
+    if backward and seqlens is not None and N > 1:  # every length known: the launch-order model
+        bv_u = bvs[0]
+        t_u = _bwd_lengths_time(seqlens, None, HV, sm_count)
+        lens = [segment_len] if segment_len is not None else _segment_lengths(l_max)
+        cands = [(_bwd_lengths_time(seqlens, L, HV, sm_count), L, bv_u) for L in lens]
+        # no TIE: this model separates candidates a few percent apart (the mean-and-longest one does not)
+        return _decide(t_u, bv_u, cands, bvs, exact, sm_count, force, segment_len, l_max, backward, tie=0.0)
     if backward:
         bv_u = min(bvs, key=lambda bv: (unsplit(bv), bvs.index(bv)))
     else:  # the width the unsplit launch runs at (`recurrent.pick_block_v`), not the cheapest one
@@ -543,6 +647,12 @@ def plan_cp(
     lens = [segment_len] if segment_len is not None else _segment_lengths(l_max)
     cands = [(_split_time(bv, HV, V, T, N, L, l_avg, l_max, balanced, sm_count, exact, gate_chunks, backward), L, bv)
              for L in lens for bv in bvs]
+    return _decide(t_u, bv_u, cands, bvs, exact, sm_count, force, segment_len, l_max, backward)
+
+
+def _decide(t_u, bv_u, cands, bvs, exact, sm_count, force, segment_len, l_max, backward, tie=TIE) -> CPPlan:
+    """The plan from the unsplit estimate and the split candidates (time, L, BV); candidates within
+    `tie` of the best are ties, the longest L among them wins."""
     if not cands:  # no L shorter than the longest sequence
         if force:
             return CPPlan(True, segment_len or SEGMENT_QUANTUM, bv_u, exact, sm_count, t_u, None,
@@ -550,7 +660,7 @@ def plan_cp(
         return CPPlan(False, None, bv_u, exact, sm_count, t_u, None, f"sequences of <= {l_max} tokens fit one segment")
     # among near-ties (within TIE), the longest segments: fewest waves and scan steps
     t_min = min(c[0] for c in cands)
-    t_s, L, bv_s = max((c for c in cands if c[0] <= t_min * (1 + TIE)), key=lambda c: (c[1], -bvs.index(c[2])))
+    t_s, L, bv_s = max((c for c in cands if c[0] <= t_min * (1 + tie)), key=lambda c: (c[1], -bvs.index(c[2])))
     gain = BWD_MIN_GAIN if backward else MIN_GAIN
     if t_u >= gain * t_s:
         return CPPlan(True, L, bv_s, exact, sm_count, t_u, t_s, f"split predicted {t_u / t_s:.2f}x faster")
@@ -594,41 +704,46 @@ class PlanKey(NamedTuple):
     max_seqlen: int | None
     gate_chunks: int | None = None
     backward: bool = False
+    seqlens: tuple[int, ...] | None = None  # the caller's host-side lengths (backward plans only)
 
 
 def plan_key(q, v, cu_seqlens=None, *, sm_count_override=None, force=False, disable=False, exact=False,
-             segment_len=None, max_seqlen=None, gate_chunks=None, backward=False) -> PlanKey:
-    """`PlanKey` from q [B, T, H, K], v [B, T, HV, V] and cu_seqlens (None or [N + 1]); shapes only."""
+             segment_len=None, max_seqlen=None, gate_chunks=None, backward=False, seqlens=None) -> PlanKey:
+    """`PlanKey` from q [B, T, H, K], v [B, T, HV, V] and cu_seqlens (None or [N + 1]); shapes only,
+    and the caller's host-side hints (max_seqlen; seqlens, kept for backward plans only, the only
+    ones it changes beyond its maximum)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     sms = sm_count(q.device) if sm_count_override is None else int(sm_count_override)
     cu_dtype = None if cu_seqlens is None else cu_seqlens.dtype
+    seqlens = tuple(seqlens) if seqlens is not None and backward else None
     return PlanKey(B, T, H, HV, K, V, N, q.dtype, cu_dtype, q.device, sms, bool(force), bool(disable), bool(exact),
-                   segment_len, max_seqlen, gate_chunks, bool(backward))
+                   segment_len, max_seqlen, gate_chunks, bool(backward), seqlens)
 
 
 @functools.lru_cache(maxsize=256)
 def _plan_for_key(key: PlanKey) -> CPPlan:
     return plan_cp(key.HV, key.N, key.B * key.T, key.V, key.sm_count, force=key.force, disable=key.disable,
                    exact=key.exact, segment_len=key.segment_len, max_seqlen=key.max_seqlen,
-                   gate_chunks=key.gate_chunks, backward=key.backward)
+                   gate_chunks=key.gate_chunks, backward=key.backward, seqlens=key.seqlens)
 
 
 def get_cp_plan(q, v, cu_seqlens=None, *, sm_count_override=None, force=False, disable=False, exact=False,
-                segment_len=None, max_seqlen=None, gate_chunks=None, build_tables=True, backward=False):
+                segment_len=None, max_seqlen=None, gate_chunks=None, build_tables=True, backward=False, seqlens=None):
     """The plan for these inputs (cached on `plan_key`) and, when it splits, the segment tables for
     the current values of cu_seqlens (rebuilt every call, on cu_seqlens' device, no host sync).
 
     Args: q [B, T, H, K], v [B, T, HV, V] (only shapes, dtype and device are read); cu_seqlens None or
         [N + 1] int32/int64 offsets (B == 1); the flags as in `plan_cp`; sm_count_override replaces
         the device's SM count; build_tables=False returns tables None; backward=True plans the
-        backward's launches (a separate cache entry).
+        backward's launches (a separate cache entry); seqlens: the caller's host-side lengths (a
+        tuple, `plan_cp`), or None.
     Returns (CPPlan, SegmentTables or None).
     """
     key = plan_key(q, v, cu_seqlens, sm_count_override=sm_count_override, force=force, disable=disable,
                    exact=exact, segment_len=segment_len, max_seqlen=max_seqlen, gate_chunks=gate_chunks,
-                   backward=backward)
+                   backward=backward, seqlens=seqlens)
     plan = _plan_for_key(key)
     tables = None
     if plan.split and build_tables:

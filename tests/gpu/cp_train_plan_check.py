@@ -4,6 +4,12 @@ values, to see whether rows it keeps whole would gain from a split now that the 
 forward's states.
 
     python tests/gpu/cp_train_plan_check.py [--rows "8/16 8k_8seq" ...] [--gains 1.2 1.0]
+    python tests/gpu/cp_train_plan_check.py --lengths 512 1024 ... [--rows ...] [--out DIR]
+
+`--lengths` sweeps the backward's segment length instead: per row, unsplit (the backward's plan kept
+whole; the forward then takes its own plan) and every L of the list below the row's longest sequence
+(the backward's plan forced to L, which the forward keeps), the same timings, written to
+cp_train_sweep.json in --out (the data the backward planner's costs are fitted on).
 
 Per row: the benchmark's inputs and our loader (`flashqla.bench.bwd_impls`, exactly what the backward
 benchmark times), the plan the forward keeps (L or unsplit), the gradients' relative RMS against the
@@ -14,6 +20,7 @@ Prints a table last. Not collected by pytest.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -40,7 +47,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", nargs="+", default=ROWS)
     ap.add_argument("--gains", nargs="+", type=float, default=[1.2, 1.0])
+    ap.add_argument("--lengths", nargs="+", type=int, default=None)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
+    search = P._segment_lengths
     impl = load_bwd_impls(("ours",))["ours"]
     fac = BwdInputFactory("cuda", 32768)
     names = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -50,8 +60,12 @@ def main(argv=None) -> int:
         (row,) = select_bwd_rows([heads], [mix])
         x = fac.get(row)
         base = None
-        for gain in a.gains:
+        longest = max(row.mix.lengths)
+        settings = [(g, None) for g in a.gains] if a.lengths is None else \
+            [(float("inf"), None)] + [(0.0, L) for L in a.lengths if L < longest]
+        for gain, forced in settings:
             P.BWD_MIN_GAIN = gain
+            P._segment_lengths = search if forced is None else (lambda l_max, L=forced: [L])
             P.clear_plan_cache()
             f = impl.fwd(x)
             L = f.saved.cp_saved.segment_len if f.saved.cp_saved is not None else None
@@ -63,6 +77,10 @@ def main(argv=None) -> int:
             bwd = time_cuda_graph(lambda: impl.bwd(x, f.saved)).ms
             step = time_cuda_graph(lambda: impl.step(x)).ms
             table.append((text, gain, L, bwd, step, max(errs.values()), ok))
+            if a.lengths is not None:
+                with open(os.path.join(a.out, "cp_train_sweep.json"), "w") as fh:
+                    json.dump([dict(row=r[0], L=r[2], bwd_ms=r[3], step_ms=r[4], err=r[5], ok=r[6]) for r in table], fh,
+                              indent=1)
             print(f"{text} BWD_MIN_GAIN {gain}: L={L} bwd {bwd:.3f} step {step:.3f} max rel {max(errs.values()):.1e} {'ok' if ok else 'FAIL'}",
                   flush=True)
         fac.release()

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from flashqla.validation import check_gdn_inputs, planning_max_seqlen
+from flashqla.validation import check_gdn_inputs, planning_max_seqlen, planning_seqlens
 
 __all__ = ["chunk_gated_delta_rule", "chunk_gated_delta_rule_fwd", "warmup", "ChunkGDNForward", "SUPPORTED"]
 
@@ -127,6 +127,7 @@ def chunk_gated_delta_rule_fwd(
     for_backward: bool = True,
     max_seqlen: int | None = None,
     keep_cp_states: bool = False,
+    seqlens: tuple[int, ...] | None = None,
 ) -> ChunkGDNForward:
     """Forward of `chunk_gated_delta_rule` returning what a backward needs (see `ChunkGDNForward`).
 
@@ -138,7 +139,9 @@ def chunk_gated_delta_rule_fwd(
     split forward skip moving A and g_cum_log2 back to the caller's slot layout (a gather of both;
     ~0.15 ms at 2/8 heads x 32768 tokens on the H200): they are then returned as None.
     `max_seqlen`: host-side bound on the longest sequence, the context-parallel planner's hint
-    (`flashqla.validation.planning_max_seqlen`); it changes the plan, never the results.
+    (`flashqla.validation.planning_max_seqlen`); it changes the plan, never the results. `seqlens`:
+    the host-side lengths of the sequences (a tuple; `flashqla.validation.planning_seqlens`), on which
+    the backward's plan is costed when `keep_cp_states` (pass the backward the same); the same rule.
     `keep_cp_states` (training, with for_backward): when the backward's context-parallel plan splits
     these inputs, the forward splits the same way and keeps its segments' entering states,
     transitions and U rows (`ChunkGDNForward.cp_saved`, `flashqla.cp.driver.CPSaved`) for
@@ -168,12 +171,12 @@ def chunk_gated_delta_rule_fwd(
         from flashqla.cp.driver import chunk_gated_delta_rule_cp_fwd, cp_splits
 
         keep = keep_cp_states and for_backward and cp_splits(q, v, cu_seqlens, cp, max_seqlen=max_seqlen,
-                                                                   backward=True)
+                                                                   backward=True, seqlens=seqlens)
         if keep or cp_splits(q, v, cu_seqlens, cp, max_seqlen=max_seqlen):
             f = chunk_gated_delta_rule_cp_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                               use_qk_l2norm_in_kernel, cp=cp, block_v=block_v, max_seqlen=max_seqlen,
                                               poison_outputs=poison_outputs, relayout=for_backward,
-                                              keep_for_backward=keep)
+                                              keep_for_backward=keep, seqlens=seqlens)
             return f if for_backward else f._replace(A=None, g_cum_log2=None)
 
     if use_qk_l2norm_in_kernel:
@@ -256,13 +259,15 @@ def chunk_gated_delta_rule(
             $FLASHQLA_CP, default "auto" (`cp_mode`). Measured on the H200, 2/8 heads 1 x 32768:
             1.58 ms unsplit, 0.37 ms split.
         cu_seqlens_cpu: keyword-only, None or a host (CPU) copy of cu_seqlens, as FLA's argument of
-            that name. Only its longest sequence is read, as the planner's hint: without it the
+            that name. Its lengths are the planner's hints: the longest sequence for the forward's
+            plan, every length for the backward's (which a forward under autograd takes, to keep
+            its split states for the backward: `planner.plan_cp(seqlens=...)`). Without it the
             planner takes every sequence as T / N tokens long and leaves unbalanced batches (one long
             sequence beside short ones) unsplit. It changes the plan, never the results (the
             segment tables are built on the device from cu_seqlens); it is not compared with
             cu_seqlens (that would need a device read). Under torch.compile / torch.export only
             its type, dtype, device and shape are checked and it is not used (its values are not
-            known while tracing). `flashqla.validation.planning_max_seqlen`.
+            known while tracing). `flashqla.validation.planning_max_seqlen`, `.planning_seqlens`.
 
     Supported fast path: K = V = 128, chunk 64, compute capability 9.0 (H100/H200). T, the number of
     sequences and cu_seqlens are run-time values: a new length or sequence mix never recompiles; the
@@ -316,8 +321,9 @@ def chunk_gated_delta_rule(
             o, final_state, _, _ = gdn_fwd(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens,
                                            cp, max_seqlen)
         else:  # the same, keeping a split forward's states for the backward
+            seqlens = planning_seqlens(cu_seqlens_cpu, cu_seqlens, d.T)
             o, final_state = GDNEagerFunction.apply(q, k, v, g, beta, scale, initial_state, bool(output_final_state),
-                                                    cu_seqlens, cp, max_seqlen)
+                                                    cu_seqlens, cp, max_seqlen, seqlens)
     else:  # inference: nothing is kept for a backward
         o, final_state = gdn_fwd_inference(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens,
                                            cp, max_seqlen)

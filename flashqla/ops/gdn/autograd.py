@@ -198,21 +198,24 @@ class GDNEagerFunction(torch.autograd.Function):
     custom ops above run instead (and the backward recomputes them). Differentiable once, as the
     custom ops (a double backward raises).
 
-    apply(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp, max_seqlen)
-        -> (o, final_state or an empty [0] tensor), as `gdn_fwd`'s arguments and first two outputs."""
+    apply(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp, max_seqlen, seqlens=None)
+        -> (o, final_state or an empty [0] tensor), as `gdn_fwd`'s arguments and first two outputs;
+        seqlens: the host-side lengths the split plan is costed on (`flashqla.validation.planning_seqlens`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp, max_seqlen):
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp, max_seqlen,
+                seqlens=None):
         from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
 
         f = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp=cp,
-                                       max_seqlen=max_seqlen, keep_cp_states=True)
+                                       max_seqlen=max_seqlen, keep_cp_states=True, seqlens=seqlens)
         kept = f.cp_saved
         # the kept tensors go through save_for_backward too, so that saved-tensor hooks see them
         # (activation checkpointing drops and regenerates them, offloading moves them)
         extra = () if kept is None else (kept.S_in, kept.P, kept.U, kept.limit)
         ctx.save_for_backward(q, k, v, g, beta, f.A, f.g_cum_log2, initial_state, cu_seqlens, *extra)
         ctx.scale, ctx.output_final_state, ctx.cp, ctx.max_seqlen = scale, output_final_state, cp, max_seqlen
+        ctx.seqlens = seqlens
         ctx.kept_meta = None if kept is None else kept[:6]  # the CPSaved fields before the tensors
         final_state = f.final_state if f.final_state is not None else q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
         return f.o, final_state
@@ -228,5 +231,5 @@ class GDNEagerFunction(torch.autograd.Function):
         saved = CPSaved(*ctx.kept_meta, *extra) if ctx.kept_meta is not None else None
         grads = chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, g_cum_log2, do.contiguous(), dht, ctx.scale,
                                            initial_state, cu_seqlens, cp=ctx.cp, max_seqlen=ctx.max_seqlen,
-                                           cp_saved=saved)
-        return _input_grads(g, initial_state, *grads)
+                                           cp_saved=saved, seqlens=ctx.seqlens)
+        return _input_grads(g, initial_state, *grads) + (None,)  # seqlens

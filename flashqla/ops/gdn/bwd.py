@@ -22,7 +22,7 @@ _BUILT: set = set()
 def chunk_gated_delta_rule_bwd(
     q, k, v, g, beta, A, g_cum_log2, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
     *, h_dtype: torch.dtype = torch.bfloat16, cp: str | None = None, max_seqlen: int | None = None,
-    cp_saved=None,
+    cp_saved=None, seqlens: tuple[int, ...] | None = None,
 ):
     """Gradients of `chunk_gated_delta_rule` from the forward's products.
 
@@ -40,6 +40,9 @@ def chunk_gated_delta_rule_bwd(
             checked against fp64 on the H200, tests/gpu/test_cp_gpu.py).
         max_seqlen: the planner's host-side bound on the longest sequence (None: balanced lengths
             assumed; `flashqla.validation.planning_max_seqlen`); it changes the plan, never the results.
+        seqlens: the host-side lengths of the sequences (a tuple; `flashqla.validation.planning_seqlens`),
+            on which a packed batch's plan is costed; the same rule. Pass what the forward got, so that
+            its kept states (cp_saved) match this plan.
         cp_saved: the forward's `ChunkGDNForward.cp_saved` (`chunk_gated_delta_rule_fwd(keep_cp_states=True)`)
             or None; a split backward whose segments match uses it instead of recomputing the
             forward's run, transitions and combine scan (the same values). Like A and g_cum_log2 it
@@ -71,9 +74,9 @@ def chunk_gated_delta_rule_bwd(
     if cp != "off":
         from flashqla.cp.driver import chunk_gated_delta_rule_cp_bwd, cp_splits
 
-        if cp_splits(q, v, cu_seqlens, cp, backward=True, max_seqlen=max_seqlen):
+        if cp_splits(q, v, cu_seqlens, cp, backward=True, max_seqlen=max_seqlen, seqlens=seqlens):
             return chunk_gated_delta_rule_cp_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens,
-                                                 cp=cp, max_seqlen=max_seqlen, cp_saved=cp_saved)
+                                                 cp=cp, max_seqlen=max_seqlen, cp_saved=cp_saved, seqlens=seqlens)
     _build_once(q, v, beta, cu_seqlens, h_dtype)
     q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
     # the kernels take compact arrays: autograd hands over dht as the caller's view (ht.sum() gives a
