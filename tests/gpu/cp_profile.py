@@ -1,6 +1,6 @@
 """One call on the GPU machine: where the split forward / backward spends its time, kernel by kernel.
 
-    python tests/gpu/cp_profile.py [--rows "2/8 28672+4096" "2/8 1x32768"] [--bwd | --inference] [--top 20] [--no-hint]
+    python tests/gpu/cp_profile.py [--rows "2/8 28672+4096" "2/8 1x32768"] [--bwd [--kept] | --inference] [--top 20] [--no-hint]
 
 ROW: "h_qk/h_v MIX", MIX either "COUNTxLENGTH" (1x32768: one sequence; note the benchmark's own
 notation is LENGTHxCOUNT) or "a+b+...". Per row (packed input as the benchmark makes it, cp auto, the
@@ -39,6 +39,9 @@ def main(argv=None) -> int:
     ap.add_argument("--inference", action="store_true", help="the public op under no_grad, as the benchmark")
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--no-hint", action="store_true", help="no max_seqlen hint for the planner")
+    ap.add_argument("--kept", action="store_true",
+                    help="with --bwd: our backward as the benchmark times it (the forward's kept split states, "
+                         "every length given)")
     ap.add_argument("--impl", default="ours", choices=("ours", "flash_qla", "fla"),
                     help="with --bwd: whose backward to profile (peers through flashqla.bench.bwd_impls)")
     a = ap.parse_args(argv)
@@ -67,7 +70,7 @@ def main(argv=None) -> int:
                 with torch.no_grad():
                     return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                                   cu_seqlens=cu, cu_seqlens_cpu=cpu)
-        elif a.bwd and a.impl != "ours":
+        elif a.bwd and (a.impl != "ours" or a.kept):
             from types import SimpleNamespace
 
             from flashqla.bench.bwd_impls import load_bwd_impls
@@ -76,7 +79,8 @@ def main(argv=None) -> int:
             if not impl.available:
                 print(f"{a.impl}: not available ({impl.reason})")
                 continue
-            xs = SimpleNamespace(q=q, k=k, v=v, g=g, beta=beta, scale=scale, h0=None, cu_seqlens=cu, do=do, dht=dht)
+            xs = SimpleNamespace(q=q, k=k, v=v, g=g, beta=beta, scale=scale, h0=None, cu_seqlens=cu, do=do, dht=dht,
+                                 cu_seqlens_cpu=cu.cpu())
             saved = impl.fwd(xs).saved
             fn = lambda: impl.bwd(xs, saved)  # noqa: E731
         elif a.bwd:

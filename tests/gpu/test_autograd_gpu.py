@@ -118,10 +118,13 @@ def test_torch_compile_matches_eager():
         assert rel_rms(g_c[n], g_e[n]) <= 1e-5, n
 
 
-@pytest.mark.parametrize("seqlens", [None, [3000, 100, 1000]], ids=["one-sequence", "varlen"])
-def test_autograd_context_parallel_matches_unsplit(seqlens):
+@pytest.mark.parametrize("seqlens,hint", [(None, False), ([3000, 100, 1000], False), ([100, 3000, 0, 1000, 64], True)],
+                         ids=["one-sequence", "varlen", "varlen-host-lengths"])
+def test_autograd_context_parallel_matches_unsplit(seqlens, hint):
     """cp="on" (forward and backward split into segments, `flashqla.cp.driver`) against the fp64
-    reference, with the same budgets as the unsplit op; g == 0 and g = -30 heads included."""
+    reference, with the same budgets as the unsplit op; g == 0 and g = -30 heads included. With the
+    host lengths (cu_seqlens_cpu) the training forward and the backward split as the lengths-costed
+    backward plan says (`planner.plan_cp(seqlens=...)`), the backward on the forward's kept states."""
     T = 4096 if seqlens is None else sum(seqlens)
     x = make_gdn_inputs(K=128, V=128, seed=16, B=1, T=T, H=1, HV=2, seqlens=seqlens, initial_state=True)
     for n in ("q", "k", "v"):
@@ -134,6 +137,8 @@ def test_autograd_context_parallel_matches_unsplit(seqlens):
     _, o_ref, ht_ref, g_ref = _loss_grads(reference.chunk_gated_delta_rule, x, cu, w_o, w_h, False, "cpu", torch.float64)
 
     def split(*a, **kw):
+        if hint:
+            kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
         return flashqla.chunk_gated_delta_rule(*a, cp="on", **kw)
 
     _, o, ht, g = _loss_grads(split, x, cu, w_o, w_h, False, "cuda", torch.bfloat16)
