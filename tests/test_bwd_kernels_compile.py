@@ -34,6 +34,8 @@ def test_states_kernel_compiles(h_dtype, seq_dtype, varlen):
 
     src = build_states_kernel(2, 4, 128, 128, "bfloat16", h_dtype, seq_dtype, varlen).get_kernel_source()
     assert "wgmma" in src and "exp2" in src
+    # packed batches: the sequence of a CTA comes from the launch order when one is given
+    assert ("order[" in src) == varlen and "use_order" in src
 
 
 @needs_nvcc
@@ -62,6 +64,7 @@ def test_states_roles_kernel_compiles(H, HV, K, dtype, seq_dtype, varlen):
     # the TMA store is issued by one elected lane of a whole warp (elect.sync under a one-thread guard
     # hung the kernel on the H200)
     assert "tl_shuffle_elect<1>" not in src and "tl_shuffle_elect<32>" in src
+    assert ("order[" in src) == varlen
     r = ptxas_report(kernel)
     assert r["dynamic_smem"] + r["static_smem"] <= SMEM_LIMIT and r["spill_stores"] == 0, r
     serial = build_states_kernel(H, HV, K, 128, dtype, dtype, seq_dtype, varlen, "serial").get_kernel_source()
@@ -369,6 +372,7 @@ def test_chunk_bwd_v5_kernel_compiles(dtype, beta_dtype, seq_dtype, varlen):
     assert "wgmma" in src
     if varlen:
         assert "(Np1 - 2)" in src and "cu_seqlens[0]" in src, "rows of no sequence must be zeroed in-kernel"
+        assert "order[" in src and "use_order" in src, "the launch order (`_common.launch_order`) is read"
     # dq and dk per value head are stored in fp32 (the GVA sum rounds once), or in q's dtype on request
     assert "float* __restrict__ dq_hv" in src and "float* __restrict__ dk_hv" in src
     if varlen:

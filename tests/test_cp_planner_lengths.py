@@ -54,8 +54,15 @@ def test_runs_follow_the_launch_order():
 def test_bad_seqlens_name_the_argument(bad):
     with pytest.raises(ValueError, match="seqlens"):
         P.plan_cp(8, 2, 8192, backward=True, seqlens=bad)
-    with pytest.raises(TypeError):  # plans are cached on their arguments: a tuple, not a list
+    with pytest.raises(ValueError, match="seqlens"):  # any sequence of ints: a list too
         P.plan_cp(8, 2, 8192, backward=True, seqlens=list(bad))
+
+
+def test_seqlens_as_a_list_or_a_tuple():
+    a = P.plan_cp(8, 2, 32768, backward=True, seqlens=[7212, 25556])
+    assert a == P.plan_cp(8, 2, 32768, backward=True, seqlens=(7212, 25556)) and a.split
+    with pytest.raises(ValueError, match="seqlens"):
+        P.plan_cp(8, 2, 32768, backward=True, seqlens=7212)
 
 
 def test_the_lengths_below_the_longest_change_the_plan():
@@ -93,11 +100,13 @@ def _sweep():
     return rows
 
 
-def test_plans_on_the_measured_sweep():
+def test_plans_on_the_measured_sweep(monkeypatch):
     """On each swept row, the L (or unsplit) the plan picks among the measured ones is within 2% of the
     fastest measured training step (the mean-and-longest model: up to 1.25x slower on these rows)."""
     from flashqla.bench.bwd_grid import select_bwd_rows
 
+    monkeypatch.setenv("FLASHQLA_BWD_ORDER", "tokens")  # the sweep's kernels launched in token order
+    P.clear_plan_cache()
     rows = _sweep()
     assert len(rows) == 10
     worse_old = 0
@@ -114,6 +123,100 @@ def test_plans_on_the_measured_sweep():
         pick = best_model if t[None] >= P.BWD_MIN_GAIN * t[best_model] else None
         assert steps[pick] <= 1.02 * min(steps.values()), (name, pick, steps)
         assert plan.split == (pick is not None), (name, plan)
+        if plan.split and plan.segment_len in t:  # the search also sees L the sweep did not time
+            assert t[plan.segment_len] <= t[best_model] * (1 + 1e-9), (name, plan)
         old = P.plan_cp(HV, len(lens), sum(lens), backward=True, max_seqlen=-(-max(lens) // 64) * 64)
         worse_old += steps.get(old.segment_len if old.split else None, float("inf")) > 1.02 * min(steps.values())
     assert worse_old >= 5  # the rows the lengths fix (the old plans on the same data)
+
+
+def test_longest_first_runs_and_makespan():
+    """`launch_order` sends a packed batch's segments longest first: the runs are the chunk counts in
+    descending order (from (length, multiplicity) pairs), and never finish later than token order
+    in these cases (LPT's bound)."""
+    runs, segs, most = P._lengths_runs(((25556, 1), (7212, 1), (0, 1)), 4096, 16, longest_first=True)
+    assert runs == [[64, 7 * 16], [49, 16], [16, 16]] and (segs, most) == (9, 7)
+    rng = random.Random(3)
+    for _ in range(200):
+        lens = [rng.choice([0, 1, 63, 64, 65, rng.randint(1, 40000)]) for _ in range(rng.randint(2, 12))]
+        HV, L, sms = rng.choice([2, 8, 32]), rng.choice([None, 512, 2048, 4096]), rng.choice([16, 132])
+        pairs = tuple(sorted(__import__("collections").Counter(lens).items(), reverse=True))
+        a = P._greedy_makespan(P._lengths_runs(pairs, L, HV, True)[0], sms)
+        jobs = sorted((c for c, k in P._lengths_runs(lens, L, HV)[0] for _ in range(k)), reverse=True)
+        assert a == _one_by_one([(c, 1) for c in jobs], sms)
+        assert P._lengths_runs(pairs, L, HV, True)[1:] == P._lengths_runs(lens, L, HV)[1:]
+
+
+def test_planning_stays_cheap_on_awkward_batches():
+    """Huge and many-sequence batches plan without walking every CTA or every sequence per candidate:
+    one long sequence beside thousands of short ones, a 2^36-token sequence, many distinct lengths
+    (past LENGTHS_MAX_DISTINCT: the mean-and-longest model). Counted in greedy steps, not timed."""
+    calls = []
+    real = P._greedy_makespan
+
+    def counting(runs, slots):
+        calls.append(len(runs))
+        return real(runs, slots)
+
+    P.clear_plan_cache()
+    try:
+        P._greedy_makespan = counting
+        p = P.plan_cp(8, 5001, 2**20 + 500000, backward=True, seqlens=(2**20,) + (100,) * 5000)
+        assert p.split and len(calls) <= 200 and max(calls) <= 3, (p, len(calls))
+        calls.clear()
+        P.plan_cp(1, 2, 2**36, backward=True, seqlens=(2**36 - 1, 1))
+        assert len(calls) <= 700
+        calls.clear()
+        many = tuple(range(1, 2001))
+        q = P.plan_cp(8, len(many), sum(many), backward=True, seqlens=many)
+        assert not calls and q == P.plan_cp(8, len(many), sum(many), backward=True, max_seqlen=2000)
+    finally:
+        P._greedy_makespan = real
+        P.clear_plan_cache()
+
+
+@pytest.mark.parametrize("bad", [(True, 8191), (4096.0, 4096)])
+def test_seqlens_checks_do_not_depend_on_the_cache(bad):
+    P.clear_plan_cache()
+    P.plan_cp(8, 2, 8192, backward=True, seqlens=(1, 8191) if bad[0] is True else (4096, 4096))
+    with pytest.raises(ValueError, match="seqlens"):
+        P.plan_cp(8, 2, 8192, backward=True, seqlens=bad)
+
+
+def test_numpy_and_torch_integers_are_lengths():
+    np = pytest.importorskip("numpy")
+
+    a = P.plan_cp(8, 2, 32768, backward=True, seqlens=(7212, 25556))
+    assert a == P.plan_cp(8, 2, 32768, backward=True, seqlens=np.array([7212, 25556]))
+    assert a == P.plan_cp(8, 2, 32768, backward=True, seqlens=tuple(torch.tensor([7212, 25556])))
+
+
+def test_bad_seqlens_are_reported_not_dropped():
+    """cp="on" with lengths that do not fit the batch raises, instead of silently running unsplit."""
+    from flashqla.cp.driver import cp_splits
+
+    q = torch.empty(1, 8192, 2, 128)
+    v = torch.empty(1, 8192, 4, 128)
+    cu = torch.tensor([0, 512, 1024, 8192])
+    assert cp_splits(q, v, cu, "on", backward=True, seqlens=(512, 512, 7168))
+    for bad in ((512, 512, 7000), (512, 7680)):
+        with pytest.raises(ValueError, match="seqlens"):
+            cp_splits(q, v, cu, "on", backward=True, seqlens=bad)
+
+
+def test_launch_order(monkeypatch):
+    """The backward's chain kernels take a packed batch's sequences longest first (ties in token
+    order); one sequence, no offsets or FLASHQLA_BWD_ORDER=tokens: token order (None)."""
+    from flashqla.ops.gdn.kernels.sm90._common import launch_order, order_args
+
+    monkeypatch.delenv("FLASHQLA_BWD_ORDER", raising=False)
+    cu = torch.tensor([0, 100, 100, 7000, 7100, 9000], dtype=torch.int32)
+    order = launch_order(cu)
+    assert order.dtype == torch.int32 and order.tolist() == [2, 4, 0, 3, 1]
+    assert launch_order(torch.tensor([0, 4096])) is None and launch_order(None) is None
+    assert order_args(None, "cpu")[1] == 0 and order_args(order, "cpu") == (order, 1)
+    monkeypatch.setenv("FLASHQLA_BWD_ORDER", "tokens")
+    assert launch_order(cu) is None
+    monkeypatch.setenv("FLASHQLA_BWD_ORDER", "random")
+    with pytest.raises(ValueError, match="FLASHQLA_BWD_ORDER"):
+        launch_order(cu)

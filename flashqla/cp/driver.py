@@ -164,9 +164,11 @@ class CPBackend(Protocol):
               output_final_state, cu_seqlens, block_v) -> (o [1, T, HV, V'], final_state or None).
         V' is V for the run and K for the transition pass (K == V on the kernels).
     zeros(shape, dtype, device) -> a zero tensor the launches only read (may be cached).
-    bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens)
+    bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens, order=None)
         -> (dq, dk, dv, dg, dbeta, dh0 or None): the unsplit backward from the forward's products
-        (`flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd`), needed by `cp_backward` only.
+        (`flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd`), needed by `cp_backward` only; order:
+        the launch order of the segments (`_common.launch_order`, packed batches), or None (token
+        order; the same results).
     """
 
     state_dtype: torch.dtype
@@ -223,9 +225,11 @@ class Sm90Backend:
             return None
         return chunk_recurrent_dual(q, k, v, A, g_cum_log2, scale, initial_state, limit, cu_seqlens, block_v=block_v, o=o)
 
-    def bwd(self, q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens, h_dtype=torch.bfloat16):
+    def bwd(self, q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens, h_dtype=torch.bfloat16,
+            order=None):
         """The unsplit backward's launches (`flashqla.ops.gdn.bwd`), called directly so that a CP
-        decision placed in `chunk_gated_delta_rule_bwd` is not taken again on the segments."""
+        decision placed in `chunk_gated_delta_rule_bwd` is not taken again on the segments; order:
+        the segments' launch order (`_common.launch_order`) or None."""
         from flashqla.ops.gdn.bwd import _build_once
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_fused_bwd
         from flashqla.ops.gdn.kernels.sm90.finish_bwd import chunk_finish_bwd
@@ -233,8 +237,9 @@ class Sm90Backend:
 
         _build_once(q, v, beta, cu_seqlens, h_dtype)
         q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
-        h = chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype)
-        dq_hv, dk_hv, dv, dbeta, dG, dh0 = chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens)
+        h = chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype, order=order)
+        dq_hv, dk_hv, dv, dbeta, dG, dh0 = chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens,
+                                                           order=order)
         dq, dk, dg = chunk_finish_bwd(dG, dq_hv, dk_hv, cu_seqlens, q.shape[2], q.dtype)
         return dq, dk, dv, dg, dbeta.to(beta.dtype), (dh0 if initial_state is not None else None)
 
@@ -996,7 +1001,7 @@ def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float,
     D = None if dht is None else dht.to(E.dtype)
     G = scan_segment_grads(P.to(E.dtype), E, tab, T, D).to(sd)
     dq, dk, dv, dg, dbeta, dh0s = backend.bwd(qf, kf, vf, gf, bf, A, g_cum_log2, dof, G.contiguous(), scale,
-                                              S_in.to(sd).contiguous(), pcu)
+                                              S_in.to(sd).contiguous(), pcu, order=_segment_order(pcu, N))
     dh0 = None
     if initial_state is not None:
         first = dh0s.index_select(0, tab.seq_first.clamp(0, max(M - 1, 0))) if N > 0 else dh0s[:0]
@@ -1183,7 +1188,7 @@ def cp_backward_open(backend, q, k, v, g, beta, do, dht, scale: float, saved: Op
         dht_full[N - 1] += X.to(E.dtype)
     G = scan_segment_grads(P.to(E.dtype), E, tab, T, dht_full).to(sd)
     dq, dk, dv, dg, dbeta, dh0s = backend.bwd(q, k, v, g, beta, A, G2, do, G.contiguous(), scale,
-                                              saved.S_in.contiguous(), pcu)
+                                              saved.S_in.contiguous(), pcu, order=_segment_order(pcu, N))
     first = dh0s.index_select(0, tab.seq_first.clamp(0, max(M - 1, 0))) if N > 0 else dh0s[:0]
     dh0 = torch.where((tab.seq_num >= 1)[:, None, None, None], first, dht_full.to(first.dtype)) if N > 0 else first
     return dq, dk, dv, dg, dbeta, dh0
@@ -1192,6 +1197,17 @@ def cp_backward_open(backend, q, k, v, g, beta, do, dht, scale: float, saved: Op
 # ------------------------------------------------------------------------------------------------
 # entry points
 # ------------------------------------------------------------------------------------------------
+
+
+def _segment_order(pcu, N: int):
+    """The launch order of the segments' backward: longest first for a packed batch (N > 1,
+    `_common.launch_order` on the segments' offsets), None (token order) for one sequence, whose
+    segments are equal but the last."""
+    if N <= 1 or not pcu.is_cuda:
+        return None
+    from flashqla.ops.gdn.kernels.sm90._common import launch_order
+
+    return launch_order(pcu)
 
 
 def _mode(cp) -> str:
@@ -1215,10 +1231,16 @@ def cp_splits(q, v, cu_seqlens=None, cp=None, *, segment_len=None, gate_chunks=N
     q: [B, T, H, K]; v: [B, T, HV, V]; cu_seqlens: None or [N + 1]; cp: None ($FLASHQLA_CP, default
     "auto"), "auto", "on" or "off"; the other options as in `chunk_gated_delta_rule_cp_fwd`.
     Returns False for inputs whose shapes the planner cannot read (the op's checks then report them).
-    Raises ValueError for an unknown cp mode."""
+    Raises ValueError for an unknown cp mode, or seqlens that are not the batch's N lengths summing to
+    its tokens (`planner.check_seqlens`)."""
     mode = _mode(cp)
     if mode == "off":
         return False
+    if seqlens is not None and getattr(q, "dim", lambda: 0)() == 4:
+        from flashqla.cp.planner import check_seqlens
+
+        N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        seqlens = check_seqlens(seqlens, N, q.shape[0] * q.shape[1])
     try:
         plan, _ = _plan(q, v, cu_seqlens, mode, segment_len, gate_chunks, max_seqlen, sm_count, False, backward=backward,
                         seqlens=seqlens)

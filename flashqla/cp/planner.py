@@ -169,9 +169,11 @@ Kernel launches (`flashqla.cp.driver`, existing kernels only)
 
 from __future__ import annotations
 
+import collections
 import functools
 import heapq
 import math
+import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -344,11 +346,13 @@ BWD_MIN_GAIN = 1.05
 #: launch order (segment-major, value heads fastest), each sent to the first SM that is free, each
 #: lasting its segment's chunks; the latest finish (`_greedy_makespan`). Fitted on the H200
 #: (2026-12-01, commit 5f7465c, `tests/gpu/cp_train_plan_check.py --lengths`: ten packed rows of the
-#: backward grid, each unsplit and at ten L from 512 to 8192, 106 training steps; least squares, the
-#: makespan's coefficient scaled to 1): RMS error 0.053 ms on steps of 0.45-6.2 ms, and the L it
-#: predicts fastest is the fastest measured on all ten rows (within 0.1%). The mean and longest
-#: lengths (the model above) had missed by up to 1.25x on the same rows (4/8 7053 + 1139: L = 1024,
-#: 0.486 ms, against 0.446 at L = 512; 8/16 7212 + 25556: L = 2560, 2.050 against 1.892 at 4096).
+#: backward grid, each unsplit and at the L of 512 .. 8192 (ten values) below its longest sequence,
+#: 102 training steps, benchmarks/results/h200-cp-train-sweep.json; least squares, the makespan's
+#: coefficient scaled to 1): RMS error 0.053 ms on steps of 0.45-6.2 ms, and the L it predicts fastest
+#: among the measured ones is within 0.1% of the fastest measured on all ten rows. The mean and
+#: longest lengths (the model above) had picked steps up to 1.16x slower on the same rows (4/8 7053 +
+#: 1139: L = 1024, 0.486 ms, against 0.446 at L = 512; 4/8 eight sequences of 32768 tokens: L = 1536,
+#: 1.316 against 1.138 at 2560).
 BWD_LEN_TOKEN_COST = 72.9e-6
 BWD_LEN_WAVE_COST = 7.27
 BWD_LEN_SPLIT_COST = 11.07
@@ -419,12 +423,20 @@ def _first_tokens(T: int, N: int, L: int, l_avg: int, l_max: int, balanced: bool
 def _greedy_makespan(runs, slots: int) -> int:
     """Latest finish of CTAs sent in order to `slots` SMs, each to the first one free: runs is a list of
     (chunks, count), `count` CTAs of `chunks` steps each, in launch order. Exact for that greedy
-    schedule; the work is per distinct finish time, not per CTA."""
+    schedule; the work is per distinct finish time (and whole rounds at once while every SM frees at
+    the same time), not per CTA."""
     free = {0: slots}  # finish time -> SMs free from then
     times = [0]
     end = 0
     for chunks, count in runs:
         while count:
+            if len(times) == 1 and count >= slots:  # all SMs free at once: count // slots whole rounds
+                rounds = count // slots
+                t2 = times[0] + rounds * chunks
+                free, times = {t2: slots}, [t2]
+                end = max(end, t2)
+                count -= rounds * slots
+                continue
             t = times[0]
             n = free[t]
             take = min(n, count)
@@ -444,11 +456,47 @@ def _greedy_makespan(runs, slots: int) -> int:
     return end
 
 
-def _lengths_runs(seqlens, L: int | None, HV: int) -> tuple[list, int, int]:
+#: The lengths-costed backward plan (`seqlens`) is used while the batch has at most this many distinct
+#: sequence lengths (its cost per candidate L grows with them; planning stays within a few ms), else
+#: the mean-and-longest model.
+LENGTHS_MAX_DISTINCT = 256
+#: Its candidate segment lengths: every multiple of SEGMENT_QUANTUM up to this many quanta, then a
+#: geometric grid of ratio LENGTHS_GRID_RATIO.
+LENGTHS_DENSE_QUANTA = 64
+LENGTHS_GRID_RATIO = 1.05
+
+
+def _lengths_candidates(l_top: int) -> list[int]:
+    """Candidate segment lengths L < l_top for the lengths-costed plan (multiples of SEGMENT_QUANTUM)."""
+    n = _cdiv(l_top, SEGMENT_QUANTUM)
+    js = list(range(1, min(n, LENGTHS_DENSE_QUANTA + 1)))
+    j = float(LENGTHS_DENSE_QUANTA)
+    while True:
+        j *= LENGTHS_GRID_RATIO
+        if int(j) >= n:
+            break
+        if int(j) > js[-1]:
+            js.append(int(j))
+    return [SEGMENT_QUANTUM * j for j in js]
+
+
+def _bwd_order_longest() -> bool:
+    """Whether the backward's chain kernels launch a packed batch longest first
+    (`kernels/sm90/_common.launch_order`, FLASHQLA_BWD_ORDER)."""
+    import os
+
+    return os.environ.get("FLASHQLA_BWD_ORDER", "longest") != "tokens"
+
+
+def _lengths_runs(seqlens, L: int | None, HV: int, longest_first: bool = False) -> tuple[list, int, int]:
     """The backward's CTAs for these sequence lengths cut at L (None: whole sequences), as
-    `_greedy_makespan` runs, with the segment count and the most segments of one sequence."""
+    `_greedy_makespan` runs in launch order (token order, or longest_first: descending chunk counts,
+    as `launch_order` sorts the segments), with the segment count and the most segments of one
+    sequence. `seqlens`: the lengths in token order, or (longest_first) (length, multiplicity) pairs."""
     runs, segs, most = [], 0, 0
-    for n in seqlens:
+    hist: dict = {}
+    items = seqlens if longest_first else ((n, 1) for n in seqlens)
+    for n, mult in items:
         if n <= 0:
             continue
         if L is None or n <= L:
@@ -457,24 +505,51 @@ def _lengths_runs(seqlens, L: int | None, HV: int) -> tuple[list, int, int]:
             full, rest = divmod(n, L)
             parts = [(L // CHUNK, full)] + ([(_cdiv(rest, CHUNK), 1)] if rest else [])
         k = sum(p[1] for p in parts)
-        segs += k
+        segs += k * mult
         most = max(most, k)
         for chunks, num in parts:
-            if runs and runs[-1][0] == chunks:
+            if longest_first:
+                hist[chunks] = hist.get(chunks, 0) + num * mult * HV
+            elif runs and runs[-1][0] == chunks:
                 runs[-1][1] += num * HV
             else:
                 runs.append([chunks, num * HV])
+    if longest_first:
+        runs = [[c, hist[c]] for c in sorted(hist, reverse=True)]
     return runs, segs, most
 
 
-def _bwd_lengths_time(seqlens, L: int | None, HV: int, sms: int) -> float:
+def _bwd_lengths_time(seqlens, L: int | None, HV: int, sms: int, longest_first: bool = False) -> float:
     """The training step's CP work at segment length L (None: unsplit) with every length known
-    (BWD_LEN_TOKEN_COST's comment), in backward chunk steps."""
-    runs, segs, most = _lengths_runs(seqlens, L, HV)
-    t = _greedy_makespan(runs, sms) + BWD_LEN_TOKEN_COST * HV * sum(seqlens) + BWD_LEN_WAVE_COST * HV * segs / sms
+    (BWD_LEN_TOKEN_COST's comment), in backward chunk steps; seqlens and longest_first as
+    `_lengths_runs`."""
+    runs, segs, most = _lengths_runs(seqlens, L, HV, longest_first)
+    tokens = sum(n * m for n, m in seqlens) if longest_first else sum(seqlens)
+    t = _greedy_makespan(runs, sms) + BWD_LEN_TOKEN_COST * HV * tokens + BWD_LEN_WAVE_COST * HV * segs / sms
     if L is not None:
         t += BWD_LEN_SPLIT_COST + BWD_LEN_SCAN_STEP_COST * max(most - 1, 0)
     return t
+
+
+def check_seqlens(seqlens, N: int, T: int) -> tuple[int, ...]:
+    """`seqlens` (any sequence of N ints >= 0 summing to T; numpy and torch integers too) as a tuple of
+    Python ints. ValueError naming seqlens otherwise (bools and floats included)."""
+    try:
+        items = list(seqlens)
+    except TypeError:
+        raise ValueError(f"seqlens must be a sequence of N = {N} int lengths, got {type(seqlens).__name__}") from None
+    out = []
+    for n in items:
+        if isinstance(n, (bool, float)) or getattr(n, "dtype", None) in (torch.bool,):
+            raise ValueError(f"seqlens must hold ints, got {n!r}")
+        try:
+            out.append(operator.index(n))
+        except TypeError:
+            raise ValueError(f"seqlens must hold ints, got {n!r}") from None
+    if len(out) != N or any(n < 0 for n in out) or sum(out) != T:
+        shown = tuple(out) if len(out) <= 8 else str(tuple(out[:8]))[:-1] + ", ...)"
+        raise ValueError(f"seqlens must be N = {N} int lengths >= 0 summing to T = {T}, got {shown}")
+    return tuple(out)
 
 
 def _unsplit_bwd_time(BV: int, HV: int, V: int, N: int, l_avg: int, l_max: int, sms: int) -> float:
@@ -544,8 +619,16 @@ def _segment_lengths(l_top: int) -> list[int]:
     return [SEGMENT_QUANTUM * j for j in js]
 
 
+def plan_cp(HV: int, N: int, T: int, V: int = 128, sm_count: int = DEFAULT_SM_COUNT, *, seqlens=None, **flags) -> CPPlan:
+    """Whether and how to split: `_plan_cp` (its docstring: arguments, returns, errors), cached on the
+    arguments, with `seqlens` taken as any sequence of ints (made a tuple here)."""
+    if seqlens is not None:  # checked here, not in the cached function: 4096.0 == 4096 as a cache key
+        seqlens = check_seqlens(seqlens, N, T)
+    return _plan_cp(HV, N, T, V, sm_count, seqlens=seqlens, **flags)
+
+
 @functools.lru_cache(maxsize=1024)
-def plan_cp(
+def _plan_cp(
     HV: int,
     N: int,
     T: int,
@@ -594,10 +677,7 @@ def plan_cp(
     if max_seqlen is not None and int(max_seqlen) < 0:
         raise ValueError(f"max_seqlen must be >= 0 tokens, got {max_seqlen}")
     if seqlens is not None:
-        if (not isinstance(seqlens, tuple) or len(seqlens) != N
-                or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in seqlens) or sum(seqlens) != T):
-            raise ValueError(f"seqlens must be a tuple of N = {N} int lengths >= 0 summing to T = {T}, got "
-                             f"{seqlens if not isinstance(seqlens, tuple) or len(seqlens) <= 8 else str(seqlens[:8])[:-1] + ', ...)'}")
+        seqlens = check_seqlens(seqlens, N, T)
         longest = max(seqlens, default=0)
         max_seqlen = longest if max_seqlen is None else min(int(max_seqlen), longest)
     bvs = [bv for bv in BV_CHOICES if V % bv == 0]
@@ -628,11 +708,17 @@ def plan_cp(
             return _unsplit_bwd_time(bv, HV, V, N, l_mean, l_max, sm_count)
         return _unsplit_time(bv, HV, V, N, l_mean, l_max, sm_count)
 
-    if backward and seqlens is not None and N > 1:  # every length known: the launch-order model
+    longest_first = _bwd_order_longest()
+    if longest_first and seqlens is not None:  # (length, multiplicity), longest first
+        lens_arg = tuple(sorted(collections.Counter(seqlens).items(), reverse=True))
+    else:
+        lens_arg = seqlens
+    if (backward and seqlens is not None and N > 1
+            and (len(lens_arg) if longest_first else N) <= LENGTHS_MAX_DISTINCT):  # the launch-order model
         bv_u = bvs[0]
-        t_u = _bwd_lengths_time(seqlens, None, HV, sm_count)
-        lens = [segment_len] if segment_len is not None else _segment_lengths(l_max)
-        cands = [(_bwd_lengths_time(seqlens, L, HV, sm_count), L, bv_u) for L in lens]
+        t_u = _bwd_lengths_time(lens_arg, None, HV, sm_count, longest_first)
+        lens = [segment_len] if segment_len is not None else _lengths_candidates(l_max)
+        cands = [(_bwd_lengths_time(lens_arg, L, HV, sm_count, longest_first), L, bv_u) for L in lens]
         # no TIE: this model separates candidates a few percent apart (the mean-and-longest one does not)
         return _decide(t_u, bv_u, cands, bvs, exact, sm_count, force, segment_len, l_max, backward, tie=0.0)
     if backward:
@@ -648,6 +734,11 @@ def plan_cp(
     cands = [(_split_time(bv, HV, V, T, N, L, l_avg, l_max, balanced, sm_count, exact, gate_chunks, backward), L, bv)
              for L in lens for bv in bvs]
     return _decide(t_u, bv_u, cands, bvs, exact, sm_count, force, segment_len, l_max, backward)
+
+
+plan_cp.cache_info = _plan_cp.cache_info
+plan_cp.cache_clear = _plan_cp.cache_clear
+plan_cp.__wrapped__ = _plan_cp.__wrapped__
 
 
 def _decide(t_u, bv_u, cands, bvs, exact, sm_count, force, segment_len, l_max, backward, tie=TIE) -> CPPlan:

@@ -1,5 +1,5 @@
 """One call on the GPU machine: backward pass 1 (`states_bwd.chunk_states_bwd`), schedule "roles"
-(`states_roles.py`, on request) against "serial" (the default), on NaN-filled outputs: h compared slot
+(`states_roles.py`, the default) against "serial" (on request), on NaN-filled outputs: h compared slot
 by slot (the same products and roundings, so a case passes only when h is bitwise equal; also the
 relative RMS, every written row finite, the same rows written), then both CUDA-graph timed. Run it
 under `timeout` (a kernel that hangs would hold the GPU).
@@ -33,7 +33,7 @@ ROWS = ["16/32 7212+7072+13725+4759", "8/16 161+1928+3157+563+1244+229+177+733",
 
 
 def _launch(schedule, k, v, A, gcl, h0, cu, h_dtype):
-    from flashqla.ops.gdn.kernels.sm90._common import num_slots
+    from flashqla.ops.gdn.kernels.sm90._common import num_slots, order_args
     from flashqla.ops.gdn.kernels.sm90.prepare import dummy_cu_seqlens
     from flashqla.ops.gdn.kernels.sm90.states_bwd import build_states_kernel, states_kernel_args
 
@@ -44,7 +44,8 @@ def _launch(schedule, k, v, A, gcl, h0, cu, h_dtype):
     h = torch.full((S * HV, K, V), float("nan"), dtype=h_dtype, device="cuda")
     kern = build_states_kernel(*states_kernel_args(k, v, cu, h_dtype), schedule)
     h0a = h0 if h0 is not None else torch.empty(1, HV, K, V, dtype=torch.float32, device="cuda")
-    kern(k, v, A, gcl, h0a, cu if cu is not None else dummy_cu_seqlens("cuda"), int(h0 is not None), h)
+    kern(k, v, A, gcl, h0a, cu if cu is not None else dummy_cu_seqlens("cuda"), *order_args(None, "cuda"),
+         int(h0 is not None), h)
     return h
 
 

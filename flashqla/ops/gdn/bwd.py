@@ -57,6 +57,7 @@ def chunk_gated_delta_rule_bwd(
 
     Source: `reference.gdn.fused_bwd.fused_gated_delta_rule_bwd` (records BWD-*, NOTES-bwd.md).
     """
+    from flashqla.ops.gdn.kernels.sm90._common import launch_order
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_fused_bwd
     from flashqla.ops.gdn.kernels.sm90.finish_bwd import chunk_finish_bwd
     from flashqla.ops.gdn.kernels.sm90.states_bwd import chunk_states_bwd
@@ -82,8 +83,10 @@ def chunk_gated_delta_rule_bwd(
     # the kernels take compact arrays: autograd hands over dht as the caller's view (ht.sum() gives a
     # stride-0 one), and initial_state / cu_seqlens are the caller's tensors
     dht, initial_state, cu_seqlens = (None if x is None else x.contiguous() for x in (dht, initial_state, cu_seqlens))
-    h = chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype)
-    dq_hv, dk_hv, dv, dbeta, dG, dh0 = chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens)
+    order = launch_order(cu_seqlens)  # longest sequences first (the same results)
+    h = chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype, order=order)
+    dq_hv, dk_hv, dv, dbeta, dG, dh0 = chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens,
+                                                       order=order)
     dq, dk, dg = chunk_finish_bwd(dG, dq_hv, dk_hv, cu_seqlens, q.shape[2], q.dtype)
     if do.dtype != q.dtype:
         do = do.to(q.dtype)

@@ -370,10 +370,12 @@ def chunk_bwd_kernel_args(q, v, beta, h, cu_seqlens) -> tuple:
             seq_dtype, cu_seqlens is not None)
 
 
-def chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, variant: str | None = None):
+def chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, variant: str | None = None,
+                    order=None):
     """Launches pass 2. Arguments: the forward's inputs (contiguous), its
     A and g_cum_log2, h from pass 1, do [B, T, HV, V], dht None or [N, HV, K, V] fp32; variant: "v1"
-    (this kernel) or "v2" (`chunk_bwd_v2`), None for `DEFAULT_VARIANT`.
+    (this kernel) or "v2" (`chunk_bwd_v2`), None for `DEFAULT_VARIANT`; order: the sequences' launch
+    order (`_common.launch_order`, v5 only; the others launch in token order). The same results.
 
     Returns (dq_hv [B, T, HV, K], dk_hv [B, T, HV, K] (fp32; q's dtype from v5 under
     $FLASHQLA_BWD_QK_DTYPE=input),
@@ -384,7 +386,7 @@ def chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_s
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import chunk_fused_bwd_v5, v5_applies
 
         if v5_applies(*chunk_bwd_kernel_args(q, v, beta, h, cu_seqlens)[2:4], tl_dtype(q.dtype), tl_dtype(h.dtype)):
-            return chunk_fused_bwd_v5(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens)
+            return chunk_fused_bwd_v5(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens, order=order)
         variant = "v2"
     if variant == "v2":
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v2 import chunk_fused_bwd_v2

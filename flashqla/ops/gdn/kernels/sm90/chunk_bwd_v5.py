@@ -104,6 +104,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
     N1 = T.dynamic("N1")
     N2 = T.dynamic("N2")
     SH = T.dynamic("SH")
+    NO = T.dynamic("NO")
 
     # red_s slots: K's dG rows, K's dbeta rows, A's dG rows, A's dG columns (A writes its dbeta rows
     # to dbeta, S adds K's); scalars after g in g_s: <S0, D> per S warp, then the r-terms moved to the
@@ -122,6 +123,8 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
         do: T.Tensor((B, Tn, HV, V), dtype),
         dht: T.Tensor((N1, HV, K, V), "float32"),
         cu_seqlens: T.Tensor((Np1,), seq_dtype),
+        order: T.Tensor((NO,), "int32"),
+        use_order: T.int32,
         scale: T.float32,
         use_dht: T.int32,
         dq_hv: T.Tensor((B, Tn, HV, K), qk_dtype),
@@ -133,7 +136,11 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
     ):
         with T.Kernel(HV * ((Np1 - 1) if varlen else B), threads=512) as (bx,):
             hv = bx % HV
+            n = T.alloc_var("int32")
             n = bx // HV
+            if varlen:
+                if use_order != 0:  # the sequences in the order given (`_common.launch_order`)
+                    n = order[bx // HV]
             bos, seqlen, bidx, slot0, nchunks = sequence_span(n, cu_seqlens, Tn, varlen)
             hk = hv // G
             tx = T.get_thread_binding()
@@ -562,10 +569,11 @@ def build_chunk_bwd_v5_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dty
                           + ("" if qk == "float32" else f"_qk_{qk}"))
 
 
-def chunk_fused_bwd_v5(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens):
+def chunk_fused_bwd_v5(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, order=None):
     """Launches pass 2 with the v5 kernel (`chunk_bwd_v2.launch_pass2`). Arguments and results as
-    `chunk_bwd.chunk_fused_bwd`; dq_hv and dk_hv in fp32, or in q's dtype under QK_DTYPE_ENV. dq_hv,
-    dk_hv, dv, dbeta and dh0 are allocated uninitialised (the kernel writes every row, as v2)."""
+    `chunk_bwd.chunk_fused_bwd` (order: `_common.launch_order(cu_seqlens)` or None, the sequences'
+    launch order); dq_hv and dk_hv in fp32, or in q's dtype under QK_DTYPE_ENV. dq_hv, dk_hv, dv,
+    dbeta and dh0 are allocated uninitialised (the kernel writes every row, as v2)."""
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v2 import launch_pass2
 
     from flashqla.ops.gdn.kernels.sm90._common import tl_dtype
@@ -573,4 +581,5 @@ def chunk_fused_bwd_v5(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, c
     qk = qk_store_dtype(tl_dtype(q.dtype))
     build = (lambda args: build_chunk_bwd_v5_kernel(*args)) if qk == "float32" else (
         lambda args: build_chunk_bwd_v5_kernel(*args, qk))
-    return launch_pass2(build, q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens, qk_dtype=getattr(torch, qk))
+    return launch_pass2(build, q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens, qk_dtype=getattr(torch, qk),
+                        order=(order,))

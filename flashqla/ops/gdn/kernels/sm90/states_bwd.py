@@ -4,8 +4,8 @@ chunk-start states h from the forward's A diag(beta) and g_cum_log2, and store t
 Reference stage: `reference.gdn.fused_bwd.recompute_states` (records CF-2, RW-2, RW-4):
     W     = V - diag(gamma) K S,   v_new = A_beta W
     S'    = gamma_C S + K^T diag(r) v_new
-Schedule "serial" (this module's kernel, the default; "roles", `states_roles.py`, on request where it
-applies: K in (64, 128), V = 128, h in the inputs' dtype; not yet checked on a GPU): one CTA per
+Schedule "serial" (this module's kernel; the default is "roles", `states_roles.py`, where it applies:
+K in (64, 128), V = 128, h in the inputs' dtype; else this one, or on request): one CTA per
 (value slice of BV = 64 columns, value head, sequence), the transposed state S^T [BV, K] fp32 in
 registers, walking the sequence's chunks forward (the forward recurrent kernel's "serial"
 schedule without the output path). Before each chunk's update it stores S into
@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slots, sequence_span, tl_dtype
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slots, order_args, sequence_span, tl_dtype
 
 __all__ = ["build_states_kernel", "chunk_states_bwd", "states_kernel_args"]
 
@@ -52,6 +52,7 @@ def _states_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str,
     Np1 = T.dynamic("Np1")
     N0 = T.dynamic("N0")
     SH = T.dynamic("SH")  # slots * HV
+    NO = T.dynamic("NO")
 
     @T.prim_func
     def gdn_states_bwd(
@@ -61,13 +62,19 @@ def _states_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str,
         g_cum_log2: T.Tensor((HV, R), "float32"),
         h0: T.Tensor((N0, HV, K, V), "float32"),
         cu_seqlens: T.Tensor((Np1,), seq_dtype),
+        order: T.Tensor((NO,), "int32"),
+        use_order: T.int32,
         use_h0: T.int32,
         h: T.Tensor((SH, K, V), h_dtype),
     ):
         with T.Kernel(NV * HV * ((Np1 - 1) if varlen else B), threads=128) as (bx,):
             iv = bx % NV
             hv = (bx // NV) % HV
+            n = T.alloc_var("int32")
             n = bx // (NV * HV)
+            if varlen:
+                if use_order != 0:  # the sequences in the order given (`_common.launch_order`)
+                    n = order[bx // (NV * HV)]
             bos, seqlen, bidx, slot0, nchunks = sequence_span(n, cu_seqlens, Tn, varlen)
             hk = hv // G
             v0 = iv * BV
@@ -156,8 +163,9 @@ def states_kernel_args(k, v, cu_seqlens, h_dtype: torch.dtype) -> tuple:
 
 
 def chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype: torch.dtype = torch.bfloat16,
-                     schedule: str | None = None):
-    """Launches pass 1 (schedule: None for DEFAULT_SCHEDULE, "roles" or "serial"; both give the same h).
+                     schedule: str | None = None, order=None):
+    """Launches pass 1 (schedule: None for DEFAULT_SCHEDULE, "roles" or "serial"; both give the same h;
+    order: `_common.launch_order(cu_seqlens)` or None, the sequences' launch order; the same h).
 
     Args: k [B, T, H, K], v [B, T, HV, V] (the forward's, contiguous); A [HV, S * 64, 64] and
     g_cum_log2 [HV, S * 64] (the forward's `ChunkGDNForward.A`, `.g_cum_log2`); initial_state None or
@@ -180,5 +188,5 @@ def chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype: to
     cu = cu_seqlens if varlen else dummy_cu_seqlens(k.device)
     args = states_kernel_args(k, v, cu_seqlens, h_dtype)
     kernel = build_states_kernel(*args) if schedule is None else build_states_kernel(*args, schedule)
-    kernel(k, v, A, g_cum_log2, h0, cu, int(initial_state is not None), h)
+    kernel(k, v, A, g_cum_log2, h0, cu, *order_args(order, k.device), int(initial_state is not None), h)
     return h

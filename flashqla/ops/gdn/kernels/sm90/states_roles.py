@@ -72,6 +72,7 @@ def states_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtyp
     Np1 = T.dynamic("Np1")
     N0 = T.dynamic("N0")
     SH = T.dynamic("SH")  # slots * HV
+    NO = T.dynamic("NO")
 
     @T.prim_func
     def gdn_states_roles_bwd(
@@ -81,12 +82,18 @@ def states_roles_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtyp
         g_cum_log2: T.Tensor((HV, R), "float32"),
         h0: T.Tensor((N0, HV, K, V), "float32"),
         cu_seqlens: T.Tensor((Np1,), seq_dtype),
+        order: T.Tensor((NO,), "int32"),
+        use_order: T.int32,
         use_h0: T.int32,
         h: T.Tensor((SH, K, V), dtype),
     ):
         with T.Kernel(HV * ((Np1 - 1) if varlen else B), threads=512) as (bx,):
             hv = bx % HV
+            n = T.alloc_var("int32")
             n = bx // HV
+            if varlen:
+                if use_order != 0:  # the sequences in the order given (`_common.launch_order`)
+                    n = order[bx // HV]
             bos, seqlen, bidx, slot0, nchunks = sequence_span(n, cu_seqlens, Tn, varlen)
             hk = hv // G
             tx = T.get_thread_binding()
