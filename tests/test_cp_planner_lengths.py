@@ -148,9 +148,9 @@ def test_longest_first_runs_and_makespan():
 
 
 def test_planning_stays_cheap_on_awkward_batches():
-    """Huge and many-sequence batches plan without walking every CTA or every sequence per candidate:
-    one long sequence beside thousands of short ones, a 2^36-token sequence, many distinct lengths
-    (past LENGTHS_MAX_DISTINCT: the mean-and-longest model). Counted in greedy steps, not timed."""
+    """Huge and many-sequence batches plan without walking every CTA per candidate: one long sequence
+    beside short ones, a 2^36-token sequence, more sequences than LENGTHS_MAX_DISTINCT (the
+    mean-and-longest model). Counted in candidates and runs, not timed."""
     calls = []
     real = P._greedy_makespan
 
@@ -161,11 +161,11 @@ def test_planning_stays_cheap_on_awkward_batches():
     P.clear_plan_cache()
     try:
         P._greedy_makespan = counting
-        p = P.plan_cp(8, 5001, 2**20 + 500000, backward=True, seqlens=(2**20,) + (100,) * 5000)
-        assert p.split and len(calls) <= 200 and max(calls) <= 3, (p, len(calls))
+        p = P.plan_cp(8, 201, 2**20 + 20000, backward=True, seqlens=(2**20,) + (100,) * 200)
+        assert p.split and len(calls) <= 2 * 200 and max(calls) <= 200 + 3, (p, len(calls), max(calls))
         calls.clear()
         P.plan_cp(1, 2, 2**36, backward=True, seqlens=(2**36 - 1, 1))
-        assert len(calls) <= 700
+        assert len(calls) <= 2 * 400  # two launch orders per candidate
         calls.clear()
         many = tuple(range(1, 2001))
         q = P.plan_cp(8, len(many), sum(many), backward=True, seqlens=many)
@@ -206,17 +206,46 @@ def test_bad_seqlens_are_reported_not_dropped():
 
 def test_launch_order(monkeypatch):
     """The backward's chain kernels take a packed batch's sequences longest first (ties in token
-    order); one sequence, no offsets or FLASHQLA_BWD_ORDER=tokens: token order (None)."""
+    order) where asked (FLASHQLA_BWD_ORDER=auto, the default: the plan's `longest_first`), always
+    ("longest") or never ("tokens"); one sequence or no offsets: token order (None)."""
     from flashqla.ops.gdn.kernels.sm90._common import launch_order, order_args
 
     monkeypatch.delenv("FLASHQLA_BWD_ORDER", raising=False)
     cu = torch.tensor([0, 100, 100, 7000, 7100, 9000], dtype=torch.int32)
-    order = launch_order(cu)
-    assert order.dtype == torch.int32 and order.tolist() == [2, 4, 0, 3, 1]
-    assert launch_order(torch.tensor([0, 4096])) is None and launch_order(None) is None
-    assert order_args(None, "cpu")[1] == 0 and order_args(order, "cpu") == (order, 1)
-    monkeypatch.setenv("FLASHQLA_BWD_ORDER", "tokens")
     assert launch_order(cu) is None
+    order = launch_order(cu, True)
+    assert order.dtype == torch.int32 and order.tolist() == [2, 4, 0, 3, 1]
+    assert launch_order(torch.tensor([0, 4096]), True) is None and launch_order(None, True) is None
+    assert order_args(None, "cpu")[1] == 0 and order_args(order, "cpu") == (order, 1)
+    monkeypatch.setenv("FLASHQLA_BWD_ORDER", "longest")
+    assert launch_order(cu).tolist() == [2, 4, 0, 3, 1]
+    monkeypatch.setenv("FLASHQLA_BWD_ORDER", "tokens")
+    assert launch_order(cu, True) is None
     monkeypatch.setenv("FLASHQLA_BWD_ORDER", "random")
     with pytest.raises(ValueError, match="FLASHQLA_BWD_ORDER"):
-        launch_order(cu)
+        launch_order(cu, True)
+
+
+def test_the_plan_sorts_only_where_the_schedule_gains(monkeypatch):
+    """The split backward sorts its segments where the longest-first schedule beats token order by more
+    than the sort costs (BWD_LEN_ORDER_COST), as measured on the H200 grid: 16/32 with 8 sequences of
+    32768 tokens (2.812 -> 2.566 ms under one plan) sorts; 2/4 7053 + 1139 (all CTAs in one round:
+    nothing to gain, 12 us lost to the sort) does not; FLASHQLA_BWD_ORDER pins either."""
+    from flashqla.bench.bwd_grid import select_bwd_rows
+
+    monkeypatch.delenv("FLASHQLA_BWD_ORDER", raising=False)
+    P.clear_plan_cache()
+
+    def plan(heads, mix):
+        (row,) = select_bwd_rows([heads], [mix])
+        lens = tuple(row.mix.lengths)
+        return P.plan_cp(row.heads.h_v, len(lens), sum(lens), backward=True, seqlens=lens)
+
+    big, small = plan("16/32", "32k_8seq"), plan("2/4", "8k_2seq")
+    assert big.split and big.longest_first and small.split and not small.longest_first
+    assert not P.plan_cp(8, 1, 32768, backward=True, seqlens=(32768,)).longest_first  # one sequence
+    for mode, want in (("longest", True), ("tokens", False)):
+        monkeypatch.setenv("FLASHQLA_BWD_ORDER", mode)
+        P.clear_plan_cache()
+        assert plan("2/4", "8k_2seq").longest_first is want and plan("16/32", "32k_8seq").longest_first is want
+    P.clear_plan_cache()

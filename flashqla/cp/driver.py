@@ -953,7 +953,8 @@ def _state_grads_from_outputs(U, do, tab: SegmentTables, total: int, L: int, one
 
 
 def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float, initial_state, cu_seqlens,
-                tables: SegmentTables, *, block_v: int, static_key=None, truncate=False, saved: CPSaved | None = None):
+                tables: SegmentTables, *, block_v: int, static_key=None, truncate=False, saved: CPSaved | None = None,
+                longest_first: bool = False):
     """Gradients of the forward over the planner's segments (every launch runs all segments at once).
 
     1. entering states S_in: run (v, h0 on first segments) -> Q; transition (v = 0 from I) -> U, P;
@@ -975,7 +976,8 @@ def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float,
 
     Args: as `chunk_gated_delta_rule_bwd`, with A, g_cum_log2 in the slot layout of
     tables.cu_seqlens, and tables, block_v, static_key, truncate as `cp_forward`; saved: None or a
-    `CPSaved` (ignored when it does not match).
+    `CPSaved` (ignored when it does not match); longest_first: the segments' backward launches them
+    longest first (`CPPlan.longest_first`; the same results).
     Returns (dq, dk, dv, dg, dbeta, dh0 [N, HV, K, V] or None when initial_state is None).
     """
     B, T = q.shape[0], q.shape[1]
@@ -1001,7 +1003,7 @@ def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float,
     D = None if dht is None else dht.to(E.dtype)
     G = scan_segment_grads(P.to(E.dtype), E, tab, T, D).to(sd)
     dq, dk, dv, dg, dbeta, dh0s = backend.bwd(qf, kf, vf, gf, bf, A, g_cum_log2, dof, G.contiguous(), scale,
-                                              S_in.to(sd).contiguous(), pcu, order=_segment_order(pcu, N))
+                                              S_in.to(sd).contiguous(), pcu, order=_segment_order(pcu, N, longest_first))
     dh0 = None
     if initial_state is not None:
         first = dh0s.index_select(0, tab.seq_first.clamp(0, max(M - 1, 0))) if N > 0 else dh0s[:0]
@@ -1188,7 +1190,7 @@ def cp_backward_open(backend, q, k, v, g, beta, do, dht, scale: float, saved: Op
         dht_full[N - 1] += X.to(E.dtype)
     G = scan_segment_grads(P.to(E.dtype), E, tab, T, dht_full).to(sd)
     dq, dk, dv, dg, dbeta, dh0s = backend.bwd(q, k, v, g, beta, A, G2, do, G.contiguous(), scale,
-                                              saved.S_in.contiguous(), pcu, order=_segment_order(pcu, N))
+                                              saved.S_in.contiguous(), pcu, order=_segment_order(pcu, N, False))
     first = dh0s.index_select(0, tab.seq_first.clamp(0, max(M - 1, 0))) if N > 0 else dh0s[:0]
     dh0 = torch.where((tab.seq_num >= 1)[:, None, None, None], first, dht_full.to(first.dtype)) if N > 0 else first
     return dq, dk, dv, dg, dbeta, dh0
@@ -1199,15 +1201,15 @@ def cp_backward_open(backend, q, k, v, g, beta, do, dht, scale: float, saved: Op
 # ------------------------------------------------------------------------------------------------
 
 
-def _segment_order(pcu, N: int):
-    """The launch order of the segments' backward: longest first for a packed batch (N > 1,
-    `_common.launch_order` on the segments' offsets), None (token order) for one sequence, whose
-    segments are equal but the last."""
+def _segment_order(pcu, N: int, longest_first: bool):
+    """The launch order of the segments' backward (`_common.launch_order` on the segments' offsets):
+    longest first where the plan says so (`CPPlan.longest_first`, packed batches), else None (token
+    order; one sequence's segments are equal but the last)."""
     if N <= 1 or not pcu.is_cuda:
         return None
     from flashqla.ops.gdn.kernels.sm90._common import launch_order
 
-    return launch_order(pcu)
+    return launch_order(pcu, longest_first)
 
 
 def _mode(cp) -> str:
@@ -1468,4 +1470,4 @@ def chunk_gated_delta_rule_cp_bwd(
         backend.warm(_flat(k), _flat(beta), _flat(q), _flat(v), tables.cu_seqlens, v.shape[2], BV, dual=_dual_applies(q, v))
     return cp_backward(backend, q, k, v, g, beta, A_p, G_p, do, dht, scale, initial_state, cu_seqlens, tables,
                        block_v=BV, static_key=static_key, truncate=False if cutoff is None else cutoff,
-                       saved=cp_saved)
+                       saved=cp_saved, longest_first=plan.longest_first)

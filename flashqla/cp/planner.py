@@ -357,6 +357,13 @@ BWD_LEN_TOKEN_COST = 72.9e-6
 BWD_LEN_WAVE_COST = 7.27
 BWD_LEN_SPLIT_COST = 11.07
 BWD_LEN_SCAN_STEP_COST = 0.55
+#: The sort that launches a split backward's segments longest first (`_common.launch_order`), in the
+#: same units: the H200 grid at 1a329fc (sorted whenever N > 1) against e042054 (token order) on rows
+#: whose plan and schedule it did not change: +12 to +17 us a backward (2/4 7053 + 1139, 4/8 7053 +
+#: 1139, 2/4 with 4 and 8 sequences of 8192 tokens). Where the sort shortens the schedule it pays:
+#: 16/32 with 8 sequences of 32768 tokens 2.812 -> 2.566 ms under one plan, 8/16 1.728 -> 1.368
+#: (`tests/gpu/bwd_order_check.py`, gradients bitwise equal).
+BWD_LEN_ORDER_COST = 1.0
 #: Split candidates within this fraction of the best are ties; the longest segment wins.
 TIE = 0.03
 #: Summed log-decay below which a carried state is dropped by the gate-driven shortcut (FlashQLA's).
@@ -381,7 +388,9 @@ class CPPlan:
     split: whether to cut sequences into segments. segment_len: L in tokens (a multiple of 64) when
     split, else None. BV: value-slice width for the recurrent kernel. exact: no gate-driven shortcut.
     sm_count: SMs assumed. est_unsplit, est_split: predicted times in chunk units (est_split None
-    when no split candidate exists). reason: one line saying why.
+    when no split candidate exists). reason: one line saying why. longest_first: the split backward
+    launches the segments longest first (`_common.launch_order`; the lengths-costed plan's choice
+    where it predicts a gain above the sort's cost, BWD_LEN_ORDER_COST).
     """
 
     split: bool
@@ -392,6 +401,7 @@ class CPPlan:
     est_unsplit: float
     est_split: float | None
     reason: str
+    longest_first: bool = False
 
     def num_slots(self, T: int, N: int) -> int:
         """Segment slots for T total tokens and N sequences (0 when not split)."""
@@ -456,9 +466,9 @@ def _greedy_makespan(runs, slots: int) -> int:
     return end
 
 
-#: The lengths-costed backward plan (`seqlens`) is used while the batch has at most this many distinct
-#: sequence lengths (its cost per candidate L grows with them; planning stays within a few ms), else
-#: the mean-and-longest model.
+#: The lengths-costed backward plan (`seqlens`) is used for batches of at most this many sequences (its
+#: cost per candidate L grows with them; planning stays within a few ms), else the mean-and-longest
+#: model.
 LENGTHS_MAX_DISTINCT = 256
 #: Its candidate segment lengths: every multiple of SEGMENT_QUANTUM up to this many quanta, then a
 #: geometric grid of ratio LENGTHS_GRID_RATIO.
@@ -480,12 +490,12 @@ def _lengths_candidates(l_top: int) -> list[int]:
     return [SEGMENT_QUANTUM * j for j in js]
 
 
-def _bwd_order_longest() -> bool:
-    """Whether the backward's chain kernels launch a packed batch longest first
-    (`kernels/sm90/_common.launch_order`, FLASHQLA_BWD_ORDER)."""
+def _bwd_order_mode() -> str:
+    """FLASHQLA_BWD_ORDER (`kernels/sm90/_common.BWD_ORDERS`): "auto" (the lengths-costed plan picks
+    the split backward's launch order), "longest" or "tokens" (always that order)."""
     import os
 
-    return os.environ.get("FLASHQLA_BWD_ORDER", "longest") != "tokens"
+    return os.environ.get("FLASHQLA_BWD_ORDER", "auto")
 
 
 def _lengths_runs(seqlens, L: int | None, HV: int, longest_first: bool = False) -> tuple[list, int, int]:
@@ -708,17 +718,22 @@ def _plan_cp(
             return _unsplit_bwd_time(bv, HV, V, N, l_mean, l_max, sm_count)
         return _unsplit_time(bv, HV, V, N, l_mean, l_max, sm_count)
 
-    longest_first = _bwd_order_longest()
-    if longest_first and seqlens is not None:  # (length, multiplicity), longest first
-        lens_arg = tuple(sorted(collections.Counter(seqlens).items(), reverse=True))
-    else:
-        lens_arg = seqlens
-    if (backward and seqlens is not None and N > 1
-            and (len(lens_arg) if longest_first else N) <= LENGTHS_MAX_DISTINCT):  # the launch-order model
+    if backward and seqlens is not None and 1 < N <= LENGTHS_MAX_DISTINCT:  # the launch-order model
+        mode = _bwd_order_mode()
+        pairs = tuple(sorted(collections.Counter(seqlens).items(), reverse=True))  # (length, count), longest first
         bv_u = bvs[0]
-        t_u = _bwd_lengths_time(lens_arg, None, HV, sm_count, longest_first)
+        # the unsplit backward launches in token order; a split one in either (longest first costs
+        # one device sort, BWD_LEN_ORDER_COST)
+        t_u = _bwd_lengths_time(seqlens, None, HV, sm_count)
         lens = [segment_len] if segment_len is not None else _lengths_candidates(l_max)
-        cands = [(_bwd_lengths_time(lens_arg, L, HV, sm_count, longest_first), L, bv_u) for L in lens]
+        cands = []
+        for L in lens:
+            options = []
+            if mode != "longest":
+                options.append((_bwd_lengths_time(seqlens, L, HV, sm_count), L, bv_u, False))
+            if mode != "tokens":
+                options.append((_bwd_lengths_time(pairs, L, HV, sm_count, True) + BWD_LEN_ORDER_COST, L, bv_u, True))
+            cands.append(min(options, key=lambda c: (c[0], c[3])))
         # no TIE: this model separates candidates a few percent apart (the mean-and-longest one does not)
         return _decide(t_u, bv_u, cands, bvs, exact, sm_count, force, segment_len, l_max, backward, tie=0.0)
     if backward:
@@ -742,8 +757,9 @@ plan_cp.__wrapped__ = _plan_cp.__wrapped__
 
 
 def _decide(t_u, bv_u, cands, bvs, exact, sm_count, force, segment_len, l_max, backward, tie=TIE) -> CPPlan:
-    """The plan from the unsplit estimate and the split candidates (time, L, BV); candidates within
-    `tie` of the best are ties, the longest L among them wins."""
+    """The plan from the unsplit estimate and the split candidates (time, L, BV[, longest first]);
+    candidates within `tie` of the best are ties, the longest L among them wins."""
+    cands = [c if len(c) == 4 else (*c, False) for c in cands]
     if not cands:  # no L shorter than the longest sequence
         if force:
             return CPPlan(True, segment_len or SEGMENT_QUANTUM, bv_u, exact, sm_count, t_u, None,
@@ -751,12 +767,12 @@ def _decide(t_u, bv_u, cands, bvs, exact, sm_count, force, segment_len, l_max, b
         return CPPlan(False, None, bv_u, exact, sm_count, t_u, None, f"sequences of <= {l_max} tokens fit one segment")
     # among near-ties (within TIE), the longest segments: fewest waves and scan steps
     t_min = min(c[0] for c in cands)
-    t_s, L, bv_s = max((c for c in cands if c[0] <= t_min * (1 + tie)), key=lambda c: (c[1], -bvs.index(c[2])))
+    t_s, L, bv_s, lf = max((c for c in cands if c[0] <= t_min * (1 + tie)), key=lambda c: (c[1], -bvs.index(c[2])))
     gain = BWD_MIN_GAIN if backward else MIN_GAIN
     if t_u >= gain * t_s:
-        return CPPlan(True, L, bv_s, exact, sm_count, t_u, t_s, f"split predicted {t_u / t_s:.2f}x faster")
+        return CPPlan(True, L, bv_s, exact, sm_count, t_u, t_s, f"split predicted {t_u / t_s:.2f}x faster", lf)
     if force:
-        return CPPlan(True, L, bv_s, exact, sm_count, t_u, t_s, "forced")
+        return CPPlan(True, L, bv_s, exact, sm_count, t_u, t_s, "forced", lf)
     return CPPlan(False, None, bv_u, exact, sm_count, t_u, t_s, f"split predicted only {t_u / t_s:.2f}x (< {gain})")
 
 

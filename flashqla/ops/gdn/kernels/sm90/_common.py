@@ -164,23 +164,26 @@ def placeholder(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return _placeholders[key]
 
 
-#: The backward's chain kernels (pass 1 and pass 2) launch a packed batch's sequences longest first
-#: ("longest") or in token order ("tokens"); environment variable FLASHQLA_BWD_ORDER, read per call.
-BWD_ORDERS = ("longest", "tokens")
+#: The backward's chain kernels (pass 1 and pass 2) launch a packed batch's sequences in token order or
+#: longest first: "auto" (longest first where the caller asks, i.e. where the split backward's
+#: lengths-costed plan predicts a gain: `planner.CPPlan.longest_first`), "longest" (always) or "tokens"
+#: (never); environment variable FLASHQLA_BWD_ORDER, read per call (and by the planner when it plans).
+BWD_ORDERS = ("auto", "longest", "tokens")
 
 
-def launch_order(cu_seqlens):
+def launch_order(cu_seqlens, longest_first: bool = False):
     """The order in which the backward's chain kernels take the sequences of `cu_seqlens` ([N + 1],
     on its device): int32 [N], longest first (ties in token order), or None for token order (no
-    offsets, N <= 1, or FLASHQLA_BWD_ORDER=tokens). One CTA per (sequence, value head) walks a
-    sequence's chunks, and the GPU hands CTAs to free SMs in launch order: longest first, the short
-    ones fill the SMs the long ones leave (`flashqla.cp.planner._greedy_makespan`). Torch ops on the
+    offsets, N <= 1, or FLASHQLA_BWD_ORDER: "tokens", or "auto" without longest_first). One CTA per
+    (sequence, value head) walks a sequence's chunks, and the GPU hands CTAs to free SMs in launch
+    order: longest first, the short ones fill the SMs the long ones leave
+    (`flashqla.cp.planner._greedy_makespan`); the sort costs 12-17 us on the H200. Torch ops on the
     device (no host synchronisation); the results do not depend on the order. ValueError naming
     FLASHQLA_BWD_ORDER for an unknown value."""
-    mode = os.environ.get("FLASHQLA_BWD_ORDER", "longest")
+    mode = os.environ.get("FLASHQLA_BWD_ORDER", "auto")
     if mode not in BWD_ORDERS:
         raise ValueError(f"FLASHQLA_BWD_ORDER must be one of {BWD_ORDERS}, got {mode!r}")
-    if cu_seqlens is None or cu_seqlens.numel() <= 2 or mode == "tokens":
+    if cu_seqlens is None or cu_seqlens.numel() <= 2 or mode == "tokens" or (mode == "auto" and not longest_first):
         return None
     return torch.argsort(cu_seqlens[1:] - cu_seqlens[:-1], descending=True, stable=True).to(torch.int32)
 
