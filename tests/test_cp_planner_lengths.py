@@ -149,7 +149,7 @@ def test_longest_first_runs_and_makespan():
 
 def test_planning_stays_cheap_on_awkward_batches():
     """Huge and many-sequence batches plan without walking every CTA per candidate: one long sequence
-    beside short ones, a 2^36-token sequence, more sequences than LENGTHS_MAX_DISTINCT (the
+    beside short ones, a 2^36-token sequence, more sequences than LENGTHS_MAX_SEQUENCES (the
     mean-and-longest model). Counted in candidates and runs, not timed."""
     calls = []
     real = P._greedy_makespan

@@ -469,7 +469,7 @@ def _greedy_makespan(runs, slots: int) -> int:
 #: The lengths-costed backward plan (`seqlens`) is used for batches of at most this many sequences (its
 #: cost per candidate L grows with them; planning stays within a few ms), else the mean-and-longest
 #: model.
-LENGTHS_MAX_DISTINCT = 256
+LENGTHS_MAX_SEQUENCES = 256
 #: Its candidate segment lengths: every multiple of SEGMENT_QUANTUM up to this many quanta, then a
 #: geometric grid of ratio LENGTHS_GRID_RATIO.
 LENGTHS_DENSE_QUANTA = 64
@@ -492,10 +492,15 @@ def _lengths_candidates(l_top: int) -> list[int]:
 
 def _bwd_order_mode() -> str:
     """FLASHQLA_BWD_ORDER (`kernels/sm90/_common.BWD_ORDERS`): "auto" (the lengths-costed plan picks
-    the split backward's launch order), "longest" or "tokens" (always that order)."""
+    the split backward's launch order), "longest" or "tokens" (always that order). Read when a plan
+    is made (plans are cached: `clear_plan_cache` after changing it). ValueError naming it for an
+    unknown value."""
     import os
 
-    return os.environ.get("FLASHQLA_BWD_ORDER", "auto")
+    mode = os.environ.get("FLASHQLA_BWD_ORDER", "auto")
+    if mode not in ("auto", "longest", "tokens"):
+        raise ValueError(f"FLASHQLA_BWD_ORDER must be one of ('auto', 'longest', 'tokens'), got {mode!r}")
+    return mode
 
 
 def _lengths_runs(seqlens, L: int | None, HV: int, longest_first: bool = False) -> tuple[list, int, int]:
@@ -718,7 +723,7 @@ def _plan_cp(
             return _unsplit_bwd_time(bv, HV, V, N, l_mean, l_max, sm_count)
         return _unsplit_time(bv, HV, V, N, l_mean, l_max, sm_count)
 
-    if backward and seqlens is not None and 1 < N <= LENGTHS_MAX_DISTINCT:  # the launch-order model
+    if backward and seqlens is not None and 1 < N <= LENGTHS_MAX_SEQUENCES:  # the launch-order model
         mode = _bwd_order_mode()
         pairs = tuple(sorted(collections.Counter(seqlens).items(), reverse=True))  # (length, count), longest first
         bv_u = bvs[0]

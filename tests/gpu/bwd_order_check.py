@@ -1,10 +1,10 @@
 """One call on the GPU machine: the backward's chain kernels launching a packed batch's sequences
-longest first (`_common.launch_order`, the default) against token order (FLASHQLA_BWD_ORDER=tokens).
+longest first (`_common.launch_order`, FLASHQLA_BWD_ORDER=longest) against token order (=tokens).
 
     python tests/gpu/bwd_order_check.py [--rows "16/32 8k_8seq" ...]
 
 Per backward-grid row (the benchmark's inputs and loader, `flashqla.bench.bwd_impls`): the plan made
-with the longest-first model, then the backward on the forward's kept states twice under that same
+with the longest-first model (FLASHQLA_BWD_ORDER=longest), then the backward on the forward's kept states twice under that same
 plan, the kernels launching longest first and in token order: every gradient must be bitwise equal
 (the order moves CTAs, not arithmetic); both CUDA-graph timed, with the training step; then the whole
 old behaviour (plan and kernels in token order) timed. Prints a table last. Not collected by pytest.

@@ -161,7 +161,10 @@ def _pass2_poisoned(variant, q, k, v, beta, A, gcl, h, do, dht, cu):
     dG = torch.full((HV, S * CHUNK), float("nan"), **nan)
     dh0 = torch.full((N, HV, K, V), float("nan"), **nan)
     kern = build_chunk_bwd_kernel(*chunk_bwd_kernel_args(q, v, beta, h, cu), variant)
-    kern(q, k, v, beta, A, gcl, h, do, dht, cu if cu is not None else dummy_cu_seqlens("cuda"), float(SCALE), 1,
+    from flashqla.ops.gdn.kernels.sm90._common import order_args
+
+    extra = order_args(None, "cuda") if variant == "v5" else ()  # v5 takes the launch order (token order here)
+    kern(q, k, v, beta, A, gcl, h, do, dht, cu if cu is not None else dummy_cu_seqlens("cuda"), *extra, float(SCALE), 1,
          dq_hv, dk_hv, dv, dbeta, dG, dh0)
     return dq_hv, dk_hv, dv, dbeta, dG, dh0
 

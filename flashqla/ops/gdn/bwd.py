@@ -83,7 +83,7 @@ def chunk_gated_delta_rule_bwd(
     # the kernels take compact arrays: autograd hands over dht as the caller's view (ht.sum() gives a
     # stride-0 one), and initial_state / cu_seqlens are the caller's tensors
     dht, initial_state, cu_seqlens = (None if x is None else x.contiguous() for x in (dht, initial_state, cu_seqlens))
-    order = launch_order(cu_seqlens)  # longest sequences first (the same results)
+    order = launch_order(cu_seqlens)  # token order unless FLASHQLA_BWD_ORDER=longest (the same results)
     h = chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype, order=order)
     dq_hv, dk_hv, dv, dbeta, dG, dh0 = chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens,
                                                        order=order)

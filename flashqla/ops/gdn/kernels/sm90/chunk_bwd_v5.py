@@ -136,11 +136,9 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
     ):
         with T.Kernel(HV * ((Np1 - 1) if varlen else B), threads=512) as (bx,):
             hv = bx % HV
-            n = T.alloc_var("int32")
-            n = bx // HV
-            if varlen:
-                if use_order != 0:  # the sequences in the order given (`_common.launch_order`)
-                    n = order[bx // HV]
+            # packed: the sequences in the order given (`_common.launch_order`); fixed-length rows in
+            # order, an expression as before (a mutable n there cost registers: ptxas serialised wgmma)
+            n = T.if_then_else(use_order != 0, order[bx // HV], bx // HV) if varlen else bx // HV
             bos, seqlen, bidx, slot0, nchunks = sequence_span(n, cu_seqlens, Tn, varlen)
             hk = hv // G
             tx = T.get_thread_binding()
