@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GDNDims", "check_gdn_inputs", "check_cu_seqlens_values", "planning_max_seqlen", "planning_seqlens", "check_gate_values", "FLOAT_DTYPES"]
+__all__ = ["GDNDims", "check_gdn_inputs", "check_cu_seqlens_values", "planning_max_seqlen", "planning_seqlens", "max_seqlen_hint", "check_gate_values", "FLOAT_DTYPES"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -98,6 +98,24 @@ def planning_max_seqlen(cu_seqlens_cpu, cu_seqlens, T: int) -> int | None:
     `cu_seqlens` is None, when the lengths differ ([N + 1] both), or when its values are not offsets
     of T tokens (starting at 0, non-decreasing, ending at T).
     """
+    return max_seqlen_hint(planning_seqlens(cu_seqlens_cpu, cu_seqlens, T))
+
+
+def max_seqlen_hint(seqlens) -> int | None:
+    """The longest of `seqlens` (`planning_seqlens`' tuple, or None) rounded up to whole 64-token
+    chunks: `planning_max_seqlen` from lengths already read. None for None."""
+    if seqlens is None:
+        return None
+    return -(-max(seqlens, default=0) // 64) * 64
+
+
+def planning_seqlens(cu_seqlens_cpu, cu_seqlens, T: int) -> tuple[int, ...] | None:
+    """The sequence lengths of `cu_seqlens_cpu` (a host copy of `cu_seqlens`, FLA's argument of that
+    name) as a tuple of ints: the backward's context-parallel planner costs its plan on them
+    (`flashqla.cp.planner.plan_cp(seqlens=...)`, packed batches), the forward's on their maximum
+    (`planning_max_seqlen`). None when `cu_seqlens_cpu` is None or while torch.compile or
+    torch.export traces the caller; checks and errors as `planning_max_seqlen`. The lengths shape
+    the plan, never the results."""
     if cu_seqlens_cpu is None:
         return None
     if not isinstance(cu_seqlens_cpu, torch.Tensor):
@@ -116,19 +134,6 @@ def planning_max_seqlen(cu_seqlens_cpu, cu_seqlens, T: int) -> int | None:
     if torch.compiler.is_compiling():  # traced: no values to read (see the docstring)
         return None
     check_cu_seqlens_values(cu_seqlens_cpu, T, name="cu_seqlens_cpu")
-    cu = cu_seqlens_cpu.to(torch.int64)
-    longest = int((cu[1:] - cu[:-1]).max())
-    return -(-longest // 64) * 64
-
-
-def planning_seqlens(cu_seqlens_cpu, cu_seqlens, T: int) -> tuple[int, ...] | None:
-    """The sequence lengths of `cu_seqlens_cpu` (a host copy of `cu_seqlens`, FLA's argument of that
-    name) as a tuple of ints: the backward's context-parallel planner costs its plan on them
-    (`flashqla.cp.planner.plan_cp(seqlens=...)`, packed batches). None when `cu_seqlens_cpu` is None or
-    while torch.compile or torch.export traces the caller; the same checks and errors as
-    `planning_max_seqlen`. Like it, the lengths shape the plan, never the results."""
-    if planning_max_seqlen(cu_seqlens_cpu, cu_seqlens, T) is None:
-        return None
     cu = cu_seqlens_cpu.to(torch.int64)
     return tuple((cu[1:] - cu[:-1]).tolist())
 

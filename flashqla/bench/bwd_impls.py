@@ -104,18 +104,18 @@ def _load_ours() -> tuple[Callable, Callable, str]:
     fwd_fn = importlib.import_module("flashqla.ops.gdn.api").chunk_gated_delta_rule_fwd
     bwd_fn, extra, name = ours_bwd_source()
 
-    from flashqla.validation import planning_max_seqlen, planning_seqlens
+    from flashqla.validation import max_seqlen_hint, planning_seqlens
 
     def fwd(x):  # the lengths are the planner's host-side hints (no device read), as the public op's
-        ms = planning_max_seqlen(x.cu_seqlens_cpu, x.cu_seqlens, x.q.shape[1])
         sl = planning_seqlens(x.cu_seqlens_cpu, x.cu_seqlens, x.q.shape[1])
+        ms = max_seqlen_hint(sl)
         f = fwd_fn(x.q, x.k, x.v, x.g, x.beta, x.scale, x.h0, True, x.cu_seqlens, max_seqlen=ms, keep_cp_states=True,
                    seqlens=sl)
         return FwdOut(f.o, f.final_state, f)
 
     def bwd(x, f):
-        ms = planning_max_seqlen(x.cu_seqlens_cpu, x.cu_seqlens, x.q.shape[1])
         sl = planning_seqlens(x.cu_seqlens_cpu, x.cu_seqlens, x.q.shape[1])
+        ms = max_seqlen_hint(sl)
         return tuple(bwd_fn(f.q, f.k, x.v, x.g, x.beta, f.A, f.g_cum_log2, x.do, x.dht, x.scale, x.h0, x.cu_seqlens,
                             max_seqlen=ms, cp_saved=f.cp_saved, seqlens=sl, **extra))
 

@@ -476,31 +476,12 @@ LENGTHS_DENSE_QUANTA = 64
 LENGTHS_GRID_RATIO = 1.05
 
 
-def _lengths_candidates(l_top: int) -> list[int]:
-    """Candidate segment lengths L < l_top for the lengths-costed plan (multiples of SEGMENT_QUANTUM)."""
-    n = _cdiv(l_top, SEGMENT_QUANTUM)
-    js = list(range(1, min(n, LENGTHS_DENSE_QUANTA + 1)))
-    j = float(LENGTHS_DENSE_QUANTA)
-    while True:
-        j *= LENGTHS_GRID_RATIO
-        if int(j) >= n:
-            break
-        if int(j) > js[-1]:
-            js.append(int(j))
-    return [SEGMENT_QUANTUM * j for j in js]
-
-
 def _bwd_order_mode() -> str:
-    """FLASHQLA_BWD_ORDER (`kernels/sm90/_common.BWD_ORDERS`): "auto" (the lengths-costed plan picks
-    the split backward's launch order), "longest" or "tokens" (always that order). Read when a plan
-    is made (plans are cached: `clear_plan_cache` after changing it). ValueError naming it for an
-    unknown value."""
-    import os
+    """FLASHQLA_BWD_ORDER (`kernels/sm90/_common.bwd_order_mode`), read when a plan is made (plans are
+    cached: `clear_plan_cache` after changing it)."""
+    from flashqla.ops.gdn.kernels.sm90._common import bwd_order_mode
 
-    mode = os.environ.get("FLASHQLA_BWD_ORDER", "auto")
-    if mode not in ("auto", "longest", "tokens"):
-        raise ValueError(f"FLASHQLA_BWD_ORDER must be one of ('auto', 'longest', 'tokens'), got {mode!r}")
-    return mode
+    return bwd_order_mode()
 
 
 def _lengths_runs(seqlens, L: int | None, HV: int, longest_first: bool = False) -> tuple[list, int, int]:
@@ -620,13 +601,14 @@ DENSE_QUANTA = 1024
 LENGTH_GRID_RATIO = 1.02
 
 
-def _segment_lengths(l_top: int) -> list[int]:
-    """Candidate segment lengths L < l_top (multiples of SEGMENT_QUANTUM)."""
+def _segment_lengths(l_top: int, dense: int = DENSE_QUANTA, ratio: float = LENGTH_GRID_RATIO) -> list[int]:
+    """Candidate segment lengths L < l_top (multiples of SEGMENT_QUANTUM): every quantum up to `dense`
+    quanta, then a geometric grid of `ratio`."""
     n = _cdiv(l_top, SEGMENT_QUANTUM)  # candidates are j * quantum for 1 <= j < n
-    js = list(range(1, min(n, DENSE_QUANTA + 1)))
-    j = float(DENSE_QUANTA)
+    js = list(range(1, min(n, dense + 1)))
+    j = float(dense)
     while True:
-        j *= LENGTH_GRID_RATIO
+        j *= ratio
         if int(j) >= n:
             break
         if int(j) > js[-1]:
@@ -691,8 +673,7 @@ def _plan_cp(
         raise ValueError(f"gate_chunks must be a positive number of chunks, got {gate_chunks}")
     if max_seqlen is not None and int(max_seqlen) < 0:
         raise ValueError(f"max_seqlen must be >= 0 tokens, got {max_seqlen}")
-    if seqlens is not None:
-        seqlens = check_seqlens(seqlens, N, T)
+    if seqlens is not None:  # checked by `plan_cp`
         longest = max(seqlens, default=0)
         max_seqlen = longest if max_seqlen is None else min(int(max_seqlen), longest)
     bvs = [bv for bv in BV_CHOICES if V % bv == 0]
@@ -730,7 +711,8 @@ def _plan_cp(
         # the unsplit backward launches in token order; a split one in either (longest first costs
         # one device sort, BWD_LEN_ORDER_COST)
         t_u = _bwd_lengths_time(seqlens, None, HV, sm_count)
-        lens = [segment_len] if segment_len is not None else _lengths_candidates(l_max)
+        lens = [segment_len] if segment_len is not None else _segment_lengths(l_max, LENGTHS_DENSE_QUANTA,
+                                                                               LENGTHS_GRID_RATIO)
         cands = []
         for L in lens:
             options = []
@@ -751,8 +733,8 @@ def _plan_cp(
             bv_u = min(bvs, key=lambda bv: (unsplit(bv), bvs.index(bv)))
     t_u = unsplit(bv_u)
     lens = [segment_len] if segment_len is not None else _segment_lengths(l_max)
-    cands = [(_split_time(bv, HV, V, T, N, L, l_avg, l_max, balanced, sm_count, exact, gate_chunks, backward), L, bv)
-             for L in lens for bv in bvs]
+    cands = [(_split_time(bv, HV, V, T, N, L, l_avg, l_max, balanced, sm_count, exact, gate_chunks, backward), L, bv,
+              False) for L in lens for bv in bvs]
     return _decide(t_u, bv_u, cands, bvs, exact, sm_count, force, segment_len, l_max, backward)
 
 
@@ -762,9 +744,8 @@ plan_cp.__wrapped__ = _plan_cp.__wrapped__
 
 
 def _decide(t_u, bv_u, cands, bvs, exact, sm_count, force, segment_len, l_max, backward, tie=TIE) -> CPPlan:
-    """The plan from the unsplit estimate and the split candidates (time, L, BV[, longest first]);
+    """The plan from the unsplit estimate and the split candidates (time, L, BV, longest first);
     candidates within `tie` of the best are ties, the longest L among them wins."""
-    cands = [c if len(c) == 4 else (*c, False) for c in cands]
     if not cands:  # no L shorter than the longest sequence
         if force:
             return CPPlan(True, segment_len or SEGMENT_QUANTUM, bv_u, exact, sm_count, t_u, None,

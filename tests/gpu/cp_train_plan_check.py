@@ -65,7 +65,7 @@ def main(argv=None) -> int:
             [(float("inf"), None)] + [(0.0, L) for L in a.lengths if L < longest]
         for gain, forced in settings:
             P.BWD_MIN_GAIN = gain
-            P._segment_lengths = search if forced is None else (lambda l_max, L=forced: [L])
+            P._segment_lengths = search if forced is None else (lambda l_max, *grid, L=forced: [L])
             P.clear_plan_cache()
             f = impl.fwd(x)
             L = f.saved.cp_saved.segment_len if f.saved.cp_saved is not None else None

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from flashqla.validation import check_gdn_inputs, planning_max_seqlen, planning_seqlens
+from flashqla.validation import check_gdn_inputs, max_seqlen_hint, planning_seqlens
 
 __all__ = ["chunk_gated_delta_rule", "chunk_gated_delta_rule_fwd", "warmup", "ChunkGDNForward", "SUPPORTED"]
 
@@ -306,7 +306,8 @@ def chunk_gated_delta_rule(
     from flashqla.ops.gdn.autograd import GDNEagerFunction, gdn_fwd, gdn_fwd_inference
 
     d = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
-    max_seqlen = planning_max_seqlen(cu_seqlens_cpu, cu_seqlens, d.T)
+    seqlens = planning_seqlens(cu_seqlens_cpu, cu_seqlens, d.T)  # read once: both hints
+    max_seqlen = max_seqlen_hint(seqlens)
     _check_supported(q, k, v, g, beta, initial_state)
     if not isinstance(use_qk_l2norm_in_kernel, bool):
         raise TypeError(f"use_qk_l2norm_in_kernel must be a bool, got {type(use_qk_l2norm_in_kernel).__name__}")
@@ -321,7 +322,6 @@ def chunk_gated_delta_rule(
             o, final_state, _, _ = gdn_fwd(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens,
                                            cp, max_seqlen)
         else:  # the same, keeping a split forward's states for the backward
-            seqlens = planning_seqlens(cu_seqlens_cpu, cu_seqlens, d.T)
             o, final_state = GDNEagerFunction.apply(q, k, v, g, beta, scale, initial_state, bool(output_final_state),
                                                     cu_seqlens, cp, max_seqlen, seqlens)
     else:  # inference: nothing is kept for a backward

@@ -171,6 +171,14 @@ def placeholder(shape, dtype: torch.dtype, device) -> torch.Tensor:
 BWD_ORDERS = ("auto", "longest", "tokens")
 
 
+def bwd_order_mode() -> str:
+    """FLASHQLA_BWD_ORDER (one of BWD_ORDERS, default "auto"); ValueError naming it otherwise."""
+    mode = os.environ.get("FLASHQLA_BWD_ORDER", "auto")
+    if mode not in BWD_ORDERS:
+        raise ValueError(f"FLASHQLA_BWD_ORDER must be one of {BWD_ORDERS}, got {mode!r}")
+    return mode
+
+
 def launch_order(cu_seqlens, longest_first: bool = False):
     """The order in which the backward's chain kernels take the sequences of `cu_seqlens` ([N + 1],
     on its device): int32 [N], longest first (ties in token order), or None for token order (no
@@ -180,9 +188,7 @@ def launch_order(cu_seqlens, longest_first: bool = False):
     (`flashqla.cp.planner._greedy_makespan`); the sort costs 12-17 us on the H200. Torch ops on the
     device (no host synchronisation); the results do not depend on the order. ValueError naming
     FLASHQLA_BWD_ORDER for an unknown value."""
-    mode = os.environ.get("FLASHQLA_BWD_ORDER", "auto")
-    if mode not in BWD_ORDERS:
-        raise ValueError(f"FLASHQLA_BWD_ORDER must be one of {BWD_ORDERS}, got {mode!r}")
+    mode = bwd_order_mode()
     if cu_seqlens is None or cu_seqlens.numel() <= 2 or mode == "tokens" or (mode == "auto" and not longest_first):
         return None
     return torch.argsort(cu_seqlens[1:] - cu_seqlens[:-1], descending=True, stable=True).to(torch.int32)

@@ -504,13 +504,13 @@ def build_chunk_bwd_v2_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dty
 
 
 def launch_pass2(build, q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, qk_dtype=torch.float32,
-                 order=None):
+                 ordered: bool = False, order=None):
     """Launches a pass-2 kernel whose CTAs write every row of their outputs (v2, v5): dq_hv, dk_hv
     (in qk_dtype: fp32, or q's dtype for v5 on request), dv, dbeta and dh0 allocated uninitialised, dG
     zeroed; with no CTA to run (no slot, token or sequence), zeros and dh0 = dht. build(args) returns
     the compiled kernel for the static key `chunk_bwd.chunk_bwd_kernel_args`. Arguments and results
-    as `chunk_bwd.chunk_fused_bwd`; order: None for a kernel without launch-order arguments (v2), or
-    (`_common.launch_order` result,) for one with them (v5)."""
+    as `chunk_bwd.chunk_fused_bwd`; ordered: the kernel takes the launch-order arguments (v5, not
+    v2), filled from order (`_common.launch_order`'s result, None for token order)."""
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_bwd_kernel_args
     from flashqla.ops.gdn.kernels.sm90.prepare import dummy_cu_seqlens
 
@@ -535,7 +535,7 @@ def launch_pass2(build, q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, 
     dht_arg = dht if dht is not None else torch.empty(1, HV, K, V, dtype=torch.float32, device=dev)
     cu = cu_seqlens if varlen else dummy_cu_seqlens(dev)
     kernel = build(chunk_bwd_kernel_args(q, v, beta, h, cu_seqlens))
-    extra = () if order is None else order_args(order[0], dev)
+    extra = order_args(order, dev) if ordered else ()
     kernel(q, k, v, beta, A, g_cum_log2, h, do, dht_arg, cu, *extra, float(scale), int(dht is not None),
            dq_hv, dk_hv, dv, dbeta, dG, dh0)
     return dq_hv, dk_hv, dv, dbeta, dG, dh0

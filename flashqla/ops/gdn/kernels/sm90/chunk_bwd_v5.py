@@ -580,4 +580,4 @@ def chunk_fused_bwd_v5(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, c
     build = (lambda args: build_chunk_bwd_v5_kernel(*args)) if qk == "float32" else (
         lambda args: build_chunk_bwd_v5_kernel(*args, qk))
     return launch_pass2(build, q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens, qk_dtype=getattr(torch, qk),
-                        order=(order,))
+                        ordered=True, order=order)
