@@ -84,6 +84,7 @@ def test_backward_with_other_lengths_than_its_forward(small_gpu, monkeypatch, fr
                                                      None, x["initial_state"], x["cu_seqlens"], cp="on",
                                                      cp_saved=f.cp_saved, seqlens=bwd_lens)
     assert f.cp_saved.segment_len == 1536
-    assert applied == [(1536, True), (1024, False)], applied
+    # each backward asks once in the driver (whether to read the kept A as it is) and once in cp_backward
+    assert list(dict.fromkeys(applied)) == [(1536, True), (1024, False)], applied
     for a, b in zip(*grads.values()):
         assert rel_rms(b, a) < 1e-10

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from flashqla.cp import build_segment_tables, chunk_gated_delta_rule_cp_bwd, chunk_gated_delta_rule_cp_fwd, cp_backward
-from flashqla.cp.driver import CPSaved, cp_forward
+from flashqla.cp.driver import CPSaved, cp_forward, saved_products_in_sequence_slots, segment_slots_to_sequence_slots
 from flashqla.cp.planner import clear_plan_cache, plan_cp
 from flashqla.testing import make_gdn_inputs
 from reference.gdn.cp import ReferenceCPBackend
@@ -159,11 +159,14 @@ def test_entry_points_plan_the_forward_for_the_backward():
     assert plain.cp_saved is None
     assert torch.allclose(f.o, plain.o, rtol=1e-10, atol=1e-10)
     assert torch.allclose(f.final_state, plain.final_state, rtol=1e-10, atol=1e-10)
-    bargs = (f.q, f.k, d["v"], d["g"], d["beta"], f.A, f.g_cum_log2, do, dht, K**-0.5, d["initial_state"],
-             d["cu_seqlens"])
+    assert f.A is None and f.g_cum_log2 is None  # they travel in cp_saved
+    A_seq, G_seq = saved_products_in_sequence_slots(f.cp_saved, d["cu_seqlens"], B, T, HV)
+    head = (f.q, f.k, d["v"], d["g"], d["beta"])
+    tail = (do, dht, K**-0.5, d["initial_state"], d["cu_seqlens"])
     be_saved, be_plain = ReferenceCPBackend(), ReferenceCPBackend()
-    got = chunk_gated_delta_rule_cp_bwd(*bargs, backend=be_saved, sm_count=132, max_seqlen=T, cp_saved=f.cp_saved)
-    want = chunk_gated_delta_rule_cp_bwd(*bargs, backend=be_plain, sm_count=132, max_seqlen=T)
+    got = chunk_gated_delta_rule_cp_bwd(*head, f.A, f.g_cum_log2, *tail, backend=be_saved, sm_count=132, max_seqlen=T,
+                                        cp_saved=f.cp_saved)
+    want = chunk_gated_delta_rule_cp_bwd(*head, A_seq, G_seq, *tail, backend=be_plain, sm_count=132, max_seqlen=T)
     _same(got, want)
     assert [k for k, _ in be_saved.launches].count("recurrent") == 0
     assert [k for k, _ in be_plain.launches].count("recurrent") == 2
@@ -265,3 +268,143 @@ def test_bad_arguments_are_refused():
     with pytest.raises(TypeError, match="cp_saved must be None or"):
         chunk_gated_delta_rule_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], A, G, torch.zeros_like(x["v"]),
                                    cp_saved={"S_in": None})
+
+
+# --- A and g_cum_log2 travel in the CPSaved, in the segments' layout ----------------------------------
+
+KEPT_CASES = [  # (B, T, seqlens), K = V = 64: a packed varlen mix with an empty and a 1-token sequence; fixed-length rows
+    (1, 1300, [500, 0, 1, 130, 669]),
+    (2, 700, None),
+]
+
+
+def _kept_forward(d):
+    """The split forward keeping its states (cp="on": the backward's plan splits); (ChunkGDNForward, CPInfo)."""
+    return chunk_gated_delta_rule_cp_fwd(**d, output_final_state=True, cp="on", backend=ReferenceCPBackend(),
+                                         keep_for_backward=True, return_info=True)
+
+
+def _cp_bwd(f, d, do, dht, A, G2, saved, cp="on", **kw):
+    be = ReferenceCPBackend()
+    got = chunk_gated_delta_rule_cp_bwd(f.q, f.k, d["v"], d["g"], d["beta"], A, G2, do, dht, None, d["initial_state"],
+                                        d["cu_seqlens"], cp=cp, backend=be, cp_saved=saved, **kw)
+    return got, [k for k, _ in be.launches]
+
+
+def _count_moves(monkeypatch):
+    """Records every call of the two slot relayouts in the driver."""
+    from flashqla.cp import driver
+
+    moves = []
+    for name in ("segment_slots_to_sequence_slots", "sequence_slots_to_segment_slots"):
+        real = getattr(driver, name)
+        monkeypatch.setattr(driver, name, lambda *a, _n=name, _r=real: moves.append(_n) or _r(*a))
+    return moves
+
+
+@pytest.mark.parametrize("B,T,seqlens", KEPT_CASES)
+def test_kept_forward_returns_its_products_in_cp_saved(B, T, seqlens, monkeypatch):
+    """Keeping, the forward returns A and g_cum_log2 None and moves nothing: they are cp_saved's, in the
+    slot layout of its segments; laid out for the caller they are what the forward that does not keep
+    returns at the same L."""
+    d, _, _ = _inputs(B, T, seqlens, 1, 2, True, seed=11, K=64, V=64)
+    moves = _count_moves(monkeypatch)
+    f, info = _kept_forward(d)
+    assert moves == []
+    saved = f.cp_saved
+    assert saved is not None and f.A is None and f.g_cum_log2 is None
+    S_seg = B * T // 64 + info.tables.M
+    assert saved.A.shape == (2, S_seg * 64, 64) and saved.g_cum_log2.shape == (2, S_seg * 64)
+    plain = chunk_gated_delta_rule_cp_fwd(**d, output_final_state=True, cp="on", segment_len=saved.segment_len,
+                                          backend=ReferenceCPBackend())
+    assert plain.cp_saved is None and plain.A is not None  # not keeping: the caller's layout, as before
+    A_seq, G_seq = segment_slots_to_sequence_slots(saved.A, saved.g_cum_log2, info.tables, d["cu_seqlens"], B, T)
+    assert torch.equal(A_seq, plain.A) and torch.equal(G_seq, plain.g_cum_log2)
+    A2, G2 = saved_products_in_sequence_slots(saved, d["cu_seqlens"], B, T, 2)  # the forward's tables rebuilt
+    assert torch.equal(A2, plain.A) and torch.equal(G2, plain.g_cum_log2)
+
+
+@pytest.mark.parametrize("B,T,seqlens", KEPT_CASES)
+def test_backward_reads_the_kept_products_as_they_are(B, T, seqlens, monkeypatch, cpu_backend):
+    """The backward given A = g_cum_log2 = None and the cp_saved: bitwise the gradients of the old
+    path (A moved to the caller's layout after the forward, back to the segments' in the backward),
+    with no relayout and no recurrent launch; the same through `chunk_gated_delta_rule_bwd`."""
+    from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
+
+    d, do, dht = _inputs(B, T, seqlens, 1, 2, True, seed=12, K=64, V=64)
+    f, info = _kept_forward(d)
+    saved = f.cp_saved
+    A_seq, G_seq = segment_slots_to_sequence_slots(saved.A, saved.g_cum_log2, info.tables, d["cu_seqlens"], B, T)
+    want, old_launches = _cp_bwd(f, d, do, dht, A_seq, G_seq, saved)
+    assert old_launches == ["bwd"]  # the old path used the kept states too
+    moves = _count_moves(monkeypatch)
+    got, launches = _cp_bwd(f, d, do, dht, f.A, f.g_cum_log2, saved)
+    _same(got, want)
+    assert moves == [] and launches == ["bwd"]
+    public = chunk_gated_delta_rule_bwd(f.q, f.k, d["v"], d["g"], d["beta"], f.A, f.g_cum_log2, do, dht, None,
+                                        d["initial_state"], d["cu_seqlens"], cp="on", cp_saved=saved)
+    _same(public, want)
+    assert moves == [] and [k for k, _ in cpu_backend.launches] == ["bwd"]
+
+
+@pytest.mark.parametrize("B,T,seqlens", KEPT_CASES)
+def test_backward_that_does_not_use_the_kept_segments(B, T, seqlens):
+    """A backward that does not run the kept segments (cp="off", another L) lays the kept A and
+    g_cum_log2 out for the caller first: the gradients of the unsplit fp64 backward, and bitwise those
+    of the same backward given the caller-layout products."""
+    d, do, dht = _inputs(B, T, seqlens, 1, 2, True, seed=13, K=64, V=64)
+    f, info = _kept_forward(d)
+    saved = f.cp_saved
+    be = ReferenceCPBackend()
+    A_ref, G_ref = be.prepare(d["k"], d["g"], d["beta"], d["cu_seqlens"], 2)
+    ref = be.bwd(d["q"], d["k"], d["v"], d["g"], d["beta"], A_ref, G_ref, do, dht, 64**-0.5, d["initial_state"],
+                 d["cu_seqlens"])
+    A_seq, G_seq = segment_slots_to_sequence_slots(saved.A, saved.g_cum_log2, info.tables, d["cu_seqlens"], B, T)
+    other_L = 256 if saved.segment_len != 256 else 128
+    for kw in (dict(cp="off"), dict(cp="on", segment_len=other_L)):
+        got, launches = _cp_bwd(f, d, do, dht, None, None, saved, **kw)
+        assert launches.count("recurrent") == (0 if kw["cp"] == "off" else 2), (kw, launches)  # saved not used
+        want, _ = _cp_bwd(f, d, do, dht, A_seq, G_seq, saved, **kw)
+        _same(got, want)
+        for a, b in zip(got, ref):
+            assert float((a - b).norm() / b.norm()) < 1e-10, kw
+
+
+def test_backward_after_cu_seqlens_edited_in_place():
+    """Offsets edited in place after the forward (the results are then meaningless, as with the
+    caller-layout A): the backward from the kept products runs without an error or an index out of
+    range (torch's indexing would raise), split or not, with the gradients' shapes."""
+    d, do, dht = _inputs(1, 1300, [500, 0, 1, 130, 669], 1, 2, True, seed=14, K=64, V=64)
+    f, _ = _kept_forward(d)
+    cu = d["cu_seqlens"]
+    for new in ([0, 1300, 1300, 1300, 1300, 1300], [0, 64, 64, 65, 700, 1300], [0, 0, 0, 0, 0, 0]):
+        cu.copy_(torch.tensor(new, dtype=cu.dtype))
+        for kw in (dict(cp="on"), dict(cp="off")):
+            got, _ = _cp_bwd(f, d, do, dht, None, None, f.cp_saved, **kw)
+            assert [t.shape for t in got] == [d[n].shape for n in ("q", "k", "v", "g", "beta", "initial_state")]
+
+
+def test_missing_products_are_refused():
+    """A = None needs the cp_saved that carries it; exactly one of A, g_cum_log2 None, or a cp_saved of
+    a forward of other sizes, is a ValueError naming what is wrong (before any device work)."""
+    from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
+
+    x = make_gdn_inputs(B=1, T=128, H=1, HV=2, K=128, V=128, dtype=torch.bfloat16, seed=1)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    A = torch.zeros(2, 128, 64, dtype=torch.bfloat16)
+    G = torch.zeros(2, 128)
+    do = torch.zeros_like(x["v"])
+    for fn in (chunk_gated_delta_rule_bwd,
+               lambda *a, **k: chunk_gated_delta_rule_cp_bwd(*a, backend=ReferenceCPBackend(), **k)):
+        with pytest.raises(ValueError, match="^A is None and cp_saved is None"):
+            fn(*args, None, None, do)
+        with pytest.raises(ValueError, match="^g_cum_log2 is None but A is not"):
+            fn(*args, A, None, do)
+        with pytest.raises(ValueError, match="^A is None but g_cum_log2 is not"):
+            fn(*args, None, G, do)
+    d, do, dht = _inputs(1, 1300, [500, 0, 1, 130, 669], 1, 2, True, seed=15, K=64, V=64)
+    f, _ = _kept_forward(d)
+    for bad in (f.cp_saved._replace(T=1299), f.cp_saved._replace(N=4), f.cp_saved._replace(cu_key=None)):
+        for cp in ("on", "off"):
+            with pytest.raises(ValueError, match="cp_saved was kept by a forward of other sizes"):
+                _cp_bwd(f, d, do, dht, None, None, bad, cp=cp)

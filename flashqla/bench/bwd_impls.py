@@ -12,9 +12,10 @@ engine's per-call bookkeeping (which a CUDA graph would not replay anyway) and w
 stream rules inside graph capture. Inputs: packed varlen (B = 1, `cu_seqlens` int32),
 `initial_state` given, final state returned, `dht` given.
 
-- `ours`: forward `flashqla.ops.gdn.api.chunk_gated_delta_rule_fwd` (its `A`, `g_cum_log2`, `q`,
-  `k` are the saved products); backward `flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd` (what
-  the op's autograd calls).
+- `ours`: forward `flashqla.ops.gdn.api.chunk_gated_delta_rule_fwd(keep_cp_states=True)` (its `A`,
+  `g_cum_log2`, `q`, `k` and `cp_saved` are the saved products; A and g_cum_log2 are None when the
+  split forward keeps them in cp_saved, in its segments' layout); backward
+  `flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd` (what the op's autograd calls).
 - `fla`: FLA 0.6.0's `fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule_fwd` /
   `chunk_gated_delta_rule_bwd`, exactly as its `ChunkGatedDeltaRuleFunction` calls them (the
   forward's chunk-local cumsum of g in log2 units, its bf16 A, and `chunk_indices` from

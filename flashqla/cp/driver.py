@@ -299,12 +299,21 @@ class CPSaved(NamedTuple):
     S_in: [M, HV, K, V] (state dtype) the true state entering every segment slot (the initial state
     on first slots). P: [M, HV, K, K] the slots' transitions (0 where the cut dropped them). U:
     [1, T, HV, K] the transition rows of the walked chunks (the rows the backward's E sums read).
-    limit: [M, HV] int32 chunks each slot's transition walked.
+    limit: [M, HV] int32 chunks each slot's transition walked. A: [HV, S' * 64, 64] (q's dtype) and
+    g_cum_log2: [HV, S' * 64] fp32, the forward's prepare products in the slot layout of its
+    segments (`SegmentTables.cu_seqlens` of the forward's tables, S' = floor(T / 64) + M slots), not
+    the caller's: the forward that keeps them returns `ChunkGDNForward.A` / `.g_cum_log2` as None,
+    and a split backward over the same segments reads them as they are (no move between the two
+    layouts); any other backward moves them to the caller's layout first
+    (`saved_products_in_sequence_slots`).
 
     `cp_backward(saved=...)` uses them instead of the run-and-transition launch and the combine
     scan, which would recompute the same values from the same inputs (bitwise: the same kernels on
     the same operands). Memory: S_in and P 64 KB each per slot and value head (about 2 * 64 KB / L
-    per token and value head: 64 B at L = 2048), U 256 B per token and value head (bf16).
+    per token and value head: 64 B at L = 2048), U 256 B per token and value head (bf16); A 64 * 2 B
+    = 128 B and g_cum_log2 4 B per token and value head (bf16 A; S' exceeds the caller layout's slot
+    count by about floor(T / L)), the memory the caller-layout A and g_cum_log2 took, which are not
+    kept beside them (not an extra copy).
 
     Like A and g_cum_log2, it belongs to the forward of the very inputs the backward is given: the
     backward checks what it can without reading values (segmentation, sizes, cut, whether an initial
@@ -322,6 +331,8 @@ class CPSaved(NamedTuple):
     P: torch.Tensor
     U: torch.Tensor
     limit: torch.Tensor
+    A: torch.Tensor
+    g_cum_log2: torch.Tensor
 
 
 def _cu_key(cu_seqlens) -> tuple | None:
@@ -708,7 +719,7 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
             _correct_gathered(o, Ug, _ext(Sx, 0)[sel], tok, valid)
         if want_info or keep_for_backward:  # (the masked copy only when the info is wanted)
             S_c = torch.where(mask(tab.need_correction), S_in, S_in.new_zeros(())) if want_info else None
-            saved = (CPSaved(L, cutoff, total, N, h0 is not None, _cu_key(cu_seqlens), S_in, P, U, limit)
+            saved = (CPSaved(L, cutoff, total, N, h0 is not None, _cu_key(cu_seqlens), S_in, P, U, limit, A, G2)
                      if keep_for_backward else None)
             info = CPInfo(None, tab, "exact", S_c, P, Q, None, None, None, limit, saved)
     else:
@@ -1301,7 +1312,8 @@ def chunk_gated_delta_rule_cp_fwd(
         correction: "gemm" (default) or "rerun" (exact mode's output correction).
         relayout: return A and g_cum_log2 in the slot layout of the caller's cu_seqlens (what a
             backward needs; one gather); False keeps the segments' layout (A, g_cum_log2 then match
-            `info.tables.cu_seqlens`, not cu_seqlens).
+            `info.tables.cu_seqlens`, not cu_seqlens). Not used when the forward keeps its states
+            (keep_for_backward and the backward's plan splits): A and g_cum_log2 are then None.
         block_v: value-slice width of the recurrent launches (64 or 128; None: the plan's).
         poison_outputs: fill o (and the unsplit path's outputs) with NaN before the launches.
         sm_count: SMs assumed by the planner (None: the device's).
@@ -1315,13 +1327,16 @@ def chunk_gated_delta_rule_cp_fwd(
         keep_for_backward: training: when the backward's plan (`plan_cp(backward=True)`, the one
             `chunk_gated_delta_rule_cp_bwd` makes for these inputs) splits, split the forward the
             same way (exact mode) and return its `CPSaved` as `ChunkGDNForward.cp_saved`, so that the
-            backward skips recomputing the run, the transitions and the combine scan; otherwise as
-            without it (cp_saved None). Ignored with gate_chunks or segment_len.
+            backward skips recomputing the run, the transitions and the combine scan; A and
+            g_cum_log2 then travel in it, in the segments' slot layout (`CPSaved.A`, `.g_cum_log2`),
+            and the returned A, g_cum_log2 are None (no move to the caller's layout and back).
+            Otherwise as without it (cp_saved None). Ignored with gate_chunks or segment_len.
 
     Returns:
         `ChunkGDNForward(o, final_state, A, g_cum_log2, q, k, cp_saved)` (o [B, T, HV, V] in q's dtype;
-        final_state [N, HV, K, V] fp32 or None; cp_saved a `CPSaved` or None), and the `CPInfo` when
-        return_info.
+        final_state [N, HV, K, V] fp32 or None; A [HV, S * 64, 64] in q's dtype and g_cum_log2
+        [HV, S * 64] fp32 as `relayout` says, or both None when cp_saved is set; cp_saved a
+        `CPSaved` or None), and the `CPInfo` when return_info.
 
     Raises:
         TypeError, ValueError, RuntimeError: as `chunk_gated_delta_rule_fwd` (argument checks, the
@@ -1370,13 +1385,7 @@ def chunk_gated_delta_rule_cp_fwd(
         return (out, None) if return_info else out
 
     BV = block_v or plan.BV
-    L = plan.segment_len
-    static_key = None
-    if cu_seqlens is None:  # tables from shapes alone: built once (int32 offsets: the kernels packed int32 input uses)
-        static_key = ("rows", d.B, d.T, L, str(q.device))
-        tables = _memo(static_key + ("tables",), lambda: _int32_tables(build_segment_tables(None, L, T=d.T, B=d.B, device=q.device), d.B * d.T))
-    else:  # rebuilt from the current values on every call (a reused, edited cu_seqlens is never stale)
-        tables = segment_tables_device(cu_seqlens, L, T=d.T)  # one launch on sm_90 (torch ops elsewhere)
+    tables, static_key = _split_tables(cu_seqlens, plan.segment_len, d.B, d.T, q.device)
     pcu = tables.cu_seqlens
     if hasattr(backend, "warm"):
         backend.warm(_flat(k), _flat(beta), _flat(q), _flat(v), pcu, d.HV, BV,
@@ -1385,11 +1394,62 @@ def chunk_gated_delta_rule_cp_fwd(
                                        tables, block_v=BV, gate_chunks=gate_chunks, correction=correction,
                                        poison_outputs=poison_outputs, want_info=return_info, static_key=static_key,
                                        truncate=False if cutoff is None else cutoff, keep_for_backward=keep)
-    if relayout:
+    if keep:  # the products travel in the CPSaved, in the segments' layout (what the backward reads)
+        A, G2 = None, None
+    elif relayout:
         A, G2 = segment_slots_to_sequence_slots(A, G2, tables, cu_seqlens, d.B, d.T)
     out = ChunkGDNForward(o=o, final_state=final, A=A, g_cum_log2=G2, q=q, k=k,
                           cp_saved=info.saved if keep and info is not None else None)
     return (out, info._replace(plan=plan)) if return_info else out
+
+
+def _split_tables(cu_seqlens, L: int, B: int, T: int, device):
+    """(SegmentTables, static_key) of the split path for segment length L: for fixed-length input the
+    tables depend on shapes alone and are built once per static_key (int32 offsets: the kernels
+    packed int32 input uses); packed offsets are read on every call (one launch on sm_90, torch ops
+    elsewhere), so a reused, edited cu_seqlens is never stale (static_key None)."""
+    if cu_seqlens is None:
+        static_key = ("rows", B, T, L, str(device))
+        return _memo(static_key + ("tables",), lambda: _int32_tables(build_segment_tables(None, L, T=T, B=B, device=device), B * T)), static_key
+    return segment_tables_device(cu_seqlens, L, T=T), None
+
+
+def _check_products(A, g_cum_log2, cp_saved) -> None:
+    """A and g_cum_log2 both given, or both None with a cp_saved that carries them; ValueError naming
+    the argument otherwise."""
+    if (A is None) != (g_cum_log2 is None):
+        missing, given = ("A", "g_cum_log2") if A is None else ("g_cum_log2", "A")
+        raise ValueError(f"{missing} is None but {given} is not: pass the forward's A and g_cum_log2 together, "
+                         "or both None with its cp_saved")
+    if A is None and cp_saved is None:
+        raise ValueError("A is None and cp_saved is None: pass the forward's A and g_cum_log2 "
+                         "(ChunkGDNForward.A, .g_cum_log2), or its cp_saved when they are None")
+
+
+def saved_products_in_sequence_slots(saved: CPSaved, cu_seqlens, B: int, T: int, HV: int):
+    """A and g_cum_log2 of a kept forward (`CPSaved.A`, `.g_cum_log2`, in the slot layout of its
+    segments) in the slot layout of the caller's cu_seqlens: what `ChunkGDNForward.A`, `.g_cum_log2`
+    would have been without keeping (for a backward that does not use the saved segments: unsplit,
+    cp="off", another plan). The forward's tables are rebuilt for `saved.segment_len` as the forward
+    built them (`segment_slots_to_sequence_slots`, a gather; one launch on sm_90).
+
+    Args: saved: a `CPSaved`; cu_seqlens: None (B rows of T tokens) or [N + 1] offsets, the ones
+        the forward was given; B, T: the inputs' first two dims; HV: value heads.
+    Returns (A [HV, S * 64, 64] in saved.A's dtype, g_cum_log2 [HV, S * 64] fp32), S =
+        `kernels.sm90._common.num_slots` of these shapes. Offsets edited in place since the forward
+        give meaningless values, never a read out of bounds (every source slot is bounded by
+        saved.A's).
+    Raises ValueError when saved comes from a forward of other sizes (tokens, sequences, value
+        heads, fixed-length against packed), whose products cannot be laid out for these inputs.
+    """
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    got = (saved.T, saved.N, saved.A.shape[0], saved.cu_key is None)
+    want = (B * T, N, HV, cu_seqlens is None)
+    if got != want:
+        raise ValueError(f"cp_saved was kept by a forward of other sizes (tokens, sequences, value heads, fixed-length: "
+                         f"{got}, these inputs {want}): pass that forward's A and g_cum_log2")
+    tables, _ = _split_tables(cu_seqlens, saved.segment_len, B, T, saved.A.device)
+    return segment_slots_to_sequence_slots(saved.A, saved.g_cum_log2, tables, cu_seqlens, B, T)
 
 
 def _int32_tables(tables: SegmentTables, total: int) -> SegmentTables:
@@ -1432,39 +1492,47 @@ def chunk_gated_delta_rule_cp_bwd(
 ):
     """`flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd` with intra-device context parallelism.
 
-    Same arguments and returns (A, g_cum_log2 as the forward saved them, in the slot layout of the
-    caller's cu_seqlens; q, k after any L2 norm). When the plan splits (the forward's planner, exact
+    Same arguments and returns (A, g_cum_log2 as the forward returned them, in the slot layout of
+    the caller's cu_seqlens, or both None with the cp_saved of a forward that kept its states; q, k
+    after any L2 norm). When the plan splits (the forward's planner, exact
     mode, costed for the backward's launches: `plan_cp(backward=True)`), the backward runs over segments (`cp_backward`: the entering states are recomputed by the
     forward's run and transition launches and the combine scan, the state gradient crosses segments
     by the reverse scan with P^T, and one unsplit backward runs all segments side by side); else it
     is the unsplit backward.
 
-    Args: q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; A [HV, S * 64, 64]; g_cum_log2
-        [HV, S * 64]; do [B, T, HV, V]; dht None or [N, HV, K, V]; scale; initial_state None or
-        [N, HV, K, V]; cu_seqlens None or [N + 1]; cp, segment_len, max_seqlen, seqlens, block_v, sm_count,
+    Args: q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; A [HV, S * 64, 64] and g_cum_log2
+        [HV, S * 64] in the caller's slot layout, or both None when cp_saved is given; do
+        [B, T, HV, V]; dht None or [N, HV, K, V]; scale; initial_state None or [N, HV, K, V];
+        cu_seqlens None or [N + 1]; cp, segment_len, max_seqlen, seqlens, block_v, sm_count,
         backend, truncate as `chunk_gated_delta_rule_cp_fwd`; cp_saved: the forward's
-        `ChunkGDNForward.cp_saved` (`keep_for_backward`), used when it matches this plan's segments.
+        `ChunkGDNForward.cp_saved` (`keep_for_backward`), used when it matches this plan's segments
+        (`_saved_applies`). With A None its A and g_cum_log2 are used: as they are when it matches,
+        else moved to the caller's layout first (`saved_products_in_sequence_slots`).
     Returns (dq, dk, dv, dg, dbeta, dh0 or None), the unsplit backward's dtypes.
-    Raises ValueError for an unknown cp mode or a bad segment_len.
+    Raises ValueError for an unknown cp mode or a bad segment_len, for exactly one of A, g_cum_log2
+    None (naming it), for A None without cp_saved (naming A), and for A None with a cp_saved of a
+    forward of other sizes.
     """
     cutoff = resolve_truncate(truncate)  # checked on every path, split or not
+    _check_products(A, g_cum_log2, cp_saved)
     if backend is None:
         backend = _default_backend()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     plan, _ = _plan(q, v, cu_seqlens, cp, segment_len, None, max_seqlen, sm_count, False, backward=True,
                     seqlens=seqlens)
-    B, T = q.shape[0], q.shape[1]
+    B, T, HV = q.shape[0], q.shape[1], v.shape[2]
     if not plan.split:
+        if A is None:
+            A, g_cum_log2 = saved_products_in_sequence_slots(cp_saved, cu_seqlens, B, T, HV)
         return backend.bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens)
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
-    L = plan.segment_len
-    static_key = None
-    if cu_seqlens is None:
-        static_key = ("rows", B, T, L, str(q.device))
-        tables = _memo(static_key + ("tables",), lambda: _int32_tables(build_segment_tables(None, L, T=T, B=B, device=q.device), B * T))
+    tables, static_key = _split_tables(cu_seqlens, plan.segment_len, B, T, q.device)
+    if A is None and _saved_applies(cp_saved, tables, B * T, HV, cutoff, initial_state is not None, cu_seqlens):
+        A_p, G_p = cp_saved.A, cp_saved.g_cum_log2  # already in these segments' layout
     else:
-        tables = segment_tables_device(cu_seqlens, L, T=T)
-    A_p, G_p = sequence_slots_to_segment_slots(A, g_cum_log2, tables, cu_seqlens, B, T)
+        if A is None:
+            A, g_cum_log2 = saved_products_in_sequence_slots(cp_saved, cu_seqlens, B, T, HV)
+        A_p, G_p = sequence_slots_to_segment_slots(A, g_cum_log2, tables, cu_seqlens, B, T)
     BV = block_v or plan.BV
     if hasattr(backend, "warm"):
         backend.warm(_flat(k), _flat(beta), _flat(q), _flat(v), tables.cu_seqlens, v.shape[2], BV, dual=_dual_applies(q, v))

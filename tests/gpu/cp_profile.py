@@ -44,7 +44,16 @@ def main(argv=None) -> int:
                          "every length given)")
     ap.add_argument("--impl", default="ours", choices=("ours", "flash_qla", "fla"),
                     help="with --bwd: whose backward to profile (peers through flashqla.bench.bwd_impls)")
+    ap.add_argument("--segment-len", type=int, default=None,
+                    help="with --bwd --kept: force the backward's plan to split at this L (0: unsplit), as "
+                         "cp_train_plan_check --lengths does")
     a = ap.parse_args(argv)
+    if a.segment_len is not None:
+        from flashqla.cp import planner as P
+
+        P.BWD_MIN_GAIN = float("inf") if a.segment_len == 0 else 0.0
+        P._segment_lengths = lambda l_max, *grid, L=max(a.segment_len, 64): [L]
+        P.clear_plan_cache()
     reps = 5
     for row in a.rows:
         H, HV, lengths = parse_row(row)
@@ -82,6 +91,8 @@ def main(argv=None) -> int:
             xs = SimpleNamespace(q=q, k=k, v=v, g=g, beta=beta, scale=scale, h0=None, cu_seqlens=cu, do=do, dht=dht,
                                  cu_seqlens_cpu=cu.cpu())
             saved = impl.fwd(xs).saved
+            kept = getattr(saved, "cp_saved", None)
+            print(f"kept plan {row}: L={None if kept is None else kept.segment_len}")
             fn = lambda: impl.bwd(xs, saved)  # noqa: E731
         elif a.bwd:
             fn = lambda: chunk_gated_delta_rule_bwd(f.q, f.k, v, g, beta, f.A, f.g_cum_log2, do, dht, scale, None, cu,  # noqa: E731

@@ -4,7 +4,9 @@ the one that recomputes them, bitwise, and both timed.
     python tests/gpu/cp_saved_check.py [--rows "16/32 1x8192" "4/8 3274+1029+..." ...]
 
 Per row (the backward benchmark's inputs, length hint given): the forward with
-`keep_cp_states=True` and without; the backward with its `cp_saved` and without; every gradient
+`keep_cp_states=True` and without; the backward with its `cp_saved` (A, g_cum_log2 None: the kept
+ones, in the segments' layout) and without (A, g_cum_log2 moved to the caller's layout from the kept
+ones, `saved_products_in_sequence_slots`, what the forward returned before it kept them); every gradient
 compared bitwise (and NaN-free); then CUDA-graph times (median, ms) of both forwards and both
 backwards. Prints a table last. Not collected by pytest.
 """
@@ -26,6 +28,7 @@ ROWS = ["16/32 1x8192", "4/8 3274+1029+2909+5061+2011+3793+9932+4759", "2/4 1x32
 
 
 def main(argv=None) -> int:
+    from flashqla.cp.driver import saved_products_in_sequence_slots
     from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
     from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
     from flashqla.testing import make_gdn_inputs
@@ -47,18 +50,20 @@ def main(argv=None) -> int:
         do = torch.randn(f.o.shape, device="cuda", generator=gen).to(f.o.dtype)
         dht = torch.randn(f.final_state.shape, device="cuda", generator=gen)
 
-        def bwd(fo, saved):
-            return chunk_gated_delta_rule_bwd(fo.q, fo.k, x["v"], x["g"], x["beta"], fo.A, fo.g_cum_log2, do, dht,
+        def bwd(fo, A, G, saved):
+            return chunk_gated_delta_rule_bwd(fo.q, fo.k, x["v"], x["g"], x["beta"], A, G, do, dht,
                                               128**-0.5, x["initial_state"], x["cu_seqlens"], max_seqlen=ms,
                                               cp_saved=saved)
 
-        got, want = bwd(f, f.cp_saved), bwd(f, None)
+        A_seq, G_seq = (f.A, f.g_cum_log2) if f.cp_saved is None else saved_products_in_sequence_slots(
+            f.cp_saved, x["cu_seqlens"], 1, T, HV)
+        got, want = bwd(f, f.A, f.g_cum_log2, f.cp_saved), bwd(f, A_seq, G_seq, None)
         bitwise = all(torch.equal(a_, b_) for a_, b_ in zip(got, want))
         finite = all(bool(torch.isfinite(t).all()) for t in got)
         o_diff = float((f.o.float() - p.o.float()).norm() / p.o.float().norm())
         L = None if f.cp_saved is None else f.cp_saved.segment_len
-        t = [time_graph(fwd_plain), time_graph(fwd_keep), time_graph(lambda: bwd(f, None)),
-             time_graph(lambda: bwd(f, f.cp_saved))]
+        t = [time_graph(fwd_plain), time_graph(fwd_keep), time_graph(lambda: bwd(f, A_seq, G_seq, None)),
+             time_graph(lambda: bwd(f, f.A, f.g_cum_log2, f.cp_saved))]
         table.append((row, L, bitwise, finite, o_diff, *t))
         print(table[-1], flush=True)
     print("\n== kept forward states: forward (own plan / the backward's, keeping), backward (recomputing / with cp_saved), ms")

@@ -42,11 +42,14 @@ class ChunkGDNForward(NamedTuple):
         (I + strictly_lower(diag(beta) (K K^T) * Gamma))^-1 (slot layout: `kernels.sm90._common`).
     g_cum_log2: [HV, S * 64] fp32: chunk-local inclusive cumsum of g in base-2 units (g_cum / ln 2).
         A and g_cum_log2 are None when `chunk_gated_delta_rule_fwd(for_backward=False)` split the
-        sequences (context parallelism keeps them in the segments' layout, useless to a backward).
+        sequences (context parallelism keeps them in the segments' layout, useless to a backward),
+        and when cp_saved is set (they travel in it, `CPSaved.A`, `.g_cum_log2`, in the segments'
+        slot layout, which the split backward reads as they are).
     q, k: the q and k the kernels used (L2-normalised when use_qk_l2norm_in_kernel).
-    cp_saved: None, or a split forward's `flashqla.cp.driver.CPSaved` (entering states, transitions
-        and U rows of its segments; `chunk_gated_delta_rule_fwd(keep_cp_states=True)`), which
-        `flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd(cp_saved=...)` uses instead of recomputing.
+    cp_saved: None, or a split forward's `flashqla.cp.driver.CPSaved` (entering states, transitions,
+        U rows, A and g_cum_log2 of its segments; `chunk_gated_delta_rule_fwd(keep_cp_states=True)`),
+        which `flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd(A, g_cum_log2, cp_saved=...)` uses
+        instead of recomputing (pass A and g_cum_log2 as they are here: None).
     """
 
     o: torch.Tensor
@@ -146,8 +149,12 @@ def chunk_gated_delta_rule_fwd(
     these inputs, the forward splits the same way and keeps its segments' entering states,
     transitions and U rows (`ChunkGDNForward.cp_saved`, `flashqla.cp.driver.CPSaved`) for
     `chunk_gated_delta_rule_bwd(cp_saved=...)`, which then skips recomputing them (the same values).
-    Memory kept: about 64 KB per segment slot and value head twice (S_in, P) plus 256 B per token and
-    value head (U, bf16).
+    A and g_cum_log2 are then returned as None: they travel in cp_saved in the segments' slot layout
+    (`CPSaved.A`, `.g_cum_log2`), which the split backward reads without moving them to the caller's
+    layout and back; pass the backward `f.A, f.g_cum_log2` (None) with `f.cp_saved`. Memory kept:
+    about 64 KB per segment slot and value head twice (S_in, P) plus 256 B per token and value head
+    (U, bf16); A (128 B per token and value head in bf16) and g_cum_log2 (4 B) take the place of the
+    caller-layout ones.
     """
     from flashqla.ops.gdn.kernels.sm90 import build_kernels
     from flashqla.ops.gdn.kernels.sm90.prepare import chunk_prepare_fwd, prepare_kernel_args

@@ -191,8 +191,9 @@ class GDNEagerFunction(torch.autograd.Function):
     """The public op's autograd outside torch.compile: the forward and backward of `gdn_fwd` /
     `gdn_bwd`, plus the split forward's kept states (`chunk_gated_delta_rule_fwd(keep_cp_states=True)`:
     when the backward's context-parallel plan splits, the forward splits the same way and the backward
-    reuses its segments' entering states, transitions and U rows instead of recomputing them; the
-    gradients are the same bits). The kept tensors are saved with save_for_backward (saved-tensor
+    reuses its segments' entering states, transitions and U rows instead of recomputing them, and its
+    A and g_cum_log2 in the segments' layout, never moved to the caller's; the gradients are the
+    same bits). The kept tensors are saved with save_for_backward (saved-tensor
     hooks such as activation checkpointing or CPU offloading see them); their sizes and flags ride on
     the autograd context as Python values, which torch.compile cannot trace: under compilation the
     custom ops above run instead (and the backward recomputes them). Differentiable once, as the
@@ -211,8 +212,9 @@ class GDNEagerFunction(torch.autograd.Function):
                                        max_seqlen=max_seqlen, keep_cp_states=True, seqlens=seqlens)
         kept = f.cp_saved
         # the kept tensors go through save_for_backward too, so that saved-tensor hooks see them
-        # (activation checkpointing drops and regenerates them, offloading moves them)
-        extra = () if kept is None else (kept.S_in, kept.P, kept.U, kept.limit)
+        # (activation checkpointing drops and regenerates them, offloading moves them); with them
+        # f.A and f.g_cum_log2 are None (A and g_cum_log2 are kept's, in the segments' layout)
+        extra = () if kept is None else (kept.S_in, kept.P, kept.U, kept.limit, kept.A, kept.g_cum_log2)
         ctx.save_for_backward(q, k, v, g, beta, f.A, f.g_cum_log2, initial_state, cu_seqlens, *extra)
         ctx.scale, ctx.output_final_state, ctx.cp, ctx.max_seqlen = scale, output_final_state, cp, max_seqlen
         ctx.seqlens = seqlens

@@ -30,8 +30,10 @@ def chunk_gated_delta_rule_bwd(
         q, k: [B, T, H, K] as the forward used them (`ChunkGDNForward.q`, `.k`: after any L2 norm;
             the gradient through the L2 norm is not applied here); v: [B, T, HV, V]; g, beta:
             [B, T, HV] (g fp32, beta fp32 or q's dtype); A, g_cum_log2: `ChunkGDNForward.A`,
-            `.g_cum_log2`; do: [B, T, HV, V] in q's dtype; dht: None or [N, HV, K, V] fp32;
-            scale: the forward's (default K ** -0.5); initial_state: None or [N, HV, K, V] fp32 (only
+            `.g_cum_log2` (A [HV, S * 64, 64] in q's dtype, g_cum_log2 [HV, S * 64] fp32, the
+            caller's slot layout), or both None with the cp_saved of a forward that kept its states
+            (they travel in it, in its segments' layout); do: [B, T, HV, V] in q's dtype; dht: None
+            or [N, HV, K, V] fp32; scale: the forward's (default K ** -0.5); initial_state: None or [N, HV, K, V] fp32 (only
             decides whether dh0 is returned); cu_seqlens: None or [N + 1] offsets.
         h_dtype: storage dtype of the recomputed states (bf16 or fp32).
         cp: context-parallel mode as in the forward (`flashqla.ops.gdn.api.cp_mode`; None reads
@@ -48,12 +50,20 @@ def chunk_gated_delta_rule_bwd(
             forward's run, transitions and combine scan (the same values). Like A and g_cum_log2 it
             must come from the forward of these inputs: what can be checked without reading values
             is (segments, sizes, cut, initial state given or not, the same unmodified cu_seqlens);
-            on a mismatch there it is ignored. TypeError when it is neither None nor a `CPSaved`.
+            on a mismatch there it is ignored. With A None its A and g_cum_log2 are read as they
+            are by a split backward it matches, else moved to the caller's layout first
+            (`flashqla.cp.driver.saved_products_in_sequence_slots`: an unsplit backward, cp="off",
+            another plan).
 
     Returns:
         (dq [B, T, H, K] q's dtype, dk [B, T, H, K] q's dtype, dv [B, T, HV, V] v's dtype,
         dg [B, T, HV] fp32, dbeta [B, T, HV] beta's dtype, dh0 [N, HV, K, V] fp32 or None).
         FLA's dtypes. Gradients of tokens past cu_seqlens[-1] are zero.
+
+    Raises:
+        TypeError: cp_saved neither None nor a `CPSaved`. ValueError: an unknown cp mode; exactly one
+        of A, g_cum_log2 None (naming it); A None without cp_saved (naming A); A None with a
+        cp_saved kept by a forward of other sizes.
 
     Source: `reference.gdn.fused_bwd.fused_gated_delta_rule_bwd` (records BWD-*, NOTES-bwd.md).
     """
@@ -66,18 +76,22 @@ def chunk_gated_delta_rule_bwd(
 
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     cp = cp_mode(cp)
-    if cp_saved is not None:
-        from flashqla.cp.driver import CPSaved
+    from flashqla.cp.driver import CPSaved, _check_products
 
-        if not isinstance(cp_saved, CPSaved):
-            raise TypeError(f"cp_saved must be None or the forward's ChunkGDNForward.cp_saved (a CPSaved), "
-                            f"got {type(cp_saved).__name__}")
+    if cp_saved is not None and not isinstance(cp_saved, CPSaved):
+        raise TypeError(f"cp_saved must be None or the forward's ChunkGDNForward.cp_saved (a CPSaved), "
+                        f"got {type(cp_saved).__name__}")
+    _check_products(A, g_cum_log2, cp_saved)
     if cp != "off":
         from flashqla.cp.driver import chunk_gated_delta_rule_cp_bwd, cp_splits
 
         if cp_splits(q, v, cu_seqlens, cp, backward=True, max_seqlen=max_seqlen, seqlens=seqlens):
             return chunk_gated_delta_rule_cp_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens,
                                                  cp=cp, max_seqlen=max_seqlen, cp_saved=cp_saved, seqlens=seqlens)
+    if A is None:  # the kept forward's products, moved from its segments' layout to the caller's
+        from flashqla.cp.driver import saved_products_in_sequence_slots
+
+        A, g_cum_log2 = saved_products_in_sequence_slots(cp_saved, cu_seqlens, q.shape[0], q.shape[1], v.shape[2])
     _build_once(q, v, beta, cu_seqlens, h_dtype)
     q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
     # the kernels take compact arrays: autograd hands over dht as the caller's view (ht.sum() gives a
