@@ -32,7 +32,7 @@ def test_builds_both_widths_the_split_path_and_the_backward(recorded):
     assert sorted(a[4] for a in plain) == [64, 128]  # BV of the unsplit launch, both widths
     assert sorted(a[4] for a in dual) == [64, 128]
     for kind in ("prepare", "cp_scan", "cp_correct", "cp_limits", "cp_tables", "cp_slot_h0", "cp_relayout",
-                 "states_bwd", "chunk_bwd", "dg_cumsum", "gva_reduce", "cp_state_grads"):
+                 "states_bwd", "chunk_bwd", "dg_cumsum", "gva_reduce", "cp_state_grads", "launch_order"):
         assert kind in _kinds(specs), kind
     # exactly what the op's own first uses would build, at either width
     want = set(op_kernel_specs(2, 4, varlen=True, block_v=64)) | set(op_kernel_specs(2, 4, varlen=True, block_v=128))

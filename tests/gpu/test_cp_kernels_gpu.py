@@ -8,7 +8,9 @@ scripts that first validated them on the H200):
   (tests/gpu/cp_scan_check.py);
 - the open-sequence forward and backward (what `flashqla.distributed` runs per rank) on the kernels
   against fp64 and the torch paths (tests/gpu/cp_open_check.py);
-- the dual run + transition launch and the gate-driven transition cut (tests/gpu/cp_dual_check.py).
+- the dual run + transition launch and the gate-driven transition cut (tests/gpu/cp_dual_check.py);
+- the backward's longest-first launch order (`kernels/sm90/launch_order.py`) against the stable torch
+  argsort, also across CUDA-graph replays with the offsets edited in place.
 """
 
 from __future__ import annotations
@@ -209,3 +211,78 @@ def test_correction_over_slot_ranges_equals_one_launch(monkeypatch):
         err = ((got[0, r].double() - want).norm() / want.norm()).item()
         assert err < 8e-3, (j, err)
     assert torch.equal(got[0, :L], o[0, :L])  # the first segment is not corrected
+
+
+# ----------------------------------------------------------------------------------------------
+# the backward's launch order (`kernels/sm90/launch_order.py`, `_common.launch_order`)
+# ----------------------------------------------------------------------------------------------
+
+LAUNCH_ORDER_NS = (2, 3, 31, 32, 33, 127, 128, 129, 1000, 1024, 1025, 4096, 8192)
+
+
+def _launch_order_offsets(gen, N, hi, dtype):
+    lens = torch.randint(0, hi, (N,), generator=gen)
+    return torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+def test_launch_order_kernel_equals_stable_argsort(dtype, monkeypatch):
+    """`launch_order.longest_first_order` (one launch) against torch.argsort(cu[1:] - cu[:-1],
+    descending=True, stable=True) on random and tie-heavy offsets (a few distinct lengths: ties within
+    and across the CTAs' 32-sequence blocks and the 1024-length staging steps), empty and equal
+    sequences, N up to ORDER_KERNEL_MAX; the output poisoned first (every element written);
+    `_common.launch_order` takes the kernel up to ORDER_KERNEL_MAX and the torch sort past it; a new N
+    builds nothing."""
+    from flashqla.ops.gdn.kernels.sm90 import _common
+    from flashqla.ops.gdn.kernels.sm90 import launch_order as lo
+
+    gen = torch.Generator().manual_seed(7 if dtype == torch.int32 else 8)
+    lo.longest_first_order(torch.tensor([0, 1, 3], dtype=dtype, device="cuda"))  # the one build of this dtype
+    built = _common.compile_count()
+    launched = []
+    real_builder = lo.build_launch_order_kernel
+    monkeypatch.setattr(lo, "build_launch_order_kernel", lambda dt: launched.append(dt) or real_builder(dt))
+    monkeypatch.setenv("FLASHQLA_BWD_ORDER", "longest")
+    for N in LAUNCH_ORDER_NS:
+        for hi in (1, 2, 5, 64, 1 << 20):
+            cu = _launch_order_offsets(gen, N, hi, dtype).cuda()
+            want = torch.argsort(cu[1:] - cu[:-1], descending=True, stable=True).to(torch.int32)
+            poison = torch.full((N,), -5, dtype=torch.int32, device="cuda")
+            del poison  # the allocator hands the poisoned block to the kernel's output
+            got = lo.longest_first_order(cu)
+            assert got.dtype == torch.int32 and got.shape == (N,)
+            assert torch.equal(got, want), (N, hi, (got != want).nonzero()[:5].flatten().tolist())
+            n = len(launched)
+            assert torch.equal(_common.launch_order(cu), want) and len(launched) == n + 1, (N, hi)
+    # equal lengths everywhere, and sequences past 2^31 tokens in all (int64)
+    for N in LAUNCH_ORDER_NS:
+        cu = (torch.arange(N + 1, dtype=torch.int64) * (3 if dtype == torch.int32 else (1 << 31) + 1)).to(dtype).cuda()
+        assert torch.equal(lo.longest_first_order(cu), torch.arange(N, dtype=torch.int32, device="cuda")), N
+    assert _common.compile_count() == built, "a new N recompiled"
+    # past the limit: the torch sort
+    cu = _launch_order_offsets(gen, _common.ORDER_KERNEL_MAX + 1, 7, dtype).cuda()
+    n = len(launched)
+    want = torch.argsort(cu[1:] - cu[:-1], descending=True, stable=True).to(torch.int32)
+    assert torch.equal(_common.launch_order(cu), want) and len(launched) == n
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+def test_launch_order_kernel_in_a_cuda_graph(dtype):
+    """Captured once, replayed with the offsets edited in place: each replay's order is the stable
+    argsort of the new lengths (nothing read on the host at capture)."""
+    from flashqla.ops.gdn.kernels.sm90 import launch_order as lo
+
+    gen = torch.Generator().manual_seed(21)
+    N = 1000
+    cu = _launch_order_offsets(gen, N, 9, dtype).cuda()
+    lo.longest_first_order(cu)  # built outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = lo.longest_first_order(cu)
+    for hi in (1, 3, 9, 1 << 16):
+        cu.copy_(_launch_order_offsets(gen, N, hi, dtype).cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        want = torch.argsort(cu[1:] - cu[:-1], descending=True, stable=True).to(torch.int32)
+        assert torch.equal(out, want), hi

@@ -19,6 +19,8 @@ Backward (three passes, four launches; `flashqla.ops.gdn.bwd`; NOTES-bwd.md):
     states_bwd.py `chunk_states_bwd`:    the chunk-start states h, recomputed and stored
     chunk_bwd.py  `chunk_fused_bwd`:     every per-chunk gradient, chunks in reverse, dS on chip
     finish_bwd.py `chunk_finish_bwd`:    reverse chunk-local cumsum of dG, GVA sum of dq and dk
+    launch_order.py `longest_first_order`: the sequences longest first (the chain kernels' launch
+                                         order, `_common.launch_order`), one launch
 
 `build_kernels` compiles the kernels of one configuration concurrently; `precompile` fills TileLang's
 disk cache for many configurations in worker processes (a warm start for test suites and servers).
@@ -83,6 +85,10 @@ def _build(kind: str, args: tuple):
         from flashqla.cp.tables_kernel import build_segment_tables_kernel
 
         return build_segment_tables_kernel(*args)
+    if kind == "launch_order":
+        from flashqla.ops.gdn.kernels.sm90.launch_order import build_launch_order_kernel
+
+        return build_launch_order_kernel(*args)
     raise ValueError(f"unknown kernel kind {kind!r}")
 
 
@@ -97,7 +103,8 @@ def build_kernels(specs) -> list:
     kind is "prepare" (args of `build_prepare_kernel`), "recurrent" (`build_recurrent_kernel`),
     "states_bwd", "chunk_bwd", "dg_cumsum" or "gva_reduce" (the backward's builders), "cp_scan"
     (`build_cp_scan_kernel`), "cp_correct", "cp_state_grads" (`cp_correct.py`), "cp_limits" (`cp_limits.py`), "cp_relayout"
-    (`cp_relayout.py`), "cp_slot_h0" (`cp_relayout.build_slot_h0_kernel`), "cp_tables" (`flashqla.cp.tables_kernel.build_segment_tables_kernel`).
+    (`cp_relayout.py`), "cp_slot_h0" (`cp_relayout.build_slot_h0_kernel`), "cp_tables" (`flashqla.cp.tables_kernel.build_segment_tables_kernel`),
+    "launch_order" (`launch_order.build_launch_order_kernel`, args (offsets' dtype,)).
     Threads overlap the external compiler runs; the first call of the op uses this for its two
     kernels.
     """
@@ -198,6 +205,9 @@ TileLang."""
             ("cp_scan", (HV, K, V, True)),
             ("cp_state_grads", (HV, K, V, dtype, seq_dtype if varlen else "int32")),
         ]
+        # the longest-first launch order (`_common.launch_order`): of a packed batch's sequences
+        # (FLASHQLA_BWD_ORDER=longest), and of the split path's segments (their packed offsets)
+        specs += [("launch_order", (sd,)) for sd, vl in dict.fromkeys(keys) if vl]
     if one_head_prepare and HV // H > 1 and DEFAULT_VARIANT == "v3":
         offsets = [(seq_dtype, varlen)] + ([(seq_dtype if varlen else "int32", True)] if K == V else [])
         specs += [("prepare", (H, HV, K, dtype, beta_dtype, sd, vl, DEFAULT_VARIANT, 1)) for sd, vl in dict.fromkeys(offsets)]

@@ -179,18 +179,37 @@ def bwd_order_mode() -> str:
     return mode
 
 
+#: Most sequences for which `launch_order` sorts with the one-launch rank kernel (`launch_order.py`),
+#: whose work grows as N^2: on the H200 (int32 / int64 offsets, in a CUDA graph) it takes 1.9 / 2.0 us
+#: at N = 64, 6.3 / 7.1 us at 4096, 14 / 17 us at 8192 and 50 / 62 us at 16384, where the torch sort
+#: takes 11 / 14, 26 / 40, 47 / 70 and 48 / 74 us. Past this, the torch sort.
+ORDER_KERNEL_MAX = 8192
+
+
 def launch_order(cu_seqlens, longest_first: bool = False):
     """The order in which the backward's chain kernels take the sequences of `cu_seqlens` ([N + 1],
     on its device): int32 [N], longest first (ties in token order), or None for token order (no
     offsets, N <= 1, or FLASHQLA_BWD_ORDER: "tokens", or "auto" without longest_first). One CTA per
     (sequence, value head) walks a sequence's chunks, and the GPU hands CTAs to free SMs in launch
     order: longest first, the short ones fill the SMs the long ones leave
-    (`flashqla.cp.planner._greedy_makespan`); the sort costs 12-17 us on the H200. Torch ops on the
-    device (no host synchronisation); the results do not depend on the order. ValueError naming
-    FLASHQLA_BWD_ORDER for an unknown value."""
+    (`flashqla.cp.planner._greedy_makespan`); the results do not depend on the order.
+
+    The order is the stable descending argsort of the lengths cu[n + 1] - cu[n]. int32/int64 offsets
+    on an sm_90 device with N <= ORDER_KERNEL_MAX: one launch of the rank kernel
+    (`launch_order.longest_first_order`: each sequence counts the ones before it in the order; 2-3 us
+    for N up to ~1000 on the H200, 6-7 us at 4096); otherwise (more sequences, the CPU, other devices
+    or dtypes) `torch.argsort(..., descending=True, stable=True).to(torch.int32)`, the reference (a
+    subtraction, a radix sort and a cast: 12-17 us a backward in a CUDA graph on the H200). Both paths
+    give the same permutation, with no host synchronisation. ValueError naming FLASHQLA_BWD_ORDER for
+    an unknown value."""
     mode = bwd_order_mode()
     if cu_seqlens is None or cu_seqlens.numel() <= 2 or mode == "tokens" or (mode == "auto" and not longest_first):
         return None
+    if (cu_seqlens.numel() - 1 <= ORDER_KERNEL_MAX and cu_seqlens.dim() == 1
+            and cu_seqlens.dtype in (torch.int32, torch.int64) and on_sm90(cu_seqlens)):
+        from flashqla.ops.gdn.kernels.sm90.launch_order import longest_first_order
+
+        return longest_first_order(cu_seqlens)
     return torch.argsort(cu_seqlens[1:] - cu_seqlens[:-1], descending=True, stable=True).to(torch.int32)
 
 

@@ -1,0 +1,408 @@
+"""CPU tier: the backward's launch order (`_common.launch_order`) and its one-launch rank kernel
+(`flashqla/ops/gdn/kernels/sm90/launch_order.py`).
+
+- the torch path (CPU, and the reference) is the stable descending sort of the lengths, checked against
+  Python's `sorted` on awkward offsets; the None returns and FLASHQLA_BWD_ORDER as before;
+- the kernel compiles for sm_90a for int32 and int64 offsets; N is a run-time size (one build per
+  dtype); its source has one barrier a step (and two around the warps' partial counts), no atomics and
+  no host synchronisation; no spills;
+- the generated CUDA source itself, built for the host with one host thread per GPU thread of a CTA
+  and a real barrier for `__syncthreads` (so the shared-memory staging and the partial counts run as
+  on the GPU), gives torch.argsort(..., descending=True, stable=True) on random, tie-heavy and edge
+  offsets, every output element written (a missing barrier or a wrong condition fails these);
+- `launch_order` takes the kernel for int32/int64 offsets on an sm_90 device up to ORDER_KERNEL_MAX
+  sequences and the torch sort otherwise, reading no device value on the host.
+The same comparison on an H200: tests/gpu/test_cp_kernels_gpu.py (test_launch_order_kernel_*).
+"""
+
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+import torch
+
+from flashqla.ops.gdn.kernels.sm90 import _common
+from flashqla.ops.gdn.kernels.sm90 import launch_order as lo
+
+HAVE_NVCC = shutil.which("nvcc") is not None
+needs_nvcc = pytest.mark.skipif(not HAVE_NVCC, reason="compiling for sm_90a needs nvcc (the CUDA toolkit) on PATH")
+CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+needs_cxx = pytest.mark.skipif(CXX is None, reason="running the generated source on the host needs a C++ compiler")
+
+
+def offsets(lengths, dtype=torch.int64, lead=0):
+    cu = [lead]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=dtype)
+
+
+def python_order(cu) -> list:
+    """Longest first, ties in index order: Python's sort is stable."""
+    c = [int(x) for x in cu]
+    lens = [c[i + 1] - c[i] for i in range(len(c) - 1)]
+    return sorted(range(len(lens)), key=lambda i: -lens[i])
+
+
+def torch_order(cu) -> torch.Tensor:
+    return torch.argsort(cu[1:] - cu[:-1], descending=True, stable=True).to(torch.int32)
+
+
+# lengths: empty sequences, all equal, one, two, ties across block boundaries (128), one long among
+# many short, strictly increasing and decreasing, 1-token sequences
+AWKWARD = [
+    [0, 0],
+    [5, 5],
+    [0, 7],
+    [7, 0],
+    [0, 0, 0, 0, 0],
+    [3, 0, 3, 0, 3],
+    [64] * 130,
+    [1] * 300,
+    [0] * 129 + [1],
+    [1] + [0] * 200,
+    [0, 1, 63, 64, 65, 0, 130, 5, 0],
+    list(range(200)),
+    list(range(200, 0, -1)),
+    [2, 1] * 140,
+    [8192, 1, 8192, 1, 8192, 0, 0, 8192],
+]
+
+
+@pytest.fixture
+def order_mode(monkeypatch):
+    def set_mode(mode):
+        if mode is None:
+            monkeypatch.delenv("FLASHQLA_BWD_ORDER", raising=False)
+        else:
+            monkeypatch.setenv("FLASHQLA_BWD_ORDER", mode)
+
+    return set_mode
+
+
+# --------------------------------------------------------------------------------------------
+# launch_order: the torch path (CPU), its None returns and FLASHQLA_BWD_ORDER
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+@pytest.mark.parametrize("case", range(len(AWKWARD)))
+def test_torch_path_is_the_stable_descending_sort(order_mode, dtype, case):
+    order_mode("longest")
+    for lead in (0, 77):
+        cu = offsets(AWKWARD[case], dtype, lead)
+        got = _common.launch_order(cu)
+        assert got.dtype == torch.int32 and got.shape == (cu.numel() - 1,) and got.device == cu.device
+        assert got.tolist() == python_order(cu)
+
+
+def test_torch_path_random_offsets(order_mode):
+    order_mode("longest")
+    gen = torch.Generator().manual_seed(5)
+    for c in range(60):
+        N = int(torch.randint(2, 600, (1,), generator=gen))
+        hi = [2, 5, 64, 10000][c % 4]  # few distinct lengths (many ties) to many
+        lens = torch.randint(0, hi, (N,), generator=gen).tolist()
+        cu = offsets(lens, torch.int32 if c % 2 else torch.int64)
+        assert _common.launch_order(cu, longest_first=True).tolist() == python_order(cu)
+
+
+def test_none_returns_and_modes(order_mode):
+    cu = offsets([3, 9, 1])
+    one = offsets([7])
+    order_mode(None)  # "auto": only where the caller asks
+    assert _common.launch_order(cu) is None
+    assert _common.launch_order(cu, longest_first=True).tolist() == [1, 0, 2]
+    for mode in ("longest", "tokens", "auto"):
+        order_mode(mode)
+        assert _common.launch_order(None, True) is None
+        assert _common.launch_order(one, True) is None  # N == 1: numel 2
+        assert _common.launch_order(torch.zeros(1, dtype=torch.int32), True) is None  # N == 0
+        assert _common.launch_order(torch.zeros(0, dtype=torch.int32), True) is None
+    order_mode("tokens")
+    assert _common.launch_order(cu, True) is None
+    order_mode("longest")
+    assert _common.launch_order(cu).tolist() == [1, 0, 2]
+    order_mode("sometimes")
+    with pytest.raises(ValueError, match="FLASHQLA_BWD_ORDER"):
+        _common.launch_order(cu, True)
+
+
+# --------------------------------------------------------------------------------------------
+# the kernel compiles; its source
+# --------------------------------------------------------------------------------------------
+
+
+@needs_nvcc
+@pytest.mark.parametrize("seq_dtype", ["int32", "int64"])
+def test_kernel_compiles_one_build_per_dtype(seq_dtype):
+    kernel = lo.build_launch_order_kernel(seq_dtype)
+    n = _common.compile_count()
+    assert lo.build_launch_order_kernel(seq_dtype) is kernel and _common.compile_count() == n
+    src = kernel.get_kernel_source()
+    ctype = "int" if seq_dtype == "int32" else "int64_t"
+    # N and the offsets' length are run-time arguments (a new N does not recompile)
+    assert re.search(rf"__launch_bounds__\({lo.THREADS}, 1\) gdn_launch_order_kernel\(const {ctype}\* __restrict__ cu, "
+                     r"int\* __restrict__ order, int N, int Np1\)", src), src[:2000]
+    body = src[src.index("__launch_bounds__"):]
+    # the staged lengths: two buffers, one barrier a step; then the warps' counts summed and
+    # order[rank] = i (the partial counts may share the staging buffer: a barrier before they are written)
+    assert body.count("extern __shared__") == 1 and "lens" in body and "part" in body
+    step = lo.THREADS * lo.PER
+    loop = f"for (int b = 0; b < ((N + {step - 1}) >> {step.bit_length() - 1}); ++b)"
+    assert loop in body
+    steps, tail = body.split(loop)[1].split("part)[((int)threadIdx.x)] = cnt[0];")
+    assert steps.count("__syncthreads()") == 2, "one barrier a step, one before the partial counts"
+    assert steps.endswith("__syncthreads();\n  ((int*)")  # all reads of the staged lengths are done
+    assert tail.count("__syncthreads()") == 1 and re.search(r"order\[cnt\[[^\]]*0\]\] = i;", tail)
+    for construct in ("atomic", "__threadfence", "printf", "while", "cudaDeviceSynchronize", "asm", "__nanosleep",
+                      "__syncwarp"):
+        assert construct not in body, construct
+    host = kernel.get_host_source()
+    assert "Synchronize" not in host and "cudaMemcpy" not in host
+    # the launch grid: ceil(N / SEQS) CTAs (what the host run below launches)
+    assert f"((int64_t)((N + {lo.SEQS - 1}) >> {lo.SEQS.bit_length() - 1}))" in host
+    r = _common.ptxas_report(kernel)
+    print(seq_dtype, r)
+    assert r["registers"] <= 96 and r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0
+    assert r["static_smem"] == 0
+    assert r["dynamic_smem"] in (None, 2 * step * (4 if seq_dtype == "int32" else 8))
+
+
+@needs_nvcc
+def test_kernel_rejects_other_dtypes():
+    with pytest.raises(ValueError, match="seq_dtype"):
+        lo.build_launch_order_kernel("int16")
+
+
+def test_registered_for_precompilation(monkeypatch):
+    """`op_kernel_specs` lists the kernel for what the backward launches it on: a packed batch's offsets,
+    and the split path's packed segment offsets (int32 for a fixed-length batch); `_build` knows it."""
+    from flashqla.ops.gdn.kernels import sm90
+
+    def listed(**kw):
+        return [a for k, a in sm90.op_kernel_specs(2, 4, **kw) if k == "launch_order"]
+
+    assert listed(varlen=True, seq_dtype="int64") == [("int64",)]
+    assert listed(varlen=True, seq_dtype="int32") == [("int32",)]
+    assert listed(varlen=False) == [("int32",)]  # the segments' packed offsets
+    assert listed(varlen=True, seq_dtype="int64", K=128, V=64) == [("int64",)]  # no split path
+    assert listed(varlen=False, K=128, V=64) == []
+    assert listed(varlen=True, backward=False) == []
+    built = []
+    monkeypatch.setattr(lo, "build_launch_order_kernel", lambda *a: built.append(a) or "kernel")
+    assert sm90._build("launch_order", ("int64",)) == "kernel" and built == [("int64",)]
+
+
+# --------------------------------------------------------------------------------------------
+# the generated source run on the host
+# --------------------------------------------------------------------------------------------
+
+_PRELUDE = r"""
+#include <barrier>
+#include <cstdint>
+#include <thread>
+#include <vector>
+typedef unsigned char uchar;
+struct tl_host_dim3 { unsigned int x, y, z; };
+static thread_local tl_host_dim3 blockIdx, threadIdx;
+static std::barrier<>* tl_host_bar;
+alignas(1024) static unsigned char tl_host_smem[48 * 1024];
+#define __global__
+#define __launch_bounds__(...)
+#define __syncthreads() tl_host_bar->arrive_and_wait()
+"""
+
+
+class HostKernel:
+    """The kernel's generated CUDA source built for the host. A call runs the launch grid CTA after
+    CTA, each CTA as `block` host threads that meet at a `std::barrier` where the source has
+    `__syncthreads()`, the dynamic shared memory one static buffer: the staging and its barriers run as
+    on the GPU."""
+
+    def __init__(self, src: str, workdir: str, tag: str):
+        m = re.search(r"__launch_bounds__\((\d+), \d+\) (\w+)\(([^)]*)\)\s*\{", src)
+        assert m, "kernel definition not found"
+        self.threads, name, params = int(m.group(1)), m.group(2), m.group(3)
+        self.params = []
+        for p in params.split(","):
+            p = p.strip()
+            self.params.append((re.findall(r"\w+", p)[-1], "*" in p))
+        body = "\n".join(line for line in src.splitlines() if not line.lstrip().startswith("#include"))
+        body, n = re.subn(r"extern __shared__ __align__\(\d+\) (\w+) (\w+)\[\];",
+                          r"\1* \2 = reinterpret_cast<\1*>(tl_host_smem);", body)
+        assert n == 1, "one dynamic shared buffer expected"
+        names = ", ".join(p[0] for p in self.params)
+        runner = (f'\nextern "C" void tl_host_run(unsigned int grid, unsigned int block, {params}) {{\n'
+                  "  std::barrier<> bar(block);\n  tl_host_bar = &bar;\n  std::vector<std::thread> threads;\n"
+                  "  for (unsigned int t = 0; t < block; ++t)\n    threads.emplace_back([&, t] {\n"
+                  "      for (unsigned int b = 0; b < grid; ++b) {\n"
+                  f"        blockIdx.x = b; threadIdx.x = t; {name}({names});\n"
+                  "        bar.arrive_and_wait();  // the CTA ends before the next one takes the buffer\n"
+                  "      }\n    });\n  for (auto& th : threads) th.join();\n}\n")
+        cpp = os.path.join(workdir, f"{tag}.cpp")
+        so = os.path.join(workdir, f"{tag}.so")
+        with open(cpp, "w") as f:
+            f.write(_PRELUDE + body + runner)
+        subprocess.run([CXX, "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-w", "-o", so, cpp], check=True,
+                       capture_output=True, text=True)
+        self.lib = ctypes.CDLL(so)
+        self.fn = self.lib.tl_host_run
+        self.fn.argtypes = [ctypes.c_uint, ctypes.c_uint] + [ctypes.c_void_p if ptr else ctypes.c_int
+                                                             for _, ptr in self.params]
+        self.fn.restype = None
+        self.launches = 0
+
+    def __call__(self, cu, order):
+        assert cu.is_contiguous() and order.is_contiguous() and cu.device.type == order.device.type == "cpu"
+        assert order.dtype == torch.int32 and order.shape[0] == cu.shape[0] - 1 >= 1
+        order.fill_(-7)  # poison: every element must be written
+        tensors = dict(cu=cu, order=order)
+        sizes = dict(N=order.shape[0], Np1=cu.shape[0])
+        args = [tensors[n].data_ptr() if ptr else sizes[n] for n, ptr in self.params]
+        self.fn(-(-order.shape[0] // lo.SEQS), self.threads, *args)  # the launch grid: ceil(N / SEQS) CTAs
+        self.launches += 1
+
+
+@pytest.fixture(scope="module")
+def host_kernels():
+    if not HAVE_NVCC or CXX is None:
+        pytest.skip("needs nvcc (to generate the kernel) and a host C++ compiler")
+    with tempfile.TemporaryDirectory() as d:
+        yield {dt: HostKernel(lo.build_launch_order_kernel(dt).get_kernel_source(), d, dt) for dt in ("int32", "int64")}
+
+
+def run_host(host_kernels, cu, monkeypatch):
+    """`launch_order` on a CPU tensor, forced onto the kernel path with the host build (the launcher
+    itself past ORDER_KERNEL_MAX, where `launch_order` takes the torch sort)."""
+    monkeypatch.setenv("FLASHQLA_BWD_ORDER", "longest")
+    monkeypatch.setattr(_common, "on_sm90", lambda t: True)
+    monkeypatch.setattr(lo, "build_launch_order_kernel", lambda dt: host_kernels[dt])
+    hk = host_kernels[_common.tl_dtype(cu.dtype)]
+    before = hk.launches
+    N = cu.numel() - 1
+    got = _common.launch_order(cu) if N <= _common.ORDER_KERNEL_MAX else lo.longest_first_order(cu)
+    assert hk.launches == before + 1, "one launch per call"
+    assert got.dtype == torch.int32 and got.shape == (cu.numel() - 1,)
+    return got
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+def test_generated_source_awkward_offsets(host_kernels, monkeypatch, dtype):
+    for lens in AWKWARD:
+        for lead in (0, 77):
+            cu = offsets(lens, dtype, lead)
+            got = run_host(host_kernels, cu, monkeypatch)
+            assert torch.equal(got, torch_order(cu)), f"{lens[:20]} lead={lead}: {got.tolist()[:20]}"
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+def test_generated_source_random_and_tie_heavy(host_kernels, monkeypatch, dtype):
+    """N at and around the block size (the thread's own block, blocks before and after it, a partial
+    last block), lengths from a few distinct values (ties everywhere) to many."""
+    gen = torch.Generator().manual_seed(11 if dtype == torch.int32 else 13)
+    for N in (2, 3, 127, 128, 129, 255, 256, 257, 1000, 1023, 1024, 1025, 2049, 4096, 5000):
+        for hi in (1, 3, 64, 1 << 18):
+            lens = torch.randint(0, hi, (N,), generator=gen).tolist()
+            cu = offsets(lens, dtype)
+            got = run_host(host_kernels, cu, monkeypatch)
+            assert torch.equal(got, torch_order(cu)), f"N={N} hi={hi}"
+
+
+@needs_cxx
+def test_generated_source_wide_and_unordered_offsets(host_kernels, monkeypatch):
+    """int64 lengths past 2^32 (compared in 64 bits: lengths equal in their low 32 bits stay distinct);
+    offsets outside the contract (decreasing: negative lengths) still give the torch sort."""
+    big = 1 << 32
+    cu = offsets([big + 5, 5, big + 5, 2 * big, 0, 2 * big + 1] * 30, torch.int64)
+    assert torch.equal(run_host(host_kernels, cu, monkeypatch), torch_order(cu))
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.int32, torch.int64):
+        cu = torch.randint(-1000, 1000, (300,), generator=gen).to(dtype)
+        assert torch.equal(run_host(host_kernels, cu, monkeypatch), torch_order(cu))
+
+
+# --------------------------------------------------------------------------------------------
+# launch_order's choice of path; the launcher
+# --------------------------------------------------------------------------------------------
+
+
+class _Recorder:
+    """A stand-in kernel that records its arguments and writes nothing."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+def test_path_choice_and_no_host_sync(monkeypatch):
+    """Kernel for int32/int64 offsets on an sm_90 device with N <= ORDER_KERNEL_MAX, one launch with
+    the offsets and an int32 [N] output, nothing read on the host; the torch sort above the limit, for
+    other dtypes, and off sm_90."""
+    rec = _Recorder()
+    builds = []
+    monkeypatch.setenv("FLASHQLA_BWD_ORDER", "longest")
+    monkeypatch.setattr(lo, "build_launch_order_kernel", lambda dt: builds.append(dt) or rec)
+    cu = offsets([5, 0, 300, 64], torch.int32)
+    assert _common.launch_order(cu).tolist() == [2, 3, 0, 1]  # CPU: the torch sort
+    assert rec.calls == []
+
+    monkeypatch.setattr(_common, "on_sm90", lambda t: True)
+
+    def refuse(*a, **k):
+        raise AssertionError("host synchronisation on the launch path")
+
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__index__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    out = _common.launch_order(cu)
+    wide = _common.launch_order(cu.to(torch.int64))
+    assert _common.launch_order(offsets([9], torch.int32)) is None  # N <= 1: token order, no launch
+    assert _common.launch_order(torch.zeros(1, dtype=torch.int32)) is None
+    limit = _common.launch_order(torch.zeros(_common.ORDER_KERNEL_MAX + 1, dtype=torch.int64))
+    monkeypatch.undo()
+    assert builds == ["int32", "int64", "int64"] and len(rec.calls) == 3
+    kcu, korder = rec.calls[0]
+    assert kcu is cu and korder is out and out.dtype == torch.int32 and out.shape == (4,)
+    assert limit.shape == (_common.ORDER_KERNEL_MAX,) and rec.calls[2][1] is limit
+    assert wide.shape == (4,)
+
+    # past the limit, or int16 offsets: the torch sort, no launch
+    monkeypatch.setenv("FLASHQLA_BWD_ORDER", "longest")
+    monkeypatch.setattr(_common, "on_sm90", lambda t: True)
+    monkeypatch.setattr(lo, "build_launch_order_kernel", lambda dt: builds.append(dt) or rec)
+    lens = [1, 2] * ((_common.ORDER_KERNEL_MAX + 2) // 2)
+    cu = offsets(lens, torch.int64)
+    assert _common.launch_order(cu).tolist() == python_order(cu)
+    cu16 = offsets([3, 9, 1], torch.int16)
+    assert _common.launch_order(cu16).tolist() == [1, 0, 2]
+    assert len(rec.calls) == 3
+
+
+def test_launcher_arguments():
+    with pytest.raises(ValueError, match="1-D"):
+        lo.longest_first_order(torch.zeros(2, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="1-D"):
+        lo.longest_first_order(torch.zeros(0, dtype=torch.int32))
+    with pytest.raises(ValueError, match="int32 or int64"):
+        lo.longest_first_order(torch.zeros(3, dtype=torch.int16))
+    empty = lo.longest_first_order(torch.zeros(1, dtype=torch.int64))  # N == 0: no launch
+    assert empty.shape == (0,) and empty.dtype == torch.int32
+
+
+def test_module_has_no_host_sync_calls():
+    """The module never reads device values on the host: no call of a reading method anywhere in it."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(lo))
+    called = {node.func.attr for node in ast.walk(tree)
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
+    assert not called & {"item", "tolist", "cpu", "numpy", "synchronize", "to"}, called
