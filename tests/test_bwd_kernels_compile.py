@@ -375,10 +375,6 @@ def test_chunk_bwd_v5_kernel_compiles(dtype, beta_dtype, seq_dtype, varlen):
         assert "order[" in src and "use_order" in src, "the launch order (`_common.launch_order`) is read"
     # dq and dk per value head are stored in fp32 (the GVA sum rounds once), or in q's dtype on request
     assert "float* __restrict__ dq_hv" in src and "float* __restrict__ dk_hv" in src
-    # the default build sums them over the value-head group itself: a gpu-scope fence, a ticket per
-    # S warp and 16-byte fp32 loads of the group's rows (chunk_bwd_v5.FUSED_GVA_ENV)
-    assert "__threadfence()" in src and "AtomicAddRet" in src and "__shfl_sync" in src
-    assert "*(float4*)(dq_hv" in src and "*(float4*)(dk_hv" in src
     if varlen:
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import build_chunk_bwd_v5_kernel
 
@@ -443,32 +439,3 @@ def test_qk_store_dtype_reads_its_variable(monkeypatch):
     monkeypatch.setenv(QK_DTYPE_ENV, "bf16")
     with pytest.raises(ValueError, match=QK_DTYPE_ENV):
         qk_store_dtype("bfloat16")
-
-
-@needs_nvcc
-def test_chunk_bwd_v5_separate_gva_build_has_no_tickets():
-    """$FLASHQLA_BWD_FUSED_GVA=0's build (pass 3 sums dq, dk) takes the same arguments with
-    placeholders and has none of the fused sum's fence, tickets or group loads; within Hopper's shared
-    memory, no wgmma serialisation."""
-    from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
-    from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import build_chunk_bwd_v5_kernel
-
-    kernel = build_chunk_bwd_v5_kernel(1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True, None, False)
-    src = kernel.get_kernel_source()
-    assert "__threadfence()" not in src and "AtomicAddRet" not in src and "tickets" in src
-    r = ptxas_report(kernel)
-    assert "C751" not in _ptxas_log(kernel)
-    assert r["dynamic_smem"] + r["static_smem"] <= SMEM_LIMIT and r["spill_stores"] <= V5_SPILL_BUDGET, r
-
-
-def test_fused_gva_environment_is_checked(monkeypatch):
-    """$FLASHQLA_BWD_FUSED_GVA: "1" (default) or "0"; anything else is an error naming it."""
-    from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import FUSED_GVA_ENV, fused_gva_enabled
-
-    monkeypatch.delenv(FUSED_GVA_ENV, raising=False)
-    assert fused_gva_enabled()
-    monkeypatch.setenv(FUSED_GVA_ENV, "0")
-    assert not fused_gva_enabled()
-    monkeypatch.setenv(FUSED_GVA_ENV, "yes")
-    with pytest.raises(ValueError, match=FUSED_GVA_ENV):
-        fused_gva_enabled()

@@ -358,12 +358,14 @@ BWD_LEN_WAVE_COST = 7.27
 BWD_LEN_SPLIT_COST = 11.07
 BWD_LEN_SCAN_STEP_COST = 0.55
 #: The sort that launches a split backward's segments longest first (`_common.launch_order`), in the
-#: same units: the H200 grid at 1a329fc (sorted whenever N > 1) against e042054 (token order) on rows
-#: whose plan and schedule it did not change: +12 to +17 us a backward (2/4 7053 + 1139, 4/8 7053 +
-#: 1139, 2/4 with 4 and 8 sequences of 8192 tokens). Where the sort shortens the schedule it pays:
-#: 16/32 with 8 sequences of 32768 tokens 2.812 -> 2.566 ms under one plan, 8/16 1.728 -> 1.368
+#: same units. As torch ops (a subtraction, a radix sort, a cast) it cost 12-17 us a backward on the
+#: H200 grid at 1a329fc (sorted whenever N > 1) against e042054 (token order), on rows whose plan and
+#: schedule it did not change (2/4 7053 + 1139, 4/8 7053 + 1139, 2/4 with 4 and 8 sequences of 8192
+#: tokens): 1.0 unit. The one-launch rank kernel (`kernels/sm90/launch_order.py`) takes 1.8-2.9 us for
+#: up to 1000 segments in a CUDA graph on the H200: 0.2 unit. Where the order shortens the schedule it
+#: pays: 16/32 with 8 sequences of 32768 tokens 2.812 -> 2.566 ms under one plan, 8/16 1.728 -> 1.368
 #: (`tests/gpu/bwd_order_check.py`, gradients bitwise equal).
-BWD_LEN_ORDER_COST = 1.0
+BWD_LEN_ORDER_COST = 0.2
 #: Split candidates within this fraction of the best are ties; the longest segment wins.
 TIE = 0.03
 #: Summed log-decay below which a carried state is dropped by the gate-driven shortcut (FlashQLA's).

@@ -164,21 +164,8 @@ def _pass2_poisoned(variant, q, k, v, beta, A, gcl, h, do, dht, cu):
     from flashqla.ops.gdn.kernels.sm90._common import order_args
 
     extra = order_args(None, "cuda") if variant == "v5" else ()  # v5 takes the launch order (token order here)
-    gva, fused = (), False
-    if variant == "v5":  # v5's fused GVA sum (the default: chunk_bwd_v5.FUSED_GVA_ENV) writes dq, dk itself
-        from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import GVA_TICKETS, fused_gva_enabled
-
-        fused = fused_gva_enabled()
-        if fused:
-            gva = (torch.full((B, T, H, K), float("nan"), device="cuda", dtype=q.dtype),
-                   torch.full((B, T, H, K), float("nan"), device="cuda", dtype=q.dtype),
-                   torch.zeros(max(S * H * GVA_TICKETS, 1), dtype=torch.int32, device="cuda"))
-        else:
-            gva = (torch.empty(1, 1, H, K, device="cuda", dtype=q.dtype),) * 2 + (torch.empty(1, dtype=torch.int32, device="cuda"),)
     kern(q, k, v, beta, A, gcl, h, do, dht, cu if cu is not None else dummy_cu_seqlens("cuda"), *extra, float(SCALE), 1,
-         dq_hv, dk_hv, dv, dbeta, dG, dh0, *gva)
-    if fused:
-        return gva[0], gva[1], dv, dbeta, dG, dh0
+         dq_hv, dk_hv, dv, dbeta, dG, dh0)
     return dq_hv, dk_hv, dv, dbeta, dG, dh0
 
 

@@ -351,11 +351,10 @@ def build_chunk_bwd_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dtype:
     `VARIANTS`); T, B, sequences are run-time."""
     variant = _variant(variant)
     if variant == "v5":
-        from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import build_chunk_bwd_v5_kernel, fused_gva_enabled, v5_applies
+        from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import build_chunk_bwd_v5_kernel, v5_applies
 
-        if v5_applies(K, V, dtype, h_dtype):  # the build the launch uses (`chunk_bwd_v5.FUSED_GVA_ENV`)
-            return build_chunk_bwd_v5_kernel(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen, None,
-                                             fused_gva_enabled())
+        if v5_applies(K, V, dtype, h_dtype):
+            return build_chunk_bwd_v5_kernel(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen)
         variant = "v2"
     if variant == "v2":
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v2 import build_chunk_bwd_v2_kernel
@@ -379,8 +378,7 @@ def chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_s
     order (`_common.launch_order`, v5 only; the others launch in token order). The same results.
 
     Returns (dq_hv [B, T, HV, K], dk_hv [B, T, HV, K] (fp32; q's dtype from v5 under
-    $FLASHQLA_BWD_QK_DTYPE=input; from v5 with its fused GVA sum, the default, dq and dk
-    [B, T, H, K] in q's dtype: `chunk_bwd_v5.FUSED_GVA_ENV`),
+    $FLASHQLA_BWD_QK_DTYPE=input),
     dv [B, T, HV, V] v's dtype,
     dbeta [B, T, HV] fp32, dG [HV, S * 64] fp32, dh0 [N, HV, K, V] fp32)."""
     variant = _variant(variant)

@@ -87,8 +87,7 @@ import functools
 
 import torch
 
-from flashqla.ops.gdn.kernels.sm90._common import (CHUNK, compile_kernel, num_slots, order_args, placeholder, sequence_span,
-                                                   tl_dtype)
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slots, order_args, sequence_span, tl_dtype
 
 __all__ = ["build_chunk_bwd_v2_kernel", "chunk_fused_bwd_v2", "launch_pass2"]
 
@@ -505,16 +504,13 @@ def build_chunk_bwd_v2_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dty
 
 
 def launch_pass2(build, q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, qk_dtype=torch.float32,
-                 ordered: bool = False, order=None, gva: bool | None = None):
+                 ordered: bool = False, order=None):
     """Launches a pass-2 kernel whose CTAs write every row of their outputs (v2, v5): dq_hv, dk_hv
     (in qk_dtype: fp32, or q's dtype for v5 on request), dv, dbeta and dh0 allocated uninitialised, dG
     zeroed; with no CTA to run (no slot, token or sequence), zeros and dh0 = dht. build(args) returns
     the compiled kernel for the static key `chunk_bwd.chunk_bwd_kernel_args`. Arguments and results
     as `chunk_bwd.chunk_fused_bwd`; ordered: the kernel takes the launch-order arguments (v5, not
-    v2), filled from order (`_common.launch_order`'s result, None for token order). gva (v5): None for
-    kernels without the fused GVA sum's arguments (v2); False passes placeholders; True passes dq, dk
-    [B, T, H, K] in q's dtype and zeroed tickets (`chunk_bwd_v5.GVA_TICKETS` per chunk slot and q/k
-    head), and returns dq, dk in place of dq_hv, dk_hv."""
+    v2), filled from order (`_common.launch_order`'s result, None for token order)."""
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_bwd_kernel_args
     from flashqla.ops.gdn.kernels.sm90.prepare import dummy_cu_seqlens
 
@@ -530,33 +526,18 @@ def launch_pass2(build, q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, 
     dbeta = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
     dG = torch.zeros(HV, S * CHUNK, dtype=torch.float32, device=dev)
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
-    if gva:
-        from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import GVA_TICKETS
-
-        dq = torch.empty(B, T, H, K, dtype=q.dtype, device=dev)
-        dk = torch.empty(B, T, H, K, dtype=q.dtype, device=dev)
-        tickets = torch.zeros(max(S * H * GVA_TICKETS, 1), dtype=torch.int32, device=dev)
-        gva_args = (dq, dk, tickets)
-    elif gva is not None:
-        gva_args = (placeholder((1, 1, H, K), q.dtype, dev),) * 2 + (placeholder((1,), torch.int32, dev),)
-    else:
-        gva_args = ()
     if S == 0 or T == 0 or N == 0:  # no CTA would run: nothing but zeros (and dht) to return
-        for x in (dq_hv, dk_hv, dv, dbeta, dh0) + (gva_args[:2] if gva else ()):
+        for x in (dq_hv, dk_hv, dv, dbeta, dh0):
             x.zero_()
         if dht is not None:
             dh0.copy_(dht)
-        if gva:
-            return gva_args[0], gva_args[1], dv, dbeta, dG, dh0
         return dq_hv, dk_hv, dv, dbeta, dG, dh0
     dht_arg = dht if dht is not None else torch.empty(1, HV, K, V, dtype=torch.float32, device=dev)
     cu = cu_seqlens if varlen else dummy_cu_seqlens(dev)
     kernel = build(chunk_bwd_kernel_args(q, v, beta, h, cu_seqlens))
     extra = order_args(order, dev) if ordered else ()
     kernel(q, k, v, beta, A, g_cum_log2, h, do, dht_arg, cu, *extra, float(scale), int(dht is not None),
-           dq_hv, dk_hv, dv, dbeta, dG, dh0, *gva_args)
-    if gva:
-        return gva_args[0], gva_args[1], dv, dbeta, dG, dh0
+           dq_hv, dk_hv, dv, dbeta, dG, dh0)
     return dq_hv, dk_hv, dv, dbeta, dG, dh0
 
 

@@ -13,8 +13,7 @@ One CTA of 512 threads per (sequence, value head), chunks in reverse:
 
     S  (threads   0-127) dS [K, V] fp32 in registers: D's bf16 copy, <S0, D>, gamma_C dS,
                          + Q^T (scale diag(gamma) dO), + K^T (-diag(gamma) dv); dh0; the chunk's dG row
-                         and dbeta from the roles' partial sums; the previous chunk's dq, dk summed
-                         over the value-head group (below)
+                         and dbeta from the roles' partial sums
     K  (threads 128-255) dv_new = diag(r) K D + Pg^T dO; dv = A_beta^T dv_new (+ the exact diagonal);
                          -diag(gamma) dv; dk = diag(r) v_new D^T + (-diag(gamma) dv) S0^T
                          + beta (dLk K) + (diag(beta) dLk)^T K + (scale M Gamma)^T Q;
@@ -44,14 +43,6 @@ Resources (ptxas, sm_90a; `tests/test_bwd_kernels_compile.py`): 231,424 B dynami
 shared memory, the whole 232,448 B (five results reuse dead tiles, listed at the tiles),
 setmaxnreg S 160 / K 184 / A 144 / producer 24, ~44 B of spills, no wgmma serialisation.
 
-The GVA sum of dq and dk (the default; `FUSED_GVA_ENV`): K stores its dq, dk rows per value head in
-fp32 as before; while S waits for the next chunk's -diag(gamma) dv, each S warp publishes that its
-16 rows of the previous chunk are stored (a gpu-scope fence after the barrier on which it waited for
-K, then an acq_rel atomic on a ticket per (chunk slot, q/k head, warp)), and the warp that draws the
-group's last ticket (G - 1) reads the G value heads' rows back (written moments ago: from L2) and
-stores dq, dk [B, T, H, K] in q's dtype, the fp32 sum left to right, one rounding, as pass 3's
-separate launch did (the same bits). Nothing waits on another CTA: the last to publish sums.
-
 The sequence's last chunk (the first walked; the only one that may be partial) is loaded by every
 thread with rows past the end zeroed, before the roles split; the producer loads the earlier, full
 chunks by TMA. Only h stored in q's dtype and K = V = 128 (else `chunk_bwd` runs v2).
@@ -78,26 +69,6 @@ NREG = {"S": 160, "K": 184, "A": 144, "P": 24}
 QK_DTYPE_ENV = "FLASHQLA_BWD_QK_DTYPE"
 
 
-#: Environment variable: "0" makes v5 store dq, dk per value head only, summed over each group of
-#: G = HV / H value heads by pass 3's separate launch (`finish_bwd`), instead of summing them itself
-#: (the default, "1"): S's warps, while they wait for -diag(gamma) dv, sum the previous chunk's rows of
-#: the group's value heads once the group's last CTA has stored them (a ticket per 16 rows), so that the
-#: fp32 per-value-head rows are read back from L2 by the kernel that wrote them rather than from memory
-#: by another launch. The same bits (the same fp32 sum, left to right). Read at each launch.
-FUSED_GVA_ENV = "FLASHQLA_BWD_FUSED_GVA"
-
-
-def fused_gva_enabled() -> bool:
-    """Whether v5 sums dq, dk over the value-head groups itself ($FLASHQLA_BWD_FUSED_GVA: "1", the
-    default, or "0"). ValueError naming the variable for any other value."""
-    import os
-
-    want = os.environ.get(FUSED_GVA_ENV, "1")
-    if want not in ("0", "1"):
-        raise ValueError(f"${FUSED_GVA_ENV} must be '0' or '1', got {want!r}")
-    return want == "1"
-
-
 def qk_store_dtype(dtype: str) -> str:
     """TileLang dtype in which v5 stores dq_hv, dk_hv: "float32", or `dtype` (q's) when
     $FLASHQLA_BWD_QK_DTYPE is "input". ValueError naming the variable for any other value."""
@@ -114,68 +85,14 @@ def v5_applies(K: int, V: int, dtype: str, h_dtype: str) -> bool:
     return K == 128 and V == 128 and h_dtype == dtype
 
 
-#: Tickets of the fused GVA sum per (chunk slot, q/k head): one per S warp (16 rows each).
-GVA_TICKETS = 4
-
-
-def _gva_chunk_macro(dq_hv, dk_hv, dq, dk, tickets, tk, bidx, bos, seqlen, slot0, hk, tx, G: int, H: int, K: int,
-                     dtype: str):
-    """The fused GVA sum of one chunk, emitted in S's code (`gva(c, ticket)` inside the kernel body):
-    S warp w owns rows 16 w .. 16 w + 15 of chunk c. Its lane 0 publishes that this CTA's K stored
-    those rows of dq_hv, dk_hv (K's stores precede its arrival on a barrier S waited for; the
-    gpu-scope fence and the acq_rel atomic make them visible to the other CTAs of the group) and
-    takes a ticket; the warp holding the group's last ticket (G - 1) sums the G value heads' rows
-    in fp32, left to right (`finish_bwd`'s order: the same bits), and stores dq, dk in q's dtype,
-    16 bytes of fp32 a lane per load. With G == 1 there is no ticket to take. tk: a one-element int32
-    local buffer (the ticket)."""
-    import tilelang.language as T
-
-    C = CHUNK
-    VEC = 4
-    RW = C // GVA_TICKETS
-
-    def group_sum(x, t, d):
-        total = x[bidx, t, hk * G, d]
-        for j in range(1, G):
-            total = total + x[bidx, t, hk * G + j, d]
-        return total
-
-    @T.macro
-    def gva(cx):
-        t0x = bos + cx * C
-        nvx = T.min(seqlen - cx * C, C)
-        tk[0] = 0
-        if G > 1:
-            if tx % 32 == 0:
-                T.call_extern("handle", "__threadfence")
-                tk[0] = T.atomic_add(tickets[((slot0 + cx) * H + hk) * GVA_TICKETS + tx // 32], 1,
-                                     memory_order="acq_rel", return_prev=True)
-            tk[0] = T.shfl_sync(tk[0], 0)
-            T.sync_warp()
-        if tk[0] == G - 1:
-            for rr in T.serial(RW):
-                if (tx // 32) * RW + rr < nvx:
-                    for e in T.vectorized(VEC):
-                        dq[bidx, t0x + (tx // 32) * RW + rr, hk, (tx % 32) * VEC + e] = T.cast(
-                            group_sum(dq_hv, t0x + (tx // 32) * RW + rr, (tx % 32) * VEC + e), dtype)
-                    for e in T.vectorized(VEC):
-                        dk[bidx, t0x + (tx // 32) * RW + rr, hk, (tx % 32) * VEC + e] = T.cast(
-                            group_sum(dk_hv, t0x + (tx // 32) * RW + rr, (tx % 32) * VEC + e), dtype)
-
-    return gva
-
-
 def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
-                            varlen: bool, exact_diagonal: bool = True, qk_dtype: str | None = None,
-                            fuse_gva: bool = False):
+                            varlen: bool, exact_diagonal: bool = True, qk_dtype: str | None = None):
     import tilelang.language as T
 
     if not v5_applies(K, V, dtype, h_dtype):
         raise ValueError(f"v5 needs K = V = 128 and h in q's dtype, got K={K}, V={V}, {dtype}, h {h_dtype}")
     exact_diagonal = exact_diagonal and beta_dtype != dtype
     qk_dtype = qk_dtype or "float32"  # dq_hv / dk_hv storage (QK_DTYPE_ENV)
-    if fuse_gva and qk_dtype != "float32":
-        raise ValueError("the fused GVA sum reads fp32 dq_hv / dk_hv")
     C = CHUNK
     G = HV // H
     acc = "float32"
@@ -188,9 +105,6 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
     N2 = T.dynamic("N2")
     SH = T.dynamic("SH")
     NO = T.dynamic("NO")
-    BQ = T.dynamic("BQ")  # dq / dk (fused GVA sum): B and T; a [1, 1, H, K] placeholder otherwise
-    TQ = T.dynamic("TQ")
-    NT = T.dynamic("NT")  # tickets of the fused GVA sum: 4 per (chunk slot, q/k head); 1 otherwise
 
     # red_s slots: K's dG rows, K's dbeta rows, A's dG rows, A's dG columns (A writes its dbeta rows
     # to dbeta, S adds K's); scalars after g in g_s: <S0, D> per S warp, then the r-terms moved to the
@@ -219,9 +133,6 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
         dbeta: T.Tensor((B, Tn, HV), "float32"),
         dG: T.Tensor((HV, R), "float32"),
         dh0: T.Tensor((N2, HV, K, V), "float32"),
-        dq: T.Tensor((BQ, TQ, H, K), dtype),
-        dk: T.Tensor((BQ, TQ, H, K), dtype),
-        tickets: T.Tensor((NT,), "int32"),
     ):
         with T.Kernel(HV * ((Np1 - 1) if varlen else B), threads=512) as (bx,):
             hv = bx % HV
@@ -306,10 +217,6 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                 dS = T.alloc_fragment((K, V), acc)
                 sc = T.alloc_local((1,), acc)
                 gamc = T.alloc_local((1,), acc)
-                if fuse_gva:
-                    tk = T.alloc_local((1,), "int32")
-                    gva = _gva_chunk_macro(dq_hv, dk_hv, dq, dk, tickets, tk, bidx, bos, seqlen, slot0, hk, tx, G, H, K,
-                                           dtype)
                 if use_dht != 0:
                     for i, j in T.Parallel(K, V):
                         dS[i, j] = dht[n, hv, i, j]
@@ -348,11 +255,6 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         T.barrier_wait(f_kq, pprev)
                     T.gemm(q_s, w_s, dS, transpose_A=True)
                     T.barrier_arrive(dog_read)
-                    if fuse_gva:
-                        # the previous chunk's dq, dk (K stored its partials before its r_ka arrival,
-                        # which S waited for), in S's wait for -diag(gamma) dv
-                        if ci > 0:
-                            gva(c + 1)
                     # dS += K^T (-diag(gamma) dv)   (the chain's end)
                     T.barrier_wait(dvg_ready, par)
                     T.gemm(k_s, dvn_s, dS, transpose_A=True)
@@ -376,9 +278,6 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                             T.float32(0))
                 for i, j in T.Parallel(K, V):
                     dh0[n, hv, i, j] = dS[i, j]
-                if fuse_gva:
-                    if nchunks > 0:
-                        gva(0)
                 if varlen:
                     # rows of no sequence (before cu_seqlens[0], past cu_seqlens[-1]) get zero gradients,
                     # written by S of the first / last sequence's CTA of each value head
@@ -393,17 +292,10 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                             lo = T.cast(cu_seqlens[Np1 - 1], "int32")
                             cnt = T.if_then_else(n == Np1 - 2, Tn - lo, 0)
                         for tb in T.serial(T.ceildiv(cnt, C)):
-                            if fuse_gva:  # dq, dk of the group's q/k head, by its first value head's CTA
-                                if hv % G == 0:
-                                    for t, d in T.Parallel(C, K):
-                                        if tb * C + t < cnt:
-                                            dq[0, lo + tb * C + t, hk, d] = T.cast(0, dtype)
-                                            dk[0, lo + tb * C + t, hk, d] = T.cast(0, dtype)
-                            else:
-                                for t, d in T.Parallel(C, K):
-                                    if tb * C + t < cnt:
-                                        dq_hv[0, lo + tb * C + t, hv, d] = T.cast(0, qk_dtype)
-                                        dk_hv[0, lo + tb * C + t, hv, d] = T.cast(0, qk_dtype)
+                            for t, d in T.Parallel(C, K):
+                                if tb * C + t < cnt:
+                                    dq_hv[0, lo + tb * C + t, hv, d] = T.cast(0, qk_dtype)
+                                    dk_hv[0, lo + tb * C + t, hv, d] = T.cast(0, qk_dtype)
                             for t, d in T.Parallel(C, V):
                                 if tb * C + t < cnt:
                                     dv[0, lo + tb * C + t, hv, d] = T.cast(0, dtype)
@@ -666,31 +558,26 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
 
 @functools.lru_cache(maxsize=None)
 def build_chunk_bwd_v5_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
-                              varlen: bool, qk_dtype: str | None = None, fuse_gva: bool = False):
+                              varlen: bool, qk_dtype: str | None = None):
     """Compiled pass-2 kernel, variant v5 (cached). Same static key as `build_chunk_bwd_kernel`, plus the
-    storage dtype of dq_hv, dk_hv (None: "float32", as v1 / v2; or `dtype`: QK_DTYPE_ENV) and whether
-    the kernel sums dq and dk over the value-head groups itself (`fuse_gva`, FUSED_GVA_ENV)."""
+    storage dtype of dq_hv, dk_hv (None: "float32", as v1 / v2; or `dtype`: QK_DTYPE_ENV)."""
     qk = qk_dtype or "float32"
-    func = _chunk_bwd_v5_prim_func(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen, qk_dtype=qk,
-                                   fuse_gva=fuse_gva)
+    func = _chunk_bwd_v5_prim_func(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen, qk_dtype=qk)
     return compile_kernel(func, f"gdn_chunk_bwd_v5_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{h_dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}"
-                          + ("" if qk == "float32" else f"_qk_{qk}") + ("_gva" if fuse_gva else ""))
+                          + ("" if qk == "float32" else f"_qk_{qk}"))
 
 
 def chunk_fused_bwd_v5(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, order=None):
     """Launches pass 2 with the v5 kernel (`chunk_bwd_v2.launch_pass2`). Arguments and results as
     `chunk_bwd.chunk_fused_bwd` (order: `_common.launch_order(cu_seqlens)` or None, the sequences'
-    launch order); dq_hv and dk_hv in fp32, or in q's dtype under QK_DTYPE_ENV. With the fused GVA
-    sum (`fused_gva_enabled`, fp32 storage only) the first two results are dq, dk [B, T, H, K] in q's
-    dtype instead (pass 3 then has nothing to sum). dq_hv, dk_hv, dv, dbeta and dh0 are allocated
-    uninitialised (the kernel writes every row, as v2)."""
+    launch order); dq_hv and dk_hv in fp32, or in q's dtype under QK_DTYPE_ENV. dq_hv, dk_hv, dv,
+    dbeta and dh0 are allocated uninitialised (the kernel writes every row, as v2)."""
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v2 import launch_pass2
 
     from flashqla.ops.gdn.kernels.sm90._common import tl_dtype
 
     qk = qk_store_dtype(tl_dtype(q.dtype))
-    fused = qk == "float32" and fused_gva_enabled()
-    build = (lambda args: build_chunk_bwd_v5_kernel(*args, None, fused)) if qk == "float32" else (
+    build = (lambda args: build_chunk_bwd_v5_kernel(*args)) if qk == "float32" else (
         lambda args: build_chunk_bwd_v5_kernel(*args, qk))
     return launch_pass2(build, q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens, qk_dtype=getattr(torch, qk),
-                        ordered=True, order=order, gva=fused)
+                        ordered=True, order=order)

@@ -12,8 +12,7 @@ Two kernels, both dynamic in T, B and the sequence mix (no host synchronisation)
 - `gdn_gva_reduce`: grid (ceil(T / 16), B, H), 128 threads; dq_hv, dk_hv [B, T, HV, K] (fp32, or
   q's dtype from pass-2 v5 under $FLASHQLA_BWD_QK_DTYPE=input) -> dq, dk [B, T, H, K] in q's dtype
   (the sum over the group in fp32, left to right, one rounding). Not launched when dq_hv is already
-  dq: one value head per q/k head and dq_hv in q's dtype, or pass-2 v5 summed the groups itself (its
-  default: `chunk_bwd_v5.FUSED_GVA_ENV`; the same sum, the same bits).
+  dq: one value head per q/k head and dq_hv in q's dtype.
 """
 
 
@@ -111,22 +110,19 @@ def chunk_finish_bwd(dG: torch.Tensor, dq_hv: torch.Tensor, dk_hv: torch.Tensor,
 
     Args:
         dG: [HV, S * 64] fp32, dL/dg_cum per slot row (pass 2); dq_hv, dk_hv: [B, T, HV, K] per value
-        head (pass 2), fp32 or `dtype`, or dq, dk [B, T, H, K] in `dtype` already summed over the
-        value-head groups (pass-2 v5's fused GVA sum); cu_seqlens: None or [N + 1] int32/int64 offsets; H: q/k heads;
+        head (pass 2), fp32 or `dtype`; cu_seqlens: None or [N + 1] int32/int64 offsets; H: q/k heads;
         dtype: dtype of dq, dk (q's).
 
     Returns:
         (dq [B, T, H, K] dtype, dk [B, T, H, K] dtype, dg [B, T, HV] fp32 per token, natural log).
-        When dq_hv, dk_hv have H heads and `dtype` (HV == H, or summed by pass 2), dq and dk are dq_hv
-        and dk_hv themselves.
+        With HV == H and dq_hv, dk_hv in `dtype`, dq and dk are dq_hv and dk_hv themselves.
     """
     from flashqla.ops.gdn.kernels.sm90.prepare import dummy_cu_seqlens
 
-    B, T, heads, K = dq_hv.shape
-    HV = dG.shape[0]
+    B, T, HV, K = dq_hv.shape
     varlen = cu_seqlens is not None
     dg = torch.zeros(B, T, HV, dtype=torch.float32, device=dG.device)
-    same = heads == H and dq_hv.dtype == dtype and dk_hv.dtype == dtype
+    same = HV == H and dq_hv.dtype == dtype and dk_hv.dtype == dtype
     dq = dq_hv if same else torch.empty(B, T, H, K, dtype=dtype, device=dG.device)
     dk = dk_hv if same else torch.empty(B, T, H, K, dtype=dtype, device=dG.device)
     if T == 0 or B == 0:
