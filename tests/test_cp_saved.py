@@ -408,3 +408,129 @@ def test_missing_products_are_refused():
         for cp in ("on", "off"):
             with pytest.raises(ValueError, match="cp_saved was kept by a forward of other sizes"):
                 _cp_bwd(f, d, do, dht, None, None, bad, cp=cp)
+
+
+# --- awkward uses of the kept products ----------------------------------------------------------------
+
+
+def test_cp_bwd_refuses_a_cp_saved_that_is_not_one():
+    """`chunk_gated_delta_rule_cp_bwd` (public in flashqla.cp) names cp_saved when it is not a CPSaved,
+    with A None (where the kept products would be read from it) or given, before any device work."""
+    x = make_gdn_inputs(B=1, T=128, H=1, HV=2, K=64, V=64, seed=1)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    A = torch.zeros(2, 128, 64, dtype=torch.float64)
+    G = torch.zeros(2, 128, dtype=torch.float64)
+    do = torch.zeros_like(x["v"])
+    for prods in ((None, None), (A, G)):
+        for cp in ("on", "off"):
+            with pytest.raises(TypeError, match="^cp_saved must be None or"):
+                chunk_gated_delta_rule_cp_bwd(*args, *prods, do, cp=cp, backend=ReferenceCPBackend(),
+                                              cp_saved={"A": A})
+
+
+def test_saved_products_with_a_packed_tail():
+    """Offsets ending before T (a packed tail: tokens of no sequence, as a device cu_seqlens may have):
+    the kept A and g_cum_log2 laid out for the caller are the backend's prepare products on those
+    offsets, and the split backward reading them as they are gives the unsplit fp64 gradients."""
+    T, K, L = 700, 32, 128
+    d = make_gdn_inputs(1, T, 1, 2, K, K, dtype=torch.float64, seed=31)
+    cu = torch.tensor([0, 300, 300, 301, 600], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(32)
+    h0 = torch.randn(4, 2, K, K, generator=gen, dtype=torch.float64)
+    do = torch.randn(d["v"].shape, generator=gen, dtype=torch.float64)
+    dht = torch.randn(4, 2, K, K, generator=gen, dtype=torch.float64)
+    tab = build_segment_tables(cu, L, T=T)
+    be = ReferenceCPBackend()
+    _, _, _, _, info = cp_forward(be, d["q"], d["k"], d["v"], d["g"], d["beta"], K**-0.5, h0, True, cu, tab,
+                                  block_v=None, want_info=False, keep_for_backward=True)
+    saved = info.saved
+    A_ref, G_ref = be.prepare(d["k"], d["g"], d["beta"], cu, 2)
+    A_seq, G_seq = saved_products_in_sequence_slots(saved, cu, 1, T, 2)
+    assert torch.equal(A_seq, A_ref) and torch.equal(G_seq, G_ref)
+    got = cp_backward(be, d["q"], d["k"], d["v"], d["g"], d["beta"], saved.A, saved.g_cum_log2, do, dht, K**-0.5, h0,
+                      cu, tab, block_v=None, saved=saved)
+    want = be.bwd(d["q"], d["k"], d["v"], d["g"], d["beta"], A_ref, G_ref, do, dht, K**-0.5, h0, cu)
+    for a, b in zip(got, want):
+        assert float((a - b).norm() / b.norm()) < 1e-12
+    for t in got[:5]:  # the tail's tokens belong to no sequence: zero gradients
+        assert not t[:, 600:].any()
+
+
+def _public_grads(x, hooks=None, edit=None, retain=False):
+    """Gradients of every input through `flashqla.chunk_gated_delta_rule(cp="on")`, under the given
+    saved-tensor hooks; edit(cu_seqlens) runs between the forward and the backward."""
+    import contextlib
+
+    import flashqla
+
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    leaves = {n: x[n].clone().requires_grad_(True) for n in names}
+    cu = x["cu_seqlens"].clone()
+    with torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext():
+        o, ht = flashqla.chunk_gated_delta_rule(*(leaves[n] for n in names[:5]), initial_state=leaves["initial_state"],
+                                                output_final_state=True, cu_seqlens=cu, cp="on")
+    gen = torch.Generator().manual_seed(5)
+    loss = ((o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum()
+            + (ht * torch.randn(ht.shape, generator=gen, dtype=ht.dtype)).sum())
+    if edit is not None:
+        edit(cu)
+    if retain:
+        first = torch.autograd.grad(loss, [leaves[n] for n in names], retain_graph=True)
+        second = torch.autograd.grad(loss, [leaves[n] for n in names])
+        return dict(zip(names, first)), dict(zip(names, second))
+    loss.backward()
+    return {n: t.grad for n, t in leaves.items()}
+
+
+def test_public_op_kept_states_under_copying_hooks(cpu_backend):
+    """Saved-tensor hooks that hand back copies (CPU offloading, `torch.autograd.graph.save_on_cpu` on
+    device tensors, does) give the backward a copy of cu_seqlens: the kept states are still used (no
+    recurrent launch in the backward) while the caller's offsets are unmodified since the forward,
+    with bitwise the gradients without hooks. Offsets edited in place after the forward are not
+    trusted: the backward then recomputes (here from the forward's offsets, which the hook copied)."""
+    x = make_gdn_inputs(B=1, T=400, H=1, HV=2, K=64, V=64, seqlens=[1, 0, 200, 199], seed=33)
+    plain = _public_grads(x)
+    assert [k for k, _ in cpu_backend.launches].count("recurrent") == 2
+    copying = (lambda t: t.clone(), lambda t: t.clone())
+    cpu_backend.launches.clear()
+    hooked = _public_grads(x, copying)
+    kinds = [k for k, _ in cpu_backend.launches]
+    assert kinds.count("recurrent") == 2 and kinds.count("bwd") == 1, kinds
+    for n in plain:
+        assert torch.equal(hooked[n], plain[n]), n
+    cpu_backend.launches.clear()
+    edited = _public_grads(x, copying, edit=lambda cu: cu.add_(0))  # the same values, a new version
+    assert [k for k, _ in cpu_backend.launches].count("recurrent") == 4
+    from flashqla.testing import rel_rms
+
+    for n in plain:
+        assert rel_rms(edited[n], plain[n]) < 1e-12, n
+
+
+def test_public_op_retain_graph_reads_the_kept_products_twice(cpu_backend):
+    """The split backward reads the kept A and g_cum_log2 as they are (no fresh gather a backward):
+    a second backward over the retained graph gives bitwise the first one's gradients."""
+    x = make_gdn_inputs(B=1, T=400, H=1, HV=2, K=64, V=64, seqlens=[1, 0, 200, 199], seed=34)
+    first, second = _public_grads(x, retain=True)
+    kinds = [k for k, _ in cpu_backend.launches]
+    assert kinds.count("recurrent") == 2 and kinds.count("bwd") == 2, kinds
+    for n in first:
+        assert torch.equal(first[n], second[n]), n
+
+
+def test_backward_names_products_of_another_layout():
+    """A and g_cum_log2 must have the caller's slot count (what the forward returns without keeping):
+    a kept forward's `CPSaved.A`, laid out over its segments (more slots), passed as A is refused
+    naming the argument, by the driver and by the public backward, before any work."""
+    from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
+
+    x = make_gdn_inputs(B=1, T=128, H=1, HV=2, K=64, V=64, seed=1)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    do = torch.zeros_like(x["v"])
+    good_A, good_G = torch.zeros(2, 128, 64, dtype=torch.float64), torch.zeros(2, 128, dtype=torch.float64)
+    bad_A, bad_G = torch.zeros(2, 192, 64, dtype=torch.float64), torch.zeros(2, 192, dtype=torch.float64)
+    for A, G, name in ((bad_A, good_G, "A"), (good_A, bad_G, "g_cum_log2")):
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            chunk_gated_delta_rule_cp_bwd(*args, A, G, do, cp="on", backend=ReferenceCPBackend())
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            chunk_gated_delta_rule_bwd(*args, A, G, do, cp="off")

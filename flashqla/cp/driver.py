@@ -59,7 +59,9 @@ transition launches and scan give S_in, P and U; GEMMs give E; a reverse scan gi
 unsplit backward (recompute states, fused chunk backward, finish) runs once over all segments as
 sequences, from initial states S_in and terminal gradients G, and yields every token's gradient and
 each first segment's dh0 (the sequence's). The forward's A and g_cum_log2 arrive in the caller's
-layout (what autograd saves) and are gathered into the segments' layout.
+layout (what the custom ops' autograd saves) and are gathered into the segments' layout, or, from a
+forward that kept its states over the same segments (`CPSaved.A`, `.g_cum_log2`: what the public
+op's eager autograd saves), already in the segments' layout and read as they are.
 
 Open sequence (`cp_forward_open`, `cp_backward_open`; exact; what `flashqla.distributed` runs per
 rank). Local sequence 0 may continue a sequence begun elsewhere: its entering state S_in is known only
@@ -1414,9 +1416,15 @@ def _split_tables(cu_seqlens, L: int, B: int, T: int, device):
     return segment_tables_device(cu_seqlens, L, T=T), None
 
 
-def _check_products(A, g_cum_log2, cp_saved) -> None:
+def _check_products(A, g_cum_log2, cp_saved, q=None, v=None, cu_seqlens=None) -> None:
     """A and g_cum_log2 both given, or both None with a cp_saved that carries them; ValueError naming
-    the argument otherwise."""
+    the argument otherwise. TypeError naming cp_saved when it is neither None nor a `CPSaved`. With q
+    and v, given A [HV, S * 64, 64] and g_cum_log2 [HV, S * 64] must have the caller's S =
+    `num_slots` of these inputs (a kept forward's `CPSaved.A`, in its segments' layout, has more
+    slots): ValueError naming the argument otherwise."""
+    if cp_saved is not None and not isinstance(cp_saved, CPSaved):
+        raise TypeError(f"cp_saved must be None or the forward's ChunkGDNForward.cp_saved (a CPSaved), "
+                        f"got {type(cp_saved).__name__}")
     if (A is None) != (g_cum_log2 is None):
         missing, given = ("A", "g_cum_log2") if A is None else ("g_cum_log2", "A")
         raise ValueError(f"{missing} is None but {given} is not: pass the forward's A and g_cum_log2 together, "
@@ -1424,6 +1432,17 @@ def _check_products(A, g_cum_log2, cp_saved) -> None:
     if A is None and cp_saved is None:
         raise ValueError("A is None and cp_saved is None: pass the forward's A and g_cum_log2 "
                          "(ChunkGDNForward.A, .g_cum_log2), or its cp_saved when they are None")
+    if A is not None and q is not None and v is not None:
+        from flashqla.ops.gdn.kernels.sm90._common import CHUNK, num_slots
+
+        B, T, HV = q.shape[0], q.shape[1], v.shape[2]
+        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        rows = num_slots(B, T, N, cu_seqlens is not None) * CHUNK
+        for name, x, shape in (("A", A, (HV, rows, CHUNK)), ("g_cum_log2", g_cum_log2, (HV, rows))):
+            if tuple(x.shape) != shape:
+                raise ValueError(f"{name} must be {list(shape)} (the forward's, in the slot layout of these inputs' "
+                                 f"cu_seqlens), got {list(x.shape)}; a kept forward's products travel in its "
+                                 "cp_saved: pass A=None and g_cum_log2=None with it")
 
 
 def saved_products_in_sequence_slots(saved: CPSaved, cu_seqlens, B: int, T: int, HV: int):
@@ -1510,11 +1529,12 @@ def chunk_gated_delta_rule_cp_bwd(
         else moved to the caller's layout first (`saved_products_in_sequence_slots`).
     Returns (dq, dk, dv, dg, dbeta, dh0 or None), the unsplit backward's dtypes.
     Raises ValueError for an unknown cp mode or a bad segment_len, for exactly one of A, g_cum_log2
-    None (naming it), for A None without cp_saved (naming A), and for A None with a cp_saved of a
-    forward of other sizes.
+    None (naming it), for A None without cp_saved (naming A), for A or g_cum_log2 not of these
+    inputs' slot count (naming it), and for A None with a cp_saved of a forward of other sizes;
+    TypeError for a cp_saved that is neither None nor a `CPSaved`.
     """
     cutoff = resolve_truncate(truncate)  # checked on every path, split or not
-    _check_products(A, g_cum_log2, cp_saved)
+    _check_products(A, g_cum_log2, cp_saved, q, v, cu_seqlens)
     if backend is None:
         backend = _default_backend()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)

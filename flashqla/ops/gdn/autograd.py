@@ -26,6 +26,7 @@ The L2 normalisation of q and k (`use_qk_l2norm_in_kernel`) happens before these
 differentiable torch (`flashqla.ops.gdn.api._l2norm`), so its gradient comes from autograd.
 """
 
+import weakref
 from typing import Optional
 
 import torch
@@ -219,18 +220,29 @@ class GDNEagerFunction(torch.autograd.Function):
         ctx.scale, ctx.output_final_state, ctx.cp, ctx.max_seqlen = scale, output_final_state, cp, max_seqlen
         ctx.seqlens = seqlens
         ctx.kept_meta = None if kept is None else kept[:6]  # the CPSaved fields before the tensors
+        # the caller's offsets, not through the hooks: whether they are unmodified since this forward
+        ctx.cu_ref = None if kept is None or cu_seqlens is None else weakref.ref(cu_seqlens)
         final_state = f.final_state if f.final_state is not None else q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
         return f.o, final_state
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dht):
-        from flashqla.cp.driver import CPSaved
+        from flashqla.cp.driver import CPSaved, _cu_key
         from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
 
         q, k, v, g, beta, A, g_cum_log2, initial_state, cu_seqlens, *extra = ctx.saved_tensors
         do, dht = _cotangents(ctx, q, v, do, dht)
-        saved = CPSaved(*ctx.kept_meta, *extra) if ctx.kept_meta is not None else None
+        saved = None
+        if ctx.kept_meta is not None:
+            meta = ctx.kept_meta
+            orig = ctx.cu_ref() if ctx.cu_ref is not None else None
+            if orig is not None and orig is not cu_seqlens and _cu_key(orig) == meta[5]:
+                # a saved-tensor hook (CPU offloading) handed back a copy of offsets the caller has not
+                # modified since the forward: its values are the forward's, so the kept states apply
+                # to it (the driver otherwise tells them apart by storage and version, and recomputes)
+                meta = (*meta[:5], _cu_key(cu_seqlens))
+            saved = CPSaved(*meta, *extra)
         grads = chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, g_cum_log2, do.contiguous(), dht, ctx.scale,
                                            initial_state, cu_seqlens, cp=ctx.cp, max_seqlen=ctx.max_seqlen,
                                            cp_saved=saved, seqlens=ctx.seqlens)

@@ -62,8 +62,9 @@ def chunk_gated_delta_rule_bwd(
 
     Raises:
         TypeError: cp_saved neither None nor a `CPSaved`. ValueError: an unknown cp mode; exactly one
-        of A, g_cum_log2 None (naming it); A None without cp_saved (naming A); A None with a
-        cp_saved kept by a forward of other sizes.
+        of A, g_cum_log2 None (naming it); A None without cp_saved (naming A); A or g_cum_log2 not
+        of these inputs' slot count (naming it: e.g. a kept forward's `CPSaved.A`, whose layout is
+        its segments'); A None with a cp_saved kept by a forward of other sizes.
 
     Source: `reference.gdn.fused_bwd.fused_gated_delta_rule_bwd` (records BWD-*, NOTES-bwd.md).
     """
@@ -81,7 +82,7 @@ def chunk_gated_delta_rule_bwd(
     if cp_saved is not None and not isinstance(cp_saved, CPSaved):
         raise TypeError(f"cp_saved must be None or the forward's ChunkGDNForward.cp_saved (a CPSaved), "
                         f"got {type(cp_saved).__name__}")
-    _check_products(A, g_cum_log2, cp_saved)
+    _check_products(A, g_cum_log2, cp_saved, q, v, cu_seqlens)
     if cp != "off":
         from flashqla.cp.driver import chunk_gated_delta_rule_cp_bwd, cp_splits
 
