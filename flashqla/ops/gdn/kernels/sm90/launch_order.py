@@ -2,9 +2,10 @@
 
 `_common.launch_order` gives the backward's chain kernels the sequences of a packed batch sorted by
 length, longest first, ties in token order: the stable descending argsort of len_n = cu[n + 1] - cu[n].
-As torch ops that is a subtraction, a radix sort and a cast, 12-17 us inside a CUDA graph on the H200,
-paid on every split backward whose plan launches its segments longest first. `longest_first_order`
-computes the same permutation with one TileLang launch.
+As torch ops that is a subtraction, a radix sort and a cast: 12-17 us inside a CUDA graph on the H200
+on every split backward whose plan launched its segments longest first, before this kernel.
+`longest_first_order` computes the same permutation with one TileLang launch (1.8-2.9 us for up to
+1000 sequences; the table in NOTES-bwd.md).
 
 Kernel (`gdn_launch_order`): every sequence i counts its rank
     r_i = #{j : len_j > len_i} + #{j < i : len_j == len_i},
