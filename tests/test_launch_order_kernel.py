@@ -15,11 +15,7 @@
 The same comparison on an H200: tests/gpu/test_cp_kernels_gpu.py (test_launch_order_kernel_*).
 """
 
-import ctypes
-import os
 import re
-import shutil
-import subprocess
 import tempfile
 
 import pytest
@@ -28,10 +24,8 @@ import torch
 from flashqla.ops.gdn.kernels.sm90 import _common
 from flashqla.ops.gdn.kernels.sm90 import launch_order as lo
 
-HAVE_NVCC = shutil.which("nvcc") is not None
-needs_nvcc = pytest.mark.skipif(not HAVE_NVCC, reason="compiling for sm_90a needs nvcc (the CUDA toolkit) on PATH")
-CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-needs_cxx = pytest.mark.skipif(CXX is None, reason="running the generated source on the host needs a C++ compiler")
+from tests import host_cuda
+from tests.host_cuda import CXX, HAVE_NVCC, needs_cxx, needs_nvcc
 
 
 def offsets(lengths, dtype=torch.int64, lead=0):
@@ -202,70 +196,16 @@ def test_registered_for_precompilation(monkeypatch):
 # the generated source run on the host
 # --------------------------------------------------------------------------------------------
 
-_PRELUDE = r"""
-#include <barrier>
-#include <cstdint>
-#include <thread>
-#include <vector>
-typedef unsigned char uchar;
-struct tl_host_dim3 { unsigned int x, y, z; };
-static thread_local tl_host_dim3 blockIdx, threadIdx;
-static std::barrier<>* tl_host_bar;
-alignas(1024) static unsigned char tl_host_smem[48 * 1024];
-#define __global__
-#define __launch_bounds__(...)
-#define __syncthreads() tl_host_bar->arrive_and_wait()
-"""
-
-
-class HostKernel:
-    """The kernel's generated CUDA source built for the host. A call runs the launch grid CTA after
-    CTA, each CTA as `block` host threads that meet at a `std::barrier` where the source has
-    `__syncthreads()`, the dynamic shared memory one static buffer: the staging and its barriers run as
-    on the GPU."""
-
-    def __init__(self, src: str, workdir: str, tag: str):
-        m = re.search(r"__launch_bounds__\((\d+), \d+\) (\w+)\(([^)]*)\)\s*\{", src)
-        assert m, "kernel definition not found"
-        self.threads, name, params = int(m.group(1)), m.group(2), m.group(3)
-        self.params = []
-        for p in params.split(","):
-            p = p.strip()
-            self.params.append((re.findall(r"\w+", p)[-1], "*" in p))
-        body = "\n".join(line for line in src.splitlines() if not line.lstrip().startswith("#include"))
-        body, n = re.subn(r"extern __shared__ __align__\(\d+\) (\w+) (\w+)\[\];",
-                          r"\1* \2 = reinterpret_cast<\1*>(tl_host_smem);", body)
-        assert n == 1, "one dynamic shared buffer expected"
-        names = ", ".join(p[0] for p in self.params)
-        runner = (f'\nextern "C" void tl_host_run(unsigned int grid, unsigned int block, {params}) {{\n'
-                  "  std::barrier<> bar(block);\n  tl_host_bar = &bar;\n  std::vector<std::thread> threads;\n"
-                  "  for (unsigned int t = 0; t < block; ++t)\n    threads.emplace_back([&, t] {\n"
-                  "      for (unsigned int b = 0; b < grid; ++b) {\n"
-                  f"        blockIdx.x = b; threadIdx.x = t; {name}({names});\n"
-                  "        bar.arrive_and_wait();  // the CTA ends before the next one takes the buffer\n"
-                  "      }\n    });\n  for (auto& th : threads) th.join();\n}\n")
-        cpp = os.path.join(workdir, f"{tag}.cpp")
-        so = os.path.join(workdir, f"{tag}.so")
-        with open(cpp, "w") as f:
-            f.write(_PRELUDE + body + runner)
-        subprocess.run([CXX, "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-w", "-o", so, cpp], check=True,
-                       capture_output=True, text=True)
-        self.lib = ctypes.CDLL(so)
-        self.fn = self.lib.tl_host_run
-        self.fn.argtypes = [ctypes.c_uint, ctypes.c_uint] + [ctypes.c_void_p if ptr else ctypes.c_int
-                                                             for _, ptr in self.params]
-        self.fn.restype = None
-        self.launches = 0
+class HostKernel(host_cuda.HostKernel):
+    """The rank kernel's generated source on the host: CTA after CTA, each CTA as host threads meeting
+    at a real barrier where the source has `__syncthreads()`, so the staging and its barriers run as on
+    the GPU; the output poisoned first (every element must be written)."""
 
     def __call__(self, cu, order):
-        assert cu.is_contiguous() and order.is_contiguous() and cu.device.type == order.device.type == "cpu"
         assert order.dtype == torch.int32 and order.shape[0] == cu.shape[0] - 1 >= 1
-        order.fill_(-7)  # poison: every element must be written
-        tensors = dict(cu=cu, order=order)
-        sizes = dict(N=order.shape[0], Np1=cu.shape[0])
-        args = [tensors[n].data_ptr() if ptr else sizes[n] for n, ptr in self.params]
-        self.fn(-(-order.shape[0] // lo.SEQS), self.threads, *args)  # the launch grid: ceil(N / SEQS) CTAs
-        self.launches += 1
+        order.fill_(-7)
+        # the launch grid: ceil(N / SEQS) CTAs
+        self.launch(-(-order.shape[0] // lo.SEQS), dict(cu=cu, order=order), dict(N=order.shape[0], Np1=cu.shape[0]))
 
 
 @pytest.fixture(scope="module")

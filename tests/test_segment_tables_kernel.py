@@ -12,11 +12,6 @@
 The same comparison on an H200, CUDA graphs and timings: tests/gpu/segment_tables_check.py.
 """
 
-import ctypes
-import os
-import re
-import shutil
-import subprocess
 import tempfile
 
 import pytest
@@ -25,10 +20,8 @@ import torch
 from flashqla.cp.planner import SegmentTables, build_segment_tables
 from flashqla.cp import tables_kernel as tk
 
-HAVE_NVCC = shutil.which("nvcc") is not None
-needs_nvcc = pytest.mark.skipif(not HAVE_NVCC, reason="compiling for sm_90a needs nvcc (the CUDA toolkit) on PATH")
-CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-needs_cxx = pytest.mark.skipif(CXX is None, reason="running the generated source on the host needs a C++ compiler")
+from tests import host_cuda
+from tests.host_cuda import CXX, HAVE_NVCC, needs_cxx, needs_nvcc
 
 FIELDS = ("cu_seqlens", "seq", "index", "start", "end", "valid", "first", "last", "prev", "h0_index",
           "need_transition", "need_correction", "seq_first", "seq_num", "seq_last")
@@ -108,55 +101,12 @@ def test_kernel_rejects_other_dtypes():
 # the generated source run on the host
 # --------------------------------------------------------------------------------------------
 
-_PRELUDE = r"""
-#include <cstdint>
-#include <type_traits>
-typedef unsigned char uchar;
-struct tl_host_dim3 { unsigned int x, y, z; };
-static tl_host_dim3 blockIdx, threadIdx;
-#define __global__
-#define __launch_bounds__(...)
-#define __restrict__
-template <class A, class B> static inline typename std::common_type<A, B>::type min(A a, B b) { return a < b ? a : b; }
-template <class A, class B> static inline typename std::common_type<A, B>::type max(A a, B b) { return a < b ? b : a; }
-"""
-
-
-class HostKernel:
-    """The kernel's generated CUDA source built for the host: calling it runs every (block, thread)
-    of the launch grid in turn, with the arguments a TileLang launch would bind (tensor pointers and
-    the dynamic sizes read from the shapes)."""
-
-    def __init__(self, src: str, workdir: str, tag: str):
-        m = re.search(r"__launch_bounds__\((\d+), \d+\) (\w+)\(([^)]*)\)\s*\{", src)
-        assert m, "kernel definition not found"
-        self.threads, name, params = int(m.group(1)), m.group(2), m.group(3)
-        self.params = []
-        for p in params.split(","):
-            p = p.strip()
-            self.params.append((re.findall(r"\w+", p)[-1], "*" in p, "int64_t" in p and "*" not in p))
-        body = "\n".join(line for line in src.splitlines() if not line.lstrip().startswith("#include"))
-        names = ", ".join(p[0] for p in self.params)
-        runner = (f'\nextern "C" void tl_host_run(unsigned int grid, unsigned int block, {params}) {{\n'
-                  "  for (unsigned int b = 0; b < grid; ++b)\n    for (unsigned int t = 0; t < block; ++t) {\n"
-                  f"      blockIdx.x = b; threadIdx.x = t; {name}({names});\n    }}\n}}\n")
-        cpp = os.path.join(workdir, f"{tag}.cpp")
-        so = os.path.join(workdir, f"{tag}.so")
-        with open(cpp, "w") as f:
-            f.write(_PRELUDE + body + runner)
-        subprocess.run([CXX, "-std=c++17", "-O1", "-shared", "-fPIC", "-w", "-o", so, cpp], check=True,
-                       capture_output=True, text=True)
-        self.lib = ctypes.CDLL(so)
-        self.fn = self.lib.tl_host_run
-        self.fn.argtypes = [ctypes.c_uint, ctypes.c_uint] + [
-            ctypes.c_void_p if ptr else (ctypes.c_int64 if wide else ctypes.c_int) for _, ptr, wide in self.params]
-        self.fn.restype = None
-        self.launches = 0
+class HostKernel(host_cuda.HostKernel):
+    """The tables kernel's generated source on the host, with the arguments a TileLang launch would
+    bind (tensor pointers and the dynamic sizes read from the shapes); every buffer poisoned first."""
 
     def __call__(self, cu, L, pseudo, slot_tab, flag_tab, seq_tab):
         tensors = dict(cu_seqlens=cu, pseudo=pseudo, slot_tab=slot_tab, flag_tab=flag_tab, seq_tab=seq_tab)
-        for t in tensors.values():
-            assert t.is_contiguous() and t.device.type == "cpu"
         assert pseudo.dtype == cu.dtype and slot_tab.dtype == seq_tab.dtype == torch.int64 and flag_tab.dtype == torch.uint8
         assert slot_tab.shape[0] == 6 and flag_tab.shape == (5, slot_tab.shape[1]) and seq_tab.shape[0] == 3
         assert slot_tab.shape[1] >= pseudo.shape[0] - 1 and seq_tab.shape[1] >= cu.shape[0] - 1
@@ -166,10 +116,7 @@ class HostKernel:
         flag_tab.fill_(0xA5)
         seq_tab.fill_(-0x66666666)
         sizes = dict(L=int(L), Np1=cu.shape[0], Mp1=pseudo.shape[0], MS=slot_tab.shape[1], NS=seq_tab.shape[1])
-        args = [tensors[n].data_ptr() if ptr else sizes[n] for n, ptr, _ in self.params]
-        grid = -(-pseudo.shape[0] // self.threads)
-        self.fn(grid, self.threads, *args)
-        self.launches += 1
+        self.launch(-(-pseudo.shape[0] // self.threads), tensors, sizes)
 
 
 @pytest.fixture(scope="module")

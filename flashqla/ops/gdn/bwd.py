@@ -77,12 +77,9 @@ def chunk_gated_delta_rule_bwd(
 
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     cp = cp_mode(cp)
-    from flashqla.cp.driver import CPSaved, _check_products
+    from flashqla.cp.driver import _check_products
 
-    if cp_saved is not None and not isinstance(cp_saved, CPSaved):
-        raise TypeError(f"cp_saved must be None or the forward's ChunkGDNForward.cp_saved (a CPSaved), "
-                        f"got {type(cp_saved).__name__}")
-    _check_products(A, g_cum_log2, cp_saved, q, v, cu_seqlens)
+    _check_products(A, g_cum_log2, cp_saved, q, v, cu_seqlens)  # cp_saved's type too
     if cp != "off":
         from flashqla.cp.driver import chunk_gated_delta_rule_cp_bwd, cp_splits
 
