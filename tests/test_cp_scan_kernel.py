@@ -275,3 +275,20 @@ def test_cp_relayout_specs_and_cpu_path():
     for base, n in ((0, 2), (100 // 64 + 2, 4)):
         assert torch.equal(A2[:, base * 64:(base + n) * 64], A[:, base * 64:(base + n) * 64])
     assert not A2[:, 2 * 64:3 * 64].any()
+
+
+def test_scan_limit_arguments_checked():
+    """`cp_scan(limit=...)` needs the slots' token ranges and a [M, HV] limit; each mistake is a
+    ValueError naming what is wrong, raised before anything is built or launched."""
+    from flashqla.ops.gdn.kernels.sm90.cp_scan import cp_scan
+
+    M, HV, K = 3, 2, 8
+    P, Q = torch.zeros(M, HV, K, K), torch.zeros(M, HV, K, K)
+    first, num = torch.zeros(1, dtype=torch.int64), torch.full((1,), M, dtype=torch.int64)
+    start, end = torch.tensor([0, 64, 128]), torch.tensor([64, 128, 150])
+    with pytest.raises(ValueError, match="seg_start and seg_end"):
+        cp_scan(P, Q, first, num, limit=torch.zeros(M, HV, dtype=torch.int32))
+    with pytest.raises(ValueError, match="limit must have shape"):
+        cp_scan(P, Q, first, num, limit=torch.zeros(M, 1, dtype=torch.int32), seg_start=start, seg_end=end)
+    with pytest.raises(ValueError, match="seg_start and seg_end must have shape"):
+        cp_scan(P, Q, first, num, limit=torch.zeros(M, HV, dtype=torch.int32), seg_start=start[:2], seg_end=end)

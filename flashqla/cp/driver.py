@@ -704,7 +704,7 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
         limit = transition_limits(G2, tab, cutoff)
         o, Q, U, P = _run_and_transition(backend, qf, kf, vf, A, G2, scale, h0_run, limit, tab, pcu, block_v, o_buf,
                                          cutoff is not None)
-        S_in, final = scan_segment_states(P, Q, tab, T, h0, first_from_h0=True)
+        S_in, final = scan_segment_states(P, Q, tab, T, h0, first_from_h0=True, limit=limit)
         # 4. correction
         if correction == "rerun":
             o, _ = _recurrent(backend, qf, kf, vf, A, G2, scale, S_in.contiguous(), False, pcu, block_v, None)
@@ -1011,10 +1011,10 @@ def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float,
         limit = transition_limits(g_cum_log2, tab, cutoff)
         _, Q, U, P = _run_and_transition(backend, qf, kf, vf, A, g_cum_log2, scale, h0_run, limit, tab, pcu, block_v,
                                          None, cutoff is not None)
-        S_in, _ = scan_segment_states(P, Q, tab, T, h0, first_from_h0=True)
+        S_in, _ = scan_segment_states(P, Q, tab, T, h0, first_from_h0=True, limit=limit)
     E = _state_grads_from_outputs(U, dof, tab, total, L, one_sequence, key, limit=limit)
     D = None if dht is None else dht.to(E.dtype)
-    G = scan_segment_grads(P.to(E.dtype), E, tab, T, D).to(sd)
+    G = scan_segment_grads(P.to(E.dtype), E, tab, T, D, limit=limit).to(sd)
     dq, dk, dv, dg, dbeta, dh0s = backend.bwd(qf, kf, vf, gf, bf, A, g_cum_log2, dof, G.contiguous(), scale,
                                               S_in.to(sd).contiguous(), pcu, order=_segment_order(pcu, N, longest_first))
     dh0 = None

@@ -65,7 +65,7 @@ ROW_BLOCK = None
 
 
 def scan_segment_states(P: torch.Tensor, Q: torch.Tensor, tables: SegmentTables, T: int, initial_state=None,
-                        first_from_h0: bool = False, row_block: int | None = -1):
+                        first_from_h0: bool = False, row_block: int | None = -1, limit: torch.Tensor | None = None):
     """The exact state entering every segment slot and every sequence's final state.
 
     Args:
@@ -74,7 +74,10 @@ def scan_segment_states(P: torch.Tensor, Q: torch.Tensor, tables: SegmentTables,
             first slots when first_from_h0); tables: `build_segment_tables`; T: tokens per row (the
             shape-only bound ceil(T / L) on segments per sequence); initial_state: None or
             [N, HV, K, V]; first_from_h0: see the module docstring; row_block: the one-sequence scan's
-            row-block height (-1: ROW_BLOCK; None: whole products; must divide K).
+            row-block height (-1: ROW_BLOCK; None: whole products; must divide K); limit: None or
+            [M, HV] the chunks each transition walked (`flashqla.cp.driver.transition_limits`): the
+            sm_90 scan kernel skips the product of a step whose P the cut set to 0 (`cp_scan`; the
+            same values), the torch paths ignore it.
     Returns:
         (S_start [M, HV, K, V] (the entering state of each valid slot, zeros on inert slots),
         final_state [N, HV, K, V] (initial state, or zeros, for an empty sequence)) in Q's dtype.
@@ -85,7 +88,7 @@ def scan_segment_states(P: torch.Tensor, Q: torch.Tensor, tables: SegmentTables,
         from flashqla.ops.gdn.kernels.sm90.cp_scan import cp_scan
 
         h0 = None if initial_state is None else initial_state.to(torch.float32)
-        return cp_scan(P, Q, tables.seq_first, tables.seq_num, h0, skip_first=first_from_h0)
+        return cp_scan(P, Q, tables.seq_first, tables.seq_num, h0, skip_first=first_from_h0, **_limits(limit, tables))
     if N == 1:
         return _scan_one_sequence(P, Q, tables, T, initial_state, first_from_h0, ROW_BLOCK if row_block == -1 else row_block)
     S = Q.new_zeros(N, HV, K, V) if initial_state is None else initial_state.to(Q.dtype).clone()
@@ -182,7 +185,15 @@ def scan_open_states(P: torch.Tensor, Q: torch.Tensor, tables: SegmentTables, T:
     return starts, final, A[:J], P_open
 
 
-def scan_segment_grads(P: torch.Tensor, E: torch.Tensor, tables: SegmentTables, T: int, dht=None):
+def _limits(limit, tables: SegmentTables) -> dict:
+    """`cp_scan`'s cut arguments: none, or the walked chunks and the slots' token ranges."""
+    if limit is None:
+        return {}
+    return {"limit": limit, "seg_start": tables.start, "seg_end": tables.end}
+
+
+def scan_segment_grads(P: torch.Tensor, E: torch.Tensor, tables: SegmentTables, T: int, dht=None,
+                       limit: torch.Tensor | None = None):
     """The reverse combine scan of the CP backward: the gradient reaching each segment's end state.
 
     With S_in(j + 1) = P_j S_in(j) + Q_j, the loss's gradient with respect to a segment's entering
@@ -193,7 +204,8 @@ def scan_segment_grads(P: torch.Tensor, E: torch.Tensor, tables: SegmentTables, 
 
     Args:
         P: [M, HV, K, K] transitions (read on valid non-first slots); E: [M, HV, K, V] (read on valid
-            non-first slots); tables: `build_segment_tables`; T: tokens per row; dht: None or [N, HV, K, V].
+            non-first slots); tables: `build_segment_tables`; T: tokens per row; dht: None or [N, HV, K, V];
+            limit: as `scan_segment_states`.
     Returns:
         G [M, HV, K, V] in E's dtype: the gradient reaching each valid slot's end state (zeros on inert
         slots).
@@ -204,7 +216,7 @@ def scan_segment_grads(P: torch.Tensor, E: torch.Tensor, tables: SegmentTables, 
         from flashqla.ops.gdn.kernels.sm90.cp_scan import cp_scan
 
         D0 = None if dht is None else dht.to(torch.float32)
-        return cp_scan(P, E, tables.seq_first, tables.seq_num, D0, reverse=True)[0]
+        return cp_scan(P, E, tables.seq_first, tables.seq_num, D0, reverse=True, **_limits(limit, tables))[0]
     J = min(tables.max_segments_per_sequence(T), M) if M else 0
     G = E.new_zeros(M + 1, HV, K, V)
     D = E.new_zeros(N, HV, K, V) if dht is None else dht.to(E.dtype)

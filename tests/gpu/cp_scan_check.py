@@ -13,7 +13,9 @@ what they save (FLASHQLA_CP_SCAN=torch turns the scans and the token kernels off
    the same tables: o within 8e-3 (one bf16 rounding), E within 1e-3, rows of no corrected slot
    untouched, E zero on unflagged slots.
    The scan kernel's variants (`cp_scan.VARIANTS`) against the default one: every output bit for
-   bit, forward and reverse, and each one's time.
+   bit, forward and reverse, and each one's time. The scan given the gate-driven cut's limits
+   (skipping the products of dropped transitions) against the same scan reading the zero P: bit
+   for bit.
 2. Times (CUDA graphs, median): the scan alone, kernel and torch, on the benchmark's split shapes;
    and, unless --no-op, the forward and backward (`chunk_gated_delta_rule_fwd` / `_bwd`, cp auto)
    with each scan.
@@ -191,6 +193,54 @@ def compare_variants(out):
     return ok
 
 
+def compare_cut(out):
+    """The scan told which transitions the gate-driven cut dropped (`cp_scan(limit=...)`: it skips their
+    products) against the scan reading those zero P: every output bit for bit, in every variant,
+    forward (h0 with and without first segments from it, none) and reverse (dht, none), with limits
+    that cut some slots, none (exact walks) and every one; and the time of each."""
+    from flashqla.ops.gdn.kernels.sm90.cp_scan import VARIANTS, cp_scan
+
+    dev = "cuda"
+    gen = torch.Generator().manual_seed(4)
+    rows, ok = [], True
+    for name, (HV, lengths, T, L) in CASES.items():
+        tab = _tables(lengths, T, L, dev, gen)
+        M, N, K = tab.M, tab.N, 128
+        nchunks = ((tab.end - tab.start + 63) // 64).cpu()
+        for cut in ("some", "none", "all"):
+            if cut == "some":  # a random number of walked chunks, 0 .. all, per (slot, head)
+                lim = (torch.rand(M, HV, generator=gen) * (nchunks[:, None] + 1).double()).floor().to(torch.int32)
+            elif cut == "none":
+                lim = nchunks[:, None].expand(M, HV).to(torch.int32)
+            else:
+                lim = torch.zeros(M, HV, dtype=torch.int32)
+            lim = lim.to(dev).contiguous()
+            live = lim.to(torch.int64) >= ((tab.end - tab.start + 63) // 64)[:, None]
+            P = (torch.randn(M, HV, K, K, generator=gen) * (0.9 / K**0.5)).to(dev)
+            P = torch.where(live[:, :, None, None], P, P.new_zeros(()))  # what the transition launch stores
+            Q = torch.randn(M, HV, K, K, generator=gen).to(dev)
+            h0 = torch.randn(N, HV, K, K, generator=gen).to(dev)
+            cells = []
+            for label, kw in (("fwd h0 skip", dict(init=h0, skip_first=True)), ("fwd h0", dict(init=h0)),
+                              ("fwd", dict()), ("rev dht", dict(init=h0, reverse=True)), ("rev", dict(reverse=True))):
+                for v in VARIANTS:
+                    base = cp_scan(P, Q, tab.seq_first, tab.seq_num, variant=v, **kw)
+                    got = cp_scan(P, Q, tab.seq_first, tab.seq_num, variant=v, limit=lim, seg_start=tab.start,
+                                  seg_end=tab.end, **kw)
+                    same = all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, base))
+                    ok &= same
+                    if not same:
+                        cells.append(f"{label} {v} DIFFERS")
+            call = lambda lim=lim: cp_scan(P, Q, tab.seq_first, tab.seq_num, reverse=True, init=h0,  # noqa: E731
+                                           **({} if lim is None else dict(limit=lim, seg_start=tab.start, seg_end=tab.end)))
+            cells.append(f"rev us: {time_graph(lambda: call(None)) * 1e3:.1f} without, "
+                         f"{time_graph(lambda: call(lim)) * 1e3:.1f} with the limits; live {int(live.sum())}/{M * HV}")
+            rows.append((name, f"cut {cut}", "; ".join(cells)))
+            print(rows[-1], flush=True)
+    out["cut"] = rows
+    return ok
+
+
 def time_scans(out):
     dev = "cuda"
     gen = torch.Generator().manual_seed(1)
@@ -252,6 +302,7 @@ def main(argv=None) -> int:
     ok = check_values(out)
     ok &= check_token_kernels(out)
     ok &= compare_variants(out)
+    ok &= compare_cut(out)
     time_scans(out)
     if not a.no_op:
         time_op(out)
@@ -265,6 +316,9 @@ def main(argv=None) -> int:
         for r in out["op_ms"]:
             print("  ", " | ".join(r))
     for r in out["token_kernels"]:
+        print("  ", " | ".join(r))
+    print("scan with the cut's limits (DIFFERS: not bitwise the scan reading the zero P)")
+    for r in out["cut"]:
         print("  ", " | ".join(r))
     print("scan variants (CUDA graphs, median; DIFFERS: not bitwise the default)")
     for r in out["variants"]:

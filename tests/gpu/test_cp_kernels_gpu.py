@@ -164,6 +164,14 @@ def test_scan_variants_bitwise_equal():
     assert cp_scan_check.compare_variants(out), [r for r in out["variants"] if "DIFFERS" in r[2]]
 
 
+def test_scan_with_cut_limits_bitwise_equal():
+    """The scan told which transitions the gate-driven cut dropped skips their products and gives the
+    bits of the scan reading the zero P, in every variant, forward and reverse, with some, none and
+    every transition cut (tests/gpu/cp_scan_check.py `compare_cut`)."""
+    out = {}
+    assert cp_scan_check.compare_cut(out), [r for r in out["cut"] if "DIFFERS" in r[2]]
+
+
 def test_correction_over_slot_ranges_equals_one_launch(monkeypatch):
     """`cp_correct` launches once per range of slots when M * HV passes the grid's y limit: with the
     limit lowered (so that a small case takes 2-7 launches) the result is bitwise the one launch's,

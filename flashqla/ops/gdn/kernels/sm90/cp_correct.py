@@ -37,6 +37,11 @@ from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, tl_dtyp
 __all__ = ["build_cp_correct_kernel", "build_cp_state_grads_kernel", "cp_correct", "cp_state_grads"]
 
 
+#: Pipeline depth of the segment state-gradient kernel: 64-row tiles of U and do in flight (32 KB a
+#: stage at K = V = 128). One CTA walks a slot's walked tiles alone, and a head whose gates do not decay
+#: walks all L / 64 of them: the walk is bound by the loads' latency, so more stages go faster.
+STATE_GRAD_STAGES = 4
+
 #: 64-row tiles of one slot one CTA of the output correction handles (a slot's tiles are spread over
 #: ceil(tiles / TG) CTAs, so the launch does not wait on one CTA walking a whole long segment).
 TG = 8
@@ -120,15 +125,17 @@ def _state_grads_prim_func(HV: int, K: int, V: int, dtype: str, seq_dtype: str):
             # warp-specialised branches, after a test placed before the pipelined loop
             if limit[slot, hv] > 0:
                 T.clear(acc)
-                for it in T.Pipelined(T.min(T.ceildiv(end - start, C), limit[slot, hv]), num_stages=2):
+                for it in T.Pipelined(T.min(T.ceildiv(end - start, C), limit[slot, hv]), num_stages=STATE_GRAD_STAGES):
                     t0 = start + it * C
                     T.copy(U[0, t0 : t0 + C, hv, 0:K], u_s)
                     T.copy(do[0, t0 : t0 + C, hv, 0:V], d_s)
-                    # rows past the segment's end (the next slot's tokens) contribute zero; the
-                    # update reads every element, so the pipeliner waits for the tile's TMA load first
-                    for r, j in T.Parallel(C, K):
-                        u_s[r, j] = T.if_then_else(t0 + r < end, u_s[r, j], T.cast(0, dtype))
-                    T.fence_proxy_async()
+                    # rows past the segment's end (the next slot's tokens) contribute zero: only a
+                    # slot's last tile can hold such rows, so only it is rewritten (the others go
+                    # from their TMA load straight to the wgmma)
+                    if t0 + C > end:
+                        for r, j in T.Parallel(C, K):
+                            u_s[r, j] = T.if_then_else(t0 + r < end, u_s[r, j], T.cast(0, dtype))
+                        T.fence_proxy_async()
                     T.gemm(u_s, d_s, acc, transpose_A=True)
                 for i, j in T.Parallel(K, V):
                     E[slot, hv, i, j] = acc[i, j]

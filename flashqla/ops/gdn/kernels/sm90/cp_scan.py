@@ -35,7 +35,7 @@ import os
 
 import torch
 
-from flashqla.ops.gdn.kernels.sm90._common import compile_kernel, placeholder
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, placeholder
 
 __all__ = ["build_cp_scan_kernel", "cp_scan", "scan_slice_width"]
 
@@ -55,6 +55,8 @@ def _cp_scan_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool):
     M = T.dynamic("M")
     N = T.dynamic("N")
     N0 = T.dynamic("N0")
+    ML = T.dynamic("ML")  # rows of limit / seg_start / seg_end: M, or 1 (placeholders) without a cut
+    C = CHUNK  # tokens a chunk (limit counts chunks)
 
     @T.prim_func
     def gdn_cp_scan(
@@ -67,12 +69,17 @@ def _cp_scan_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool):
         skip_first: T.int32,
         starts: T.Tensor((M, HV, K, V), "float32"),
         final: T.Tensor((N, HV, K, V), "float32"),
+        limit: T.Tensor((ML, HV), "int32"),
+        seg_start: T.Tensor((ML,), "int64"),
+        seg_end: T.Tensor((ML,), "int64"),
+        use_limit: T.int32,
     ):
         with T.Kernel(NB * HV * N, threads=THREADS) as (bx,):
             ib = bx % NB
             hv = (bx // NB) % HV
             n = bx // (NB * HV)
             c0 = ib * BS
+            lv = T.alloc_var("int32")
             # rows padded by one word: the FMA loop reads a column of P (forward) or a row (reverse)
             # across 16 rows per warp; a stride of K + 1 words puts them in distinct banks
             p_s = T.alloc_shared((K, K + 1), "float32")
@@ -100,16 +107,23 @@ def _cp_scan_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool):
                         for i, j in T.Parallel(K, BS):
                             s_s[i, j] = Q[slot, hv, i, c0 + j]
                 else:
-                    for i, j in T.Parallel(K, K):
-                        p_s[i, j] = P[slot, hv, i, j]
+                    # a transition the gate-driven cut dropped is 0: the step is Q (or E) alone
+                    lv = 1
+                    if use_limit != 0:
+                        if limit[slot, hv] * C < T.cast(seg_end[slot] - seg_start[slot], "int32"):
+                            lv = 0
+                    if lv != 0:
+                        for i, j in T.Parallel(K, K):
+                            p_s[i, j] = P[slot, hv, i, j]
                     for i, j in T.Parallel(K, BS):
                         acc[i, j] = Q[slot, hv, i, c0 + j]
-                    for kk in T.serial(K):
-                        for i, j in T.Parallel(K, BS):
-                            if reverse:
-                                acc[i, j] += p_s[kk, i] * s_s[kk, j]
-                            else:
-                                acc[i, j] += p_s[i, kk] * s_s[kk, j]
+                    if lv != 0:
+                        for kk in T.serial(K):
+                            for i, j in T.Parallel(K, BS):
+                                if reverse:
+                                    acc[i, j] += p_s[kk, i] * s_s[kk, j]
+                                else:
+                                    acc[i, j] += p_s[i, kk] * s_s[kk, j]
                     T.copy(acc, s_s)
             if not reverse:
                 for i, j in T.Parallel(K, BS):
@@ -131,6 +145,8 @@ def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool)
     M = T.dynamic("M")
     N = T.dynamic("N")
     N0 = T.dynamic("N0")
+    ML = T.dynamic("ML")  # rows of limit / seg_start / seg_end: M, or 1 (placeholders) without a cut
+    C = CHUNK  # tokens a chunk (limit counts chunks)
     # a half of P: forward P[:, half] (K rows of HK), reverse P[half, :] (HK rows of K), padded rows
     PR, PC = (HK, K) if reverse else (K, HK)
 
@@ -150,6 +166,10 @@ def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool)
         skip_first: T.int32,
         starts: T.Tensor((M, HV, K, V), "float32"),
         final: T.Tensor((N, HV, K, V), "float32"),
+        limit: T.Tensor((ML, HV), "int32"),
+        seg_start: T.Tensor((ML,), "int64"),
+        seg_end: T.Tensor((ML,), "int64"),
+        use_limit: T.int32,
     ):
         with T.Kernel(NB * HV * N, threads=THREADS) as (bx,):
             ib = bx % NB
@@ -164,6 +184,8 @@ def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool)
             first = T.alloc_var("int32")
             slot = T.alloc_var("int32")
             nxt = T.alloc_var("int32")
+            lv = T.alloc_var("int32")  # 1: this step's P is live (not dropped by the cut)
+            lvn = T.alloc_var("int32")  # the same for the next step's
             nseg = T.cast(seq_num[n], "int32")
             first = T.cast(seq_first[n], "int32")
 
@@ -177,14 +199,19 @@ def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool)
             # copy, so that the waits count the same groups on every path
             if nseg > 0:
                 slot = first + (nseg - 1 if reverse else 0)
-                if (nseg > 1) if reverse else (skip_first == 0):
+                lvn = 1
+                if use_limit != 0:
+                    if limit[slot, hv] * C < T.cast(seg_end[slot] - seg_start[slot], "int32"):
+                        lvn = 0
+                if ((nseg > 1) if reverse else (skip_first == 0)) and lvn != 0:
                     T.async_copy(half(P, slot, hv, 0), p_s[0, 0:PR, 0:PC])
                 else:
                     T.ptx_commit_group()
                 T.async_copy(Q[slot, hv, 0:K, c0 : c0 + BS], q_s)
             for jj in T.serial(nseg):
                 slot = first + (nseg - 1 - jj if reverse else jj)
-                if (jj == nseg - 1) if reverse else (jj == 0 and skip_first != 0):
+                lv = lvn
+                if ((jj == nseg - 1) if reverse else (jj == 0 and skip_first != 0)) or lv == 0:
                     T.ptx_commit_group()
                 else:
                     T.async_copy(half(P, slot, hv, 1), p_s[1, 0:PR, 0:PC])
@@ -198,16 +225,22 @@ def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool)
                 if not skip:
                     for i, j in T.Parallel(K, BS):
                         acc[i, j] = q_s[i, j]
-                    for kk in T.serial(HK):
-                        for i, j in T.Parallel(K, BS):
-                            if reverse:
-                                acc[i, j] += p_s[0, kk, i] * s_s[kk, j]
-                            else:
-                                acc[i, j] += p_s[0, i, kk] * s_s[kk, j]
+                    # a transition the gate-driven cut dropped is 0: the step is Q (or E) alone
+                    if lv != 0:
+                        for kk in T.serial(HK):
+                            for i, j in T.Parallel(K, BS):
+                                if reverse:
+                                    acc[i, j] += p_s[0, kk, i] * s_s[kk, j]
+                                else:
+                                    acc[i, j] += p_s[0, i, kk] * s_s[kk, j]
                 T.sync_threads()  # buffer 0 and q_s read
                 if jj + 1 < nseg:
                     nxt = first + (nseg - 2 - jj if reverse else jj + 1)
-                    if reverse and jj + 1 == nseg - 1:
+                    lvn = 1
+                    if use_limit != 0:
+                        if limit[nxt, hv] * C < T.cast(seg_end[nxt] - seg_start[nxt], "int32"):
+                            lvn = 0
+                    if (reverse and jj + 1 == nseg - 1) or lvn == 0:
                         T.ptx_commit_group()
                     else:
                         T.async_copy(half(P, nxt, hv, 0), p_s[0, 0:PR, 0:PC])
@@ -217,12 +250,13 @@ def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool)
                     T.ptx_wait_group(0)
                 T.sync_threads()
                 if not skip:
-                    for kk in T.serial(HK):
-                        for i, j in T.Parallel(K, BS):
-                            if reverse:
-                                acc[i, j] += p_s[1, kk, i] * s_s[HK + kk, j]
-                            else:
-                                acc[i, j] += p_s[1, i, kk] * s_s[HK + kk, j]
+                    if lv != 0:
+                        for kk in T.serial(HK):
+                            for i, j in T.Parallel(K, BS):
+                                if reverse:
+                                    acc[i, j] += p_s[1, kk, i] * s_s[HK + kk, j]
+                                else:
+                                    acc[i, j] += p_s[1, i, kk] * s_s[HK + kk, j]
                 T.sync_threads()  # every read of s_s and buffer 1 done
                 if skip:
                     if not reverse:
@@ -275,7 +309,9 @@ def _build_cp_scan_kernel(HV: int, K: int, V: int, reverse: bool, variant: str):
 
 
 def cp_scan(P: torch.Tensor, Q: torch.Tensor, seq_first: torch.Tensor, seq_num: torch.Tensor, init=None, *,
-            reverse: bool = False, skip_first: bool = False, want_final: bool = True, variant: str | None = None):
+            reverse: bool = False, skip_first: bool = False, want_final: bool = True, variant: str | None = None,
+            limit: torch.Tensor | None = None, seg_start: torch.Tensor | None = None,
+            seg_end: torch.Tensor | None = None):
     """Launches the scan.
 
     Args:
@@ -285,13 +321,30 @@ def cp_scan(P: torch.Tensor, Q: torch.Tensor, seq_first: torch.Tensor, seq_num: 
             reverse: the backward's transposed, last-to-first scan; skip_first: forward only, the
             first segment of each sequence already ran from h0 (its Q is its end state). variant: a
             name of `VARIANTS` (None: DEFAULT_VARIANT; the same results).
+        limit: None, or [M, HV] int32, the chunks each slot's transition walked
+            (`flashqla.cp.driver.transition_limits`), with seg_start, seg_end [M] int64 (the slots'
+            token ranges, `SegmentTables.start` / `.end`): a step whose transition walked fewer chunks
+            than its slot has is taken as P = 0 (what the transition launch stored there: records
+            CP-4 / CP-6), so it reads no P and sums nothing: the step is Q (E) alone, the same value
+            as the full product with a zero P. Where the gates decay, that is every head but the
+            few that do not (g == 0 heads walk every chunk).
     Returns:
         (starts [M, HV, K, V] fp32, zeros on slots of no sequence, final [N, HV, K, V] fp32 or None).
+    Raises:
+        ValueError: limit without seg_start / seg_end, or of a shape other than [M, HV].
     """
     variant = _resolve_variant(variant)
     M, HV, K, V = Q.shape
     N = seq_num.shape[0]
     dev = Q.device
+    if limit is not None:
+        if seg_start is None or seg_end is None:
+            raise ValueError("limit needs seg_start and seg_end (the slots' token ranges)")
+        if tuple(limit.shape) != (M, HV):
+            raise ValueError(f"limit must have shape {(M, HV)}, got {tuple(limit.shape)}")
+        if tuple(seg_start.shape) != (M,) or tuple(seg_end.shape) != (M,):
+            raise ValueError(f"seg_start and seg_end must have shape {(M,)}, got {tuple(seg_start.shape)} and "
+                             f"{tuple(seg_end.shape)}")
     starts = torch.zeros_like(Q)
     final = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if (want_final and not reverse) else None
     if M == 0 or N == 0:
@@ -303,6 +356,11 @@ def cp_scan(P: torch.Tensor, Q: torch.Tensor, seq_first: torch.Tensor, seq_num: 
     kernel = build_cp_scan_kernel(HV, K, V, bool(reverse), variant)
     h0 = init.contiguous() if init is not None else placeholder((1, HV, K, V), torch.float32, dev)
     fin = final if final is not None else torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)  # not written
+    if limit is None:
+        lim = placeholder((1, HV), torch.int32, dev)
+        s0 = e0 = placeholder((1,), torch.int64, dev)
+    else:
+        lim, s0, e0 = limit.to(torch.int32).contiguous(), seg_start.to(torch.int64), seg_end.to(torch.int64)
     kernel(P.contiguous(), Q.contiguous(), h0, seq_first.contiguous(), seq_num.contiguous(), int(init is not None),
-           int(skip_first), starts, fin)
+           int(skip_first), starts, fin, lim, s0.contiguous(), e0.contiguous(), int(limit is not None))
     return starts, final
