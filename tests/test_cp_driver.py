@@ -390,3 +390,20 @@ def test_driver_reads_no_tensor_value(seqlens, mode):
     assert out.o.shape == v.shape and out.final_state.shape == h0.shape
     assert info.tables.M == num_segment_slots(T, N, 256)
     assert be.launches[0] == "prepare" and len(be.launches) == (4 if mode.get("correction") == "rerun" else 3)
+
+
+def test_backward_side_stream_switch(monkeypatch):
+    """The split backward's side stream (`driver._overlap_applies`): never for CPU tensors or another
+    backend, off with $FLASHQLA_CP_BWD_OVERLAP=0, and a clear error naming the variable for anything
+    but "0" / "1" (the overlap itself is checked bitwise on the GPU, tests/gpu/test_cp_gpu.py)."""
+    from flashqla.cp import driver
+
+    x = torch.zeros(1)
+    be = driver.Sm90Backend()
+    monkeypatch.delenv(driver.OVERLAP_ENV, raising=False)
+    assert not driver._overlap_applies(be, x)  # a CPU tensor
+    monkeypatch.setenv(driver.OVERLAP_ENV, "0")
+    assert not driver._overlap_applies(be, x)
+    monkeypatch.setenv(driver.OVERLAP_ENV, "yes")
+    with pytest.raises(ValueError, match="FLASHQLA_CP_BWD_OVERLAP"):
+        driver._overlap_applies(be, x)

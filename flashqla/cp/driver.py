@@ -231,7 +231,9 @@ class Sm90Backend:
             order=None):
         """The unsplit backward's launches (`flashqla.ops.gdn.bwd`), called directly so that a CP
         decision placed in `chunk_gated_delta_rule_bwd` is not taken again on the segments; order:
-        the segments' launch order (`_common.launch_order`) or None."""
+        the segments' launch order (`_common.launch_order`) or None. dht: None, a tensor, or a
+        callable returning one, called once the states pass (which does not read dht) is launched:
+        `cp_backward` computes the segments' terminal gradients on a side stream meanwhile."""
         from flashqla.ops.gdn.bwd import _build_once
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_fused_bwd
         from flashqla.ops.gdn.kernels.sm90.finish_bwd import chunk_finish_bwd
@@ -240,6 +242,8 @@ class Sm90Backend:
         _build_once(q, v, beta, cu_seqlens, h_dtype)
         q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
         h = chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype, order=order)
+        if callable(dht):
+            dht = dht()
         dq_hv, dk_hv, dv, dbeta, dG, dh0 = chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens,
                                                            order=order)
         dq, dk, dg = chunk_finish_bwd(dG, dq_hv, dk_hv, cu_seqlens, q.shape[2], q.dtype)
@@ -965,6 +969,49 @@ def _state_grads_from_outputs(U, do, tab: SegmentTables, total: int, L: int, one
     return E.index_copy(0, sel, Es)[:M]
 
 
+#: Environment variable: "0" makes the split backward compute the segments' terminal gradients (E and
+#: the reverse scan) on the caller's stream before the states pass, instead of on a side stream beside
+#: it (the default, "1"; the same results). Read per call.
+OVERLAP_ENV = "FLASHQLA_CP_BWD_OVERLAP"
+_side_streams: dict = {}
+
+
+def _overlap_applies(backend, x: torch.Tensor) -> bool:
+    """Whether `cp_backward` runs steps 2-3 beside the states pass: on CUDA tensors, with a backend whose
+    `bwd` takes dht as a callable (`Sm90Backend`), unless $FLASHQLA_CP_BWD_OVERLAP is "0". ValueError
+    naming the variable for a value other than "0" / "1"."""
+    want = os.environ.get(OVERLAP_ENV, "1")
+    if want not in ("0", "1"):
+        raise ValueError(f"${OVERLAP_ENV} must be '0' or '1', got {want!r}")
+    return want == "1" and x.is_cuda and isinstance(backend, Sm90Backend)
+
+
+def _on_side_stream(fn, like: torch.Tensor, inputs):
+    """Runs fn() on this device's side stream after the work queued so far on the current stream, and
+    returns a callable that makes the current stream wait for it and returns fn's tensor (for
+    `Sm90Backend.bwd`'s dht). The inputs (tensors or None) are marked as in use by the side stream, the
+    result as in use by the current one, so the caching allocator reuses neither early."""
+    dev = like.device
+    key = (dev.type, dev.index if dev.index is not None else torch.cuda.current_device())
+    side = _side_streams.get(key)
+    if side is None:
+        side = _side_streams[key] = torch.cuda.Stream(device=dev)
+    main = torch.cuda.current_stream(dev)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        out = fn()
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            x.record_stream(side)
+
+    def join():
+        main.wait_stream(side)
+        out.record_stream(main)
+        return out
+
+    return join
+
+
 def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float, initial_state, cu_seqlens,
                 tables: SegmentTables, *, block_v: int, static_key=None, truncate=False, saved: CPSaved | None = None,
                 longest_first: bool = False):
@@ -1012,10 +1059,15 @@ def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float,
         _, Q, U, P = _run_and_transition(backend, qf, kf, vf, A, g_cum_log2, scale, h0_run, limit, tab, pcu, block_v,
                                          None, cutoff is not None)
         S_in, _ = scan_segment_states(P, Q, tab, T, h0, first_from_h0=True, limit=limit)
-    E = _state_grads_from_outputs(U, dof, tab, total, L, one_sequence, key, limit=limit)
-    D = None if dht is None else dht.to(E.dtype)
-    G = scan_segment_grads(P.to(E.dtype), E, tab, T, D, limit=limit).to(sd)
-    dq, dk, dv, dg, dbeta, dh0s = backend.bwd(qf, kf, vf, gf, bf, A, g_cum_log2, dof, G.contiguous(), scale,
+    def terminal_grads():  # steps 2 and 3
+        E = _state_grads_from_outputs(U, dof, tab, total, L, one_sequence, key, limit=limit)
+        D = None if dht is None else dht.to(E.dtype)
+        return scan_segment_grads(P.to(E.dtype), E, tab, T, D, limit=limit).to(sd).contiguous()
+
+    # steps 2 and 3 read neither the states pass's inputs nor its outputs: on a side stream they run
+    # while it does (a joined fork, so CUDA graphs capture it); the chunk backward waits for them
+    G = _on_side_stream(terminal_grads, qf, (U, dof, P, limit, dht)) if _overlap_applies(backend, qf) else terminal_grads()
+    dq, dk, dv, dg, dbeta, dh0s = backend.bwd(qf, kf, vf, gf, bf, A, g_cum_log2, dof, G, scale,
                                               S_in.to(sd).contiguous(), pcu, order=_segment_order(pcu, N, longest_first))
     dh0 = None
     if initial_state is not None:
