@@ -292,3 +292,41 @@ def test_scan_limit_arguments_checked():
         cp_scan(P, Q, first, num, limit=torch.zeros(M, 1, dtype=torch.int32), seg_start=start, seg_end=end)
     with pytest.raises(ValueError, match="seg_start and seg_end must have shape"):
         cp_scan(P, Q, first, num, limit=torch.zeros(M, HV, dtype=torch.int32), seg_start=start[:2], seg_end=end)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("HV,reverse,width", [(8, False, 4), (8, True, 4), (32, False, 8), (32, True, 8)])
+def test_cp_scan_ahead_variant_compiles(HV, reverse, width):
+    """Variant "ahead": the next step's whole P (padded rows) and Q reach shared memory by cp.async
+    while a step sums, one copy group each a step (the wait leaves the next step's two pending);
+    CUDA cores only, no spills, within one CTA's shared memory."""
+    from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
+    from flashqla.ops.gdn.kernels.sm90.cp_scan import build_cp_scan_kernel
+
+    kernel = build_cp_scan_kernel(HV, 128, 128, reverse, "ahead", None, width)
+    src = kernel.get_kernel_source()
+    assert "cp_async_wait<2>" in src and "* 129)" in src
+    assert "mma" not in src
+    rep = ptxas_report(kernel)
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    assert rep["dynamic_smem"] <= 227 * 1024, rep
+
+
+def test_scan_choice_and_specs(monkeypatch):
+    """`scan_choice`: "ahead" with narrow slices only for a cut over few sequences (4 value columns up
+    to 16 value heads, 8 above), the default otherwise and whenever $FLASHQLA_CP_SCAN_VARIANT is set;
+    the op's kernel list builds the scans a cut call launches, both directions."""
+    from flashqla.ops.gdn.kernels.sm90 import op_kernel_specs
+    from flashqla.ops.gdn.kernels.sm90 import cp_scan as cs
+
+    monkeypatch.delenv("FLASHQLA_CP_SCAN_VARIANT", raising=False)
+    assert cs.scan_choice(8, 1, True) == ("ahead", 4)
+    assert cs.scan_choice(16, cs.FEW_SEQUENCES, True) == ("ahead", 4)
+    assert cs.scan_choice(32, 2, True) == ("ahead", 8)
+    assert cs.scan_choice(8, 1, False) == (cs.DEFAULT_VARIANT, None)
+    assert cs.scan_choice(8, cs.FEW_SEQUENCES + 1, True) == (cs.DEFAULT_VARIANT, None)
+    monkeypatch.setenv("FLASHQLA_CP_SCAN_VARIANT", "smem")
+    assert cs.scan_choice(8, 1, True) == (cs.DEFAULT_VARIANT, None)
+    monkeypatch.delenv("FLASHQLA_CP_SCAN_VARIANT")
+    scans = [a for k, a in op_kernel_specs(4, 8, backward=True) if k == "cp_scan"]
+    assert (8, 128, 128, False, "ahead", None, 4) in scans and (8, 128, 128, True, "ahead", None, 4) in scans, scans

@@ -708,7 +708,8 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
         limit = transition_limits(G2, tab, cutoff)
         o, Q, U, P = _run_and_transition(backend, qf, kf, vf, A, G2, scale, h0_run, limit, tab, pcu, block_v, o_buf,
                                          cutoff is not None)
-        S_in, final = scan_segment_states(P, Q, tab, T, h0, first_from_h0=True, limit=limit)
+        # (the scan skips the products the cut dropped; exact transitions have none to skip)
+        S_in, final = scan_segment_states(P, Q, tab, T, h0, first_from_h0=True, limit=_cut(limit, cutoff))
         # 4. correction
         if correction == "rerun":
             o, _ = _recurrent(backend, qf, kf, vf, A, G2, scale, S_in.contiguous(), False, pcu, block_v, None)
@@ -976,6 +977,12 @@ OVERLAP_ENV = "FLASHQLA_CP_BWD_OVERLAP"
 _side_streams: dict = {}
 
 
+def _cut(limit, cutoff):
+    """The limits the combine scans take (`scan_segment_states(limit=...)`): the transitions' walked
+    chunks under the gate-driven cut, None for exact transitions (nothing dropped to skip)."""
+    return None if cutoff is None else limit
+
+
 def _overlap_applies(backend, x: torch.Tensor) -> bool:
     """Whether `cp_backward` runs steps 2-3 beside the states pass: on CUDA tensors, with a backend whose
     `bwd` takes dht as a callable (`Sm90Backend`), unless $FLASHQLA_CP_BWD_OVERLAP is "0". ValueError
@@ -1058,11 +1065,11 @@ def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float,
         limit = transition_limits(g_cum_log2, tab, cutoff)
         _, Q, U, P = _run_and_transition(backend, qf, kf, vf, A, g_cum_log2, scale, h0_run, limit, tab, pcu, block_v,
                                          None, cutoff is not None)
-        S_in, _ = scan_segment_states(P, Q, tab, T, h0, first_from_h0=True, limit=limit)
+        S_in, _ = scan_segment_states(P, Q, tab, T, h0, first_from_h0=True, limit=_cut(limit, cutoff))
     def terminal_grads():  # steps 2 and 3
         E = _state_grads_from_outputs(U, dof, tab, total, L, one_sequence, key, limit=limit)
         D = None if dht is None else dht.to(E.dtype)
-        return scan_segment_grads(P.to(E.dtype), E, tab, T, D, limit=limit).to(sd).contiguous()
+        return scan_segment_grads(P.to(E.dtype), E, tab, T, D, limit=_cut(limit, cutoff)).to(sd).contiguous()
 
     # steps 2 and 3 read neither the states pass's inputs nor its outputs: on a side stream they run
     # while it does (a joined fork, so CUDA graphs capture it); the chunk backward waits for them

@@ -241,6 +241,55 @@ def compare_cut(out):
     return ok
 
 
+#: (variant, threads, slice width, contraction unrolling) of the scan measured by `compare_shapes`
+#: (None: the default width; unrolling as `cp_scan._kk_loop`: 1 none, 0 full, n by n)
+SHAPES = (("prefetch", 128, None, 1), ("smem", 128, None, 1), ("ahead", 128, None, 1), ("ahead", 128, 8, 1),
+          ("ahead", 128, 4, 1), ("ahead", 128, None, 0))
+
+
+def compare_shapes(out):
+    """The scan's variants and CTA shapes (`SHAPES`: threads and value columns a CTA) on the split backward's
+    situation: one sequence, the gate-driven cut leaving only value head 0 (g == 0) live, forward and
+    reverse: bitwise the default shape's outputs, and each one's time (CUDA graphs)."""
+    from flashqla.ops.gdn.kernels.sm90.cp_scan import cp_scan, scan_slice_width
+
+    dev = "cuda"
+    gen = torch.Generator().manual_seed(5)
+    rows, ok = [], True
+    for name, HV, T, L in (("4/8 1x8192 L512", 8, 8192, 512), ("4/8 1x32768 L2048", 8, 32768, 2048),
+                           ("8/16 1x8192 L1024", 16, 8192, 1024), ("16/32 1x8192 L2048", 32, 8192, 2048)):
+        tab = _tables([T], T, L, dev, gen)
+        M, N, K = tab.M, tab.N, 128
+        nch = ((tab.end - tab.start + 63) // 64).to(torch.int32)
+        lim = torch.zeros(M, HV, dtype=torch.int32, device=dev)
+        lim[:, 0] = nch  # head 0 walks every chunk; the others are cut after one
+        lim[:, 1:] = torch.clamp(nch, max=1)[:, None]
+        lim = torch.where(tab.need_correction[:, None], lim, torch.zeros_like(lim)).contiguous()
+        live = lim.to(torch.int64) >= ((tab.end - tab.start + 63) // 64)[:, None]
+        P = (torch.randn(M, HV, K, K, generator=gen) * (0.9 / K**0.5)).to(dev)
+        P = torch.where(live[:, :, None, None], P, P.new_zeros(()))
+        Q = torch.randn(M, HV, K, K, generator=gen).to(dev)
+        h0 = torch.randn(N, HV, K, K, generator=gen).to(dev)
+        cut = dict(limit=lim, seg_start=tab.start, seg_end=tab.end)
+        for label, kw in (("fwd", dict(init=h0, skip_first=True)), ("rev", dict(init=h0, reverse=True))):
+            base = cp_scan(P, Q, tab.seq_first, tab.seq_num, **cut, **kw)
+            cells = []
+            for var, th, bs, ur in SHAPES:
+                if bs is not None and bs == scan_slice_width(HV):
+                    continue
+                call = lambda var=var, th=th, bs=bs, ur=ur: cp_scan(  # noqa: E731
+                    P, Q, tab.seq_first, tab.seq_num, variant=var, threads=th, slice_width=bs, unroll=ur, **cut, **kw)
+                got = call()
+                same = all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, base))
+                ok &= same
+                cells.append(f"{var}/t{th}/bs{bs or scan_slice_width(HV)}/u{ur} {time_graph(call) * 1e3:.1f}"
+                             + ("" if same else " DIFFERS"))
+            rows.append((name, label, ", ".join(cells)))
+            print(rows[-1], flush=True)
+    out["shapes"] = rows
+    return ok
+
+
 def time_scans(out):
     dev = "cuda"
     gen = torch.Generator().manual_seed(1)

@@ -133,6 +133,15 @@ def precompile(specs, max_workers: int | None = None) -> None:
         _build(*s)
 
 
+def _few_sequence_scan(HV: int, K: int, V: int, reverse: bool) -> tuple:
+    """The `build_cp_scan_kernel` arguments of the scan a cut call over few sequences launches
+    (`cp_scan.scan_choice`)."""
+    from flashqla.ops.gdn.kernels.sm90.cp_scan import scan_choice
+
+    variant, width = scan_choice(HV, 1, True)
+    return (HV, K, V, reverse, variant, None, width)
+
+
 def op_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype: str = "bfloat16",
                     beta_dtype: str = "float32", seq_dtype: str = "int32", backward: bool = True,
                     h_dtype: str = "bfloat16", block_v: int | None = None, K: int = 128, V: int = 128,
@@ -161,6 +170,7 @@ TileLang."""
         ("prepare", (H, HV, K, dtype, beta_dtype, seq_dtype, varlen, DEFAULT_VARIANT)),
         ("recurrent", (H, HV, K, V, BV, dtype, seq_dtype, varlen, resolve_schedule(None, BV))),
         ("cp_scan", (HV, K, V, False)),
+        ("cp_scan", _few_sequence_scan(HV, K, V, False)),
         ("cp_correct", (HV, K, V, dtype, seq_dtype if varlen else "int32")),
     ]
     if varlen:
@@ -203,6 +213,7 @@ TileLang."""
             specs.append(("gva_reduce", (H, HV, K, dtype) + (() if qk_in == "float32" else (qk_in,))))
         specs += [
             ("cp_scan", (HV, K, V, True)),
+            ("cp_scan", _few_sequence_scan(HV, K, V, True)),
             ("cp_state_grads", (HV, K, V, dtype, seq_dtype if varlen else "int32")),
         ]
         # the longest-first launch order (`_common.launch_order`): of a packed batch's sequences

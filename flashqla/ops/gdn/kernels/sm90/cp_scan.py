@@ -40,6 +40,8 @@ from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, placeho
 __all__ = ["build_cp_scan_kernel", "cp_scan", "scan_slice_width"]
 
 THREADS = 128
+#: The contraction loop's unrolling by default (`_kk_loop`: 1 a plain loop).
+KK_UNROLL = 1
 
 
 def scan_slice_width(HV: int) -> int:
@@ -48,8 +50,23 @@ def scan_slice_width(HV: int) -> int:
     return 8 if HV <= 8 else 16
 
 
-def _cp_scan_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool):
+def _kk_loop(unroll: int):
+    """The contraction loop over k: 1 a plain loop, 0 fully unrolled, n > 1 unrolled n at a time (the
+    same FMAs in the same order, so the same bits; the unrolled loop lets the shared-memory loads of
+    later k go out before the earlier FMAs retire)."""
     import tilelang.language as T
+
+    if unroll == 1:
+        return T.serial
+    if unroll == 0:
+        return T.unroll
+    return lambda n: T.unroll(n, annotations={"pragma_unroll_factor": unroll})
+
+
+def _cp_scan_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool, threads: int = THREADS, unroll: int = 1):
+    import tilelang.language as T
+
+    kk_loop = _kk_loop(unroll)
 
     NB = V // BS
     M = T.dynamic("M")
@@ -74,7 +91,7 @@ def _cp_scan_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool):
         seg_end: T.Tensor((ML,), "int64"),
         use_limit: T.int32,
     ):
-        with T.Kernel(NB * HV * N, threads=THREADS) as (bx,):
+        with T.Kernel(NB * HV * N, threads=threads) as (bx,):
             ib = bx % NB
             hv = (bx // NB) % HV
             n = bx // (NB * HV)
@@ -118,7 +135,7 @@ def _cp_scan_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool):
                     for i, j in T.Parallel(K, BS):
                         acc[i, j] = Q[slot, hv, i, c0 + j]
                     if lv != 0:
-                        for kk in T.serial(K):
+                        for kk in kk_loop(K):
                             for i, j in T.Parallel(K, BS):
                                 if reverse:
                                     acc[i, j] += p_s[kk, i] * s_s[kk, j]
@@ -132,7 +149,8 @@ def _cp_scan_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool):
     return gdn_cp_scan
 
 
-def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool):
+def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool, threads: int = THREADS,
+                                unroll: int = 1):
     """Variant "prefetch": the first variant's FMA loop and thread layout, with P and Q copied into
     shared memory by cp.async one half of P ahead. Each step contracts over k in two halves (k < K / 2,
     then the rest: the same FMA order, so the same bits); half 1 of a step loads while half 0 is
@@ -140,6 +158,7 @@ def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool)
     padded by one word as before) keep two CTAs an SM."""
     import tilelang.language as T
 
+    kk_loop = _kk_loop(unroll)
     NB = V // BS
     HK = K // 2
     M = T.dynamic("M")
@@ -171,7 +190,7 @@ def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool)
         seg_end: T.Tensor((ML,), "int64"),
         use_limit: T.int32,
     ):
-        with T.Kernel(NB * HV * N, threads=THREADS) as (bx,):
+        with T.Kernel(NB * HV * N, threads=threads) as (bx,):
             ib = bx % NB
             hv = (bx // NB) % HV
             n = bx // (NB * HV)
@@ -227,7 +246,7 @@ def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool)
                         acc[i, j] = q_s[i, j]
                     # a transition the gate-driven cut dropped is 0: the step is Q (or E) alone
                     if lv != 0:
-                        for kk in T.serial(HK):
+                        for kk in kk_loop(HK):
                             for i, j in T.Parallel(K, BS):
                                 if reverse:
                                     acc[i, j] += p_s[0, kk, i] * s_s[kk, j]
@@ -251,7 +270,7 @@ def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool)
                 T.sync_threads()
                 if not skip:
                     if lv != 0:
-                        for kk in T.serial(HK):
+                        for kk in kk_loop(HK):
                             for i, j in T.Parallel(K, BS):
                                 if reverse:
                                     acc[i, j] += p_s[1, kk, i] * s_s[HK + kk, j]
@@ -272,14 +291,169 @@ def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool)
     return gdn_cp_scan
 
 
-#: Scan kernel variants: "smem" (P staged in padded shared rows by the threads) and "prefetch" (the
-#: same sums, P and Q copied by cp.async half a step ahead). Both give the same bits (H200,
+def _cp_scan_ahead_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool, threads: int = THREADS,
+                             unroll: int = 1):
+    """Variant "ahead": the FMA loop and thread layout of the others, with the next step's whole P and Q
+    copied into shared memory by cp.async while this step sums (two buffers of P with rows padded by
+    one word, two of Q: one CTA an SM). One copy group a step (P or nothing, then Q), so every wait
+    counts the same groups. The contraction runs over k in order: the same bits as the others."""
+    import tilelang.language as T
+
+    kk_loop = _kk_loop(unroll)
+    NB = V // BS
+    M = T.dynamic("M")
+    N = T.dynamic("N")
+    N0 = T.dynamic("N0")
+    ML = T.dynamic("ML")  # rows of limit / seg_start / seg_end: M, or 1 (placeholders) without a cut
+    C = CHUNK  # tokens a chunk (limit counts chunks)
+
+    @T.prim_func
+    def gdn_cp_scan(
+        P: T.Tensor((M, HV, K, K), "float32"),
+        Q: T.Tensor((M, HV, K, V), "float32"),
+        h0: T.Tensor((N0, HV, K, V), "float32"),
+        seq_first: T.Tensor((N,), "int64"),
+        seq_num: T.Tensor((N,), "int64"),
+        use_h0: T.int32,
+        skip_first: T.int32,
+        starts: T.Tensor((M, HV, K, V), "float32"),
+        final: T.Tensor((N, HV, K, V), "float32"),
+        limit: T.Tensor((ML, HV), "int32"),
+        seg_start: T.Tensor((ML,), "int64"),
+        seg_end: T.Tensor((ML,), "int64"),
+        use_limit: T.int32,
+    ):
+        with T.Kernel(NB * HV * N, threads=threads) as (bx,):
+            ib = bx % NB
+            hv = (bx // NB) % HV
+            n = bx // (NB * HV)
+            c0 = ib * BS
+            p_s = T.alloc_shared((2, K, K + 1), "float32")
+            q_s = T.alloc_shared((2, K, BS), "float32")
+            s_s = T.alloc_shared((K, BS), "float32")
+            acc = T.alloc_fragment((K, BS), "float32")
+            nseg = T.alloc_var("int32")
+            first = T.alloc_var("int32")
+            slot = T.alloc_var("int32")
+            nxt = T.alloc_var("int32")
+            lv = T.alloc_var("int32")  # 1: this step's P is live (not dropped by the cut)
+            lvn = T.alloc_var("int32")  # the same for the next step's
+            lim1 = T.alloc_var("int32")  # the next step's walked chunks and slot length, read a step
+            len1 = T.alloc_var("int32")  # early so that no step waits on their loads
+            nseg = T.cast(seq_num[n], "int32")
+            first = T.cast(seq_first[n], "int32")
+            lim1 = 0
+            len1 = 0
+
+            if use_h0 != 0:
+                for i, j in T.Parallel(K, BS):
+                    s_s[i, j] = h0[n, hv, i, c0 + j]
+            else:
+                for i, j in T.Parallel(K, BS):
+                    s_s[i, j] = T.float32(0)
+            # step 0's P (where it is read) and Q into buffer 0
+            lvn = 1
+            if nseg > 0:
+                slot = first + (nseg - 1 if reverse else 0)
+                if use_limit != 0:
+                    if limit[slot, hv] * C < T.cast(seg_end[slot] - seg_start[slot], "int32"):
+                        lvn = 0
+                if ((nseg > 1) if reverse else (skip_first == 0)) and lvn != 0:
+                    T.async_copy(P[slot, hv, 0:K, 0:K], p_s[0, 0:K, 0:K])
+                else:
+                    T.ptx_commit_group()
+                T.async_copy(Q[slot, hv, 0:K, c0 : c0 + BS], q_s[0, 0:K, 0:BS])
+                if use_limit != 0:
+                    if nseg > 1:
+                        nxt = first + (nseg - 2 if reverse else 1)
+                        lim1 = limit[nxt, hv]
+                        len1 = T.cast(seg_end[nxt] - seg_start[nxt], "int32")
+            for jj in T.serial(nseg):
+                slot = first + (nseg - 1 - jj if reverse else jj)
+                lv = lvn
+                # the next step's P and Q into the other buffers (read by the step before this one,
+                # which ended on a barrier)
+                if jj + 1 < nseg:
+                    nxt = first + (nseg - 2 - jj if reverse else jj + 1)
+                    lvn = 1
+                    if use_limit != 0:
+                        if lim1 * C < len1:
+                            lvn = 0
+                        if jj + 2 < nseg:  # the step after next's, used a step from now
+                            lim1 = limit[first + (nseg - 3 - jj if reverse else jj + 2), hv]
+                            len1 = T.cast(seg_end[first + (nseg - 3 - jj if reverse else jj + 2)]
+                                          - seg_start[first + (nseg - 3 - jj if reverse else jj + 2)], "int32")
+                    if (reverse and jj + 1 == nseg - 1) or lvn == 0:
+                        T.ptx_commit_group()
+                    else:
+                        T.async_copy(P[nxt, hv, 0:K, 0:K], p_s[(jj + 1) % 2, 0:K, 0:K])
+                    T.async_copy(Q[nxt, hv, 0:K, c0 : c0 + BS], q_s[(jj + 1) % 2, 0:K, 0:BS])
+                else:
+                    T.ptx_commit_group()
+                    T.ptx_commit_group()
+                T.ptx_wait_group(2)  # this step's P and Q
+                T.sync_threads()
+                for i, j in T.Parallel(K, BS):
+                    starts[slot, hv, i, c0 + j] = s_s[i, j]
+                # forward: a first segment run from h0 already holds its end state in Q;
+                # backward: the gradient leaving the first segment is not needed
+                skip = (jj == nseg - 1) if reverse else (jj == 0 and skip_first != 0)
+                if not skip:
+                    for i, j in T.Parallel(K, BS):
+                        acc[i, j] = q_s[jj % 2, i, j]
+                    # a transition the gate-driven cut dropped is 0: the step is Q (or E) alone
+                    if lv != 0:
+                        for kk in kk_loop(K):
+                            for i, j in T.Parallel(K, BS):
+                                if reverse:
+                                    acc[i, j] += p_s[jj % 2, kk, i] * s_s[kk, j]
+                                else:
+                                    acc[i, j] += p_s[jj % 2, i, kk] * s_s[kk, j]
+                T.sync_threads()  # every read of s_s done
+                if skip:
+                    if not reverse:
+                        for i, j in T.Parallel(K, BS):
+                            s_s[i, j] = Q[slot, hv, i, c0 + j]
+                else:
+                    T.copy(acc, s_s)
+                T.sync_threads()
+            if not reverse:
+                for i, j in T.Parallel(K, BS):
+                    final[n, hv, i, c0 + j] = s_s[i, j]
+
+    return gdn_cp_scan
+
+
+#: Scan kernel variants: "smem" (P staged in padded shared rows by the threads), "prefetch" (the
+#: same sums, P and Q copied by cp.async half a step ahead) and "ahead" (a whole step ahead, one CTA an
+#: SM: `scan_choice` picks it for few sequences under the gate-driven cut). Both give the same bits (H200,
 #: tests/gpu/cp_scan_check.py: 18 cases, forward and reverse). "prefetch" measured 1.12-1.27x faster
 #: on 15 of them (e.g. 1 sequence of 32768 tokens, L 2048, 8 heads: 66.6 -> 53.1 us forward, 66.3 ->
 #: 52.4 us reverse), slower on one: 300 short sequences, reverse, 76 -> 90 us.
-VARIANTS = ("smem", "prefetch")
+VARIANTS = ("smem", "prefetch", "ahead")
 #: The variant `cp_scan` uses when none is given (module load; $FLASHQLA_CP_SCAN_VARIANT sets it).
 DEFAULT_VARIANT = os.environ.get("FLASHQLA_CP_SCAN_VARIANT", "prefetch")
+
+
+#: With the gate-driven cut, a batch of at most this many sequences runs the "ahead" variant with
+#: narrow slices (`scan_choice`).
+FEW_SEQUENCES = 8
+
+
+def scan_choice(HV: int, N: int, cut: bool) -> tuple[str, int | None]:
+    """(variant, slice width or None for `scan_slice_width`) of a `cp_scan` call that names neither.
+
+    With the gate-driven cut (`cut`: the call passes the transitions' limits) and at most
+    FEW_SEQUENCES sequences, only the few heads whose gates do not decay walk a chain of products, one
+    CTA per value slice: "ahead" with 4 value columns a CTA up to 16 value heads, 8 above (H200,
+    `tests/gpu/cp_scan_check.py` `compare_shapes`, one sequence, value head 0 live: 4/8 heads L 512
+    55 -> 48 us, 8/16 L 1024 39 -> 25 us, 16/32 L 2048 21 -> 16 us, reverse). Otherwise (exact
+    transitions, many sequences: "ahead" takes a whole SM a CTA and was 1.8x slower on 300 short
+    sequences) DEFAULT_VARIANT with `scan_slice_width`. $FLASHQLA_CP_SCAN_VARIANT, when set, is used
+    as it is."""
+    if cut and N <= FEW_SEQUENCES and "FLASHQLA_CP_SCAN_VARIANT" not in os.environ:
+        return "ahead", (4 if HV <= 16 else 8)
+    return DEFAULT_VARIANT, None
 
 
 def _resolve_variant(variant: str | None) -> str:
@@ -289,29 +463,45 @@ def _resolve_variant(variant: str | None) -> str:
     return variant
 
 
-def build_cp_scan_kernel(HV: int, K: int, V: int, reverse: bool, variant: str | None = None):
+def build_cp_scan_kernel(HV: int, K: int, V: int, reverse: bool, variant: str | None = None, threads: int | None = None,
+                         slice_width: int | None = None, unroll: int | None = None):
     """Compiled scan kernel for HV value heads, K x V states, forward or reverse, in `variant` (None:
     DEFAULT_VARIANT). Cached under the resolved variant, so `op_kernel_specs`' key (no variant) and
-    `cp_scan`'s launch share one build."""
-    BS = scan_slice_width(HV)
-    if V % BS or K % 8:
+    `cp_scan`'s launch share one build. threads (None: THREADS) and slice_width (None:
+    `scan_slice_width(HV)`): the CTA's threads and value columns; unroll (None: KK_UNROLL): the
+    contraction loop's unrolling (`_kk_loop`); for measurements (the same sums in the same order, so
+    the same bits)."""
+    BS = scan_slice_width(HV) if slice_width is None else int(slice_width)
+    if BS <= 0 or V % BS or K % 8:
         raise ValueError(f"the scan kernel needs V % {BS} == 0 and K % 8 == 0, got K = {K}, V = {V}")
-    return _build_cp_scan_kernel(int(HV), int(K), int(V), bool(reverse), _resolve_variant(variant))
+    nt = THREADS if threads is None else int(threads)
+    if nt not in (128, 256):
+        raise ValueError(f"threads must be 128 or 256, got {threads!r}")
+    ur = KK_UNROLL if unroll is None else int(unroll)
+    if ur < 0:
+        raise ValueError(f"unroll must be >= 0, got {unroll!r}")
+    return _build_cp_scan_kernel(int(HV), int(K), int(V), bool(reverse), _resolve_variant(variant), nt, BS, ur)
 
 
 @functools.lru_cache(maxsize=None)
-def _build_cp_scan_kernel(HV: int, K: int, V: int, reverse: bool, variant: str):
-    BS = scan_slice_width(HV)
-    make = _cp_scan_prefetch_prim_func if variant == "prefetch" else _cp_scan_prim_func
-    func = make(HV, K, V, BS, bool(reverse))
+def _build_cp_scan_kernel(HV: int, K: int, V: int, reverse: bool, variant: str, threads: int = THREADS,
+                          BS: int | None = None, unroll: int = 1):
+    BS = scan_slice_width(HV) if BS is None else BS
+    make = {"smem": _cp_scan_prim_func, "prefetch": _cp_scan_prefetch_prim_func, "ahead": _cp_scan_ahead_prim_func}[variant]
+    func = make(HV, K, V, BS, bool(reverse), threads, unroll)
     tag = "" if variant == "smem" else f"_{variant}"
+    if threads != THREADS or BS != scan_slice_width(HV):
+        tag += f"_t{threads}_bs{BS}"
+    if unroll != 1:
+        tag += f"_u{unroll}"
     return compile_kernel(func, f"gdn_cp_scan_HV{HV}_K{K}_V{V}_{'rev' if reverse else 'fwd'}{tag}")
 
 
 def cp_scan(P: torch.Tensor, Q: torch.Tensor, seq_first: torch.Tensor, seq_num: torch.Tensor, init=None, *,
             reverse: bool = False, skip_first: bool = False, want_final: bool = True, variant: str | None = None,
             limit: torch.Tensor | None = None, seg_start: torch.Tensor | None = None,
-            seg_end: torch.Tensor | None = None):
+            seg_end: torch.Tensor | None = None, threads: int | None = None, slice_width: int | None = None,
+            unroll: int | None = None):
     """Launches the scan.
 
     Args:
@@ -320,7 +510,8 @@ def cp_scan(P: torch.Tensor, Q: torch.Tensor, seq_first: torch.Tensor, seq_num: 
             count of each sequence); init: None or [N, HV, K, V] fp32 (h0 forward, dht backward);
             reverse: the backward's transposed, last-to-first scan; skip_first: forward only, the
             first segment of each sequence already ran from h0 (its Q is its end state). variant: a
-            name of `VARIANTS` (None: DEFAULT_VARIANT; the same results).
+            name of `VARIANTS` (None, with threads and slice_width None: `scan_choice`; the same
+            results).
         limit: None, or [M, HV] int32, the chunks each slot's transition walked
             (`flashqla.cp.driver.transition_limits`), with seg_start, seg_end [M] int64 (the slots'
             token ranges, `SegmentTables.start` / `.end`): a step whose transition walked fewer chunks
@@ -328,15 +519,18 @@ def cp_scan(P: torch.Tensor, Q: torch.Tensor, seq_first: torch.Tensor, seq_num: 
             CP-4 / CP-6), so it reads no P and sums nothing: the step is Q (E) alone, the same value
             as the full product with a zero P. Where the gates decay, that is every head but the
             few that do not (g == 0 heads walk every chunk).
+        threads, slice_width, unroll: `build_cp_scan_kernel`'s (measurements; the same results).
     Returns:
         (starts [M, HV, K, V] fp32, zeros on slots of no sequence, final [N, HV, K, V] fp32 or None).
     Raises:
         ValueError: limit without seg_start / seg_end, or of a shape other than [M, HV].
     """
-    variant = _resolve_variant(variant)
     M, HV, K, V = Q.shape
     N = seq_num.shape[0]
     dev = Q.device
+    if variant is None and slice_width is None and threads is None:
+        variant, slice_width = scan_choice(HV, N, limit is not None)
+    variant = _resolve_variant(variant)
     if limit is not None:
         if seg_start is None or seg_end is None:
             raise ValueError("limit needs seg_start and seg_end (the slots' token ranges)")
@@ -353,7 +547,7 @@ def cp_scan(P: torch.Tensor, Q: torch.Tensor, seq_first: torch.Tensor, seq_num: 
         elif final is not None:
             final.zero_()
         return starts, final
-    kernel = build_cp_scan_kernel(HV, K, V, bool(reverse), variant)
+    kernel = build_cp_scan_kernel(HV, K, V, bool(reverse), variant, threads, slice_width, unroll)
     h0 = init.contiguous() if init is not None else placeholder((1, HV, K, V), torch.float32, dev)
     fin = final if final is not None else torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)  # not written
     if limit is None:
