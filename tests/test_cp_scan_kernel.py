@@ -313,18 +313,20 @@ def test_cp_scan_ahead_variant_compiles(HV, reverse, width):
 
 
 def test_scan_choice_and_specs(monkeypatch):
-    """`scan_choice`: "ahead" with narrow slices only for a cut over few sequences (4 value columns up
-    to 16 value heads, 8 above), the default otherwise and whenever $FLASHQLA_CP_SCAN_VARIANT is set;
+    """`scan_choice`: "ahead" with narrow slices only for a cut whose grid stays within AHEAD_MAX_CTAS
+    (4 value columns up to 16 value heads, 8 above), the default otherwise and whenever $FLASHQLA_CP_SCAN_VARIANT is set;
     the op's kernel list builds the scans a cut call launches, both directions."""
     from flashqla.ops.gdn.kernels.sm90 import op_kernel_specs
     from flashqla.ops.gdn.kernels.sm90 import cp_scan as cs
 
     monkeypatch.delenv("FLASHQLA_CP_SCAN_VARIANT", raising=False)
     assert cs.scan_choice(8, 1, True) == ("ahead", 4)
-    assert cs.scan_choice(16, cs.FEW_SEQUENCES, True) == ("ahead", 4)
+    assert cs.scan_choice(16, 2, True) == ("ahead", 4)  # 32 x 16 x 2 = 1024 CTAs
     assert cs.scan_choice(32, 2, True) == ("ahead", 8)
+    assert cs.scan_choice(64, 1, True) == ("ahead", 8)
     assert cs.scan_choice(8, 1, False) == (cs.DEFAULT_VARIANT, None)
-    assert cs.scan_choice(8, cs.FEW_SEQUENCES + 1, True) == (cs.DEFAULT_VARIANT, None)
+    assert cs.scan_choice(16, 4, True) == (cs.DEFAULT_VARIANT, None)  # 2048 CTAs
+    assert cs.scan_choice(8, 8, True) == (cs.DEFAULT_VARIANT, None)
     monkeypatch.setenv("FLASHQLA_CP_SCAN_VARIANT", "smem")
     assert cs.scan_choice(8, 1, True) == (cs.DEFAULT_VARIANT, None)
     monkeypatch.delenv("FLASHQLA_CP_SCAN_VARIANT")

@@ -435,24 +435,26 @@ VARIANTS = ("smem", "prefetch", "ahead")
 DEFAULT_VARIANT = os.environ.get("FLASHQLA_CP_SCAN_VARIANT", "prefetch")
 
 
-#: With the gate-driven cut, a batch of at most this many sequences runs the "ahead" variant with
-#: narrow slices (`scan_choice`).
-FEW_SEQUENCES = 8
+#: With the gate-driven cut, the "ahead" variant with narrow slices runs when its grid has at most this
+#: many CTAs (`scan_choice`).
+AHEAD_MAX_CTAS = 1024
 
 
-def scan_choice(HV: int, N: int, cut: bool) -> tuple[str, int | None]:
+def scan_choice(HV: int, N: int, cut: bool, V: int = 128) -> tuple[str, int | None]:
     """(variant, slice width or None for `scan_slice_width`) of a `cp_scan` call that names neither.
 
-    With the gate-driven cut (`cut`: the call passes the transitions' limits) and at most
-    FEW_SEQUENCES sequences, only the few heads whose gates do not decay walk a chain of products, one
-    CTA per value slice: "ahead" with 4 value columns a CTA up to 16 value heads, 8 above (H200,
-    `tests/gpu/cp_scan_check.py` `compare_shapes`, one sequence, value head 0 live: 4/8 heads L 512
-    55 -> 48 us, 8/16 L 1024 39 -> 25 us, 16/32 L 2048 21 -> 16 us, reverse). Otherwise (exact
-    transitions, many sequences: "ahead" takes a whole SM a CTA and was 1.8x slower on 300 short
-    sequences) DEFAULT_VARIANT with `scan_slice_width`. $FLASHQLA_CP_SCAN_VARIANT, when set, is used
-    as it is."""
-    if cut and N <= FEW_SEQUENCES and "FLASHQLA_CP_SCAN_VARIANT" not in os.environ:
-        return "ahead", (4 if HV <= 16 else 8)
+    With the gate-driven cut (`cut`: the call passes the transitions' limits) only the few heads whose
+    gates do not decay walk a chain of products, one CTA per value slice: "ahead" with 4 value
+    columns a CTA up to 16 value heads, 8 above, when that grid (V / width x HV x N CTAs, one an SM)
+    has at most AHEAD_MAX_CTAS CTAs (H200, `tests/gpu/cp_scan_check.py` `compare_shapes`, one
+    sequence, value head 0 live, reverse: 4/8 heads L 512 55 -> 48 us, 8/16 L 1024 39 -> 25 us, 16/32
+    L 2048 21 -> 16 us; the backward grid at 751dd81, which took it up to 8 sequences: 8/16 with 8
+    sequences of 8192 tokens in all 0.421 -> 0.473 ms, 4096 CTAs). Otherwise (exact transitions, larger
+    grids) DEFAULT_VARIANT with `scan_slice_width`. $FLASHQLA_CP_SCAN_VARIANT, when set, is used as
+    it is."""
+    width = 4 if HV <= 16 else 8
+    if cut and (V // width) * HV * N <= AHEAD_MAX_CTAS and "FLASHQLA_CP_SCAN_VARIANT" not in os.environ:
+        return "ahead", width
     return DEFAULT_VARIANT, None
 
 
@@ -529,7 +531,7 @@ def cp_scan(P: torch.Tensor, Q: torch.Tensor, seq_first: torch.Tensor, seq_num: 
     N = seq_num.shape[0]
     dev = Q.device
     if variant is None and slice_width is None and threads is None:
-        variant, slice_width = scan_choice(HV, N, limit is not None)
+        variant, slice_width = scan_choice(HV, N, limit is not None, V)
     variant = _resolve_variant(variant)
     if limit is not None:
         if seg_start is None or seg_end is None:
