@@ -407,3 +407,26 @@ def test_backward_side_stream_switch(monkeypatch):
     monkeypatch.setenv(driver.OVERLAP_ENV, "yes")
     with pytest.raises(ValueError, match="FLASHQLA_CP_BWD_OVERLAP"):
         driver._overlap_applies(be, x)
+    monkeypatch.setenv(driver.OVERLAP_ENV, "1")
+
+    class OtherBackend:  # a backend whose bwd takes dht as a tensor only
+        pass
+
+    assert not driver._overlap_applies(OtherBackend(), x)
+
+
+def test_sm90_backward_joins_the_fork_when_a_launch_raises(monkeypatch):
+    """`Sm90Backend.bwd` calls a callable dht (the side stream's join) even when a launch before it
+    raises, and the error still reaches the caller: a graph capture never ends with an open fork."""
+    from flashqla.cp import driver
+    from flashqla.ops.gdn import bwd as bwd_mod
+
+    def boom(*a, **k):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(bwd_mod, "_build_once", boom)
+    joined = []
+    x = torch.zeros(1, 1, 1, 1)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        driver.Sm90Backend().bwd(x, x, x, x, x, x, x, x, lambda: joined.append(1), 1.0, None, None)
+    assert joined == [1]

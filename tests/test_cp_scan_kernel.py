@@ -328,7 +328,15 @@ def test_scan_choice_and_specs(monkeypatch):
     assert cs.scan_choice(16, 4, True) == (cs.DEFAULT_VARIANT, None)  # 2048 CTAs
     assert cs.scan_choice(8, 8, True) == (cs.DEFAULT_VARIANT, None)
     monkeypatch.setenv("FLASHQLA_CP_SCAN_VARIANT", "smem")
-    assert cs.scan_choice(8, 1, True) == (cs.DEFAULT_VARIANT, None)
+    assert cs.scan_choice(8, 1, True) == ("smem", None)
+    monkeypatch.setenv("FLASHQLA_CP_SCAN_VARIANT", "fast")
+    with pytest.raises(ValueError, match="FLASHQLA_CP_SCAN_VARIANT"):
+        cs.scan_choice(8, 1, True)
     monkeypatch.delenv("FLASHQLA_CP_SCAN_VARIANT")
     scans = [a for k, a in op_kernel_specs(4, 8, backward=True) if k == "cp_scan"]
     assert (8, 128, 128, False, "ahead", None, 4) in scans and (8, 128, 128, True, "ahead", None, 4) in scans, scans
+    # the listed build is the one a cut call launches, for the V it is given
+    for HV, V in ((64, 256), (8, 64), (32, 128)):
+        variant, width = cs.scan_choice(HV, 1, True, V)
+        listed = [a for k, a in op_kernel_specs(HV // 2, HV, backward=True, K=V, V=V) if k == "cp_scan" and len(a) > 4]
+        assert listed == [(HV, V, V, False, variant, None, width), (HV, V, V, True, variant, None, width)], listed

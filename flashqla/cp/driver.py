@@ -102,6 +102,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from typing import NamedTuple, Protocol
 
 import torch
@@ -239,11 +240,14 @@ class Sm90Backend:
         from flashqla.ops.gdn.kernels.sm90.finish_bwd import chunk_finish_bwd
         from flashqla.ops.gdn.kernels.sm90.states_bwd import chunk_states_bwd
 
-        _build_once(q, v, beta, cu_seqlens, h_dtype)
-        q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
-        h = chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype, order=order)
-        if callable(dht):
-            dht = dht()
+        join = dht if callable(dht) else None
+        try:
+            _build_once(q, v, beta, cu_seqlens, h_dtype)
+            q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
+            h = chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype, order=order)
+        finally:  # joined even when a launch above raises (a capture must not end with an open fork)
+            if join is not None:
+                dht = join()
         dq_hv, dk_hv, dv, dbeta, dG, dh0 = chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens,
                                                            order=order)
         dq, dk, dg = chunk_finish_bwd(dG, dq_hv, dk_hv, cu_seqlens, q.shape[2], q.dtype)
@@ -974,7 +978,7 @@ def _state_grads_from_outputs(U, do, tab: SegmentTables, total: int, L: int, one
 #: the reverse scan) on the caller's stream before the states pass, instead of on a side stream beside
 #: it (the default, "1"; the same results). Read per call.
 OVERLAP_ENV = "FLASHQLA_CP_BWD_OVERLAP"
-_side_streams: dict = {}
+_side_streams = threading.local()
 
 
 def _cut(limit, cutoff):
@@ -994,19 +998,27 @@ def _overlap_applies(backend, x: torch.Tensor) -> bool:
 
 
 def _on_side_stream(fn, like: torch.Tensor, inputs):
-    """Runs fn() on this device's side stream after the work queued so far on the current stream, and
-    returns a callable that makes the current stream wait for it and returns fn's tensor (for
-    `Sm90Backend.bwd`'s dht). The inputs (tensors or None) are marked as in use by the side stream, the
-    result as in use by the current one, so the caching allocator reuses neither early."""
+    """Runs fn() on this device's side stream (one per thread) after the work queued so far on the
+    current stream, and returns a callable that makes the current stream wait for it and returns fn's
+    tensor (for `Sm90Backend.bwd`'s dht). The inputs (tensors or None) are marked as in use by the
+    side stream, the result as in use by the current one, so the caching allocator reuses neither
+    early. If fn raises, the current stream waits for the side stream before the error propagates."""
     dev = like.device
-    key = (dev.type, dev.index if dev.index is not None else torch.cuda.current_device())
-    side = _side_streams.get(key)
-    if side is None:
-        side = _side_streams[key] = torch.cuda.Stream(device=dev)
     main = torch.cuda.current_stream(dev)
+    # one side stream per device and thread (threads capturing graphs at once fork onto streams of
+    # their own), made at the thread's first split backward on the device
+    streams = _side_streams.__dict__.setdefault("by_device", {})
+    key = dev.index if dev.index is not None else torch.cuda.current_device()
+    side = streams.get(key)
+    if side is None:
+        side = streams[key] = torch.cuda.Stream(device=dev)
     side.wait_stream(main)
-    with torch.cuda.stream(side):
-        out = fn()
+    try:
+        with torch.cuda.stream(side):
+            out = fn()
+    except BaseException:
+        main.wait_stream(side)
+        raise
     for x in inputs:
         if isinstance(x, torch.Tensor):
             x.record_stream(side)

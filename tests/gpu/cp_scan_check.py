@@ -352,6 +352,7 @@ def main(argv=None) -> int:
     ok &= check_token_kernels(out)
     ok &= compare_variants(out)
     ok &= compare_cut(out)
+    ok &= compare_shapes(out)
     time_scans(out)
     if not a.no_op:
         time_op(out)
@@ -368,6 +369,9 @@ def main(argv=None) -> int:
         print("  ", " | ".join(r))
     print("scan with the cut's limits (DIFFERS: not bitwise the scan reading the zero P)")
     for r in out["cut"]:
+        print("  ", " | ".join(r))
+    print("scan variants and CTA shapes, value head 0 live (us; DIFFERS: not bitwise the default call's)")
+    for r in out["shapes"]:
         print("  ", " | ".join(r))
     print("scan variants (CUDA graphs, median; DIFFERS: not bitwise the default)")
     for r in out["variants"]:

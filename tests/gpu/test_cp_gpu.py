@@ -230,9 +230,12 @@ def test_backward_side_stream_bitwise_and_graph_capture(monkeypatch):
     states pass ($FLASHQLA_CP_BWD_OVERLAP, default on): every gradient bit for bit the serial order's,
     eagerly and replayed from a CUDA graph captured with the fork, on a varlen mix whose long sequence
     is split and whose short one is not, with an initial state and dht."""
-    from flashqla.cp import chunk_gated_delta_rule_cp_bwd
+    from flashqla.cp import chunk_gated_delta_rule_cp_bwd, driver
     from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
 
+    forks = []
+    real = driver._on_side_stream
+    monkeypatch.setattr(driver, "_on_side_stream", lambda *a: forks.append(1) or real(*a))
     xd = _to_device(make_gdn_inputs(B=1, T=5100, H=2, HV=8, cu_seqlens=[3500, 100, 1500], seed=13))
     f = chunk_gated_delta_rule_fwd(**xd, output_final_state=True)
     gen = torch.Generator().manual_seed(8)
@@ -246,8 +249,10 @@ def test_backward_side_stream_bitwise_and_graph_capture(monkeypatch):
 
     monkeypatch.setenv("FLASHQLA_CP_BWD_OVERLAP", "0")
     serial = run()
+    assert not forks
     monkeypatch.setenv("FLASHQLA_CP_BWD_OVERLAP", "1")
     side = run()
+    assert len(forks) == 1, "the split backward did not fork"
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -256,6 +261,7 @@ def test_backward_side_stream_bitwise_and_graph_capture(monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = run()
+    assert len(forks) == 3, "the captured call did not fork"
     for _ in range(2):
         graph.replay()
     torch.cuda.synchronize()

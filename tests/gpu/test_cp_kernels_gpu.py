@@ -172,6 +172,14 @@ def test_scan_with_cut_limits_bitwise_equal():
     assert cp_scan_check.compare_cut(out), [r for r in out["cut"] if "DIFFERS" in r[2]]
 
 
+def test_scan_shapes_bitwise_equal():
+    """The scan a cut call over one sequence launches (`cp_scan.scan_choice`: "ahead" with narrow
+    value slices) against every other variant and CTA shape, only value head 0 live, 4/8 to 16/32
+    heads, forward and reverse: bit for bit (tests/gpu/cp_scan_check.py `compare_shapes`)."""
+    out = {}
+    assert cp_scan_check.compare_shapes(out), [r for r in out["shapes"] if "DIFFERS" in r[2]]
+
+
 def test_correction_over_slot_ranges_equals_one_launch(monkeypatch):
     """`cp_correct` launches once per range of slots when M * HV passes the grid's y limit: with the
     limit lowered (so that a small case takes 2-7 launches) the result is bitwise the one launch's,

@@ -138,7 +138,7 @@ def _few_sequence_scan(HV: int, K: int, V: int, reverse: bool) -> tuple:
     (`cp_scan.scan_choice`)."""
     from flashqla.ops.gdn.kernels.sm90.cp_scan import scan_choice
 
-    variant, width = scan_choice(HV, 1, True)
+    variant, width = scan_choice(HV, 1, True, V)
     return (HV, K, V, reverse, variant, None, width)
 
 

@@ -20,7 +20,7 @@ The sums are the same, in the same order, so both variants give the same bits.
 
 Every size is a run-time value (M slots, N sequences; the loop count is the sequence's segment
 count read on the device), so a new sequence mix neither recompiles nor synchronises the host.
-Compile key: HV, K, V, direction.
+Compile key: HV, K, V, direction, variant (and the measurement knobs: threads, width, unrolling).
 
 Outputs, as `flashqla.cp.merge.scan_segment_states` / `scan_segment_grads`:
     forward  starts[slot] = the state entering each segment slot of a sequence, final[n] = the state
@@ -295,7 +295,7 @@ def _cp_scan_ahead_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool, th
                              unroll: int = 1):
     """Variant "ahead": the FMA loop and thread layout of the others, with the next step's whole P and Q
     copied into shared memory by cp.async while this step sums (two buffers of P with rows padded by
-    one word, two of Q: one CTA an SM). One copy group a step (P or nothing, then Q), so every wait
+    one word, two of Q: one CTA an SM). Two copy groups a step (P or none, then Q), so every wait
     counts the same groups. The contraction runs over k in order: the same bits as the others."""
     import tilelang.language as T
 
@@ -426,7 +426,7 @@ def _cp_scan_ahead_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool, th
 
 #: Scan kernel variants: "smem" (P staged in padded shared rows by the threads), "prefetch" (the
 #: same sums, P and Q copied by cp.async half a step ahead) and "ahead" (a whole step ahead, one CTA an
-#: SM: `scan_choice` picks it for few sequences under the gate-driven cut). Both give the same bits (H200,
+#: SM: `scan_choice` picks it for small grids under the gate-driven cut). All give the same bits (H200,
 #: tests/gpu/cp_scan_check.py: 18 cases, forward and reverse). "prefetch" measured 1.12-1.27x faster
 #: on 15 of them (e.g. 1 sequence of 32768 tokens, L 2048, 8 heads: 66.6 -> 53.1 us forward, 66.3 ->
 #: 52.4 us reverse), slower on one: 300 short sequences, reverse, 76 -> 90 us.
@@ -450,10 +450,12 @@ def scan_choice(HV: int, N: int, cut: bool, V: int = 128) -> tuple[str, int | No
     sequence, value head 0 live, reverse: 4/8 heads L 512 55 -> 48 us, 8/16 L 1024 39 -> 25 us, 16/32
     L 2048 21 -> 16 us; the backward grid at 751dd81, which took it up to 8 sequences: 8/16 with 8
     sequences of 8192 tokens in all 0.421 -> 0.473 ms, 4096 CTAs). Otherwise (exact transitions, larger
-    grids) DEFAULT_VARIANT with `scan_slice_width`. $FLASHQLA_CP_SCAN_VARIANT, when set, is used as
-    it is."""
+    grids) DEFAULT_VARIANT with `scan_slice_width`. $FLASHQLA_CP_SCAN_VARIANT, when set, is the
+    variant of every call (default width; ValueError naming it for an unknown one)."""
+    if "FLASHQLA_CP_SCAN_VARIANT" in os.environ:
+        return _resolve_variant(os.environ["FLASHQLA_CP_SCAN_VARIANT"]), None
     width = 4 if HV <= 16 else 8
-    if cut and (V // width) * HV * N <= AHEAD_MAX_CTAS and "FLASHQLA_CP_SCAN_VARIANT" not in os.environ:
+    if cut and (V // width) * HV * N <= AHEAD_MAX_CTAS:
         return "ahead", width
     return DEFAULT_VARIANT, None
 
