@@ -1052,6 +1052,9 @@ def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float,
 
     With `saved` (a split forward's `CPSaved` over the same segments and cut, `_saved_applies`) step 1
     is skipped: its entering states, transitions, U rows and limits are what it would recompute.
+    On the sm_90 backend steps 2 and 3 run on a side stream while step 4's states pass (which reads
+    neither) runs, and its chunk backward waits for them (`_on_side_stream`; FLASHQLA_CP_BWD_OVERLAP=0:
+    in order); under the cut, step 3 skips the products of the transitions it dropped (`cp_scan`).
 
     Args: as `chunk_gated_delta_rule_bwd`, with A, g_cum_log2 in the slot layout of
     tables.cu_seqlens, and tables, block_v, static_key, truncate as `cp_forward`; saved: None or a
