@@ -247,30 +247,40 @@ SHAPES = (("prefetch", 128, None, 1), ("smem", 128, None, 1), ("ahead", 128, Non
           ("ahead", 128, 4, 1), ("ahead", 128, None, 0))
 
 
+#: name: (HV, T, L) of `live_head_case`: one sequence split as the backward's plan splits it
+LIVE_HEAD_CASES = {"4/8 1x8192 L512": (8, 8192, 512), "4/8 1x32768 L2048": (8, 32768, 2048),
+                   "8/16 1x8192 L1024": (16, 8192, 1024), "16/32 1x8192 L2048": (32, 8192, 2048)}
+
+
+def live_head_case(HV: int, T: int, L: int, gen, dev: str = "cuda"):
+    """A scan as the gate-driven cut leaves it on one sequence of T tokens in segments of L: value head
+    0 (g == 0) walks every chunk, the others are cut after one (their P stored as 0). Returns (tables,
+    P, Q, h0, the cut's keyword arguments of `cp_scan`)."""
+    tab = _tables([T], T, L, dev, gen)
+    M, N, K = tab.M, tab.N, 128
+    nch = ((tab.end - tab.start + 63) // 64).to(torch.int32)
+    lim = torch.zeros(M, HV, dtype=torch.int32, device=dev)
+    lim[:, 0] = nch
+    lim[:, 1:] = torch.clamp(nch, max=1)[:, None]
+    lim = torch.where(tab.need_correction[:, None], lim, torch.zeros_like(lim)).contiguous()
+    live = lim.to(torch.int64) >= ((tab.end - tab.start + 63) // 64)[:, None]
+    P = (torch.randn(M, HV, K, K, generator=gen) * (0.9 / K**0.5)).to(dev)
+    P = torch.where(live[:, :, None, None], P, P.new_zeros(()))
+    Q = torch.randn(M, HV, K, K, generator=gen).to(dev)
+    h0 = torch.randn(N, HV, K, K, generator=gen).to(dev)
+    return tab, P, Q, h0, dict(limit=lim, seg_start=tab.start, seg_end=tab.end)
+
+
 def compare_shapes(out):
     """The scan's variants and CTA shapes (`SHAPES`: threads and value columns a CTA) on the split backward's
     situation: one sequence, the gate-driven cut leaving only value head 0 (g == 0) live, forward and
     reverse: bitwise the default shape's outputs, and each one's time (CUDA graphs)."""
     from flashqla.ops.gdn.kernels.sm90.cp_scan import cp_scan, scan_slice_width
 
-    dev = "cuda"
     gen = torch.Generator().manual_seed(5)
     rows, ok = [], True
-    for name, HV, T, L in (("4/8 1x8192 L512", 8, 8192, 512), ("4/8 1x32768 L2048", 8, 32768, 2048),
-                           ("8/16 1x8192 L1024", 16, 8192, 1024), ("16/32 1x8192 L2048", 32, 8192, 2048)):
-        tab = _tables([T], T, L, dev, gen)
-        M, N, K = tab.M, tab.N, 128
-        nch = ((tab.end - tab.start + 63) // 64).to(torch.int32)
-        lim = torch.zeros(M, HV, dtype=torch.int32, device=dev)
-        lim[:, 0] = nch  # head 0 walks every chunk; the others are cut after one
-        lim[:, 1:] = torch.clamp(nch, max=1)[:, None]
-        lim = torch.where(tab.need_correction[:, None], lim, torch.zeros_like(lim)).contiguous()
-        live = lim.to(torch.int64) >= ((tab.end - tab.start + 63) // 64)[:, None]
-        P = (torch.randn(M, HV, K, K, generator=gen) * (0.9 / K**0.5)).to(dev)
-        P = torch.where(live[:, :, None, None], P, P.new_zeros(()))
-        Q = torch.randn(M, HV, K, K, generator=gen).to(dev)
-        h0 = torch.randn(N, HV, K, K, generator=gen).to(dev)
-        cut = dict(limit=lim, seg_start=tab.start, seg_end=tab.end)
+    for name, (HV, T, L) in LIVE_HEAD_CASES.items():
+        tab, P, Q, h0, cut = live_head_case(HV, T, L, gen)
         for label, kw in (("fwd", dict(init=h0, skip_first=True)), ("rev", dict(init=h0, reverse=True))):
             base = cp_scan(P, Q, tab.seq_first, tab.seq_num, **cut, **kw)
             cells = []
