@@ -323,7 +323,7 @@ def test_scan_choice_and_specs(monkeypatch):
     assert cs.scan_choice(8, 1, True) == ("ahead", 4)
     assert cs.scan_choice(16, 2, True) == ("ahead", 4)  # 32 x 16 x 2 = 1024 CTAs
     assert cs.scan_choice(32, 2, True) == ("ahead", 8)
-    assert cs.scan_choice(64, 1, True) == ("ahead", 8)
+    assert cs.scan_choice(64, 1, True) == (cs.DEFAULT_VARIANT, None)  # more heads than measured
     assert cs.scan_choice(8, 1, False) == (cs.DEFAULT_VARIANT, None)
     assert cs.scan_choice(16, 4, True) == (cs.DEFAULT_VARIANT, None)  # 2048 CTAs
     assert cs.scan_choice(8, 8, True) == (cs.DEFAULT_VARIANT, None)

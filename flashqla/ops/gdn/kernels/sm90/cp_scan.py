@@ -438,6 +438,8 @@ DEFAULT_VARIANT = os.environ.get("FLASHQLA_CP_SCAN_VARIANT", "prefetch")
 #: With the gate-driven cut, the "ahead" variant with narrow slices runs when its grid has at most this
 #: many CTAs (`scan_choice`).
 AHEAD_MAX_CTAS = 1024
+#: ... and at most this many value heads (the most it was measured with).
+AHEAD_MAX_HEADS = 32
 
 
 def scan_choice(HV: int, N: int, cut: bool, V: int = 128) -> tuple[str, int | None]:
@@ -445,8 +447,8 @@ def scan_choice(HV: int, N: int, cut: bool, V: int = 128) -> tuple[str, int | No
 
     With the gate-driven cut (`cut`: the call passes the transitions' limits) only the few heads whose
     gates do not decay walk a chain of products, one CTA per value slice: "ahead" with 4 value
-    columns a CTA up to 16 value heads, 8 above, when that grid (V / width x HV x N CTAs, one an SM)
-    has at most AHEAD_MAX_CTAS CTAs (H200, `tests/gpu/cp_scan_check.py` `compare_shapes`, one
+    columns a CTA up to 16 value heads, 8 above (up to AHEAD_MAX_HEADS), when that grid (V / width x
+    HV x N CTAs, one an SM) has at most AHEAD_MAX_CTAS CTAs (H200, `tests/gpu/cp_scan_check.py` `compare_shapes`, one
     sequence, value head 0 live, reverse: 4/8 heads L 512 55 -> 48 us, 8/16 L 1024 39 -> 25 us, 16/32
     L 2048 21 -> 16 us; the backward grid at 751dd81, which took it up to 8 sequences: 8/16 with 8
     sequences of 8192 tokens in all 0.421 -> 0.473 ms, 4096 CTAs). Otherwise (exact transitions, larger
@@ -455,7 +457,7 @@ def scan_choice(HV: int, N: int, cut: bool, V: int = 128) -> tuple[str, int | No
     if "FLASHQLA_CP_SCAN_VARIANT" in os.environ:
         return _resolve_variant(os.environ["FLASHQLA_CP_SCAN_VARIANT"]), None
     width = 4 if HV <= 16 else 8
-    if cut and (V // width) * HV * N <= AHEAD_MAX_CTAS:
+    if cut and HV <= AHEAD_MAX_HEADS and (V // width) * HV * N <= AHEAD_MAX_CTAS:
         return "ahead", width
     return DEFAULT_VARIANT, None
 
