@@ -303,7 +303,7 @@ def test_cp_scan_ahead_variant_compiles(HV, reverse, width):
     from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
     from flashqla.ops.gdn.kernels.sm90.cp_scan import build_cp_scan_kernel
 
-    kernel = build_cp_scan_kernel(HV, 128, 128, reverse, "ahead", None, width)
+    kernel = build_cp_scan_kernel(HV, 128, 128, reverse, "ahead", width)
     src = kernel.get_kernel_source()
     assert "cp_async_wait<2>" in src and "* 129)" in src
     assert "mma" not in src
@@ -334,9 +334,9 @@ def test_scan_choice_and_specs(monkeypatch):
         cs.scan_choice(8, 1, True)
     monkeypatch.delenv("FLASHQLA_CP_SCAN_VARIANT")
     scans = [a for k, a in op_kernel_specs(4, 8, backward=True) if k == "cp_scan"]
-    assert (8, 128, 128, False, "ahead", None, 4) in scans and (8, 128, 128, True, "ahead", None, 4) in scans, scans
+    assert (8, 128, 128, False, "ahead", 4) in scans and (8, 128, 128, True, "ahead", 4) in scans, scans
     # the listed build is the one a cut call launches, for the V it is given
     for HV, V in ((64, 256), (8, 64), (32, 128)):
         variant, width = cs.scan_choice(HV, 1, True, V)
         listed = [a for k, a in op_kernel_specs(HV // 2, HV, backward=True, K=V, V=V) if k == "cp_scan" and len(a) > 4]
-        assert listed == [(HV, V, V, False, variant, None, width), (HV, V, V, True, variant, None, width)], listed
+        assert listed == [(HV, V, V, False, variant, width), (HV, V, V, True, variant, width)], listed

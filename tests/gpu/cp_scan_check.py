@@ -54,6 +54,11 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
 
 
+def _bitwise(got, base) -> bool:
+    """Whether two `cp_scan` results (tuples with None for an output not made) are bit for bit equal."""
+    return all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, base))
+
+
 def _tables(lengths, T, L, dev, gen):
     from flashqla.cp.planner import build_segment_tables
 
@@ -184,7 +189,7 @@ def compare_variants(out):
             cells = []
             for v in VARIANTS:
                 got = call(v)
-                same = all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, base))
+                same = _bitwise(got, base)
                 ok &= same
                 cells.append(f"{v} {time_graph(lambda v=v: call(v)) * 1e3:.1f} us" + ("" if same else " DIFFERS"))
             rows.append((name, label, ", ".join(cells)))
@@ -227,7 +232,7 @@ def compare_cut(out):
                     base = cp_scan(P, Q, tab.seq_first, tab.seq_num, variant=v, **kw)
                     got = cp_scan(P, Q, tab.seq_first, tab.seq_num, variant=v, limit=lim, seg_start=tab.start,
                                   seg_end=tab.end, **kw)
-                    same = all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, base))
+                    same = _bitwise(got, base)
                     ok &= same
                     if not same:
                         cells.append(f"{label} {v} DIFFERS")
@@ -241,10 +246,8 @@ def compare_cut(out):
     return ok
 
 
-#: (variant, threads, slice width, contraction unrolling) of the scan measured by `compare_shapes`
-#: (None: the default width; unrolling as `cp_scan._kk_loop`: 1 none, 0 full, n by n)
-SHAPES = (("prefetch", 128, None, 1), ("smem", 128, None, 1), ("ahead", 128, None, 1), ("ahead", 128, 8, 1),
-          ("ahead", 128, 4, 1), ("ahead", 128, None, 0))
+#: (variant, value columns a CTA) of the scan measured by `compare_shapes` (None: the default width)
+SHAPES = (("prefetch", None), ("smem", None), ("ahead", None), ("ahead", 8), ("ahead", 4))
 
 
 #: name: (HV, T, L) of `live_head_case`: one sequence split as the backward's plan splits it
@@ -272,7 +275,7 @@ def live_head_case(HV: int, T: int, L: int, gen, dev: str = "cuda"):
 
 
 def compare_shapes(out):
-    """The scan's variants and CTA shapes (`SHAPES`: threads and value columns a CTA) on the split backward's
+    """The scan's variants and CTA widths (`SHAPES`: value columns a CTA) on the split backward's
     situation: one sequence, the gate-driven cut leaving only value head 0 (g == 0) live, forward and
     reverse: bitwise the default shape's outputs, and each one's time (CUDA graphs)."""
     from flashqla.ops.gdn.kernels.sm90.cp_scan import cp_scan, scan_slice_width
@@ -284,16 +287,14 @@ def compare_shapes(out):
         for label, kw in (("fwd", dict(init=h0, skip_first=True)), ("rev", dict(init=h0, reverse=True))):
             base = cp_scan(P, Q, tab.seq_first, tab.seq_num, **cut, **kw)
             cells = []
-            for var, th, bs, ur in SHAPES:
+            for var, bs in SHAPES:
                 if bs is not None and bs == scan_slice_width(HV):
                     continue
-                call = lambda var=var, th=th, bs=bs, ur=ur: cp_scan(  # noqa: E731
-                    P, Q, tab.seq_first, tab.seq_num, variant=var, threads=th, slice_width=bs, unroll=ur, **cut, **kw)
-                got = call()
-                same = all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, base))
+                call = lambda var=var, bs=bs: cp_scan(P, Q, tab.seq_first, tab.seq_num, variant=var,  # noqa: E731
+                                                      slice_width=bs, **cut, **kw)
+                same = _bitwise(call(), base)
                 ok &= same
-                cells.append(f"{var}/t{th}/bs{bs or scan_slice_width(HV)}/u{ur} {time_graph(call) * 1e3:.1f}"
-                             + ("" if same else " DIFFERS"))
+                cells.append(f"{var}/bs{bs or scan_slice_width(HV)} {time_graph(call) * 1e3:.1f}" + ("" if same else " DIFFERS"))
             rows.append((name, label, ", ".join(cells)))
             print(rows[-1], flush=True)
     out["shapes"] = rows

@@ -152,6 +152,20 @@ def test_gated_mode():
             assert e_g <= CP_FACTOR * e_x + CP_SLACK
 
 
+def _capture(fn):
+    """fn called once on a side stream (warm-up), then one call captured in a CUDA graph: (graph, that
+    call's result)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def test_no_recompile_poison_and_graph_replay():
     from flashqla.cp import chunk_gated_delta_rule_cp_fwd
     from flashqla.ops.gdn.kernels.sm90._common import compile_count
@@ -167,14 +181,7 @@ def test_no_recompile_poison_and_graph_replay():
         return chunk_gated_delta_rule_cp_fwd(**xd2, output_final_state=True, cp="on", segment_len=1024, block_v=64)
 
     eager = fn()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = fn()
+    graph, captured = _capture(fn)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured.o, eager.o) and torch.equal(captured.final_state, eager.final_state)
@@ -253,14 +260,7 @@ def test_backward_side_stream_bitwise_and_graph_capture(monkeypatch):
     monkeypatch.setenv("FLASHQLA_CP_BWD_OVERLAP", "1")
     side = run()
     assert len(forks) == 1, "the split backward did not fork"
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
+    graph, captured = _capture(run)  # a warm-up call, then the captured one
     assert len(forks) == 3, "the captured call did not fork"
     for _ in range(2):
         graph.replay()

@@ -139,7 +139,7 @@ def _few_sequence_scan(HV: int, K: int, V: int, reverse: bool) -> tuple:
     from flashqla.ops.gdn.kernels.sm90.cp_scan import scan_choice
 
     variant, width = scan_choice(HV, 1, True, V)
-    return (HV, K, V, reverse, variant, None, width)
+    return (HV, K, V, reverse, variant, width)
 
 
 def op_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype: str = "bfloat16",

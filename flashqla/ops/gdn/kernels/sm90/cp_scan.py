@@ -20,7 +20,7 @@ The sums are the same, in the same order, so both variants give the same bits.
 
 Every size is a run-time value (M slots, N sequences; the loop count is the sequence's segment
 count read on the device), so a new sequence mix neither recompiles nor synchronises the host.
-Compile key: HV, K, V, direction, variant (and the measurement knobs: threads, width, unrolling).
+Compile key: HV, K, V, direction, variant, value columns a CTA.
 
 Outputs, as `flashqla.cp.merge.scan_segment_states` / `scan_segment_grads`:
     forward  starts[slot] = the state entering each segment slot of a sequence, final[n] = the state
@@ -40,8 +40,6 @@ from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, placeho
 __all__ = ["build_cp_scan_kernel", "cp_scan", "scan_slice_width"]
 
 THREADS = 128
-#: The contraction loop's unrolling by default (`_kk_loop`: 1 a plain loop).
-KK_UNROLL = 1
 
 
 def scan_slice_width(HV: int) -> int:
@@ -50,30 +48,22 @@ def scan_slice_width(HV: int) -> int:
     return 8 if HV <= 8 else 16
 
 
-def _kk_loop(unroll: int):
-    """The contraction loop over k: 1 a plain loop, 0 fully unrolled, n > 1 unrolled n at a time (the
-    same FMAs in the same order, so the same bits; the unrolled loop lets the shared-memory loads of
-    later k go out before the earlier FMAs retire)."""
+def _dropped(limit, seg_start, seg_end, sl, hv):
+    """Whether slot sl's transition for value head hv walked fewer chunks than the slot has, i.e. was
+    dropped by the gate-driven cut (stored as P = 0; `flashqla.cp.driver.transition_limits`)."""
     import tilelang.language as T
 
-    if unroll == 1:
-        return T.serial
-    if unroll == 0:
-        return T.unroll
-    return lambda n: T.unroll(n, annotations={"pragma_unroll_factor": unroll})
+    return limit[sl, hv] * CHUNK < T.cast(seg_end[sl] - seg_start[sl], "int32")
 
 
-def _cp_scan_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool, threads: int = THREADS, unroll: int = 1):
+def _cp_scan_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool):
     import tilelang.language as T
-
-    kk_loop = _kk_loop(unroll)
 
     NB = V // BS
     M = T.dynamic("M")
     N = T.dynamic("N")
     N0 = T.dynamic("N0")
     ML = T.dynamic("ML")  # rows of limit / seg_start / seg_end: M, or 1 (placeholders) without a cut
-    C = CHUNK  # tokens a chunk (limit counts chunks)
 
     @T.prim_func
     def gdn_cp_scan(
@@ -91,7 +81,7 @@ def _cp_scan_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool, threads:
         seg_end: T.Tensor((ML,), "int64"),
         use_limit: T.int32,
     ):
-        with T.Kernel(NB * HV * N, threads=threads) as (bx,):
+        with T.Kernel(NB * HV * N, threads=THREADS) as (bx,):
             ib = bx % NB
             hv = (bx // NB) % HV
             n = bx // (NB * HV)
@@ -127,7 +117,7 @@ def _cp_scan_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool, threads:
                     # a transition the gate-driven cut dropped is 0: the step is Q (or E) alone
                     lv = 1
                     if use_limit != 0:
-                        if limit[slot, hv] * C < T.cast(seg_end[slot] - seg_start[slot], "int32"):
+                        if _dropped(limit, seg_start, seg_end, slot, hv):
                             lv = 0
                     if lv != 0:
                         for i, j in T.Parallel(K, K):
@@ -135,7 +125,7 @@ def _cp_scan_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool, threads:
                     for i, j in T.Parallel(K, BS):
                         acc[i, j] = Q[slot, hv, i, c0 + j]
                     if lv != 0:
-                        for kk in kk_loop(K):
+                        for kk in T.serial(K):
                             for i, j in T.Parallel(K, BS):
                                 if reverse:
                                     acc[i, j] += p_s[kk, i] * s_s[kk, j]
@@ -149,8 +139,7 @@ def _cp_scan_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool, threads:
     return gdn_cp_scan
 
 
-def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool, threads: int = THREADS,
-                                unroll: int = 1):
+def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool):
     """Variant "prefetch": the first variant's FMA loop and thread layout, with P and Q copied into
     shared memory by cp.async one half of P ahead. Each step contracts over k in two halves (k < K / 2,
     then the rest: the same FMA order, so the same bits); half 1 of a step loads while half 0 is
@@ -158,14 +147,12 @@ def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool,
     padded by one word as before) keep two CTAs an SM."""
     import tilelang.language as T
 
-    kk_loop = _kk_loop(unroll)
     NB = V // BS
     HK = K // 2
     M = T.dynamic("M")
     N = T.dynamic("N")
     N0 = T.dynamic("N0")
     ML = T.dynamic("ML")  # rows of limit / seg_start / seg_end: M, or 1 (placeholders) without a cut
-    C = CHUNK  # tokens a chunk (limit counts chunks)
     # a half of P: forward P[:, half] (K rows of HK), reverse P[half, :] (HK rows of K), padded rows
     PR, PC = (HK, K) if reverse else (K, HK)
 
@@ -190,7 +177,7 @@ def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool,
         seg_end: T.Tensor((ML,), "int64"),
         use_limit: T.int32,
     ):
-        with T.Kernel(NB * HV * N, threads=threads) as (bx,):
+        with T.Kernel(NB * HV * N, threads=THREADS) as (bx,):
             ib = bx % NB
             hv = (bx // NB) % HV
             n = bx // (NB * HV)
@@ -220,7 +207,7 @@ def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool,
                 slot = first + (nseg - 1 if reverse else 0)
                 lvn = 1
                 if use_limit != 0:
-                    if limit[slot, hv] * C < T.cast(seg_end[slot] - seg_start[slot], "int32"):
+                    if _dropped(limit, seg_start, seg_end, slot, hv):
                         lvn = 0
                 if ((nseg > 1) if reverse else (skip_first == 0)) and lvn != 0:
                     T.async_copy(half(P, slot, hv, 0), p_s[0, 0:PR, 0:PC])
@@ -246,7 +233,7 @@ def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool,
                         acc[i, j] = q_s[i, j]
                     # a transition the gate-driven cut dropped is 0: the step is Q (or E) alone
                     if lv != 0:
-                        for kk in kk_loop(HK):
+                        for kk in T.serial(HK):
                             for i, j in T.Parallel(K, BS):
                                 if reverse:
                                     acc[i, j] += p_s[0, kk, i] * s_s[kk, j]
@@ -257,7 +244,7 @@ def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool,
                     nxt = first + (nseg - 2 - jj if reverse else jj + 1)
                     lvn = 1
                     if use_limit != 0:
-                        if limit[nxt, hv] * C < T.cast(seg_end[nxt] - seg_start[nxt], "int32"):
+                        if _dropped(limit, seg_start, seg_end, nxt, hv):
                             lvn = 0
                     if (reverse and jj + 1 == nseg - 1) or lvn == 0:
                         T.ptx_commit_group()
@@ -270,7 +257,7 @@ def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool,
                 T.sync_threads()
                 if not skip:
                     if lv != 0:
-                        for kk in kk_loop(HK):
+                        for kk in T.serial(HK):
                             for i, j in T.Parallel(K, BS):
                                 if reverse:
                                     acc[i, j] += p_s[1, kk, i] * s_s[HK + kk, j]
@@ -291,21 +278,18 @@ def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool,
     return gdn_cp_scan
 
 
-def _cp_scan_ahead_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool, threads: int = THREADS,
-                             unroll: int = 1):
+def _cp_scan_ahead_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool):
     """Variant "ahead": the FMA loop and thread layout of the others, with the next step's whole P and Q
     copied into shared memory by cp.async while this step sums (two buffers of P with rows padded by
     one word, two of Q: one CTA an SM). Two copy groups a step (P or none, then Q), so every wait
     counts the same groups. The contraction runs over k in order: the same bits as the others."""
     import tilelang.language as T
 
-    kk_loop = _kk_loop(unroll)
     NB = V // BS
     M = T.dynamic("M")
     N = T.dynamic("N")
     N0 = T.dynamic("N0")
     ML = T.dynamic("ML")  # rows of limit / seg_start / seg_end: M, or 1 (placeholders) without a cut
-    C = CHUNK  # tokens a chunk (limit counts chunks)
 
     @T.prim_func
     def gdn_cp_scan(
@@ -323,7 +307,7 @@ def _cp_scan_ahead_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool, th
         seg_end: T.Tensor((ML,), "int64"),
         use_limit: T.int32,
     ):
-        with T.Kernel(NB * HV * N, threads=threads) as (bx,):
+        with T.Kernel(NB * HV * N, threads=THREADS) as (bx,):
             ib = bx % NB
             hv = (bx // NB) % HV
             n = bx // (NB * HV)
@@ -356,7 +340,7 @@ def _cp_scan_ahead_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool, th
             if nseg > 0:
                 slot = first + (nseg - 1 if reverse else 0)
                 if use_limit != 0:
-                    if limit[slot, hv] * C < T.cast(seg_end[slot] - seg_start[slot], "int32"):
+                    if _dropped(limit, seg_start, seg_end, slot, hv):
                         lvn = 0
                 if ((nseg > 1) if reverse else (skip_first == 0)) and lvn != 0:
                     T.async_copy(P[slot, hv, 0:K, 0:K], p_s[0, 0:K, 0:K])
@@ -377,7 +361,7 @@ def _cp_scan_ahead_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool, th
                     nxt = first + (nseg - 2 - jj if reverse else jj + 1)
                     lvn = 1
                     if use_limit != 0:
-                        if lim1 * C < len1:
+                        if lim1 * CHUNK < len1:
                             lvn = 0
                         if jj + 2 < nseg:  # the step after next's, used a step from now
                             lim1 = limit[first + (nseg - 3 - jj if reverse else jj + 2), hv]
@@ -403,7 +387,7 @@ def _cp_scan_ahead_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool, th
                         acc[i, j] = q_s[jj % 2, i, j]
                     # a transition the gate-driven cut dropped is 0: the step is Q (or E) alone
                     if lv != 0:
-                        for kk in kk_loop(K):
+                        for kk in T.serial(K):
                             for i, j in T.Parallel(K, BS):
                                 if reverse:
                                     acc[i, j] += p_s[jj % 2, kk, i] * s_s[kk, j]
@@ -469,45 +453,32 @@ def _resolve_variant(variant: str | None) -> str:
     return variant
 
 
-def build_cp_scan_kernel(HV: int, K: int, V: int, reverse: bool, variant: str | None = None, threads: int | None = None,
-                         slice_width: int | None = None, unroll: int | None = None):
+def build_cp_scan_kernel(HV: int, K: int, V: int, reverse: bool, variant: str | None = None,
+                         slice_width: int | None = None):
     """Compiled scan kernel for HV value heads, K x V states, forward or reverse, in `variant` (None:
-    DEFAULT_VARIANT). Cached under the resolved variant, so `op_kernel_specs`' key (no variant) and
-    `cp_scan`'s launch share one build. threads (None: THREADS) and slice_width (None:
-    `scan_slice_width(HV)`): the CTA's threads and value columns; unroll (None: KK_UNROLL): the
-    contraction loop's unrolling (`_kk_loop`); for measurements (the same sums in the same order, so
-    the same bits)."""
+    DEFAULT_VARIANT) with slice_width value columns a CTA (None: `scan_slice_width(HV)`; the same sums
+    in the same order, so the same bits). Cached under the resolved variant and width, so
+    `op_kernel_specs`' key (no variant) and `cp_scan`'s launch share one build."""
     BS = scan_slice_width(HV) if slice_width is None else int(slice_width)
     if BS <= 0 or V % BS or K % 8:
         raise ValueError(f"the scan kernel needs V % {BS} == 0 and K % 8 == 0, got K = {K}, V = {V}")
-    nt = THREADS if threads is None else int(threads)
-    if nt not in (128, 256):
-        raise ValueError(f"threads must be 128 or 256, got {threads!r}")
-    ur = KK_UNROLL if unroll is None else int(unroll)
-    if ur < 0:
-        raise ValueError(f"unroll must be >= 0, got {unroll!r}")
-    return _build_cp_scan_kernel(int(HV), int(K), int(V), bool(reverse), _resolve_variant(variant), nt, BS, ur)
+    return _build_cp_scan_kernel(int(HV), int(K), int(V), bool(reverse), _resolve_variant(variant), BS)
 
 
 @functools.lru_cache(maxsize=None)
-def _build_cp_scan_kernel(HV: int, K: int, V: int, reverse: bool, variant: str, threads: int = THREADS,
-                          BS: int | None = None, unroll: int = 1):
-    BS = scan_slice_width(HV) if BS is None else BS
+def _build_cp_scan_kernel(HV: int, K: int, V: int, reverse: bool, variant: str, BS: int):
     make = {"smem": _cp_scan_prim_func, "prefetch": _cp_scan_prefetch_prim_func, "ahead": _cp_scan_ahead_prim_func}[variant]
-    func = make(HV, K, V, BS, bool(reverse), threads, unroll)
+    func = make(HV, K, V, BS, bool(reverse))
     tag = "" if variant == "smem" else f"_{variant}"
-    if threads != THREADS or BS != scan_slice_width(HV):
-        tag += f"_t{threads}_bs{BS}"
-    if unroll != 1:
-        tag += f"_u{unroll}"
+    if BS != scan_slice_width(HV):
+        tag += f"_bs{BS}"
     return compile_kernel(func, f"gdn_cp_scan_HV{HV}_K{K}_V{V}_{'rev' if reverse else 'fwd'}{tag}")
 
 
 def cp_scan(P: torch.Tensor, Q: torch.Tensor, seq_first: torch.Tensor, seq_num: torch.Tensor, init=None, *,
             reverse: bool = False, skip_first: bool = False, want_final: bool = True, variant: str | None = None,
             limit: torch.Tensor | None = None, seg_start: torch.Tensor | None = None,
-            seg_end: torch.Tensor | None = None, threads: int | None = None, slice_width: int | None = None,
-            unroll: int | None = None):
+            seg_end: torch.Tensor | None = None, slice_width: int | None = None):
     """Launches the scan.
 
     Args:
@@ -516,8 +487,7 @@ def cp_scan(P: torch.Tensor, Q: torch.Tensor, seq_first: torch.Tensor, seq_num: 
             count of each sequence); init: None or [N, HV, K, V] fp32 (h0 forward, dht backward);
             reverse: the backward's transposed, last-to-first scan; skip_first: forward only, the
             first segment of each sequence already ran from h0 (its Q is its end state). variant: a
-            name of `VARIANTS` (None, with threads and slice_width None: `scan_choice`; the same
-            results).
+            name of `VARIANTS` (None, with slice_width None: `scan_choice`; the same results).
         limit: None, or [M, HV] int32, the chunks each slot's transition walked
             (`flashqla.cp.driver.transition_limits`), with seg_start, seg_end [M] int64 (the slots'
             token ranges, `SegmentTables.start` / `.end`): a step whose transition walked fewer chunks
@@ -525,7 +495,7 @@ def cp_scan(P: torch.Tensor, Q: torch.Tensor, seq_first: torch.Tensor, seq_num: 
             CP-4 / CP-6), so it reads no P and sums nothing: the step is Q (E) alone, the same value
             as the full product with a zero P. Where the gates decay, that is every head but the
             few that do not (g == 0 heads walk every chunk).
-        threads, slice_width, unroll: `build_cp_scan_kernel`'s (measurements; the same results).
+        slice_width: value columns a CTA, as `build_cp_scan_kernel` (the same results).
     Returns:
         (starts [M, HV, K, V] fp32, zeros on slots of no sequence, final [N, HV, K, V] fp32 or None).
     Raises:
@@ -534,7 +504,7 @@ def cp_scan(P: torch.Tensor, Q: torch.Tensor, seq_first: torch.Tensor, seq_num: 
     M, HV, K, V = Q.shape
     N = seq_num.shape[0]
     dev = Q.device
-    if variant is None and slice_width is None and threads is None:
+    if variant is None and slice_width is None:
         variant, slice_width = scan_choice(HV, N, limit is not None, V)
     variant = _resolve_variant(variant)
     if limit is not None:
@@ -553,7 +523,7 @@ def cp_scan(P: torch.Tensor, Q: torch.Tensor, seq_first: torch.Tensor, seq_num: 
         elif final is not None:
             final.zero_()
         return starts, final
-    kernel = build_cp_scan_kernel(HV, K, V, bool(reverse), variant, threads, slice_width, unroll)
+    kernel = build_cp_scan_kernel(HV, K, V, bool(reverse), variant, slice_width)
     h0 = init.contiguous() if init is not None else placeholder((1, HV, K, V), torch.float32, dev)
     fin = final if final is not None else torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)  # not written
     if limit is None:
