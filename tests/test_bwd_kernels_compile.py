@@ -315,6 +315,28 @@ def test_chunk_bwd_variant_is_checked():
     x = torch.zeros(1, 1, 1, 128)
     with pytest.raises(ValueError, match="variant"):
         chunk_fused_bwd(x, x, x, x, x, x, x, x, None, 1.0, None, variant="v9")
+    # v5 with build options: letters of chunk_bwd_v5.OPTS, "g" only with "a"
+    for bad in ("v5:x", "v5:g", "v5:dg", "v5:p"):
+        with pytest.raises(ValueError, match="variant"):
+            build_chunk_bwd_kernel(1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True, bad)
+
+
+def test_chunk_bwd_v5_options():
+    """The per-build default options (packed "dag", fixed-length none: measured on the H200), the
+    option names in the compile key, and the prim func's own check of its options."""
+    from flashqla.ops.gdn.kernels.sm90.chunk_bwd import _v5_opts, _variant
+    from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import DEFAULT_OPTS, OPTS, _chunk_bwd_v5_prim_func
+
+    assert OPTS == "dag" and DEFAULT_OPTS == {True: "dag", False: ""}
+    assert _v5_opts("v5") is None and _v5_opts("v5:") == "" and _v5_opts("v5:da") == "da"
+    assert _variant("v5:dag") == "v5:dag" and _variant("v5:") == "v5:"
+    with pytest.raises(ValueError, match="options"):
+        _chunk_bwd_v5_prim_func(1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True, opts="g")
+    # the options change the kernel: D published early (a second d_ready arrival site), async wgmma in K
+    plain = _chunk_bwd_v5_prim_func(1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True, opts="").script()
+    dag = _chunk_bwd_v5_prim_func(1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True, opts="dag").script()
+    assert plain.count("wait_wgmma") == 0 and dag.count("wait_wgmma") >= 3
+    assert dag.count("d_ready") > plain.count("d_ready")
 
 
 @needs_nvcc

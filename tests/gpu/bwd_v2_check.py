@@ -58,6 +58,8 @@ def _rows():
         "16/32 4x8192": (16, 32, [8192] * 4, False),
         "2/4 1x32768": (2, 4, [32768], False),
         "16/32 1x32768": (16, 32, [32768], False),
+        "16/32 4x8192 packed": (16, 32, [8192] * 4, True),
+        "8/16 7212+25556": (8, 16, [7212, 25556], True),
     }
 
 
@@ -153,7 +155,7 @@ def _pass2_poisoned(variant, q, k, v, beta, A, gcl, h, do, dht, cu):
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import qk_store_dtype
 
     # v5 stores dq / dk in fp32, or in q's dtype under $FLASHQLA_BWD_QK_DTYPE=input
-    qk = dict(nan, dtype=getattr(torch, qk_store_dtype(tl_dtype(q.dtype))) if variant == "v5" else torch.float32)
+    qk = dict(nan, dtype=getattr(torch, qk_store_dtype(tl_dtype(q.dtype))) if variant.startswith("v5") else torch.float32)
     dq_hv = torch.full((B, T, HV, K), float("nan"), **qk)
     dk_hv = torch.full((B, T, HV, K), float("nan"), **qk)
     dv = torch.full_like(v, float("nan"))
@@ -163,7 +165,7 @@ def _pass2_poisoned(variant, q, k, v, beta, A, gcl, h, do, dht, cu):
     kern = build_chunk_bwd_kernel(*chunk_bwd_kernel_args(q, v, beta, h, cu), variant)
     from flashqla.ops.gdn.kernels.sm90._common import order_args
 
-    extra = order_args(None, "cuda") if variant == "v5" else ()  # v5 takes the launch order (token order here)
+    extra = order_args(None, "cuda") if variant.startswith("v5") else ()  # v5 takes the launch order (token order here)
     kern(q, k, v, beta, A, gcl, h, do, dht, cu if cu is not None else dummy_cu_seqlens("cuda"), *extra, float(SCALE), 1,
          dq_hv, dk_hv, dv, dbeta, dG, dh0)
     return dq_hv, dk_hv, dv, dbeta, dG, dh0

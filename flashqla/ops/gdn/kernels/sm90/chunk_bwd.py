@@ -51,9 +51,20 @@ DEFAULT_VARIANT = os.environ.get("FLASHQLA_BWD_VARIANT", "v5")
 
 def _variant(variant):
     variant = DEFAULT_VARIANT if variant is None else variant
+    if variant.startswith("v5:"):  # v5 with the build options given (`chunk_bwd_v5.OPTS`; "v5:" none)
+        from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import OPTS
+
+        if set(variant[3:]) <= set(OPTS) and ("g" not in variant[3:] or "a" in variant[3:]):
+            return variant
     if variant not in VARIANTS:
-        raise ValueError(f"pass-2 variant must be one of {VARIANTS}, got {variant!r}")
+        raise ValueError(f"pass-2 variant must be one of {VARIANTS} or 'v5:' with options of chunk_bwd_v5.OPTS, "
+                         f"got {variant!r}")
     return variant
+
+
+def _v5_opts(variant: str) -> str | None:
+    """The build options a v5 variant name asks for; None (`chunk_bwd_v5.DEFAULT_OPTS`) for "v5"."""
+    return variant[3:] if variant.startswith("v5:") else None
 
 
 def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
@@ -350,11 +361,11 @@ def build_chunk_bwd_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dtype:
     the stored h, beta's dtype, cu_seqlens' dtype, packed or not, and the variant ("v1" or "v2",
     `VARIANTS`); T, B, sequences are run-time."""
     variant = _variant(variant)
-    if variant == "v5":
+    if variant.startswith("v5"):
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import build_chunk_bwd_v5_kernel, v5_applies
 
         if v5_applies(K, V, dtype, h_dtype):
-            return build_chunk_bwd_v5_kernel(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen)
+            return build_chunk_bwd_v5_kernel(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen, opts=_v5_opts(variant))
         variant = "v2"
     if variant == "v2":
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v2 import build_chunk_bwd_v2_kernel
@@ -382,11 +393,12 @@ def chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_s
     dv [B, T, HV, V] v's dtype,
     dbeta [B, T, HV] fp32, dG [HV, S * 64] fp32, dh0 [N, HV, K, V] fp32)."""
     variant = _variant(variant)
-    if variant == "v5":
+    if variant.startswith("v5"):
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import chunk_fused_bwd_v5, v5_applies
 
         if v5_applies(*chunk_bwd_kernel_args(q, v, beta, h, cu_seqlens)[2:4], tl_dtype(q.dtype), tl_dtype(h.dtype)):
-            return chunk_fused_bwd_v5(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens, order=order)
+            return chunk_fused_bwd_v5(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens, order=order,
+                                      opts=_v5_opts(variant))
         variant = "v2"
     if variant == "v2":
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v2 import chunk_fused_bwd_v2

@@ -43,6 +43,12 @@ Resources (ptxas, sm_90a; `tests/test_bwd_kernels_compile.py`): 231,424 B dynami
 shared memory, the whole 232,448 B (five results reuse dead tiles, listed at the tiles),
 setmaxnreg S 160 / K 184 / A 144 / producer 24, ~44 B of spills, no wgmma serialisation.
 
+Build options (`OPTS`, `DEFAULT_OPTS`; NOTES-bwd.md "Pass-2 v5's build options"): packed builds
+publish the next chunk's D from S as soon as dS is complete ("d") and reorder K's tail with
+asynchronous wgmma ("a", "g"): pass 2 1.04-1.08x faster on packed rows (16/32 4 x 8192 packed 1.656
+-> 1.538 ms); fixed-length builds keep the schedule above ("a" measured 0.98x there). An L2 prefetch
+of the next chunk's tiles by the producer (bulk prefetches) was measured 0.84-0.95x and removed.
+
 The sequence's last chunk (the first walked; the only one that may be partial) is loaded by every
 thread with rows past the end zeroed, before the roles split; the producer loads the earlier, full
 chunks by TMA. Only h stored in q's dtype and K = V = 128 (else `chunk_bwd` runs v2).
@@ -69,6 +75,22 @@ NREG = {"S": 160, "K": 184, "A": 144, "P": 24}
 QK_DTYPE_ENV = "FLASHQLA_BWD_QK_DTYPE"
 
 
+#: Build options of v5 (a string of these letters), each measured on the H200 against v5 without it
+#: (NOTES-bwd.md, "Pass-2 v5's build options"):
+#: "d": S publishes the next chunk's D as soon as dS is complete, before its chunk-end sums wait for
+#:      K's and A's partial rows (K's next chunk starts on D);
+#: "a": K publishes -diag(gamma) dv before storing dv; takes (-diag(gamma) dv) S0^T right after
+#:      v_new D^T and sums its dG rows and the r-terms in one pass; issues (diag(beta) dLk)^T K and
+#:      (scale M Gamma)^T Q together;
+#: "g": (with "a") K's (scale M Gamma) K runs while dq's dG rows sum.
+OPTS = "dag"
+#: The options each build takes by default, by packed input (cu_seqlens) or not: measured, "dag" made
+#: pass 2 1.04-1.08x faster on packed rows (every row of the benchmarks, the split backward's segments
+#: included) and "a" 0.98x on fixed-length rows (B sequences of T tokens, ptxas allocates that build
+#: differently), where "d" alone was within noise.
+DEFAULT_OPTS = {True: "dag", False: ""}
+
+
 def qk_store_dtype(dtype: str) -> str:
     """TileLang dtype in which v5 stores dq_hv, dk_hv: "float32", or `dtype` (q's) when
     $FLASHQLA_BWD_QK_DTYPE is "input". ValueError naming the variable for any other value."""
@@ -86,8 +108,13 @@ def v5_applies(K: int, V: int, dtype: str, h_dtype: str) -> bool:
 
 
 def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
-                            varlen: bool, exact_diagonal: bool = True, qk_dtype: str | None = None):
+                            varlen: bool, exact_diagonal: bool = True, qk_dtype: str | None = None, opts: str = ""):
     import tilelang.language as T
+
+    bad = set(opts) - set(OPTS)
+    if bad or ("g" in opts and "a" not in opts):
+        raise ValueError(f"v5 options must be letters of {OPTS!r} ('g' with 'a'), got {opts!r}")
+    early_d, async_k, over_gk = "d" in opts, "a" in opts, "g" in opts
 
     if not v5_applies(K, V, dtype, h_dtype):
         raise ValueError(f"v5 needs K = V = 128 and h in q's dtype, got K={K}, V={V}, {dtype}, h {h_dtype}")
@@ -233,11 +260,12 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         T.barrier_wait(f_g, pprev)
                     gamc[0] = T.exp2(g_s[C - 1])
                     # D of this chunk (dS after the later chunks); K read the previous one
-                    if ci > 0:
-                        T.barrier_wait(kd_done, pprev)
-                    T.copy(dS, ds_s)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(d_ready)
+                    if not early_d or ci == 0:
+                        if ci > 0:
+                            T.barrier_wait(kd_done, pprev)
+                        T.copy(dS, ds_s)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(d_ready)
                     # <S0, D> (the chunk-end term of dG), then gamma_C dS
                     if ci > 0:
                         T.barrier_wait(f_hd, pprev)
@@ -260,6 +288,13 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     T.gemm(k_s, dvn_s, dS, transpose_A=True)
                     T.barrier_arrive(dvg_read)
                     T.barrier_arrive(e_late)
+                    if early_d:
+                        # D of the next chunk, published before this chunk's sums wait for K's tail
+                        if ci < nchunks - 1:
+                            T.barrier_wait(kd_done, par)
+                            T.copy(dS, ds_s)
+                            T.fence_proxy_async()
+                            T.barrier_arrive(d_ready)
                     # the chunk's dG row and dbeta: the roles' partial sums, <S0, D> and the r-terms
                     # moved to the last valid row (K wrote 0 there, -r-term elsewhere)
                     w0 = T.warp_reduce_sum(sc[0])
@@ -356,66 +391,128 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         T.barrier_wait(f_ab, pprev)
                     T.gemm(ab_s, dvn_s, cv, transpose_A=True, clear_accum=not exact_diagonal)
                     T.barrier_arrive(e_ab)
-                    for t, d in T.Parallel(C, V):
-                        if t < nvalid:
-                            dv[bidx, t0 + t, hv, d] = T.cast(cv[t, d], dtype)
-                    # -diag(gamma) dv over dv_new, once A has read dv_new
-                    T.barrier_wait(x_done, par)
-                    for t, d in T.Parallel(C, V):
-                        dvn_s[t, d] = T.cast(-gam_r[t] * cv[t, d], dtype)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(dvg_ready)
-                    # dk = diag(r) v_new D^T; its r-terms of dG (moved to the last valid row: 0 there)
-                    T.barrier_wait(vn_ready, par)
-                    T.gemm(vn_s, ds_s, dk, transpose_B=True, clear_accum=True)
-                    T.barrier_arrive(kd_done)
-                    for t, d in T.Parallel(C, K):
-                        dk[t, d] = dk[t, d] * r_r[t]
-                    scr[0] = T.float32(0)
-                    for t, d in T.Parallel(C, K):
-                        pr = T.if_then_else(t == nvalid - 1, T.float32(0), dk[t, d] * T.cast(k_s[t, d], acc))
-                        cv[t, d] = pr
-                        scr[0] = scr[0] + pr
-                    T.reduce_sum(cv, rs, dim=1, batch=2)
-                    for t in T.Parallel(C):
-                        gk[t] = -rs[t]
-                    wr = T.warp_reduce_sum(scr[0])
-                    if tx % 32 == 0:
-                        g_s[SCS + 4 + (tx // 32) % 4] = wr
-                    # dk += (-diag(gamma) dv) S0^T; dG rows += rowsum(that * K) (= rowsum(-diag(gamma) dv * U))
-                    T.gemm(dvn_s, h_s, cv, transpose_B=True, clear_accum=True)
-                    for t, d in T.Parallel(C, K):
-                        dk[t, d] = dk[t, d] + cv[t, d]
-                    for t, d in T.Parallel(C, K):
-                        cv[t, d] = cv[t, d] * T.cast(k_s[t, d], acc)
-                    T.reduce_sum(cv, gk, dim=1, clear=False, batch=2)
-                    # t = dLk K: dk += diag(beta) t; dbeta rows = rowsum(t * K)
-                    T.barrier_wait(m_ready, par)
-                    T.gemm(am_s, k_s, cv, clear_accum=True)
-                    for t, d in T.Parallel(C, K):
-                        dk[t, d] = dk[t, d] + b_r[t] * cv[t, d]
-                    for t, d in T.Parallel(C, K):
-                        cv[t, d] = cv[t, d] * T.cast(k_s[t, d], acc)
-                    T.reduce_sum(cv, rs, dim=1, batch=2)
-                    # dk += (diag(beta) dLk)^T K + (scale M Gamma)^T Q
-                    T.gemm(kg_s, k_s, dk, transpose_A=True)
-                    T.gemm(pm_s, q_s, dk, transpose_A=True)
-                    for t, d in T.Parallel(C, K):
-                        if t < nvalid:
-                            dk_hv[bidx, t0 + t, hv, d] = dk[t, d] if qk_dtype == acc else T.cast(dk[t, d], qk_dtype)
-                    # dq = scale diag(gamma) dO S0^T + (scale M Gamma) K; dG rows += rowsum(first term * Q)
-                    T.gemm(do_s, h_s, cv, transpose_B=True, clear_accum=True)
-                    for t, d in T.Parallel(C, K):
-                        cv[t, d] = cv[t, d] * (scale * gam_r[t])
-                    for t, d in T.Parallel(C, K):
-                        dk[t, d] = cv[t, d] * T.cast(q_s[t, d], acc)
-                    T.reduce_sum(dk, gk, dim=1, clear=False, batch=2)
-                    T.gemm(pm_s, k_s, cv)
-                    T.barrier_arrive(km_done)
-                    T.barrier_arrive(e_late)
-                    for t, d in T.Parallel(C, K):
-                        if t < nvalid:
-                            dq_hv[bidx, t0 + t, hv, d] = cv[t, d] if qk_dtype == acc else T.cast(cv[t, d], qk_dtype)
+                    if not async_k:
+                        for t, d in T.Parallel(C, V):
+                            if t < nvalid:
+                                dv[bidx, t0 + t, hv, d] = T.cast(cv[t, d], dtype)
+                        # -diag(gamma) dv over dv_new, once A has read dv_new
+                        T.barrier_wait(x_done, par)
+                        for t, d in T.Parallel(C, V):
+                            dvn_s[t, d] = T.cast(-gam_r[t] * cv[t, d], dtype)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(dvg_ready)
+                        # dk = diag(r) v_new D^T; its r-terms of dG (moved to the last valid row: 0 there)
+                        T.barrier_wait(vn_ready, par)
+                        T.gemm(vn_s, ds_s, dk, transpose_B=True, clear_accum=True)
+                        T.barrier_arrive(kd_done)
+                        for t, d in T.Parallel(C, K):
+                            dk[t, d] = dk[t, d] * r_r[t]
+                        scr[0] = T.float32(0)
+                        for t, d in T.Parallel(C, K):
+                            pr = T.if_then_else(t == nvalid - 1, T.float32(0), dk[t, d] * T.cast(k_s[t, d], acc))
+                            cv[t, d] = pr
+                            scr[0] = scr[0] + pr
+                        T.reduce_sum(cv, rs, dim=1, batch=2)
+                        for t in T.Parallel(C):
+                            gk[t] = -rs[t]
+                        wr = T.warp_reduce_sum(scr[0])
+                        if tx % 32 == 0:
+                            g_s[SCS + 4 + (tx // 32) % 4] = wr
+                        # dk += (-diag(gamma) dv) S0^T; dG rows += rowsum(that * K) (= rowsum(-diag(gamma) dv * U))
+                        T.gemm(dvn_s, h_s, cv, transpose_B=True, clear_accum=True)
+                        for t, d in T.Parallel(C, K):
+                            dk[t, d] = dk[t, d] + cv[t, d]
+                        for t, d in T.Parallel(C, K):
+                            cv[t, d] = cv[t, d] * T.cast(k_s[t, d], acc)
+                        T.reduce_sum(cv, gk, dim=1, clear=False, batch=2)
+                        # t = dLk K: dk += diag(beta) t; dbeta rows = rowsum(t * K)
+                        T.barrier_wait(m_ready, par)
+                        T.gemm(am_s, k_s, cv, clear_accum=True)
+                        for t, d in T.Parallel(C, K):
+                            dk[t, d] = dk[t, d] + b_r[t] * cv[t, d]
+                        for t, d in T.Parallel(C, K):
+                            cv[t, d] = cv[t, d] * T.cast(k_s[t, d], acc)
+                        T.reduce_sum(cv, rs, dim=1, batch=2)
+                        # dk += (diag(beta) dLk)^T K + (scale M Gamma)^T Q
+                        T.gemm(kg_s, k_s, dk, transpose_A=True)
+                        T.gemm(pm_s, q_s, dk, transpose_A=True)
+                        for t, d in T.Parallel(C, K):
+                            if t < nvalid:
+                                dk_hv[bidx, t0 + t, hv, d] = dk[t, d] if qk_dtype == acc else T.cast(dk[t, d], qk_dtype)
+                        # dq = scale diag(gamma) dO S0^T + (scale M Gamma) K; dG rows += rowsum(first term * Q)
+                        T.gemm(do_s, h_s, cv, transpose_B=True, clear_accum=True)
+                        for t, d in T.Parallel(C, K):
+                            cv[t, d] = cv[t, d] * (scale * gam_r[t])
+                        for t, d in T.Parallel(C, K):
+                            dk[t, d] = cv[t, d] * T.cast(q_s[t, d], acc)
+                        T.reduce_sum(dk, gk, dim=1, clear=False, batch=2)
+                        T.gemm(pm_s, k_s, cv)
+                        T.barrier_arrive(km_done)
+                        T.barrier_arrive(e_late)
+                        for t, d in T.Parallel(C, K):
+                            if t < nvalid:
+                                dq_hv[bidx, t0 + t, hv, d] = cv[t, d] if qk_dtype == acc else T.cast(cv[t, d], qk_dtype)
+                    else:
+                        # the same products, S's -diag(gamma) dv published before dv's store, and
+                        # independent wgmma issued together (each waited only where its result is read)
+                        T.barrier_wait(x_done, par)
+                        for t, d in T.Parallel(C, V):
+                            dvn_s[t, d] = T.cast(-gam_r[t] * cv[t, d], dtype)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(dvg_ready)
+                        for t, d in T.Parallel(C, V):
+                            if t < nvalid:
+                                dv[bidx, t0 + t, hv, d] = T.cast(cv[t, d], dtype)
+                        # dk = diag(r) v_new D^T + (-diag(gamma) dv) S0^T; dG rows: rowsum of
+                        # ((-diag(gamma) dv) S0^T) * K minus the r-terms (moved to the last valid row)
+                        T.barrier_wait(vn_ready, par)
+                        T.gemm(vn_s, ds_s, dk, transpose_B=True, clear_accum=True)
+                        T.barrier_arrive(kd_done)
+                        T.gemm(dvn_s, h_s, cv, transpose_B=True, clear_accum=True)
+                        scr[0] = T.float32(0)
+                        for t, d in T.Parallel(C, K):
+                            kk = T.cast(k_s[t, d], acc)
+                            dr = dk[t, d] * r_r[t]
+                            pr = T.if_then_else(t == nvalid - 1, T.float32(0), dr * kk)
+                            scr[0] = scr[0] + pr
+                            dk[t, d] = dr + cv[t, d]
+                            cv[t, d] = cv[t, d] * kk - pr
+                        T.reduce_sum(cv, gk, dim=1, batch=2)
+                        wr = T.warp_reduce_sum(scr[0])
+                        if tx % 32 == 0:
+                            g_s[SCS + 4 + (tx // 32) % 4] = wr
+                        # t = dLk K: dk += diag(beta) t; dbeta rows = rowsum(t * K)
+                        T.barrier_wait(m_ready, par)
+                        T.gemm(am_s, k_s, cv, clear_accum=True)
+                        for t, d in T.Parallel(C, K):
+                            dk[t, d] = dk[t, d] + b_r[t] * cv[t, d]
+                            cv[t, d] = cv[t, d] * T.cast(k_s[t, d], acc)
+                        T.reduce_sum(cv, rs, dim=1, batch=2)
+                        # dk += (diag(beta) dLk)^T K + (scale M Gamma)^T Q
+                        T.wgmma_gemm(kg_s, k_s, dk, transpose_A=True)
+                        T.wgmma_gemm(pm_s, q_s, dk, transpose_A=True)
+                        T.wait_wgmma(0)
+                        for t, d in T.Parallel(C, K):
+                            if t < nvalid:
+                                dk_hv[bidx, t0 + t, hv, d] = dk[t, d] if qk_dtype == acc else T.cast(dk[t, d], qk_dtype)
+                        # dq = scale diag(gamma) dO S0^T + (scale M Gamma) K; dG rows += rowsum(first term * Q)
+                        T.wgmma_gemm(do_s, h_s, cv, transpose_B=True, clear_accum=True)
+                        T.wait_wgmma(0)
+                        for t, d in T.Parallel(C, K):
+                            cv[t, d] = cv[t, d] * (scale * gam_r[t])
+                            dk[t, d] = cv[t, d] * T.cast(q_s[t, d], acc)
+                        if over_gk:  # (scale M Gamma) K while the dG rows sum
+                            T.wgmma_gemm(pm_s, k_s, cv)
+                            T.reduce_sum(dk, gk, dim=1, clear=False, batch=2)
+                            T.wait_wgmma(0)
+                        else:
+                            T.reduce_sum(dk, gk, dim=1, clear=False, batch=2)
+                            T.gemm(pm_s, k_s, cv)
+                        T.barrier_arrive(km_done)
+                        T.barrier_arrive(e_late)
+                        for t, d in T.Parallel(C, K):
+                            if t < nvalid:
+                                dq_hv[bidx, t0 + t, hv, d] = cv[t, d] if qk_dtype == acc else T.cast(cv[t, d], qk_dtype)
                     T.copy(gk, red_s[RGK : RGK + C])
                     T.copy(rs, red_s[RBK : RBK + C])
                     T.barrier_arrive(r_ka)
@@ -558,16 +655,19 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
 
 @functools.lru_cache(maxsize=None)
 def build_chunk_bwd_v5_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
-                              varlen: bool, qk_dtype: str | None = None):
+                              varlen: bool, qk_dtype: str | None = None, opts: str | None = None):
     """Compiled pass-2 kernel, variant v5 (cached). Same static key as `build_chunk_bwd_kernel`, plus the
-    storage dtype of dq_hv, dk_hv (None: "float32", as v1 / v2; or `dtype`: QK_DTYPE_ENV)."""
+    storage dtype of dq_hv, dk_hv (None: "float32", as v1 / v2; or `dtype`: QK_DTYPE_ENV) and the build
+    options (letters of `OPTS`; None: `DEFAULT_OPTS` for `varlen`)."""
     qk = qk_dtype or "float32"
-    func = _chunk_bwd_v5_prim_func(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen, qk_dtype=qk)
+    opts = DEFAULT_OPTS[bool(varlen)] if opts is None else opts
+    func = _chunk_bwd_v5_prim_func(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen, qk_dtype=qk, opts=opts)
     return compile_kernel(func, f"gdn_chunk_bwd_v5_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{h_dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}"
-                          + ("" if qk == "float32" else f"_qk_{qk}"))
+                          + ("" if qk == "float32" else f"_qk_{qk}") + (f"_{opts}" if opts else ""))
 
 
-def chunk_fused_bwd_v5(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, order=None):
+def chunk_fused_bwd_v5(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, order=None,
+                       opts: str | None = None):
     """Launches pass 2 with the v5 kernel (`chunk_bwd_v2.launch_pass2`). Arguments and results as
     `chunk_bwd.chunk_fused_bwd` (order: `_common.launch_order(cu_seqlens)` or None, the sequences'
     launch order); dq_hv and dk_hv in fp32, or in q's dtype under QK_DTYPE_ENV. dq_hv, dk_hv, dv,
@@ -577,7 +677,7 @@ def chunk_fused_bwd_v5(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, c
     from flashqla.ops.gdn.kernels.sm90._common import tl_dtype
 
     qk = qk_store_dtype(tl_dtype(q.dtype))
-    build = (lambda args: build_chunk_bwd_v5_kernel(*args)) if qk == "float32" else (
-        lambda args: build_chunk_bwd_v5_kernel(*args, qk))
+    build = (lambda args: build_chunk_bwd_v5_kernel(*args, opts=opts)) if qk == "float32" else (
+        lambda args: build_chunk_bwd_v5_kernel(*args, qk, opts=opts))
     return launch_pass2(build, q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens, qk_dtype=getattr(torch, qk),
                         ordered=True, order=order)
