@@ -203,7 +203,7 @@ def test_op_kernel_specs_match_the_launch_keys(varlen):
         mp.setenv("FLASHQLA_BWD_QK_DTYPE", "input")
         listed = dict(op_kernel_specs(2, 4, N=N, varlen=varlen, seq_dtype="int64" if varlen else "int32"))
         same = dict(op_kernel_specs(4, 4, N=N, varlen=varlen, seq_dtype="int64" if varlen else "int32"))
-    if DEFAULT_VARIANT == "v5":
+    if DEFAULT_VARIANT.startswith("v5"):
         assert listed["gva_reduce"] == (2, 4, 128, "bfloat16", "bfloat16") and "gva_reduce" not in same
     assert "gva_reduce" in dict(op_kernel_specs(4, 4, N=N, varlen=varlen))
 
@@ -325,18 +325,23 @@ def test_chunk_bwd_v5_options():
     """The per-build default options (packed "dag", fixed-length none: measured on the H200), the
     option names in the compile key, and the prim func's own check of its options."""
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import _v5_opts, _variant
-    from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import DEFAULT_OPTS, OPTS, _chunk_bwd_v5_prim_func
+    from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import DEFAULT_OPTS, OPTS, _chunk_bwd_v5_prim_func, canonical_opts
 
-    assert OPTS == "dag" and DEFAULT_OPTS == {True: "dag", False: ""}
+    assert OPTS == "dag" and DEFAULT_OPTS == {True: "ag", False: ""}
     assert _v5_opts("v5") is None and _v5_opts("v5:") == "" and _v5_opts("v5:da") == "da"
     assert _variant("v5:dag") == "v5:dag" and _variant("v5:") == "v5:"
+    # one compiled name per kernel: defaults resolved, letters once each in OPTS order
+    assert canonical_opts(None, True) == "ag" and canonical_opts(None, False) == ""
+    assert canonical_opts("gad", True) == canonical_opts("ddag", False) == "dag"
     with pytest.raises(ValueError, match="options"):
         _chunk_bwd_v5_prim_func(1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True, opts="g")
-    # the options change the kernel: D published early (a second d_ready arrival site), async wgmma in K
-    plain = _chunk_bwd_v5_prim_func(1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True, opts="").script()
-    dag = _chunk_bwd_v5_prim_func(1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True, opts="dag").script()
-    assert plain.count("wait_wgmma") == 0 and dag.count("wait_wgmma") >= 3
-    assert dag.count("d_ready") > plain.count("d_ready")
+    # the options change the kernel: D published early (a second d_ready arrival site) and S's reads of
+    # the partial rows awaited before K and A write the next chunk's (s_done), async wgmma in K
+    key = (1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True)
+    plain, ag, dag = (_chunk_bwd_v5_prim_func(*key, opts=o).script() for o in ("", "ag", "dag"))
+    assert plain.count("wait_wgmma") == 0 and ag.count("wait_wgmma") >= 3
+    assert dag.count("d_ready") > plain.count("d_ready") and ag.count("d_ready") == plain.count("d_ready")
+    assert "s_done" in dag and "s_done" not in ag and "s_done" not in plain
 
 
 @needs_nvcc
@@ -402,6 +407,22 @@ def test_chunk_bwd_v5_kernel_compiles(dtype, beta_dtype, seq_dtype, varlen):
 
         src = build_chunk_bwd_v5_kernel(1, 2, 128, 128, dtype, dtype, beta_dtype, seq_dtype, varlen, dtype).get_kernel_source()
         assert "bfloat16_t* __restrict__ dq_hv" in src and "bfloat16_t* __restrict__ dk_hv" in src
+    r = ptxas_report(kernel)
+    log = _ptxas_log(kernel)
+    assert "C751" not in log, "ptxas serialised wgmma: " + log
+    assert r["dynamic_smem"] is not None and r["dynamic_smem"] + r["static_smem"] <= SMEM_LIMIT, r
+    assert r["spill_stores"] <= V5_SPILL_BUDGET, r
+
+
+@needs_nvcc
+def test_chunk_bwd_v5_all_options_compile():
+    """v5 with every build option ("dag": "d" adds a barrier, the last shared bytes) still fits Hopper's
+    shared memory, and ptxas does not serialise its wgmma."""
+    from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
+    from flashqla.ops.gdn.kernels.sm90.chunk_bwd import build_chunk_bwd_kernel
+
+    kernel = build_chunk_bwd_kernel(1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True, "v5:dag")
+    assert "s_done" in kernel.get_kernel_source()
     r = ptxas_report(kernel)
     log = _ptxas_log(kernel)
     assert "C751" not in log, "ptxas serialised wgmma: " + log

@@ -40,7 +40,7 @@ def main():
     rows_all = b._rows()
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": [], "errors": []}
     t0 = time.time()
-    b.BASE = "v5"
+    b.BASE = "v5:"  # the plain schedule (plain "v5" takes chunk_bwd_v5.DEFAULT_OPTS)
     for var in a.variants:
         b.NEW = var
         for i, name in enumerate(a.cases):

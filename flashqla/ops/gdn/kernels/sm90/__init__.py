@@ -208,7 +208,7 @@ TileLang."""
 
         # pass 2's per-value-head dq / dk: fp32, or q's dtype from v5 under $FLASHQLA_BWD_QK_DTYPE=input
         # (then with HV == H they are dq / dk and nothing is reduced)
-        qk_in = qk_store_dtype(dtype) if BWD_VARIANT == "v5" and v5_applies(K, V, dtype, h_dtype) else "float32"
+        qk_in = qk_store_dtype(dtype) if BWD_VARIANT.startswith("v5") and v5_applies(K, V, dtype, h_dtype) else "float32"
         if HV != H or qk_in != dtype:
             specs.append(("gva_reduce", (H, HV, K, dtype) + (() if qk_in == "float32" else (qk_in,))))
         specs += [

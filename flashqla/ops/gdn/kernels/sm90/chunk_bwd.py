@@ -52,10 +52,13 @@ DEFAULT_VARIANT = os.environ.get("FLASHQLA_BWD_VARIANT", "v5")
 def _variant(variant):
     variant = DEFAULT_VARIANT if variant is None else variant
     if variant.startswith("v5:"):  # v5 with the build options given (`chunk_bwd_v5.OPTS`; "v5:" none)
-        from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import OPTS
+        from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import canonical_opts
 
-        if set(variant[3:]) <= set(OPTS) and ("g" not in variant[3:] or "a" in variant[3:]):
+        try:
+            canonical_opts(variant[3:], True)
             return variant
+        except ValueError:
+            pass
     if variant not in VARIANTS:
         raise ValueError(f"pass-2 variant must be one of {VARIANTS} or 'v5:' with options of chunk_bwd_v5.OPTS, "
                          f"got {variant!r}")
@@ -358,8 +361,9 @@ def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: s
 def build_chunk_bwd_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
                            varlen: bool, variant: str = "v1"):
     """Compiled pass-2 kernel (cached). Static key: head counts, head dims, dtype of q/k/v/A, dtype of
-    the stored h, beta's dtype, cu_seqlens' dtype, packed or not, and the variant ("v1" or "v2",
-    `VARIANTS`); T, B, sequences are run-time."""
+    the stored h, beta's dtype, cu_seqlens' dtype, packed or not, and the variant (`VARIANTS`, or
+    "v5:<letters>": v5 with those build options, `chunk_bwd_v5.OPTS`; plain "v5" takes
+    `chunk_bwd_v5.DEFAULT_OPTS`); T, B, sequences are run-time."""
     variant = _variant(variant)
     if variant.startswith("v5"):
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import build_chunk_bwd_v5_kernel, v5_applies
@@ -385,7 +389,8 @@ def chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_s
                     order=None):
     """Launches pass 2. Arguments: the forward's inputs (contiguous), its
     A and g_cum_log2, h from pass 1, do [B, T, HV, V], dht None or [N, HV, K, V] fp32; variant: "v1"
-    (this kernel) or "v2" (`chunk_bwd_v2`), None for `DEFAULT_VARIANT`; order: the sequences' launch
+    (this kernel), "v2" (`chunk_bwd_v2`), "v5" or "v5:<letters>" (`chunk_bwd_v5`, as
+    `build_chunk_bwd_kernel`), None for `DEFAULT_VARIANT`; order: the sequences' launch
     order (`_common.launch_order`, v5 only; the others launch in token order). The same results.
 
     Returns (dq_hv [B, T, HV, K], dk_hv [B, T, HV, K] (fp32; q's dtype from v5 under

@@ -41,13 +41,17 @@ cases of bwd_v2_check.py).
 
 Resources (ptxas, sm_90a; `tests/test_bwd_kernels_compile.py`): 231,424 B dynamic + 1,024 B static
 shared memory, the whole 232,448 B (five results reuse dead tiles, listed at the tiles),
-setmaxnreg S 160 / K 184 / A 144 / producer 24, ~44 B of spills, no wgmma serialisation.
+setmaxnreg S 160 / K 184 / A 144 / producer 24, 32-80 B of spill stores (H = 1, HV = 2: plain packed
+32, "ag" packed ~60, plain fixed 60), no wgmma serialisation.
 
 Build options (`OPTS`, `DEFAULT_OPTS`; NOTES-bwd.md "Pass-2 v5's build options"): packed builds
-publish the next chunk's D from S as soon as dS is complete ("d") and reorder K's tail with
-asynchronous wgmma ("a", "g"): pass 2 1.04-1.08x faster on packed rows (16/32 4 x 8192 packed 1.656
--> 1.538 ms); fixed-length builds keep the schedule above ("a" measured 0.98x there). An L2 prefetch
-of the next chunk's tiles by the producer (bulk prefetches) was measured 0.84-0.95x and removed.
+reorder K's tail with asynchronous wgmma ("a", "g"): pass 2 1.04-1.08x faster on packed rows (16/32
+4 x 8192 packed 1.663 -> 1.541 ms); fixed-length builds keep the schedule above ("a" measured 0.98x
+there). "d" (S publishes the next chunk's D as soon as dS is complete) measured 1.01-1.02x alone; the
+grids at 82fd41d ran "dag", but "d" as measured let K and A write the next chunk's partial rows while
+S could still read the last ones, and now waits for S on a barrier of its own (`s_done`), not yet
+measured: it is not a default. An L2 prefetch of the next chunk's tiles by the producer (bulk
+prefetches) was measured 0.84-0.95x and removed.
 
 The sequence's last chunk (the first walked; the only one that may be partial) is loaded by every
 thread with rows past the end zeroed, before the roles split; the producer loads the earlier, full
@@ -78,17 +82,28 @@ QK_DTYPE_ENV = "FLASHQLA_BWD_QK_DTYPE"
 #: Build options of v5 (a string of these letters), each measured on the H200 against v5 without it
 #: (NOTES-bwd.md, "Pass-2 v5's build options"):
 #: "d": S publishes the next chunk's D as soon as dS is complete, before its chunk-end sums wait for
-#:      K's and A's partial rows (K's next chunk starts on D);
+#:      K's and A's partial rows (K's next chunk starts on D); K and A then wait for S's reads of those
+#:      rows (`s_done`) before writing the next chunk's (that guard is not measured yet);
 #: "a": K publishes -diag(gamma) dv before storing dv; takes (-diag(gamma) dv) S0^T right after
 #:      v_new D^T and sums its dG rows and the r-terms in one pass; issues (diag(beta) dLk)^T K and
 #:      (scale M Gamma)^T Q together;
 #: "g": (with "a") K's (scale M Gamma) K runs while dq's dG rows sum.
 OPTS = "dag"
-#: The options each build takes by default, by packed input (cu_seqlens) or not: measured, "dag" made
+#: The options each build takes by default, by packed input (cu_seqlens) or not: measured, "ag" made
 #: pass 2 1.04-1.08x faster on packed rows (every row of the benchmarks, the split backward's segments
 #: included) and "a" 0.98x on fixed-length rows (B sequences of T tokens, ptxas allocates that build
-#: differently), where "d" alone was within noise.
-DEFAULT_OPTS = {True: "dag", False: ""}
+#: differently).
+DEFAULT_OPTS = {True: "ag", False: ""}
+
+
+def canonical_opts(opts: str | None, varlen: bool) -> str:
+    """The build options as compiled: `DEFAULT_OPTS[varlen]` for None, else the letters of `opts` once
+    each, in `OPTS` order. ValueError for other letters, or "g" without "a"."""
+    if opts is None:
+        return DEFAULT_OPTS[bool(varlen)]
+    if set(opts) - set(OPTS) or ("g" in opts and "a" not in opts):
+        raise ValueError(f"v5 options must be letters of {OPTS!r} ('g' with 'a'), got {opts!r}")
+    return "".join(c for c in OPTS if c in opts)
 
 
 def qk_store_dtype(dtype: str) -> str:
@@ -111,9 +126,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                             varlen: bool, exact_diagonal: bool = True, qk_dtype: str | None = None, opts: str = ""):
     import tilelang.language as T
 
-    bad = set(opts) - set(OPTS)
-    if bad or ("g" in opts and "a" not in opts):
-        raise ValueError(f"v5 options must be letters of {OPTS!r} ('g' with 'a'), got {opts!r}")
+    opts = canonical_opts(opts, varlen)
     early_d, async_k, over_gk = "d" in opts, "a" in opts, "g" in opts
 
     if not v5_applies(K, V, dtype, h_dtype):
@@ -216,6 +229,11 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
             km_done = T.alloc_barrier(arrive_count=128)  # K -> A: pg_s, kg_s, am_s free
             r_ka = T.alloc_barrier(arrive_count=256)  # K, A -> S: their partial rows in red_s
             s_sync = T.alloc_barrier(arrive_count=128)  # S's own warps
+            if early_d:
+                # S -> K, A: the chunk's partial rows read (red_s and the scalars after g free). Without
+                # "d", S publishes the next D only after those reads, and K (and A through K) cannot
+                # start the next chunk before; with "d" nothing else orders K's and A's next writes there
+                s_done = T.alloc_barrier(arrive_count=128)
 
             # ---- the sequence's last chunk, every thread (rows past the end zero)
             if nchunks > 0:
@@ -311,6 +329,8 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                             gamc[0] * (g_s[SCS] + g_s[SCS + 1] + g_s[SCS + 2] + g_s[SCS + 3])
                             + (g_s[SCS + 4] + g_s[SCS + 5] + g_s[SCS + 6] + g_s[SCS + 7]),
                             T.float32(0))
+                    if early_d:
+                        T.barrier_arrive(s_done)
                 for i, j in T.Parallel(K, V):
                     dh0[n, hv, i, j] = dS[i, j]
                 if varlen:
@@ -416,6 +436,9 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         for t in T.Parallel(C):
                             gk[t] = -rs[t]
                         wr = T.warp_reduce_sum(scr[0])
+                        if early_d:
+                            if ci > 0:
+                                T.barrier_wait(s_done, pprev)
                         if tx % 32 == 0:
                             g_s[SCS + 4 + (tx // 32) % 4] = wr
                         # dk += (-diag(gamma) dv) S0^T; dG rows += rowsum(that * K) (= rowsum(-diag(gamma) dv * U))
@@ -479,6 +502,9 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                             cv[t, d] = cv[t, d] * kk - pr
                         T.reduce_sum(cv, gk, dim=1, batch=2)
                         wr = T.warp_reduce_sum(scr[0])
+                        if early_d:
+                            if ci > 0:
+                                T.barrier_wait(s_done, pprev)
                         if tx % 32 == 0:
                             g_s[SCS + 4 + (tx // 32) % 4] = wr
                         # t = dLk K: dk += diag(beta) t; dbeta rows = rowsum(t * K)
@@ -618,6 +644,9 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     T.reduce_sum(za, rg, dim=1, batch=2)
                     T.reduce_sum(za, cg, dim=0, batch=16)
                     T.barrier_arrive(e_late)
+                    if early_d:
+                        if ci > 0:
+                            T.barrier_wait(s_done, pprev)
                     T.copy(rg, red_s[RGA : RGA + C])
                     T.copy(cg, red_s[CGA : CGA + C])
                     for t in T.Parallel(C):
@@ -653,14 +682,17 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
     return gdn_chunk_bwd_v5
 
 
-@functools.lru_cache(maxsize=None)
 def build_chunk_bwd_v5_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
                               varlen: bool, qk_dtype: str | None = None, opts: str | None = None):
     """Compiled pass-2 kernel, variant v5 (cached). Same static key as `build_chunk_bwd_kernel`, plus the
     storage dtype of dq_hv, dk_hv (None: "float32", as v1 / v2; or `dtype`: QK_DTYPE_ENV) and the build
-    options (letters of `OPTS`; None: `DEFAULT_OPTS` for `varlen`)."""
-    qk = qk_dtype or "float32"
-    opts = DEFAULT_OPTS[bool(varlen)] if opts is None else opts
+    options (letters of `OPTS`; None: `DEFAULT_OPTS` for `varlen`; `canonical_opts`)."""
+    return _build_v5(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, bool(varlen), qk_dtype or "float32",
+                     canonical_opts(opts, varlen))
+
+
+@functools.lru_cache(maxsize=None)
+def _build_v5(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen, qk, opts):
     func = _chunk_bwd_v5_prim_func(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen, qk_dtype=qk, opts=opts)
     return compile_kernel(func, f"gdn_chunk_bwd_v5_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{h_dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}"
                           + ("" if qk == "float32" else f"_qk_{qk}") + (f"_{opts}" if opts else ""))
@@ -670,8 +702,9 @@ def chunk_fused_bwd_v5(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, c
                        opts: str | None = None):
     """Launches pass 2 with the v5 kernel (`chunk_bwd_v2.launch_pass2`). Arguments and results as
     `chunk_bwd.chunk_fused_bwd` (order: `_common.launch_order(cu_seqlens)` or None, the sequences'
-    launch order); dq_hv and dk_hv in fp32, or in q's dtype under QK_DTYPE_ENV. dq_hv, dk_hv, dv,
-    dbeta and dh0 are allocated uninitialised (the kernel writes every row, as v2)."""
+    launch order; opts: the build options, `build_chunk_bwd_v5_kernel`); dq_hv and dk_hv in fp32, or in
+    q's dtype under QK_DTYPE_ENV. dq_hv, dk_hv, dv, dbeta and dh0 are allocated uninitialised (the
+    kernel writes every row, as v2)."""
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v2 import launch_pass2
 
     from flashqla.ops.gdn.kernels.sm90._common import tl_dtype
