@@ -1,7 +1,7 @@
 """One call on the GPU machine: pass-2 v5 with build options (`chunk_bwd_v5.OPTS`, variants named
-"v5:<letters>") against plain v5, for correctness and speed, in one process.
+"v5:<letters>") against the plain schedule ("v5:"), for correctness and speed, in one process.
 
-    python tests/gpu/pass2_opts_check.py v5:d v5:a ... [--cases NAME ...] [--rows ROW ...] [--out DIR]
+    python tests/gpu/pass2_opts_check.py v5:d v5:a ... [--precompile] [--cases NAME ...] [--rows ROW ...] [--out DIR]
 
 For each variant, `bwd_v2_check.check_case` on the chosen cases (base v5 against the variant on
 NaN-poisoned outputs, twice; every gradient against fp64) and `bwd_v2_check.time_row` on the chosen
@@ -36,11 +36,16 @@ def main():
     ap.add_argument("--cases", nargs="*", default=list(DEFAULT_CASES))
     ap.add_argument("--rows", nargs="*", default=list(DEFAULT_ROWS))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--precompile", action="store_true", help="build the kernels first, in worker processes")
     a = ap.parse_args()
     rows_all = b._rows()
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": [], "errors": []}
     t0 = time.time()
     b.BASE = "v5:"  # the plain schedule (plain "v5" takes chunk_bwd_v5.DEFAULT_OPTS)
+    if a.precompile:
+        for var in a.variants:
+            b.NEW = var
+            b.precompile({r: rows_all[r] for r in a.rows}, {c: b.CASES[c] for c in a.cases})
     for var in a.variants:
         b.NEW = var
         for i, name in enumerate(a.cases):

@@ -87,8 +87,11 @@ QK_DTYPE_ENV = "FLASHQLA_BWD_QK_DTYPE"
 #: "a": K publishes -diag(gamma) dv before storing dv; takes (-diag(gamma) dv) S0^T right after
 #:      v_new D^T and sums its dG rows and the r-terms in one pass; issues (diag(beta) dLk)^T K and
 #:      (scale M Gamma)^T Q together;
-#: "g": (with "a") K's (scale M Gamma) K runs while dq's dG rows sum.
-OPTS = "dag"
+#: "g": (with "a") K's (scale M Gamma) K runs while dq's dG rows sum;
+#: "b": A issues Q K^T beside K K^T (compiled and checked on the CPU only, ptxas: 148 B of spill
+#:      stores with "ag" at 16/32 against ~120; not timed yet, not a default. A_beta Kg beside K S0 as
+#:      well spilled 292 B and was dropped untimed).
+OPTS = "dagb"
 #: The options each build takes by default, by packed input (cu_seqlens) or not: measured, "ag" made
 #: pass 2 1.04-1.08x faster on packed rows (every row of the benchmarks, the split backward's segments
 #: included) and "a" 0.98x on fixed-length rows (B sequences of T tokens, ptxas allocates that build
@@ -127,7 +130,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
     import tilelang.language as T
 
     opts = canonical_opts(opts, varlen)
-    early_d, async_k, over_gk = "d" in opts, "a" in opts, "g" in opts
+    early_d, async_k, over_gk, async_a = "d" in opts, "a" in opts, "g" in opts, "b" in opts
 
     if not v5_applies(K, V, dtype, h_dtype):
         raise ValueError(f"v5 needs K = V = 128 and h in q's dtype, got K={K}, V={V}, {dtype}, h {h_dtype}")
@@ -574,15 +577,28 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     if ci > 0:
                         T.barrier_wait(km_done, pprev)
                         T.barrier_wait(f_kq, pprev)
-                    T.gemm(q_s, k_s, cc, transpose_B=True, clear_accum=True)
-                    for t, s in T.Parallel(C, C):
-                        pg_s[t, s] = T.cast(scale * cc[t, s] * msk[t, s], dtype)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(pg_ready)
-                    # Kg = (K K^T) * Gamma_strict;  A = I - A_beta Kg  (BWD-Abeta)
-                    T.gemm(k_s, k_s, cc, transpose_B=True, clear_accum=True)
-                    for t, s in T.Parallel(C, C):
-                        kg_s[t, s] = T.cast(T.if_then_else(t > s, cc[t, s] * msk[t, s], T.float32(0)), dtype)
+                    if not async_a:
+                        T.gemm(q_s, k_s, cc, transpose_B=True, clear_accum=True)
+                        for t, s in T.Parallel(C, C):
+                            pg_s[t, s] = T.cast(scale * cc[t, s] * msk[t, s], dtype)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(pg_ready)
+                        # Kg = (K K^T) * Gamma_strict;  A = I - A_beta Kg  (BWD-Abeta)
+                        T.gemm(k_s, k_s, cc, transpose_B=True, clear_accum=True)
+                        for t, s in T.Parallel(C, C):
+                            kg_s[t, s] = T.cast(T.if_then_else(t > s, cc[t, s] * msk[t, s], T.float32(0)), dtype)
+                    else:
+                        # Q K^T beside K K^T (into za, free until Kg is read back below)
+                        T.wgmma_gemm(q_s, k_s, cc, transpose_B=True, clear_accum=True)
+                        T.wgmma_gemm(k_s, k_s, za, transpose_B=True, clear_accum=True)
+                        T.wait_wgmma(1)
+                        for t, s in T.Parallel(C, C):
+                            pg_s[t, s] = T.cast(scale * cc[t, s] * msk[t, s], dtype)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(pg_ready)
+                        T.wait_wgmma(0)
+                        for t, s in T.Parallel(C, C):
+                            kg_s[t, s] = T.cast(T.if_then_else(t > s, za[t, s] * msk[t, s], T.float32(0)), dtype)
                     T.fence_proxy_async()
                     if ci > 0:
                         T.barrier_wait(f_ab, pprev)
