@@ -88,9 +88,10 @@ QK_DTYPE_ENV = "FLASHQLA_BWD_QK_DTYPE"
 #:      v_new D^T and sums its dG rows and the r-terms in one pass; issues (diag(beta) dLk)^T K and
 #:      (scale M Gamma)^T Q together;
 #: "g": (with "a") K's (scale M Gamma) K runs while dq's dG rows sum;
-#: "b": A issues Q K^T beside K K^T (compiled and checked on the CPU only, ptxas: 148 B of spill
-#:      stores with "ag" at 16/32 against ~120; not timed yet, not a default. A_beta Kg beside K S0 as
-#:      well spilled 292 B and was dropped untimed).
+#: "b": A issues Q K^T beside K K^T (compiled and checked on the CPU only; ptxas spill stores: "agb"
+#:      148 B at 16/32 packed against ~120 for "ag", "dagb" 156 B against 60 for "dag" and "b" 208 B
+#:      against 68 plain at H = 1, HV = 2 (packed / fp16 fixed); not timed yet, not a default. A_beta Kg
+#:      beside K S0 as well spilled 292 B and was dropped untimed).
 OPTS = "dagb"
 #: The options each build takes by default, by packed input (cu_seqlens) or not: measured, "ag" made
 #: pass 2 1.04-1.08x faster on packed rows (every row of the benchmarks, the split backward's segments
