@@ -327,12 +327,12 @@ def test_chunk_bwd_v5_options():
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import _v5_opts, _variant
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import DEFAULT_OPTS, OPTS, _chunk_bwd_v5_prim_func, canonical_opts
 
-    assert OPTS == "dagb" and DEFAULT_OPTS == {True: "ag", False: ""}
+    assert OPTS == "dag" and DEFAULT_OPTS == {True: "ag", False: ""}
     assert _v5_opts("v5") is None and _v5_opts("v5:") == "" and _v5_opts("v5:da") == "da"
     assert _variant("v5:dag") == "v5:dag" and _variant("v5:") == "v5:"
     # one compiled name per kernel: defaults resolved, letters once each in OPTS order
     assert canonical_opts(None, True) == "ag" and canonical_opts(None, False) == ""
-    assert canonical_opts("gad", True) == canonical_opts("ddag", False) == "dag" and canonical_opts("bga", True) == "agb"
+    assert canonical_opts("gad", True) == canonical_opts("ddag", False) == "dag" and canonical_opts("ga", True) == "ag"
     with pytest.raises(ValueError, match="options"):
         _chunk_bwd_v5_prim_func(1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True, opts="g")
     # the options change the kernel: D published early (a second d_ready arrival site) and S's reads of
@@ -416,12 +416,12 @@ def test_chunk_bwd_v5_kernel_compiles(dtype, beta_dtype, seq_dtype, varlen):
 
 @needs_nvcc
 def test_chunk_bwd_v5_all_options_compile():
-    """v5 with every build option ("dagb": "d" adds a barrier, the last shared bytes) still fits Hopper's
+    """v5 with every build option ("dag": "d" adds a barrier, the last shared bytes) still fits Hopper's
     shared memory, and ptxas does not serialise its wgmma."""
     from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import build_chunk_bwd_kernel
 
-    kernel = build_chunk_bwd_kernel(1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True, "v5:dagb")
+    kernel = build_chunk_bwd_kernel(1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True, "v5:dag")
     assert "s_done" in kernel.get_kernel_source()
     r = ptxas_report(kernel)
     log = _ptxas_log(kernel)

@@ -49,9 +49,10 @@ reorder K's tail with asynchronous wgmma ("a", "g"): pass 2 1.04-1.08x faster on
 4 x 8192 packed 1.663 -> 1.541 ms); fixed-length builds keep the schedule above ("a" measured 0.98x
 there). "d" (S publishes the next chunk's D as soon as dS is complete) measured 1.01-1.02x alone; the
 grids at 82fd41d ran "dag", but "d" as measured let K and A write the next chunk's partial rows while
-S could still read the last ones, and now waits for S on a barrier of its own (`s_done`), not yet
-measured: it is not a default. An L2 prefetch of the next chunk's tiles by the producer (bulk
-prefetches) was measured 0.84-0.95x and removed.
+S could still read the last ones, and now waits for S on a barrier of its own (`s_done`): so guarded,
+"dag" measured within 0.5% of "ag", which stays the default. An L2 prefetch of the next chunk's tiles
+by the producer (bulk prefetches, 0.84-0.95x) and Q K^T issued beside K K^T (0.96-0.99x) were measured
+and removed.
 
 The sequence's last chunk (the first walked; the only one that may be partial) is loaded by every
 thread with rows past the end zeroed, before the roles split; the producer loads the earlier, full
@@ -83,16 +84,14 @@ QK_DTYPE_ENV = "FLASHQLA_BWD_QK_DTYPE"
 #: (NOTES-bwd.md, "Pass-2 v5's build options"):
 #: "d": S publishes the next chunk's D as soon as dS is complete, before its chunk-end sums wait for
 #:      K's and A's partial rows (K's next chunk starts on D); K and A then wait for S's reads of those
-#:      rows (`s_done`) before writing the next chunk's (that guard is not measured yet);
+#:      rows (`s_done`) before writing the next chunk's (so guarded, within 0.5% of "ag");
 #: "a": K publishes -diag(gamma) dv before storing dv; takes (-diag(gamma) dv) S0^T right after
 #:      v_new D^T and sums its dG rows and the r-terms in one pass; issues (diag(beta) dLk)^T K and
 #:      (scale M Gamma)^T Q together;
-#: "g": (with "a") K's (scale M Gamma) K runs while dq's dG rows sum;
-#: "b": A issues Q K^T beside K K^T (compiled and checked on the CPU only; ptxas spill stores: "agb"
-#:      148 B at 16/32 packed against ~120 for "ag", "dagb" 156 B against 60 for "dag" and "b" 208 B
-#:      against 68 plain at H = 1, HV = 2 (packed / fp16 fixed); not timed yet, not a default. A_beta Kg
-#:      beside K S0 as well spilled 292 B and was dropped untimed).
-OPTS = "dagb"
+#: "g": (with "a") K's (scale M Gamma) K runs while dq's dG rows sum.
+#: (Removed after their H200 runs: "b", A issuing Q K^T beside K K^T, 0.96-0.99x with its spills;
+#: "p", an L2 prefetch by the producer, 0.84-0.95x.)
+OPTS = "dag"
 #: The options each build takes by default, by packed input (cu_seqlens) or not: measured, "ag" made
 #: pass 2 1.04-1.08x faster on packed rows (every row of the benchmarks, the split backward's segments
 #: included) and "a" 0.98x on fixed-length rows (B sequences of T tokens, ptxas allocates that build
@@ -131,7 +130,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
     import tilelang.language as T
 
     opts = canonical_opts(opts, varlen)
-    early_d, async_k, over_gk, async_a = "d" in opts, "a" in opts, "g" in opts, "b" in opts
+    early_d, async_k, over_gk = "d" in opts, "a" in opts, "g" in opts
 
     if not v5_applies(K, V, dtype, h_dtype):
         raise ValueError(f"v5 needs K = V = 128 and h in q's dtype, got K={K}, V={V}, {dtype}, h {h_dtype}")
@@ -578,28 +577,15 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     if ci > 0:
                         T.barrier_wait(km_done, pprev)
                         T.barrier_wait(f_kq, pprev)
-                    if not async_a:
-                        T.gemm(q_s, k_s, cc, transpose_B=True, clear_accum=True)
-                        for t, s in T.Parallel(C, C):
-                            pg_s[t, s] = T.cast(scale * cc[t, s] * msk[t, s], dtype)
-                        T.fence_proxy_async()
-                        T.barrier_arrive(pg_ready)
-                        # Kg = (K K^T) * Gamma_strict;  A = I - A_beta Kg  (BWD-Abeta)
-                        T.gemm(k_s, k_s, cc, transpose_B=True, clear_accum=True)
-                        for t, s in T.Parallel(C, C):
-                            kg_s[t, s] = T.cast(T.if_then_else(t > s, cc[t, s] * msk[t, s], T.float32(0)), dtype)
-                    else:
-                        # Q K^T beside K K^T (into za, free until Kg is read back below)
-                        T.wgmma_gemm(q_s, k_s, cc, transpose_B=True, clear_accum=True)
-                        T.wgmma_gemm(k_s, k_s, za, transpose_B=True, clear_accum=True)
-                        T.wait_wgmma(1)
-                        for t, s in T.Parallel(C, C):
-                            pg_s[t, s] = T.cast(scale * cc[t, s] * msk[t, s], dtype)
-                        T.fence_proxy_async()
-                        T.barrier_arrive(pg_ready)
-                        T.wait_wgmma(0)
-                        for t, s in T.Parallel(C, C):
-                            kg_s[t, s] = T.cast(T.if_then_else(t > s, za[t, s] * msk[t, s], T.float32(0)), dtype)
+                    T.gemm(q_s, k_s, cc, transpose_B=True, clear_accum=True)
+                    for t, s in T.Parallel(C, C):
+                        pg_s[t, s] = T.cast(scale * cc[t, s] * msk[t, s], dtype)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(pg_ready)
+                    # Kg = (K K^T) * Gamma_strict;  A = I - A_beta Kg  (BWD-Abeta)
+                    T.gemm(k_s, k_s, cc, transpose_B=True, clear_accum=True)
+                    for t, s in T.Parallel(C, C):
+                        kg_s[t, s] = T.cast(T.if_then_else(t > s, cc[t, s] * msk[t, s], T.float32(0)), dtype)
                     T.fence_proxy_async()
                     if ci > 0:
                         T.barrier_wait(f_ab, pprev)
