@@ -39,6 +39,15 @@ NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 BUDGET = {"dq": 2e-2, "dk": 2e-2, "dv": 2e-2, "dg": 3e-2, "dbeta": 2e-2, "dh0": 2e-2}
 FLA_MARGIN = 1.10
 FLA_FLOOR = 1e-4
+#: Quantities held to FLA's error case by case (x FLA_MARGIN + FLA_FLOOR). dg is held to it over many
+#: seeds instead (`test_against_fla_over_seeds`): its error, ours and FLA's alike, is a sum of ~1e-3
+#: random rounding errors of the state and state-gradient operands (dg_t is an inner product of the two,
+#: 16,384 terms a chunk), so one case's ratio swings 0.3x-5x with the seed while the two distributions
+#: are the same size (NOTES-bwd.md, "dg against FLA: one case cannot rank the two").
+PER_CASE_FLA = ("dq", "dk", "dv", "dbeta", "dh0")
+#: The seeds x lengths of `test_against_fla_over_seeds` (seed 1000 i + T; i = 0 is test_lengths' case).
+SWEEP_LENGTHS = (63, 64, 65)
+SWEEP_SEEDS = 5
 
 
 def _inputs(seed=0, **kw):
@@ -117,9 +126,47 @@ def _check(xd, h_dtype=torch.bfloat16):
     print(f"gradient errors vs fp64: ours {errs}, FLA {fla_errs}")
     for n, e in errs.items():
         assert e <= BUDGET[n], f"{n}: {e:.3e} > budget {BUDGET[n]:.0e} (FLA: {fla_errs})"
-        if fla_errs is not None and n in fla_errs:
+        if fla_errs is not None and n in fla_errs and n in PER_CASE_FLA:
             assert e <= FLA_MARGIN * fla_errs[n] + FLA_FLOOR, f"{n}: ours {e:.3e} worse than FLA's {fla_errs[n]:.3e}"
     return errs, ours, ref
+
+
+def test_against_fla_over_seeds():
+    """Every gradient's error against FLA's on the same inputs, over SWEEP_SEEDS seeds x SWEEP_LENGTHS
+    (2 q/k heads, 4 value heads: a g == 0 head and a g = -30 head, initial state and dht given): the
+    geometric mean of ours / FLA at most FLA_MARGIN per quantity, dg included (the per-case rule of
+    `_check` leaves dg out: PER_CASE_FLA). FLA runs here when importable, else its errors recorded on
+    the H200 (`flashqla.testing.FLA_BWD_SWEEP_ERRORS`)."""
+    import math
+
+    from flashqla.testing import FLA_BWD_SWEEP_ERRORS
+
+    scale = 128**-0.5
+    ratios = {n: [] for n in NAMES}
+    for T in SWEEP_LENGTHS:
+        for i in range(SWEEP_SEEDS):
+            seed = 1000 * i + T
+            xd = _inputs(seed=seed, B=1, T=T, H=2, HV=4)
+            ref = _reference(xd, scale)
+            ours, _ = _ours(xd, scale)
+            fla = _fla(xd, scale)
+            if fla is None:
+                fla_errs = FLA_BWD_SWEEP_ERRORS.get((T, seed))
+                if fla_errs is None:
+                    pytest.skip(f"FLA not run and no recorded FLA errors for T={T} seed={seed}")
+            elif isinstance(fla, Exception):
+                raise fla
+            else:
+                fla_errs = {n: rel_rms(fla[n], ref[n]) for n in NAMES}
+            errs = {n: rel_rms(ours[n], ref[n]) for n in NAMES}
+            print(f"T={T} seed={seed} " + " ".join(f"{n} {errs[n]:.3e}/{fla_errs[n]:.3e}" for n in NAMES))
+            for n in NAMES:
+                assert errs[n] <= BUDGET[n], f"T={T} seed={seed} {n}: {errs[n]:.3e} > budget {BUDGET[n]:.0e}"
+                ratios[n].append(errs[n] / fla_errs[n])
+    gm = {n: math.exp(sum(math.log(r) for r in v) / len(v)) for n, v in ratios.items()}
+    print("geometric mean ours / FLA: " + " ".join(f"{n} {g:.3f}" for n, g in gm.items()))
+    bad = {n: round(g, 3) for n, g in gm.items() if g > FLA_MARGIN}
+    assert not bad, f"geometric mean of ours / FLA above {FLA_MARGIN} over {len(ratios['dq'])} cases: {bad}"
 
 
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 1000])
