@@ -327,11 +327,11 @@ def test_chunk_bwd_v5_options():
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import _v5_opts, _variant
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import DEFAULT_OPTS, OPTS, _chunk_bwd_v5_prim_func, canonical_opts
 
-    assert OPTS == "dag" and DEFAULT_OPTS == {True: "ag", False: ""}
+    assert OPTS == "dag" and DEFAULT_OPTS == {True: "dag", False: ""}
     assert _v5_opts("v5") is None and _v5_opts("v5:") == "" and _v5_opts("v5:da") == "da"
     assert _variant("v5:dag") == "v5:dag" and _variant("v5:") == "v5:"
     # one compiled name per kernel: defaults resolved, letters once each in OPTS order
-    assert canonical_opts(None, True) == "ag" and canonical_opts(None, False) == ""
+    assert canonical_opts(None, True) == "dag" and canonical_opts(None, False) == ""
     assert canonical_opts("gad", True) == canonical_opts("ddag", False) == "dag" and canonical_opts("ga", True) == "ag"
     with pytest.raises(ValueError, match="options"):
         _chunk_bwd_v5_prim_func(1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True, opts="g")

@@ -50,7 +50,8 @@ reorder K's tail with asynchronous wgmma ("a", "g"): pass 2 1.04-1.08x faster on
 there). "d" (S publishes the next chunk's D as soon as dS is complete) measured 1.01-1.02x alone; the
 grids at 82fd41d ran "dag", but "d" as measured let K and A write the next chunk's partial rows while
 S could still read the last ones, and now waits for S on a barrier of its own (`s_done`): so guarded,
-"dag" measured within 0.5% of "ag", which stays the default. An L2 prefetch of the next chunk's tiles
+"dag" measured 0.0-0.4% faster than "ag" on every row of the options check, and the backward grid with
+"ag" ran 0.3-1.4% slower than with the unguarded "dag" before: packed builds default to "dag". An L2 prefetch of the next chunk's tiles
 by the producer (bulk prefetches, 0.84-0.95x) and Q K^T issued beside K K^T (0.96-0.99x) were measured
 and removed.
 
@@ -84,7 +85,7 @@ QK_DTYPE_ENV = "FLASHQLA_BWD_QK_DTYPE"
 #: (NOTES-bwd.md, "Pass-2 v5's build options"):
 #: "d": S publishes the next chunk's D as soon as dS is complete, before its chunk-end sums wait for
 #:      K's and A's partial rows (K's next chunk starts on D); K and A then wait for S's reads of those
-#:      rows (`s_done`) before writing the next chunk's (so guarded, within 0.5% of "ag");
+#:      rows (`s_done`) before writing the next chunk's (so guarded, 0.0-0.4% faster than "ag");
 #: "a": K publishes -diag(gamma) dv before storing dv; takes (-diag(gamma) dv) S0^T right after
 #:      v_new D^T and sums its dG rows and the r-terms in one pass; issues (diag(beta) dLk)^T K and
 #:      (scale M Gamma)^T Q together;
@@ -92,11 +93,11 @@ QK_DTYPE_ENV = "FLASHQLA_BWD_QK_DTYPE"
 #: (Removed after their H200 runs: "b", A issuing Q K^T beside K K^T, 0.96-0.99x with its spills;
 #: "p", an L2 prefetch by the producer, 0.84-0.95x.)
 OPTS = "dag"
-#: The options each build takes by default, by packed input (cu_seqlens) or not: measured, "ag" made
+#: The options each build takes by default, by packed input (cu_seqlens) or not: measured, "dag" made
 #: pass 2 1.04-1.08x faster on packed rows (every row of the benchmarks, the split backward's segments
 #: included) and "a" 0.98x on fixed-length rows (B sequences of T tokens, ptxas allocates that build
 #: differently).
-DEFAULT_OPTS = {True: "ag", False: ""}
+DEFAULT_OPTS = {True: "dag", False: ""}
 
 
 def canonical_opts(opts: str | None, varlen: bool) -> str:
