@@ -624,3 +624,41 @@ def test_cli_bwd_report_only_also_commits(tmp_path):
     assert "| our commit | new (1 rows); old (1 rows) |" in md
     assert "| 16/32 | 32k_1seq |" in md
     assert "| 2/4 | 8k_4seq |" in md and "| 0.500 |" in md and "| 0.900 |" not in md
+
+
+def test_cp_page_gets_the_backward_one_sequence_rows(tmp_path):
+    """The backward report writes its one-sequence rows as the last section of an existing CP page
+    (replacing, not repeating, it on every rebuild), and the forward report keeps that section when it
+    rewrites the page; no CP page, none written."""
+    from flashqla.bench import report as R
+    from flashqla.bench.__main__ import _paths, write_outputs as write_fwd
+    from flashqla.bench.bwd_main import paths_for, write_outputs
+    from tests.test_bench import _row
+
+    p = tmp_path / f"{PREFIX}.csv"
+    for r in (_line(16, 32, "32k_1seq", (2.0, 2.8), (6.0, 9.0), (3.0, 4.0)),
+              _line(2, 4, "8k_4seq", (0.5, 0.7), (1.0, 1.4), (0.5, 0.6))):
+        S.append_row(p, r, BR.RESULT_FIELDS_BWD)
+    paths = paths_for(tmp_path, PREFIX)
+    assert paths["cp_md"].name == PREFIX.replace("-bwd", "-cp") + ".md"
+    meta = {"date": "d", "method": ["m"]}
+    write_outputs(paths, ENV, "c", meta, plot=False)
+    assert not paths["cp_md"].exists()
+    # the forward benchmark writes the CP page from its CP rows
+    S.append_row(tmp_path / "test-gpu-fwd.csv", _row(2, 8, "1x2048", 0.1, 0.2, 0.05), S.RESULT_FIELDS)
+    fwd_paths = _paths(tmp_path, "test-gpu-fwd")
+    assert fwd_paths["cp_md"] == paths["cp_md"]
+    write_fwd(fwd_paths, ENV, "c", meta, plot=False)
+    assert R.CP_BWD_HEADING not in paths["cp_md"].read_text()
+    for _ in range(2):
+        write_outputs(paths, ENV, "c", meta, plot=False)
+        md = paths["cp_md"].read_text()
+        assert md.count(R.CP_BWD_HEADING) == 1 and md.index("| 2/8 | 1x2048 |") < md.index(R.CP_BWD_HEADING)
+        section = md[md.index(R.CP_BWD_HEADING):]
+        assert "| 16/32 | 32k_1seq | 32768 |" in section and "8k_4seq" not in section  # one sequence only
+        assert "| backward | 3.00x (n=1) | 1.50x (n=1) |" in section and "our commit: c)" in section
+    # the forward report keeps the backward's section as it is
+    write_fwd(fwd_paths, ENV, "c", meta, plot=False)
+    assert paths["cp_md"].read_text() == md
+    assert R.splice_section("a\n" + R.CP_BWD_HEADING + "\nx\n", R.CP_BWD_HEADING, []) == "a\n"
+    assert R.kept_section(tmp_path / "none.md") == []

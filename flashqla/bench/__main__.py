@@ -264,9 +264,12 @@ def write_outputs(paths: dict, env: dict, commit: str, meta: dict, plot: bool, a
         R.plot(rows, paths["png"])
     cp_rows = [r for r in rows if G.is_cp_grid_row(int(r["h_qk"]), int(r["h_v"]), r["mix"])]
     if cp_rows:
-        paths["cp_md"].write_text(R.markdown(cp_rows, env, commit_label(cp_rows, commit, also), meta, [],
-                                             title="GDN chunked prefill, forward, one long sequence (context "
-                                                   "parallelism): ours vs FLA vs FlashQLA"))
+        # the backward's one-sequence section is the backward benchmark's to write: kept as it is
+        kept = R.kept_section(paths["cp_md"])
+        page = R.markdown(cp_rows, env, commit_label(cp_rows, commit, also), meta, [],
+                          title="GDN chunked prefill, one long sequence (context parallelism): ours vs FLA vs "
+                                "FlashQLA")
+        paths["cp_md"].write_text(R.splice_section(page, R.CP_BWD_HEADING, kept))
         if plot:
             R.plot_vs_T(cp_rows, paths["cp_png"])
 

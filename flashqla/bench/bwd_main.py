@@ -80,8 +80,9 @@ def list_rows(rows) -> None:
 
 def paths_for(results_dir: Path, prefix: str) -> dict:
     d = Path(results_dir)
+    cp = prefix[: -len("-bwd")] + "-cp" if prefix.endswith("-bwd") else f"{prefix}-cp"
     return {"csv": d / f"{prefix}.csv", "md": d / f"{prefix}.md", "png": d / f"{prefix}.png",
-            "peers": d / f"peers-{prefix}.csv"}
+            "peers": d / f"peers-{prefix}.csv", "cp_md": d / f"{cp}.md"}
 
 
 def find_prefix(args, env: dict | None) -> str:
@@ -147,11 +148,19 @@ def method_lines(args, impls: dict, tol: dict, fla_dispatch: str = "n/a") -> lis
 def write_outputs(paths: dict, env: dict, commit: str, meta: dict, plot: bool, also=()) -> None:
     """The backward page (markdown, plot) from the CSV rows of (env, commit), and for rows not measured
     at `commit` those of the commits in `also` (first match wins; the header counts the rows each
-    commit gave, as the forward page's `--also-commits`)."""
+    commit gave, as the forward page's `--also-commits`); and the one-sequence rows as the last section
+    of the context-parallel page `<gpu>-cp.md` (`bwd_report.cp_section`) when that page exists."""
     from flashqla.bench.__main__ import commit_label
+    from flashqla.bench.report import CP_BWD_HEADING, splice_section
 
     rows = S.rows_for_commits(S.read_rows(paths["csv"]), env, [commit, *also])
-    paths["md"].write_text(BR.markdown(rows, env, commit_label(rows, commit, also), meta))
+    label = commit_label(rows, commit, also)
+    paths["md"].write_text(BR.markdown(rows, env, label, meta))
+    cp_md = paths.get("cp_md")
+    if cp_md is not None and cp_md.exists():
+        one = [r for r in rows if int(r["N"]) == 1]
+        cp_md.write_text(splice_section(cp_md.read_text(), CP_BWD_HEADING,
+                                        BR.cp_section(rows, commit_label(one, commit, also), paths["md"].name)))
     if plot and rows:
         BR.plot(rows, paths["png"])
 

@@ -32,6 +32,7 @@ __all__ = [
     "console_line",
     "geomean_table",
     "markdown",
+    "cp_section",
     "plot",
 ]
 
@@ -217,6 +218,33 @@ def markdown(rows: list[dict], env: dict, commit: str, meta: dict) -> str:
     L.append("")
     L += drift_section(rows, kinds=(("bwd ", "bwd_ms"), ("step ", "step_ms")), mix_of=row_name)
     return "\n".join(L) + "\n"
+
+
+def cp_section(rows: list[dict], commit: str, page: str) -> list[str]:
+    """The context-parallel page's backward section (`report.CP_BWD_HEADING`): the one-sequence rows of
+    `rows` (the backward page's), their geometric-mean speed-ups and the backward and training-step
+    tables; `commit`: the rows' commit label; `page`: the backward page's file name, where the method,
+    the gate and the drift are. [] without one-sequence rows."""
+    from flashqla.bench.report import CP_BWD_HEADING
+
+    one = sorted((r for r in rows if int(r["N"]) == 1), key=grid_order)
+    if not one:
+        return []
+    L = [CP_BWD_HEADING, "",
+         f"The one-sequence rows of the backward grid, from `{page}` (its method, correctness gate and drift "
+         f"section apply; our commit: {commit}). Ours splits the sequence where the backward's plan predicts a "
+         "gain (cp='auto'); FlashQLA runs its own intra-card context parallelism (`auto_cp=True`).", "",
+         "| speed-up (geometric mean) | ours over FLA | ours over FlashQLA |", "| --- | --- | --- |"]
+    for kind, title, _ in KINDS:
+        cells = []
+        for b in ("fla", "flash_qla"):
+            xs = [x for x in (speedup(r, "ours", b, kind) for r in one) if not math.isnan(x)]
+            cells.append(f"{fmt_x(geomean(xs))} (n={len(xs)})" if xs else "- (n=0)")
+        L.append(f"| {title.split(' (')[0]} | " + " | ".join(cells) + " |")
+    for kind, title, fn in KINDS:
+        L += ["", f"### {title[0].upper() + title[1:]}", ""]
+        L += _table(one, kind, fn)
+    return L
 
 
 def plot(rows: list[dict], path) -> Path | None:

@@ -152,6 +152,30 @@ def geomean_table(rows: list[dict]) -> list[str]:
     return out
 
 
+#: The heading of the context-parallel page's backward section (`bwd_report.cp_section`): the backward
+#: benchmark writes it, the forward one keeps it when it rewrites the page.
+CP_BWD_HEADING = "## Backward and training step, one sequence"
+
+
+def splice_section(text: str, heading: str, lines: list[str]) -> str:
+    """`text` with the section that starts at the line `heading` (to the end: it is the last section)
+    replaced by `lines`, or `lines` appended when there is none; empty `lines` removes the section."""
+    cut = text.find("\n" + heading + "\n")
+    head = (text if cut < 0 else text[: cut + 1]).rstrip("\n") + "\n"
+    return head + ("\n" + "\n".join(lines) + "\n" if lines else "")
+
+
+def kept_section(path, heading: str = CP_BWD_HEADING) -> list[str]:
+    """The lines of the section `heading` (the page's last) of the file at `path`, or [] when the file or
+    the section is not there."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    text = path.read_text()
+    cut = text.find("\n" + heading + "\n")
+    return [] if cut < 0 else text[cut + 1:].rstrip("\n").split("\n")
+
+
 def markdown(rows: list[dict], env: dict, commit: str, meta: dict, breakdown_rows: list[dict] | None = None,
              title: str = "GDN chunked prefill, forward: ours vs FLA vs FlashQLA") -> str:
     """The results page: header, method, geometric means, the table, drift (from the rows' re-timed
