@@ -660,5 +660,14 @@ def test_cp_page_gets_the_backward_one_sequence_rows(tmp_path):
     # the forward report keeps the backward's section as it is
     write_fwd(fwd_paths, ENV, "c", meta, plot=False)
     assert paths["cp_md"].read_text() == md
-    assert R.splice_section("a\n" + R.CP_BWD_HEADING + "\nx\n", R.CP_BWD_HEADING, []) == "a\n"
+    assert "Environment: gpu Test GPU, driver 1.0, cuda 12.8," in md
+    # a later backward run without one-sequence rows leaves the section as it is
+    S.append_row(p, _line(2, 4, "8k_4seq", (0.4, 0.6), (1.0, 1.4), (0.5, 0.6), commit="c2"), BR.RESULT_FIELDS_BWD)
+    write_outputs(paths, ENV, "c2", meta, plot=False)
+    assert paths["cp_md"].read_text() == md
+    h = R.CP_BWD_HEADING
+    assert R.splice_section("a\n" + h + "\nx\n", h, []) == "a\n"
+    assert R.splice_section(h + "\nx\n", h, [h, "y"]) == h + "\ny\n"            # the heading first in the file
+    assert R.splice_section("a\n\n" + h, h, [h, "y"]) == "a\n\n" + h + "\ny\n"    # last, without a newline
+    assert R.splice_section("a\n" + h + "x\n", h, [h]) == "a\n" + h + "x\n\n" + h + "\n"  # a longer heading is another
     assert R.kept_section(tmp_path / "none.md") == []

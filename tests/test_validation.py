@@ -171,6 +171,24 @@ def test_recorded_fla_errors_cover_the_gpu_cases_by_node_id(monkeypatch):
     assert fla_errors_for("tests/gpu/test_bwd_gpu.py::test_varlen[h0-single]") is None
 
 
+
+def test_recorded_fla_sweep_errors_cover_the_gpu_sweep():
+    # tests/gpu/test_bwd_gpu.py::test_against_fla_over_seeds fails on a case missing from the table
+    # (SWEEP_LENGTHS x SWEEP_SEEDS there, seed 1000 i + T): every key present, every error positive,
+    # and the seed-T cases agree with the per-test table
+    from flashqla.testing import FLA_BWD_SWEEP_ERRORS, FLA_ERRORS
+
+    from pathlib import Path
+
+    src = (Path(__file__).resolve().parent / "gpu" / "test_bwd_gpu.py").read_text()
+    assert "SWEEP_LENGTHS = (63, 64, 65)" in src and "SWEEP_SEEDS = 5" in src
+    assert set(FLA_BWD_SWEEP_ERRORS) == {(T, 1000 * i + T) for T in (63, 64, 65) for i in range(5)}
+    for key, errs in FLA_BWD_SWEEP_ERRORS.items():
+        assert set(errs) == {"dq", "dk", "dv", "dg", "dbeta", "dh0"} and all(0 < e < 2e-2 for e in errs.values()), key
+    for T in (63, 64, 65):
+        per_test = FLA_ERRORS[f"tests/gpu/test_bwd_gpu.py::test_lengths[{T}]"]
+        assert all(abs(FLA_BWD_SWEEP_ERRORS[(T, T)][n] / per_test[n] - 1) < 1e-3 for n in per_test), T
+
 def test_add_cotangents_shapes_and_seed():
     from flashqla.testing import add_cotangents, make_gdn_inputs
 

@@ -149,7 +149,8 @@ def write_outputs(paths: dict, env: dict, commit: str, meta: dict, plot: bool, a
     """The backward page (markdown, plot) from the CSV rows of (env, commit), and for rows not measured
     at `commit` those of the commits in `also` (first match wins; the header counts the rows each
     commit gave, as the forward page's `--also-commits`); and the one-sequence rows as the last section
-    of the context-parallel page `<gpu>-cp.md` (`bwd_report.cp_section`) when that page exists."""
+    of the context-parallel page `<gpu>-cp.md` (`bwd_report.cp_section`, with its own environment line)
+    when that page exists and these rows include one-sequence rows (else the section stays as it is)."""
     from flashqla.bench.__main__ import commit_label
     from flashqla.bench.report import CP_BWD_HEADING, splice_section
 
@@ -157,10 +158,10 @@ def write_outputs(paths: dict, env: dict, commit: str, meta: dict, plot: bool, a
     label = commit_label(rows, commit, also)
     paths["md"].write_text(BR.markdown(rows, env, label, meta))
     cp_md = paths.get("cp_md")
-    if cp_md is not None and cp_md.exists():
-        one = [r for r in rows if int(r["N"]) == 1]
+    one = [r for r in rows if int(r["N"]) == 1]
+    if cp_md is not None and cp_md.exists() and one:  # a run without one-sequence rows leaves the section
         cp_md.write_text(splice_section(cp_md.read_text(), CP_BWD_HEADING,
-                                        BR.cp_section(rows, commit_label(one, commit, also), paths["md"].name)))
+                                        BR.cp_section(rows, commit_label(one, commit, also), paths["md"].name, env)))
     if plot and rows:
         BR.plot(rows, paths["png"])
 

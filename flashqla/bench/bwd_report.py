@@ -220,11 +220,12 @@ def markdown(rows: list[dict], env: dict, commit: str, meta: dict) -> str:
     return "\n".join(L) + "\n"
 
 
-def cp_section(rows: list[dict], commit: str, page: str) -> list[str]:
+def cp_section(rows: list[dict], commit: str, page: str, env: dict | None = None) -> list[str]:
     """The context-parallel page's backward section (`report.CP_BWD_HEADING`): the one-sequence rows of
     `rows` (the backward page's), their geometric-mean speed-ups and the backward and training-step
     tables; `commit`: the rows' commit label; `page`: the backward page's file name, where the method,
-    the gate and the drift are. [] without one-sequence rows."""
+    the gate and the drift are; `env`: the rows' environment key, named in the section (the page's
+    header is the forward run's). [] without one-sequence rows."""
     from flashqla.bench.report import CP_BWD_HEADING
 
     one = sorted((r for r in rows if int(r["N"]) == 1), key=grid_order)
@@ -233,7 +234,8 @@ def cp_section(rows: list[dict], commit: str, page: str) -> list[str]:
     L = [CP_BWD_HEADING, "",
          f"The one-sequence rows of the backward grid, from `{page}` (its method, correctness gate and drift "
          f"section apply; our commit: {commit}). Ours splits the sequence where the backward's plan predicts a "
-         "gain (cp='auto'); FlashQLA runs its own intra-card context parallelism (`auto_cp=True`).", "",
+         "gain (cp='auto'); FlashQLA runs its own intra-card context parallelism (`auto_cp=True`)."
+         + ("" if not env else " Environment: " + ", ".join(f"{f} {env.get(f, '')}" for f in ENV_FIELDS) + "."), "",
          "| speed-up (geometric mean) | ours over FLA | ours over FlashQLA |", "| --- | --- | --- |"]
     for kind, title, _ in KINDS:
         cells = []

@@ -160,9 +160,22 @@ CP_BWD_HEADING = "## Backward and training step, one sequence"
 def splice_section(text: str, heading: str, lines: list[str]) -> str:
     """`text` with the section that starts at the line `heading` (to the end: it is the last section)
     replaced by `lines`, or `lines` appended when there is none; empty `lines` removes the section."""
-    cut = text.find("\n" + heading + "\n")
-    head = (text if cut < 0 else text[: cut + 1]).rstrip("\n") + "\n"
-    return head + ("\n" + "\n".join(lines) + "\n" if lines else "")
+    cut = _section_start(text, heading)
+    head = (text if cut < 0 else text[:cut]).rstrip("\n")
+    head = head + "\n\n" if head else ""
+    return (head + "\n".join(lines) + "\n") if lines else (head[:-1] if head else "")
+
+
+def _section_start(text: str, heading: str) -> int:
+    """Offset of the line `heading` in `text` (at the start, or after a newline; the line may end the
+    text), or -1."""
+    i = text.find(heading)
+    while i >= 0:
+        end = i + len(heading)
+        if (i == 0 or text[i - 1] == "\n") and (end == len(text) or text[end] == "\n"):
+            return i
+        i = text.find(heading, i + 1)
+    return -1
 
 
 def kept_section(path, heading: str = CP_BWD_HEADING) -> list[str]:
@@ -172,8 +185,8 @@ def kept_section(path, heading: str = CP_BWD_HEADING) -> list[str]:
     if not path.exists():
         return []
     text = path.read_text()
-    cut = text.find("\n" + heading + "\n")
-    return [] if cut < 0 else text[cut + 1:].rstrip("\n").split("\n")
+    cut = _section_start(text, heading)
+    return [] if cut < 0 else text[cut:].rstrip("\n").split("\n")
 
 
 def markdown(rows: list[dict], env: dict, commit: str, meta: dict, breakdown_rows: list[dict] | None = None,

@@ -45,6 +45,9 @@ FLA_FLOOR = 1e-4
 #: 16,384 terms a chunk), so one case's ratio swings 0.3x-5x with the seed while the two distributions
 #: are the same size (NOTES-bwd.md, "dg against FLA: one case cannot rank the two").
 PER_CASE_FLA = ("dq", "dk", "dv", "dbeta", "dh0")
+#: dg's per-case bound against FLA: a guard against gross regressions only (single cases of the same
+#: error distribution reach ~5x; the largest ratio in the tier, test_lengths[64], is 2.9x).
+DG_CASE_MARGIN = 5.0
 #: The seeds x lengths of `test_against_fla_over_seeds` (seed 1000 i + T; i = 0 is test_lengths' case).
 SWEEP_LENGTHS = (63, 64, 65)
 SWEEP_SEEDS = 5
@@ -126,8 +129,9 @@ def _check(xd, h_dtype=torch.bfloat16):
     print(f"gradient errors vs fp64: ours {errs}, FLA {fla_errs}")
     for n, e in errs.items():
         assert e <= BUDGET[n], f"{n}: {e:.3e} > budget {BUDGET[n]:.0e} (FLA: {fla_errs})"
-        if fla_errs is not None and n in fla_errs and n in PER_CASE_FLA:
-            assert e <= FLA_MARGIN * fla_errs[n] + FLA_FLOOR, f"{n}: ours {e:.3e} worse than FLA's {fla_errs[n]:.3e}"
+        if fla_errs is not None and n in fla_errs:
+            margin = FLA_MARGIN if n in PER_CASE_FLA else DG_CASE_MARGIN
+            assert e <= margin * fla_errs[n] + FLA_FLOOR, f"{n}: ours {e:.3e} above {margin} x FLA's {fla_errs[n]:.3e}"
     return errs, ours, ref
 
 
@@ -135,8 +139,10 @@ def test_against_fla_over_seeds():
     """Every gradient's error against FLA's on the same inputs, over SWEEP_SEEDS seeds x SWEEP_LENGTHS
     (2 q/k heads, 4 value heads: a g == 0 head and a g = -30 head, initial state and dht given): the
     geometric mean of ours / FLA at most FLA_MARGIN per quantity, dg included (the per-case rule of
-    `_check` leaves dg out: PER_CASE_FLA). FLA runs here when importable, else its errors recorded on
-    the H200 (`flashqla.testing.FLA_BWD_SWEEP_ERRORS`)."""
+    `_check` holds dg only to DG_CASE_MARGIN). FLA runs here when importable, else its errors recorded on
+    the H200 (`flashqla.testing.FLA_BWD_SWEEP_ERRORS`; a case missing there fails). Power: FLA's dg
+    errors over these cases have a log standard deviation of ~0.8, so the geometric mean of 15 ratios
+    is itself uncertain by ~20%: this rule catches a dg regression larger than that, not a small one."""
     import math
 
     from flashqla.testing import FLA_BWD_SWEEP_ERRORS
@@ -152,8 +158,8 @@ def test_against_fla_over_seeds():
             fla = _fla(xd, scale)
             if fla is None:
                 fla_errs = FLA_BWD_SWEEP_ERRORS.get((T, seed))
-                if fla_errs is None:
-                    pytest.skip(f"FLA not run and no recorded FLA errors for T={T} seed={seed}")
+                assert fla_errs is not None, (f"FLA not run here and no recorded FLA errors for T={T} seed={seed} "
+                                              "(flashqla.testing.FLA_BWD_SWEEP_ERRORS)")
             elif isinstance(fla, Exception):
                 raise fla
             else:

@@ -41,19 +41,20 @@ cases of bwd_v2_check.py).
 
 Resources (ptxas, sm_90a; `tests/test_bwd_kernels_compile.py`): 231,424 B dynamic + 1,024 B static
 shared memory, the whole 232,448 B (five results reuse dead tiles, listed at the tiles),
-setmaxnreg S 160 / K 184 / A 144 / producer 24, 32-80 B of spill stores (H = 1, HV = 2: plain packed
-32, "ag" packed ~60, plain fixed 60), no wgmma serialisation.
+setmaxnreg S 160 / K 184 / A 144 / producer 24, 32-128 B of spill stores (H = 1, HV = 2: plain packed
+32, "ag" packed ~60, plain fixed 60; "dag" 128 at 16/32 packed), no wgmma serialisation.
 
 Build options (`OPTS`, `DEFAULT_OPTS`; NOTES-bwd.md "Pass-2 v5's build options"): packed builds
 reorder K's tail with asynchronous wgmma ("a", "g"): pass 2 1.04-1.08x faster on packed rows (16/32
 4 x 8192 packed 1.663 -> 1.541 ms); fixed-length builds keep the schedule above ("a" measured 0.98x
 there). "d" (S publishes the next chunk's D as soon as dS is complete) measured 1.01-1.02x alone; the
 grids at 82fd41d ran "dag", but "d" as measured let K and A write the next chunk's partial rows while
-S could still read the last ones, and now waits for S on a barrier of its own (`s_done`): so guarded,
-"dag" measured 0.0-0.4% faster than "ag" on every row of the options check, and the backward grid with
-"ag" ran 0.3-1.4% slower than with the unguarded "dag" before: packed builds default to "dag". An L2 prefetch of the next chunk's tiles
-by the producer (bulk prefetches, 0.84-0.95x) and Q K^T issued beside K K^T (0.96-0.99x) were measured
-and removed.
+S could still read the last ones, and now waits for S on a barrier of its own (`s_done`). So guarded,
+"dag" and "ag" are within noise of each other in the options check (whole backward 0.0-0.4% apart);
+over the backward grid "dag" (014fb06) is 0.35% faster than "ag" (5c9434f) by geometric mean, faster
+on 24 of the 32 rows: packed builds default to "dag". Measured and removed: an L2 prefetch of the next
+chunk's tiles by the producer (bulk prefetches, 0.84-0.95x of the plain schedule) and Q K^T issued
+beside K K^T ("b": whole backward 3.7-9.0% slower than "ag", 2.4-3.7% slower than "dag").
 
 The sequence's last chunk (the first walked; the only one that may be partial) is loaded by every
 thread with rows past the end zeroed, before the roles split; the producer loads the earlier, full
@@ -85,18 +86,18 @@ QK_DTYPE_ENV = "FLASHQLA_BWD_QK_DTYPE"
 #: (NOTES-bwd.md, "Pass-2 v5's build options"):
 #: "d": S publishes the next chunk's D as soon as dS is complete, before its chunk-end sums wait for
 #:      K's and A's partial rows (K's next chunk starts on D); K and A then wait for S's reads of those
-#:      rows (`s_done`) before writing the next chunk's (so guarded, 0.0-0.4% faster than "ag");
+#:      rows (`s_done`) before writing the next chunk's (so guarded, within noise of "ag" alone);
 #: "a": K publishes -diag(gamma) dv before storing dv; takes (-diag(gamma) dv) S0^T right after
 #:      v_new D^T and sums its dG rows and the r-terms in one pass; issues (diag(beta) dLk)^T K and
 #:      (scale M Gamma)^T Q together;
 #: "g": (with "a") K's (scale M Gamma) K runs while dq's dG rows sum.
-#: (Removed after their H200 runs: "b", A issuing Q K^T beside K K^T, 0.96-0.99x with its spills;
-#: "p", an L2 prefetch by the producer, 0.84-0.95x.)
+#: (Removed after their H200 runs: "b", A issuing Q K^T beside K K^T, 3.7-9.0% slower than "ag" with
+#: its spills; "p", an L2 prefetch by the producer, 0.84-0.95x of the plain schedule.)
 OPTS = "dag"
 #: The options each build takes by default, by packed input (cu_seqlens) or not: measured, "dag" made
-#: pass 2 1.04-1.08x faster on packed rows (every row of the benchmarks, the split backward's segments
-#: included) and "a" 0.98x on fixed-length rows (B sequences of T tokens, ptxas allocates that build
-#: differently).
+#: pass 2 1.04-1.08x faster than the plain schedule on packed rows (every row of the benchmarks, the
+#: split backward's segments included) and "a" 0.98x on fixed-length rows (B sequences of T tokens,
+#: ptxas allocates that build differently).
 DEFAULT_OPTS = {True: "dag", False: ""}
 
 
