@@ -656,7 +656,8 @@ def test_cp_page_gets_the_backward_one_sequence_rows(tmp_path):
         assert md.count(R.CP_BWD_HEADING) == 1 and md.index("| 2/8 | 1x2048 |") < md.index(R.CP_BWD_HEADING)
         section = md[md.index(R.CP_BWD_HEADING):]
         assert "| 16/32 | 32k_1seq | 32768 |" in section and "8k_4seq" not in section  # one sequence only
-        assert "| backward | 3.00x (n=1) | 1.50x (n=1) |" in section and "our commit: c)" in section
+        assert "| backward: ours over FLA | 3.00x (n=1) |" in section and "our commit: c)" in section
+        assert "| backward: ours over FlashQLA | 1.50x (n=1) |" in section
     # the forward report keeps the backward's section as it is
     write_fwd(fwd_paths, ENV, "c", meta, plot=False)
     assert paths["cp_md"].read_text() == md

@@ -235,14 +235,8 @@ def cp_section(rows: list[dict], commit: str, page: str, env: dict | None = None
          f"The one-sequence rows of the backward grid, from `{page}` (its method, correctness gate and drift "
          f"section apply; our commit: {commit}). Ours splits the sequence where the backward's plan predicts a "
          "gain (cp='auto'); FlashQLA runs its own intra-card context parallelism (`auto_cp=True`)."
-         + ("" if not env else " Environment: " + ", ".join(f"{f} {env.get(f, '')}" for f in ENV_FIELDS) + "."), "",
-         "| speed-up (geometric mean) | ours over FLA | ours over FlashQLA |", "| --- | --- | --- |"]
-    for kind, title, _ in KINDS:
-        cells = []
-        for b in ("fla", "flash_qla"):
-            xs = [x for x in (speedup(r, "ours", b, kind) for r in one) if not math.isnan(x)]
-            cells.append(f"{fmt_x(geomean(xs))} (n={len(xs)})" if xs else "- (n=0)")
-        L.append(f"| {title.split(' (')[0]} | " + " | ".join(cells) + " |")
+         + ("" if not env else " Environment: " + ", ".join(f"{f} {env.get(f, '')}" for f in ENV_FIELDS) + "."), ""]
+    L += geomean_table(one)
     for kind, title, fn in KINDS:
         L += ["", f"### {title[0].upper() + title[1:]}", ""]
         L += _table(one, kind, fn)

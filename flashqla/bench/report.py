@@ -28,6 +28,9 @@ __all__ = [
     "PEERS_METHOD",
     "with_current_peers_method",
     "drift_section",
+    "CP_BWD_HEADING",
+    "splice_section",
+    "kept_section",
     "plot",
 ]
 
