@@ -20,6 +20,7 @@ Prints a table last. Not collected by pytest.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -29,6 +30,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+SWEEP_WHAT = ("training step (forward keeping its split states + backward reusing them) and backward alone, "
+              "CUDA-graph timed, per backward-grid row unsplit (L null) and at forced segment lengths L, in the "
+              "launch order the plan picks (longest_first); tests/gpu/cp_train_plan_check.py --lengths")
 ROWS = ["8/16 8k_8seq", "16/32 32k_4seq", "16/32 32k_8seq", "4/8 32k_8seq", "8/16 32k_2seq", "16/32 8k_2seq"]
 
 
@@ -69,6 +73,9 @@ def main(argv=None) -> int:
             P.clear_plan_cache()
             f = impl.fwd(x)
             L = f.saved.cp_saved.segment_len if f.saved.cp_saved is not None else None
+            lens = tuple(row.mix.lengths)
+            plan = P.plan_cp(row.heads.h_v, len(lens), sum(lens), backward=True, seqlens=lens)
+            lf = bool(plan.split and plan.longest_first)
             grads = dict(zip(names, impl.bwd(x, f.saved)))
             if base is None:
                 base = grads
@@ -76,18 +83,23 @@ def main(argv=None) -> int:
             ok = all(e <= (3e-2 if n == "dg" else 1e-2) and torch.isfinite(grads[n]).all() for n, e in errs.items())
             bwd = time_cuda_graph(lambda: impl.bwd(x, f.saved)).ms
             step = time_cuda_graph(lambda: impl.step(x)).ms
-            table.append((text, gain, L, bwd, step, max(errs.values()), ok))
-            if a.lengths is not None:
+            table.append((text, gain, L, bwd, step, max(errs.values()), ok, lf))
+            if a.lengths is not None:  # rewritten after every step: a time-boxed run keeps what it measured
+                head = dict(what=SWEEP_WHAT, gpu=torch.cuda.get_device_name(),
+                            commit=os.environ.get("FLASHQLA_COMMIT", "unknown"),
+                            date=datetime.date.today().isoformat())
+                rows = [dict(row=r[0], L=r[2], longest_first=r[7], bwd_ms=r[3], step_ms=r[4], err=r[5], ok=r[6])
+                        for r in table]
                 with open(os.path.join(a.out, "cp_train_sweep.json"), "w") as fh:
-                    json.dump([dict(row=r[0], L=r[2], bwd_ms=r[3], step_ms=r[4], err=r[5], ok=r[6]) for r in table], fh,
-                              indent=1)
+                    json.dump(dict(head, rows=rows), fh, indent=1)
             print(f"{text} BWD_MIN_GAIN {gain}: L={L} bwd {bwd:.3f} step {step:.3f} max rel {max(errs.values()):.1e} {'ok' if ok else 'FAIL'}",
                   flush=True)
         fac.release()
-    print("\n| row | BWD_MIN_GAIN | kept L | backward ms | training step ms | max rel vs first | gate |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| row | BWD_MIN_GAIN | kept L | order | backward ms | training step ms | max rel vs first | gate |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in table:
-        print(f"| {r[0]} | {r[1]} | {r[2] or 'unsplit'} | {r[3]:.3f} | {r[4]:.3f} | {r[5]:.1e} | {'ok' if r[6] else 'FAIL'} |")
+        print(f"| {r[0]} | {r[1]} | {r[2] or 'unsplit'} | {'longest' if r[7] else 'tokens'} | {r[3]:.3f} | {r[4]:.3f} "
+              f"| {r[5]:.1e} | {'ok' if r[6] else 'FAIL'} |")
     return 0
 
 
