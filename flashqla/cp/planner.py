@@ -209,6 +209,7 @@ __all__ = [
     "DEFAULT_SM_COUNT",
     "CPPlan",
     "plan_cp",
+    "fit_lengths_costs",
     "PlanKey",
     "plan_key",
     "get_cp_plan",
@@ -344,19 +345,22 @@ BWD_MIN_GAIN = 1.05
 #:
 #: makespan(L): the CTAs (one per segment, or sequence when unsplit, and value head: m segments) in
 #: launch order (segment-major, value heads fastest), each sent to the first SM that is free, each
-#: lasting its segment's chunks; the latest finish (`_greedy_makespan`). Fitted on the H200
-#: (2026-12-01, commit 5f7465c, `tests/gpu/cp_train_plan_check.py --lengths`: ten packed rows of the
-#: backward grid, each unsplit and at the L of 512 .. 8192 (ten values) below its longest sequence,
-#: 102 training steps, benchmarks/results/h200-cp-train-sweep.json; least squares, the makespan's
-#: coefficient scaled to 1): RMS error 0.053 ms on steps of 0.45-6.2 ms, and the L it predicts fastest
-#: among the measured ones is within 0.1% of the fastest measured on all ten rows. The mean and
-#: longest lengths (the model above) had picked steps up to 1.16x slower on the same rows (4/8 7053 +
-#: 1139: L = 1024, 0.486 ms, against 0.446 at L = 512; 4/8 eight sequences of 32768 tokens: L = 1536,
-#: 1.316 against 1.138 at 2560).
-BWD_LEN_TOKEN_COST = 72.9e-6
-BWD_LEN_WAVE_COST = 7.27
-BWD_LEN_SPLIT_COST = 11.07
-BWD_LEN_SCAN_STEP_COST = 0.55
+#: lasting its segment's chunks; the latest finish (`_greedy_makespan`), in the launch order the step
+#: used. Fitted on the H200 (`fit_lengths_costs`, least squares, the makespan's coefficient scaled to 1;
+#: `tests/test_cp_planner_lengths.py` refits from the sweep and checks these values) on
+#: benchmarks/results/h200-cp-train-sweep.json (2026-12-01, commit 0c7a8e3,
+#: `tests/gpu/cp_train_plan_check.py --lengths`: eleven packed rows of the backward grid, each unsplit
+#: and at L = 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192 below its longest sequence, 90 training
+#: steps): one unit is 13.9 us, RMS error 0.045 ms on steps of 0.42-6.0 ms, and the L it ranks first
+#: among the measured ones is the fastest measured on nine rows, within 1.9% on the other two.
+#: The first fit (commit 5f7465c, before the split's fixed costs fell: the cut scan, the side stream,
+#: longest-first launches) had 72.9e-6 / 7.27 / 11.07 / 0.55; with it 16/32 with 8 sequences of 8192
+#: tokens stayed whole (predicted 1.03x), although the split at L = 2048 now measures a training step
+#: of 0.987 against 0.990 ms and a backward of 0.693 against 0.794 (predicted 1.08x by this fit).
+BWD_LEN_TOKEN_COST = 57.9e-6
+BWD_LEN_WAVE_COST = 5.87
+BWD_LEN_SPLIT_COST = 7.96
+BWD_LEN_SCAN_STEP_COST = 0.518
 #: The sort that launches a split backward's segments longest first (`_common.launch_order`), in the
 #: same units. As torch ops (a subtraction, a radix sort, a cast) it cost 12-17 us a backward on the
 #: H200 grid at 1a329fc (sorted whenever N > 1) against e042054 (token order), on rows whose plan and
@@ -527,6 +531,34 @@ def _bwd_lengths_time(seqlens, L: int | None, HV: int, sms: int, longest_first: 
     if L is not None:
         t += BWD_LEN_SPLIT_COST + BWD_LEN_SCAN_STEP_COST * max(most - 1, 0)
     return t
+
+
+def fit_lengths_costs(samples, sms: int = DEFAULT_SM_COUNT) -> dict:
+    """Least-squares fit of the lengths model's costs (BWD_LEN_TOKEN_COST's comment) to measured
+    training steps.
+
+    samples: (seqlens, HV, L or None, longest_first, step_ms) per measured step (the sweep written by
+    `tests/gpu/cp_train_plan_check.py --lengths`). Returns {"BWD_LEN_TOKEN_COST", "BWD_LEN_WAVE_COST",
+    "BWD_LEN_SPLIT_COST", "BWD_LEN_SCAN_STEP_COST"} in makespan units, "unit_ms" (the makespan's
+    coefficient) and "rms_ms" (the fit's residual). The order's cost is not fitted
+    (BWD_LEN_ORDER_COST, measured on its own).
+    """
+    rows, y = [], []
+    for seqlens, HV, L, longest_first, step_ms in samples:
+        seq = tuple(sorted(collections.Counter(seqlens).items(), reverse=True)) if longest_first else tuple(seqlens)
+        runs, segs, most = _lengths_runs(seq, L, HV, longest_first)
+        split = float(L is not None)
+        rows.append([float(_greedy_makespan(runs, sms)), float(HV * sum(seqlens)), HV * segs / sms, split,
+                     split * max(most - 1, 0)])
+        y.append(float(step_ms))
+    if len(rows) < 5:
+        raise ValueError(f"fit_lengths_costs needs at least 5 samples, got {len(rows)}")
+    X = torch.tensor(rows, dtype=torch.float64)
+    Y = torch.tensor(y, dtype=torch.float64)[:, None]
+    c = torch.linalg.lstsq(X, Y, driver="gelsd").solution[:, 0]
+    rms = float(((X @ c - Y[:, 0]) ** 2).mean().sqrt())
+    names = ("BWD_LEN_TOKEN_COST", "BWD_LEN_WAVE_COST", "BWD_LEN_SPLIT_COST", "BWD_LEN_SCAN_STEP_COST")
+    return dict({n: float(c[i + 1] / c[0]) for i, n in enumerate(names)}, unit_ms=float(c[0]), rms_ms=rms)
 
 
 def check_seqlens(seqlens, N: int, T: int) -> tuple[int, ...]:
