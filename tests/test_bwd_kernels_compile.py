@@ -322,17 +322,18 @@ def test_chunk_bwd_variant_is_checked():
 
 
 def test_chunk_bwd_v5_options():
-    """The per-build default options (packed "dag", fixed-length none: measured on the H200), the
+    """The per-build default options (packed "dagl", fixed-length "l": measured on the H200), the
     option names in the compile key, and the prim func's own check of its options."""
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import _v5_opts, _variant
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import DEFAULT_OPTS, OPTS, _chunk_bwd_v5_prim_func, canonical_opts
 
-    assert OPTS == "dag" and DEFAULT_OPTS == {True: "dag", False: ""}
+    assert OPTS == "dagl" and DEFAULT_OPTS == {True: "dagl", False: "l"}
     assert _v5_opts("v5") is None and _v5_opts("v5:") == "" and _v5_opts("v5:da") == "da"
     assert _variant("v5:dag") == "v5:dag" and _variant("v5:") == "v5:"
     # one compiled name per kernel: defaults resolved, letters once each in OPTS order
-    assert canonical_opts(None, True) == "dag" and canonical_opts(None, False) == ""
+    assert canonical_opts(None, True) == "dagl" and canonical_opts(None, False) == "l"
     assert canonical_opts("gad", True) == canonical_opts("ddag", False) == "dag" and canonical_opts("ga", True) == "ag"
+    assert canonical_opts("lgad", True) == "dagl" and canonical_opts("l", False) == "l"
     with pytest.raises(ValueError, match="options"):
         _chunk_bwd_v5_prim_func(1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True, opts="g")
     # the options change the kernel: D published early (a second d_ready arrival site) and S's reads of
@@ -342,6 +343,10 @@ def test_chunk_bwd_v5_options():
     assert plain.count("wait_wgmma") == 0 and ag.count("wait_wgmma") >= 3
     assert dag.count("d_ready") > plain.count("d_ready") and ag.count("d_ready") == plain.count("d_ready")
     assert "s_done" in dag and "s_done" not in ag and "s_done" not in plain
+    # "l": S's Q^T (scale diag(gamma) dO) twice over w_s (hi, then the remainder), both before dog_read
+    lo = _chunk_bwd_v5_prim_func(*key, opts="l").script()
+    q_w = "T.region(q_s[0, 0], 1, 64, 128), T.region(w_s[0, 0]"
+    assert lo.count(q_w) == 2 and plain.count(q_w) == dag.count(q_w) == 1
 
 
 @needs_nvcc
@@ -416,12 +421,12 @@ def test_chunk_bwd_v5_kernel_compiles(dtype, beta_dtype, seq_dtype, varlen):
 
 @needs_nvcc
 def test_chunk_bwd_v5_all_options_compile():
-    """v5 with every build option ("dag": "d" adds a barrier, the last shared bytes) still fits Hopper's
+    """v5 with every build option ("dagl": "d" adds a barrier, the last shared bytes) still fits Hopper's
     shared memory, and ptxas does not serialise its wgmma."""
     from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import build_chunk_bwd_kernel
 
-    kernel = build_chunk_bwd_kernel(1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True, "v5:dag")
+    kernel = build_chunk_bwd_kernel(1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True, "v5:dagl")
     assert "s_done" in kernel.get_kernel_source()
     r = ptxas_report(kernel)
     log = _ptxas_log(kernel)

@@ -180,7 +180,7 @@ def recompute_states(k, v, A_beta, g_cum, h0, lay: ChunkLayout, *, log2: bool = 
 
 
 def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, last=None, log2: bool = False,
-                    ds_dtype=None, operand_dtype=None, A_beta_vd=None) -> dict:
+                    ds_dtype=None, operand_dtype=None, A_beta_vd=None, dog_pair: bool = False) -> dict:
     """Pass 2, one chunk (all chunks at once here; the kernel walks them in reverse): every gradient of
     the chunk from its chunk-start state h and the gradient dh of its chunk-end state.
 
@@ -197,7 +197,9 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
         memory (Kg, A, Pg, W, v_new, dv_new, X, dLk, diag(beta) dLk, -D dv, scale M, scale D dO):
         a model of the kernel's roundings (None: exact). A_beta_vd: None (A_beta) or the A diag(beta)
         that dv = A_beta^T dv_new uses (the kernels' exact diagonal: beta on it, while v_new and
-        A = I - A_beta Kg keep the stored one).
+        A = I - A_beta Kg keep the stored one). dog_pair: in dh_prev, the scaled dO as the pair of
+        its operand rounding and the rounding of the remainder (v5's option "l",
+        `chunk_bwd_v5.OPTS`), instead of its operand rounding alone.
 
     Returns dict of chunk tensors: dq, dk [NC, HV, C, K] (per value head, before the GVA sum);
     dv [NC, HV, C, V]; dbeta [NC, HV, C]; dG [NC, HV, C] (dL/dg_cum per position, before the
@@ -224,8 +226,10 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
     X = _t(A) @ dv_new
     dv = _t(Avd) @ dv_new
     dvg = o_(-gamma[..., None] * dv)
-    dog = o_(scale * gamma[..., None] * do)
-    dh_prev = gamma_C[..., None, None] * D + _t(q) @ dog + _t(k) @ dvg
+    dog_x = scale * gamma[..., None] * do
+    dog = o_(dog_x)
+    dog_s = dog + o_(dog_x - dog) if dog_pair else dog  # hi + lo (two products in the kernel)
+    dh_prev = gamma_C[..., None, None] * D + _t(q) @ dog_s + _t(k) @ dvg
 
     M = (do @ _t(v_new)) * Gam
     sM = o_(scale * M)
@@ -271,7 +275,7 @@ def reverse_chunk_cumsum(dG: torch.Tensor) -> torch.Tensor:
 def fused_gated_delta_rule_bwd(
     q, k, v, beta, A_beta, g_cum_log2, scale: float, initial_state, do, dht, cu_seqlens=None,
     *, g=None, chunk_size: int = 64, h_dtype=None, ds_dtype=None, operand_dtype=None, log2: bool = True,
-    exact_diagonal: bool = False,
+    exact_diagonal: bool = False, dog_pair: bool = False,
 ):
     """The backward our kernels compute, end to end, from the sm_90 forward's slot-major products.
 
@@ -289,6 +293,7 @@ def fused_gated_delta_rule_bwd(
         diagonal of (I + L)^-1 is exactly 1, so the stored diagonal is beta rounded to q's dtype;
         the kernels add diag(beta - stored) dv_new in fp32); pass 1, v_new and A = I - A_beta Kg
         keep the stored one. NOTES-bwd.md, "The exact diagonal".
+        dog_pair: see `chunk_bwd_fused` (the sm_90 v5 kernel's default, option "l").
 
     Returns:
         (dq [B, T, H, K], dk [B, T, H, K], dv [B, T, HV, V], dg [B, T, HV] (per token, natural log),
@@ -321,7 +326,7 @@ def fused_gated_delta_rule_bwd(
         sq = lay.seq[ids]
         out = chunk_bwd_fused(qc[ids], kc[ids], vc[ids], bc[ids], Ab[ids], G[ids], h[ids], Dn[sq], doc[ids], scale,
                               last=lay.length[ids] - 1, ds_dtype=ds_dtype, operand_dtype=operand_dtype,
-                              A_beta_vd=None if Ab_vd is None else Ab_vd[ids], **gk)
+                              A_beta_vd=None if Ab_vd is None else Ab_vd[ids], dog_pair=dog_pair, **gk)
         for n in names:
             if acc[n] is None:
                 acc[n] = torch.zeros(lay.NC, *out[n].shape[1:], dtype=cdt, device=q.device)

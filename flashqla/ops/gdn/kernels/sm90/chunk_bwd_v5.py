@@ -91,14 +91,19 @@ QK_DTYPE_ENV = "FLASHQLA_BWD_QK_DTYPE"
 #:      v_new D^T and sums its dG rows and the r-terms in one pass; issues (diag(beta) dLk)^T K and
 #:      (scale M Gamma)^T Q together;
 #: "g": (with "a") K's (scale M Gamma) K runs while dq's dG rows sum.
+#: "l": S forms Q^T (scale diag(gamma) dO) from the bf16 pair hi + lo of the scaled dO (hi its bf16
+#:      rounding, lo the rounding of the remainder), two products into dS over the same tile, instead of
+#:      hi alone: the state gradient's only product whose operand is rounded from a computed value that
+#:      FLA keeps in fp32 (its dhu kernel: q diag(gamma) in fp32, a tf32 product); dh0's error at
+#:      T = 4096 is 1.15x FLA's with hi alone (NOTES-bwd.md, "dh0 at long T").
 #: (Removed after their H200 runs: "b", A issuing Q K^T beside K K^T, 3.7-9.0% slower than "ag" with
 #: its spills; "p", an L2 prefetch by the producer, 0.84-0.95x of the plain schedule.)
-OPTS = "dag"
+OPTS = "dagl"
 #: The options each build takes by default, by packed input (cu_seqlens) or not: measured, "dag" made
 #: pass 2 1.04-1.08x faster than the plain schedule on packed rows (every row of the benchmarks, the
 #: split backward's segments included) and "a" 0.98x on fixed-length rows (B sequences of T tokens,
 #: ptxas allocates that build differently).
-DEFAULT_OPTS = {True: "dag", False: ""}
+DEFAULT_OPTS = {True: "dagl", False: "l"}
 
 
 def canonical_opts(opts: str | None, varlen: bool) -> str:
@@ -132,7 +137,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
     import tilelang.language as T
 
     opts = canonical_opts(opts, varlen)
-    early_d, async_k, over_gk = "d" in opts, "a" in opts, "g" in opts
+    early_d, async_k, over_gk, dog_lo = "d" in opts, "a" in opts, "g" in opts, "l" in opts
 
     if not v5_applies(K, V, dtype, h_dtype):
         raise ValueError(f"v5 needs K = V = 128 and h in q's dtype, got K={K}, V={V}, {dtype}, h {h_dtype}")
@@ -305,6 +310,13 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     if ci > 0:
                         T.barrier_wait(f_kq, pprev)
                     T.gemm(q_s, w_s, dS, transpose_A=True)
+                    if dog_lo:
+                        # the remainder of the scaled dO after its bf16 rounding, over the same tile
+                        for t, d in T.Parallel(C, V):
+                            xs = scale * T.exp2(g_s[t]) * T.cast(do_s[t, d], acc)
+                            w_s[t, d] = T.cast(xs - T.cast(T.cast(xs, dtype), acc), dtype)
+                        T.fence_proxy_async()
+                        T.gemm(q_s, w_s, dS, transpose_A=True)
                     T.barrier_arrive(dog_read)
                     # dS += K^T (-diag(gamma) dv)   (the chain's end)
                     T.barrier_wait(dvg_ready, par)
