@@ -322,16 +322,24 @@ def test_chunk_bwd_variant_is_checked():
 
 
 def test_chunk_bwd_v5_options():
-    """The per-build default options (packed "dagl", fixed-length "l": measured on the H200), the
-    option names in the compile key, and the prim func's own check of its options."""
+    """The per-build default options (packed "dag", fixed-length none, and "l" added when the call
+    returns dh0: measured on the H200), the option names in the compile key, the variant names the op's
+    kernel lists resolve to, and the prim func's own check of its options."""
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import _v5_opts, _variant
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import DEFAULT_OPTS, OPTS, _chunk_bwd_v5_prim_func, canonical_opts
 
-    assert OPTS == "dagl" and DEFAULT_OPTS == {True: "dagl", False: "l"}
+    from flashqla.ops.gdn.kernels.sm90.chunk_bwd import pass2_variant
+    from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import DH0_OPTS
+
+    assert OPTS == "dagl" and DEFAULT_OPTS == {True: "dag", False: ""} and DH0_OPTS == "l"
+    assert pass2_variant(True, True) == "v5:dagl" and pass2_variant(True, False) == "v5:dag"
+    assert pass2_variant(False, True) == "v5:l" and pass2_variant(False, False) == "v5:"
+    assert pass2_variant(True, True, "v2") == "v2" and pass2_variant(False, False, "v5:a") == "v5:a"
     assert _v5_opts("v5") is None and _v5_opts("v5:") == "" and _v5_opts("v5:da") == "da"
     assert _variant("v5:dag") == "v5:dag" and _variant("v5:") == "v5:"
     # one compiled name per kernel: defaults resolved, letters once each in OPTS order
-    assert canonical_opts(None, True) == "dagl" and canonical_opts(None, False) == "l"
+    assert canonical_opts(None, True) == "dagl" and canonical_opts(None, False) == "l"  # dh0 returned
+    assert canonical_opts(None, True, dh0=False) == "dag" and canonical_opts(None, False, dh0=False) == ""
     assert canonical_opts("gad", True) == canonical_opts("ddag", False) == "dag" and canonical_opts("ga", True) == "ag"
     assert canonical_opts("lgad", True) == "dagl" and canonical_opts("l", False) == "l"
     with pytest.raises(ValueError, match="options"):

@@ -211,7 +211,7 @@ def test_one_packed_sequence_ending_before_T(T, end, L):
 
 
 class _MetaBwdBackend(_MetaBackend):
-    def bwd(self, q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens, order=None):
+    def bwd(self, q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens, order=None, dh0=None):
         self.launches.append("bwd")
         dh0 = None if initial_state is None else torch.empty_like(initial_state)
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta), dh0

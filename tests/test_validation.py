@@ -165,7 +165,7 @@ def test_recorded_fla_errors_cover_the_gpu_cases_by_node_id(monkeypatch):
         m = re.fullmatch(r"tests/gpu/(test_fwd_gpu|test_bwd_gpu)\.py::test_lengths\[(\d+)\]", key)
         assert m, key
         assert set(errs) == (fwd if m.group(1) == "test_fwd_gpu" else bwd), key
-        assert all(0 < e < 1e-2 for e in errs.values()), key
+        assert all(0 < e < 2e-2 for e in errs.values()), key  # FLA dg at T = 4096: 1.2e-2
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/gpu/test_bwd_gpu.py::test_lengths[63] (call)")
     assert fla_errors_for()["dg"] == FLA_ERRORS["tests/gpu/test_bwd_gpu.py::test_lengths[63]"]["dg"]
     assert fla_errors_for("tests/gpu/test_bwd_gpu.py::test_varlen[h0-single]") is None
@@ -181,11 +181,11 @@ def test_recorded_fla_sweep_errors_cover_the_gpu_sweep():
     from pathlib import Path
 
     src = (Path(__file__).resolve().parent / "gpu" / "test_bwd_gpu.py").read_text()
-    assert "SWEEP_LENGTHS = (63, 64, 65)" in src and "SWEEP_SEEDS = 5" in src
-    assert set(FLA_BWD_SWEEP_ERRORS) == {(T, 1000 * i + T) for T in (63, 64, 65) for i in range(5)}
+    assert "SWEEP_LENGTHS = (63, 64, 65, 4096)" in src and "SWEEP_SEEDS = 5" in src
+    assert set(FLA_BWD_SWEEP_ERRORS) == {(T, 1000 * i + T) for T in (63, 64, 65, 4096) for i in range(5)}
     for key, errs in FLA_BWD_SWEEP_ERRORS.items():
         assert set(errs) == {"dq", "dk", "dv", "dg", "dbeta", "dh0"} and all(0 < e < 2e-2 for e in errs.values()), key
-    for T in (63, 64, 65):
+    for T in (63, 64, 65, 4096):
         per_test = FLA_ERRORS[f"tests/gpu/test_bwd_gpu.py::test_lengths[{T}]"]
         assert all(abs(FLA_BWD_SWEEP_ERRORS[(T, T)][n] / per_test[n] - 1) < 1e-3 for n in per_test), T
 

@@ -39,6 +39,25 @@ def test_builds_both_widths_the_split_path_and_the_backward(recorded):
     assert set(specs) == want
 
 
+def test_pass2_build_follows_whether_dh0_is_returned(recorded, monkeypatch):
+    """Pass 2 builds with "l" (`chunk_bwd_v5.DH0_OPTS`, the more precise state gradient) for a call that
+    returns dh0 and without it for one that does not; a first use builds only its own, warmup both."""
+    from flashqla.ops.gdn import bwd
+
+    pass2 = lambda specs: sorted(a[-1] for k, a in specs if k == "chunk_bwd")  # noqa: E731
+    flashqla.warmup(2, 4)
+    assert pass2(recorded[0]) == ["v5:dag", "v5:dagl"]  # packed input (and the split path's segments)
+    flashqla.warmup(2, 4, varlen=False)
+    assert pass2(recorded[1]) == ["v5:", "v5:dag", "v5:dagl", "v5:l"]  # fixed length, and its packed segments
+    q, v, beta = torch.zeros(1, 128, 2, 128), torch.zeros(1, 128, 4, 128), torch.zeros(1, 128, 4)
+    cu = torch.tensor([0, 128], dtype=torch.int32)
+    for dh0, want in ((True, ["v5:dagl"]), (False, ["v5:dag"])):
+        monkeypatch.setattr(bwd, "_BUILT", set())
+        recorded.clear()
+        bwd._build_once(q.bfloat16(), v.bfloat16(), beta, cu, torch.bfloat16, dh0)
+        assert pass2(recorded[0]) == want, dh0
+
+
 def test_forward_only_and_dtypes(recorded):
     flashqla.warmup(4, 8, dtype=torch.float16, beta_dtype=torch.float16, varlen=False, backward=False)
     (specs,) = recorded

@@ -229,12 +229,14 @@ class Sm90Backend:
         return chunk_recurrent_dual(q, k, v, A, g_cum_log2, scale, initial_state, limit, cu_seqlens, block_v=block_v, o=o)
 
     def bwd(self, q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens, h_dtype=torch.bfloat16,
-            order=None):
+            order=None, dh0=None):
         """The unsplit backward's launches (`flashqla.ops.gdn.bwd`), called directly so that a CP
         decision placed in `chunk_gated_delta_rule_bwd` is not taken again on the segments; order:
         the segments' launch order (`_common.launch_order`) or None. dht: None, a tensor, or a
         callable returning one, called once the states pass (which does not read dht) is launched:
-        `cp_backward` computes the segments' terminal gradients on a side stream meanwhile."""
+        `cp_backward` computes the segments' terminal gradients on a side stream meanwhile. dh0:
+        whether the caller uses the segments' state gradients (None: when initial_state is given);
+        pass 2's build follows it (`chunk_bwd.chunk_fused_bwd`)."""
         from flashqla.ops.gdn.bwd import _build_once
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_fused_bwd
         from flashqla.ops.gdn.kernels.sm90.finish_bwd import chunk_finish_bwd
@@ -242,16 +244,17 @@ class Sm90Backend:
 
         join = dht if callable(dht) else None
         try:
-            _build_once(q, v, beta, cu_seqlens, h_dtype)
+            dh0 = initial_state is not None if dh0 is None else bool(dh0)
+            _build_once(q, v, beta, cu_seqlens, h_dtype, dh0)
             q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
             h = chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype, order=order)
         finally:  # joined even when a launch above raises (a capture must not end with an open fork)
             if join is not None:
                 dht = join()
-        dq_hv, dk_hv, dv, dbeta, dG, dh0 = chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens,
-                                                           order=order)
+        dq_hv, dk_hv, dv, dbeta, dG, dS0 = chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens,
+                                                           order=order, dh0=dh0)
         dq, dk, dg = chunk_finish_bwd(dG, dq_hv, dk_hv, cu_seqlens, q.shape[2], q.dtype)
-        return dq, dk, dv, dg, dbeta.to(beta.dtype), (dh0 if initial_state is not None else None)
+        return dq, dk, dv, dg, dbeta.to(beta.dtype), (dS0 if initial_state is not None else None)
 
     def zeros(self, shape, dtype, device):
         key = (tuple(shape), dtype, str(device))
@@ -1089,8 +1092,10 @@ def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float,
     # steps 2 and 3 read neither the states pass's inputs nor its outputs: on a side stream they run
     # while it does (a joined fork, so CUDA graphs capture it); the chunk backward waits for them
     G = _on_side_stream(terminal_grads, qf, (U, dof, P, limit, dht)) if _overlap_applies(backend, qf) else terminal_grads()
+    # the segments' start gradients reach an output only as the sequences' dh0
     dq, dk, dv, dg, dbeta, dh0s = backend.bwd(qf, kf, vf, gf, bf, A, g_cum_log2, dof, G, scale,
-                                              S_in.to(sd).contiguous(), pcu, order=_segment_order(pcu, N, longest_first))
+                                              S_in.to(sd).contiguous(), pcu, order=_segment_order(pcu, N, longest_first),
+                                              dh0=initial_state is not None)
     dh0 = None
     if initial_state is not None:
         first = dh0s.index_select(0, tab.seq_first.clamp(0, max(M - 1, 0))) if N > 0 else dh0s[:0]

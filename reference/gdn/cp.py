@@ -431,8 +431,8 @@ class ReferenceCPBackend:
         out = out.to(v.dtype) if o is None else o.copy_(out)
         return out, (S.to(self.state_dtype) if output_final_state else None)
 
-    def bwd(self, q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens, order=None):
-        del order  # the launch order of the kernels' CTAs; sequences are independent here
+    def bwd(self, q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens, order=None, dh0=None):
+        del order, dh0  # the kernels' launch order and build choice; here sequences are independent, fp64
         self.launches.append(("bwd", q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1))
         return fused_gated_delta_rule_bwd(q, k, v, beta, A, g_cum_log2, scale, initial_state, do, dht, cu_seqlens, g=g)
 

@@ -49,7 +49,7 @@ PER_CASE_FLA = ("dq", "dk", "dv", "dbeta", "dh0")
 #: error distribution reach ~5x; the largest ratio in the tier, test_lengths[64], is 2.9x).
 DG_CASE_MARGIN = 5.0
 #: The seeds x lengths of `test_against_fla_over_seeds` (seed 1000 i + T; i = 0 is test_lengths' case).
-SWEEP_LENGTHS = (63, 64, 65)
+SWEEP_LENGTHS = (63, 64, 65, 4096)
 SWEEP_SEEDS = 5
 
 
@@ -175,7 +175,7 @@ def test_against_fla_over_seeds():
     assert not bad, f"geometric mean of ours / FLA above {FLA_MARGIN} over {len(ratios['dq'])} cases: {bad}"
 
 
-@pytest.mark.parametrize("T", [1, 63, 64, 65, 1000])
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 1000, 4096])
 def test_lengths(T):
     _check(_inputs(seed=T, B=1, T=T, H=2, HV=4))
 

@@ -90,7 +90,7 @@ def chunk_gated_delta_rule_bwd(
         from flashqla.cp.driver import saved_products_in_sequence_slots
 
         A, g_cum_log2 = saved_products_in_sequence_slots(cp_saved, cu_seqlens, q.shape[0], q.shape[1], v.shape[2])
-    _build_once(q, v, beta, cu_seqlens, h_dtype)
+    _build_once(q, v, beta, cu_seqlens, h_dtype, initial_state is not None)
     q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
     # the kernels take compact arrays: autograd hands over dht as the caller's view (ht.sum() gives a
     # stride-0 one), and initial_state / cu_seqlens are the caller's tensors
@@ -98,7 +98,7 @@ def chunk_gated_delta_rule_bwd(
     order = launch_order(cu_seqlens)  # token order unless FLASHQLA_BWD_ORDER=longest (the same results)
     h = chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype, order=order)
     dq_hv, dk_hv, dv, dbeta, dG, dh0 = chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens,
-                                                       order=order)
+                                                       order=order, dh0=initial_state is not None)
     dq, dk, dg = chunk_finish_bwd(dG, dq_hv, dk_hv, cu_seqlens, q.shape[2], q.dtype)
     if do.dtype != q.dtype:
         do = do.to(q.dtype)
@@ -106,10 +106,10 @@ def chunk_gated_delta_rule_bwd(
     return dq, dk, dv, dg, dbeta.to(beta.dtype), (dh0 if initial_state is not None else None)
 
 
-def _build_once(q, v, beta, cu_seqlens, h_dtype) -> None:
+def _build_once(q, v, beta, cu_seqlens, h_dtype, dh0: bool = True) -> None:
     """First use of a configuration: compile concurrently what `op_kernel_specs` lists after the
-    forward's two kernels, passes 1-3 only on these offsets (each later launch finds them in the
-    builders' caches)."""
+    forward's two kernels, passes 1-3 only on these offsets, pass 2 for a call returning dh0 or not
+    (each later launch finds them in the builders' caches)."""
     from flashqla.ops.gdn.kernels.sm90 import build_kernels, op_kernel_specs
     from flashqla.ops.gdn.kernels.sm90._common import tl_dtype
 
@@ -118,13 +118,13 @@ def _build_once(q, v, beta, cu_seqlens, h_dtype) -> None:
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import DEFAULT_VARIANT
 
     key = (q.shape[2], v.shape[2], q.shape[3], v.shape[3], q.dtype, beta.dtype, h_dtype,
-           None if cu_seqlens is None else cu_seqlens.dtype, DEFAULT_VARIANT)
+           None if cu_seqlens is None else cu_seqlens.dtype, DEFAULT_VARIANT, bool(dh0))
     if key in _BUILT:
         return
     specs = op_kernel_specs(
         q.shape[2], v.shape[2], K=q.shape[3], V=v.shape[3], dtype=tl_dtype(q.dtype), beta_dtype=tl_dtype(beta.dtype),
         seq_dtype=tl_dtype(cu_seqlens.dtype) if cu_seqlens is not None else "int32", varlen=cu_seqlens is not None,
-        h_dtype=tl_dtype(h_dtype), segments_first_use=False, one_head_prepare=False,
+        h_dtype=tl_dtype(h_dtype), segments_first_use=False, one_head_prepare=False, dh0=bool(dh0),
     )[2:]
     # passes 1-3 on this call's offsets only (listed first); their builds on the segments' packed
     # offsets are left to the split path's first use

@@ -145,7 +145,7 @@ def _few_sequence_scan(HV: int, K: int, V: int, reverse: bool) -> tuple:
 def op_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype: str = "bfloat16",
                     beta_dtype: str = "float32", seq_dtype: str = "int32", backward: bool = True,
                     h_dtype: str = "bfloat16", block_v: int | None = None, K: int = 128, V: int = 128,
-                    segments_first_use: bool = True, one_head_prepare: bool = True) -> list:
+                    segments_first_use: bool = True, one_head_prepare: bool = True, dh0: bool | None = None) -> list:
     """The kernels (`[(kind, args), ...]`, for `build_kernels` / `precompile`) that one call of
     `flashqla.chunk_gated_delta_rule` uses for H q/k heads, HV value heads, N sequences (the
     recurrent kernel's value slice width depends on N * HV: `recurrent.pick_block_v`), packed or not,
@@ -160,8 +160,9 @@ with `backward`, the segment tables and packed relayouts that the backward's fir
 segments builds (`bwd._build_once`, which passes False: a call's own first use leaves them to the
 split path's). With `one_head_prepare` (the default) and G = HV / H > 1 the list ends with the
 prepare kernel that takes one value head a CTA (`prepare.pick_heads_per_cta` picks it for few chunk
-slots), on the call's offsets and on the segments' packed ones. Pure Python: needs neither a GPU nor
-TileLang."""
+slots), on the call's offsets and on the segments' packed ones. `dh0`: pass 2's build for a call that
+returns dh0 (True), that does not (False), or both (None, the default: what a precompile needs;
+`chunk_bwd.pass2_variant`). Pure Python: needs neither a GPU nor TileLang."""
     from flashqla.ops.gdn.kernels.sm90.prepare import DEFAULT_VARIANT
     from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v, resolve_schedule
 
@@ -194,16 +195,17 @@ TileLang."""
             specs += [("cp_relayout", (HV, dtype, cp_seq, cp_seq, to_seg, True)) for to_seg in (False, True)]
     if backward:
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd import DEFAULT_VARIANT as BWD_VARIANT
+        from flashqla.ops.gdn.kernels.sm90.chunk_bwd import pass2_variant
 
         # passes 1-3 on the input's offsets, then (split path) on the segments' packed offsets; pass 2
-        # with the variant the op runs (`build_chunk_bwd_kernel` alone defaults to "v1")
+        # with the variant the op runs (`build_chunk_bwd_kernel` alone defaults to "v1"), for a call
+        # returning dh0 or not
         keys = [(seq_dtype, varlen)] + ([(seq_dtype if varlen else "int32", True)] if K == V else [])
         for sd, vl in dict.fromkeys(keys):
-            specs += [
-                ("states_bwd", (H, HV, K, V, dtype, h_dtype, sd, vl)),
-                ("chunk_bwd", (H, HV, K, V, dtype, h_dtype, beta_dtype, sd, vl, BWD_VARIANT)),
-                ("dg_cumsum", (HV, sd, vl)),
-            ]
+            specs.append(("states_bwd", (H, HV, K, V, dtype, h_dtype, sd, vl)))
+            specs += [("chunk_bwd", (H, HV, K, V, dtype, h_dtype, beta_dtype, sd, vl, variant))
+                      for variant in dict.fromkeys(pass2_variant(vl, d) for d in ((True, False) if dh0 is None else (dh0,)))]
+            specs.append(("dg_cumsum", (HV, sd, vl)))
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import qk_store_dtype, v5_applies
 
         # pass 2's per-value-head dq / dk: fp32, or q's dtype from v5 under $FLASHQLA_BWD_QK_DTYPE=input

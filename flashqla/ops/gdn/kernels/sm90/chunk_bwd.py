@@ -34,7 +34,7 @@ import torch
 
 from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slots, sequence_span, tl_dtype
 
-__all__ = ["DEFAULT_VARIANT", "VARIANTS", "build_chunk_bwd_kernel", "chunk_bwd_kernel_args", "chunk_fused_bwd"]
+__all__ = ["DEFAULT_VARIANT", "VARIANTS", "build_chunk_bwd_kernel", "chunk_bwd_kernel_args", "chunk_fused_bwd", "pass2_variant"]
 
 #: Pass-2 kernels: "v1" (this module), "v2" (`chunk_bwd_v2.py`, rescheduled) and "v5"
 #: (`chunk_bwd_v5.py`, role warpgroups with a TMA producer; h in q's dtype and K = V = 128, else v2 runs).
@@ -68,6 +68,18 @@ def _variant(variant):
 def _v5_opts(variant: str) -> str | None:
     """The build options a v5 variant name asks for; None (`chunk_bwd_v5.DEFAULT_OPTS`) for "v5"."""
     return variant[3:] if variant.startswith("v5:") else None
+
+
+def pass2_variant(varlen: bool, dh0: bool, variant: str | None = None) -> str:
+    """The variant name `chunk_fused_bwd` builds for `variant` (None: `DEFAULT_VARIANT`) on packed
+    input or not, returning dh0 or not: plain "v5" resolved to "v5:<letters>"
+    (`chunk_bwd_v5.canonical_opts`), any other name as it is (for kernel lists and precompiles)."""
+    variant = _variant(variant)
+    if variant == "v5":
+        from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import canonical_opts
+
+        return "v5:" + canonical_opts(None, varlen, dh0)
+    return variant
 
 
 def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
@@ -386,12 +398,14 @@ def chunk_bwd_kernel_args(q, v, beta, h, cu_seqlens) -> tuple:
 
 
 def chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, variant: str | None = None,
-                    order=None):
+                    order=None, dh0: bool = True):
     """Launches pass 2. Arguments: the forward's inputs (contiguous), its
     A and g_cum_log2, h from pass 1, do [B, T, HV, V], dht None or [N, HV, K, V] fp32; variant: "v1"
     (this kernel), "v2" (`chunk_bwd_v2`), "v5" or "v5:<letters>" (`chunk_bwd_v5`, as
     `build_chunk_bwd_kernel`), None for `DEFAULT_VARIANT`; order: the sequences' launch
     order (`_common.launch_order`, v5 only; the others launch in token order). The same results.
+    dh0: whether the caller uses the dh0 it returns (plain "v5" then adds `chunk_bwd_v5.DH0_OPTS`,
+    the more precise state gradient; without it dh0 is still written, from the default build).
 
     Returns (dq_hv [B, T, HV, K], dk_hv [B, T, HV, K] (fp32; q's dtype from v5 under
     $FLASHQLA_BWD_QK_DTYPE=input),
@@ -403,7 +417,7 @@ def chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_s
 
         if v5_applies(*chunk_bwd_kernel_args(q, v, beta, h, cu_seqlens)[2:4], tl_dtype(q.dtype), tl_dtype(h.dtype)):
             return chunk_fused_bwd_v5(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens, order=order,
-                                      opts=_v5_opts(variant))
+                                      opts=_v5_opts(variant), dh0=dh0)
         variant = "v2"
     if variant == "v2":
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v2 import chunk_fused_bwd_v2

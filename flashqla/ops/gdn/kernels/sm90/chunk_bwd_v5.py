@@ -99,18 +99,25 @@ QK_DTYPE_ENV = "FLASHQLA_BWD_QK_DTYPE"
 #: (Removed after their H200 runs: "b", A issuing Q K^T beside K K^T, 3.7-9.0% slower than "ag" with
 #: its spills; "p", an L2 prefetch by the producer, 0.84-0.95x of the plain schedule.)
 OPTS = "dagl"
-#: The options each build takes by default, by packed input (cu_seqlens) or not: measured, "dag" made
-#: pass 2 1.04-1.08x faster than the plain schedule on packed rows (every row of the benchmarks, the
-#: split backward's segments included) and "a" 0.98x on fixed-length rows (B sequences of T tokens,
-#: ptxas allocates that build differently).
-DEFAULT_OPTS = {True: "dagl", False: "l"}
+#: The options each build takes by default, by packed input (cu_seqlens) or not, when the call returns
+#: no dh0: measured, "dag" made pass 2 1.04-1.08x faster than the plain schedule on packed rows (every
+#: row of the benchmarks, the split backward's segments included) and "a" 0.98x on fixed-length rows
+#: (B sequences of T tokens, ptxas allocates that build differently).
+DEFAULT_OPTS = {True: "dag", False: ""}
+#: Added to `DEFAULT_OPTS` when the call returns dh0 (an initial state was given, or the state gradient
+#: is handed to another call): "l" brings dh0's error from 1.15x FLA's to 0.89x at T = 4096 and costs
+#: 2.4% of the backward (geometric mean of the H200 grid, 1.2-5.7% a row; NOTES-bwd.md, "dh0 at long
+#: T"). Without dh0 the state gradient's extra precision reaches no output (dq, dk, dv and dg see it
+#: only through its bf16 copy D).
+DH0_OPTS = "l"
 
 
-def canonical_opts(opts: str | None, varlen: bool) -> str:
-    """The build options as compiled: `DEFAULT_OPTS[varlen]` for None, else the letters of `opts` once
-    each, in `OPTS` order. ValueError for other letters, or "g" without "a"."""
+def canonical_opts(opts: str | None, varlen: bool, dh0: bool = True) -> str:
+    """The build options as compiled: for None, `DEFAULT_OPTS[varlen]` and, when the call returns dh0,
+    `DH0_OPTS`; else the letters of `opts` once each, in `OPTS` order. ValueError for other letters,
+    or "g" without "a"."""
     if opts is None:
-        return DEFAULT_OPTS[bool(varlen)]
+        opts = DEFAULT_OPTS[bool(varlen)] + (DH0_OPTS if dh0 else "")
     if set(opts) - set(OPTS) or ("g" in opts and "a" not in opts):
         raise ValueError(f"v5 options must be letters of {OPTS!r} ('g' with 'a'), got {opts!r}")
     return "".join(c for c in OPTS if c in opts)
@@ -700,12 +707,13 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
 
 
 def build_chunk_bwd_v5_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
-                              varlen: bool, qk_dtype: str | None = None, opts: str | None = None):
+                              varlen: bool, qk_dtype: str | None = None, opts: str | None = None, dh0: bool = True):
     """Compiled pass-2 kernel, variant v5 (cached). Same static key as `build_chunk_bwd_kernel`, plus the
     storage dtype of dq_hv, dk_hv (None: "float32", as v1 / v2; or `dtype`: QK_DTYPE_ENV) and the build
-    options (letters of `OPTS`; None: `DEFAULT_OPTS` for `varlen`; `canonical_opts`)."""
+    options (letters of `OPTS`; None: the defaults for `varlen` and whether the call returns dh0,
+    `canonical_opts`)."""
     return _build_v5(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, bool(varlen), qk_dtype or "float32",
-                     canonical_opts(opts, varlen))
+                     canonical_opts(opts, varlen, dh0))
 
 
 @functools.lru_cache(maxsize=None)
@@ -716,10 +724,10 @@ def _build_v5(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen, qk, op
 
 
 def chunk_fused_bwd_v5(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, order=None,
-                       opts: str | None = None):
+                       opts: str | None = None, dh0: bool = True):
     """Launches pass 2 with the v5 kernel (`chunk_bwd_v2.launch_pass2`). Arguments and results as
     `chunk_bwd.chunk_fused_bwd` (order: `_common.launch_order(cu_seqlens)` or None, the sequences'
-    launch order; opts: the build options, `build_chunk_bwd_v5_kernel`); dq_hv and dk_hv in fp32, or in
+    launch order; opts, dh0: the build options, `build_chunk_bwd_v5_kernel`); dq_hv and dk_hv in fp32, or in
     q's dtype under QK_DTYPE_ENV. dq_hv, dk_hv, dv, dbeta and dh0 are allocated uninitialised (the
     kernel writes every row, as v2)."""
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v2 import launch_pass2
@@ -727,7 +735,7 @@ def chunk_fused_bwd_v5(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, c
     from flashqla.ops.gdn.kernels.sm90._common import tl_dtype
 
     qk = qk_store_dtype(tl_dtype(q.dtype))
-    build = (lambda args: build_chunk_bwd_v5_kernel(*args, opts=opts)) if qk == "float32" else (
-        lambda args: build_chunk_bwd_v5_kernel(*args, qk, opts=opts))
+    build = (lambda args: build_chunk_bwd_v5_kernel(*args, opts=opts, dh0=dh0)) if qk == "float32" else (
+        lambda args: build_chunk_bwd_v5_kernel(*args, qk, opts=opts, dh0=dh0))
     return launch_pass2(build, q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens, qk_dtype=getattr(torch, qk),
                         ordered=True, order=order)
