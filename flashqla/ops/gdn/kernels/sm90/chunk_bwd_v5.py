@@ -55,6 +55,10 @@ over the backward grid "dag" (014fb06) is 0.35% faster than "ag" (5c9434f) by ge
 on 24 of the 32 rows: packed builds default to "dag". Measured and removed: an L2 prefetch of the next
 chunk's tiles by the producer (bulk prefetches, 0.84-0.95x of the plain schedule) and Q K^T issued
 beside K K^T ("b": whole backward 3.7-9.0% slower than "ag", 2.4-3.7% slower than "dag").
+"l" (`DH0_OPTS`, added where the call returns dh0): S takes Q^T (scale diag(gamma) dO) from the bf16
+pair hi + lo of the scaled dO, two products over w_s; dh0's error at T = 4096 from 1.16x FLA's to
+0.89x, the whole backward 2.4% slower over the grid (same registers, spills and shared memory;
+NOTES-bwd.md "dh0 at long T").
 
 The sequence's last chunk (the first walked; the only one that may be partial) is loaded by every
 thread with rows past the end zeroed, before the roles split; the producer loads the earlier, full
