@@ -188,13 +188,16 @@ def test_op_kernel_specs_match_the_launch_keys(varlen):
     assert ("prepare", prepare_kernel_args(q, beta, pcu, 4)) in listed
     for bv in (64, 128):
         assert ("recurrent", recurrent_kernel_args(q, v, pcu, bv, dual=True)) in listed
-    from flashqla.ops.gdn.kernels.sm90.chunk_bwd import DEFAULT_VARIANT
+    from flashqla.ops.gdn.kernels.sm90.chunk_bwd import DEFAULT_VARIANT, pass2_variant
 
     # passes 1 and 2 on the input's offsets and (split path) on the segments' packed offsets, pass 2 in
-    # the variant the op runs (a spec without it built "v1", which the op never launched)
+    # the variant the op runs (a spec without it built "v1", which the op never launched), for a call
+    # returning dh0 and for one that does not
     for offsets in (cu, pcu):
         assert ("states_bwd", states_kernel_args(q, v, offsets, torch.bfloat16)) in listed
-        assert ("chunk_bwd", chunk_bwd_kernel_args(q, v, beta, h, offsets) + (DEFAULT_VARIANT,)) in listed
+        for dh0 in (True, False):
+            variant = pass2_variant(offsets is not None, dh0)
+            assert ("chunk_bwd", chunk_bwd_kernel_args(q, v, beta, h, offsets) + (variant,)) in listed
         assert ("dg_cumsum", (4, "int64" if varlen else "int32", offsets is not None)) in listed
     assert specs["gva_reduce"] == (2, 4, 128, "bfloat16")
     # v5 under $FLASHQLA_BWD_QK_DTYPE=input hands over dq / dk per value head in q's dtype: the GVA sum
@@ -328,7 +331,7 @@ def test_chunk_bwd_v5_options():
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import _v5_opts, _variant
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import DEFAULT_OPTS, OPTS, _chunk_bwd_v5_prim_func, canonical_opts
 
-    from flashqla.ops.gdn.kernels.sm90.chunk_bwd import pass2_variant
+    from flashqla.ops.gdn.kernels.sm90.chunk_bwd import DEFAULT_VARIANT, pass2_variant
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import DH0_OPTS
 
     assert OPTS == "dagl" and DEFAULT_OPTS == {True: "dag", False: ""} and DH0_OPTS == "l"
@@ -355,6 +358,14 @@ def test_chunk_bwd_v5_options():
     lo = _chunk_bwd_v5_prim_func(*key, opts="l").script()
     q_w = "T.region(q_s[0, 0], 1, 64, 128), T.region(w_s[0, 0]"
     assert lo.count(q_w) == 2 and plain.count(q_w) == dag.count(q_w) == 1
+    # S frees g_s (e_g: the producer then loads the next chunk's g there) after its last read of it:
+    # with "l" that is the remainder's loop, after the first product; without, before the product
+    e_g = "T.ptx_arrive_barrier(e_g"
+    first = lo.index(q_w)
+    s_arrive = lo.rindex(e_g, 0, lo.index(q_w, first + 1))
+    assert first < s_arrive and "g_s[" in lo[first:s_arrive]
+    assert "g_s[" not in lo[s_arrive:lo.index(q_w, first + 1)]
+    assert plain.rindex(e_g, 0, plain.index(q_w)) > plain.rindex("g_s[", 0, plain.index(q_w))
 
 
 @needs_nvcc

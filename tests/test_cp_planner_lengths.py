@@ -130,7 +130,7 @@ def test_plans_on_the_measured_sweep(monkeypatch):
     P.clear_plan_cache()
     rows, _ = _sweep()
     assert len(rows) == 11
-    worse_old = 0
+    old_ratios = []  # the mean-and-longest model's pick over the fastest, where the sweep measured it
     for name, steps in rows.items():
         heads, mix = name.split()
         (row,) = select_bwd_rows([heads], [mix])
@@ -153,8 +153,11 @@ def test_plans_on_the_measured_sweep(monkeypatch):
         if plan.split and plan.segment_len in steps:
             assert steps[plan.segment_len][0] <= 1.02 * fastest, (name, plan, steps)
         old = P.plan_cp(HV, len(lens), sum(lens), backward=True, max_seqlen=-(-max(lens) // 64) * 64)
-        worse_old += steps.get(old.segment_len if old.split else None, (float("inf"),))[0] > 1.02 * fastest
-    assert worse_old >= 5  # the rows the lengths fix (the old plans on the same data)
+        old_L = old.segment_len if old.split else None
+        if old_L in steps:
+            old_ratios.append(steps[old_L][0] / fastest)
+    # the rows the lengths fix: the old model's measured picks, several > 2% and up to 1.27x slower
+    assert len(old_ratios) >= 6 and sum(r > 1.02 for r in old_ratios) >= 4 and max(old_ratios) > 1.2, old_ratios
 
 
 def test_longest_first_runs_and_makespan():

@@ -167,11 +167,12 @@ class CPBackend(Protocol):
               output_final_state, cu_seqlens, block_v) -> (o [1, T, HV, V'], final_state or None).
         V' is V for the run and K for the transition pass (K == V on the kernels).
     zeros(shape, dtype, device) -> a zero tensor the launches only read (may be cached).
-    bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens, order=None)
+    bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens, order=None, dh0=None)
         -> (dq, dk, dv, dg, dbeta, dh0 or None): the unsplit backward from the forward's products
         (`flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd`), needed by `cp_backward` only; order:
         the launch order of the segments (`_common.launch_order`, packed batches), or None (token
-        order; the same results).
+        order; the same results); dh0: whether the caller uses the returned dh0 (None: when
+        initial_state is given), a hint a backend may ignore (the sm_90 one picks pass 2's build).
     """
 
     state_dtype: torch.dtype

@@ -293,7 +293,7 @@ def fused_gated_delta_rule_bwd(
         diagonal of (I + L)^-1 is exactly 1, so the stored diagonal is beta rounded to q's dtype;
         the kernels add diag(beta - stored) dv_new in fp32); pass 1, v_new and A = I - A_beta Kg
         keep the stored one. NOTES-bwd.md, "The exact diagonal".
-        dog_pair: see `chunk_bwd_fused` (the sm_90 v5 kernel's default, option "l").
+        dog_pair: see `chunk_bwd_fused` (the sm_90 v5 kernel's option "l", built where dh0 is returned).
 
     Returns:
         (dq [B, T, H, K], dk [B, T, H, K], dv [B, T, HV, V], dg [B, T, HV] (per token, natural log),

@@ -75,6 +75,7 @@ def main(argv=None) -> int:
             L = f.saved.cp_saved.segment_len if f.saved.cp_saved is not None else None
             lens = tuple(row.mix.lengths)
             plan = P.plan_cp(row.heads.h_v, len(lens), sum(lens), backward=True, seqlens=lens)
+            assert (plan.segment_len if plan.split else None) == L, (text, plan, L)  # the plan the forward kept
             lf = bool(plan.split and plan.longest_first)
             grads = dict(zip(names, impl.bwd(x, f.saved)))
             if base is None:
@@ -87,11 +88,13 @@ def main(argv=None) -> int:
             if a.lengths is not None:  # rewritten after every step: a time-boxed run keeps what it measured
                 head = dict(what=SWEEP_WHAT, gpu=torch.cuda.get_device_name(),
                             commit=os.environ.get("FLASHQLA_COMMIT", "unknown"),
-                            date=datetime.date.today().isoformat())
+                            date=datetime.datetime.now(datetime.timezone.utc).date().isoformat())
                 rows = [dict(row=r[0], L=r[2], longest_first=r[7], bwd_ms=r[3], step_ms=r[4], err=r[5], ok=r[6])
                         for r in table]
-                with open(os.path.join(a.out, "cp_train_sweep.json"), "w") as fh:
+                path = os.path.join(a.out, "cp_train_sweep.json")
+                with open(path + ".tmp", "w") as fh:  # replaced whole: a kill mid-write keeps the last one
                     json.dump(dict(head, rows=rows), fh, indent=1)
+                os.replace(path + ".tmp", path)
             print(f"{text} BWD_MIN_GAIN {gain}: L={L} bwd {bwd:.3f} step {step:.3f} max rel {max(errs.values()):.1e} {'ok' if ok else 'FAIL'}",
                   flush=True)
         fac.release()

@@ -108,11 +108,13 @@ OPTS = "dagl"
 #: row of the benchmarks, the split backward's segments included) and "a" 0.98x on fixed-length rows
 #: (B sequences of T tokens, ptxas allocates that build differently).
 DEFAULT_OPTS = {True: "dag", False: ""}
-#: Added to `DEFAULT_OPTS` when the call returns dh0 (an initial state was given, or the state gradient
-#: is handed to another call): "l" brings dh0's error from 1.15x FLA's to 0.89x at T = 4096 and costs
-#: 2.4% of the backward (geometric mean of the H200 grid, 1.2-5.7% a row; NOTES-bwd.md, "dh0 at long
-#: T"). Without dh0 the state gradient's extra precision reaches no output (dq, dk, dv and dg see it
-#: only through its bf16 copy D).
+#: Added to `DEFAULT_OPTS` when the backward returns dh0, i.e. has an initial state (the op; the split
+#: path's segments when the caller gave one): "l" brings dh0's error from 1.16x FLA's to 0.89x at
+#: T = 4096 and costs 2.4% of the backward (geometric mean of the H200 grid, 0.8-5.7% a row;
+#: NOTES-bwd.md, "dh0 at long T"). Without dh0 the state gradient's extra precision reaches no output
+#: (dq, dk, dv and dbeta see it only through its bf16 copy D). Where an initial state is given but its
+#: gradient is not used (an initial_state without requires_grad; the multi-GPU path's entering
+#: states on ranks whose caller gave none) the build still takes "l".
 DH0_OPTS = "l"
 
 
@@ -317,16 +319,20 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     for t, d in T.Parallel(C, V):
                         w_s[t, d] = T.cast(scale * T.exp2(g_s[t]) * T.cast(do_s[t, d], acc), dtype)
                     T.fence_proxy_async()
-                    T.barrier_arrive(e_g)
+                    if not dog_lo:
+                        T.barrier_arrive(e_g)  # S's last read of g_s this chunk
                     if ci > 0:
                         T.barrier_wait(f_kq, pprev)
                     T.gemm(q_s, w_s, dS, transpose_A=True)
                     if dog_lo:
-                        # the remainder of the scaled dO after its bf16 rounding, over the same tile
+                        # the remainder of the scaled dO after its bf16 rounding, over the same tile;
+                        # it reads g_s again, so S frees g_s (e_g: the producer loads the next chunk's
+                        # g there) only after it
                         for t, d in T.Parallel(C, V):
                             xs = scale * T.exp2(g_s[t]) * T.cast(do_s[t, d], acc)
                             w_s[t, d] = T.cast(xs - T.cast(T.cast(xs, dtype), acc), dtype)
                         T.fence_proxy_async()
+                        T.barrier_arrive(e_g)
                         T.gemm(q_s, w_s, dS, transpose_A=True)
                     T.barrier_arrive(dog_read)
                     # dS += K^T (-diag(gamma) dv)   (the chain's end)
