@@ -135,7 +135,7 @@ def test_plans_on_the_measured_sweep(monkeypatch):
         heads, mix = name.split()
         (row,) = select_bwd_rows([heads], [mix])
         lens, HV = tuple(row.mix.lengths), row.heads.h_v
-        pairs = tuple(sorted(__import__("collections").Counter(lens).items(), reverse=True))
+        pairs = P._length_pairs(lens)
         fastest = min(ms for ms, _ in steps.values())
 
         def model(L, lf):
@@ -170,7 +170,7 @@ def test_longest_first_runs_and_makespan():
     for _ in range(200):
         lens = [rng.choice([0, 1, 63, 64, 65, rng.randint(1, 40000)]) for _ in range(rng.randint(2, 12))]
         HV, L, sms = rng.choice([2, 8, 32]), rng.choice([None, 512, 2048, 4096]), rng.choice([16, 132])
-        pairs = tuple(sorted(__import__("collections").Counter(lens).items(), reverse=True))
+        pairs = P._length_pairs(lens)
         a = P._greedy_makespan(P._lengths_runs(pairs, L, HV, True)[0], sms)
         jobs = sorted((c for c, k in P._lengths_runs(lens, L, HV)[0] for _ in range(k)), reverse=True)
         assert a == _one_by_one([(c, 1) for c in jobs], sms)

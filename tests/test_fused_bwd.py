@@ -205,6 +205,27 @@ def _gpu_tier_inputs(T: int) -> dict:
     return x
 
 
+def _rounding_model(T: int):
+    """For test_lengths[T]'s inputs: a function of the kernels' modelled options (`exact_diagonal`,
+    `dog_pair`) giving each gradient's relative error against fp64 on the same rounded inputs, with
+    the model's bf16 roundings (h, the state gradient and every product operand)."""
+    bf = torch.bfloat16
+    x = _gpu_tier_inputs(T)
+    Ab64, G2 = fb.forward_slot_products(x["k"], x["g"], x["beta"], 4)
+    exact = fb.fused_gated_delta_rule_bwd(x["q"], x["k"], x["v"], x["beta"], Ab64, G2, SCALE, x["initial_state"], x["do"],
+                                          x["dht"], g=x["g"])
+    f32 = {n: (t.float() if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in x.items()}
+    Ab, G2f = fb.forward_slot_products(f32["k"], f32["g"], f32["beta"], 4, dtype=bf)
+
+    def model(**options):
+        m = fb.fused_gated_delta_rule_bwd(f32["q"], f32["k"], f32["v"], f32["beta"], Ab, G2f, SCALE, f32["initial_state"],
+                                          f32["do"], f32["dht"], g=f32["g"], h_dtype=bf, ds_dtype=bf, operand_dtype=bf,
+                                          **options)
+        return {n: rel_rms(a, e) for n, a, e in zip(NAMES, m, exact)}
+
+    return model
+
+
 @pytest.mark.parametrize("T", [63, 64])
 def test_exact_diagonal_model_against_fla_recorded(T):
     """Where our gradient error exceeded FLA's on the H200 (dg, dv, dbeta; FLA_ERRORS) with the
@@ -216,21 +237,8 @@ def test_exact_diagonal_model_against_fla_recorded(T):
     exact diagonal"), so the test pins dv's improvement and dg's budget, not a pass against FLA."""
     from flashqla.testing import fla_errors_for
 
-    bf = torch.bfloat16
-    x = _gpu_tier_inputs(T)
-    Ab64, G2 = fb.forward_slot_products(x["k"], x["g"], x["beta"], 4)
-    exact = fb.fused_gated_delta_rule_bwd(x["q"], x["k"], x["v"], x["beta"], Ab64, G2, SCALE, x["initial_state"], x["do"],
-                                          x["dht"], g=x["g"])
-    f32 = {n: (t.float() if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in x.items()}
-    Ab, G2f = fb.forward_slot_products(f32["k"], f32["g"], f32["beta"], 4, dtype=bf)
-
-    def model(exact_diagonal):
-        m = fb.fused_gated_delta_rule_bwd(f32["q"], f32["k"], f32["v"], f32["beta"], Ab, G2f, SCALE, f32["initial_state"],
-                                          f32["do"], f32["dht"], g=f32["g"], h_dtype=bf, ds_dtype=bf, operand_dtype=bf,
-                                          exact_diagonal=exact_diagonal)
-        return {n: rel_rms(a, e) for n, a, e in zip(NAMES, m, exact)}
-
-    now, fixed = model(False), model(True)
+    model = _rounding_model(T)
+    now, fixed = model(exact_diagonal=False), model(exact_diagonal=True)
     fla = fla_errors_for(f"tests/gpu/test_bwd_gpu.py::test_lengths[{T}]")
     print(f"T={T} model now {now}\n      exact diagonal {fixed}\n      FLA (H200) {fla}")
     assert now["dg"] > 1.1 * fla["dg"] + 1e-4  # the gap seen on the H200 is in the model
@@ -248,21 +256,8 @@ def test_dh0_at_long_t_needs_the_scaled_do_pair():
     not see the pair beyond a few percent: their state-gradient operand is its bf16 copy D."""
     from flashqla.testing import fla_errors_for
 
-    bf = torch.bfloat16
-    x = _gpu_tier_inputs(4096)
-    Ab64, G2 = fb.forward_slot_products(x["k"], x["g"], x["beta"], 4)
-    exact = fb.fused_gated_delta_rule_bwd(x["q"], x["k"], x["v"], x["beta"], Ab64, G2, SCALE, x["initial_state"], x["do"],
-                                          x["dht"], g=x["g"])
-    f32 = {n: (t.float() if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in x.items()}
-    Ab, G2f = fb.forward_slot_products(f32["k"], f32["g"], f32["beta"], 4, dtype=bf)
-
-    def model(pair):
-        m = fb.fused_gated_delta_rule_bwd(f32["q"], f32["k"], f32["v"], f32["beta"], Ab, G2f, SCALE, f32["initial_state"],
-                                          f32["do"], f32["dht"], g=f32["g"], h_dtype=bf, ds_dtype=bf, operand_dtype=bf,
-                                          exact_diagonal=True, dog_pair=pair)
-        return {n: rel_rms(a, e) for n, a, e in zip(NAMES, m, exact)}
-
-    once, pair = model(False), model(True)
+    model = _rounding_model(4096)
+    once, pair = model(exact_diagonal=True, dog_pair=False), model(exact_diagonal=True, dog_pair=True)
     fla = fla_errors_for("tests/gpu/test_bwd_gpu.py::test_lengths[4096]")
     print(f"T=4096 model, dO rounded once {once}\n      pair {pair}\n      FLA (H200) {fla}")
     assert once["dh0"] > 1.1 * fla["dh0"]

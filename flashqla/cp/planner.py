@@ -521,6 +521,12 @@ def _lengths_runs(seqlens, L: int | None, HV: int, longest_first: bool = False) 
     return runs, segs, most
 
 
+def _length_pairs(seqlens) -> tuple:
+    """(length, count) pairs of `seqlens`, longest first: the form `_lengths_runs` takes for a
+    longest-first launch."""
+    return tuple(sorted(collections.Counter(seqlens).items(), reverse=True))
+
+
 def _bwd_lengths_time(seqlens, L: int | None, HV: int, sms: int, longest_first: bool = False) -> float:
     """The training step's CP work at segment length L (None: unsplit) with every length known
     (BWD_LEN_TOKEN_COST's comment), in backward chunk steps; seqlens and longest_first as
@@ -545,7 +551,7 @@ def fit_lengths_costs(samples, sms: int = DEFAULT_SM_COUNT) -> dict:
     """
     rows, y = [], []
     for seqlens, HV, L, longest_first, step_ms in samples:
-        seq = tuple(sorted(collections.Counter(seqlens).items(), reverse=True)) if longest_first else tuple(seqlens)
+        seq = _length_pairs(seqlens) if longest_first else tuple(seqlens)
         runs, segs, most = _lengths_runs(seq, L, HV, longest_first)
         split = float(L is not None)
         rows.append([float(_greedy_makespan(runs, sms)), float(HV * sum(seqlens)), HV * segs / sms, split,
@@ -740,7 +746,7 @@ def _plan_cp(
 
     if backward and seqlens is not None and 1 < N <= LENGTHS_MAX_SEQUENCES:  # the launch-order model
         mode = _bwd_order_mode()
-        pairs = tuple(sorted(collections.Counter(seqlens).items(), reverse=True))  # (length, count), longest first
+        pairs = _length_pairs(seqlens)
         bv_u = bvs[0]
         # the unsplit backward launches in token order; a split one in either (longest first costs
         # one device sort, BWD_LEN_ORDER_COST)
