@@ -1,7 +1,8 @@
 """One call on the GPU machine: pass-2 v5 with build options (`chunk_bwd_v5.OPTS`, variants named
-"v5:<letters>") against the plain schedule ("v5:"), for correctness and speed, in one process.
+"v5:<letters>") against the plain schedule ("v5:", or --base), for correctness and speed, in one process.
 
-    python tests/gpu/pass2_opts_check.py v5:d v5:a ... [--precompile] [--cases NAME ...] [--rows ROW ...] [--out DIR]
+    python tests/gpu/pass2_opts_check.py v5:d v5:a ... [--base v5:] [--precompile] [--cases NAME ...] [--rows ROW ...]
+        [--out DIR]
 
 For each variant, `bwd_v2_check.check_case` on the chosen cases (base v5 against the variant on
 NaN-poisoned outputs, twice; every gradient against fp64) and `bwd_v2_check.time_row` on the chosen
@@ -36,12 +37,13 @@ def main():
     ap.add_argument("--cases", nargs="*", default=list(DEFAULT_CASES))
     ap.add_argument("--rows", nargs="*", default=list(DEFAULT_ROWS))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--base", default="v5:", help="the build the variants are compared with (default: the plain schedule)")
     ap.add_argument("--precompile", action="store_true", help="build the kernels first, in worker processes")
     a = ap.parse_args()
     rows_all = b._rows()
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": [], "errors": []}
     t0 = time.time()
-    b.BASE = "v5:"  # the plain schedule (plain "v5" takes chunk_bwd_v5.DEFAULT_OPTS)
+    b.BASE = a.base  # "v5:" the plain schedule (plain "v5" takes chunk_bwd_v5.DEFAULT_OPTS)
     if a.precompile:
         for var in a.variants:
             b.NEW = var
@@ -67,7 +69,8 @@ def main():
         with open(os.path.join(a.out, "pass2_opts_check.json"), "w") as fh:
             json.dump(dict(out, wall_s=time.time() - t0), fh, indent=1)
 
-    print("\n== variant against v5: max rel RMS over the cases per gradient ('=' all bitwise); worst fp64 rel RMS v5 / "
+    print(f"\n== base {a.base}")
+    print("== variant against the base: max rel RMS over the cases per gradient ('=' all bitwise); worst fp64 rel RMS v5 / "
           "variant; ok = finite and repeatable")
     print(f"{'variant':9s} " + " ".join(f"{n:>22s}" for n in b.NAMES) + "  ok")
     for var in a.variants:
@@ -83,8 +86,8 @@ def main():
             cells.append(f"{rel:>7s} {b._fmt(r1):>6s}/{b._fmt(r2):>6s}")
         ok = all(r[f"{n}_finite"] and r[f"{n}_repeat"] for r in rs for n in b.NAMES)
         print(f"{var:9s} " + " ".join(f"{c:>22s}" for c in cells) + f"  {ok} ({len(rs)} cases)")
-    print("\n== ms, CUDA graphs, median: pass 2 alone and the whole backward, v5 / variant")
-    print(f"{'variant':9s} {'row':16s} {'p2 v5':>7s} {'p2 var':>7s} {'x':>6s} {'bwd v5':>7s} {'bwd var':>7s} {'x':>6s}")
+    print("\n== ms, CUDA graphs, median: pass 2 alone and the whole backward, base / variant")
+    print(f"{'variant':9s} {'row':16s} {'p2 base':>7s} {'p2 var':>7s} {'x':>6s} {'bwd base':>7s} {'bwd var':>7s} {'x':>6s}")
     for r in out["runs"]:
         if r["kind"] == "row":
             print(f"{r['variant']:9s} {r['row']:16s} {r['t_pass2_v1']:7.3f} {r['t_pass2_v2']:7.3f} "

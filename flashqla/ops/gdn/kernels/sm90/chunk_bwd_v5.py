@@ -116,6 +116,12 @@ DEFAULT_OPTS = {True: "dag", False: ""}
 #: gradient is not used (an initial_state without requires_grad; the multi-GPU path's entering
 #: states on ranks whose caller gave none) the build still takes "l".
 DH0_OPTS = "l"
+#: "l" forms the remainder's product only for chunks whose term reaches dh0 through a gate product
+#: 2^(sum of the earlier chunks' log2 gates) above 2^-LO_CUT_LOG2 (a runtime test per chunk, uniform in
+#: the CTA): elsewhere the remainder (2^-8 of the scaled dO) contributes under 2^-24 of its chunk's term.
+#: Heads with g == 0 (and weak decay) take it on every chunk; decaying heads on their first chunks.
+LO_CUT_LOG2 = 16.0
+LO_CLAMP = -(LO_CUT_LOG2 + 1.0)
 
 
 def canonical_opts(opts: str | None, varlen: bool, dh0: bool = True) -> str:
@@ -285,6 +291,18 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                 dS = T.alloc_fragment((K, V), acc)
                 sc = T.alloc_local((1,), acc)
                 gamc = T.alloc_local((1,), acc)
+                if dog_lo:
+                    # "l": log2 of the gate product from the walked chunk's start back to the sequence's
+                    # start, each chunk's term clamped at -(LO_CUT_LOG2 + 1) (one such chunk decides alone;
+                    # the clamp keeps the running difference exact to ~0.2 where it is compared). Lane j of
+                    # each warp sums chunks j, j + 32, ... of chunks 0 .. nchunks - 2.
+                    lg = T.alloc_local((1,), acc)
+                    lg[0] = T.float32(0)
+                    for jb in T.serial(T.ceildiv(T.max(nchunks - 1, 0), 32)):
+                        cc = jb * 32 + tx % 32
+                        if cc < nchunks - 1:
+                            lg[0] = lg[0] + T.max(g_cum_log2[hv, (slot0 + cc) * C + C - 1], LO_CLAMP)
+                    lg[0] = T.warp_reduce_sum(lg[0])
                 if use_dht != 0:
                     for i, j in T.Parallel(K, V):
                         dS[i, j] = dht[n, hv, i, j]
@@ -300,6 +318,8 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     if ci > 0:
                         T.barrier_wait(f_g, pprev)
                     gamc[0] = T.exp2(g_s[C - 1])
+                    if dog_lo and ci > 0:
+                        lg[0] = lg[0] - T.max(g_s[C - 1], LO_CLAMP)  # the chunks before this one
                     # D of this chunk (dS after the later chunks); K read the previous one
                     if not early_d or ci == 0:
                         if ci > 0:
@@ -325,15 +345,20 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         T.barrier_wait(f_kq, pprev)
                     T.gemm(q_s, w_s, dS, transpose_A=True)
                     if dog_lo:
-                        # the remainder of the scaled dO after its bf16 rounding, over the same tile;
+                        # the remainder of the scaled dO after its bf16 rounding, over the same tile,
+                        # where this chunk's term reaches dh0 through a gate product above 2^-LO_CUT_LOG2
+                        # (below it, the remainder's share of dh0 is under 2^-(LO_CUT_LOG2 + 8) relative);
                         # it reads g_s again, so S frees g_s (e_g: the producer loads the next chunk's
                         # g there) only after it
-                        for t, d in T.Parallel(C, V):
-                            xs = scale * T.exp2(g_s[t]) * T.cast(do_s[t, d], acc)
-                            w_s[t, d] = T.cast(xs - T.cast(T.cast(xs, dtype), acc), dtype)
-                        T.fence_proxy_async()
-                        T.barrier_arrive(e_g)
-                        T.gemm(q_s, w_s, dS, transpose_A=True)
+                        if lg[0] > -LO_CUT_LOG2:
+                            for t, d in T.Parallel(C, V):
+                                xs = scale * T.exp2(g_s[t]) * T.cast(do_s[t, d], acc)
+                                w_s[t, d] = T.cast(xs - T.cast(T.cast(xs, dtype), acc), dtype)
+                            T.fence_proxy_async()
+                            T.barrier_arrive(e_g)
+                            T.gemm(q_s, w_s, dS, transpose_A=True)
+                        else:
+                            T.barrier_arrive(e_g)
                     T.barrier_arrive(dog_read)
                     # dS += K^T (-diag(gamma) dv)   (the chain's end)
                     T.barrier_wait(dvg_ready, par)
