@@ -283,6 +283,20 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                 for t in T.Parallel(C):
                     g_s[t] = g_cum_log2[hv, row0_l + t]
                 T.fence_proxy_async()
+            if dog_lo:
+                # "l": log2 of the gate product over chunks 0 .. nchunks - 2 (for S's test of each chunk),
+                # each chunk's term clamped at -(LO_CUT_LOG2 + 1) (such a chunk decides alone; the clamp
+                # keeps S's running difference exact to ~0.2 where it is compared): thread j sums chunks
+                # j, j + 512, ...; the 16 warp sums go to red_s[0 .. 15], free until the roles start
+                lgp = T.alloc_local((1,), acc)
+                lgp[0] = T.float32(0)
+                for jb in T.serial(T.ceildiv(T.max(nchunks - 1, 0), 512)):
+                    cc = jb * 512 + tx
+                    if cc < nchunks - 1:
+                        lgp[0] = lgp[0] + T.max(g_cum_log2[hv, (slot0 + cc) * C + C - 1], LO_CLAMP)
+                lgp[0] = T.warp_reduce_sum(lgp[0])
+                if tx % 32 == 0:
+                    red_s[tx // 32] = lgp[0]
             T.sync_threads()
 
             if tx < 128:
@@ -292,17 +306,12 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                 sc = T.alloc_local((1,), acc)
                 gamc = T.alloc_local((1,), acc)
                 if dog_lo:
-                    # "l": log2 of the gate product from the walked chunk's start back to the sequence's
-                    # start, each chunk's term clamped at -(LO_CUT_LOG2 + 1) (one such chunk decides alone;
-                    # the clamp keeps the running difference exact to ~0.2 where it is compared). Lane j of
-                    # each warp sums chunks j, j + 32, ... of chunks 0 .. nchunks - 2.
+                    # "l": the warps' partial sums (before the loop: K and A write red_s only after this
+                    # chunk's d_ready, which S arrives on after this read), in one order for every thread
                     lg = T.alloc_local((1,), acc)
                     lg[0] = T.float32(0)
-                    for jb in T.serial(T.ceildiv(T.max(nchunks - 1, 0), 32)):
-                        cc = jb * 32 + tx % 32
-                        if cc < nchunks - 1:
-                            lg[0] = lg[0] + T.max(g_cum_log2[hv, (slot0 + cc) * C + C - 1], LO_CLAMP)
-                    lg[0] = T.warp_reduce_sum(lg[0])
+                    for w in T.serial(16):
+                        lg[0] = lg[0] + red_s[w]
                 if use_dht != 0:
                     for i, j in T.Parallel(K, V):
                         dS[i, j] = dht[n, hv, i, j]
