@@ -56,9 +56,11 @@ on 24 of the 32 rows: packed builds default to "dag". Measured and removed: an L
 chunk's tiles by the producer (bulk prefetches, 0.84-0.95x of the plain schedule) and Q K^T issued
 beside K K^T ("b": whole backward 3.7-9.0% slower than "ag", 2.4-3.7% slower than "dag").
 "l" (`DH0_OPTS`, added where the call returns dh0): S takes Q^T (scale diag(gamma) dO) from the bf16
-pair hi + lo of the scaled dO, two products over w_s; dh0's error at T = 4096 from 1.16x FLA's to
-0.89x, the whole backward 2.4% slower over the grid (same registers, spills and shared memory;
-NOTES-bwd.md "dh0 at long T").
+pair hi + lo of the scaled dO, two products over w_s, the second only on chunks whose term reaches dh0
+through a gate product above 2^-LO_CUT_LOG2 (a runtime test on the earlier chunks' gate sum, formed by
+all threads before the roles split); dh0's error at T = 4096 from 1.16x FLA's to 0.89x, the whole
+backward 2.4% slower over the grid (same registers, spills and shared memory; NOTES-bwd.md "dh0 at
+long T" and "Option "l" after its race fix").
 
 The sequence's last chunk (the first walked; the only one that may be partial) is loaded by every
 thread with rows past the end zeroed, before the roles split; the producer loads the earlier, full
@@ -99,9 +101,12 @@ QK_DTYPE_ENV = "FLASHQLA_BWD_QK_DTYPE"
 #:      rounding, lo the rounding of the remainder), two products into dS over the same tile, instead of
 #:      hi alone: the state gradient's only product whose operand is rounded from a computed value that
 #:      FLA keeps in fp32 (its dhu kernel: q diag(gamma) in fp32, a tf32 product); dh0's error at
-#:      T = 4096 is 1.15x FLA's with hi alone (NOTES-bwd.md, "dh0 at long T").
+#:      T = 4096 is 1.15x FLA's with hi alone (NOTES-bwd.md, "dh0 at long T"). The remainder's product
+#:      only where the chunk's term reaches dh0 through a gate product above 2^-LO_CUT_LOG2.
 #: (Removed after their H200 runs: "b", A issuing Q K^T beside K K^T, 3.7-9.0% slower than "ag" with
-#: its spills; "p", an L2 prefetch by the producer, 0.84-0.95x of the plain schedule.)
+#: its spills; "p", an L2 prefetch by the producer, 0.84-0.95x of the plain schedule; "s", S's product
+#: over the unscaled diag(gamma) dO with dS divided by scale before it and multiplied after, which
+#: makes the g == 0 heads' operand exact but made ptxas spill ~1 KB: pass 2 at 0.74-0.83x of "dagl".)
 OPTS = "dagl"
 #: The options each build takes by default, by packed input (cu_seqlens) or not, when the call returns
 #: no dh0: measured, "dag" made pass 2 1.04-1.08x faster than the plain schedule on packed rows (every
