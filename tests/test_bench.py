@@ -214,6 +214,8 @@ def test_csv_append_and_resume_keys(tmp_path):
     assert len(got) == 2 and {R.num(r["ours_ms"]) for r in got} == {0.5, 1.0}
     env, commit = S.latest_key(S.read_rows(p))
     assert commit == "c1" and env == ENV
+    # --report-only --commit: that commit's rows, whatever was measured later
+    assert S.latest_key(S.read_rows(p), "c2") == (ENV, "c2") and S.latest_key(S.read_rows(p), "c9") is None
     # rows of several commits: each row key from the first commit that has it, other envs never
     S.append_row(p, _result_line(ENV, "c2", 16, 32, "1x8192", ours_ms=0.25), S.RESULT_FIELDS)
     merged = {(r["h_qk"], r["mix"]): r for r in S.rows_for_commits(S.read_rows(p), ENV, ["c2", "c1"])}

@@ -80,7 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="input seed")
     p.add_argument("--results-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     p.add_argument("--prefix", default=None, help="file prefix (default <gpu>-fwd, e.g. h200-fwd)")
-    p.add_argument("--commit", default=None, help="our commit id (default: git, or $FLASHQLA_COMMIT)")
+    p.add_argument("--commit", default=None, help="our commit id (default: git, or $FLASHQLA_COMMIT); with --report-only, "
+                   "the commit whose rows make the page, as written in the CSV (default: the latest measured)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--list", action="store_true", help="print the selected rows and exit")
     p.add_argument("--report-only", action="store_true", help="rebuild markdown and plot from the CSVs and exit")
@@ -291,9 +292,9 @@ def main(argv=None) -> int:
     if args.report_only:
         prefix = find_prefix(args, None)
         paths = _paths(args.results_dir, prefix)
-        key = S.latest_key(S.read_rows(paths["csv"]))
+        key = S.latest_key(S.read_rows(paths["csv"]), args.commit)
         if key is None:
-            print(f"no results in {paths['csv']}", file=sys.stderr)
+            print(f"no results in {paths['csv']}" + (f" for commit {args.commit}" if args.commit else ""), file=sys.stderr)
             return 1
         env, commit = key
         pages = {k: paths[k].read_text() if paths[k].exists() else "" for k in ("md", "cp_md")}

@@ -138,8 +138,11 @@ def done_keys(rows: list[dict], env: dict, commit: str, need=("ours",)) -> set[t
             if all(str(r.get(f"{i}_status", "")).strip() for i in need)}
 
 
-def latest_key(rows: list[dict]) -> tuple[dict, str] | None:
-    """(environment dict, commit) of the most recently dated row, or None for no rows."""
+def latest_key(rows: list[dict], commit: str | None = None) -> tuple[dict, str] | None:
+    """(environment dict, commit) of the most recently dated row (of `commit`'s rows when given), or
+    None for no such rows."""
+    if commit is not None:
+        rows = [r for r in rows if r.get("commit", "") == commit]
     if not rows:
         return None
     last = max(rows, key=lambda r: r.get("date", ""))

@@ -76,7 +76,6 @@ __all__ = [
     "recompute_states",
     "chunk_bwd_fused",
     "reverse_chunk_cumsum",
-    "dog_pair_chunks",
     "fused_gated_delta_rule_bwd",
 ]
 
@@ -181,7 +180,7 @@ def recompute_states(k, v, A_beta, g_cum, h0, lay: ChunkLayout, *, log2: bool = 
 
 
 def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, last=None, log2: bool = False,
-                    ds_dtype=None, operand_dtype=None, A_beta_vd=None, dog_pair=False) -> dict:
+                    ds_dtype=None, operand_dtype=None, A_beta_vd=None, dog_pair: bool = False) -> dict:
     """Pass 2, one chunk (all chunks at once here; the kernel walks them in reverse): every gradient of
     the chunk from its chunk-start state h and the gradient dh of its chunk-end state.
 
@@ -200,8 +199,7 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
         that dv = A_beta^T dv_new uses (the kernels' exact diagonal: beta on it, while v_new and
         A = I - A_beta Kg keep the stored one). dog_pair: in dh_prev, the scaled dO as the pair of
         its operand rounding and the rounding of the remainder (v5's option "l",
-        `chunk_bwd_v5.OPTS`), instead of its operand rounding alone; a bool, or a bool tensor
-        [NC, HV] choosing it per chunk and value head.
+        `chunk_bwd_v5.OPTS`), instead of its operand rounding alone.
 
     Returns dict of chunk tensors: dq, dk [NC, HV, C, K] (per value head, before the GVA sum);
     dv [NC, HV, C, V]; dbeta [NC, HV, C]; dG [NC, HV, C] (dL/dg_cum per position, before the
@@ -230,10 +228,7 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
     dvg = o_(-gamma[..., None] * dv)
     dog_x = scale * gamma[..., None] * do
     dog = o_(dog_x)
-    if torch.is_tensor(dog_pair):  # hi + lo where chosen
-        dog_s = dog + torch.where(dog_pair[..., None, None], o_(dog_x - dog), torch.zeros((), dtype=cdt))
-    else:
-        dog_s = dog + o_(dog_x - dog) if dog_pair else dog  # hi + lo (two products in the kernel)
+    dog_s = dog + o_(dog_x - dog) if dog_pair else dog  # hi + lo (two products in the kernel)
     dh_prev = gamma_C[..., None, None] * D + _t(q) @ dog_s + _t(k) @ dvg
 
     M = (do @ _t(v_new)) * Gam
@@ -277,28 +272,10 @@ def reverse_chunk_cumsum(dG: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-def dog_pair_chunks(G2: torch.Tensor, lay, cut: float) -> torch.Tensor:
-    """Where the sm_90 v5 kernel's option "l" forms the remainder's product: the chunks whose term
-    reaches the sequence's start (dh0) through a gate product above 2^-cut.
-
-    Args: G2: [NC, HV, C] per-chunk cumulative log2 gates; lay: the `ChunkLayout`; cut: float
-    (`chunk_bwd_v5.LO_CUT_LOG2`). Returns bool [NC, HV]: sum over the sequence's earlier chunks of
-    max(chunk-end log2 gate, -(cut + 1)) > -cut (the clamp as in the kernel, which keeps its running
-    difference exact; a clamped term alone already decides).
-    """
-    pair = torch.zeros(lay.NC, G2.shape[1], dtype=torch.bool, device=G2.device)
-    prefix = torch.zeros(lay.N, G2.shape[1], dtype=G2.dtype, device=G2.device)  # log2 gate product before the chunk
-    for ids in lay.chunks_at:
-        sq = lay.seq[ids]
-        pair[ids] = prefix[sq] > -cut
-        prefix[sq] = prefix[sq] + G2[ids][..., -1].clamp(min=-(cut + 1.0))
-    return pair
-
-
 def fused_gated_delta_rule_bwd(
     q, k, v, beta, A_beta, g_cum_log2, scale: float, initial_state, do, dht, cu_seqlens=None,
     *, g=None, chunk_size: int = 64, h_dtype=None, ds_dtype=None, operand_dtype=None, log2: bool = True,
-    exact_diagonal: bool = False, dog_pair: bool = False, dog_pair_cut: float | None = None,
+    exact_diagonal: bool = False, dog_pair: bool = False,
 ):
     """The backward our kernels compute, end to end, from the sm_90 forward's slot-major products.
 
@@ -317,9 +294,6 @@ def fused_gated_delta_rule_bwd(
         the kernels add diag(beta - stored) dv_new in fp32); pass 1, v_new and A = I - A_beta Kg
         keep the stored one. NOTES-bwd.md, "The exact diagonal".
         dog_pair: see `chunk_bwd_fused` (the sm_90 v5 kernel's option "l", built where dh0 is returned).
-        dog_pair_cut: None (the pair on every chunk), or c: the pair only on chunks whose term reaches the
-        sequence's start through a gate product above 2^-c, i.e. sum of the earlier chunks' log2 gates
-        (each clamped at -(c + 1)) > -c, as the kernel decides it (`chunk_bwd_v5.LO_CUT_LOG2`).
 
     Returns:
         (dq [B, T, H, K], dk [B, T, H, K], dv [B, T, HV, V], dg [B, T, HV] (per token, natural log),
@@ -345,7 +319,6 @@ def fused_gated_delta_rule_bwd(
     h0 = initial_state.to(cdt) if initial_state is not None else torch.zeros(lay.N, HV, K, V, dtype=cdt, device=q.device)
     h = recompute_states(kc, vc, Ab, G, h0, lay, h_dtype=h_dtype, **gk)
 
-    pair = dog_pair_chunks(G2, lay, dog_pair_cut) if dog_pair and dog_pair_cut is not None else dog_pair
     Dn = dht.to(cdt).clone() if dht is not None else torch.zeros(lay.N, HV, K, V, dtype=cdt, device=q.device)
     names = ("dq", "dk", "dv", "dbeta", "dG")
     acc = {n: None for n in names}
@@ -353,8 +326,7 @@ def fused_gated_delta_rule_bwd(
         sq = lay.seq[ids]
         out = chunk_bwd_fused(qc[ids], kc[ids], vc[ids], bc[ids], Ab[ids], G[ids], h[ids], Dn[sq], doc[ids], scale,
                               last=lay.length[ids] - 1, ds_dtype=ds_dtype, operand_dtype=operand_dtype,
-                              A_beta_vd=None if Ab_vd is None else Ab_vd[ids],
-                              dog_pair=pair[ids] if torch.is_tensor(pair) else pair, **gk)
+                              A_beta_vd=None if Ab_vd is None else Ab_vd[ids], dog_pair=dog_pair, **gk)
         for n in names:
             if acc[n] is None:
                 acc[n] = torch.zeros(lay.NC, *out[n].shape[1:], dtype=cdt, device=q.device)

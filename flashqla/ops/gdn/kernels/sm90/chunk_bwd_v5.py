@@ -56,11 +56,9 @@ on 24 of the 32 rows: packed builds default to "dag". Measured and removed: an L
 chunk's tiles by the producer (bulk prefetches, 0.84-0.95x of the plain schedule) and Q K^T issued
 beside K K^T ("b": whole backward 3.7-9.0% slower than "ag", 2.4-3.7% slower than "dag").
 "l" (`DH0_OPTS`, added where the call returns dh0): S takes Q^T (scale diag(gamma) dO) from the bf16
-pair hi + lo of the scaled dO, two products over w_s, the second only on chunks whose term reaches dh0
-through a gate product above 2^-LO_CUT_LOG2 (a runtime test on the earlier chunks' gate sum, formed by
-all threads before the roles split); dh0's error at T = 4096 from 1.16x FLA's to 0.89x, the whole
-backward 2.4% slower over the grid (same registers, spills and shared memory; NOTES-bwd.md "dh0 at
-long T" and "Option "l" after its race fix").
+pair hi + lo of the scaled dO, two products over w_s; dh0's error at T = 4096 from 1.16x FLA's to
+0.89x, the whole backward 2.4% slower over the grid (same registers, spills and shared memory;
+NOTES-bwd.md "dh0 at long T").
 
 The sequence's last chunk (the first walked; the only one that may be partial) is loaded by every
 thread with rows past the end zeroed, before the roles split; the producer loads the earlier, full
@@ -101,12 +99,13 @@ QK_DTYPE_ENV = "FLASHQLA_BWD_QK_DTYPE"
 #:      rounding, lo the rounding of the remainder), two products into dS over the same tile, instead of
 #:      hi alone: the state gradient's only product whose operand is rounded from a computed value that
 #:      FLA keeps in fp32 (its dhu kernel: q diag(gamma) in fp32, a tf32 product); dh0's error at
-#:      T = 4096 is 1.15x FLA's with hi alone (NOTES-bwd.md, "dh0 at long T"). The remainder's product
-#:      only where the chunk's term reaches dh0 through a gate product above 2^-LO_CUT_LOG2.
+#:      T = 4096 is 1.15x FLA's with hi alone (NOTES-bwd.md, "dh0 at long T").
 #: (Removed after their H200 runs: "b", A issuing Q K^T beside K K^T, 3.7-9.0% slower than "ag" with
 #: its spills; "p", an L2 prefetch by the producer, 0.84-0.95x of the plain schedule; "s", S's product
 #: over the unscaled diag(gamma) dO with dS divided by scale before it and multiplied after, which
-#: makes the g == 0 heads' operand exact but made ptxas spill ~1 KB: pass 2 at 0.74-0.83x of "dagl".)
+#: makes the g == 0 heads' operand exact but made ptxas spill ~1 KB: pass 2 at 0.74-0.83x of "dagl";
+#: "l"'s second product only on chunks whose term reaches dh0 through a gate product above 2^-16, a
+#: runtime test per chunk: the grid as fast as with it on every chunk, 1.000x, so not kept.)
 OPTS = "dagl"
 #: The options each build takes by default, by packed input (cu_seqlens) or not, when the call returns
 #: no dh0: measured, "dag" made pass 2 1.04-1.08x faster than the plain schedule on packed rows (every
@@ -121,12 +120,6 @@ DEFAULT_OPTS = {True: "dag", False: ""}
 #: gradient is not used (an initial_state without requires_grad; the multi-GPU path's entering
 #: states on ranks whose caller gave none) the build still takes "l".
 DH0_OPTS = "l"
-#: "l" forms the remainder's product only for chunks whose term reaches dh0 through a gate product
-#: 2^(sum of the earlier chunks' log2 gates) above 2^-LO_CUT_LOG2 (a runtime test per chunk, uniform in
-#: the CTA): elsewhere the remainder (2^-8 of the scaled dO) contributes under 2^-24 of its chunk's term.
-#: Heads with g == 0 (and weak decay) take it on every chunk; decaying heads on their first chunks.
-LO_CUT_LOG2 = 16.0
-LO_CLAMP = -(LO_CUT_LOG2 + 1.0)
 
 
 def canonical_opts(opts: str | None, varlen: bool, dh0: bool = True) -> str:
@@ -288,20 +281,6 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                 for t in T.Parallel(C):
                     g_s[t] = g_cum_log2[hv, row0_l + t]
                 T.fence_proxy_async()
-            if dog_lo:
-                # "l": log2 of the gate product over chunks 0 .. nchunks - 2 (for S's test of each chunk),
-                # each chunk's term clamped at -(LO_CUT_LOG2 + 1) (such a chunk decides alone; the clamp
-                # keeps S's running difference exact to ~0.2 where it is compared): thread j sums chunks
-                # j, j + 512, ...; the 16 warp sums go to red_s[0 .. 15], free until the roles start
-                lgp = T.alloc_local((1,), acc)
-                lgp[0] = T.float32(0)
-                for jb in T.serial(T.ceildiv(T.max(nchunks - 1, 0), 512)):
-                    cc = jb * 512 + tx
-                    if cc < nchunks - 1:
-                        lgp[0] = lgp[0] + T.max(g_cum_log2[hv, (slot0 + cc) * C + C - 1], LO_CLAMP)
-                lgp[0] = T.warp_reduce_sum(lgp[0])
-                if tx % 32 == 0:
-                    red_s[tx // 32] = lgp[0]
             T.sync_threads()
 
             if tx < 128:
@@ -310,13 +289,6 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                 dS = T.alloc_fragment((K, V), acc)
                 sc = T.alloc_local((1,), acc)
                 gamc = T.alloc_local((1,), acc)
-                if dog_lo:
-                    # "l": the warps' partial sums (before the loop: K and A write red_s only after this
-                    # chunk's d_ready, which S arrives on after this read), in one order for every thread
-                    lg = T.alloc_local((1,), acc)
-                    lg[0] = T.float32(0)
-                    for w in T.serial(16):
-                        lg[0] = lg[0] + red_s[w]
                 if use_dht != 0:
                     for i, j in T.Parallel(K, V):
                         dS[i, j] = dht[n, hv, i, j]
@@ -332,8 +304,6 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     if ci > 0:
                         T.barrier_wait(f_g, pprev)
                     gamc[0] = T.exp2(g_s[C - 1])
-                    if dog_lo and ci > 0:
-                        lg[0] = lg[0] - T.max(g_s[C - 1], LO_CLAMP)  # the chunks before this one
                     # D of this chunk (dS after the later chunks); K read the previous one
                     if not early_d or ci == 0:
                         if ci > 0:
@@ -359,20 +329,15 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         T.barrier_wait(f_kq, pprev)
                     T.gemm(q_s, w_s, dS, transpose_A=True)
                     if dog_lo:
-                        # the remainder of the scaled dO after its bf16 rounding, over the same tile,
-                        # where this chunk's term reaches dh0 through a gate product above 2^-LO_CUT_LOG2
-                        # (below it, the remainder's share of dh0 is under 2^-(LO_CUT_LOG2 + 8) relative);
+                        # the remainder of the scaled dO after its bf16 rounding, over the same tile;
                         # it reads g_s again, so S frees g_s (e_g: the producer loads the next chunk's
                         # g there) only after it
-                        if lg[0] > -LO_CUT_LOG2:
-                            for t, d in T.Parallel(C, V):
-                                xs = scale * T.exp2(g_s[t]) * T.cast(do_s[t, d], acc)
-                                w_s[t, d] = T.cast(xs - T.cast(T.cast(xs, dtype), acc), dtype)
-                            T.fence_proxy_async()
-                            T.barrier_arrive(e_g)
-                            T.gemm(q_s, w_s, dS, transpose_A=True)
-                        else:
-                            T.barrier_arrive(e_g)
+                        for t, d in T.Parallel(C, V):
+                            xs = scale * T.exp2(g_s[t]) * T.cast(do_s[t, d], acc)
+                            w_s[t, d] = T.cast(xs - T.cast(T.cast(xs, dtype), acc), dtype)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(e_g)
+                        T.gemm(q_s, w_s, dS, transpose_A=True)
                     T.barrier_arrive(dog_read)
                     # dS += K^T (-diag(gamma) dv)   (the chain's end)
                     T.barrier_wait(dvg_ready, par)
