@@ -585,6 +585,11 @@ def test_cli_bwd_report_only(tmp_path):
     md = (tmp_path / f"{PREFIX}.md").read_text()
     assert "| 16/32 | 32k_1seq |" in md and "3.00x" in md and "Rebuilt from the CSV" in md
     assert "## Drift" in md and "No re-timed rows recorded." in md
+    # --commit picks the rows of one commit: one the CSV does not have is an error naming it
+    out = subprocess.run([sys.executable, "-m", "flashqla.bench", "--bwd", "--report-only", "--no-plot", "--commit",
+                          "nope", "--results-dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 1 and "for commit nope" in out.stderr
+    assert (tmp_path / f"{PREFIX}.md").read_text() == md
     # a rebuild keeps the method bullets of the page it replaces, but not a peers bullet that claimed
     # more than the page shows
     old = ("- Peers column: `live` = timed in this process on the same inputs; `cached` = read from the peers CSV of "

@@ -173,10 +173,9 @@ def report_only(args) -> int:
     prefix = find_prefix(args, None)
     paths = paths_for(args.results_dir, prefix)
     rows = S.read_rows(paths["csv"])
-    key = S.latest_key(rows, getattr(args, "commit", None))
+    key = S.latest_key(rows, args.commit)
     if key is None:
-        print(f"no results in {paths['csv']}" + (f" for commit {args.commit}" if getattr(args, "commit", None) else ""),
-              file=sys.stderr)
+        print(f"no results in {paths['csv']}" + (f" for commit {args.commit}" if args.commit else ""), file=sys.stderr)
         return 1
     env, commit = key
     old_md = paths["md"].read_text() if paths["md"].exists() else ""

@@ -70,7 +70,7 @@ def main():
             json.dump(dict(out, wall_s=time.time() - t0), fh, indent=1)
 
     print(f"\n== base {a.base}")
-    print("== variant against the base: max rel RMS over the cases per gradient ('=' all bitwise); worst fp64 rel RMS v5 / "
+    print("== variant against the base: max rel RMS over the cases per gradient ('=' all bitwise); worst fp64 rel RMS base / "
           "variant; ok = finite and repeatable")
     print(f"{'variant':9s} " + " ".join(f"{n:>22s}" for n in b.NAMES) + "  ok")
     for var in a.variants:
