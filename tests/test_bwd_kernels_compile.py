@@ -334,7 +334,7 @@ def test_chunk_bwd_v5_options():
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import DEFAULT_VARIANT, pass2_variant
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import DH0_OPTS
 
-    assert OPTS == "daglcu" and DEFAULT_OPTS == {True: "dag", False: ""} and DH0_OPTS == "l"
+    assert OPTS == "dagl" and DEFAULT_OPTS == {True: "dag", False: ""} and DH0_OPTS == "l"
     assert pass2_variant(True, True) == "v5:dagl" and pass2_variant(True, False) == "v5:dag"
     assert pass2_variant(False, True) == "v5:l" and pass2_variant(False, False) == "v5:"
     assert pass2_variant(True, True, "v2") == "v2" and pass2_variant(False, False, "v5:a") == "v5:a"
@@ -345,10 +345,8 @@ def test_chunk_bwd_v5_options():
     assert canonical_opts(None, True, dh0=False) == "dag" and canonical_opts(None, False, dh0=False) == ""
     assert canonical_opts("gad", True) == canonical_opts("ddag", False) == "dag" and canonical_opts("ga", True) == "ag"
     assert canonical_opts("lgad", True) == "dagl" and canonical_opts("l", False) == "l"
-    assert canonical_opts("ucld", True) == "dlcu" and canonical_opts("u", False) == "u"
-    for bad in ("g", "c", "x"):  # "g" needs "a", "c" needs "l"
-        with pytest.raises(ValueError, match="options"):
-            _chunk_bwd_v5_prim_func(1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True, opts=bad)
+    with pytest.raises(ValueError, match="options"):
+        _chunk_bwd_v5_prim_func(1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True, opts="g")
     # the options change the kernel: D published early (a second d_ready arrival site) and S's reads of
     # the partial rows awaited before K and A write the next chunk's (s_done), async wgmma in K
     key = (1, 2, 128, 128, "bfloat16", "bfloat16", "float32", "int32", True)
@@ -508,66 +506,3 @@ def test_qk_store_dtype_reads_its_variable(monkeypatch):
     monkeypatch.setenv(QK_DTYPE_ENV, "bf16")
     with pytest.raises(ValueError, match=QK_DTYPE_ENV):
         qk_store_dtype("bfloat16")
-
-
-def test_pass2_qk_scale_follows_the_build(monkeypatch):
-    """Pass 3 scales dq and dk exactly where pass 2's build leaves them in units of 1 / scale (v5 option
-    "u"): named explicitly, or through the defaults when they take it; never for v2 / v1 or where v5 does not
-    apply (K or V != 128, h not in q's dtype)."""
-    from flashqla.ops.gdn.kernels.sm90 import chunk_bwd_v5
-    from flashqla.ops.gdn.kernels.sm90.chunk_bwd import pass2_qk_scale
-
-    q = torch.empty(1, 4, 2, 128, dtype=torch.bfloat16)
-    v = torch.empty(1, 4, 4, 128, dtype=torch.bfloat16)
-    h = torch.empty(1, 4, 128, 128, dtype=torch.bfloat16)
-    cu = torch.tensor([0, 4], dtype=torch.int32)
-    s = 128**-0.5
-    assert pass2_qk_scale(q, v, h, cu, s, "v5:dagu") == s and pass2_qk_scale(q, v, h, None, s, "v5:u") == s
-    assert pass2_qk_scale(q, v, h, cu, s, "v5:dagl") is None and pass2_qk_scale(q, v, h, cu, s, "v2") is None
-    assert pass2_qk_scale(q, v, h.float(), cu, s, "v5:dagu") is None
-    assert pass2_qk_scale(q[..., :64], v, h, cu, s, "v5:dagu") is None
-    monkeypatch.setattr(chunk_bwd_v5, "DH0_OPTS", "u")
-    assert pass2_qk_scale(q, v, h, cu, s, "v5", dh0=True) == s and pass2_qk_scale(q, v, h, cu, s, "v5", dh0=False) is None
-
-
-def test_finish_scales_dq_and_dk_on_request(monkeypatch):
-    """chunk_finish_bwd(qk_scale=s) launches the scaled GVA build (even with one value head per q/k
-    head and dq_hv already in q's dtype) under the key `op_kernel_specs` lists when the defaults take "u"."""
-    from flashqla.ops.gdn.kernels.sm90 import chunk_bwd_v5, finish_bwd, op_kernel_specs
-
-    calls = []
-
-    def fake_reduce(*key):
-        def run(dq_hv, dk_hv, dq, dk, *f):
-            calls.append((key, f))
-            H, K = key[0], key[2]
-            fac = f[0] if f else 1.0
-            dq.copy_(dq_hv.view(*dq.shape[:2], H, -1, K).float().sum(3) * fac)
-            dk.copy_(dk_hv.view(*dk.shape[:2], H, -1, K).float().sum(3) * fac)
-        return run
-
-    monkeypatch.setattr(finish_bwd, "build_gva_reduce_kernel", fake_reduce)
-    monkeypatch.setattr(finish_bwd, "build_dg_cumsum_kernel", lambda *a: (lambda *b: None))
-    dG = torch.zeros(2, 64)
-    dq_hv, dk_hv = torch.randn(1, 5, 2, 128), torch.randn(1, 5, 2, 128)
-    dq, dk, _ = finish_bwd.chunk_finish_bwd(dG, dq_hv, dk_hv, None, 2, torch.float32, qk_scale=0.5)
-    assert calls == [((2, 2, 128, "float32", "float32", True), (0.5,))]
-    torch.testing.assert_close(dq, dq_hv * 0.5)
-    torch.testing.assert_close(dk, dk_hv * 0.5)
-    calls.clear()
-    dq, _, _ = finish_bwd.chunk_finish_bwd(dG, dq_hv, dk_hv, None, 1, torch.float32)
-    assert calls == [((1, 2, 128, "float32"), ())]
-    monkeypatch.setattr(chunk_bwd_v5, "DH0_OPTS", "u")
-    specs = op_kernel_specs(2, 4, varlen=True)
-    assert ("gva_reduce", (2, 4, 128, "bfloat16")) in specs  # calls without dh0 ("dag")
-    assert ("gva_reduce", (2, 4, 128, "bfloat16", "float32", True)) in specs  # with dh0 ("dagu")
-
-
-@needs_nvcc
-def test_scaled_gva_reduce_compiles():
-    """The scaled GVA build multiplies the group's fp32 sum by its runtime factor before the one rounding."""
-    from flashqla.ops.gdn.kernels.sm90.finish_bwd import build_gva_reduce_kernel
-
-    src = build_gva_reduce_kernel(2, 4, 128, "bfloat16", "float32", True).get_kernel_source()
-    assert "qk_scale" in src and "float4" in src
-    assert "qk_scale" not in build_gva_reduce_kernel(2, 4, 128, "bfloat16").get_kernel_source()

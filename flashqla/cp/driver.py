@@ -239,7 +239,7 @@ class Sm90Backend:
         whether the caller uses the segments' state gradients (None: when initial_state is given);
         pass 2's build follows it (`chunk_bwd.chunk_fused_bwd`)."""
         from flashqla.ops.gdn.bwd import _build_once
-        from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_fused_bwd, pass2_qk_scale
+        from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_fused_bwd
         from flashqla.ops.gdn.kernels.sm90.finish_bwd import chunk_finish_bwd
         from flashqla.ops.gdn.kernels.sm90.states_bwd import chunk_states_bwd
 
@@ -254,8 +254,7 @@ class Sm90Backend:
                 dht = join()
         dq_hv, dk_hv, dv, dbeta, dG, dS0 = chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens,
                                                            order=order, dh0=dh0)
-        dq, dk, dg = chunk_finish_bwd(dG, dq_hv, dk_hv, cu_seqlens, q.shape[2], q.dtype,
-                                      qk_scale=pass2_qk_scale(q, v, h, cu_seqlens, scale, dh0=dh0))
+        dq, dk, dg = chunk_finish_bwd(dG, dq_hv, dk_hv, cu_seqlens, q.shape[2], q.dtype)
         return dq, dk, dv, dg, dbeta.to(beta.dtype), (dS0 if initial_state is not None else None)
 
     def zeros(self, shape, dtype, device):

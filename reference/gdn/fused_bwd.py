@@ -180,8 +180,7 @@ def recompute_states(k, v, A_beta, g_cum, h0, lay: ChunkLayout, *, log2: bool = 
 
 
 def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, last=None, log2: bool = False,
-                    ds_dtype=None, operand_dtype=None, A_beta_vd=None, dog_pair: bool = False,
-                    unscaled: bool = False) -> dict:
+                    ds_dtype=None, operand_dtype=None, A_beta_vd=None, dog_pair: bool = False) -> dict:
     """Pass 2, one chunk (all chunks at once here; the kernel walks them in reverse): every gradient of
     the chunk from its chunk-start state h and the gradient dh of its chunk-end state.
 
@@ -200,11 +199,7 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
         that dv = A_beta^T dv_new uses (the kernels' exact diagonal: beta on it, while v_new and
         A = I - A_beta Kg keep the stored one). dog_pair: in dh_prev, the scaled dO as the pair of
         its operand rounding and the rounding of the remainder (v5's option "l",
-        `chunk_bwd_v5.OPTS`), instead of its operand rounding alone; or a bool [NC, HV] tensor: the pair
-        where True (v5's option "c", `dog_pair_first` of `fused_gated_delta_rule_bwd`). unscaled: the operands of the
-        state-gradient chain and of dk, dq in units of 1 / scale, as v5's option "u" rounds them (D / scale,
-        -diag(gamma) dv / scale, diag(gamma) dO, M * Gamma, diag(beta) dLk / scale; scale applied after
-        each product): the same gradients in exact arithmetic, one rounding fewer where g == 0.
+        `chunk_bwd_v5.OPTS`), instead of its operand rounding alone.
 
     Returns dict of chunk tensors: dq, dk [NC, HV, C, K] (per value head, before the GVA sum);
     dv [NC, HV, C, V]; dbeta [NC, HV, C]; dG [NC, HV, C] (dL/dg_cum per position, before the
@@ -216,8 +211,7 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
     Gam = decay_mask(g_cum, log2=log2)
     Gs = decay_mask(g_cum, strict=True, log2=log2)
     D = dh
-    u = scale if unscaled else 1.0  # the units of the chain's operands ("u": 1 / scale)
-    Dop = _round(D / u, ds_dtype) * u
+    Dop = _round(D, ds_dtype)
     o_ = lambda x: _round(x, operand_dtype)  # noqa: E731
 
     KK = k @ _t(k)
@@ -231,25 +225,21 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
     dv_new = o_(o_(scale * ((q @ _t(k)) * Gam)).transpose(-1, -2) @ do + r[..., None] * (k @ Dop))
     X = _t(A) @ dv_new
     dv = _t(Avd) @ dv_new
-    dvg = o_(-gamma[..., None] * dv / u) * u
-    dog_x = (scale / u) * gamma[..., None] * do
+    dvg = o_(-gamma[..., None] * dv)
+    dog_x = scale * gamma[..., None] * do
     dog = o_(dog_x)
-    if torch.is_tensor(dog_pair):  # hi + lo on the chunks (and heads) chosen
-        dog_s = (dog + torch.where(dog_pair[..., None, None], o_(dog_x - dog), torch.zeros((), dtype=cdt))) * u
-    else:
-        dog_s = (dog + o_(dog_x - dog) if dog_pair else dog) * u  # hi + lo (two products in the kernel)
-    dog = dog * u
+    dog_s = dog + o_(dog_x - dog) if dog_pair else dog  # hi + lo (two products in the kernel)
     dh_prev = gamma_C[..., None, None] * D + _t(q) @ dog_s + _t(k) @ dvg
 
     M = (do @ _t(v_new)) * Gam
-    sM = o_(scale / u * M) * u
+    sM = o_(scale * M)
     dq_state = (dog @ _t(h)) / scale
     dq = scale * dq_state + sM @ k
     dk_state = r[..., None] * (v_new @ _t(Dop))
     dL = -torch.tril(o_(X) @ _t(v_new), -1)  # BWD-fused
     dLk = o_(dL * Gs)
     dLk_K = dLk @ k
-    dk = dk_state + _t(sM) @ q + dvg @ _t(h) + beta[..., None] * dLk_K + _t(o_(beta[..., None] * dLk / u) * u) @ k
+    dk = dk_state + _t(sM) @ q + dvg @ _t(h) + beta[..., None] * dLk_K + _t(o_(beta[..., None] * dLk)) @ k
     dbeta = (X * o_(W)).sum(-1) + (dLk_K * k).sum(-1)
 
     # dG, with the exactly-cancelling terms left out (see reference.gdn.chunk_bwd.chunk_bwd_dqkwg)
@@ -285,7 +275,7 @@ def reverse_chunk_cumsum(dG: torch.Tensor) -> torch.Tensor:
 def fused_gated_delta_rule_bwd(
     q, k, v, beta, A_beta, g_cum_log2, scale: float, initial_state, do, dht, cu_seqlens=None,
     *, g=None, chunk_size: int = 64, h_dtype=None, ds_dtype=None, operand_dtype=None, log2: bool = True,
-    exact_diagonal: bool = False, dog_pair: bool = False, unscaled: bool = False, dog_pair_first: int | None = None,
+    exact_diagonal: bool = False, dog_pair: bool = False,
 ):
     """The backward our kernels compute, end to end, from the sm_90 forward's slot-major products.
 
@@ -303,10 +293,7 @@ def fused_gated_delta_rule_bwd(
         diagonal of (I + L)^-1 is exactly 1, so the stored diagonal is beta rounded to q's dtype;
         the kernels add diag(beta - stored) dv_new in fp32); pass 1, v_new and A = I - A_beta Kg
         keep the stored one. NOTES-bwd.md, "The exact diagonal".
-        dog_pair: see `chunk_bwd_fused` (the sm_90 v5 kernel's option "l").
-        unscaled: see `chunk_bwd_fused` (the sm_90 v5 kernel's option "u", built where dh0 is returned).
-        dog_pair_first: None, or n (with dog_pair): the pair only on each sequence's first n chunks and, there,
-        not on a head whose log2 gate sum over the chunk is 0 (v5's option "c", `chunk_bwd_v5.LO_CHUNKS`).
+        dog_pair: see `chunk_bwd_fused` (the sm_90 v5 kernel's option "l", built where dh0 is returned).
 
     Returns:
         (dq [B, T, H, K], dk [B, T, H, K], dv [B, T, HV, V], dg [B, T, HV] (per token, natural log),
@@ -335,16 +322,11 @@ def fused_gated_delta_rule_bwd(
     Dn = dht.to(cdt).clone() if dht is not None else torch.zeros(lay.N, HV, K, V, dtype=cdt, device=q.device)
     names = ("dq", "dk", "dv", "dbeta", "dG")
     acc = {n: None for n in names}
-    for pos, ids in reversed(list(enumerate(lay.chunks_at))):
+    for ids in reversed(lay.chunks_at):
         sq = lay.seq[ids]
-        pair = dog_pair
-        if dog_pair and dog_pair_first is not None:  # "c": the first chunks, where the gates are not all 0
-            last_g = G[ids].gather(-1, (lay.length[ids] - 1).view(-1, 1, 1).expand(-1, G.shape[1], 1)).squeeze(-1)
-            pair = (last_g < 0) & (pos < dog_pair_first)
         out = chunk_bwd_fused(qc[ids], kc[ids], vc[ids], bc[ids], Ab[ids], G[ids], h[ids], Dn[sq], doc[ids], scale,
                               last=lay.length[ids] - 1, ds_dtype=ds_dtype, operand_dtype=operand_dtype,
-                              A_beta_vd=None if Ab_vd is None else Ab_vd[ids], dog_pair=pair,
-                              unscaled=unscaled, **gk)
+                              A_beta_vd=None if Ab_vd is None else Ab_vd[ids], dog_pair=dog_pair, **gk)
         for n in names:
             if acc[n] is None:
                 acc[n] = torch.zeros(lay.NC, *out[n].shape[1:], dtype=cdt, device=q.device)

@@ -172,7 +172,7 @@ def _pass2_poisoned(variant, q, k, v, beta, A, gcl, h, do, dht, cu):
 
 
 def _backward(xd, f, h, variant, poison):
-    from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_fused_bwd, pass2_qk_scale
+    from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_fused_bwd
     from flashqla.ops.gdn.kernels.sm90.finish_bwd import chunk_finish_bwd
 
     args = (f.q, f.k, xd["v"], xd["beta"], f.A, f.g_cum_log2, h, xd["do"], xd["dht"])
@@ -181,9 +181,7 @@ def _backward(xd, f, h, variant, poison):
     else:
         p2 = chunk_fused_bwd(*args, SCALE, xd["cu_seqlens"], variant=variant)
     dq_hv, dk_hv, dv, dbeta, dG, dh0 = p2
-    # pass 2 runs with dh0 returned (the launches above); "u" builds leave dq_hv, dk_hv in units of 1 / scale
-    qk_scale = pass2_qk_scale(f.q, xd["v"], h, xd["cu_seqlens"], SCALE, variant=variant)
-    dq, dk, dg = chunk_finish_bwd(dG, dq_hv, dk_hv, xd["cu_seqlens"], f.q.shape[2], f.q.dtype, qk_scale=qk_scale)
+    dq, dk, dg = chunk_finish_bwd(dG, dq_hv, dk_hv, xd["cu_seqlens"], f.q.shape[2], f.q.dtype)
     return dict(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dh0=dh0)
 
 

@@ -69,7 +69,7 @@ def chunk_gated_delta_rule_bwd(
     Source: `reference.gdn.fused_bwd.fused_gated_delta_rule_bwd` (records BWD-*, NOTES-bwd.md).
     """
     from flashqla.ops.gdn.kernels.sm90._common import launch_order
-    from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_fused_bwd, pass2_qk_scale
+    from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_fused_bwd
     from flashqla.ops.gdn.kernels.sm90.finish_bwd import chunk_finish_bwd
     from flashqla.ops.gdn.kernels.sm90.states_bwd import chunk_states_bwd
 
@@ -99,8 +99,7 @@ def chunk_gated_delta_rule_bwd(
     h = chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype, order=order)
     dq_hv, dk_hv, dv, dbeta, dG, dh0 = chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens,
                                                        order=order, dh0=initial_state is not None)
-    dq, dk, dg = chunk_finish_bwd(dG, dq_hv, dk_hv, cu_seqlens, q.shape[2], q.dtype,
-                                  qk_scale=pass2_qk_scale(q, v, h, cu_seqlens, scale, dh0=initial_state is not None))
+    dq, dk, dg = chunk_finish_bwd(dG, dq_hv, dk_hv, cu_seqlens, q.shape[2], q.dtype)
     if do.dtype != q.dtype:
         do = do.to(q.dtype)
     del g  # the forward kernels do not floor g (unlike the reference op), so neither does dg

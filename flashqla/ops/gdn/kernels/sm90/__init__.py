@@ -209,17 +209,10 @@ returns dh0 (True), that does not (False), or both (None, the default: what a pr
         from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import qk_store_dtype, v5_applies
 
         # pass 2's per-value-head dq / dk: fp32, or q's dtype from v5 under $FLASHQLA_BWD_QK_DTYPE=input
-        # (then with HV == H they are dq / dk and nothing is reduced); the build that scales the sums
-        # where pass 2's build leaves them in units of 1 / scale (v5 option "u", `chunk_bwd.pass2_qk_scale`)
-        from flashqla.ops.gdn.kernels.sm90.finish_bwd import gva_reduce_key
-
-        v5 = BWD_VARIANT.startswith("v5") and v5_applies(K, V, dtype, h_dtype)
-        qk_in = qk_store_dtype(dtype) if v5 else "float32"
-        for scaled in dict.fromkeys(
-                v5 and "u" in pass2_variant(vl, d)[3:] for _, vl in dict.fromkeys(keys)
-                for d in ((True, False) if dh0 is None else (dh0,))):
-            if HV != H or qk_in != dtype or scaled:
-                specs.append(("gva_reduce", gva_reduce_key(H, HV, K, dtype, qk_in, scaled)))
+        # (then with HV == H they are dq / dk and nothing is reduced)
+        qk_in = qk_store_dtype(dtype) if BWD_VARIANT.startswith("v5") and v5_applies(K, V, dtype, h_dtype) else "float32"
+        if HV != H or qk_in != dtype:
+            specs.append(("gva_reduce", (H, HV, K, dtype) + (() if qk_in == "float32" else (qk_in,))))
         specs += [
             ("cp_scan", (HV, K, V, True)),
             ("cp_scan", _few_sequence_scan(HV, K, V, True)),

@@ -34,8 +34,7 @@ import torch
 
 from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slots, sequence_span, tl_dtype
 
-__all__ = ["DEFAULT_VARIANT", "VARIANTS", "build_chunk_bwd_kernel", "chunk_bwd_kernel_args", "chunk_fused_bwd", "pass2_qk_scale",
-           "pass2_variant"]
+__all__ = ["DEFAULT_VARIANT", "VARIANTS", "build_chunk_bwd_kernel", "chunk_bwd_kernel_args", "chunk_fused_bwd", "pass2_variant"]
 
 #: Pass-2 kernels: "v1" (this module), "v2" (`chunk_bwd_v2.py`, rescheduled) and "v5"
 #: (`chunk_bwd_v5.py`, role warpgroups with a TMA producer; h in q's dtype and K = V = 128, else v2 runs).
@@ -81,20 +80,6 @@ def pass2_variant(varlen: bool, dh0: bool, variant: str | None = None) -> str:
 
         return "v5:" + canonical_opts(None, varlen, dh0)
     return variant
-
-
-def pass2_qk_scale(q, v, h, cu_seqlens, scale: float, variant: str | None = None, dh0: bool = True) -> float | None:
-    """The factor pass 3 applies to dq_hv and dk_hv from `chunk_fused_bwd` with these arguments
-    (`finish_bwd.chunk_finish_bwd(qk_scale=...)`): `scale` where the launch builds v5 with option "u"
-    (every state-gradient product in units of 1 / scale, dq_hv and dk_hv left in them), else None."""
-    variant = _variant(variant)
-    if not variant.startswith("v5"):
-        return None
-    from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import canonical_opts, v5_applies
-
-    if not v5_applies(q.shape[-1], v.shape[-1], tl_dtype(q.dtype), tl_dtype(h.dtype)):
-        return None
-    return float(scale) if "u" in canonical_opts(_v5_opts(variant), cu_seqlens is not None, dh0) else None
 
 
 def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,

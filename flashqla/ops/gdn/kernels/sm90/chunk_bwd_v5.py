@@ -106,7 +106,7 @@ QK_DTYPE_ENV = "FLASHQLA_BWD_QK_DTYPE"
 #: makes the g == 0 heads' operand exact but made ptxas spill ~1 KB: pass 2 at 0.74-0.83x of "dagl";
 #: "l"'s second product only on chunks whose term reaches dh0 through a gate product above 2^-16, a
 #: runtime test per chunk: the grid as fast as with it on every chunk, 1.000x, so not kept.)
-OPTS = "daglcu"
+OPTS = "dagl"
 #: The options each build takes by default, by packed input (cu_seqlens) or not, when the call returns
 #: no dh0: measured, "dag" made pass 2 1.04-1.08x faster than the plain schedule on packed rows (every
 #: row of the benchmarks, the split backward's segments included) and "a" 0.98x on fixed-length rows
@@ -120,9 +120,6 @@ DEFAULT_OPTS = {True: "dag", False: ""}
 #: gradient is not used (an initial_state without requires_grad; the multi-GPU path's entering
 #: states on ranks whose caller gave none) the build still takes "l".
 DH0_OPTS = "l"
-#: "c" (with "l" and "u"): the remainder's product only on a sequence's first LO_CHUNKS chunks, and not on
-#: chunks whose gates are all 0 (with "u" their operand is exact).
-LO_CHUNKS = 8
 
 
 def canonical_opts(opts: str | None, varlen: bool, dh0: bool = True) -> str:
@@ -131,8 +128,8 @@ def canonical_opts(opts: str | None, varlen: bool, dh0: bool = True) -> str:
     or "g" without "a"."""
     if opts is None:
         opts = DEFAULT_OPTS[bool(varlen)] + (DH0_OPTS if dh0 else "")
-    if set(opts) - set(OPTS) or ("g" in opts and "a" not in opts) or ("c" in opts and not {"l", "u"} <= set(opts)):
-        raise ValueError(f"v5 options must be letters of {OPTS!r} ('g' with 'a', 'c' with 'l' and 'u'), got {opts!r}")
+    if set(opts) - set(OPTS) or ("g" in opts and "a" not in opts):
+        raise ValueError(f"v5 options must be letters of {OPTS!r} ('g' with 'a'), got {opts!r}")
     return "".join(c for c in OPTS if c in opts)
 
 
@@ -157,8 +154,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
     import tilelang.language as T
 
     opts = canonical_opts(opts, varlen)
-    early_d, async_k, over_gk, dog_lo, uns = "d" in opts, "a" in opts, "g" in opts, "l" in opts, "u" in opts
-    lo_cut = "c" in opts
+    early_d, async_k, over_gk, dog_lo = "d" in opts, "a" in opts, "g" in opts, "l" in opts
 
     if not v5_applies(K, V, dtype, h_dtype):
         raise ValueError(f"v5 needs K = V = 128 and h in q's dtype, got K={K}, V={V}, {dtype}, h {h_dtype}")
@@ -295,10 +291,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                 gamc = T.alloc_local((1,), acc)
                 if use_dht != 0:
                     for i, j in T.Parallel(K, V):
-                        if uns:  # "u": the chain in units of 1 / scale
-                            dS[i, j] = dht[n, hv, i, j] / scale
-                        else:
-                            dS[i, j] = dht[n, hv, i, j]
+                        dS[i, j] = dht[n, hv, i, j]
                 else:
                     T.clear(dS)
                 for ci in T.serial(nchunks):
@@ -328,10 +321,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     # dS += Q^T (scale diag(gamma) dO), the scaled dO over W once A formed v_new
                     T.barrier_wait(vn_ready, par)
                     for t, d in T.Parallel(C, V):
-                        if uns:  # exact where g == 0
-                            w_s[t, d] = T.cast(T.exp2(g_s[t]) * T.cast(do_s[t, d], acc), dtype)
-                        else:
-                            w_s[t, d] = T.cast(scale * T.exp2(g_s[t]) * T.cast(do_s[t, d], acc), dtype)
+                        w_s[t, d] = T.cast(scale * T.exp2(g_s[t]) * T.cast(do_s[t, d], acc), dtype)
                     T.fence_proxy_async()
                     if not dog_lo:
                         T.barrier_arrive(e_g)  # S's last read of g_s this chunk
@@ -342,30 +332,12 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         # the remainder of the scaled dO after its bf16 rounding, over the same tile;
                         # it reads g_s again, so S frees g_s (e_g: the producer loads the next chunk's
                         # g there) only after it
-                        if lo_cut:
-                            # "c" (with "u"): only on the sequence's first LO_CHUNKS chunks (later ones reach
-                            # dh0 through a gate product that makes their remainder negligible, or, where
-                            # the chunk's gates are all 0, have an exact operand and no remainder)
-                            if c < LO_CHUNKS:
-                                if g_s[nvalid - 1] < T.float32(0):
-                                    for t, d in T.Parallel(C, V):
-                                        xs = T.exp2(g_s[t]) * T.cast(do_s[t, d], acc)
-                                        w_s[t, d] = T.cast(xs - T.cast(T.cast(xs, dtype), acc), dtype)
-                                    T.fence_proxy_async()
-                                    T.barrier_arrive(e_g)
-                                    T.gemm(q_s, w_s, dS, transpose_A=True)
-                                else:
-                                    T.barrier_arrive(e_g)
-                            else:
-                                T.barrier_arrive(e_g)
-                        else:
-                            for t, d in T.Parallel(C, V):
-                                xs = (T.exp2(g_s[t]) * T.cast(do_s[t, d], acc) if uns
-                                      else scale * T.exp2(g_s[t]) * T.cast(do_s[t, d], acc))
-                                w_s[t, d] = T.cast(xs - T.cast(T.cast(xs, dtype), acc), dtype)
-                            T.fence_proxy_async()
-                            T.barrier_arrive(e_g)
-                            T.gemm(q_s, w_s, dS, transpose_A=True)
+                        for t, d in T.Parallel(C, V):
+                            xs = scale * T.exp2(g_s[t]) * T.cast(do_s[t, d], acc)
+                            w_s[t, d] = T.cast(xs - T.cast(T.cast(xs, dtype), acc), dtype)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(e_g)
+                        T.gemm(q_s, w_s, dS, transpose_A=True)
                     T.barrier_arrive(dog_read)
                     # dS += K^T (-diag(gamma) dv)   (the chain's end)
                     T.barrier_wait(dvg_ready, par)
@@ -390,25 +362,15 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     for t in T.Parallel(C):
                         if t < nvalid:
                             dbeta[bidx, t0 + t, hv] = dbeta[bidx, t0 + t, hv] + red_s[RBK + t]
-                        if uns:  # K's rows and the chunk-end term (<S0, D>, the r-terms) in units of 1 / scale
-                            dG[hv, row0 + t] = red_s[RGK + t] * scale + red_s[RGA + t] - red_s[CGA + t] + T.if_then_else(
-                                t == nvalid - 1,
-                                scale * (gamc[0] * (g_s[SCS] + g_s[SCS + 1] + g_s[SCS + 2] + g_s[SCS + 3])
-                                         + (g_s[SCS + 4] + g_s[SCS + 5] + g_s[SCS + 6] + g_s[SCS + 7])),
-                                T.float32(0))
-                        else:
-                            dG[hv, row0 + t] = red_s[RGK + t] + red_s[RGA + t] - red_s[CGA + t] + T.if_then_else(
-                                t == nvalid - 1,
-                                gamc[0] * (g_s[SCS] + g_s[SCS + 1] + g_s[SCS + 2] + g_s[SCS + 3])
-                                + (g_s[SCS + 4] + g_s[SCS + 5] + g_s[SCS + 6] + g_s[SCS + 7]),
-                                T.float32(0))
+                        dG[hv, row0 + t] = red_s[RGK + t] + red_s[RGA + t] - red_s[CGA + t] + T.if_then_else(
+                            t == nvalid - 1,
+                            gamc[0] * (g_s[SCS] + g_s[SCS + 1] + g_s[SCS + 2] + g_s[SCS + 3])
+                            + (g_s[SCS + 4] + g_s[SCS + 5] + g_s[SCS + 6] + g_s[SCS + 7]),
+                            T.float32(0))
                     if early_d:
                         T.barrier_arrive(s_done)
                 for i, j in T.Parallel(K, V):
-                    if uns:
-                        dh0[n, hv, i, j] = dS[i, j] * scale
-                    else:
-                        dh0[n, hv, i, j] = dS[i, j]
+                    dh0[n, hv, i, j] = dS[i, j]
                 if varlen:
                     # rows of no sequence (before cu_seqlens[0], past cu_seqlens[-1]) get zero gradients,
                     # written by S of the first / last sequence's CTA of each value head
@@ -445,11 +407,6 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                 rs = T.alloc_fragment((C,), acc)
                 gk = T.alloc_fragment((C,), acc)
                 scr = T.alloc_local((1,), acc)
-                if uns:
-                    # "u": D and -diag(gamma) dv come in units of 1 / scale; dk and dq leave in them
-                    rsc = T.alloc_fragment((C,), acc)  # scale r: dv_new = diag(scale r) K D' + Pg^T dO
-                    ngs = T.alloc_fragment((C,), acc)  # -gamma / scale: the chain's -diag(gamma) dv
-                    bsc = T.alloc_fragment((C,), acc)  # beta / scale: dk's diag(beta) dLk K
                 for ci in T.serial(nchunks):
                     c = nchunks - 1 - ci
                     t0 = bos + c * C
@@ -463,11 +420,6 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         gam_r[t] = T.exp2(g_s[t])
                     for t in T.Parallel(C):
                         b_r[t] = T.if_then_else(t < nvalid, T.cast(beta[bidx, t0 + t, hv], acc), T.float32(0))
-                    if uns:
-                        for t in T.Parallel(C):
-                            rsc[t] = r_r[t] * scale
-                            ngs[t] = -gam_r[t] / scale
-                            bsc[t] = b_r[t] / scale
                     if exact_diagonal:
                         for t in T.Parallel(C):  # b_r is 0 past the end
                             d_r[t] = b_r[t] - T.cast(T.cast(b_r[t], dtype), acc)
@@ -478,10 +430,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         T.barrier_wait(f_kq, pprev)
                     T.gemm(k_s, ds_s, cv, clear_accum=True)
                     for t, d in T.Parallel(C, V):
-                        if uns:
-                            cv[t, d] = cv[t, d] * rsc[t]
-                        else:
-                            cv[t, d] = cv[t, d] * r_r[t]
+                        cv[t, d] = cv[t, d] * r_r[t]
                     T.barrier_wait(pg_ready, par)
                     if ci > 0:
                         T.barrier_wait(f_hd, pprev)
@@ -507,10 +456,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         # -diag(gamma) dv over dv_new, once A has read dv_new
                         T.barrier_wait(x_done, par)
                         for t, d in T.Parallel(C, V):
-                            if uns:
-                                dvn_s[t, d] = T.cast(ngs[t] * cv[t, d], dtype)
-                            else:
-                                dvn_s[t, d] = T.cast(-gam_r[t] * cv[t, d], dtype)
+                            dvn_s[t, d] = T.cast(-gam_r[t] * cv[t, d], dtype)
                         T.fence_proxy_async()
                         T.barrier_arrive(dvg_ready)
                         # dk = diag(r) v_new D^T; its r-terms of dG (moved to the last valid row: 0 there)
@@ -544,10 +490,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         T.barrier_wait(m_ready, par)
                         T.gemm(am_s, k_s, cv, clear_accum=True)
                         for t, d in T.Parallel(C, K):
-                            if uns:
-                                dk[t, d] = dk[t, d] + bsc[t] * cv[t, d]
-                            else:
-                                dk[t, d] = dk[t, d] + b_r[t] * cv[t, d]
+                            dk[t, d] = dk[t, d] + b_r[t] * cv[t, d]
                         for t, d in T.Parallel(C, K):
                             cv[t, d] = cv[t, d] * T.cast(k_s[t, d], acc)
                         T.reduce_sum(cv, rs, dim=1, batch=2)
@@ -560,10 +503,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         # dq = scale diag(gamma) dO S0^T + (scale M Gamma) K; dG rows += rowsum(first term * Q)
                         T.gemm(do_s, h_s, cv, transpose_B=True, clear_accum=True)
                         for t, d in T.Parallel(C, K):
-                            if uns:
-                                cv[t, d] = cv[t, d] * gam_r[t]
-                            else:
-                                cv[t, d] = cv[t, d] * (scale * gam_r[t])
+                            cv[t, d] = cv[t, d] * (scale * gam_r[t])
                         for t, d in T.Parallel(C, K):
                             dk[t, d] = cv[t, d] * T.cast(q_s[t, d], acc)
                         T.reduce_sum(dk, gk, dim=1, clear=False, batch=2)
@@ -578,10 +518,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         # independent wgmma issued together (each waited only where its result is read)
                         T.barrier_wait(x_done, par)
                         for t, d in T.Parallel(C, V):
-                            if uns:
-                                dvn_s[t, d] = T.cast(ngs[t] * cv[t, d], dtype)
-                            else:
-                                dvn_s[t, d] = T.cast(-gam_r[t] * cv[t, d], dtype)
+                            dvn_s[t, d] = T.cast(-gam_r[t] * cv[t, d], dtype)
                         T.fence_proxy_async()
                         T.barrier_arrive(dvg_ready)
                         for t, d in T.Parallel(C, V):
@@ -612,10 +549,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         T.barrier_wait(m_ready, par)
                         T.gemm(am_s, k_s, cv, clear_accum=True)
                         for t, d in T.Parallel(C, K):
-                            if uns:
-                                dk[t, d] = dk[t, d] + bsc[t] * cv[t, d]
-                            else:
-                                dk[t, d] = dk[t, d] + b_r[t] * cv[t, d]
+                            dk[t, d] = dk[t, d] + b_r[t] * cv[t, d]
                             cv[t, d] = cv[t, d] * T.cast(k_s[t, d], acc)
                         T.reduce_sum(cv, rs, dim=1, batch=2)
                         # dk += (diag(beta) dLk)^T K + (scale M Gamma)^T Q
@@ -629,10 +563,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         T.wgmma_gemm(do_s, h_s, cv, transpose_B=True, clear_accum=True)
                         T.wait_wgmma(0)
                         for t, d in T.Parallel(C, K):
-                            if uns:
-                                cv[t, d] = cv[t, d] * gam_r[t]
-                            else:
-                                cv[t, d] = cv[t, d] * (scale * gam_r[t])
+                            cv[t, d] = cv[t, d] * (scale * gam_r[t])
                             dk[t, d] = cv[t, d] * T.cast(q_s[t, d], acc)
                         if over_gk:  # (scale M Gamma) K while the dG rows sum
                             T.wgmma_gemm(pm_s, k_s, cv)
@@ -661,8 +592,6 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                 rg = T.alloc_fragment((C,), acc)
                 cg = T.alloc_fragment((C,), acc)
                 rb = T.alloc_fragment((C,), acc)
-                if uns:
-                    bs_a = T.alloc_fragment((C,), acc)  # "u": beta / scale (K's dk reads diag(beta) dLk / scale)
                 for ci in T.serial(nchunks):
                     c = nchunks - 1 - ci
                     t0 = bos + c * C
@@ -678,9 +607,6 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         gam_a[t] = T.exp2(g_s[t])
                     for t in T.Parallel(C):
                         b_a[t] = T.if_then_else(t < nvalid, T.cast(beta[bidx, t0 + t, hv], acc), T.float32(0))
-                    if uns:
-                        for t in T.Parallel(C):
-                            bs_a[t] = b_a[t] / scale
                     T.barrier_arrive(e_g)
                     # Pg = scale (Q K^T) * Gamma
                     if ci > 0:
@@ -741,10 +667,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                         dlk = T.cast(dl * msk[t, s], dtype)
                         zl = dl * b_a[t] * za[t, s]
                         am_s[t, s] = dlk
-                        if uns:
-                            kg_s[t, s] = T.cast(bs_a[t] * T.cast(dlk, acc), dtype)
-                        else:
-                            kg_s[t, s] = T.cast(b_a[t] * T.cast(dlk, acc), dtype)
+                        kg_s[t, s] = T.cast(b_a[t] * T.cast(dlk, acc), dtype)
                         za[t, s] = zl
                     # M = dO v_new^T: dG rows / columns of Z = M * Pg (strict); scale M * Gamma over Pg
                     T.gemm(do_s, vn_s, cc, transpose_B=True, clear_accum=True)
@@ -752,10 +675,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     for t, s in T.Parallel(C, C):
                         m = cc[t, s]
                         z = T.if_then_else(t > s, m * T.cast(pg_s[t, s], acc), T.float32(0))
-                        if uns:
-                            pm_s[t, s] = T.cast(m * msk[t, s], dtype)
-                        else:
-                            pm_s[t, s] = T.cast(scale * m * msk[t, s], dtype)
+                        pm_s[t, s] = T.cast(scale * m * msk[t, s], dtype)
                         za[t, s] = za[t, s] + z
                     T.fence_proxy_async()
                     T.barrier_arrive(m_ready)

@@ -12,9 +12,7 @@ Two kernels, both dynamic in T, B and the sequence mix (no host synchronisation)
 - `gdn_gva_reduce`: grid (ceil(T / 16), B, H), 128 threads; dq_hv, dk_hv [B, T, HV, K] (fp32, or
   q's dtype from pass-2 v5 under $FLASHQLA_BWD_QK_DTYPE=input) -> dq, dk [B, T, H, K] in q's dtype
   (the sum over the group in fp32, left to right, one rounding). Not launched when dq_hv is already
-  dq: one value head per q/k head, dq_hv in q's dtype and no factor. Its "scaled" build multiplies
-  the sum by a runtime factor `qk_scale` before the rounding: pass-2 v5's option "u" leaves dq_hv and
-  dk_hv in units of 1 / scale (`chunk_bwd_v5.OPTS`).
+  dq: one value head per q/k head and dq_hv in q's dtype.
 """
 
 
@@ -24,7 +22,7 @@ import torch
 
 from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, locate_slot, num_slots, tl_dtype
 
-__all__ = ["build_dg_cumsum_kernel", "build_gva_reduce_kernel", "chunk_finish_bwd", "gva_reduce_key"]
+__all__ = ["build_dg_cumsum_kernel", "build_gva_reduce_kernel", "chunk_finish_bwd"]
 
 #: Tokens per CTA of the GVA reduction: 16 rows of K = 128 (16 values a thread, in 16-byte vectors), so
 #: that few q/k heads still launch enough CTAs to stream at the memory's rate (64 rows a CTA with scalar
@@ -62,7 +60,7 @@ def _dg_cumsum_prim_func(HV: int, seq_dtype: str, varlen: bool):
     return gdn_dg_reverse_cumsum
 
 
-def _gva_reduce_prim_func(H: int, HV: int, K: int, dtype: str, in_dtype: str = "float32", scaled: bool = False):
+def _gva_reduce_prim_func(H: int, HV: int, K: int, dtype: str, in_dtype: str = "float32"):
     import tilelang.language as T
 
     RT = GVA_ROWS
@@ -90,21 +88,7 @@ def _gva_reduce_prim_func(H: int, HV: int, K: int, dtype: str, in_dtype: str = "
                     dq[b, tb * RT + t, h, d] = T.cast(group_sum(dq_hv, b, tb * RT + t, h, d), dtype)
                     dk[b, tb * RT + t, h, d] = T.cast(group_sum(dk_hv, b, tb * RT + t, h, d), dtype)
 
-    @T.prim_func
-    def gdn_gva_reduce_scaled(
-        dq_hv: T.Tensor((B, Tn, HV, K), in_dtype),
-        dk_hv: T.Tensor((B, Tn, HV, K), in_dtype),
-        dq: T.Tensor((B, Tn, H, K), dtype),
-        dk: T.Tensor((B, Tn, H, K), dtype),
-        qk_scale: T.float32,
-    ):
-        with T.Kernel(T.ceildiv(Tn, RT), B, H, threads=128) as (tb, b, h):
-            for t, d in T.Parallel(RT, K):
-                if tb * RT + t < Tn:
-                    dq[b, tb * RT + t, h, d] = T.cast(group_sum(dq_hv, b, tb * RT + t, h, d) * qk_scale, dtype)
-                    dk[b, tb * RT + t, h, d] = T.cast(group_sum(dk_hv, b, tb * RT + t, h, d) * qk_scale, dtype)
-
-    return gdn_gva_reduce_scaled if scaled else gdn_gva_reduce
+    return gdn_gva_reduce
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,41 +98,31 @@ def build_dg_cumsum_kernel(HV: int, seq_dtype: str, varlen: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def build_gva_reduce_kernel(H: int, HV: int, K: int, dtype: str, in_dtype: str = "float32", scaled: bool = False):
+def build_gva_reduce_kernel(H: int, HV: int, K: int, dtype: str, in_dtype: str = "float32"):
     """Compiled GVA reduction kernel (cached). Static key: H, HV, K, output dtype, input dtype (fp32,
-    or q's dtype: `chunk_bwd_v5.QK_DTYPE_ENV`), and whether it takes the factor `qk_scale` (the
-    sums times it, then rounded: pass-2 v5's option "u")."""
-    name = (f"gdn_gva_reduce_H{H}_HV{HV}_K{K}_{dtype}" + ("" if in_dtype == "float32" else f"_from_{in_dtype}")
-            + ("_scaled" if scaled else ""))
-    return compile_kernel(_gva_reduce_prim_func(H, HV, K, dtype, in_dtype, scaled), name)
+    or q's dtype: `chunk_bwd_v5.QK_DTYPE_ENV`)."""
+    name = f"gdn_gva_reduce_H{H}_HV{HV}_K{K}_{dtype}" + ("" if in_dtype == "float32" else f"_from_{in_dtype}")
+    return compile_kernel(_gva_reduce_prim_func(H, HV, K, dtype, in_dtype), name)
 
 
-def gva_reduce_key(H: int, HV: int, K: int, dtype: str, in_dtype: str, scaled: bool) -> tuple:
-    """The `build_gva_reduce_kernel` arguments as `chunk_finish_bwd` passes them (and `op_kernel_specs`
-    lists them): the input dtype only when not fp32, the factor only when taken."""
-    return (H, HV, K, dtype) + (() if in_dtype == "float32" and not scaled else (in_dtype,)) + ((True,) if scaled else ())
-
-
-def chunk_finish_bwd(dG: torch.Tensor, dq_hv: torch.Tensor, dk_hv: torch.Tensor, cu_seqlens, H: int, dtype: torch.dtype,
-                     qk_scale: float | None = None):
+def chunk_finish_bwd(dG: torch.Tensor, dq_hv: torch.Tensor, dk_hv: torch.Tensor, cu_seqlens, H: int, dtype: torch.dtype):
     """Launches pass 3.
 
     Args:
         dG: [HV, S * 64] fp32, dL/dg_cum per slot row (pass 2); dq_hv, dk_hv: [B, T, HV, K] per value
         head (pass 2), fp32 or `dtype`; cu_seqlens: None or [N + 1] int32/int64 offsets; H: q/k heads;
-        dtype: dtype of dq, dk (q's); qk_scale: None, or the factor of dq_hv and dk_hv's group sums
-        (`chunk_bwd.pass2_qk_scale`: pass 2 left them in units of 1 / scale).
+        dtype: dtype of dq, dk (q's).
 
     Returns:
         (dq [B, T, H, K] dtype, dk [B, T, H, K] dtype, dg [B, T, HV] fp32 per token, natural log).
-        With HV == H, dq_hv, dk_hv in `dtype` and no qk_scale, dq and dk are dq_hv and dk_hv themselves.
+        With HV == H and dq_hv, dk_hv in `dtype`, dq and dk are dq_hv and dk_hv themselves.
     """
     from flashqla.ops.gdn.kernels.sm90.prepare import dummy_cu_seqlens
 
     B, T, HV, K = dq_hv.shape
     varlen = cu_seqlens is not None
     dg = torch.zeros(B, T, HV, dtype=torch.float32, device=dG.device)
-    same = HV == H and dq_hv.dtype == dtype and dk_hv.dtype == dtype and qk_scale is None
+    same = HV == H and dq_hv.dtype == dtype and dk_hv.dtype == dtype
     dq = dq_hv if same else torch.empty(B, T, H, K, dtype=dtype, device=dG.device)
     dk = dk_hv if same else torch.empty(B, T, H, K, dtype=dtype, device=dG.device)
     if T == 0 or B == 0:
@@ -158,10 +132,7 @@ def chunk_finish_bwd(dG: torch.Tensor, dq_hv: torch.Tensor, dk_hv: torch.Tensor,
     if dG.shape[1] > 0:
         build_dg_cumsum_kernel(HV, seq_dtype, varlen)(dG, cu, dg)
     if not same:
-        # the key `op_kernel_specs` lists (and warm-up builds)
-        key = gva_reduce_key(H, HV, K, tl_dtype(dtype), tl_dtype(dq_hv.dtype), qk_scale is not None)
-        if qk_scale is None:
-            build_gva_reduce_kernel(*key)(dq_hv, dk_hv, dq, dk)
-        else:
-            build_gva_reduce_kernel(*key)(dq_hv, dk_hv, dq, dk, float(qk_scale))
+        # the key `op_kernel_specs` lists (and warm-up builds): the input dtype only when not fp32
+        key = (H, HV, K, tl_dtype(dtype)) + (() if dq_hv.dtype == torch.float32 else (tl_dtype(dq_hv.dtype),))
+        build_gva_reduce_kernel(*key)(dq_hv, dk_hv, dq, dk)
     return dq, dk, dg
