@@ -152,6 +152,9 @@ def test_custom_ops_fake_shapes_on_meta():
         dq, dk, dv, dg, dbeta, dh0 = torch.ops.flashqla.gdn_bwd(q, q, v, g, g, A, gc, v, h0, 0.1, h0, cu)
         assert dq.shape == q.shape and dv.shape == v.shape and dg.dtype == torch.float32
         assert dbeta.shape == g.shape and dh0.shape == h0.shape
+        # an initial state whose gradient autograd does not need: no dh0
+        *_, dh0 = torch.ops.flashqla.gdn_bwd(q, q, v, g, g, A, gc, v, h0, 0.1, h0, cu, "off", None, False)
+        assert dh0.numel() == 0
 
 
 def test_public_op_with_gradients_needs_a_hopper_gpu():

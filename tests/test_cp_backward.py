@@ -235,3 +235,41 @@ def test_backward_reads_no_tensor_value(seqlens):
         out = chunk_gated_delta_rule_cp_bwd(q, q, v, g, g, A, G, v, h0, None, h0, cu, cp="on", segment_len=256, backend=be)
     assert out[0].shape == q.shape and out[5].shape == h0.shape
     assert be.launches == ["recurrent", "recurrent", "bwd"]
+
+
+class _DH0Recorder(ReferenceCPBackend):
+    """The reference backend, recording the dh0 hint `cp_backward` passes to each backward launch."""
+
+    def __init__(self):
+        super().__init__()
+        self.dh0_hints = []
+
+    def bwd(self, *args, order=None, dh0=None):
+        self.dh0_hints.append(dh0)
+        return super().bwd(*args, order=order, dh0=dh0)
+
+
+@pytest.mark.parametrize("cp", ["on", "off"])
+def test_need_dh0_false_drops_dh0_only(cp):
+    """need_dh0=False (autograd: an initial_state that does not require grad): dh0 is None, the backend
+    is told it is not used (the sm_90 one then builds pass 2 without its dh0-only option), and the other
+    gradients are those of need_dh0=True, split or not."""
+    d = make_gdn_inputs(1, 700, 1, 2, 128, 128, seqlens=[300, 0, 1, 399], dtype=torch.float64, seed=7)
+    do, dht = _cotangents(d, True)
+    be = ReferenceCPBackend()
+    f = chunk_gated_delta_rule_cp_fwd(**d, output_final_state=True, cp=cp, segment_len=128, backend=be)
+    got = {}
+    for need in (True, False):
+        rec = _DH0Recorder()
+        got[need] = chunk_gated_delta_rule_cp_bwd(f.q, f.k, d["v"], d["g"], d["beta"], f.A, f.g_cum_log2, do, dht, None,
+                                                  d["initial_state"], d["cu_seqlens"], cp=cp, segment_len=128,
+                                                  backend=rec, need_dh0=need)
+        assert rec.dh0_hints == [need], rec.dh0_hints
+    assert got[True][5] is not None and got[False][5] is None
+    for name, a, b in zip(NAMES[:5], got[False][:5], got[True][:5]):
+        assert torch.equal(a, b), name
+    # without an initial state there is no dh0 either way, and the hint says so
+    rec = _DH0Recorder()
+    out = chunk_gated_delta_rule_cp_bwd(f.q, f.k, d["v"], d["g"], d["beta"], f.A, f.g_cum_log2, do, dht, None, None,
+                                        d["cu_seqlens"], cp=cp, segment_len=128, backend=rec)
+    assert out[5] is None and rec.dh0_hints == [False]

@@ -1037,7 +1037,7 @@ def _on_side_stream(fn, like: torch.Tensor, inputs):
 
 def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float, initial_state, cu_seqlens,
                 tables: SegmentTables, *, block_v: int, static_key=None, truncate=False, saved: CPSaved | None = None,
-                longest_first: bool = False):
+                longest_first: bool = False, need_dh0: bool = True):
     """Gradients of the forward over the planner's segments (every launch runs all segments at once).
 
     1. entering states S_in: run (v, h0 on first segments) -> Q; transition (v = 0 from I) -> U, P;
@@ -1063,8 +1063,9 @@ def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float,
     Args: as `chunk_gated_delta_rule_bwd`, with A, g_cum_log2 in the slot layout of
     tables.cu_seqlens, and tables, block_v, static_key, truncate as `cp_forward`; saved: None or a
     `CPSaved` (ignored when it does not match); longest_first: the segments' backward launches them
-    longest first (`CPPlan.longest_first`; the same results).
-    Returns (dq, dk, dv, dg, dbeta, dh0 [N, HV, K, V] or None when initial_state is None).
+    longest first (`CPPlan.longest_first`; the same results); need_dh0: False when the caller will not
+    use dh0 (then None; the backend is told, `CPBackend.bwd`'s dh0).
+    Returns (dq, dk, dv, dg, dbeta, dh0 [N, HV, K, V] or None when initial_state is None or need_dh0 is False).
     """
     B, T = q.shape[0], q.shape[1]
     total = B * T
@@ -1096,9 +1097,9 @@ def cp_backward(backend, q, k, v, g, beta, A, g_cum_log2, do, dht, scale: float,
     # the segments' start gradients reach an output only as the sequences' dh0
     dq, dk, dv, dg, dbeta, dh0s = backend.bwd(qf, kf, vf, gf, bf, A, g_cum_log2, dof, G, scale,
                                               S_in.to(sd).contiguous(), pcu, order=_segment_order(pcu, N, longest_first),
-                                              dh0=initial_state is not None)
+                                              dh0=initial_state is not None and need_dh0)
     dh0 = None
-    if initial_state is not None:
+    if initial_state is not None and need_dh0:
         first = dh0s.index_select(0, tab.seq_first.clamp(0, max(M - 1, 0))) if N > 0 else dh0s[:0]
         empty = dht.to(first.dtype) if dht is not None else first.new_zeros(())
         dh0 = torch.where((tab.seq_num >= 1)[:, None, None, None], first, empty) if N > 0 else first
@@ -1587,7 +1588,7 @@ def _unsplit(backend, q, k, v, g, beta, scale, initial_state, output_final_state
 def chunk_gated_delta_rule_cp_bwd(
     q, k, v, g, beta, A, g_cum_log2, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
     *, cp=None, segment_len: int | None = None, max_seqlen: int | None = None, seqlens=None, block_v: int | None = None,
-    sm_count: int | None = None, backend=None, truncate=None, cp_saved: CPSaved | None = None,
+    sm_count: int | None = None, backend=None, truncate=None, cp_saved: CPSaved | None = None, need_dh0: bool = True,
 ):
     """`flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd` with intra-device context parallelism.
 
@@ -1606,7 +1607,8 @@ def chunk_gated_delta_rule_cp_bwd(
         backend, truncate as `chunk_gated_delta_rule_cp_fwd`; cp_saved: the forward's
         `ChunkGDNForward.cp_saved` (`keep_for_backward`), used when it matches this plan's segments
         (`_saved_applies`). With A None its A and g_cum_log2 are used: as they are when it matches,
-        else moved to the caller's layout first (`saved_products_in_sequence_slots`).
+        else moved to the caller's layout first (`saved_products_in_sequence_slots`); need_dh0: as
+        `chunk_gated_delta_rule_bwd` (False: dh0 None, the backend told it is not used).
     Returns (dq, dk, dv, dg, dbeta, dh0 or None), the unsplit backward's dtypes.
     Raises ValueError for an unknown cp mode or a bad segment_len, for exactly one of A, g_cum_log2
     None (naming it), for A None without cp_saved (naming A), for A or g_cum_log2 not of these
@@ -1624,7 +1626,9 @@ def chunk_gated_delta_rule_cp_bwd(
     if not plan.split:
         if A is None:
             A, g_cum_log2 = saved_products_in_sequence_slots(cp_saved, cu_seqlens, B, T, HV)
-        return backend.bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens)
+        *grads, dh0 = backend.bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens,
+                                  dh0=initial_state is not None and need_dh0)
+        return (*grads, dh0 if need_dh0 else None)
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
     tables, static_key = _split_tables(cu_seqlens, plan.segment_len, B, T, q.device)
     if A is None and _saved_applies(cp_saved, tables, B * T, HV, cutoff, initial_state is not None, cu_seqlens):
@@ -1638,4 +1642,4 @@ def chunk_gated_delta_rule_cp_bwd(
         backend.warm(_flat(k), _flat(beta), _flat(q), _flat(v), tables.cu_seqlens, v.shape[2], BV, dual=_dual_applies(q, v))
     return cp_backward(backend, q, k, v, g, beta, A_p, G_p, do, dht, scale, initial_state, cu_seqlens, tables,
                        block_v=BV, static_key=static_key, truncate=False if cutoff is None else cutoff,
-                       saved=cp_saved, longest_first=plan.longest_first)
+                       saved=cp_saved, longest_first=plan.longest_first, need_dh0=need_dh0)

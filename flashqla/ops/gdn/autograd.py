@@ -9,8 +9,10 @@ known output shapes (fake implementations below) instead of tracing into TileLan
     flashqla::gdn_fwd_inference(the same arguments) -> (o, final_state): the public op's forward when
         no input requires a gradient (or grad mode is off): nothing is kept for a backward, so a
         split forward skips moving A and g_cum_log2 back to the caller's layout
-    flashqla::gdn_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht?, scale, initial_state?, cu_seqlens?, cp, max_seqlen?)
-        -> (dq, dk, dv, dg fp32, dbeta in beta's dtype, dh0 [N, HV, K, V] fp32 (or [0]))
+    flashqla::gdn_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht?, scale, initial_state?, cu_seqlens?, cp, max_seqlen?,
+                      need_dh0)
+        -> (dq, dk, dv, dg fp32, dbeta in beta's dtype, dh0 [N, HV, K, V] fp32 (or [0] without initial_state
+            or when need_dh0 is False: autograd passes whether initial_state requires grad))
 
 cp is the context-parallel mode ("off", "auto", "on"; `flashqla.ops.gdn.api.cp_mode`): A and
 g_cum_log2 come back in the unsplit layout either way. max_seqlen is the planner's host-side length
@@ -129,6 +131,7 @@ def gdn_bwd(
     cu_seqlens: Optional[torch.Tensor],
     cp: str = "off",
     max_seqlen: Optional[int] = None,
+    need_dh0: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd` as a custom op: (dq, dk, dv, dg, dbeta, dh0
     or an empty [0] tensor); shapes and dtypes in the module docstring (FLA's dtypes)."""
@@ -136,7 +139,7 @@ def gdn_bwd(
 
     dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
         q, k, v, g, beta, A, g_cum_log2, do.contiguous(), dht, scale, initial_state, cu_seqlens, cp=cp,
-        max_seqlen=max_seqlen,
+        max_seqlen=max_seqlen, need_dh0=need_dh0,
     )
     if dh0 is None:
         dh0 = q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
@@ -144,8 +147,10 @@ def gdn_bwd(
 
 
 @gdn_bwd.register_fake
-def _gdn_bwd_fake(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens, cp="off", max_seqlen=None):
-    dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
+def _gdn_bwd_fake(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens, cp="off", max_seqlen=None,
+                  need_dh0=True):
+    dh0 = (torch.empty_like(initial_state) if initial_state is not None and need_dh0
+           else q.new_empty(_EMPTY_SHAPE, dtype=torch.float32))
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g, dtype=torch.float32),
             torch.empty_like(beta), dh0)
 
@@ -169,20 +174,26 @@ def _cotangents(ctx, q, v, do, dht):
     return do, dht
 
 
-def _input_grads(g, initial_state, dq, dk, dv, dg, dbeta, dh0) -> tuple:
+def _need_dh0(ctx, initial_state) -> bool:
+    """Whether the backward forms dh0: an initial_state that requires grad (`gdn_fwd`'s input 6).
+    Without it pass 2 takes the build without `chunk_bwd_v5.DH0_OPTS` (NOTES-bwd.md, "dh0 at long T")."""
+    return initial_state is not None and bool(ctx.needs_input_grad[6])
+
+
+def _input_grads(g, need_dh0, dq, dk, dv, dg, dbeta, dh0) -> tuple:
     """The gradients of (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp,
     max_seqlen), the forward's inputs in `gdn_fwd`'s order."""
-    return (dq, dk, dv, dg.to(g.dtype), dbeta, None, (dh0 if initial_state is not None else None), None, None, None,
-            None)
+    return (dq, dk, dv, dg.to(g.dtype), dbeta, None, (dh0 if need_dh0 else None), None, None, None, None)
 
 
 def _backward(ctx, do, dht, dA, dg_cum):
     del dA, dg_cum  # A and g_cum_log2 are saved products, not differentiable outputs
     q, k, v, g, beta, A, g_cum_log2, initial_state, cu_seqlens = ctx.saved_tensors
     do, dht = _cotangents(ctx, q, v, do, dht)
+    need = _need_dh0(ctx, initial_state)
     grads = gdn_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, ctx.scale, initial_state, cu_seqlens, ctx.cp,
-                    ctx.max_seqlen)
-    return _input_grads(g, initial_state, *grads)
+                    ctx.max_seqlen, need)
+    return _input_grads(g, need, *grads)
 
 
 gdn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -243,7 +254,8 @@ class GDNEagerFunction(torch.autograd.Function):
                 # to it (the driver otherwise tells them apart by storage and version, and recomputes)
                 meta = (*meta[:5], _cu_key(cu_seqlens))
             saved = CPSaved(*meta, *extra)
+        need = _need_dh0(ctx, initial_state)
         grads = chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, g_cum_log2, do.contiguous(), dht, ctx.scale,
                                            initial_state, cu_seqlens, cp=ctx.cp, max_seqlen=ctx.max_seqlen,
-                                           cp_saved=saved, seqlens=ctx.seqlens)
-        return _input_grads(g, initial_state, *grads) + (None,)  # seqlens
+                                           cp_saved=saved, seqlens=ctx.seqlens, need_dh0=need)
+        return _input_grads(g, need, *grads) + (None,)  # seqlens

@@ -22,7 +22,7 @@ _BUILT: set = set()
 def chunk_gated_delta_rule_bwd(
     q, k, v, g, beta, A, g_cum_log2, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
     *, h_dtype: torch.dtype = torch.bfloat16, cp: str | None = None, max_seqlen: int | None = None,
-    cp_saved=None, seqlens: tuple[int, ...] | None = None,
+    cp_saved=None, seqlens: tuple[int, ...] | None = None, need_dh0: bool = True,
 ):
     """Gradients of `chunk_gated_delta_rule` from the forward's products.
 
@@ -45,6 +45,10 @@ def chunk_gated_delta_rule_bwd(
         seqlens: the host-side lengths of the sequences (a tuple; `flashqla.validation.planning_seqlens`),
             on which a packed batch's plan is costed; the same rule. Pass what the forward got, so that
             its kept states (cp_saved) match this plan.
+        need_dh0: False when the caller will not use dh0 (autograd: an initial_state that does not
+            require grad): dh0 is then None, and pass 2 takes the build without `chunk_bwd_v5.DH0_OPTS`
+            (the more precise state gradient reaches no other gradient; NOTES-bwd.md, "dh0 at long T").
+            The other gradients are those of the default build (within its roundings).
         cp_saved: the forward's `ChunkGDNForward.cp_saved` (`chunk_gated_delta_rule_fwd(keep_cp_states=True)`)
             or None; a split backward whose segments match uses it instead of recomputing the
             forward's run, transitions and combine scan (the same values). Like A and g_cum_log2 it
@@ -57,11 +61,12 @@ def chunk_gated_delta_rule_bwd(
 
     Returns:
         (dq [B, T, H, K] q's dtype, dk [B, T, H, K] q's dtype, dv [B, T, HV, V] v's dtype,
-        dg [B, T, HV] fp32, dbeta [B, T, HV] beta's dtype, dh0 [N, HV, K, V] fp32 or None).
+        dg [B, T, HV] fp32, dbeta [B, T, HV] beta's dtype, dh0 [N, HV, K, V] fp32, or None without
+        initial_state or with need_dh0=False).
         FLA's dtypes. Gradients of tokens past cu_seqlens[-1] are zero.
 
     Raises:
-        TypeError: cp_saved neither None nor a `CPSaved`. ValueError: an unknown cp mode; exactly one
+        TypeError: cp_saved neither None nor a `CPSaved`; need_dh0 not a bool. ValueError: an unknown cp mode; exactly one
         of A, g_cum_log2 None (naming it); A None without cp_saved (naming A); A or g_cum_log2 not
         of these inputs' slot count (naming it: e.g. a kept forward's `CPSaved.A`, whose layout is
         its segments'); A None with a cp_saved kept by a forward of other sizes.
@@ -76,6 +81,9 @@ def chunk_gated_delta_rule_bwd(
     from flashqla.ops.gdn.api import cp_mode
 
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if not isinstance(need_dh0, bool):
+        raise TypeError(f"need_dh0 must be a bool, got {type(need_dh0).__name__}")
+    dh0_out = initial_state is not None and need_dh0  # the caller uses dh0
     cp = cp_mode(cp)
     from flashqla.cp.driver import _check_products
 
@@ -85,12 +93,13 @@ def chunk_gated_delta_rule_bwd(
 
         if cp_splits(q, v, cu_seqlens, cp, backward=True, max_seqlen=max_seqlen, seqlens=seqlens):
             return chunk_gated_delta_rule_cp_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens,
-                                                 cp=cp, max_seqlen=max_seqlen, cp_saved=cp_saved, seqlens=seqlens)
+                                                 cp=cp, max_seqlen=max_seqlen, cp_saved=cp_saved, seqlens=seqlens,
+                                                 need_dh0=need_dh0)
     if A is None:  # the kept forward's products, moved from its segments' layout to the caller's
         from flashqla.cp.driver import saved_products_in_sequence_slots
 
         A, g_cum_log2 = saved_products_in_sequence_slots(cp_saved, cu_seqlens, q.shape[0], q.shape[1], v.shape[2])
-    _build_once(q, v, beta, cu_seqlens, h_dtype, initial_state is not None)
+    _build_once(q, v, beta, cu_seqlens, h_dtype, dh0_out)
     q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
     # the kernels take compact arrays: autograd hands over dht as the caller's view (ht.sum() gives a
     # stride-0 one), and initial_state / cu_seqlens are the caller's tensors
@@ -98,12 +107,12 @@ def chunk_gated_delta_rule_bwd(
     order = launch_order(cu_seqlens)  # token order unless FLASHQLA_BWD_ORDER=longest (the same results)
     h = chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype, order=order)
     dq_hv, dk_hv, dv, dbeta, dG, dh0 = chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens,
-                                                       order=order, dh0=initial_state is not None)
+                                                       order=order, dh0=dh0_out)
     dq, dk, dg = chunk_finish_bwd(dG, dq_hv, dk_hv, cu_seqlens, q.shape[2], q.dtype)
     if do.dtype != q.dtype:
         do = do.to(q.dtype)
     del g  # the forward kernels do not floor g (unlike the reference op), so neither does dg
-    return dq, dk, dv, dg, dbeta.to(beta.dtype), (dh0 if initial_state is not None else None)
+    return dq, dk, dv, dg, dbeta.to(beta.dtype), (dh0 if dh0_out else None)
 
 
 def _build_once(q, v, beta, cu_seqlens, h_dtype, dh0: bool = True) -> None:

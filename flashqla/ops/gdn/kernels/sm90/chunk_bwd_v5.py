@@ -115,10 +115,11 @@ DEFAULT_OPTS = {True: "dag", False: ""}
 #: Added to `DEFAULT_OPTS` when the backward returns dh0, i.e. has an initial state (the op; the split
 #: path's segments when the caller gave one): "l" brings dh0's error from 1.16x FLA's to 0.89x at
 #: T = 4096 and costs 2.4% of the backward (geometric mean of the H200 grid, 0.8-5.7% a row;
-#: NOTES-bwd.md, "dh0 at long T"). Without dh0 the state gradient's extra precision reaches no output
-#: (dq, dk, dv and dbeta see it only through its bf16 copy D). Where an initial state is given but its
-#: gradient is not used (an initial_state without requires_grad; the multi-GPU path's entering
-#: states on ranks whose caller gave none) the build still takes "l".
+#: NOTES-bwd.md, "dh0 at long T"). The other gradients see the extra precision only through the state
+#: gradient's bf16 copy D (measured on one H200 case without it: dk, dv, dbeta errors 1.04-1.08x, dg
+#: 1.11-1.36x, as every call without an initial state runs). An initial_state whose gradient autograd
+#: does not need takes the build without "l" (`chunk_gated_delta_rule_bwd(need_dh0=False)`); the
+#: multi-GPU path's entering states on ranks whose caller gave none still take it.
 DH0_OPTS = "l"
 
 
