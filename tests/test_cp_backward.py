@@ -273,3 +273,10 @@ def test_need_dh0_false_drops_dh0_only(cp):
     out = chunk_gated_delta_rule_cp_bwd(f.q, f.k, d["v"], d["g"], d["beta"], f.A, f.g_cum_log2, do, dht, None, None,
                                         d["cu_seqlens"], cp=cp, segment_len=128, backend=rec)
     assert out[5] is None and rec.dh0_hints == [False]
+    for bad in (None, 1, "no"):  # a bool only, before any launch
+        rec = _DH0Recorder()
+        with pytest.raises(TypeError, match="need_dh0"):
+            chunk_gated_delta_rule_cp_bwd(f.q, f.k, d["v"], d["g"], d["beta"], f.A, f.g_cum_log2, do, dht, None,
+                                          d["initial_state"], d["cu_seqlens"], cp=cp, segment_len=128, backend=rec,
+                                          need_dh0=bad)
+        assert rec.launches == []

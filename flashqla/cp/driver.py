@@ -1610,12 +1610,14 @@ def chunk_gated_delta_rule_cp_bwd(
         else moved to the caller's layout first (`saved_products_in_sequence_slots`); need_dh0: as
         `chunk_gated_delta_rule_bwd` (False: dh0 None, the backend told it is not used).
     Returns (dq, dk, dv, dg, dbeta, dh0 or None), the unsplit backward's dtypes.
-    Raises ValueError for an unknown cp mode or a bad segment_len, for exactly one of A, g_cum_log2
+    Raises TypeError for a need_dh0 that is not a bool; ValueError for an unknown cp mode or a bad segment_len, for exactly one of A, g_cum_log2
     None (naming it), for A None without cp_saved (naming A), for A or g_cum_log2 not of these
     inputs' slot count (naming it), and for A None with a cp_saved of a forward of other sizes;
     TypeError for a cp_saved that is neither None nor a `CPSaved`.
     """
     cutoff = resolve_truncate(truncate)  # checked on every path, split or not
+    if not isinstance(need_dh0, bool):
+        raise TypeError(f"need_dh0 must be a bool, got {type(need_dh0).__name__}")
     _check_products(A, g_cum_log2, cp_saved, q, v, cu_seqlens)
     if backend is None:
         backend = _default_backend()
