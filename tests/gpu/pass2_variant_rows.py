@@ -1,6 +1,6 @@
 """One call on the GPU machine: pass-2 builds side by side on backward-benchmark rows, in one process.
 
-    python tests/gpu/pass2_variant_rows.py v5:dagl v5:dag v5:dagu [--rows "8/16 32k_2seq" ...] [--rounds 3]
+    python tests/gpu/pass2_variant_rows.py v5:dagl v5:dag [--rows "8/16 32k_2seq" ...] [--rounds 3]
         [--no-ref] [--out DIR]
 
 Per row (`flashqla.bench.bwd_grid` names "HEADS MIX"): the benchmark's inputs and our loader

@@ -141,7 +141,7 @@ def test_against_fla_over_seeds():
     geometric mean of ours / FLA at most FLA_MARGIN per quantity, dg included (the per-case rule of
     `_check` holds dg only to DG_CASE_MARGIN). FLA runs here when importable, else its errors recorded on
     the H200 (`flashqla.testing.FLA_BWD_SWEEP_ERRORS`; a case missing there fails). Power: FLA's dg
-    errors over these cases have a log standard deviation of ~0.8, so the geometric mean of 15 ratios
+    errors over these cases have a log standard deviation of ~0.8, so the geometric mean of 20 ratios
     is itself uncertain by ~20%: this rule catches a dg regression larger than that, not a small one."""
     import math
 
