@@ -9,9 +9,9 @@ keeping its split states, then the backward with its context-parallel plan), one
 pass-2 build (`chunk_bwd.DEFAULT_VARIANT` set to it, every launch of pass 2 takes it, the split path's
 segments included): the gradients against the fp64 reference (`flashqla.bench.bwd_runner.reference_grads`;
 --no-ref skips it) and CUDA-graph medians of the backward alone, the builds taken in turn for --rounds
-rounds (so drift shows as spread, not as a ratio), and whether each build's gradients are bitwise the first's. Prints a table last (median over rounds, ratio to the
-first build); everything to pass2_variant_rows.json in --out. Not collected by pytest; the kernels are
-expected in TileLang's cache.
+rounds (so drift shows as spread, not as a ratio), and whether each build's gradients are bitwise the
+first's. Prints a table last (median over rounds, ratio to the first build); everything to
+pass2_variant_rows.json in --out. Not collected by pytest; the kernels are expected in TileLang's cache.
 """
 
 from __future__ import annotations
