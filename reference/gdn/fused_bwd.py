@@ -180,7 +180,8 @@ def recompute_states(k, v, A_beta, g_cum, h0, lay: ChunkLayout, *, log2: bool = 
 
 
 def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, last=None, log2: bool = False,
-                    ds_dtype=None, operand_dtype=None, A_beta_vd=None, dog_pair: bool = False) -> dict:
+                    ds_dtype=None, operand_dtype=None, A_beta_vd=None, dog_pair: bool = False,
+                    exact_w: bool = False) -> dict:
     """Pass 2, one chunk (all chunks at once here; the kernel walks them in reverse): every gradient of
     the chunk from its chunk-start state h and the gradient dh of its chunk-end state.
 
@@ -199,7 +200,9 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
         that dv = A_beta^T dv_new uses (the kernels' exact diagonal: beta on it, while v_new and
         A = I - A_beta Kg keep the stored one). dog_pair: in dh_prev, the scaled dO as the pair of
         its operand rounding and the rounding of the remainder (v5's option "l",
-        `chunk_bwd_v5.OPTS`), instead of its operand rounding alone.
+        `chunk_bwd_v5.OPTS`), instead of its operand rounding alone. exact_w: dbeta's rows
+        rowsum(X * W) take W as computed (the compute dtype; v5's option "w") instead of its operand
+        rounding, which v_new's product keeps.
 
     Returns dict of chunk tensors: dq, dk [NC, HV, C, K] (per value head, before the GVA sum);
     dv [NC, HV, C, V]; dbeta [NC, HV, C]; dG [NC, HV, C] (dL/dg_cum per position, before the
@@ -240,7 +243,7 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
     dLk = o_(dL * Gs)
     dLk_K = dLk @ k
     dk = dk_state + _t(sM) @ q + dvg @ _t(h) + beta[..., None] * dLk_K + _t(o_(beta[..., None] * dLk)) @ k
-    dbeta = (X * o_(W)).sum(-1) + (dLk_K * k).sum(-1)
+    dbeta = (X * (W if exact_w else o_(W))).sum(-1) + (dLk_K * k).sum(-1)
 
     # dG, with the exactly-cancelling terms left out (see reference.gdn.chunk_bwd.chunk_bwd_dqkwg)
     Z = M * (q @ _t(k)) * torch.tril(torch.ones(C, C, dtype=torch.bool, device=k.device), -1)
@@ -275,7 +278,7 @@ def reverse_chunk_cumsum(dG: torch.Tensor) -> torch.Tensor:
 def fused_gated_delta_rule_bwd(
     q, k, v, beta, A_beta, g_cum_log2, scale: float, initial_state, do, dht, cu_seqlens=None,
     *, g=None, chunk_size: int = 64, h_dtype=None, ds_dtype=None, operand_dtype=None, log2: bool = True,
-    exact_diagonal: bool = False, dog_pair: bool = False,
+    exact_diagonal: bool = False, dog_pair: bool = False, exact_w: bool = False,
 ):
     """The backward our kernels compute, end to end, from the sm_90 forward's slot-major products.
 
@@ -294,6 +297,7 @@ def fused_gated_delta_rule_bwd(
         the kernels add diag(beta - stored) dv_new in fp32); pass 1, v_new and A = I - A_beta Kg
         keep the stored one. NOTES-bwd.md, "The exact diagonal".
         dog_pair: see `chunk_bwd_fused` (the sm_90 v5 kernel's option "l", built where dh0 is returned).
+        exact_w: see `chunk_bwd_fused` (the sm_90 v5 kernel's option "w").
 
     Returns:
         (dq [B, T, H, K], dk [B, T, H, K], dv [B, T, HV, V], dg [B, T, HV] (per token, natural log),
@@ -326,7 +330,8 @@ def fused_gated_delta_rule_bwd(
         sq = lay.seq[ids]
         out = chunk_bwd_fused(qc[ids], kc[ids], vc[ids], bc[ids], Ab[ids], G[ids], h[ids], Dn[sq], doc[ids], scale,
                               last=lay.length[ids] - 1, ds_dtype=ds_dtype, operand_dtype=operand_dtype,
-                              A_beta_vd=None if Ab_vd is None else Ab_vd[ids], dog_pair=dog_pair, **gk)
+                              A_beta_vd=None if Ab_vd is None else Ab_vd[ids], dog_pair=dog_pair, exact_w=exact_w,
+                              **gk)
         for n in names:
             if acc[n] is None:
                 acc[n] = torch.zeros(lay.NC, *out[n].shape[1:], dtype=cdt, device=q.device)

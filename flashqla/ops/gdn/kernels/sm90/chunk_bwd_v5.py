@@ -76,6 +76,8 @@ __all__ = ["build_chunk_bwd_v5_kernel", "chunk_fused_bwd_v5", "v5_applies"]
 #: Registers per thread of each role (setmaxnreg). The CTA launches with 128 a thread (65,536 / 512);
 #: the producer gives back 104, which the consumers take.
 NREG = {"S": 160, "K": 184, "A": 144, "P": 24}
+#: The same with option "w" (A holds W in fp32 beside a slice of X and Gamma): 8 from K to A.
+NREG_W = {"S": 160, "K": 176, "A": 152, "P": 24}
 
 
 #: Environment variable: "input" makes v5 store dq_hv, dk_hv in q's dtype (rounded per value head, as
@@ -106,7 +108,7 @@ QK_DTYPE_ENV = "FLASHQLA_BWD_QK_DTYPE"
 #: makes the g == 0 heads' operand exact but made ptxas spill ~1 KB: pass 2 at 0.74-0.83x of "dagl";
 #: "l"'s second product only on chunks whose term reaches dh0 through a gate product above 2^-16, a
 #: runtime test per chunk: the grid as fast as with it on every chunk, 1.000x, so not kept.)
-OPTS = "dagl"
+OPTS = "daglw"
 #: The options each build takes by default, by packed input (cu_seqlens) or not, when the call returns
 #: no dh0: measured, "dag" made pass 2 1.04-1.08x faster than the plain schedule on packed rows (every
 #: row of the benchmarks, the split backward's segments included) and "a" 0.98x on fixed-length rows
@@ -156,12 +158,15 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
 
     opts = canonical_opts(opts, varlen)
     early_d, async_k, over_gk, dog_lo = "d" in opts, "a" in opts, "g" in opts, "l" in opts
+    exact_w = "w" in opts
+    nreg = NREG_W if exact_w else NREG
 
     if not v5_applies(K, V, dtype, h_dtype):
         raise ValueError(f"v5 needs K = V = 128 and h in q's dtype, got K={K}, V={V}, {dtype}, h {h_dtype}")
     exact_diagonal = exact_diagonal and beta_dtype != dtype
     qk_dtype = qk_dtype or "float32"  # dq_hv / dk_hv storage (QK_DTYPE_ENV)
     C = CHUNK
+    VQ = V // 4
     G = HV // H
     acc = "float32"
 
@@ -286,7 +291,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
 
             if tx < 128:
                 # ================================================================ S
-                T.set_max_nreg(NREG["S"], 1)
+                T.set_max_nreg(nreg["S"], 1)
                 dS = T.alloc_fragment((K, V), acc)
                 sc = T.alloc_local((1,), acc)
                 gamc = T.alloc_local((1,), acc)
@@ -398,7 +403,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                                     dbeta[0, lo + tb * C + t, hv] = T.float32(0)
             elif tx < 256:
                 # ================================================================ K
-                T.set_max_nreg(NREG["K"], 1)
+                T.set_max_nreg(nreg["K"], 1)
                 cv = T.alloc_fragment((C, V), acc)  # dv_new, dv; then scratch
                 dk = T.alloc_fragment((C, K), acc)
                 r_r = T.alloc_fragment((C,), acc)
@@ -583,7 +588,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     T.barrier_arrive(r_ka)
             elif tx < 384:
                 # ================================================================ A
-                T.set_max_nreg(NREG["A"], 1)
+                T.set_max_nreg(nreg["A"], 1)
                 cc = T.alloc_fragment((C, C), acc)
                 msk = T.alloc_fragment((C, C), acc)  # Gamma (t >= s), 0 above the diagonal
                 za = T.alloc_fragment((C, C), acc)  # Kg; then dL * L + Z (the dG rows and columns)
@@ -593,6 +598,8 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                 rg = T.alloc_fragment((C,), acc)
                 cg = T.alloc_fragment((C,), acc)
                 rb = T.alloc_fragment((C,), acc)
+                if exact_w:
+                    xq = T.alloc_fragment((C, VQ), acc)  # a column slice of X (option "w")
                 for ci in T.serial(nchunks):
                     c = nchunks - 1 - ci
                     t0 = bos + c * C
@@ -636,18 +643,50 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     T.gemm(k_s, h_s, F, clear_accum=True)
                     if ci > 0:
                         T.barrier_wait(dog_read, pprev)
-                    for t, d in T.Parallel(C, V):
-                        w_s[t, d] = T.cast(T.cast(v_s[t, d], acc) - gam_a[t] * F[t, d], dtype)
+                    if exact_w:
+                        # W kept in fp32 (F) for dbeta's rows; its bf16 copy for v_new
+                        for t, d in T.Parallel(C, V):
+                            F[t, d] = T.cast(v_s[t, d], acc) - gam_a[t] * F[t, d]
+                        for t, d in T.Parallel(C, V):
+                            w_s[t, d] = T.cast(F[t, d], dtype)
+                    else:
+                        for t, d in T.Parallel(C, V):
+                            w_s[t, d] = T.cast(T.cast(v_s[t, d], acc) - gam_a[t] * F[t, d], dtype)
                     T.fence_proxy_async()
                     # X = A^T dv_new, over V (dead); dbeta rows: rowsum(X * W)
                     T.barrier_wait(dvn_ready, par)
-                    T.gemm(am_s, dvn_s, F, transpose_A=True, clear_accum=True)
-                    T.barrier_arrive(x_done)
-                    T.copy(F, v_s)
-                    T.fence_proxy_async()
-                    for t, d in T.Parallel(C, V):
-                        F[t, d] = F[t, d] * T.cast(w_s[t, d], acc)
-                    T.reduce_sum(F, rb, dim=1, batch=2)
+                    if exact_w:
+                        # X in column slices (xq), each against W in fp32
+                        T.gemm(am_s, dvn_s[0:C, 0:1 * VQ], xq, transpose_A=True, clear_accum=True)
+                        T.copy(xq, v_s[0:C, 0:1 * VQ])
+                        for t, d in T.Parallel(C, VQ):
+                            xq[t, d] = xq[t, d] * F[t, d]
+                        T.reduce_sum(xq, rb, dim=1, clear=True, batch=2)
+                        T.gemm(am_s, dvn_s[0:C, 1 * VQ:2 * VQ], xq, transpose_A=True, clear_accum=True)
+                        T.copy(xq, v_s[0:C, 1 * VQ:2 * VQ])
+                        for t, d in T.Parallel(C, VQ):
+                            xq[t, d] = xq[t, d] * F[t, 1 * VQ + d]
+                        T.reduce_sum(xq, rb, dim=1, clear=False, batch=2)
+                        T.gemm(am_s, dvn_s[0:C, 2 * VQ:3 * VQ], xq, transpose_A=True, clear_accum=True)
+                        T.copy(xq, v_s[0:C, 2 * VQ:3 * VQ])
+                        for t, d in T.Parallel(C, VQ):
+                            xq[t, d] = xq[t, d] * F[t, 2 * VQ + d]
+                        T.reduce_sum(xq, rb, dim=1, clear=False, batch=2)
+                        T.gemm(am_s, dvn_s[0:C, 3 * VQ:V], xq, transpose_A=True, clear_accum=True)
+                        T.barrier_arrive(x_done)
+                        T.copy(xq, v_s[0:C, 3 * VQ:V])
+                        for t, d in T.Parallel(C, VQ):
+                            xq[t, d] = xq[t, d] * F[t, 3 * VQ + d]
+                        T.reduce_sum(xq, rb, dim=1, clear=False, batch=2)
+                        T.fence_proxy_async()
+                    else:
+                        T.gemm(am_s, dvn_s, F, transpose_A=True, clear_accum=True)
+                        T.barrier_arrive(x_done)
+                        T.copy(F, v_s)
+                        T.fence_proxy_async()
+                        for t, d in T.Parallel(C, V):
+                            F[t, d] = F[t, d] * T.cast(w_s[t, d], acc)
+                        T.reduce_sum(F, rb, dim=1, batch=2)
                     # v_new = A_beta W
                     if ci > 0:
                         T.barrier_wait(kd_done, pprev)
@@ -694,7 +733,7 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     T.barrier_arrive(r_ka)
             else:
                 # ================================================================ P (one warp)
-                T.set_max_nreg(NREG["P"], 0)
+                T.set_max_nreg(nreg["P"], 0)
                 if tx < 416:
                     for ci in T.serial(nchunks - 1):
                         par = ci % 2
