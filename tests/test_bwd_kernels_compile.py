@@ -407,13 +407,15 @@ V5_SPILL_BUDGET = 256
 )
 def test_chunk_bwd_v5_kernel_compiles(dtype, beta_dtype, seq_dtype, varlen):
     """v5 lowers and compiles for sm_90a: 512 threads, the producer gives back registers (setmaxnreg
-    dec 24) and the three roles take them (inc), the four counts summing to the launch's 4 x 128; every
+    dec 24) and the three roles take them (inc: packed builds K 176 / A 152, fixed-length ones 184 /
+    144), the four counts summing to the launch's 4 x 128; every
     tile by TMA after the first (masked) chunk; within Hopper's shared memory; no wgmma serialisation;
     spills within budget; the rows of no sequence zeroed in-kernel for packed input."""
     from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import build_chunk_bwd_kernel
-    from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import NREG
+    from flashqla.ops.gdn.kernels.sm90.chunk_bwd_v5 import NREG_BY_VARLEN
 
+    NREG = NREG_BY_VARLEN[varlen]
     kernel = build_chunk_bwd_kernel(1, 2, 128, 128, dtype, dtype, beta_dtype, seq_dtype, varlen, "v5")
     src = kernel.get_kernel_source()
     assert "gdn_chunk_bwd_v5" in src and "__launch_bounds__(512, 1)" in src

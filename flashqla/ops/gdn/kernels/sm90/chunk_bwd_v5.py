@@ -41,7 +41,7 @@ cases of bwd_v2_check.py).
 
 Resources (ptxas, sm_90a; `tests/test_bwd_kernels_compile.py`): 231,424 B dynamic + 1,024 B static
 shared memory, the whole 232,448 B (five results reuse dead tiles, listed at the tiles),
-setmaxnreg S 160 / K 184 / A 144 / producer 24, 32-128 B of spill stores (H = 1, HV = 2: plain packed
+setmaxnreg S 160 / K 176 / A 152 / producer 24 packed (K 184 / A 144 fixed length), 32-128 B of spill stores (H = 1, HV = 2: plain packed
 32, "ag" packed ~60, plain fixed 60; "dag" 128 at 16/32 packed), no wgmma serialisation.
 
 Build options (`OPTS`, `DEFAULT_OPTS`; NOTES-bwd.md "Pass-2 v5's build options"): packed builds
@@ -73,11 +73,14 @@ from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, sequenc
 
 __all__ = ["build_chunk_bwd_v5_kernel", "chunk_fused_bwd_v5", "v5_applies"]
 
-#: Registers per thread of each role (setmaxnreg). The CTA launches with 128 a thread (65,536 / 512);
-#: the producer gives back 104, which the consumers take.
-NREG = {"S": 160, "K": 184, "A": 144, "P": 24}
-#: The same with option "w" (A holds W in fp32 beside a slice of X and Gamma): 8 from K to A.
-NREG_W = {"S": 160, "K": 176, "A": 152, "P": 24}
+#: Registers per thread of each role (setmaxnreg), by packed input (cu_seqlens) or not. The CTA launches
+#: with 128 a thread (65,536 / 512); the producer gives back 104, which the consumers take. Packed builds
+#: (every launch of the benchmarks, the split backward's segments included) give A 8 of K's: measured on
+#: the H200 (`tests/gpu/pass2_variant_rows.py`, six benchmark rows, same process), the backward 0.6-1.4%
+#: faster with the "dagl" build and 0.0-0.8% with "dag", gradients bitwise equal; K 168 / A 160 and
+#: K 160 / A 168 were 0.6-1.2% slower than 184 / 144 (NOTES-bwd.md, "Registers moved from K to A").
+#: Fixed-length builds keep 184 / 144 (not measured).
+NREG_BY_VARLEN = {True: {"S": 160, "K": 176, "A": 152, "P": 24}, False: {"S": 160, "K": 184, "A": 144, "P": 24}}
 
 
 #: Environment variable: "input" makes v5 store dq_hv, dk_hv in q's dtype (rounded per value head, as
@@ -107,8 +110,11 @@ QK_DTYPE_ENV = "FLASHQLA_BWD_QK_DTYPE"
 #: over the unscaled diag(gamma) dO with dS divided by scale before it and multiplied after, which
 #: makes the g == 0 heads' operand exact but made ptxas spill ~1 KB: pass 2 at 0.74-0.83x of "dagl";
 #: "l"'s second product only on chunks whose term reaches dh0 through a gate product above 2^-16, a
-#: runtime test per chunk: the grid as fast as with it on every chunk, 1.000x, so not kept.)
-OPTS = "daglw"
+#: runtime test per chunk: the grid as fast as with it on every chunk, 1.000x, so not kept; "w", dbeta's
+#: rows rowsum(X * W) with W in fp32 beside X in four column slices (dbeta's error 0.85-1.07x FLA's over
+#: the tier's seeds, geometric mean 0.954, from 1.08), the backward 1.6-3.9% slower than the same
+#: register split without it: code in commit 14fb18b, NOTES-bwd.md "dbeta with W in fp32".)
+OPTS = "dagl"
 #: The options each build takes by default, by packed input (cu_seqlens) or not, when the call returns
 #: no dh0: measured, "dag" made pass 2 1.04-1.08x faster than the plain schedule on packed rows (every
 #: row of the benchmarks, the split backward's segments included) and "a" 0.98x on fixed-length rows
@@ -158,15 +164,13 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
 
     opts = canonical_opts(opts, varlen)
     early_d, async_k, over_gk, dog_lo = "d" in opts, "a" in opts, "g" in opts, "l" in opts
-    exact_w = "w" in opts
-    nreg = NREG_W if exact_w else NREG
+    nreg = NREG_BY_VARLEN[bool(varlen)]
 
     if not v5_applies(K, V, dtype, h_dtype):
         raise ValueError(f"v5 needs K = V = 128 and h in q's dtype, got K={K}, V={V}, {dtype}, h {h_dtype}")
     exact_diagonal = exact_diagonal and beta_dtype != dtype
     qk_dtype = qk_dtype or "float32"  # dq_hv / dk_hv storage (QK_DTYPE_ENV)
     C = CHUNK
-    VQ = V // 4
     G = HV // H
     acc = "float32"
 
@@ -598,8 +602,6 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                 rg = T.alloc_fragment((C,), acc)
                 cg = T.alloc_fragment((C,), acc)
                 rb = T.alloc_fragment((C,), acc)
-                if exact_w:
-                    xq = T.alloc_fragment((C, VQ), acc)  # a column slice of X (option "w")
                 for ci in T.serial(nchunks):
                     c = nchunks - 1 - ci
                     t0 = bos + c * C
@@ -643,50 +645,18 @@ def _chunk_bwd_v5_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
                     T.gemm(k_s, h_s, F, clear_accum=True)
                     if ci > 0:
                         T.barrier_wait(dog_read, pprev)
-                    if exact_w:
-                        # W kept in fp32 (F) for dbeta's rows; its bf16 copy for v_new
-                        for t, d in T.Parallel(C, V):
-                            F[t, d] = T.cast(v_s[t, d], acc) - gam_a[t] * F[t, d]
-                        for t, d in T.Parallel(C, V):
-                            w_s[t, d] = T.cast(F[t, d], dtype)
-                    else:
-                        for t, d in T.Parallel(C, V):
-                            w_s[t, d] = T.cast(T.cast(v_s[t, d], acc) - gam_a[t] * F[t, d], dtype)
+                    for t, d in T.Parallel(C, V):
+                        w_s[t, d] = T.cast(T.cast(v_s[t, d], acc) - gam_a[t] * F[t, d], dtype)
                     T.fence_proxy_async()
                     # X = A^T dv_new, over V (dead); dbeta rows: rowsum(X * W)
                     T.barrier_wait(dvn_ready, par)
-                    if exact_w:
-                        # X in column slices (xq), each against W in fp32
-                        T.gemm(am_s, dvn_s[0:C, 0:1 * VQ], xq, transpose_A=True, clear_accum=True)
-                        T.copy(xq, v_s[0:C, 0:1 * VQ])
-                        for t, d in T.Parallel(C, VQ):
-                            xq[t, d] = xq[t, d] * F[t, d]
-                        T.reduce_sum(xq, rb, dim=1, clear=True, batch=2)
-                        T.gemm(am_s, dvn_s[0:C, 1 * VQ:2 * VQ], xq, transpose_A=True, clear_accum=True)
-                        T.copy(xq, v_s[0:C, 1 * VQ:2 * VQ])
-                        for t, d in T.Parallel(C, VQ):
-                            xq[t, d] = xq[t, d] * F[t, 1 * VQ + d]
-                        T.reduce_sum(xq, rb, dim=1, clear=False, batch=2)
-                        T.gemm(am_s, dvn_s[0:C, 2 * VQ:3 * VQ], xq, transpose_A=True, clear_accum=True)
-                        T.copy(xq, v_s[0:C, 2 * VQ:3 * VQ])
-                        for t, d in T.Parallel(C, VQ):
-                            xq[t, d] = xq[t, d] * F[t, 2 * VQ + d]
-                        T.reduce_sum(xq, rb, dim=1, clear=False, batch=2)
-                        T.gemm(am_s, dvn_s[0:C, 3 * VQ:V], xq, transpose_A=True, clear_accum=True)
-                        T.barrier_arrive(x_done)
-                        T.copy(xq, v_s[0:C, 3 * VQ:V])
-                        for t, d in T.Parallel(C, VQ):
-                            xq[t, d] = xq[t, d] * F[t, 3 * VQ + d]
-                        T.reduce_sum(xq, rb, dim=1, clear=False, batch=2)
-                        T.fence_proxy_async()
-                    else:
-                        T.gemm(am_s, dvn_s, F, transpose_A=True, clear_accum=True)
-                        T.barrier_arrive(x_done)
-                        T.copy(F, v_s)
-                        T.fence_proxy_async()
-                        for t, d in T.Parallel(C, V):
-                            F[t, d] = F[t, d] * T.cast(w_s[t, d], acc)
-                        T.reduce_sum(F, rb, dim=1, batch=2)
+                    T.gemm(am_s, dvn_s, F, transpose_A=True, clear_accum=True)
+                    T.barrier_arrive(x_done)
+                    T.copy(F, v_s)
+                    T.fence_proxy_async()
+                    for t, d in T.Parallel(C, V):
+                        F[t, d] = F[t, d] * T.cast(w_s[t, d], acc)
+                    T.reduce_sum(F, rb, dim=1, batch=2)
                     # v_new = A_beta W
                     if ci > 0:
                         T.barrier_wait(kd_done, pprev)
