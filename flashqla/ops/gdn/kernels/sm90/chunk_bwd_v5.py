@@ -112,7 +112,7 @@ QK_DTYPE_ENV = "FLASHQLA_BWD_QK_DTYPE"
 #: "l"'s second product only on chunks whose term reaches dh0 through a gate product above 2^-16, a
 #: runtime test per chunk: the grid as fast as with it on every chunk, 1.000x, so not kept; "w", dbeta's
 #: rows rowsum(X * W) with W in fp32 beside X in four column slices (dbeta's error 0.85-1.07x FLA's over
-#: the tier's seeds, geometric mean 0.954, from 1.08), the backward 1.6-3.9% slower than the same
+#: the tier's seeds, geometric mean 0.954, from 1.08), the backward 2.5-4.7% slower than the same
 #: register split without it: code in commit 14fb18b, NOTES-bwd.md "dbeta with W in fp32".)
 OPTS = "dagl"
 #: The options each build takes by default, by packed input (cu_seqlens) or not, when the call returns
