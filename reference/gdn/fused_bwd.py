@@ -201,8 +201,9 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
         A = I - A_beta Kg keep the stored one). dog_pair: in dh_prev, the scaled dO as the pair of
         its operand rounding and the rounding of the remainder (v5's option "l",
         `chunk_bwd_v5.OPTS`), instead of its operand rounding alone. exact_w: dbeta's rows
-        rowsum(X * W) take W as computed (the compute dtype; v5's option "w") instead of its operand
-        rounding, which v_new's product keeps.
+        rowsum(X * W) take W as computed (the compute dtype) instead of its operand rounding, which
+        v_new's product keeps (measured as v5's option "w" and not kept: NOTES-bwd.md, "dbeta with W
+        in fp32").
 
     Returns dict of chunk tensors: dq, dk [NC, HV, C, K] (per value head, before the GVA sum);
     dv [NC, HV, C, V]; dbeta [NC, HV, C]; dG [NC, HV, C] (dL/dg_cum per position, before the
@@ -297,7 +298,7 @@ def fused_gated_delta_rule_bwd(
         the kernels add diag(beta - stored) dv_new in fp32); pass 1, v_new and A = I - A_beta Kg
         keep the stored one. NOTES-bwd.md, "The exact diagonal".
         dog_pair: see `chunk_bwd_fused` (the sm_90 v5 kernel's option "l", built where dh0 is returned).
-        exact_w: see `chunk_bwd_fused` (the sm_90 v5 kernel's option "w").
+        exact_w: see `chunk_bwd_fused` (no kernel builds it).
 
     Returns:
         (dq [B, T, H, K], dk [B, T, H, K], dv [B, T, HV, V], dg [B, T, HV] (per token, natural log),

@@ -41,8 +41,9 @@ cases of bwd_v2_check.py).
 
 Resources (ptxas, sm_90a; `tests/test_bwd_kernels_compile.py`): 231,424 B dynamic + 1,024 B static
 shared memory, the whole 232,448 B (five results reuse dead tiles, listed at the tiles),
-setmaxnreg S 160 / K 176 / A 152 / producer 24 packed (K 184 / A 144 fixed length), 32-128 B of spill stores (H = 1, HV = 2: plain packed
-32, "ag" packed ~60, plain fixed 60; "dag" 128 at 16/32 packed), no wgmma serialisation.
+setmaxnreg S 160 / K 176 / A 152 / producer 24 packed (K 184 / A 144 fixed length), 32-128 B of spill
+stores (H = 1, HV = 2: plain packed 32, "ag" packed ~60, plain fixed 60; "dag" 128 at 16/32 packed, at
+the older split), no wgmma serialisation.
 
 Build options (`OPTS`, `DEFAULT_OPTS`; NOTES-bwd.md "Pass-2 v5's build options"): packed builds
 reorder K's tail with asynchronous wgmma ("a", "g"): pass 2 1.04-1.08x faster on packed rows (16/32
