@@ -105,7 +105,7 @@ QK_DTYPE_ENV = "FLASHQLA_BWD_QK_DTYPE"
 #:      rounding, lo the rounding of the remainder), two products into dS over the same tile, instead of
 #:      hi alone: the state gradient's only product whose operand is rounded from a computed value that
 #:      FLA keeps in fp32 (its dhu kernel: q diag(gamma) in fp32, a tf32 product); dh0's error at
-#:      T = 4096 is 1.15x FLA's with hi alone (NOTES-bwd.md, "dh0 at long T").
+#:      T = 4096 is 1.16x FLA's with hi alone (NOTES-bwd.md, "dh0 at long T").
 #: (Removed after their H200 runs: "b", A issuing Q K^T beside K K^T, 3.7-9.0% slower than "ag" with
 #: its spills; "p", an L2 prefetch by the producer, 0.84-0.95x of the plain schedule; "s", S's product
 #: over the unscaled diag(gamma) dO with dS divided by scale before it and multiplied after, which
