@@ -1,0 +1,137 @@
+"""Digests of the CUDA source TileLang generates for every kernel `flashqla.warmup` builds.
+
+A refactor that must not change any kernel (moving code, renaming Python functions, removing dead
+variants) is checked by lowering every build of a set of head configurations for sm_90a on the CPU
+(TileLang's lowering only: no nvcc, no GPU) and comparing the SHA-256 of each generated source with
+the committed record `tests/data/kernel_sources.json`.
+
+    python tests/kernel_sources.py --check [-j 2]     # compare with the record (exit 1 on a change)
+    python tests/kernel_sources.py --write [-j 2]     # rewrite the record (after a deliberate change)
+
+`tests/test_kernel_sources.py` runs one configuration in the CPU tier and all of them under the
+`compile_all` marker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+RECORD = Path(__file__).resolve().parent / "data" / "kernel_sources.json"
+
+#: warmup() arguments whose builds are recorded: every kernel family, both dtypes, both beta dtypes,
+#: packed and fixed-length batches, both offset dtypes, G = HV / H of 1, 2, 4 and 8.
+CONFIGS = {
+    "2-4-bf16-f32-varlen-i32": dict(H=2, HV=4, dtype="bfloat16", beta_dtype="float32", varlen=True, seqlens_dtype="int32"),
+    "2-4-bf16-f32-fixed": dict(H=2, HV=4, dtype="bfloat16", beta_dtype="float32", varlen=False, seqlens_dtype="int32"),
+    "4-16-bf16-bf16-varlen-i64": dict(H=4, HV=16, dtype="bfloat16", beta_dtype="bfloat16", varlen=True, seqlens_dtype="int64"),
+    "8-8-fp16-f32-varlen-i32": dict(H=8, HV=8, dtype="float16", beta_dtype="float32", varlen=True, seqlens_dtype="int32"),
+    "8-8-bf16-f32-fixed": dict(H=8, HV=8, dtype="bfloat16", beta_dtype="float32", varlen=False, seqlens_dtype="int32"),
+    "2-16-fp16-fp16-fixed": dict(H=2, HV=16, dtype="float16", beta_dtype="float16", varlen=False, seqlens_dtype="int32"),
+}
+
+#: The configuration the CPU tier checks on every run (the others: marker `compile_all`).
+QUICK = "2-4-bf16-f32-varlen-i32"
+
+
+def digest(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
+def config_sources(name: str) -> list:
+    """[(kernel symbol, sha256 of its CUDA source), ...] of every kernel warmup(**CONFIGS[name]) builds,
+    sorted; lowers each PrimFunc for sm_90a in this process instead of compiling it."""
+    import threading
+
+    import tilelang
+    import torch
+    from tilelang import tvm
+
+    import flashqla
+
+    found, lock = [], threading.Lock()
+
+    class _Lowered:
+        def __init__(self, source):
+            self.source = source
+
+        def get_kernel_source(self):
+            return self.source
+
+    def lower_only(func, target=None, pass_configs=None, out_idx=None, **_):
+        # one lowering at a time: warmup builds in threads, and concurrent lowerings are not
+        # guaranteed to give the same source as sequential ones
+        with lock, tvm.transform.PassContext(config=pass_configs or {}), tvm.target.Target(target):
+            src = tilelang.lower(func, target=target).kernel_source
+            found.append((str(func.attrs["global_symbol"]), digest(src)))
+        return _Lowered(src)
+
+    tilelang.compile = lower_only
+    cfg = dict(CONFIGS[name])
+    for key in ("dtype", "beta_dtype", "seqlens_dtype"):
+        cfg[key] = getattr(torch, cfg[key])
+    flashqla.warmup(**cfg, backward=True)
+    return sorted(found)
+
+
+def _run_one(name: str) -> list:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHQLA_")}
+    out = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).resolve().parents[1])
+    if out.returncode:
+        raise RuntimeError(f"lowering {name} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def collect(names, jobs: int = 2) -> dict:
+    """{config name: [[symbol, sha256], ...]} for `names`, each in its own process."""
+    with ThreadPoolExecutor(jobs) as ex:
+        return dict(zip(names, (list(map(list, r)) for r in ex.map(_run_one, names))))
+
+
+def compare(got: dict, want: dict) -> list:
+    """Lines naming every configuration whose sources differ from the record (empty: identical)."""
+    bad = []
+    for name, rows in got.items():
+        ref = want.get(name)
+        if ref is None:
+            bad.append(f"{name}: not in the record")
+            continue
+        if sorted(map(tuple, rows)) != sorted(map(tuple, ref)):
+            new = sorted(set(map(tuple, rows)) - set(map(tuple, ref)))
+            gone = sorted(set(map(tuple, ref)) - set(map(tuple, rows)))
+            bad.append(f"{name}: {len(rows)} builds against {len(ref)} recorded; new {new}; missing {gone}")
+    return bad
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--write", action="store_true")
+    p.add_argument("--check", action="store_true")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("-j", "--jobs", type=int, default=2)
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    a = p.parse_args(argv)
+    if a.one:
+        print(json.dumps(config_sources(a.one)))
+        return 0
+    names = a.configs.split(",")
+    got = collect(names, a.jobs)
+    if a.write:
+        RECORD.parent.mkdir(parents=True, exist_ok=True)
+        RECORD.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {RECORD}: {sum(map(len, got.values()))} builds in {len(got)} configurations")
+        return 0
+    bad = compare(got, json.loads(RECORD.read_text()))
+    print("\n".join(bad) or f"identical: {sum(map(len, got.values()))} builds in {len(got)} configurations")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
