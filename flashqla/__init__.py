@@ -9,11 +9,12 @@ resolved on first attribute access and kernels are built at their first launch.
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "chunk_gated_delta_rule", "chunk_gated_delta_rule_fwd", "warmup"]
+__all__ = ["__version__", "chunk_gated_delta_rule", "chunk_gated_delta_rule_bwd", "chunk_gated_delta_rule_fwd", "warmup"]
 
 _LAZY = {
     "chunk_gated_delta_rule": "flashqla.ops.gdn.api",
-    "chunk_gated_delta_rule_fwd": "flashqla.ops.gdn.api",
+    "chunk_gated_delta_rule_fwd": "flashqla.ops.gdn.fwd",
+    "chunk_gated_delta_rule_bwd": "flashqla.ops.gdn.bwd",
     "warmup": "flashqla.ops.gdn.api",
 }
 

@@ -12,9 +12,13 @@ decay) and the last value head a very strong decay, so every test sees both extr
 from __future__ import annotations
 
 import math
+import os
+import pathlib
 
 import torch
 import torch.nn.functional as F
+
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, slot_index
 
 __all__ = [
     "rel_rms",
@@ -280,11 +284,25 @@ def kernel_chunks(x: torch.Tensor, seq, pos, T: int, cu_seqlens=None) -> torch.T
         [NC, HV, 64, ...] on x's device (a gather: rows past a sequence's end hold the kernel's inert
         values, see the kernels' docstrings).
     """
-    from flashqla.ops.gdn.kernels.sm90._common import CHUNK, slot_index
-
     cu = None if cu_seqlens is None else [int(c) for c in cu_seqlens.detach().cpu().tolist()]
     slots = [slot_index(int(n), int(c), T, cu) for n, c in zip(seq, pos)]
     HV = x.shape[0]
     xs = x.reshape(HV, x.shape[1] // CHUNK, CHUNK, *x.shape[2:])
     return xs[:, torch.tensor(slots, device=x.device)].transpose(0, 1)
 
+
+def notebook_figure_dir() -> pathlib.Path:
+    """Where a notebook saves its figures (created): $FLASHQLA_NB_FIGURES when set (the test run sends
+    them to a temporary folder; `FLASHQLA_NB_FIGURES=notebooks/figures` refreshes the committed ones),
+    else `notebooks/out/` of the checkout the working directory lies in (ignored by git), found by
+    walking up from the working directory to the folder holding `notebooks/` and `flashqla/`; outside a
+    checkout, `./notebook-figures`. Never writes to a committed file by default."""
+    env = os.environ.get("FLASHQLA_NB_FIGURES")
+    if env:
+        path = pathlib.Path(env)
+    else:
+        here = pathlib.Path.cwd().resolve()
+        root = next((d for d in (here, *here.parents) if (d / "notebooks").is_dir() and (d / "flashqla").is_dir()), None)
+        path = root / "notebooks" / "out" if root is not None else here / "notebook-figures"
+    path.mkdir(parents=True, exist_ok=True)
+    return path

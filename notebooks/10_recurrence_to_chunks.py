@@ -24,7 +24,6 @@
 
 # %%
 import os
-import pathlib
 
 import matplotlib
 
@@ -36,14 +35,13 @@ from IPython.display import Image, Math, display
 
 import derivations
 import reference
-from flashqla.testing import make_gdn_inputs, rel_rms
+from flashqla.testing import make_gdn_inputs, notebook_figure_dir, rel_rms
 from reference.gdn import twins
 
 SIZE = os.environ.get("FLASHQLA_NB_SIZE", "small")
 K = V = 16 if SIZE == "small" else 128
-# figures go to notebooks/figures; FLASHQLA_NB_FIGURES sends them elsewhere (the test run does)
-FIG = pathlib.Path(os.environ.get("FLASHQLA_NB_FIGURES") or "figures")
-FIG.mkdir(exist_ok=True)
+# figures go to notebooks/out/ (not committed); FLASHQLA_NB_FIGURES=notebooks/figures refreshes the committed ones
+FIG = notebook_figure_dir()
 CF = [r.id for r in derivations.registry() if r.id.startswith("CF-")]
 print(f"size: {SIZE}, K = V = {K}; records: {', '.join(CF)}")
 assert CF == ["CF-1", "CF-2", "CF-3"]

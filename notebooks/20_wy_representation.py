@@ -24,7 +24,6 @@
 
 # %%
 import os
-import pathlib
 
 import matplotlib
 
@@ -35,16 +34,15 @@ import torch
 from IPython.display import Image, Math, display
 
 import derivations
-from flashqla.testing import make_gdn_inputs, rel_rms
+from flashqla.testing import make_gdn_inputs, notebook_figure_dir, rel_rms
 from reference.gdn import numerics, twins
 
 SIZE = os.environ.get("FLASHQLA_NB_SIZE", "small")
 if SIZE == "small":
     torch.set_num_threads(1)  # tiny tensors on a shared CPU: threads cost more than they give
 K = V = 16 if SIZE == "small" else 128
-# figures go to notebooks/figures; FLASHQLA_NB_FIGURES sends them elsewhere (the test run does)
-FIG = pathlib.Path(os.environ.get("FLASHQLA_NB_FIGURES") or "figures")
-FIG.mkdir(exist_ok=True)
+# figures go to notebooks/out/ (not committed); FLASHQLA_NB_FIGURES=notebooks/figures refreshes the committed ones
+FIG = notebook_figure_dir()
 WY = [r.id for r in derivations.registry() if r.id.startswith("WY-")]
 print(f"size: {SIZE}, K = V = {K}; records: {', '.join(WY)}")
 assert {"WY-1", "WY-2", "WY-3", "WY-4"} <= set(WY)

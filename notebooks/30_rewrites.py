@@ -25,7 +25,6 @@
 
 # %%
 import os
-import pathlib
 
 import matplotlib
 
@@ -35,7 +34,7 @@ import torch
 from IPython.display import Image, Math, display
 
 import derivations
-from flashqla.testing import make_gdn_inputs, rel_rms
+from flashqla.testing import make_gdn_inputs, notebook_figure_dir, rel_rms
 from reference.gdn import numerics, twins
 
 SIZE = os.environ.get("FLASHQLA_NB_SIZE", "small")
@@ -43,9 +42,8 @@ if SIZE == "small":
     torch.set_num_threads(1)  # tiny tensors on a shared CPU: threads cost more than they give
 K = V = 16 if SIZE == "small" else 128
 T = 200 if SIZE == "small" else 512
-# figures go to notebooks/figures; FLASHQLA_NB_FIGURES sends them elsewhere (the test run does)
-FIG = pathlib.Path(os.environ.get("FLASHQLA_NB_FIGURES") or "figures")
-FIG.mkdir(exist_ok=True)
+# figures go to notebooks/out/ (not committed); FLASHQLA_NB_FIGURES=notebooks/figures refreshes the committed ones
+FIG = notebook_figure_dir()
 RW = [r.id for r in derivations.registry() if r.id.startswith("RW-")]
 print(f"size: {SIZE}, K = V = {K}, T = {T}; records: {', '.join(RW)}")
 assert RW == [f"RW-{i}" for i in range(1, 7)]

@@ -30,7 +30,6 @@
 # %%
 import math
 import os
-import pathlib
 
 import matplotlib
 
@@ -41,16 +40,15 @@ from IPython.display import Image, Math, display
 
 import derivations
 import reference
-from flashqla.testing import make_gdn_inputs, rel_rms
+from flashqla.testing import make_gdn_inputs, notebook_figure_dir, rel_rms
 from reference.gdn import cp, numerics, twins
 
 SIZE = os.environ.get("FLASHQLA_NB_SIZE", "small")
 if SIZE == "small":
     torch.set_num_threads(1)  # tiny tensors on a shared CPU: threads cost more than they give
 K = V = 16 if SIZE == "small" else 128
-# figures go to notebooks/figures; FLASHQLA_NB_FIGURES sends them elsewhere (the test run does)
-FIG = pathlib.Path(os.environ.get("FLASHQLA_NB_FIGURES") or "figures")
-FIG.mkdir(exist_ok=True)
+# figures go to notebooks/out/ (not committed); FLASHQLA_NB_FIGURES=notebooks/figures refreshes the committed ones
+FIG = notebook_figure_dir()
 CP = [r.id for r in derivations.registry() if r.id.startswith("CP-")]
 print(f"size: {SIZE}, K = V = {K}; records: {', '.join(CP)}")
 assert CP == ["CP-1", "CP-2", "CP-3", "CP-4", "CP-5", "CP-6"]

@@ -8,8 +8,8 @@ the committed record `tests/data/kernel_sources.json`.
     python tests/kernel_sources.py --check [-j 2]     # compare with the record (exit 1 on a change)
     python tests/kernel_sources.py --write [-j 2]     # rewrite the record (after a deliberate change)
 
-`tests/test_kernel_sources.py` runs one configuration in the CPU tier and all of them under the
-`compile_all` marker.
+`tests/test_kernel_sources.py` checks one build of each kind of one configuration in the CPU tier, and
+every build of every configuration under the `compile_all` marker.
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ def digest(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()
 
 
-def config_sources(name: str) -> list:
+def config_sources(name: str, one_per_kind: bool = False) -> list:
     """[(kernel symbol, sha256 of its CUDA source), ...] of every kernel warmup(**CONFIGS[name]) builds,
-    sorted; lowers each PrimFunc for sm_90a in this process instead of compiling it."""
+    sorted; lowers each PrimFunc for sm_90a in this process instead of compiling it. one_per_kind:
+    only the first build of each kind in warmup's list (`registry.op_kernel_specs`), a sample."""
     import threading
 
     import tilelang
@@ -73,7 +74,24 @@ def config_sources(name: str) -> list:
         return _Lowered(src)
 
     tilelang.compile = lower_only
+    # one build at a time: warmup builds in threads, and TileLang's tracing and lowering of one
+    # PrimFunc in two threads at once can emit equivalent sources that differ in names
+    import concurrent.futures
+
+    concurrent.futures.ThreadPoolExecutor = lambda *a, **k: concurrent.futures.thread.ThreadPoolExecutor(1)
     cfg = dict(CONFIGS[name])
+    if one_per_kind:
+        from flashqla.ops.gdn.kernels.sm90 import registry
+
+        specs = {}
+        for bv in (64, 128):
+            for kind, args in registry.op_kernel_specs(cfg["H"], cfg["HV"], varlen=cfg["varlen"], dtype=cfg["dtype"],
+                                                       beta_dtype=cfg["beta_dtype"], block_v=bv,
+                                                       seq_dtype=cfg["seqlens_dtype"] if cfg["varlen"] else "int32"):
+                specs.setdefault(kind, args)
+        for kind, args in specs.items():
+            registry.build(kind, args)
+        return sorted(found)
     for key in ("dtype", "beta_dtype", "seqlens_dtype"):
         cfg[key] = getattr(torch, cfg[key])
     flashqla.warmup(**cfg, backward=True)

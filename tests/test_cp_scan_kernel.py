@@ -2,7 +2,7 @@
 for sm_90a in both directions, its FMA loop reads P from bank-conflict-free padded rows and keeps the
 chain on CUDA cores in fp32 (no tensor-core instruction), no spills; the torch scans it replaces are
 what runs off CUDA. Its values are checked against those torch scans on the GPU
-(tests/gpu/cp_scan_check.py and, end to end, tests/gpu/test_cp_gpu.py)."""
+(tests/gpu/test_cp_kernels_gpu.py and, end to end, tests/gpu/test_cp_gpu.py)."""
 
 from __future__ import annotations
 
@@ -15,32 +15,19 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="compiling 
 
 
 @needs_nvcc
-@pytest.mark.parametrize("HV,reverse", [(8, False), (8, True), (32, False), (32, True)])
-def test_cp_scan_kernel_compiles(HV, reverse):
+@pytest.mark.parametrize("HV,reverse", [(8, False), pytest.param(8, True, marks=pytest.mark.compile_all),
+                                        pytest.param(32, False, marks=pytest.mark.compile_all), (32, True)])
+def test_cp_scan_prefetch_variant_compiles(HV, reverse):
+    """Variant "prefetch" (the default): P's halves and Q reach shared memory by cp.async a half step
+    ahead (the waits count groups: every path commits the same number), an FMA loop on padded rows
+    (CUDA cores: the chain stays fp32), the loop count the sequence's segment count, two CTAs an SM at
+    least, no spills."""
     from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
     from flashqla.ops.gdn.kernels.sm90.cp_scan import build_cp_scan_kernel, scan_slice_width
 
-    kernel = build_cp_scan_kernel(HV, 128, 128, reverse, "smem")
-    src = kernel.get_kernel_source()
-    assert "* 129)" in src, "P's shared rows should be padded to K + 1 words"
-    assert "mma" not in src and "wgmma" not in src, "the chain must stay fp32 on CUDA cores"
-    assert "for (int jj = 0; jj < nseg; ++jj)" in src, "the loop count is the sequence's segment count"
-    rep = ptxas_report(kernel)
-    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
-    assert scan_slice_width(HV) == (8 if HV <= 8 else 16)
-
-
-@needs_nvcc
-@pytest.mark.parametrize("HV,reverse", [(8, False), (8, True), (32, False), (32, True)])
-def test_cp_scan_prefetch_variant_compiles(HV, reverse):
-    """Variant "prefetch": P's halves and Q reach shared memory by cp.async a half step ahead (the
-    waits count groups: every path commits the same number), the FMA loop is the first variant's
-    (padded rows, CUDA cores), two CTAs an SM at least, no spills."""
-    from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
-    from flashqla.ops.gdn.kernels.sm90.cp_scan import build_cp_scan_kernel
-
     kernel = build_cp_scan_kernel(HV, 128, 128, reverse, "prefetch")
     src = kernel.get_kernel_source()
+    assert scan_slice_width(HV) == (8 if HV <= 8 else 16)
     assert "cp_async_gs_conditional<4>" in src and "cp_async_wait<1>" in src and "cp_async_wait<2>" in src
     assert "* 65)" in src or "* 129)" in src, "P's shared rows should be padded by one word"
     assert "mma" not in src
@@ -81,8 +68,8 @@ def test_slot_initial_states_rejects_bad_arguments():
 def test_run_states_torch_path():
     """Off sm_90 the runs' initial states are the torch expression: h0 of the sequence on first
     segments, zeros elsewhere."""
-    from flashqla.cp.driver import _run_states
-    from flashqla.cp.planner import build_segment_tables
+    from flashqla.cp.forward import _run_states
+    from flashqla.cp.segments import build_segment_tables
 
     cu = torch.tensor([0, 100, 100, 300], dtype=torch.int32)
     tab = build_segment_tables(cu, 128, T=300)
@@ -99,14 +86,14 @@ def test_scan_builds_share_one_key(monkeypatch):
     """`op_kernel_specs` lists the scan without a variant, `cp_scan` launches the resolved default:
     both reach one cached build (not a second compile of the same kernel on the op's first split
     call). A bad variant name is refused by name, empty inputs included."""
-    from flashqla.ops.gdn.kernels.sm90 import _build
     from flashqla.ops.gdn.kernels.sm90 import cp_scan as cs
+    from flashqla.ops.gdn.kernels.sm90.registry import build
 
     built = []
     monkeypatch.setattr(cs, "compile_kernel", lambda func, name: built.append(name) or object())
-    monkeypatch.setattr(cs, "_cp_scan_prim_func", lambda *a: None)
+    monkeypatch.setattr(cs, "_cp_scan_ahead_prim_func", lambda *a: None)
     monkeypatch.setattr(cs, "_cp_scan_prefetch_prim_func", lambda *a: None)
-    k = _build("cp_scan", (3, 8, 8, False))  # a shape no other test builds: the fake stays apart
+    k = build("cp_scan", (3, 8, 8, False))  # a shape no other test builds: the fake stays apart
     assert cs.build_cp_scan_kernel(3, 8, 8, False, cs.DEFAULT_VARIANT) is k
     assert cs.build_cp_scan_kernel(3, 8, 8, 0, None) is k and len(built) == 1, built
     other = [v for v in cs.VARIANTS if v != cs.DEFAULT_VARIANT][0]
@@ -172,7 +159,7 @@ def test_kernel_only_for_fp32_cuda(monkeypatch):
 
 
 def test_specs_name_both_directions():
-    from flashqla.ops.gdn.kernels.sm90 import op_kernel_specs
+    from flashqla.ops.gdn.kernels.sm90.registry import op_kernel_specs
 
     fwd = op_kernel_specs(2, 8, backward=False)
     both = op_kernel_specs(2, 8)
@@ -217,7 +204,7 @@ def test_cp_token_kernels_compile(dtype, seq_dtype):
 
 
 def test_token_kernels_off_cpu():
-    from flashqla.cp.driver import _token_kernels_apply
+    from flashqla.cp.forward import _token_kernels_apply
 
     x = torch.zeros(1, 4, 2, 128, dtype=torch.bfloat16)
     assert not _token_kernels_apply(x, x)
@@ -257,9 +244,8 @@ def test_cp_relayout_kernel_compiles(to_segments, varlen, seq_dtype):
 def test_cp_relayout_specs_and_cpu_path():
     """op_kernel_specs names the relayout in both directions for the split path; on CPU tensors the
     driver keeps the torch gathers (the reference the kernel is checked against)."""
-    from flashqla.cp.driver import segment_slots_to_sequence_slots, sequence_slots_to_segment_slots
-    from flashqla.cp.planner import build_segment_tables
-    from flashqla.ops.gdn.kernels.sm90 import op_kernel_specs
+    from flashqla.cp.segments import build_segment_tables, segment_slots_to_sequence_slots, sequence_slots_to_segment_slots
+    from flashqla.ops.gdn.kernels.sm90.registry import op_kernel_specs
 
     specs = [a for k, a in op_kernel_specs(2, 8, N=3, varlen=True) if k == "cp_relayout"]
     assert sorted(a[4] for a in specs) == [False, True]
@@ -295,7 +281,8 @@ def test_scan_limit_arguments_checked():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("HV,reverse,width", [(8, False, 4), (8, True, 4), (32, False, 8), (32, True, 8)])
+@pytest.mark.parametrize("HV,reverse,width", [(8, False, 4), pytest.param(8, True, 4, marks=pytest.mark.compile_all),
+                                              pytest.param(32, False, 8, marks=pytest.mark.compile_all), (32, True, 8)])
 def test_cp_scan_ahead_variant_compiles(HV, reverse, width):
     """Variant "ahead": the next step's whole P (padded rows) and Q reach shared memory by cp.async
     while a step sums, one copy group each a step (the wait leaves the next step's two pending);
@@ -314,12 +301,11 @@ def test_cp_scan_ahead_variant_compiles(HV, reverse, width):
 
 def test_scan_choice_and_specs(monkeypatch):
     """`scan_choice`: "ahead" with narrow slices only for a cut whose grid stays within AHEAD_MAX_CTAS
-    (4 value columns up to 16 value heads, 8 above), the default otherwise and whenever $FLASHQLA_CP_SCAN_VARIANT is set;
-    the op's kernel list builds the scans a cut call launches, both directions."""
-    from flashqla.ops.gdn.kernels.sm90 import op_kernel_specs
+    (4 value columns up to 16 value heads, 8 above), the default otherwise; the op's kernel list builds
+    the scans a cut call launches, both directions."""
+    from flashqla.ops.gdn.kernels.sm90.registry import op_kernel_specs
     from flashqla.ops.gdn.kernels.sm90 import cp_scan as cs
 
-    monkeypatch.delenv("FLASHQLA_CP_SCAN_VARIANT", raising=False)
     assert cs.scan_choice(8, 1, True) == ("ahead", 4)
     assert cs.scan_choice(16, 2, True) == ("ahead", 4)  # 32 x 16 x 2 = 1024 CTAs
     assert cs.scan_choice(32, 2, True) == ("ahead", 8)
@@ -327,12 +313,6 @@ def test_scan_choice_and_specs(monkeypatch):
     assert cs.scan_choice(8, 1, False) == (cs.DEFAULT_VARIANT, None)
     assert cs.scan_choice(16, 4, True) == (cs.DEFAULT_VARIANT, None)  # 2048 CTAs
     assert cs.scan_choice(8, 8, True) == (cs.DEFAULT_VARIANT, None)
-    monkeypatch.setenv("FLASHQLA_CP_SCAN_VARIANT", "smem")
-    assert cs.scan_choice(8, 1, True) == ("smem", None)
-    monkeypatch.setenv("FLASHQLA_CP_SCAN_VARIANT", "fast")
-    with pytest.raises(ValueError, match="FLASHQLA_CP_SCAN_VARIANT"):
-        cs.scan_choice(8, 1, True)
-    monkeypatch.delenv("FLASHQLA_CP_SCAN_VARIANT")
     scans = [a for k, a in op_kernel_specs(4, 8, backward=True) if k == "cp_scan"]
     assert (8, 128, 128, False, "ahead", 4) in scans and (8, 128, 128, True, "ahead", 4) in scans, scans
     # the listed build is the one a cut call launches, for the V it is given

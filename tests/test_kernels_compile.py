@@ -3,7 +3,6 @@ the public op rejects unsupported inputs before any device work (and before buil
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -22,70 +21,18 @@ needs_nvcc = pytest.mark.skipif(not HAVE_NVCC, reason="compiling for sm_90a need
 # --------------------------------------------------------------------------------------------
 
 
-@needs_nvcc
-@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
-def test_prepare_kernel_compiles(varlen):
-    from flashqla.ops.gdn.kernels.sm90.prepare import build_prepare_kernel
+def test_prepare_key_and_heads_per_cta_are_checked():
+    """`prepare_kernel_args` gives the static key from shapes (one value head a CTA for few chunk
+    slots: the key ends with 1); `build_prepare_kernel` refuses a heads_per_cta other than None, 1 or
+    HV / H by name."""
+    from flashqla.ops.gdn.kernels.sm90.prepare import build_prepare_kernel, prepare_kernel_args
 
-    kernel = build_prepare_kernel(2, 4, 128, "bfloat16", "float32", "int32", varlen)
-    src = kernel.get_kernel_source()
-    assert "wgmma" in src, "K K^T should run on wgmma"
-    assert "kTensorFloat32" in src, "the block inverse should run tf32 mma"
-    assert "exp2" in src
-
-
-@needs_nvcc
-@pytest.mark.parametrize(
-    "H,HV,dtype,beta_dtype,varlen",
-    [(2, 4, "bfloat16", "float32", True), (1, 1, "float16", "float16", False)],
-    ids=["gva2-bf16-varlen", "gva1-fp16-fixed"],
-)
-def test_prepare_v2_kernel_compiles(H, HV, dtype, beta_dtype, varlen):
-    """Variant v2: one CTA per (slot, q/k head); k by TMA, K K^T by wgmma once, the inverse in tf32
-    mma, A diag(beta) stored by TMA from a staged tile, one exp2 per L element, <= 56 KB shared
-    memory and 128 registers (four CTAs per SM)."""
-    from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
-    from flashqla.ops.gdn.kernels.sm90.prepare import build_prepare_kernel
-
-    kernel = build_prepare_kernel(H, HV, 128, dtype, beta_dtype, "int32", varlen, "v2")
-    src = kernel.get_kernel_source()
-    assert "tma_load" in src and "tma_store" in src, "k should be loaded and A stored by the copy engine"
-    assert "wgmma" in src and "kTensorFloat32" in src
-    assert src.count("exp2f(") == 1, "L should be formed with one exp2 per element"
-    assert "__launch_bounds__(128, 4)" in src
-    # about a dozen barriers per value head; an in-place elementwise update of a shared tile once put
-    # a barrier in each of its 32 unrolled iterations
-    assert src.count("__syncthreads") <= 20, "a barrier inside an element loop"
-    r = ptxas_report(kernel)
-    print(r)
-    assert r["registers"] <= 128
-    assert r["dynamic_smem"] is not None and r["dynamic_smem"] + r["static_smem"] <= 56 * 1024
-    # with the inverse GEMMs' K loops unrolled, ptxas hoisted their swizzled operand addresses out of
-    # the value-head loop and spilled ~136 B (`gemm_nt` keeps the slice loop rolled)
-    assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0
-
-
-def test_prepare_variant_is_checked():
-    from flashqla.ops.gdn.kernels.sm90.prepare import VARIANTS, build_prepare_kernel, prepare_kernel_args
-
-    assert VARIANTS == ("v1", "v2", "v3")
-    with pytest.raises(ValueError, match="variant"):
-        build_prepare_kernel(1, 2, 128, "bfloat16", "float32", "int32", False, "bogus")
     k = torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16)
     beta = torch.zeros(1, 8, 2)
-    assert prepare_kernel_args(k, beta, None, 2, "v2")[-1] == "v2"
-    # (a one-sequence 8-token call takes one value head a CTA: the key then ends with 1 after the variant)
-    assert prepare_kernel_args(k, beta, None, 2)[7] in VARIANTS
-
-
-@needs_nvcc
-def test_prepare_default_variant_shares_the_cache_entry():
-    from flashqla.ops.gdn.kernels.sm90.prepare import build_prepare_kernel
-
-    from flashqla.ops.gdn.kernels.sm90.prepare import DEFAULT_VARIANT
-
-    args = (2, 4, 128, "bfloat16", "float32", "int32", True)
-    assert build_prepare_kernel(*args) is build_prepare_kernel(*args, DEFAULT_VARIANT)
+    assert prepare_kernel_args(k, beta, None, 2) == (1, 2, 128, "bfloat16", "float32", "int32", False, 1)
+    assert prepare_kernel_args(k, beta, None, 1) == (1, 1, 128, "bfloat16", "float32", "int32", False)
+    with pytest.raises(ValueError, match="heads_per_cta"):
+        build_prepare_kernel(1, 8, 128, "bfloat16", "float32", "int32", False, 2)
 
 
 def _group_case(seed: int, nvalid: int):
@@ -108,8 +55,8 @@ def _group_case(seed: int, nvalid: int):
 
 @pytest.mark.parametrize("nvalid", [64, 37, 1])
 def test_prepare_group_stage_matches_chunk_reference(nvalid):
-    """The v2 kernel's stage twin (`reference.gdn.fused.prepare_group`: K K^T once per q/k head, the
-    inverse as WY-5 in the kernel's order) equals FLA's stages in fp64, masked rows included."""
+    """The stage twin of the inverse in its nilpotent form (`reference.gdn.fused.prepare_group`: K K^T
+    once per q/k head, the inverse as WY-5) equals FLA's stages in fp64, masked rows included."""
     import math
 
     from reference.gdn.fused import prepare_group
@@ -141,20 +88,20 @@ def _head_loop_body(src: str) -> str:
     "H,HV,dtype,beta_dtype,seq_dtype,varlen",
     [
         (2, 4, "bfloat16", "float32", "int32", True),
-        (1, 1, "float16", "float16", "int64", False),
-        (2, 8, "bfloat16", "float32", "int32", False),
-        (2, 16, "bfloat16", "float32", "int32", True),
+        pytest.param(1, 1, "float16", "float16", "int64", False, marks=pytest.mark.compile_all),
+        pytest.param(2, 8, "bfloat16", "float32", "int32", False, marks=pytest.mark.compile_all),
+        pytest.param(2, 16, "bfloat16", "float32", "int32", True, marks=pytest.mark.compile_all),
     ],
     ids=["gva2-bf16-varlen", "gva1-fp16-int64-fixed", "gva4-bf16-fixed", "gva8-bf16-varlen"],
 )
-def test_prepare_v3_kernel_compiles(H, HV, dtype, beta_dtype, seq_dtype, varlen):
-    """Variant v3: v2's TMA load and store and wgmma K K^T, the block-recursive inverse in tf32
-    mma.sync on 32-row tiles (no 64 x 64 fp32 tile), at most nine barriers per value head (v2:
-    twelve), <= 56 KB shared memory and 128 registers without spills (four CTAs per SM)."""
+def test_prepare_kernel_compiles(H, HV, dtype, beta_dtype, seq_dtype, varlen):
+    """TMA load of k and store of A, wgmma K K^T, the block-recursive inverse in tf32 mma.sync on
+    32-row tiles (no 64 x 64 fp32 tile), at most nine barriers per value head, <= 56 KB shared memory
+    and 128 registers without spills (four CTAs per SM)."""
     from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
     from flashqla.ops.gdn.kernels.sm90.prepare import build_prepare_kernel
 
-    kernel = build_prepare_kernel(H, HV, 128, dtype, beta_dtype, seq_dtype, varlen, "v3")
+    kernel = build_prepare_kernel(H, HV, 128, dtype, beta_dtype, seq_dtype, varlen)
     src = kernel.get_kernel_source()
     assert "tma_load" in src and "tma_store" in src, "k should be loaded and A stored by the copy engine"
     assert "wgmma" in src and "kTensorFloat32" in src
@@ -180,8 +127,8 @@ def test_prepare_v3_kernel_compiles(H, HV, dtype, beta_dtype, seq_dtype, varlen)
 
 @pytest.mark.parametrize("block", [1, 2, 16])
 def test_solve_tril_recursive_matches_blockwise_inverse(block):
-    """v3's inverse order (`solve_tril_recursive`: WY-3 blocks, WY-4 with two blocks at two levels)
-    equals FLA's blockwise merge and v2's nilpotent form in fp64."""
+    """The prepare kernel's inverse order (`solve_tril_recursive`: WY-3 blocks, WY-4 with two blocks at
+    two levels) equals FLA's blockwise merge and the nilpotent form in fp64."""
     from reference.gdn.fused import solve_tril_blocks, solve_tril_nilpotent, solve_tril_recursive
 
     gen = torch.Generator().manual_seed(block)
@@ -197,9 +144,10 @@ def test_solve_tril_recursive_matches_blockwise_inverse(block):
 
 
 @pytest.mark.parametrize("nvalid", [64, 37, 1])
-def test_prepare_group_recursive_matches_v2_twin_and_chunk_reference(nvalid):
-    """The v3 kernel's stage twin (`reference.gdn.fused.prepare_group_recursive`) equals FLA's stages
-    and v2's twin (`prepare_group`) in fp64, masked rows and next-sequence keys included."""
+def test_prepare_group_recursive_matches_nilpotent_twin_and_chunk_reference(nvalid):
+    """The prepare kernel's stage twin (`reference.gdn.fused.prepare_group_recursive`) equals FLA's
+    stages and the nilpotent form's twin (`prepare_group`) in fp64, masked rows and next-sequence keys
+    included."""
     import math
 
     from reference.gdn.fused import prepare_group, prepare_group_recursive
@@ -219,110 +167,24 @@ def test_prepare_group_recursive_matches_v2_twin_and_chunk_reference(nvalid):
         assert (A_beta.triu(1) == 0).all()
 
 
-@needs_nvcc
-@pytest.mark.parametrize(
-    "BV,dtype,seq_dtype,varlen",
-    [(128, "bfloat16", "int32", True), (64, "bfloat16", "int32", False), (64, "float16", "int64", True)],
-    ids=["bv128-bf16-varlen", "bv64-bf16-fixed", "bv64-fp16-int64-varlen"],
-)
-def test_recurrent_kernel_compiles(BV, dtype, seq_dtype, varlen):
+def test_recurrent_build_is_checked():
     from flashqla.ops.gdn.kernels.sm90.recurrent import build_recurrent_kernel
 
-    kernel = build_recurrent_kernel(1, 2, 128, 128, BV, dtype, seq_dtype, varlen)
-    src = kernel.get_kernel_source()
-    assert "wgmma_rs" in src, "the state chain should take its left operand from registers"
-    assert "tma_load" in src, "chunk tiles should be loaded by TMA"
-    assert "warpgroup_reg_dealloc" in src or BV == 64, "producer warpgroup should give registers back"
-
-
-@needs_nvcc
-@pytest.mark.parametrize("BV,varlen", [(128, True), (64, False)], ids=["bv128-varlen", "bv64-fixed"])
-def test_recurrent_overlap_schedule_compiles(BV, varlen):
-    from flashqla.ops.gdn.kernels.sm90.recurrent import build_recurrent_kernel
-
-    kernel = build_recurrent_kernel(1, 2, 128, 128, BV, "bfloat16", "int32", varlen, "overlap")
-    src = kernel.get_kernel_source()
-    assert "wgmma_rs" in src and "tma_load" in src
-    assert "wait_wgmma<2>" in src and "wait_wgmma<1>" in src, "independent wgmma should be issued back to back"
-    # the pipeliner must release a stage only after the wgmma reading it completed: the release of
-    # k (its last reader is the state update) follows the last wait of the loop body
-    body = src[src.rindex("wait_wgmma<0>") :]
-    assert ".arrive();" in body.split("\n    }")[0]
-
-
-@needs_nvcc
-def test_recurrent_serial_schedule_compiles():
-    from flashqla.ops.gdn.kernels.sm90.recurrent import build_recurrent_kernel
-
-    src = build_recurrent_kernel(1, 2, 128, 128, 128, "bfloat16", "int32", True, "serial").get_kernel_source()
-    assert "wgmma_rs" in src and "wait_wgmma" not in src
-
-
-@needs_nvcc
-@pytest.mark.parametrize("BV,seq_dtype", [(128, "int32"), (64, "int64")], ids=["bv128-int32", "bv64-int64"])
-def test_recurrent_dual_launch_compiles(BV, seq_dtype):
-    """The split path's run + transition launch (`chunk_recurrent_dual`) compiles without spills, in
-    the grid's first half reads the per-(sequence, head) transition limits, writes U and P, and the
-    plain kernel's CUDA source is untouched by the option (it has none of the dual launch's code)."""
-    from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
-    from flashqla.ops.gdn.kernels.sm90.recurrent import build_recurrent_kernel
-
-    dual = build_recurrent_kernel(2, 8, 128, 128, BV, "bfloat16", seq_dtype, True, "overlap", True)
-    src = dual.get_kernel_source()
-    assert "limit[" in src and "pt[" in src and "min(nchunks, lim)" in src
-    assert "wgmma_rs" in src and "tma_load" in src and "wait_wgmma<2>" in src
-    rep = ptxas_report(dual)
-    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
-    plain = build_recurrent_kernel(2, 8, 128, 128, BV, "bfloat16", seq_dtype, True, "overlap").get_kernel_source()
-    assert "limit" not in plain and " pt" not in plain and "nloop" not in plain
-    with pytest.raises(ValueError, match="overlap"):
-        build_recurrent_kernel(2, 8, 128, 128, BV, "bfloat16", seq_dtype, True, "serial", True)
-
-
-def test_recurrent_schedule_is_checked():
-    from flashqla.ops.gdn.kernels.sm90.recurrent import SCHEDULES, build_recurrent_kernel, resolve_schedule
-
-    assert SCHEDULES == ("serial", "overlap", "roles")
-    with pytest.raises(ValueError, match="schedule"):
-        build_recurrent_kernel(1, 2, 128, 128, 64, "bfloat16", "int32", False, "bogus")
-    with pytest.raises(ValueError, match="schedule"):
-        resolve_schedule("bogus", 64)
-    with pytest.raises(ValueError, match="BV in"):
-        build_recurrent_kernel(1, 2, 128, 128, 128, "bfloat16", "int32", False, "roles", False, "chain")
+    with pytest.raises(ValueError, match="value slice width BV must be 64 or 128"):
+        build_recurrent_kernel(1, 2, 128, 128, 32, "bfloat16", "int32", False)
     with pytest.raises(ValueError, match="K == V"):
-        build_recurrent_kernel(1, 2, 128, 64, 64, "bfloat16", "int32", True, "roles", True)
-    # "auto": the role-split kernel at both widths; the dual launch: DUAL_SCHEDULE ("roles" unless
-    # FLASHQLA_DUAL_SCHEDULE says otherwise) whatever is requested
-    assert resolve_schedule("auto", 64) == "roles" and resolve_schedule("auto", 128) == "roles"
-    assert resolve_schedule("roles", 128) == "roles" and resolve_schedule("overlap", 128) == "overlap"
-    assert resolve_schedule("serial", 64) == "serial"
-    if "FLASHQLA_DUAL_SCHEDULE" not in os.environ:
-        assert resolve_schedule("auto", 64, dual=True) == "roles" and resolve_schedule("overlap", 128, dual=True) == "roles"
+        build_recurrent_kernel(1, 2, 128, 64, 64, "bfloat16", "int32", True, True)
 
 
-def test_dual_schedule_setting(monkeypatch):
-    """FLASHQLA_DUAL_SCHEDULE picks the dual launch's schedule at both widths, whatever is requested
-    for the plain launches; a bad value is refused by name when the module is imported."""
-    from flashqla.ops.gdn.kernels.sm90 import recurrent
-
-    for dual_schedule in ("overlap", "roles"):
-        monkeypatch.setattr(recurrent, "DUAL_SCHEDULE", dual_schedule)
-        for bv in (64, 128):
-            assert recurrent.resolve_schedule(None, bv, dual=True) == dual_schedule
-            assert recurrent.resolve_schedule("serial", bv, dual=True) == dual_schedule
-    assert recurrent.resolve_schedule(None, 64) == recurrent.resolve_schedule(None, 64, dual=False)
-    code = "import flashqla.ops.gdn.kernels.sm90.recurrent"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, FLASHQLA_DUAL_SCHEDULE="bogus", PYTHONPATH=root)
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert r.returncode != 0 and "FLASHQLA_DUAL_SCHEDULE" in r.stderr, r.stderr[-500:]
+_all = pytest.mark.compile_all
 
 
 @needs_nvcc
-@pytest.mark.parametrize("BV,varlen,dual", [(64, False, False), (64, True, False), (64, True, True),
-                                            (128, False, False), (128, True, False), (128, True, True)])
-def test_roles_kernel_compiles(BV, varlen, dual):
-    """The role-split recurrent kernel (BV = 64: one chain warpgroup; BV = 128: two, 512 threads):
+@pytest.mark.parametrize("BV,varlen,dual", [(64, False, False), pytest.param(64, True, False, marks=_all),
+                                            pytest.param(64, True, True, marks=_all), pytest.param(128, False, False, marks=_all),
+                                            pytest.param(128, True, False, marks=_all), (128, True, True)])
+def test_recurrent_kernel_compiles(BV, varlen, dual):
+    """The recurrent kernel (BV = 64: one chain warpgroup; BV = 128: two, 512 threads):
     warpgroups whose setmaxnreg counts fit the CTA's launch registers (an `inc` past them waits
     forever: the first build hung on the H200), mbarrier hand-offs between the roles, wgmma with the
     state from registers on the chain, TMA loads by one producer warp, no spills, no CTA-wide barrier
@@ -330,13 +192,14 @@ def test_roles_kernel_compiles(BV, varlen, dual):
     import re
 
     from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
-    from flashqla.ops.gdn.kernels.sm90.recurrent import build_recurrent_kernel
-    from flashqla.ops.gdn.kernels.sm90.recurrent_roles import NREG, reg_budget, roles_threads
+    from flashqla.ops.gdn.kernels.sm90.recurrent import NREG, build_recurrent_kernel, reg_budget, roles_threads
 
-    kern = build_recurrent_kernel(2, 8, 128, 128, BV, "bfloat16", "int32", varlen, "roles", dual)
+    kern = build_recurrent_kernel(2, 8, 128, 128, BV, "bfloat16", "int32", varlen, dual)
     src = kern.get_kernel_source()
     if dual:  # the run + transition launch: limits read, transitions to u and pt, cut-short ones 0
         assert "limit[" in src and "pt[" in src and "(u + " in src and "min(nchunks, lim)" in src
+    else:  # the plain launch has none of the dual launch's code
+        assert "min(nchunks, lim)" not in src
     rep = ptxas_report(kern)
     assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
     assert rep["dynamic_smem"] is None or rep["dynamic_smem"] + rep["static_smem"] <= 232448, rep
@@ -397,9 +260,9 @@ def test_compile_cache_hit_does_not_recompile():
     from flashqla.ops.gdn.kernels.sm90._common import compile_count
     from flashqla.ops.gdn.kernels.sm90.recurrent import build_recurrent_kernel
 
-    build_recurrent_kernel(1, 2, 128, 128, 128, "bfloat16", "int32", True)
+    build_recurrent_kernel(2, 8, 128, 128, 64, "bfloat16", "int32", False)
     n = compile_count()
-    build_recurrent_kernel(1, 2, 128, 128, 128, "bfloat16", "int32", True)
+    build_recurrent_kernel(2, 8, 128, 128, 64, "bfloat16", "int32", False)
     assert compile_count() == n
 
 

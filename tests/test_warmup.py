@@ -9,11 +9,16 @@ import flashqla
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """build_kernels replaced by a recorder: the specs warmup asks for, nothing compiled."""
-    import flashqla.ops.gdn.kernels.sm90 as sm90
+    """build_kernels replaced by a recorder (warmup's and the first-use builds'): the specs asked for,
+    nothing compiled."""
+    from flashqla.ops.gdn import api
+    from flashqla.ops.gdn.kernels.sm90 import registry
 
     calls = []
-    monkeypatch.setattr(sm90, "build_kernels", lambda specs: calls.append(list(specs)))
+    record = lambda specs: calls.append(list(specs))  # noqa: E731
+    monkeypatch.setattr(api, "build_kernels", record)
+    monkeypatch.setattr(registry, "build_kernels", record)
+    monkeypatch.setattr(registry, "_BUILT", set())
     return calls
 
 
@@ -22,13 +27,13 @@ def _kinds(specs):
 
 
 def test_builds_both_widths_the_split_path_and_the_backward(recorded):
-    from flashqla.ops.gdn.kernels.sm90 import op_kernel_specs
+    from flashqla.ops.gdn.kernels.sm90.registry import op_kernel_specs
 
     assert flashqla.warmup(2, 4) == 0  # the recorder compiles nothing
     (specs,) = recorded
     assert len(specs) == len(set(specs))
-    plain = [a for k, a in specs if k == "recurrent" and len(a) == 9]
-    dual = [a for k, a in specs if k == "recurrent" and len(a) == 10 and a[-1] is True]
+    plain = [a for k, a in specs if k == "recurrent" and len(a) == 8]
+    dual = [a for k, a in specs if k == "recurrent" and len(a) == 9 and a[-1] is True]
     assert sorted(a[4] for a in plain) == [64, 128]  # BV of the unsplit launch, both widths
     assert sorted(a[4] for a in dual) == [64, 128]
     for kind in ("prepare", "cp_scan", "cp_correct", "cp_limits", "cp_tables", "cp_slot_h0", "cp_relayout",
@@ -40,22 +45,23 @@ def test_builds_both_widths_the_split_path_and_the_backward(recorded):
 
 
 def test_pass2_build_follows_whether_dh0_is_returned(recorded, monkeypatch):
-    """Pass 2 builds with "l" (`chunk_bwd_v5.DH0_OPTS`, the more precise state gradient) for a call that
+    """Pass 2 builds with "l" (`chunk_bwd.DH0_OPTS`, the more precise state gradient) for a call that
     returns dh0 and without it for one that does not; a first use builds only its own, warmup both."""
-    from flashqla.ops.gdn import bwd
+    from flashqla.ops.gdn.backend import Sm90Backend
+    from flashqla.ops.gdn.kernels.sm90 import registry
 
-    pass2 = lambda specs: sorted(a[-1] for k, a in specs if k == "chunk_bwd")  # noqa: E731
+    pass2 = lambda specs: sorted((a[-2], a[-1]) for k, a in specs if k == "chunk_bwd")  # noqa: E731  (varlen, dh0)
     flashqla.warmup(2, 4)
-    assert pass2(recorded[0]) == ["v5:dag", "v5:dagl"]  # packed input (and the split path's segments)
+    assert pass2(recorded[0]) == [(True, False), (True, True)]  # packed input (and the split path's segments)
     flashqla.warmup(2, 4, varlen=False)
-    assert pass2(recorded[1]) == ["v5:", "v5:dag", "v5:dagl", "v5:l"]  # fixed length, and its packed segments
+    assert pass2(recorded[1]) == [(False, False), (False, True), (True, False), (True, True)]  # and its packed segments
     q, v, beta = torch.zeros(1, 128, 2, 128), torch.zeros(1, 128, 4, 128), torch.zeros(1, 128, 4)
     cu = torch.tensor([0, 128], dtype=torch.int32)
-    for dh0, want in ((True, ["v5:dagl"]), (False, ["v5:dag"])):
-        monkeypatch.setattr(bwd, "_BUILT", set())
+    for dh0 in (True, False):
+        monkeypatch.setattr(registry, "_BUILT", set())
         recorded.clear()
-        bwd._build_once(q.bfloat16(), v.bfloat16(), beta, cu, torch.bfloat16, dh0)
-        assert pass2(recorded[0]) == want, dh0
+        Sm90Backend()._build_bwd(q.bfloat16(), v.bfloat16(), beta, cu, dh0)
+        assert pass2(recorded[0]) == [(True, dh0)], dh0
 
 
 def test_forward_only_and_dtypes(recorded):
@@ -67,7 +73,7 @@ def test_forward_only_and_dtypes(recorded):
     assert all(a[3] == "float16" and a[4] == "float16" for a in prepare)
     # the caller's rows, and the split path's packed int32 segment offsets, each with all G value
     # heads a CTA and with one (`prepare.pick_heads_per_cta`, for few chunk slots)
-    assert sorted((a[5], a[6], a[8] if len(a) > 8 else 0) for a in prepare) == [
+    assert sorted((a[5], a[6], a[7] if len(a) > 7 else 0) for a in prepare) == [
         ("int32", False, 0), ("int32", False, 1), ("int32", True, 0), ("int32", True, 1)]
     flashqla.warmup(4, 8, seqlens_dtype=torch.int64, backward=False)
     assert all(a[5] == "int64" for k, a in recorded[1] if k == "prepare")
@@ -75,14 +81,14 @@ def test_forward_only_and_dtypes(recorded):
 
 @pytest.mark.parametrize("dtype, beta_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float16)])
 def test_fixed_length_covers_the_split_path(recorded, monkeypatch, dtype, beta_dtype):
-    """A fixed-length batch splits on packed int32 offsets of its segments (`cp.driver`): warmup with
-    varlen=False builds what that path builds on them, keys taken from the op's own first uses (the
-    backend's warm of the split forward and of the backward's recompute, the segments' backward
-    `bwd._build_once`, the slot relayouts both ways)."""
-    import flashqla.ops.gdn.kernels.sm90.cp_relayout as cp_relayout
-    from flashqla.cp.driver import Sm90Backend, _dual_applies, _flat, _int32_tables
-    from flashqla.cp.planner import build_segment_tables
-    from flashqla.ops.gdn import bwd
+    """A fixed-length batch splits on packed int32 offsets of its segments (`flashqla.cp.segments`):
+    warmup with varlen=False builds what that path builds on them, keys taken from the op's own first
+    uses (the backend's warm of the split forward and of the backward's recompute, the segments'
+    backward `Sm90Backend._build_bwd`, the slot relayouts both ways)."""
+    import flashqla.cp.segments as segments
+    from flashqla.cp.forward import flat
+    from flashqla.ops.gdn.backend import Sm90Backend
+    from flashqla.ops.gdn.kernels.sm90 import registry
 
     H, HV, B, T = 2, 4, 3, 3000
     flashqla.warmup(H, HV, dtype=dtype, beta_dtype=beta_dtype, varlen=False)
@@ -92,22 +98,26 @@ def test_fixed_length_covers_the_split_path(recorded, monkeypatch, dtype, beta_d
     q = torch.zeros(B, T, H, 128, dtype=dtype)
     v = torch.zeros(B, T, HV, 128, dtype=dtype)
     beta = torch.zeros(B, T, HV, dtype=beta_dtype)
-    tables = _int32_tables(build_segment_tables(None, 512, T=T, B=B), B * T)
+    tables, _ = segments.split_tables(None, 512, B, T, "cpu")
     pcu = tables.cu_seqlens
-    assert pcu.dtype == torch.int32 and _dual_applies(q, v)
-    qf, vf, bf = _flat(q), _flat(v), _flat(beta)
+    assert pcu.dtype == torch.int32
+    qf, vf, bf = flat(q), flat(v), flat(beta)
     for bv in (64, 128):  # either width the planner picks
         Sm90Backend().warm(qf, bf, qf, vf, pcu, HV, bv, dual=True)
-    monkeypatch.setattr(bwd, "_BUILT", set())
-    bwd._build_once(qf, vf, bf, pcu, torch.bfloat16)
+    monkeypatch.setattr(registry, "_BUILT", set())
+    for dh0 in (True, False):
+        Sm90Backend()._build_bwd(qf, vf, bf, pcu, dh0)
     relayouts = []
+    import flashqla.ops.gdn.kernels.sm90.cp_relayout as cp_relayout
+
     monkeypatch.setattr(cp_relayout, "build_relayout_kernel",
                         lambda *args: relayouts.append(("cp_relayout", args)) or (lambda *a: None))
     A, G = torch.zeros(HV, 64, 64, dtype=dtype), torch.zeros(HV, 64)
     for to_segments in (False, True):
         cp_relayout.relayout_slots(A, G, tables, None, B, T, 1, to_segments)
     want = {s for call in recorded for s in call} | set(relayouts)
-    assert {k for k, _ in want} >= {"prepare", "recurrent", "cp_tables", "cp_relayout", "chunk_bwd"}
+    pass2 = "chunk_bwd" if dtype == torch.bfloat16 else "chunk_bwd_fp16"
+    assert {k for k, _ in want} >= {"prepare", "recurrent", "cp_relayout", pass2}
     assert want <= set(warm), f"not warmed up: {sorted(want - set(warm))}"
 
 

@@ -105,7 +105,7 @@ def _load_ours() -> tuple[Callable, Callable, str]:
     fwd_fn = importlib.import_module("flashqla.ops.gdn.api").chunk_gated_delta_rule_fwd
     bwd_fn, extra, name = ours_bwd_source()
 
-    from flashqla.validation import max_seqlen_hint, planning_seqlens
+    from flashqla.contract import max_seqlen_hint, planning_seqlens
 
     def fwd(x):  # the lengths are the planner's host-side hints (no device read), as the public op's
         sl = planning_seqlens(x.cu_seqlens_cpu, x.cu_seqlens, x.q.shape[1])

@@ -1,88 +1,48 @@
-"""Context parallelism on one device: the planner (when and where to split, segment tables without
-host sync, a plan cache keyed on static facts), the state merge (combine scan) and the driver that
-runs the existing sm_90 forward launches over segments (`chunk_gated_delta_rule_cp_fwd`)."""
+"""Context parallelism on one device: long sequences with few value heads cut into segments that run
+side by side, stitched exactly (derivations CP-1..CP-6).
 
-from flashqla.cp.driver import (
-    CP_ENV,
-    CP_MODES,
-    CORRECTIONS,
-    CPInfo,
-    Sm90Backend,
-    chunk_gated_delta_rule_cp_bwd,
-    chunk_gated_delta_rule_cp_fwd,
-    cp_backward,
-    cp_forward,
-    cp_splits,
-    segment_slots_to_sequence_slots,
-    sequence_slots_to_segment_slots,
-)
-from flashqla.cp.merge import scan_segment_grads, scan_segment_states
-from flashqla.cp.planner import (
-    BV_CHOICES,
-    BWD_CHUNK_COST,
-    CHUNK_COST,
-    CORRECTION_COST,
-    DEFAULT_GATE_CHUNKS,
-    DEFAULT_SM_COUNT,
-    GATE_THRESHOLD,
-    TRUNCATE_LOG_DECAY,
-    MIN_GAIN,
-    BWD_MIN_GAIN,
-    PASSES_EXACT,
-    PASSES_GATED,
-    SEGMENT_QUANTUM,
-    TIE,
-    CPPlan,
-    PlanKey,
-    SegmentTables,
-    build_segment_tables,
-    clear_plan_cache,
-    get_cp_plan,
-    num_segment_slots,
-    plan_cache_info,
-    plan_cp,
-    plan_key,
-    sm_count,
-)
+    plan        whether and where to split (`plan_call`, `plan_cp`; cached on static facts)
+    segments    the segment tables (`build_segment_tables`, `segment_tables_device`) and the moves of
+                A and g_cum_log2 between the caller's and the segments' chunk slots
+    forward     the split forward over a plan's tables (`cp_forward`; `cp_forward_open` for a sequence
+                entered from elsewhere, `flashqla.distributed`)
+    backward    the split backward (`cp_backward`, `cp_backward_open`)
+    saved       what a training forward keeps for its backward (`CPSaved`)
+    merge       the combine scans (`scan_segment_states`, `scan_segment_grads`, `scan_open_states`)
+
+The op (`flashqla.chunk_gated_delta_rule_fwd` / `_bwd`, whose `cp=`, `segment_len=`, `truncate=` and
+`backend=` options reach these) plans once per call and passes the plan down. The passes here run the
+launches of a backend (`flashqla.ops.gdn.backend`: the sm_90 kernels, or
+`reference.gdn.cp.ReferenceCPBackend`, their fp64 stand-in on any device).
+"""
+
+from flashqla.cp.backward import cp_backward, cp_backward_open
+from flashqla.cp.forward import CPInfo, OpenForward, cp_forward, cp_forward_open, transition_limits
+from flashqla.cp.merge import scan_open_states, scan_segment_grads, scan_segment_states
+from flashqla.cp.plan import CallPlan, CPPlan, clear_plan_cache, plan_call, plan_cp, plan_for, sm_count
+from flashqla.cp.saved import CPSaved
+from flashqla.cp.segments import SegmentTables, build_segment_tables, segment_tables_device
 
 __all__ = [
-    "CP_ENV",
-    "CP_MODES",
-    "CORRECTIONS",
     "CPInfo",
-    "Sm90Backend",
-    "chunk_gated_delta_rule_cp_bwd",
-    "chunk_gated_delta_rule_cp_fwd",
-    "cp_backward",
-    "cp_forward",
-    "cp_splits",
-    "segment_slots_to_sequence_slots",
-    "sequence_slots_to_segment_slots",
-    "scan_segment_grads",
-    "BV_CHOICES",
-    "BWD_CHUNK_COST",
-    "CHUNK_COST",
-    "CORRECTION_COST",
-    "DEFAULT_GATE_CHUNKS",
-    "DEFAULT_SM_COUNT",
-    "GATE_THRESHOLD",
-    "TRUNCATE_LOG_DECAY",
-    "MIN_GAIN",
-    "BWD_MIN_GAIN",
-    "PASSES_EXACT",
-    "PASSES_GATED",
-    "SEGMENT_QUANTUM",
-    "TIE",
     "CPPlan",
-    "PlanKey",
+    "CPSaved",
+    "CallPlan",
+    "OpenForward",
     "SegmentTables",
     "build_segment_tables",
     "clear_plan_cache",
-    "get_cp_plan",
-    "num_segment_slots",
-    "plan_cache_info",
+    "cp_backward",
+    "cp_backward_open",
+    "cp_forward",
+    "cp_forward_open",
+    "plan_call",
     "plan_cp",
-    "plan_key",
-    "sm_count",
+    "plan_for",
+    "scan_open_states",
+    "scan_segment_grads",
     "scan_segment_states",
+    "segment_tables_device",
+    "sm_count",
+    "transition_limits",
 ]

@@ -5,7 +5,7 @@ On a CUDA device with fp32 states both scans below run as one launch of the kern
 columns; every step in fp32); the torch code here is the fallback (any device, fp64) and the
 kernel's specification.
 
-`scan_segment_states` is the combine scan the CP forward (`flashqla.cp.driver`) runs in torch: per
+`scan_segment_states` is the combine scan the CP forward (`flashqla.cp.forward`) runs in torch: per
 sequence it walks the segments in slot order, S <- P_j S + Q_j, from the sequence's initial state
 (or zeros). Its loop count is ceil(T / L), a bound from shapes alone, and every step is a masked
 gather / scatter over all sequences at once, so it needs no host synchronisation either. With one
@@ -14,7 +14,7 @@ single batched product written in place (`torch.baddbmm(..., out=)`): ceil(T / L
 
 `scan_open_states` is the same scan with sequence 0's entering state left symbolic (the composed maps
 A_j of its segments next to the zero-start states B_j), for a sequence continued from elsewhere
-(`flashqla.cp.driver.cp_forward_open`, the cross-rank op `flashqla.distributed`).
+(`flashqla.cp.forward.cp_forward_open`, the cross-rank op `flashqla.distributed`).
 
 Two launch schemes fit the tables:
   first_from_h0=False  every segment runs from zero; Q_j is its zero-start end state and every valid
@@ -29,43 +29,22 @@ from __future__ import annotations
 
 import torch
 
-from flashqla.cp.planner import SegmentTables
+from flashqla.cp.segments import SegmentTables
+from flashqla.ops.gdn.kernels.sm90._common import on_sm90
+from flashqla.ops.gdn.kernels.sm90.cp_scan import cp_scan
 
-#: Environment variable: "torch" runs the scans below as torch products on CUDA too (the default,
-#: "kernel", launches `flashqla.ops.gdn.kernels.sm90.cp_scan` for fp32 states on a CUDA device).
-SCAN_ENV = "FLASHQLA_CP_SCAN"
+__all__ = ["scan_open_states", "scan_segment_grads", "scan_segment_states"]
 
 
 def _use_kernel(P: torch.Tensor, Q: torch.Tensor) -> bool:
     """The one-launch scan kernel applies: fp32 on an sm_90 device, K a multiple of 8 and V of 16."""
-    from flashqla.ops.gdn.kernels.sm90._common import on_sm90
-
     K, V = Q.shape[2], Q.shape[3]
-    return (cp_kernels_enabled() and P.dtype == torch.float32 and Q.dtype == torch.float32 and K % 8 == 0
-            and V % 16 == 0 and on_sm90(P) and on_sm90(Q))
-
-
-def cp_kernels_enabled() -> bool:
-    """False when $FLASHQLA_CP_SCAN is "torch": the split path then runs its scans, output
-    correction and segment gradients as torch ops (for comparisons), else the one-launch kernels
-    where they apply."""
-    import os
-
-    return os.environ.get(SCAN_ENV, "kernel") != "torch"
-
-__all__ = ["scan_segment_states", "scan_segment_grads", "scan_open_states"]
-
-
-#: Row-block height of the one-sequence scan's products (None: one [K, K] x [K, V] product per value
-#: head). With a height, a step S <- P S + Q runs as HV * K / ROW_BLOCK products of [ROW_BLOCK, K] x
-#: [K, V] (rows of P against a copy of S per block). Measured on the H200 (2/8 heads, 1 x 32768, 16
-#: segments, CUDA graphs): whole products 0.157 ms for the scan, blocks of 32 rows 0.203 ms, of 16
-#: rows 0.221 ms (the copy of S costs more than the extra tiles gain), hence None.
-ROW_BLOCK = None
+    return (P.dtype == torch.float32 and Q.dtype == torch.float32 and K % 8 == 0 and V % 16 == 0 and on_sm90(P)
+            and on_sm90(Q))
 
 
 def scan_segment_states(P: torch.Tensor, Q: torch.Tensor, tables: SegmentTables, T: int, initial_state=None,
-                        first_from_h0: bool = False, row_block: int | None = -1, limit: torch.Tensor | None = None):
+                        first_from_h0: bool = False, limit: torch.Tensor | None = None):
     """The exact state entering every segment slot and every sequence's final state.
 
     Args:
@@ -73,9 +52,8 @@ def scan_segment_states(P: torch.Tensor, Q: torch.Tensor, tables: SegmentTables,
             first_from_h0); Q: [M, HV, K, V] each slot's end state from its run (zero start, or h0 for
             first slots when first_from_h0); tables: `build_segment_tables`; T: tokens per row (the
             shape-only bound ceil(T / L) on segments per sequence); initial_state: None or
-            [N, HV, K, V]; first_from_h0: see the module docstring; row_block: the one-sequence scan's
-            row-block height (-1: ROW_BLOCK; None: whole products; must divide K); limit: None or
-            [M, HV] the chunks each transition walked (`flashqla.cp.driver.transition_limits`): the
+            [N, HV, K, V]; first_from_h0: see the module docstring; limit: None or
+            [M, HV] the chunks each transition walked (`flashqla.cp.forward.transition_limits`): the
             sm_90 scan kernel skips the product of a step whose P the cut set to 0 (`cp_scan`; the
             same values), the torch paths ignore it.
     Returns:
@@ -85,12 +63,10 @@ def scan_segment_states(P: torch.Tensor, Q: torch.Tensor, tables: SegmentTables,
     M, HV, K, V = Q.shape
     N = tables.N
     if _use_kernel(P, Q):
-        from flashqla.ops.gdn.kernels.sm90.cp_scan import cp_scan
-
         h0 = None if initial_state is None else initial_state.to(torch.float32)
         return cp_scan(P, Q, tables.seq_first, tables.seq_num, h0, skip_first=first_from_h0, **_limits(limit, tables))
     if N == 1:
-        return _scan_one_sequence(P, Q, tables, T, initial_state, first_from_h0, ROW_BLOCK if row_block == -1 else row_block)
+        return _scan_one_sequence(P, Q, tables, T, initial_state, first_from_h0)
     S = Q.new_zeros(N, HV, K, V) if initial_state is None else initial_state.to(Q.dtype).clone()
     starts = Q.new_zeros(M + 1, HV, K, V)  # row M takes the writes of sequences with no segment j
     dummy = torch.full_like(tables.seq_first, M)
@@ -104,22 +80,16 @@ def scan_segment_states(P: torch.Tensor, Q: torch.Tensor, tables: SegmentTables,
     return starts[:M], S
 
 
-def _scan_one_sequence(P, Q, tables: SegmentTables, T: int, initial_state, first_from_h0: bool, row_block=None):
+def _scan_one_sequence(P, Q, tables: SegmentTables, T: int, initial_state, first_from_h0: bool):
     """`scan_segment_states` for N == 1: segment j in slot j (seq_first[0] = floor(cu[0] / L) = 0),
-    at most ceil(T / L) segments; each step one product into the slot's end-state row (with
-    row_block: rows of P in blocks against a replicated S, the same sums)."""
+    at most ceil(T / L) segments; each step one product into the slot's end-state row."""
     M, HV, K, V = Q.shape
-    rb = row_block if row_block and K % row_block == 0 and row_block < K else None
-    nb = K // rb if rb else 1
     S0 = Q.new_zeros(1, HV, K, V) if initial_state is None else initial_state.to(Q.dtype)
     ends = Q.new_empty(M, HV, K, V)
     S = S0[0]
     for j in range(min(tables.max_segments_per_sequence(T), M)):
         if first_from_h0 and j == 0:
             ends[0] = Q[0]
-        elif rb:
-            S_rep = S[:, None].expand(HV, nb, K, V).reshape(HV * nb, K, V)
-            torch.baddbmm(Q[j].view(HV * nb, rb, V), P[j].view(HV * nb, rb, K), S_rep, out=ends[j].view(HV * nb, rb, V))
         else:
             torch.baddbmm(Q[j], P[j], S, out=ends[j])
         S = ends[j]
@@ -132,7 +102,7 @@ def _scan_one_sequence(P, Q, tables: SegmentTables, T: int, initial_state, first
 
 def scan_open_states(P: torch.Tensor, Q: torch.Tensor, tables: SegmentTables, T: int, initial_state=None):
     """The combine scan when the state entering sequence 0 is not known yet (an "open" sequence: it
-    continues one begun elsewhere, `flashqla.cp.driver.cp_forward_open`): every slot's entering state
+    continues one begun elsewhere, `flashqla.cp.forward.cp_forward_open`): every slot's entering state
     as an affine function of that state S_in.
 
     Sequence 0's first slot (slot 0) is run from zero and transitioned from I like a non-first slot,
@@ -213,8 +183,6 @@ def scan_segment_grads(P: torch.Tensor, E: torch.Tensor, tables: SegmentTables, 
     M, HV, K, V = E.shape
     N = tables.N
     if _use_kernel(P, E):
-        from flashqla.ops.gdn.kernels.sm90.cp_scan import cp_scan
-
         D0 = None if dht is None else dht.to(torch.float32)
         return cp_scan(P, E, tables.seq_first, tables.seq_num, D0, reverse=True, **_limits(limit, tables))[0]
     J = min(tables.max_segments_per_sequence(T), M) if M else 0

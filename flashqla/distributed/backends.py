@@ -16,10 +16,10 @@ zeros; `saved` is what `forward` returned for the same (k, g, beta, cu_seqlens),
 
 A backend may also offer the segmented path (`SegmentedBackend`, and `KernelBackend` built on it):
 
-    segment_plan(q, v, cu_seqlens, max_seqlen) -> a `flashqla.cp.planner.CPPlan` that splits, or None
-    cp_backend                                   the launch-level `flashqla.cp.driver.CPBackend`
+    segment_plan(q, v, cu_seqlens, max_seqlen) -> a `flashqla.cp.plan.CPPlan` that splits, or None
+    cp_backend                                   the launch-level `flashqla.ops.gdn.backend.Backend`
 
-with which the op runs the rank's pieces as one intra-device CP pass (`flashqla.cp.driver.
+with which the op runs the rank's pieces as one intra-device CP pass (`flashqla.cp.forward.
 cp_forward_open` / `cp_backward_open`) instead of calling `forward` / `backward` per piece group.
 """
 
@@ -28,6 +28,12 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+
+from flashqla.contract import check_device, check_supported, cp_mode
+from flashqla.cp.plan import BV_CHOICES, DEFAULT_SM_COUNT, CPPlan, plan_for
+from flashqla.ops.gdn.backend import default_backend
+from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
+from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd
 
 __all__ = ["CPComputeBackend", "SegmentedBackend", "KernelBackend", "FunctionBackend", "resolve_backend"]
 
@@ -46,24 +52,24 @@ class CPComputeBackend(Protocol):
 
 def _plannable(v) -> bool:
     """Whether the planner can cost this value head dim (a kernel value-slice width divides it)."""
-    from flashqla.cp.planner import BV_CHOICES
-
     return any(v.shape[3] % bv == 0 for bv in BV_CHOICES)
 
 
 class SegmentedBackend:
-    """Per-rank compute through the intra-device CP driver (`flashqla.cp.driver`) over a launch-level
-    backend (`flashqla.cp.driver.CPBackend`: prepare, recurrent, bwd, zeros, state_dtype), for example
+    """Per-rank compute through the op's drivers (`flashqla.chunk_gated_delta_rule_fwd` / `_bwd`, split
+    or not by `flashqla.cp`) over a launch-level backend (`flashqla.ops.gdn.backend.Backend`: prepare,
+    recurrent, bwd, zeros, state_dtype), for example
     `reference.gdn.cp.ReferenceCPBackend()` (fp64, any device; what the CPU tests run).
 
     Besides the four methods of the protocol it offers `segment_plan`: when the rank's pieces split
     into segments (the planner of `flashqla.cp` in mode `cp`, or `segment_len`), the op
     (`flashqla.distributed.op`) runs them through `cp_forward_open` / `cp_backward_open`, treating a
     continuing piece 0 as an open sequence (no extra launch for it). Otherwise `forward` / `backward`
-    run the driver's entry points (split or not by the same planner).
+    run the drivers (split or not by the same planner).
 
     Args:
-        cp_backend: the launch-level backend (None: the sm_90 kernels, `flashqla.cp.driver.Sm90Backend`).
+        cp_backend: the launch-level backend (None: the sm_90 kernels, `flashqla.ops.gdn.backend.Sm90Backend`,
+            with the fast path's input checks).
         cp: intra-device mode ("off", "auto", "on"; None reads $FLASHQLA_CP, default "auto").
         segment_len: fix the segment length (a positive multiple of 64) when splitting.
         sm_count: SMs assumed by the planner (None: the device's).
@@ -74,8 +80,6 @@ class SegmentedBackend:
 
     def __init__(self, cp_backend=None, cp: str | None = "auto", *, segment_len: int | None = None,
                  sm_count: int | None = None):
-        from flashqla.ops.gdn.api import cp_mode
-
         self.cp = cp_mode(cp, default="auto")
         if segment_len is not None and (isinstance(segment_len, bool) or not isinstance(segment_len, int)
                                         or segment_len <= 0 or segment_len % 64):
@@ -88,11 +92,7 @@ class SegmentedBackend:
     @property
     def cp_backend(self):
         """The launch-level backend (the sm_90 one is created at first use)."""
-        if self._cp_backend is None:
-            from flashqla.cp.driver import _default_backend
-
-            self._cp_backend = _default_backend()
-        return self._cp_backend
+        return default_backend() if self._cp_backend is None else self._cp_backend
 
     def check(self, q, k, v, g, beta, initial_state) -> None:
         return None
@@ -107,31 +107,24 @@ class SegmentedBackend:
         run those) is split only when forced with a fixed segment_len."""
         if self.cp == "off":
             return None
-        from flashqla.cp.planner import CPPlan, DEFAULT_SM_COUNT, get_cp_plan
-
         if not _plannable(v):
             if self.cp == "on" and self.segment_len is not None:
                 return CPPlan(True, self.segment_len, v.shape[3], True, self.sm_count or DEFAULT_SM_COUNT, 0.0, None,
                               "forced segment_len (head dim outside the kernels' value-slice widths)")
             return None
-        plan, _ = get_cp_plan(q, v, cu_seqlens, sm_count_override=self.sm_count, force=self.cp == "on", exact=True,
-                              segment_len=self.segment_len, max_seqlen=max_seqlen, build_tables=False)
+        plan = plan_for(q, v, cu_seqlens, sm_count_override=self.sm_count, force=self.cp == "on", exact=True,
+                        segment_len=self.segment_len, max_seqlen=max_seqlen)
         return plan if plan.split else None
 
     def _mode(self, v) -> str:
         return self.cp if _plannable(v) else "off"
 
     def forward(self, q, k, v, g, beta, scale, initial_state, cu_seqlens):
-        from flashqla.cp.driver import chunk_gated_delta_rule_cp_fwd
-
-        f = chunk_gated_delta_rule_cp_fwd(q, k, v, g, beta, scale, initial_state, True, cu_seqlens, cp=self._mode(v),
-                                          segment_len=self.segment_len, sm_count=self.sm_count,
-                                          backend=self._cp_backend)
+        f = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, True, cu_seqlens, cp=self._mode(v),
+                                       segment_len=self.segment_len, sm_count=self.sm_count, backend=self._cp_backend)
         return f.o, f.final_state, (f.A, f.g_cum_log2)
 
     def backward(self, q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, saved):
-        from flashqla.cp.driver import chunk_gated_delta_rule_cp_bwd
-
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         if saved is None:
             saved = self.cp_backend.prepare(k, g, beta, cu_seqlens, v.shape[2])
@@ -141,24 +134,22 @@ class SegmentedBackend:
         dht = None if dht is None else dht.to(sd).contiguous()
         if initial_state is not None:
             initial_state = initial_state.to(sd).contiguous()
-        return chunk_gated_delta_rule_cp_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens,
-                                             cp=self._mode(v), segment_len=self.segment_len, sm_count=self.sm_count,
-                                             backend=self._cp_backend)
+        return chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens,
+                                          cp=self._mode(v), segment_len=self.segment_len, sm_count=self.sm_count,
+                                          backend=self._cp_backend)
 
 
 class KernelBackend(SegmentedBackend):
-    """The sm_90 kernels: `flashqla.ops.gdn.api.chunk_gated_delta_rule_fwd` and
-    `flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd` (bf16/fp16 q, k, v; fp32 g and states;
-    K = V = 128; compute capability 9.0), and the segmented path of `SegmentedBackend` on the sm_90
-    launches (`flashqla.cp.driver.Sm90Backend`). `saved` is the forward's (A diag(beta), g_cum_log2)
-    in the slot layout of the pieces' offsets; without it the backward recomputes them with one
-    prepare launch.
+    """The sm_90 kernels (`flashqla.ops.gdn.backend.Sm90Backend`; bf16/fp16 q, k, v; fp32 g and states;
+    K = V = 128; compute capability 9.0) through the drivers of `SegmentedBackend`. `saved` is the
+    forward's (A diag(beta), g_cum_log2) in the slot layout of the pieces' offsets; without it the
+    backward recomputes them with one prepare launch.
 
     cp: the intra-device context-parallel mode of every local launch ("off", "auto" or "on"; None
-    reads $FLASHQLA_CP, default "auto"; `flashqla.ops.gdn.api.cp_mode`): with "auto" the planner of
+    reads $FLASHQLA_CP, default "auto"; `flashqla.contract.cp_mode`): with "auto" the planner of
     `flashqla.cp` splits a rank's long pieces into segments run side by side, as the single-GPU op
     does with the same mode; "off" runs every piece unsplit. segment_len, sm_count: planner
-    overrides (as `chunk_gated_delta_rule_cp_fwd`'s). Raises ValueError for an unknown mode."""
+    overrides (as `chunk_gated_delta_rule_fwd`'s). Raises ValueError for an unknown mode."""
 
     name = "kernels"
 
@@ -167,39 +158,11 @@ class KernelBackend(SegmentedBackend):
         self.name = f"kernels(cp={self.cp})"
 
     def check(self, q, k, v, g, beta, initial_state) -> None:
-        from flashqla.ops.gdn.api import _check_device, _check_supported
-
-        _check_supported(q, k, v, g, beta, initial_state)
-        _check_device(q)
+        check_supported(q, k, v, g, beta, initial_state)
+        check_device(q)
 
     def state_dtype(self, q, g, beta, initial_state) -> torch.dtype:
         return torch.float32
-
-    def forward(self, q, k, v, g, beta, scale, initial_state, cu_seqlens):
-        if self.segment_len is not None or self.sm_count is not None:
-            return super().forward(q, k, v, g, beta, scale, initial_state, cu_seqlens)
-        from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
-
-        f = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, True, cu_seqlens, cp=self.cp)
-        return f.o, f.final_state, (f.A, f.g_cum_log2)
-
-    def backward(self, q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, saved):
-        if self.segment_len is not None or self.sm_count is not None:
-            return super().backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, saved)
-        from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
-
-        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-        if saved is None:
-            from flashqla.ops.gdn.kernels.sm90.prepare import chunk_prepare_fwd
-
-            saved = chunk_prepare_fwd(k, g, beta, cu_seqlens, v.shape[2])
-        A, g_cum_log2 = saved
-        do = do.to(q.dtype).contiguous()
-        dht = None if dht is None else dht.to(torch.float32).contiguous()
-        if initial_state is not None:
-            initial_state = initial_state.to(torch.float32).contiguous()
-        return chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens,
-                                          cp=self.cp)
 
 
 class FunctionBackend:

@@ -7,7 +7,7 @@ continuing on a later one). Two paths compute the same thing; every rank makes t
 collectives (one all-gather forward, one backward) whichever it takes.
 
 Segmented path (a backend with `segment_plan`, e.g. `KernelBackend(cp="auto")`, whose plan splits the
-rank's pieces; `flashqla.cp.driver.cp_forward_open` / `cp_backward_open`): the rank's pieces are ONE
+rank's pieces; `flashqla.cp.forward.cp_forward_open` / `flashqla.cp.backward.cp_backward_open`): the rank's pieces are ONE
 intra-device CP pass over its T_r tokens, segments of L tokens run side by side, a continuing piece 0
 treated as an "open" sequence (its entering state S_in is known only after the exchange):
 
@@ -37,7 +37,7 @@ treated as an "open" sequence (its entering state S_in is known only after the e
                        the sequence's last token, X <- D_r + P_r^T X over the ranks in between
     5. backward        the reverse segment scan with terminal gradients (X on a continuing last
                        piece), then ONE unsplit backward over all segments from their true entering
-                       states and terminal gradients (`flashqla.cp.driver` CPBackend.bwd)
+                       states and terminal gradients (`flashqla.ops.gdn.backend.Backend.bwd`)
   Launches per rank: forward prepare + 2 recurrent; backward 1 recurrent + 1 backward (its kernels).
 
 Per-piece path (any other backend, e.g. `FunctionBackend` around an FLA-signature op, a plan that does
@@ -81,7 +81,7 @@ medians, ms; 1 GPU = `flashqla.chunk_gated_delta_rule`, CP off):
 
 Derivations: CP-1 (affine map of a segment), CP-2 (composition, the scan), CP-3 (output correction),
 BWD-dSin (the gradient at an entering state from forward quantities) in `derivations/cp.py`; the
-simulated single-device form is `reference.gdn.cp`, the intra-device driver `flashqla.cp.driver`.
+simulated single-device form is `reference.gdn.cp`, the intra-device passes `flashqla.cp.forward` / `flashqla.cp.backward`.
 """
 
 from __future__ import annotations
@@ -92,8 +92,10 @@ import torch
 
 from flashqla.distributed.backends import resolve_backend
 from flashqla.distributed.context import CPContext, build_cp_context
-from flashqla.ops.gdn.api import _l2norm
-from flashqla.validation import FLOAT_DTYPES, check_gdn_inputs
+from flashqla.contract import FLOAT_DTYPES, check_gdn_inputs, l2norm
+from flashqla.cp.backward import cp_backward_open
+from flashqla.cp.forward import cp_forward_open
+from flashqla.cp.segments import build_segment_tables
 
 __all__ = ["chunk_gated_delta_rule_cp", "exchange_bytes"]
 
@@ -273,8 +275,6 @@ def _cp_forward_segments(run: _Run, plan, q, k, v, g, beta, h0):
     """The segmented path: the rank's pieces as one intra-device CP pass (`cp_forward_open`), piece 0
     an open sequence when it continues (transitioned from I in the same launch as the other segments,
     corrected with A_j S_in + B_j after the exchange)."""
-    from flashqla.cp.driver import cp_forward_open
-    from flashqla.cp.planner import build_segment_tables
 
     ctx, be, sdt = run.ctx, run.backend, run.state_dtype
     dev = q.device
@@ -306,7 +306,6 @@ def _cp_forward_segments(run: _Run, plan, q, k, v, g, beta, h0):
 def _cp_backward_segments(run: _Run, keep, q, k, v, g, beta, h0, do, dfinal):
     """The segmented path's backward (`cp_backward_open`): D from forward quantities before the
     all-gather, then one backward over all segments."""
-    from flashqla.cp.driver import cp_backward_open
 
     ctx, sdt = run.ctx, run.state_dtype
     dev = q.device
@@ -532,7 +531,7 @@ def chunk_gated_delta_rule_cp(
         raise RuntimeError("cp_context was built without a process group (rank=, world_size=): it cannot run across ranks")
     scale = d.K**-0.5 if scale is None else float(scale)
     if use_qk_l2norm_in_kernel:
-        q, k = _l2norm(q), _l2norm(k)
+        q, k = l2norm(q), l2norm(k)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()

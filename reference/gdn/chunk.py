@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashqla.validation import check_gdn_inputs
+from flashqla.contract import check_gdn_inputs
 from reference.gdn.recurrent import compute_dtype, seq_bounds
 
 __all__ = [

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashqla.validation import check_gdn_inputs
+from flashqla.contract import check_gdn_inputs
 from reference.gdn.chunk import floor_gates, prepare_chunk_layout
 from reference.gdn.fused import (
     chunk_transition,

@@ -44,7 +44,7 @@ import math
 
 import torch
 
-from flashqla.validation import check_gdn_inputs
+from flashqla.contract import check_gdn_inputs
 from reference.gdn.chunk import ChunkLayout, floor_gates, gather_chunks, prepare_chunk_layout, scatter_chunks
 from reference.gdn.recurrent import compute_dtype, seq_bounds
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from flashqla.validation import check_gdn_inputs
+from flashqla.contract import check_gdn_inputs
 from reference.gdn.chunk import G_FLOOR, check_chunk_size, chunk_gated_delta_rule_fwd
 from reference.gdn.chunk_bwd import chunk_gated_delta_rule_bwd
 from reference.gdn.recurrent import L2NORM_EPS, compute_dtype, l2norm

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from flashqla.validation import check_gdn_inputs
+from flashqla.contract import check_gdn_inputs
 
 __all__ = ["recurrent_gated_delta_rule", "l2norm", "compute_dtype", "seq_bounds"]
 

@@ -14,24 +14,31 @@ known output shapes (fake implementations below) instead of tracing into TileLan
         -> (dq, dk, dv, dg fp32, dbeta in beta's dtype, dh0 [N, HV, K, V] fp32 (or [0] without initial_state
             or when need_dh0 is False: autograd passes whether initial_state requires grad))
 
-cp is the context-parallel mode ("off", "auto", "on"; `flashqla.ops.gdn.api.cp_mode`): A and
-g_cum_log2 come back in the unsplit layout either way. max_seqlen is the planner's host-side length
-hint (`flashqla.validation.planning_max_seqlen`; None: balanced lengths assumed); it changes the plan,
-never the results. S is the number of chunk slots (`kernels.sm90._common.num_slots`: B * ceil(T / 64), or
+The ops run on inputs the public op has validated (`flashqla.chunk_gated_delta_rule`) and plan
+their own call (`flashqla.cp.plan`). cp is the context-parallel mode ("off", "auto", "on";
+`flashqla.contract.cp_mode`): A and g_cum_log2 come back in the unsplit layout either way. max_seqlen
+is the planner's host-side length hint (`flashqla.contract.planning_max_seqlen`; None: balanced lengths
+assumed); it changes the plan, never the results. S is the number of chunk slots (`kernels.sm90._common.num_slots`: B * ceil(T / 64), or
 floor(T / 64) + N for packed input), a function of shapes only. `gdn_fwd` has a registered
 autograd formula that calls `gdn_bwd` with the saved forward products (A diag(beta), g_cum_log2;
-nothing state-sized is kept: the backward recomputes the chunk states, NOTES-bwd.md). Outside
-torch.compile the public op uses `GDNEagerFunction` instead: the same launches, plus the split
-forward's kept states (`flashqla.cp.driver.CPSaved`) handed to the split backward.
+nothing state-sized is kept: the backward recomputes the chunk states). Outside torch.compile the
+public op uses `GDNEagerFunction` instead: the same launches on the plan the op made once, plus the
+split forward's kept states (`flashqla.cp.saved.CPSaved`) handed to the split backward.
 
 The L2 normalisation of q and k (`use_qk_l2norm_in_kernel`) happens before these ops, in plain
-differentiable torch (`flashqla.ops.gdn.api._l2norm`), so its gradient comes from autograd.
+differentiable torch (`flashqla.contract.l2norm`), so its gradient comes from autograd.
 """
 
 import weakref
 from typing import Optional
 
 import torch
+
+from flashqla.cp.plan import plan_call
+from flashqla.cp.saved import CPSaved, cu_key
+from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
+from flashqla.ops.gdn.fwd import forward
+from flashqla.ops.gdn.kernels.sm90._common import num_slots
 
 __all__ = ["gdn_fwd", "gdn_fwd_inference", "gdn_bwd", "num_slots_for", "GDNEagerFunction"]
 
@@ -40,8 +47,6 @@ _EMPTY_SHAPE = (0,)
 
 def num_slots_for(q: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> int:
     """Chunk slots of the forward's A / g_cum_log2 for q [B, T, H, K] (shapes only)."""
-    from flashqla.ops.gdn.kernels.sm90._common import num_slots
-
     B, T = q.shape[0], q.shape[1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     return num_slots(B, T, N, cu_seqlens is not None)
@@ -61,12 +66,10 @@ def gdn_fwd(
     cp: str = "off",
     max_seqlen: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`flashqla.ops.gdn.api.chunk_gated_delta_rule_fwd` as a custom op: (o, final_state or an empty
-    [0] tensor, A, g_cum_log2); shapes and dtypes in the module docstring. Raises what that raises."""
-    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
-
-    f = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp=cp,
-                                   max_seqlen=max_seqlen)
+    """The forward (`flashqla.ops.gdn.fwd.forward`) as a custom op: (o, final_state or an empty [0]
+    tensor, A, g_cum_log2); shapes and dtypes in the module docstring."""
+    plan = plan_call(q, v, cu_seqlens, cp, max_seqlen=max_seqlen)
+    f = forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, plan=plan)
     final_state = f.final_state if f.final_state is not None else q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
     return f.o, final_state, f.A, f.g_cum_log2
 
@@ -99,11 +102,9 @@ def gdn_fwd_inference(
     max_seqlen: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward when no gradient is needed: (o, final_state or an empty [0] tensor), without the
-    backward's products (`chunk_gated_delta_rule_fwd(for_backward=False)`)."""
-    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
-
-    f = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp=cp,
-                                   for_backward=False, max_seqlen=max_seqlen)
+    backward's products (`flashqla.ops.gdn.fwd.forward(for_backward=False)`)."""
+    plan = plan_call(q, v, cu_seqlens, cp, max_seqlen=max_seqlen)
+    f = forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, plan=plan, for_backward=False)
     final_state = f.final_state if f.final_state is not None else q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
     return f.o, final_state
 
@@ -135,8 +136,6 @@ def gdn_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd` as a custom op: (dq, dk, dv, dg, dbeta, dh0
     or an empty [0] tensor); shapes and dtypes in the module docstring (FLA's dtypes)."""
-    from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
-
     dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
         q, k, v, g, beta, A, g_cum_log2, do.contiguous(), dht, scale, initial_state, cu_seqlens, cp=cp,
         max_seqlen=max_seqlen, need_dh0=need_dh0,
@@ -176,7 +175,7 @@ def _cotangents(ctx, q, v, do, dht):
 
 def _need_dh0(ctx, initial_state) -> bool:
     """Whether the backward forms dh0: an initial_state that requires grad (`gdn_fwd`'s input 6).
-    Without it pass 2 takes the build without `chunk_bwd_v5.DH0_OPTS` (NOTES-bwd.md, "dh0 at long T")."""
+    Without it pass 2 takes the build without `chunk_bwd.DH0_OPTS`."""
     return initial_state is not None and bool(ctx.needs_input_grad[6])
 
 
@@ -201,35 +200,31 @@ gdn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 class GDNEagerFunction(torch.autograd.Function):
     """The public op's autograd outside torch.compile: the forward and backward of `gdn_fwd` /
-    `gdn_bwd`, plus the split forward's kept states (`chunk_gated_delta_rule_fwd(keep_cp_states=True)`:
-    when the backward's context-parallel plan splits, the forward splits the same way and the backward
-    reuses its segments' entering states, transitions and U rows instead of recomputing them, and its
-    A and g_cum_log2 in the segments' layout, never moved to the caller's; the gradients are the
-    same bits). The kept tensors are saved with save_for_backward (saved-tensor
-    hooks such as activation checkpointing or CPU offloading see them); their sizes and flags ride on
-    the autograd context as Python values, which torch.compile cannot trace: under compilation the
-    custom ops above run instead (and the backward recomputes them). Differentiable once, as the
-    custom ops (a double backward raises).
+    `gdn_bwd` on the plan the op made once (`flashqla.cp.plan.plan_call(training=True,
+    keep_states=True)`), plus the split forward's kept states: when the backward's plan splits, the
+    forward splits the same way and the backward reuses its segments' entering states, transitions and
+    U rows instead of recomputing them, and its A and g_cum_log2 in the segments' layout, never moved
+    to the caller's; the gradients are the same bits. The kept tensors are saved with
+    save_for_backward (saved-tensor hooks such as activation checkpointing or CPU offloading see them);
+    their sizes and flags ride on the autograd context as Python values, which torch.compile cannot
+    trace: under compilation the custom ops above run instead (and the backward recomputes them).
+    Differentiable once, as the custom ops (a double backward raises).
 
-    apply(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp, max_seqlen, seqlens=None)
+    apply(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, plan, backend=None)
         -> (o, final_state or an empty [0] tensor), as `gdn_fwd`'s arguments and first two outputs;
-        seqlens: the host-side lengths the split plan is costed on (`flashqla.validation.planning_seqlens`)."""
+        plan: the call's `CallPlan`; backend: None (the sm_90 kernels) or a
+        `flashqla.ops.gdn.backend.Backend`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp, max_seqlen,
-                seqlens=None):
-        from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
-
-        f = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp=cp,
-                                       max_seqlen=max_seqlen, keep_cp_states=True, seqlens=seqlens)
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, plan, backend=None):
+        f = forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, plan=plan, backend=backend)
         kept = f.cp_saved
         # the kept tensors go through save_for_backward too, so that saved-tensor hooks see them
         # (activation checkpointing drops and regenerates them, offloading moves them); with them
         # f.A and f.g_cum_log2 are None (A and g_cum_log2 are kept's, in the segments' layout)
         extra = () if kept is None else (kept.S_in, kept.P, kept.U, kept.limit, kept.A, kept.g_cum_log2)
         ctx.save_for_backward(q, k, v, g, beta, f.A, f.g_cum_log2, initial_state, cu_seqlens, *extra)
-        ctx.scale, ctx.output_final_state, ctx.cp, ctx.max_seqlen = scale, output_final_state, cp, max_seqlen
-        ctx.seqlens = seqlens
+        ctx.scale, ctx.output_final_state, ctx.plan, ctx.backend = scale, output_final_state, plan.backward, backend
         ctx.kept_meta = None if kept is None else kept[:6]  # the CPSaved fields before the tensors
         # the caller's offsets, not through the hooks: whether they are unmodified since this forward
         ctx.cu_ref = None if kept is None or cu_seqlens is None else weakref.ref(cu_seqlens)
@@ -239,23 +234,20 @@ class GDNEagerFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dht):
-        from flashqla.cp.driver import CPSaved, _cu_key
-        from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
-
         q, k, v, g, beta, A, g_cum_log2, initial_state, cu_seqlens, *extra = ctx.saved_tensors
         do, dht = _cotangents(ctx, q, v, do, dht)
         saved = None
         if ctx.kept_meta is not None:
             meta = ctx.kept_meta
             orig = ctx.cu_ref() if ctx.cu_ref is not None else None
-            if orig is not None and orig is not cu_seqlens and _cu_key(orig) == meta[5]:
+            if orig is not None and orig is not cu_seqlens and cu_key(orig) == meta[5]:
                 # a saved-tensor hook (CPU offloading) handed back a copy of offsets the caller has not
                 # modified since the forward: its values are the forward's, so the kept states apply
                 # to it (the driver otherwise tells them apart by storage and version, and recomputes)
-                meta = (*meta[:5], _cu_key(cu_seqlens))
+                meta = (*meta[:5], cu_key(cu_seqlens))
             saved = CPSaved(*meta, *extra)
         need = _need_dh0(ctx, initial_state)
         grads = chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, g_cum_log2, do.contiguous(), dht, ctx.scale,
-                                           initial_state, cu_seqlens, cp=ctx.cp, max_seqlen=ctx.max_seqlen,
-                                           cp_saved=saved, seqlens=ctx.seqlens, need_dh0=need)
-        return _input_grads(g, need, *grads) + (None,)  # seqlens
+                                           initial_state, cu_seqlens, cp_saved=saved, need_dh0=need, plan=ctx.plan,
+                                           backend=ctx.backend)
+        return _input_grads(g, need, *grads)[:9] + (None, None)  # plan, backend

@@ -100,10 +100,6 @@ def compile_kernel(prim_func, name: str):
     kernel = tilelang.compile(prim_func, target=sm90_target(), pass_configs=_pass_configs(), out_idx=None)
     with _lock:
         _compiles += 1
-    if os.environ.get("FLASHQLA_DUMP_KERNELS"):
-        path = os.path.join(os.environ["FLASHQLA_DUMP_KERNELS"], f"{name}.cu")
-        with open(path, "w") as f:
-            f.write(kernel.get_kernel_source())
     return kernel
 
 
@@ -164,53 +160,9 @@ def placeholder(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return _placeholders[key]
 
 
-#: The backward's chain kernels (pass 1 and pass 2) launch a packed batch's sequences in token order or
-#: longest first: "auto" (longest first where the caller asks, i.e. where the split backward's
-#: lengths-costed plan predicts a gain: `planner.CPPlan.longest_first`), "longest" (always) or "tokens"
-#: (never); environment variable FLASHQLA_BWD_ORDER, read per call (and by the planner when it plans).
-BWD_ORDERS = ("auto", "longest", "tokens")
-
-
-def bwd_order_mode() -> str:
-    """FLASHQLA_BWD_ORDER (one of BWD_ORDERS, default "auto"); ValueError naming it otherwise."""
-    mode = os.environ.get("FLASHQLA_BWD_ORDER", "auto")
-    if mode not in BWD_ORDERS:
-        raise ValueError(f"FLASHQLA_BWD_ORDER must be one of {BWD_ORDERS}, got {mode!r}")
-    return mode
-
-
-#: Most sequences for which `launch_order` sorts with the one-launch rank kernel (`launch_order.py`),
-#: whose work grows as N^2: on the H200 (int32 / int64 offsets, in a CUDA graph) it takes 1.9 / 2.0 us
-#: at N = 64, 6.3 / 7.1 us at 4096, 14 / 17 us at 8192 and 50 / 62 us at 16384, where the torch sort
-#: takes 11 / 14, 26 / 40, 47 / 70 and 48 / 74 us. Past this, the torch sort.
-ORDER_KERNEL_MAX = 8192
-
-
-def launch_order(cu_seqlens, longest_first: bool = False):
-    """The order in which the backward's chain kernels take the sequences of `cu_seqlens` ([N + 1],
-    on its device): int32 [N], longest first (ties in token order), or None for token order (no
-    offsets, N <= 1, or FLASHQLA_BWD_ORDER: "tokens", or "auto" without longest_first). One CTA per
-    (sequence, value head) walks a sequence's chunks, and the GPU hands CTAs to free SMs in launch
-    order: longest first, the short ones fill the SMs the long ones leave
-    (`flashqla.cp.planner._greedy_makespan`); the results do not depend on the order.
-
-    The order is the stable descending argsort of the lengths cu[n + 1] - cu[n]. int32/int64 offsets
-    on an sm_90 device with N <= ORDER_KERNEL_MAX: one launch of the rank kernel
-    (`launch_order.longest_first_order`: each sequence counts the ones before it in the order; 2-3 us
-    for N up to ~1000 on the H200, 6-7 us at 4096); otherwise (more sequences, the CPU, other devices
-    or dtypes) `torch.argsort(..., descending=True, stable=True).to(torch.int32)`, the reference (a
-    subtraction, a radix sort and a cast: 12-17 us a backward in a CUDA graph on the H200). Both paths
-    give the same permutation, with no host synchronisation. ValueError naming FLASHQLA_BWD_ORDER for
-    an unknown value."""
-    mode = bwd_order_mode()
-    if cu_seqlens is None or cu_seqlens.numel() <= 2 or mode == "tokens" or (mode == "auto" and not longest_first):
-        return None
-    if (cu_seqlens.numel() - 1 <= ORDER_KERNEL_MAX and cu_seqlens.dim() == 1
-            and cu_seqlens.dtype in (torch.int32, torch.int64) and on_sm90(cu_seqlens)):
-        from flashqla.ops.gdn.kernels.sm90.launch_order import longest_first_order
-
-        return longest_first_order(cu_seqlens)
-    return torch.argsort(cu_seqlens[1:] - cu_seqlens[:-1], descending=True, stable=True).to(torch.int32)
+def dummy_cu_seqlens(device) -> torch.Tensor:
+    """A 1-element int32 placeholder for the cu_seqlens argument of fixed-length launches."""
+    return placeholder((1,), torch.int32, device)
 
 
 def order_args(order, device) -> tuple:
@@ -361,3 +313,60 @@ def locate_slot(slot, cu_seqlens, Tn, Np1, varlen: bool):
 
     nvalid, t0 = locate(seq, chunk, bos, seqlen, bidx, lo, hi, mid)
     return seq, chunk, bos, seqlen, bidx, nvalid, t0
+
+
+# --------------------------------------------------------------------------------------------
+# launches shared by a kernel and its fp16 fallback (same arguments, same outputs)
+# --------------------------------------------------------------------------------------------
+
+
+def launch_states(build, k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype: torch.dtype, order=None):
+    """Launches a backward pass-1 kernel (`states_bwd`, `states_bwd_fp16`): h [S * HV, K, V] in
+    h_dtype, allocated uninitialised (rows of unused slots are not written). build() returns the
+    compiled kernel; the other arguments as `states_bwd.chunk_states_bwd`."""
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    varlen = cu_seqlens is not None
+    N = cu_seqlens.numel() - 1 if varlen else B
+    S = num_slots(B, T, N, varlen)
+    h = torch.empty(S * HV, K, V, dtype=h_dtype, device=k.device)
+    if S == 0 or T == 0 or N == 0:
+        return h
+    h0 = initial_state if initial_state is not None else torch.empty(1, HV, K, V, dtype=torch.float32, device=k.device)
+    cu = cu_seqlens if varlen else dummy_cu_seqlens(k.device)
+    build()(k, v, A, g_cum_log2, h0, cu, *order_args(order, k.device), int(initial_state is not None), h)
+    return h
+
+
+def launch_pass2(build, q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, ordered: bool = False,
+                 order=None):
+    """Launches a backward pass-2 kernel whose CTAs write every row of their outputs (`chunk_bwd`,
+    `chunk_bwd_fp16`): dq_hv, dk_hv (fp32), dv, dbeta and dh0 allocated uninitialised, dG zeroed; with
+    no CTA to run (no slot, token or sequence), zeros and dh0 = dht. build() returns the compiled
+    kernel. Arguments and results as `chunk_bwd.chunk_fused_bwd`; ordered: the kernel takes the
+    launch-order arguments (`chunk_bwd`), filled from order (`launch_order.launch_order`'s result,
+    None for token order)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    varlen = cu_seqlens is not None
+    N = cu_seqlens.numel() - 1 if varlen else B
+    S = num_slots(B, T, N, varlen)
+    dev = q.device
+    dq_hv = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
+    dk_hv = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
+    dv = torch.empty_like(v)
+    dbeta = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
+    dG = torch.zeros(HV, S * CHUNK, dtype=torch.float32, device=dev)
+    dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
+    if S == 0 or T == 0 or N == 0:  # no CTA would run: nothing but zeros (and dht) to return
+        for x in (dq_hv, dk_hv, dv, dbeta, dh0):
+            x.zero_()
+        if dht is not None:
+            dh0.copy_(dht)
+        return dq_hv, dk_hv, dv, dbeta, dG, dh0
+    dht_arg = dht if dht is not None else torch.empty(1, HV, K, V, dtype=torch.float32, device=dev)
+    cu = cu_seqlens if varlen else dummy_cu_seqlens(dev)
+    extra = order_args(order, dev) if ordered else ()
+    build()(q, k, v, beta, A, g_cum_log2, h, do, dht_arg, cu, *extra, float(scale), int(dht is not None),
+            dq_hv, dk_hv, dv, dbeta, dG, dh0)
+    return dq_hv, dk_hv, dv, dbeta, dG, dh0

@@ -38,7 +38,7 @@ import functools
 
 import torch
 
-from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, locate_slot, tl_dtype
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, dummy_cu_seqlens, locate_slot, tl_dtype
 
 __all__ = ["build_relayout_kernel", "build_slot_h0_kernel", "relayout_slots", "slot_initial_states"]
 
@@ -118,8 +118,6 @@ def relayout_slots(A: torch.Tensor, g_cum_log2: torch.Tensor, tables, cu_seqlens
     g_cum_log2 [HV, out_slots * 64]), zeros in the slots no chunk uses: the values
     `flashqla.cp.driver.sequence_slots_to_segment_slots` / `segment_slots_to_sequence_slots` return.
     CUDA tensors only (the torch functions are the CPU path)."""
-    from flashqla.ops.gdn.kernels.sm90.prepare import dummy_cu_seqlens
-
     HV = A.shape[0]
     dev = A.device
     A = A.contiguous()

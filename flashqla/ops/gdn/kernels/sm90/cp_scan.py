@@ -31,7 +31,6 @@ Slots that belong to no sequence are not written (the caller zero-fills them).
 
 
 import functools
-import os
 
 import torch
 
@@ -50,93 +49,10 @@ def scan_slice_width(HV: int) -> int:
 
 def _dropped(limit, seg_start, seg_end, sl, hv):
     """Whether slot sl's transition for value head hv walked fewer chunks than the slot has, i.e. was
-    dropped by the gate-driven cut (stored as P = 0; `flashqla.cp.driver.transition_limits`)."""
+    dropped by the gate-driven cut (stored as P = 0; `flashqla.cp.forward.transition_limits`)."""
     import tilelang.language as T
 
     return limit[sl, hv] * CHUNK < T.cast(seg_end[sl] - seg_start[sl], "int32")
-
-
-def _cp_scan_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool):
-    import tilelang.language as T
-
-    NB = V // BS
-    M = T.dynamic("M")
-    N = T.dynamic("N")
-    N0 = T.dynamic("N0")
-    ML = T.dynamic("ML")  # rows of limit / seg_start / seg_end: M, or 1 (placeholders) without a cut
-
-    @T.prim_func
-    def gdn_cp_scan(
-        P: T.Tensor((M, HV, K, K), "float32"),
-        Q: T.Tensor((M, HV, K, V), "float32"),
-        h0: T.Tensor((N0, HV, K, V), "float32"),
-        seq_first: T.Tensor((N,), "int64"),
-        seq_num: T.Tensor((N,), "int64"),
-        use_h0: T.int32,
-        skip_first: T.int32,
-        starts: T.Tensor((M, HV, K, V), "float32"),
-        final: T.Tensor((N, HV, K, V), "float32"),
-        limit: T.Tensor((ML, HV), "int32"),
-        seg_start: T.Tensor((ML,), "int64"),
-        seg_end: T.Tensor((ML,), "int64"),
-        use_limit: T.int32,
-    ):
-        with T.Kernel(NB * HV * N, threads=THREADS) as (bx,):
-            ib = bx % NB
-            hv = (bx // NB) % HV
-            n = bx // (NB * HV)
-            c0 = ib * BS
-            lv = T.alloc_var("int32")
-            # rows padded by one word: the FMA loop reads a column of P (forward) or a row (reverse)
-            # across 16 rows per warp; a stride of K + 1 words puts them in distinct banks
-            p_s = T.alloc_shared((K, K + 1), "float32")
-            s_s = T.alloc_shared((K, BS), "float32")
-            acc = T.alloc_fragment((K, BS), "float32")
-            nseg = T.alloc_var("int32")
-            first = T.alloc_var("int32")
-            nseg = T.cast(seq_num[n], "int32")
-            first = T.cast(seq_first[n], "int32")
-
-            if use_h0 != 0:
-                for i, j in T.Parallel(K, BS):
-                    s_s[i, j] = h0[n, hv, i, c0 + j]
-            else:
-                for i, j in T.Parallel(K, BS):
-                    s_s[i, j] = T.float32(0)
-            for jj in T.serial(nseg):
-                slot = first + (nseg - 1 - jj if reverse else jj)
-                for i, j in T.Parallel(K, BS):
-                    starts[slot, hv, i, c0 + j] = s_s[i, j]
-                # forward: a first segment run from h0 already holds its end state in Q;
-                # backward: the gradient leaving the first segment is not needed
-                if (jj == nseg - 1) if reverse else (jj == 0 and skip_first != 0):
-                    if not reverse:
-                        for i, j in T.Parallel(K, BS):
-                            s_s[i, j] = Q[slot, hv, i, c0 + j]
-                else:
-                    # a transition the gate-driven cut dropped is 0: the step is Q (or E) alone
-                    lv = 1
-                    if use_limit != 0:
-                        if _dropped(limit, seg_start, seg_end, slot, hv):
-                            lv = 0
-                    if lv != 0:
-                        for i, j in T.Parallel(K, K):
-                            p_s[i, j] = P[slot, hv, i, j]
-                    for i, j in T.Parallel(K, BS):
-                        acc[i, j] = Q[slot, hv, i, c0 + j]
-                    if lv != 0:
-                        for kk in T.serial(K):
-                            for i, j in T.Parallel(K, BS):
-                                if reverse:
-                                    acc[i, j] += p_s[kk, i] * s_s[kk, j]
-                                else:
-                                    acc[i, j] += p_s[i, kk] * s_s[kk, j]
-                    T.copy(acc, s_s)
-            if not reverse:
-                for i, j in T.Parallel(K, BS):
-                    final[n, hv, i, c0 + j] = s_s[i, j]
-
-    return gdn_cp_scan
 
 
 def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool):
@@ -408,15 +324,11 @@ def _cp_scan_ahead_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool):
     return gdn_cp_scan
 
 
-#: Scan kernel variants: "smem" (P staged in padded shared rows by the threads), "prefetch" (the
-#: same sums, P and Q copied by cp.async half a step ahead) and "ahead" (a whole step ahead, one CTA an
-#: SM: `scan_choice` picks it for small grids under the gate-driven cut). All give the same bits (H200,
-#: tests/gpu/cp_scan_check.py: 18 cases, forward and reverse). "prefetch" measured 1.12-1.27x faster
-#: on 15 of them (e.g. 1 sequence of 32768 tokens, L 2048, 8 heads: 66.6 -> 53.1 us forward, 66.3 ->
-#: 52.4 us reverse), slower on one: 300 short sequences, reverse, 76 -> 90 us.
-VARIANTS = ("smem", "prefetch", "ahead")
-#: The variant `cp_scan` uses when none is given (module load; $FLASHQLA_CP_SCAN_VARIANT sets it).
-DEFAULT_VARIANT = os.environ.get("FLASHQLA_CP_SCAN_VARIANT", "prefetch")
+#: Scan kernel variants: "prefetch" (P and Q copied by cp.async half a step ahead; the default) and
+#: "ahead" (a whole step ahead, one CTA an SM: `scan_choice` picks it for small grids under the
+#: gate-driven cut). Both give the same bits.
+VARIANTS = ("prefetch", "ahead")
+DEFAULT_VARIANT = "prefetch"
 
 
 #: With the gate-driven cut, the "ahead" variant with narrow slices runs when its grid has at most this
@@ -432,14 +344,8 @@ def scan_choice(HV: int, N: int, cut: bool, V: int = 128) -> tuple[str, int | No
     With the gate-driven cut (`cut`: the call passes the transitions' limits) only the few heads whose
     gates do not decay walk a chain of products, one CTA per value slice: "ahead" with 4 value
     columns a CTA up to 16 value heads, 8 above (up to AHEAD_MAX_HEADS), when that grid (V / width x
-    HV x N CTAs, one an SM) has at most AHEAD_MAX_CTAS CTAs (H200, `tests/gpu/cp_scan_check.py` `compare_shapes`, one
-    sequence, value head 0 live, reverse: 4/8 heads L 512 55 -> 48 us, 8/16 L 1024 39 -> 25 us, 16/32
-    L 2048 21 -> 16 us; the backward grid at 751dd81, which took it up to 8 sequences: 8/16 with 8
-    sequences of 8192 tokens in all 0.421 -> 0.473 ms, 4096 CTAs). Otherwise (exact transitions, larger
-    grids) DEFAULT_VARIANT with `scan_slice_width`. $FLASHQLA_CP_SCAN_VARIANT, when set, is the
-    variant of every call (default width; ValueError naming it for an unknown one)."""
-    if "FLASHQLA_CP_SCAN_VARIANT" in os.environ:
-        return _resolve_variant(os.environ["FLASHQLA_CP_SCAN_VARIANT"]), None
+    HV x N CTAs, one an SM) has at most AHEAD_MAX_CTAS CTAs. Otherwise (exact transitions, larger
+    grids) DEFAULT_VARIANT with `scan_slice_width`."""
     width = 4 if HV <= 16 else 8
     if cut and HV <= AHEAD_MAX_HEADS and (V // width) * HV * N <= AHEAD_MAX_CTAS:
         return "ahead", width
@@ -449,7 +355,7 @@ def scan_choice(HV: int, N: int, cut: bool, V: int = 128) -> tuple[str, int | No
 def _resolve_variant(variant: str | None) -> str:
     variant = DEFAULT_VARIANT if variant is None else variant
     if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS} (default from $FLASHQLA_CP_SCAN_VARIANT), got {variant!r}")
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     return variant
 
 
@@ -467,9 +373,9 @@ def build_cp_scan_kernel(HV: int, K: int, V: int, reverse: bool, variant: str | 
 
 @functools.lru_cache(maxsize=None)
 def _build_cp_scan_kernel(HV: int, K: int, V: int, reverse: bool, variant: str, BS: int):
-    make = {"smem": _cp_scan_prim_func, "prefetch": _cp_scan_prefetch_prim_func, "ahead": _cp_scan_ahead_prim_func}[variant]
+    make = {"prefetch": _cp_scan_prefetch_prim_func, "ahead": _cp_scan_ahead_prim_func}[variant]
     func = make(HV, K, V, BS, bool(reverse))
-    tag = "" if variant == "smem" else f"_{variant}"
+    tag = f"_{variant}"
     if BS != scan_slice_width(HV):
         tag += f"_bs{BS}"
     return compile_kernel(func, f"gdn_cp_scan_HV{HV}_K{K}_V{V}_{'rev' if reverse else 'fwd'}{tag}")
@@ -489,7 +395,7 @@ def cp_scan(P: torch.Tensor, Q: torch.Tensor, seq_first: torch.Tensor, seq_num: 
             first segment of each sequence already ran from h0 (its Q is its end state). variant: a
             name of `VARIANTS` (None, with slice_width None: `scan_choice`; the same results).
         limit: None, or [M, HV] int32, the chunks each slot's transition walked
-            (`flashqla.cp.driver.transition_limits`), with seg_start, seg_end [M] int64 (the slots'
+            (`flashqla.cp.forward.transition_limits`), with seg_start, seg_end [M] int64 (the slots'
             token ranges, `SegmentTables.start` / `.end`): a step whose transition walked fewer chunks
             than its slot has is taken as P = 0 (what the transition launch stored there: records
             CP-4 / CP-6), so it reads no P and sums nothing: the step is Q (E) alone, the same value

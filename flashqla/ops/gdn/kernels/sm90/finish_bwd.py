@@ -9,10 +9,9 @@ Two kernels, both dynamic in T, B and the sequence mix (no host synchronisation)
 - `gdn_dg_reverse_cumsum`: grid (slots, HV), 64 threads; slot -> (sequence, chunk) as the prepare
   kernel (binary search over cu_seqlens for packed input); reads dG [HV, S * 64] fp32 (slot-major,
   written by pass 2), writes dg [B, T, HV] fp32 for the valid rows of the chunk only.
-- `gdn_gva_reduce`: grid (ceil(T / 16), B, H), 128 threads; dq_hv, dk_hv [B, T, HV, K] (fp32, or
-  q's dtype from pass-2 v5 under $FLASHQLA_BWD_QK_DTYPE=input) -> dq, dk [B, T, H, K] in q's dtype
-  (the sum over the group in fp32, left to right, one rounding). Not launched when dq_hv is already
-  dq: one value head per q/k head and dq_hv in q's dtype.
+- `gdn_gva_reduce`: grid (ceil(T / 16), B, H), 128 threads; dq_hv, dk_hv [B, T, HV, K] fp32 -> dq, dk
+  [B, T, H, K] in q's dtype (the sum over the group in fp32, left to right, one rounding; with one value
+  head per q/k head, the rounding alone).
 """
 
 
@@ -20,13 +19,12 @@ import functools
 
 import torch
 
-from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, locate_slot, num_slots, tl_dtype
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, dummy_cu_seqlens, locate_slot, tl_dtype
 
 __all__ = ["build_dg_cumsum_kernel", "build_gva_reduce_kernel", "chunk_finish_bwd"]
 
 #: Tokens per CTA of the GVA reduction: 16 rows of K = 128 (16 values a thread, in 16-byte vectors), so
-#: that few q/k heads still launch enough CTAs to stream at the memory's rate (64 rows a CTA with scalar
-#: loads read at ~0.9 TB/s at 2/4 heads x 8192 tokens on the H200).
+#: that few q/k heads still launch enough CTAs to stream at the memory's rate.
 GVA_ROWS = 16
 
 
@@ -60,7 +58,7 @@ def _dg_cumsum_prim_func(HV: int, seq_dtype: str, varlen: bool):
     return gdn_dg_reverse_cumsum
 
 
-def _gva_reduce_prim_func(H: int, HV: int, K: int, dtype: str, in_dtype: str = "float32"):
+def _gva_reduce_prim_func(H: int, HV: int, K: int, dtype: str):
     import tilelang.language as T
 
     RT = GVA_ROWS
@@ -76,8 +74,8 @@ def _gva_reduce_prim_func(H: int, HV: int, K: int, dtype: str, in_dtype: str = "
 
     @T.prim_func
     def gdn_gva_reduce(
-        dq_hv: T.Tensor((B, Tn, HV, K), in_dtype),
-        dk_hv: T.Tensor((B, Tn, HV, K), in_dtype),
+        dq_hv: T.Tensor((B, Tn, HV, K), "float32"),
+        dk_hv: T.Tensor((B, Tn, HV, K), "float32"),
         dq: T.Tensor((B, Tn, H, K), dtype),
         dk: T.Tensor((B, Tn, H, K), dtype),
     ):
@@ -98,41 +96,32 @@ def build_dg_cumsum_kernel(HV: int, seq_dtype: str, varlen: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def build_gva_reduce_kernel(H: int, HV: int, K: int, dtype: str, in_dtype: str = "float32"):
-    """Compiled GVA reduction kernel (cached). Static key: H, HV, K, output dtype, input dtype (fp32,
-    or q's dtype: `chunk_bwd_v5.QK_DTYPE_ENV`)."""
-    name = f"gdn_gva_reduce_H{H}_HV{HV}_K{K}_{dtype}" + ("" if in_dtype == "float32" else f"_from_{in_dtype}")
-    return compile_kernel(_gva_reduce_prim_func(H, HV, K, dtype, in_dtype), name)
+def build_gva_reduce_kernel(H: int, HV: int, K: int, dtype: str):
+    """Compiled GVA reduction kernel (cached). Static key: H, HV, K, output dtype."""
+    return compile_kernel(_gva_reduce_prim_func(H, HV, K, dtype), f"gdn_gva_reduce_H{H}_HV{HV}_K{K}_{dtype}")
 
 
 def chunk_finish_bwd(dG: torch.Tensor, dq_hv: torch.Tensor, dk_hv: torch.Tensor, cu_seqlens, H: int, dtype: torch.dtype):
     """Launches pass 3.
 
     Args:
-        dG: [HV, S * 64] fp32, dL/dg_cum per slot row (pass 2); dq_hv, dk_hv: [B, T, HV, K] per value
-        head (pass 2), fp32 or `dtype`; cu_seqlens: None or [N + 1] int32/int64 offsets; H: q/k heads;
-        dtype: dtype of dq, dk (q's).
+        dG: [HV, S * 64] fp32, dL/dg_cum per slot row (pass 2); dq_hv, dk_hv: [B, T, HV, K] fp32 per
+        value head (pass 2); cu_seqlens: None or [N + 1] int32/int64 offsets; H: q/k heads; dtype:
+        dtype of dq, dk (q's).
 
     Returns:
         (dq [B, T, H, K] dtype, dk [B, T, H, K] dtype, dg [B, T, HV] fp32 per token, natural log).
-        With HV == H and dq_hv, dk_hv in `dtype`, dq and dk are dq_hv and dk_hv themselves.
     """
-    from flashqla.ops.gdn.kernels.sm90.prepare import dummy_cu_seqlens
-
     B, T, HV, K = dq_hv.shape
     varlen = cu_seqlens is not None
     dg = torch.zeros(B, T, HV, dtype=torch.float32, device=dG.device)
-    same = HV == H and dq_hv.dtype == dtype and dk_hv.dtype == dtype
-    dq = dq_hv if same else torch.empty(B, T, H, K, dtype=dtype, device=dG.device)
-    dk = dk_hv if same else torch.empty(B, T, H, K, dtype=dtype, device=dG.device)
+    dq = torch.empty(B, T, H, K, dtype=dtype, device=dG.device)
+    dk = torch.empty(B, T, H, K, dtype=dtype, device=dG.device)
     if T == 0 or B == 0:
         return dq, dk, dg
     seq_dtype = tl_dtype(cu_seqlens.dtype) if varlen else "int32"
     cu = cu_seqlens if varlen else dummy_cu_seqlens(dG.device)
     if dG.shape[1] > 0:
         build_dg_cumsum_kernel(HV, seq_dtype, varlen)(dG, cu, dg)
-    if not same:
-        # the key `op_kernel_specs` lists (and warm-up builds): the input dtype only when not fp32
-        key = (H, HV, K, tl_dtype(dtype)) + (() if dq_hv.dtype == torch.float32 else (tl_dtype(dq_hv.dtype),))
-        build_gva_reduce_kernel(*key)(dq_hv, dk_hv, dq, dk)
+    build_gva_reduce_kernel(H, HV, K, tl_dtype(dtype))(dq_hv, dk_hv, dq, dk)
     return dq, dk, dg

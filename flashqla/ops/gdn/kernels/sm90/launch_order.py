@@ -1,11 +1,9 @@
 """The backward's longest-first launch order in one launch.
 
-`_common.launch_order` gives the backward's chain kernels the sequences of a packed batch sorted by
-length, longest first, ties in token order: the stable descending argsort of len_n = cu[n + 1] - cu[n].
-As torch ops that is a subtraction, a radix sort and a cast: 12-17 us inside a CUDA graph on the H200
-on every split backward whose plan launched its segments longest first, before this kernel.
-`longest_first_order` computes the same permutation with one TileLang launch (1.8-2.9 us for up to
-1000 sequences; the table in NOTES-bwd.md).
+`launch_order` gives the backward's chain kernels the sequences of a packed batch sorted by length,
+longest first, ties in token order: the stable descending argsort of len_n = cu[n + 1] - cu[n]
+(torch ops: a subtraction, a radix sort and a cast). `longest_first_order` computes the same
+permutation with one TileLang launch.
 
 Kernel (`gdn_launch_order`): every sequence i counts its rank
     r_i = #{j : len_j > len_i} + #{j < i : len_j == len_i},
@@ -16,11 +14,8 @@ element of order is written once, and the result is exactly the stable argsort's
 Grid ceil(N / 32) CTAs of THREADS = 512 threads: lane l of every warp works on sequence i = 32 bx + l,
 and the CTA's WARPS = 16 warps split the j's between them (warp w counts the blocks of 32 sequences
 w, w + 16, ...); at the end warp 0 adds the 16 partial counts (through shared memory) and writes. One
-thread per sequence with the whole loop over j ran 3x slower on the H200 (18 us at N = 4096): the count
-is integer compares and adds, one warp a scheduler left their latencies exposed, and the N / 128 CTAs
-left most SMs idle; split 16 ways it takes 6 us at N = 4096, 2.5 us at N = 1000, 1.8 us at N = 64 (a
-launch), where the torch sort takes 26, 23 and 11 us (int32 offsets, 20 launches back to back in a CUDA
-graph; int64 a little slower on both sides).
+thread per sequence with the whole loop over j leaves the integer compares' latencies exposed and
+most SMs idle.
 
 The lengths reach the warps through shared memory, THREADS * PER = 1024 at a time: at step b every
 thread stages PER lengths len_j, j = 1024 b + 512 p + tx (lengths past N are padded with the dtype's
@@ -30,7 +25,7 @@ alternating buffers need one barrier a step. Each block of 32 is counted with a 
 the full one where it lies wholly before or after the CTA's own block: blocks before it count
 len_j >= len_i (every j there is < i), blocks after it len_j > len_i (blocks wholly past N are skipped),
 its own block the full condition; LANES partial counts keep the adds independent. The work grows as N^2
-over the GPU, so `_common.launch_order` takes this path up to `_common.ORDER_KERNEL_MAX` sequences.
+over the GPU, so `launch_order` takes this path up to ORDER_KERNEL_MAX sequences.
 
 No host synchronisation: the output size is N = cu.numel() - 1 (a shape), N is a run-time size (a new
 N never recompiles; compile key: the offsets' dtype only). Lengths are computed and compared in the
@@ -38,16 +33,16 @@ offsets' dtype, as the torch expression does.
 
 Checked on the GPU against torch.argsort(..., stable=True) (`tests/gpu/test_cp_kernels_gpu.py`), and on
 the CPU by running the generated source with a thread per GPU thread (`tests/test_launch_order_kernel.py`);
-the torch path stays the CPU one and the reference.
+the torch path is the CPU one and the reference.
 """
 
 import functools
 
 import torch
 
-from flashqla.ops.gdn.kernels.sm90._common import compile_kernel, tl_dtype
+from flashqla.ops.gdn.kernels.sm90._common import compile_kernel, on_sm90, tl_dtype
 
-__all__ = ["THREADS", "SEQS", "build_launch_order_kernel", "longest_first_order"]
+__all__ = ["THREADS", "SEQS", "build_launch_order_kernel", "launch_order", "longest_first_order"]
 
 #: Threads per CTA: WARPS warps that share the CTA's SEQS sequences (one a lane) and split the count.
 THREADS = 512
@@ -165,3 +160,28 @@ def longest_first_order(cu_seqlens: torch.Tensor) -> torch.Tensor:
         return order
     build_launch_order_kernel(tl_dtype(cu_seqlens.dtype))(cu_seqlens.contiguous(), order)
     return order
+
+
+#: Most sequences for which `launch_order` sorts with the one-launch rank kernel, whose work grows as
+#: N^2; past this, the torch sort.
+ORDER_KERNEL_MAX = 8192
+
+
+def launch_order(cu_seqlens, longest_first: bool = False):
+    """The order in which the backward's chain kernels take the sequences of `cu_seqlens` ([N + 1],
+    on its device): int32 [N], longest first (ties in token order), or None for token order (no
+    offsets, N <= 1, or not longest_first). One CTA per (sequence, value head) walks a sequence's
+    chunks, and the GPU hands CTAs to free SMs in launch order: longest first, the short ones fill the
+    SMs the long ones leave (`flashqla.cp.plan`); the results do not depend on the order.
+
+    The order is the stable descending argsort of the lengths cu[n + 1] - cu[n]. int32/int64 offsets
+    on an sm_90 device with N <= ORDER_KERNEL_MAX: one launch of the rank kernel
+    (`longest_first_order`); otherwise (more sequences, the CPU, other devices or dtypes)
+    `torch.argsort(..., descending=True, stable=True).to(torch.int32)`, the reference. Both give the
+    same permutation, with no host synchronisation."""
+    if cu_seqlens is None or cu_seqlens.numel() <= 2 or not longest_first:
+        return None
+    if (cu_seqlens.numel() - 1 <= ORDER_KERNEL_MAX and cu_seqlens.dim() == 1
+            and cu_seqlens.dtype in (torch.int32, torch.int64) and on_sm90(cu_seqlens)):
+        return longest_first_order(cu_seqlens)
+    return torch.argsort(cu_seqlens[1:] - cu_seqlens[:-1], descending=True, stable=True).to(torch.int32)

@@ -1,84 +1,216 @@
-"""Fused prepare kernel (launch 1 of 2 of the forward): per (chunk, value head), fully parallel.
+"""Prepare kernel (launch 1 of 2 of the unsplit forward): per chunk slot and q/k head, fully parallel.
 
 Covers the reference stages (FLA's names, `reference.gdn.chunk`):
     chunk_local_cumsum   -> g_cum_log2 (chunk-local inclusive cumsum of g, in base-2 units)
-    chunk_scaled_dot_kkt -> L = strictly_lower(diag(beta) (K K^T) * Gamma)
+    chunk_scaled_dot_kkt -> L = strictly_lower(diag(beta) (K K^T) * Gamma), per value head
     solve_tril           -> A = (I + L)^-1 (gated, as FLA's A)
-and folds beta into the columns of the stored inverse (`A_beta = A diag(beta)`), which turns the
-merged update v_new = A diag(beta) (V - diag(gamma) K S) of `reference.gdn.fused` into one GEMM
-with the stored operand.
+and stores A diag(beta) (k's dtype), which turns the merged update v_new = A diag(beta) (V - diag(gamma)
+K S) of `reference.gdn.fused` into one GEMM with the stored operand, and g_cum_log2.
+Stage twin: `reference.gdn.fused.prepare_group_recursive` (one chunk of one q/k head and its G value
+heads, in this kernel's order of products).
+Derivation records (`python -m derivations`): CF-1..CF-3 (chunk form with FLA's gated A), WY-3
+(forward substitution in the 16 x 16 diagonal blocks), WY-4 with two blocks, applied to the 16-blocks
+of each half and then to the two 32-blocks, RW-2 (beta folded into the stored operand), RW-4 (exp2 of
+base-2 differences). Value head hv reads q/k head hv // G, G = HV / H.
 
-Derivation records relied on (`python -m derivations`): CF-1..CF-3 (chunk form with FLA's gated A),
-WY-3 (forward substitution in the diagonal blocks), RW-2 (v_new = A_g diag(beta) W, so beta can be
-folded into the stored operand), RW-4 (exp2 of base-2 differences), and the block inverse below,
-exact algebra whose record is still to be written (proposed WY-5; stage twin
-`reference.gdn.fused.solve_tril_nilpotent`, checked against `solve_tril_blocks` / WY-4): with D the
-block-diagonal part of (I + L) in 16 x 16 blocks, E the strictly block-lower part and F = D^-1 E
-(nilpotent, F^4 = 0),
-    (I + L)^-1 = (I + F)^-1 D^-1 = (I - F) (I + F^2) D^-1.
+The inverse. Blocks of 16: D = blockdiag(Ai_00 .. Ai_33), Ai_ii = (I + L_ii)^-1 by forward
+substitution; F_10 = Ai_11 L_10, F_32 = Ai_33 L_32; halves of 32: B_0 = I + L[:32, :32],
+B_1 = I + L[32:, 32:], Lb = L[32:, :32]. Then (WY-4 twice)
+    B_0^-1 = [[Ai_00, 0], [-F_10 Ai_00, Ai_11]],   B_1^-1 = [[Ai_22, 0], [-F_32 Ai_22, Ai_33]],
+    A[32:, :32] = -B_1^-1 Lb B_0^-1 = -Q B_0^-1,   Q = Z - [0; F_32 Z_top],   Z = blockdiag(Ai_22, Ai_33) Lb
+in three barrier-separated product phases after the substitution (tf32 mma.sync, fp32 accumulate):
+    1. [F_32; F_10] (32 x 16 x 32) and Z (32 x 32 x 32)
+    2. [Ai_10; Ai_32] = -blockdiag(F_10, F_32) [Ai_00; Ai_22] (32 x 16 x 32), and Q = Z - [0; F_32 Z_top]
+       accumulated onto Z's registers (32 x 32 x 16)
+    3. A[32:, :32] = -Q B_0^-1 (32 x 32 x 32)
+The block-diagonal operands carry their zero blocks (written once per CTA), so each phase is one or
+two whole-tile products on four warps.
 
 Per CTA (128 threads, one warpgroup):
-1. map the slot to (sequence, chunk) (binary search over cu_seqlens for packed input; see `_common`);
-2. load the chunk of k (rows past the sequence end are zero), g and beta (zero past the end);
-3. g_cum_log2 = cumsum(g) / ln 2 (fp32, in shared memory);
-4. K K^T on the tensor cores (bf16/fp16 operands, fp32 accumulate);
-5. L = beta_t (k_t . k_s) exp2(g_cum_log2[t] - g_cum_log2[s]) for t > s (the exponent is masked to
-   t > s before exp2, so only differences <= 0 are exponentiated);
-6. D^-1 by forward substitution, one thread per column of a 16 x 16 diagonal block (fp32, no syncs);
-7. four 64 x 64 x 64 GEMMs in tf32 (mma.sync): F = D^-1 E, X = I + F F, G = X - F X, A = G D^-1;
-8. store A diag(beta) (input dtype) and g_cum_log2 for all 64 rows of the slot.
+1. map the slot to (sequence, chunk) (binary search over cu_seqlens for packed input; `_common`);
+2. issue the TMA load of the k tile of q/k head hk; load g and beta of its value heads (zero past the
+   end); zero the constant blocks; wait for k; g_cum_log2 = cumsum(g) / ln 2;
+3. K K^T on the tensor cores (wgmma), held in registers for the value heads;
+4. per value head j: L (only the ten lower 16 x 16 blocks, one exp2 per element of them) -> D^-1 by
+   forward substitution (64 threads, one column of a diagonal block each; writes the diagonal
+   blocks of A diag(beta)) -> phases 1-3 -> TMA store of A diag(beta) from a staging tile (the store
+   of head j overlaps head j + 1's L; waited before the substitution writes the tile again);
+5. g_cum_log2 of the value heads (64 contiguous floats per head).
+fp32 operand tiles are 32 x 36 floats, linear (rows 144 B apart: conflict-free ldmatrix), with the K
+loops of the tf32 products kept rolled over 16-wide slices (`gemm_nt`). Shared memory about 50-54 KB
+dynamic (G = 1 to 8) plus 1 KB static; launch bounds (128, 4): four CTAs per SM, 128 registers.
 
-Shared memory: 65 KB after TileLang's liveness-based reuse (k with L, D^-1 with X^T): three CTAs
-per SM; 116 registers per thread.
+With `heads_per_cta=1` (`pick_heads_per_cta`, few chunk slots) the grid has one CTA per chunk slot and
+value head instead: the same stages for that one head, the same outputs bit for bit.
 
-This kernel is variant "v1". Variant "v2" (`prepare_v2.py`: one CTA per (chunk slot, q/k head) for
-all its value heads, TMA in and out, 56 KB, four CTAs per SM) writes the same outputs and is the
-default before v3 since it ran on the H200: A diag(beta) within 1.8e-5 relative RMS of v1 (tf32
-rounding order), g_cum_log2 bitwise equal, bitwise repeatable, and 1.2-1.4x faster (16/64 heads
-4x8192: 1.175 -> 0.851 ms; 2/8 1x32768: 0.152 -> 0.116 ms; NOTES.md). Variant "v3" (`prepare_v3.py`:
-v2 with a block-recursive inverse) is the default since its H200 check (2026-11-30): as close to fp64
-as v2 (1.6e-3 relative RMS, the bf16 output rounding), 1.5e-4 from v2, g_cum_log2 bitwise equal,
-bitwise repeatable, 1.6-1.9x faster than v2 (16/64 4x8192: 0.852 -> 0.452 ms; the whole forward
-1.685 -> 1.285 ms). FLASHQLA_PREPARE=v1 / v2 or `variant=` picks another.
+Rows past the end of a sequence: A rows are 0 and g_cum_log2 repeats the last valid value, so the
+recurrent kernel loads whole 64-row tiles and masks nothing (`_common`, chunk slots).
 """
 
-
 import functools
-import os
 
 import torch
 
-from flashqla.ops.gdn.kernels.sm90._common import CHUNK, RCP_LN2, SM_COUNT, compile_kernel, locate_slot, num_slots, placeholder, tl_dtype
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, RCP_LN2, SM_COUNT, compile_kernel, dummy_cu_seqlens, locate_slot, num_slots, tl_dtype
 
-__all__ = ["DEFAULT_VARIANT", "VARIANTS", "build_prepare_kernel", "chunk_prepare_fwd", "pick_heads_per_cta", "prepare_kernel_args"]
+__all__ = ["build_prepare_kernel", "chunk_prepare_fwd", "pick_heads_per_cta", "prepare_kernel_args"]
 
-#: Prepare kernel variants: "v1" (this module's kernel: one CTA per (chunk slot, value head)),
-#: "v2" (`prepare_v2`: one CTA per (chunk slot, q/k head) for all its value heads), "v3"
-#: (`prepare_v3`: v2 with a block-recursive inverse). Same outputs, same layout. ("v4", v3 walking
-#: several chunk slots per CTA at G <= 3, was bitwise v3 on the H200 but 0.73-0.97x as fast at
-#: G = 1-3 and was removed: NOTES.md, "Prepare variant v4".)
-VARIANTS = ("v1", "v2", "v3")
-#: The variant `chunk_prepare_fwd` uses when none is given (read at every call; the environment
-#: variable FLASHQLA_PREPARE sets it at import). v3: faster on every benchmark row measured.
-DEFAULT_VARIANT = os.environ.get("FLASHQLA_PREPARE", "v3")
+#: Diagonal block size of the forward substitution (WY-3)
+BLOCK = 16
+#: Half chunk: the two diagonal 32 x 32 blocks of the recursion
+HALF = 2 * BLOCK
+#: Row length of the compact transposed diagonal blocks of L (16 + 4 floats: 16-byte aligned rows for
+#: vector loads in the substitution, conflict-free transposed stores from the K K^T fragment)
+DROW = BLOCK + 4
+#: Row length of the fp32 operand tiles (32 + 4 floats: ldmatrix rows 144 B apart, conflict free)
+ROW = HALF + 4
+#: CTAs per SM the kernel is built for (launch bounds: 128 registers; <= 56 KB shared memory)
+MIN_BLOCKS = 4
+#: K slice of the tf32 products (`gemm_nt`)
+KSLICE = 16
+
+
+def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_s, b_s, g_row, g_col, b_row, ld_s,
+                      lbt_s, l2t_s, d2t_s, b0t_s, dm_s, y_s, zt, stage, y_f, w_f, z_f, o_f, xcol):
+    """Emits one value head's stages (L, the forward substitution, phases 1-3, the TMA store of
+    A diag(beta)) where it is called inside a kernel body: value head hk * G + j of the slot whose rows
+    start at row0, nvalid valid rows; the staging tile is `stage` (its first 64 columns) and -Z_top^T
+    is `zt` (its first 32 rows). The buffers, the loop variable and the slot's values reach the stages through a closure (a macro
+    argument would rename the TIR variables)."""
+    C = CHUNK
+    BS = BLOCK
+    HB = HALF
+
+    @T.macro
+    def stages():
+        # L = beta_t (k_t . k_s) exp2(gc[t] - gc[s]) for s < t < nvalid, lower blocks only:
+        # diagonal blocks -> ld_s, L10 and L32 -> l2t_s, Lb = L[32:, :32] -> lbt_s (transposed)
+        for t in T.Parallel(C):
+            g_row[t] = gc_s[j, t]
+            b_row[t] = b_s[j, t]
+        for s in T.Parallel(C):
+            g_col[s] = gc_s[j, s]
+        for t, s in T.Parallel(C, C):
+            if t // BS >= s // BS:
+                lv = T.if_then_else(
+                    (t > s) & (t < nvalid),
+                    b_row[t] * kk_f[t, s] * T.exp2(T.if_then_else(t > s, g_row[t] - g_col[s], T.float32(0))),
+                    T.float32(0),
+                )
+                if t // BS == s // BS:
+                    ld_s[s, t % BS] = lv
+                elif t >= HB and s < HB:
+                    lbt_s[s, t - HB] = lv
+                else:
+                    l2t_s[s % BS, (t // HB) * BS + t % BS] = lv
+        # the previous head's A tile has been read out of the staging tile by the copy engine
+        T.tma_store_wait(0)
+
+        # D^-1: thread (blk, col) < 64 solves column col of diagonal block blk by forward
+        # substitution (WY-3's recursion, each row's sum taken column by column: fewer live
+        # registers than row by row), writes it where the products read it, and times beta
+        # into the staging tile
+        tx = T.get_thread_binding()
+        if tx < C:
+            blk = tx // BS
+            col = tx % BS
+            for r in T.unroll(BS):
+                xcol[r] = T.if_then_else(r == col, T.float32(1), T.float32(0))
+            for m in T.unroll(BS):
+                for r in T.unroll(BS):
+                    if r > m:
+                        xcol[r] = xcol[r] - ld_s[blk * BS + m, r] * xcol[m]
+            bc = b_s[j, blk * BS + col]
+            for r in T.unroll(BS):
+                stage[blk * BS + r, blk * BS + col] = T.cast(T.if_then_else(r >= col, xcol[r] * bc, T.float32(0)), dtype)
+                if blk == 0:
+                    d2t_s[col, r] = xcol[r]
+                    b0t_s[col, r] = xcol[r]
+                elif blk == 1:
+                    dm_s[2 * BS + r, col] = xcol[r]
+                    b0t_s[BS + col, BS + r] = xcol[r]
+                elif blk == 2:
+                    d2t_s[col, BS + r] = xcol[r]
+                    dm_s[r, col] = xcol[r]
+                else:
+                    dm_s[BS + r, BS + col] = xcol[r]
+
+        # phase 1: [F32; F10] = [[0 | Ai33], [Ai11 | 0]] [L10; L32]  and  Z = blockdiag(Ai22, Ai33) Lb
+        gemm_nt(dm_s, l2t_s, y_f, BS)
+        gemm_nt(dm_s, lbt_s, z_f)
+        for t, s in T.Parallel(HB, BS):
+            y_s[(t + BS) % HB, ((t + BS) % HB // BS) * BS + s] = y_f[t, s]
+        for t, n in T.Parallel(BS, HB):
+            zt[n, t] = -z_f[t, n]
+
+        # phase 2: [Ai10; Ai32] = -blockdiag(F10, F32) [Ai00; Ai22];  Q = Z - [0; F32 Z_top] onto Z
+        gemm_nt(y_s, d2t_s, w_f)
+        for kk in T.unroll(BS // 8, unroll_factor=1):  # K = 16 in rolled 8-wide slices (as gemm_nt)
+            T.gemm(y_s[:, BS + kk * 8 : BS + kk * 8 + 8], zt[0:HB, kk * 8 : kk * 8 + 8], z_f, transpose_B=True)
+        for t, n in T.Parallel(HB, HB):
+            lbt_s[t, n] = z_f[t, n]  # Q over Lb^T (read for the last time in phase 1)
+        for t, s in T.Parallel(HB, BS):
+            if t < BS:
+                b0t_s[s, BS + t] = -w_f[t, s]
+            stage[BS + t + (t // BS) * BS, s + (t // BS) * HB] = T.cast(-w_f[t, s] * b_s[j, s + (t // BS) * HB], dtype)
+
+        # phase 3: A[32:, :32] = -Q B_0^-1
+        gemm_nt(lbt_s, b0t_s, o_f)
+        for t, s in T.Parallel(HB, HB):
+            stage[HB + t, s] = T.cast(-o_f[t, s] * b_s[j, s], dtype)
+        T.fence_proxy_async()
+        T.tma_copy(stage[:, 0:C], A[hk * G + j, row0 : row0 + C, 0:C])  # waited before the next head writes the tile
+
+    stages()
 
 
 def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
-                       _skip: frozenset = frozenset()):
-    """`_skip` is a measuring aid only (results are wrong; `tests/gpu/prepare_breakdown.py`): "subst"
-    replaces D^-1 by the identity, "gemms" stores D^-1 instead of running the four inverse GEMMs."""
-    import tilelang.language as T
+                       heads_per_cta: int | None = None):
+    """The TileLang kernel for one static configuration (arguments as `build_prepare_kernel`).
 
+    The L tile's gates are read once per value head into register fragments (g at the rows and at
+    the columns of kk_f this thread holds, beta at its rows), not from shared memory inside the
+    element loop, whose stores to the L tiles may alias them.
+
+    heads_per_cta: the value heads one CTA takes, a divisor of G = HV / H (None: G, one CTA per chunk
+    slot and q/k head, K K^T formed once for its G value heads). 1: one CTA per chunk slot and value
+    head (K K^T formed G times, by G times as many CTAs, each G times shorter; `pick_heads_per_cta`)."""
+    import tilelang.language as T
+    from tilelang.layout import make_linear_layout
+
+    if K < CHUNK:
+        raise ValueError(f"the prepare kernel stages the A tile in the k tile's first {CHUNK} columns: needs K >= {CHUNK}, got {K}")
     C = CHUNK
     G = HV // H
+    BS = BLOCK
+    HB = HALF
+    acc = "float32"
     B = T.dynamic("B")
     Tn = T.dynamic("T")
     R = T.dynamic("R")  # slot rows = slots * 64
     Np1 = T.dynamic("Np1")
-    acc = "float32"
 
-    @T.prim_func
-    def gdn_prepare_fwd(
+    @T.macro
+    def gemm_nt(a, b, c, a_row0=0):
+        """c = a[a_row0 : a_row0 + 32, :32] b[:, :32]^T in slices of KSLICE, the slice loop kept rolled
+        (unrolled, ptxas hoists the operand addresses of every slice out of the value-head loop and
+        spills them)."""
+        T.clear(c)
+        for kk in T.unroll(HB // KSLICE, unroll_factor=1):
+            T.gemm(a[a_row0 : a_row0 + HB, kk * KSLICE : (kk + 1) * KSLICE], b[:, kk * KSLICE : (kk + 1) * KSLICE], c,
+                   transpose_B=True)
+
+    # value heads per CTA (the grid's y extent is HV / P; CTA row hb reads q/k head hb // (G / P))
+    P = heads_per_cta or G
+    if G % P:
+        raise ValueError(f"heads_per_cta must divide HV // H = {G}, got {P}")
+
+    def k_head(hb):
+        """The q/k head of CTA row hb (the identity when a CTA takes all G value heads)."""
+        return hb if P == G else hb // (G // P)
+
+    @T.prim_func  # (the kernel's symbol name is part of its generated source: kept as it was)
+    def gdn_prepare_v3_fwd(
         k: T.Tensor((B, Tn, H, K), dtype),
         g: T.Tensor((B, Tn, HV), "float32"),
         beta: T.Tensor((B, Tn, HV), beta_dtype),
@@ -86,126 +218,93 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
         A: T.Tensor((HV, R, C), dtype),
         g_cum_log2: T.Tensor((HV, R), "float32"),
     ):
-        with T.Kernel(R // C, HV, threads=128) as (slot, hv):  # slots on x (up to 2^31 - 1)
+        with T.Kernel(R // C, HV // P, threads=128) as (slot, hk):  # slots on x (up to 2^31 - 1)
+            T.annotate_min_blocks_per_sm(MIN_BLOCKS)
             seq, chunk, bos, seqlen, bidx, nvalid, t0 = locate_slot(slot, cu_seqlens, Tn, Np1, varlen)
+            row0 = slot * C
 
-            k_s = T.alloc_shared((C, K), dtype)
-            gc_s = T.alloc_shared((C,), acc)
-            b_s = T.alloc_shared((C,), acc)
-            l_s = T.alloc_shared((C, C), acc)  # L, later F
-            et_s = T.alloc_shared((C, C), acc)  # E^T, later F^T, later G
-            dinv_s = T.alloc_shared((C, C), acc)
-            dinvt_s = T.alloc_shared((C, C), acc)
-            xt_s = T.alloc_shared((C, C), acc)
+            # k (before the head loop), then A diag(beta) in k's dtype staged in [:, :64] for the TMA store
+            ka_s = T.alloc_shared((C, K), dtype)
+            # fp32 operand tiles ([rows, K] for A operands, [N, K] for B operands; columns 32..35 unused)
+            dm_s = T.alloc_shared((3 * BS, ROW), acc)  # rows: [Ai22 | 0], [0 | Ai33], [Ai11 | 0]
+            lbt_s = T.alloc_shared((HB, ROW), acc)  # Lb^T [s, t - 32]; then Q
+            b0t_s = T.alloc_shared((HB, ROW), acc)  # (B_0^-1)^T
+            y_s = T.alloc_shared((HB, ROW), acc)  # blockdiag(F10, F32)
+            zt_s = T.alloc_shared((HB, BS + 4), acc)  # -Z_top^T
+            l2t_s = T.alloc_shared((BS, ROW), acc)  # [L10; L32]^T
+            d2t_s = T.alloc_shared((BS, ROW), acc)  # [Ai00; Ai22]^T
+            ld_s = T.alloc_shared((C, DROW), acc)  # diagonal blocks of L, transposed: [s, t % 16]
+            gc_s = T.alloc_shared((P, C), acc)  # g_cum_log2 of the CTA's value heads, head-major
+            b_s = T.alloc_shared((P, C), acc)
+            T.annotate_layout({x: make_linear_layout(x) for x in (dm_s, lbt_s, b0t_s, y_s, zt_s, l2t_s, d2t_s)})
             kk_f = T.alloc_fragment((C, C), acc)
-            f_f = T.alloc_fragment((C, C), acc)
-            x_f = T.alloc_fragment((C, C), acc)
-            a_f = T.alloc_fragment((C, C), acc)
-            xcol = T.alloc_local((16,), acc)
+            g_row = T.alloc_fragment((C,), acc)  # gc of value head j at the rows of kk_f this thread holds
+            g_col = T.alloc_fragment((C,), acc)  # ... at its columns
+            b_row = T.alloc_fragment((C,), acc)  # beta of value head j at its rows
+            y_f = T.alloc_fragment((HB, BS), acc)
+            w_f = T.alloc_fragment((HB, BS), acc)
+            z_f = T.alloc_fragment((HB, HB), acc)
+            o_f = T.alloc_fragment((HB, HB), acc)
+            xcol = T.alloc_local((BS,), acc)
+            k_bar = T.alloc_barrier(128)  # every thread arrives; the copy engine completes the bytes
 
             if nvalid > 0:
-                for t, d in T.Parallel(C, K):
-                    k_s[t, d] = T.if_then_else(t < nvalid, k[bidx, t0 + t, hv // G, d], T.cast(0, dtype))
-                for t in T.Parallel(C):
-                    gc_s[t] = T.if_then_else(t < nvalid, g[bidx, t0 + t, hv] * RCP_LN2, T.float32(0))
-                    b_s[t] = T.if_then_else(t < nvalid, T.cast(beta[bidx, t0 + t, hv], acc), T.float32(0))
-                T.cumsum(gc_s, dim=0)
-
-                T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+                # k by the copy engine (zero-filled past the end of the tensor; rows past the end of
+                # a packed sequence hold the next sequence's keys and are masked in L below)
+                T.tma_copy(k[bidx, t0 : t0 + C, k_head(hk), 0:K], ka_s, barrier=k_bar)  # waited after g and beta
+                T.barrier_arrive(k_bar)
+                for t, j in T.Parallel(C, P):
+                    gc_s[j, t] = T.if_then_else(t < nvalid, g[bidx, t0 + t, hk * P + j] * RCP_LN2, T.float32(0))
+                    b_s[j, t] = T.if_then_else(t < nvalid, T.cast(beta[bidx, t0 + t, hk * P + j], acc), T.float32(0))
+                # blocks no value head writes, zeroed once: the off-diagonal blocks of the block-diagonal
+                # operands and the upper block of (B_0^-1)^T
+                for t, s in T.Parallel(3 * BS, HB):
+                    dm_s[t, s] = T.float32(0)
+                for t, s in T.Parallel(HB, HB):
+                    y_s[t, s] = T.float32(0)
+                    b0t_s[t, s] = T.float32(0)
+                T.mbarrier_wait_parity(k_bar, 0)
+                T.cumsum(gc_s, dim=1)
+                T.gemm(ka_s, ka_s, kk_f, transpose_B=True, clear_accum=True)
+                # k is dead: the staging tile's blocks above the diagonal blocks stay zero
                 for t, s in T.Parallel(C, C):
-                    l_s[t, s] = T.if_then_else(
-                        t > s,
-                        b_s[t] * kk_f[t, s] * T.exp2(T.if_then_else(t > s, gc_s[t] - gc_s[s], T.float32(0))),
-                        T.float32(0),
-                    )
-                for t, s in T.Parallel(C, C):
-                    et_s[s, t] = T.if_then_else(
-                        t // 16 > s // 16,
-                        b_s[t] * kk_f[t, s] * T.exp2(T.if_then_else(t > s, gc_s[t] - gc_s[s], T.float32(0))),
-                        T.float32(0),
-                    )
+                    ka_s[t, s] = T.cast(0, dtype)
 
-                # D^-1: thread (blk, col) < 64 solves column col of diagonal block blk.
-                tx = T.get_thread_binding()
-                if tx < 64:
-                    blk = tx // 16
-                    col = tx % 16
-                    for r in T.unroll(16):
-                        xcol[r] = T.if_then_else(r == col, T.float32(1), T.float32(0))
-                        if "subst" not in _skip:
-                            for m in T.unroll(16):
-                                if m < r:
-                                    xcol[r] = xcol[r] - l_s[blk * 16 + r, blk * 16 + m] * xcol[m]
-                    for rr in T.unroll(C):
-                        dinv_s[rr, blk * 16 + col] = T.if_then_else(rr // 16 == blk, xcol[rr % 16], T.float32(0))
-                        dinvt_s[blk * 16 + col, rr] = T.if_then_else(rr // 16 == blk, xcol[rr % 16], T.float32(0))
+                for j in T.serial(P):
+                    value_head_stages(T, j=j, G=P, hk=hk, nvalid=nvalid, row0=row0, A=A, dtype=dtype, gemm_nt=gemm_nt, kk_f=kk_f,
+                                      gc_s=gc_s, b_s=b_s, g_row=g_row, g_col=g_col, b_row=b_row, ld_s=ld_s, lbt_s=lbt_s,
+                                      l2t_s=l2t_s, d2t_s=d2t_s, b0t_s=b0t_s, dm_s=dm_s, y_s=y_s, zt=zt_s, stage=ka_s, y_f=y_f,
+                                      w_f=w_f, z_f=z_f, o_f=o_f, xcol=xcol)
+                T.tma_store_wait(0)
 
-                if "gemms" in _skip:
-                    T.copy(dinv_s, a_f)
-                else:
-                    # F = D^-1 E
-                    T.gemm(dinv_s, et_s, f_f, transpose_B=True, clear_accum=True)
-                    T.copy(f_f, l_s)
-                    for t, s in T.Parallel(C, C):
-                        et_s[s, t] = f_f[t, s]
-                    # X = I + F F
-                    T.gemm(l_s, et_s, x_f, transpose_B=True, clear_accum=True)
-                    for t, s in T.Parallel(C, C):
-                        x_f[t, s] = x_f[t, s] + T.if_then_else(t == s, T.float32(1), T.float32(0))
-                    for t, s in T.Parallel(C, C):
-                        xt_s[s, t] = x_f[t, s]
-                    # G = X - F X
-                    T.gemm(l_s, xt_s, f_f, transpose_B=True, clear_accum=True)
-                    for t, s in T.Parallel(C, C):
-                        et_s[t, s] = x_f[t, s] - f_f[t, s]
-                    # A = G D^-1
-                    T.gemm(et_s, dinvt_s, a_f, transpose_B=True, clear_accum=True)
+                for j, t in T.Parallel(P, C):
+                    g_cum_log2[hk * P + j, row0 + t] = gc_s[j, t]
 
-                for t, s in T.Parallel(C, C):
-                    A[hv, slot * C + t, s] = T.cast(T.if_then_else(t >= s, a_f[t, s] * b_s[s], T.float32(0)), dtype)
-                for t in T.Parallel(C):
-                    g_cum_log2[hv, slot * C + t] = gc_s[t]
-
-    return gdn_prepare_fwd
+    return gdn_prepare_v3_fwd
 
 
 def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
-                         variant: str | None = None, heads_per_cta: int | None = None):
+                         heads_per_cta: int | None = None):
     """Compiled prepare kernel for one static configuration (cached).
 
-    Static key: head counts H, HV; head dim K; dtype of k (and of the stored A); beta's dtype;
-    cu_seqlens' dtype; whether input is packed (varlen); the variant (`VARIANTS`; None:
-    `DEFAULT_VARIANT`); `heads_per_cta` (v3 only; None: all HV / H value heads of a q/k head, 1: one
-    value head a CTA, `pick_heads_per_cta`). Sequence lengths,
-    the number of sequences and B are run-time values: a new T or sequence mix reuses the compiled
-    kernel.
+    Static key: head counts H, HV; head dim K (>= 64); dtype of k (and of the stored A); beta's dtype;
+    cu_seqlens' dtype; whether input is packed (varlen); `heads_per_cta` (None: all HV / H value heads
+    of a q/k head in one CTA; 1: one value head a CTA, `pick_heads_per_cta`). Sequence lengths, the
+    number of sequences and B are run-time values: a new T or sequence mix reuses the compiled kernel.
+    Raises ValueError for a heads_per_cta other than None, 1 or HV / H.
     """
-    variant = variant or DEFAULT_VARIANT
-    if variant not in VARIANTS:
-        raise ValueError(f"prepare variant must be one of {VARIANTS}, got {variant!r}")
     if heads_per_cta == HV // H:
         heads_per_cta = None
-    if heads_per_cta is not None and (variant != "v3" or heads_per_cta != 1):
-        raise ValueError(f"heads_per_cta must be None or 1 (variant 'v3'), got {heads_per_cta!r} with {variant!r}")
-    return _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, variant, heads_per_cta)
+    if heads_per_cta not in (None, 1):
+        raise ValueError(f"heads_per_cta must be None, 1 or HV // H = {HV // H}, got {heads_per_cta!r}")
+    return _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta)
 
 
 @functools.lru_cache(maxsize=None)
-def _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, variant, heads_per_cta=None):
-    """One cache entry per key, whether or not the caller spelled out the default variant."""
-    if variant == "v3":
-        from flashqla.ops.gdn.kernels.sm90.prepare_v3 import prepare_v3_prim_func
-
-        func = prepare_v3_prim_func(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta=heads_per_cta)
-        return compile_kernel(func, f"gdn_prepare_v3_fwd_H{H}_HV{HV}_K{K}_{dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}"
-                              + ("_one_head" if heads_per_cta == 1 else ""))
-    if variant == "v2":
-        from flashqla.ops.gdn.kernels.sm90.prepare_v2 import prepare_v2_prim_func
-
-        func = prepare_v2_prim_func(H, HV, K, dtype, beta_dtype, seq_dtype, varlen)
-        return compile_kernel(func, f"gdn_prepare_v2_fwd_H{H}_HV{HV}_K{K}_{dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}")
-    func = _prepare_prim_func(H, HV, K, dtype, beta_dtype, seq_dtype, varlen)
-    return compile_kernel(func, f"gdn_prepare_fwd_H{H}_HV{HV}_K{K}_{dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}")
+def _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta):
+    func = _prepare_prim_func(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta=heads_per_cta)
+    return compile_kernel(func, f"gdn_prepare_fwd_H{H}_HV{HV}_K{K}_{dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}"
+                          + ("_one_head" if heads_per_cta == 1 else ""))
 
 
 #: `pick_heads_per_cta` takes one value head a CTA while the grid of one CTA per chunk slot and q/k
@@ -213,45 +312,33 @@ def _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, varian
 ONE_HEAD_MAX_CTAS = 2 * SM_COUNT
 
 
-def pick_heads_per_cta(S: int, H: int, HV: int, variant: str | None = None) -> int | None:
-    """Value heads a v3 prepare CTA takes for S chunk slots: 1 (one CTA per slot and value head) when
+def pick_heads_per_cta(S: int, H: int, HV: int) -> int | None:
+    """Value heads a prepare CTA takes for S chunk slots: 1 (one CTA per slot and value head) when
     G = HV / H > 1 and the S x H grid of one CTA per slot and q/k head has at most ONE_HEAD_MAX_CTAS
-    CTAs, else None (all G value heads: K K^T formed once for them).
-
-    Measured on the H200 (tests/gpu/prepare_heads_check.py, packed input, ms; NOTES.md): 2/8 x 2048
-    tokens (66 CTAs against 264) 0.0201 -> 0.0084, 4/16 x 2048 (132 / 528) 0.0205 -> 0.0106, 2/8 x 4 x
-    2048 (264 / 1056) 0.0223 -> 0.0189, 8/24 x 2048 (264 / 792) 0.0183 -> 0.0180; 16/32 x 2048 (528 /
-    1056) 0.0162 -> 0.0192, slower: K K^T formed twice costs more than the SMs it fills."""
-    variant = variant or DEFAULT_VARIANT
-    if variant != "v3" or HV // H == 1 or S * H > ONE_HEAD_MAX_CTAS:
+    CTAs (K K^T formed G times, but the SMs filled), else None (all G value heads: K K^T formed once)."""
+    if HV // H == 1 or S * H > ONE_HEAD_MAX_CTAS:
         return None
     return 1
 
 
-def prepare_kernel_args(k, beta, cu_seqlens, HV: int, variant: str | None = None) -> tuple:
-    """The static key (`build_prepare_kernel` arguments) a launch with these inputs uses
-    (variant None: `DEFAULT_VARIANT`). The key ends with 1 where `pick_heads_per_cta` takes one value
-    head a CTA (the slot count comes from shapes alone: no host synchronisation)."""
+def prepare_kernel_args(k, beta, cu_seqlens, HV: int) -> tuple:
+    """The static key (`build_prepare_kernel` arguments) a launch with these inputs uses. The key ends
+    with 1 where `pick_heads_per_cta` takes one value head a CTA (the slot count comes from shapes
+    alone: no host synchronisation)."""
     B, T, H, K = k.shape
     seq_dtype = tl_dtype(cu_seqlens.dtype) if cu_seqlens is not None else "int32"
-    variant = variant or DEFAULT_VARIANT
-    key = (H, HV, K, tl_dtype(k.dtype), tl_dtype(beta.dtype), seq_dtype, cu_seqlens is not None, variant)
+    key = (H, HV, K, tl_dtype(k.dtype), tl_dtype(beta.dtype), seq_dtype, cu_seqlens is not None)
     N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
-    one = pick_heads_per_cta(num_slots(B, T, N, cu_seqlens is not None), H, HV, variant)
+    one = pick_heads_per_cta(num_slots(B, T, N, cu_seqlens is not None), H, HV)
     return key + (one,) if one else key
 
 
-def dummy_cu_seqlens(device) -> torch.Tensor:
-    """A 1-element int32 placeholder for the cu_seqlens argument of fixed-length launches."""
-    return placeholder((1,), torch.int32, device)
-
-
-def chunk_prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens, HV: int, A=None, g_cum_log2=None,
-                      variant: str | None = None):
-    """Launches the prepare kernel. Arguments as in `chunk_gated_delta_rule` (already validated,
-    contiguous, on an sm_90 device). `A` and `g_cum_log2` may be given as preallocated outputs of
-    the shapes below (tests poison them to prove every used row is written). `variant` picks the
-    kernel (`VARIANTS`; None: `DEFAULT_VARIANT`, env FLASHQLA_PREPARE); both write the same outputs.
+def chunk_prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens, HV: int, A=None, g_cum_log2=None):
+    """Launches the prepare kernel. Arguments as in `chunk_gated_delta_rule` (validated by the caller,
+    contiguous, on an sm_90 device): k [B, T, H, K] bf16/fp16, g [B, T, HV] fp32 (natural log), beta
+    [B, T, HV] fp32 or k's dtype, cu_seqlens None or [N + 1] int32/int64. `A` and `g_cum_log2` may be
+    given as preallocated outputs of the shapes below (tests poison them to prove every used row is
+    written).
 
     Returns:
         A: [HV, S * 64, 64] in k's dtype, S = number of chunk slots (`_common.num_slots`); rows
@@ -271,6 +358,6 @@ def chunk_prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_s
     if S == 0 or T == 0:
         return A, g_cum_log2
     cu = cu_seqlens if varlen else dummy_cu_seqlens(k.device)
-    kernel = build_prepare_kernel(*prepare_kernel_args(k, beta, cu_seqlens, HV, variant))
+    kernel = build_prepare_kernel(*prepare_kernel_args(k, beta, cu_seqlens, HV))
     kernel(k, g, beta, cu, A, g_cum_log2)
     return A, g_cum_log2

@@ -1,11 +1,11 @@
 """The segment tables of context parallelism in one launch.
 
-`flashqla.cp.planner.build_segment_tables` derives the `SegmentTables` of a packed batch from the
+`flashqla.cp.segments.build_segment_tables` derives the segment tables of a packed batch from the
 device tensor `cu_seqlens` with about fifty small torch ops (a searchsorted, gathers, masks, a
-concatenation). The tables depend on the offsets' values, so they are rebuilt on every split forward
-and backward; in a CUDA graph each of those ops is a node of ~2 us, about 0.1 ms per call that does
-no useful work. `segment_tables_device` produces the same tables (same fields, dtypes and values,
-bit for bit) with one TileLang kernel launch.
+concatenation); they depend on the offsets' values, so they are rebuilt on every split forward and
+backward. `segment_tables` computes the same fields (same dtypes and values, bit for bit) with one
+TileLang kernel launch and returns them as plain tensors (`flashqla.cp.segments.segment_tables_device`
+wraps them).
 
 No host synchronisation: the output sizes come from shapes only (N = cu_seqlens.numel() - 1,
 M = T // L + N), nothing reads a device value on the host (no `.item()`, `.tolist()`, `.cpu()`),
@@ -33,22 +33,16 @@ import functools
 
 import torch
 
-from flashqla.cp.planner import SegmentTables, build_segment_tables, check_segment_args, num_segment_slots
+from flashqla.ops.gdn.kernels.sm90._common import compile_kernel, on_sm90
 
-__all__ = [
-    "THREADS",
-    "ROW_ALIGN",
-    "build_segment_tables_kernel",
-    "segment_tables_device",
-    "kernel_supported",
-]
+__all__ = ["INT32_MAX", "ROW_ALIGN", "THREADS", "build_segment_tables_kernel", "kernel_supported", "segment_tables"]
 
 #: Threads per CTA; thread i of the grid owns slot i, sequence i and (i == M) the last pseudo offset.
 THREADS = 128
 #: Row length of the packed output buffers is rounded up to this many elements (64-byte aligned rows).
 ROW_ALIGN = 64
 #: Sizes passed to the kernel as int32 (dynamic shapes and L) must stay below this.
-_INT32_MAX = 2**31 - 1
+INT32_MAX = 2**31 - 1
 
 _SEQ_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
 
@@ -154,20 +148,16 @@ def build_segment_tables_kernel(seq_dtype: str):
 
     Call as kernel(cu_seqlens [N + 1], L (int), pseudo [M + 1] (cu_seqlens' dtype), slot_tab [6, MS]
     int64, flag_tab [5, MS] uint8, seq_tab [3, NS] int64), MS >= M, NS >= N, N >= 1; N, M, MS, NS and
-    L are run-time values. `segment_tables_device` allocates the buffers and launches it.
+    L are run-time values. `segment_tables` allocates the buffers and launches it.
     """
     if seq_dtype not in ("int32", "int64"):
         raise ValueError(f"seq_dtype must be 'int32' or 'int64', got {seq_dtype!r}")
-    from flashqla.ops.gdn.kernels.sm90._common import compile_kernel
-
     return compile_kernel(_tables_prim_func(seq_dtype), f"cp_segment_tables_{seq_dtype}")
 
 
 def kernel_supported(cu_seqlens: torch.Tensor) -> bool:
-    """Whether `segment_tables_device` launches the kernel for these offsets: int32/int64 on a CUDA
-    device of compute capability 9.0 (the kernel is built for sm_90a). Reads no device value."""
-    from flashqla.ops.gdn.kernels.sm90._common import on_sm90
-
+    """Whether `segment_tables` can launch for these offsets: int32/int64 on a CUDA device of compute
+    capability 9.0 (the kernel is built for sm_90a). Reads no device value."""
     return cu_seqlens.dtype in _SEQ_DTYPES and on_sm90(cu_seqlens)
 
 
@@ -175,75 +165,24 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def _launch(kernel, cu: torch.Tensor, L: int, N: int, M: int) -> SegmentTables:
-    """Allocates the outputs (torch.empty, shapes only), launches `kernel` once, returns the tables.
-    cu: [N + 1] contiguous int32/int64, N >= 1, M = T // L + N."""
-    dev = cu.device
+def segment_tables(cu_seqlens: torch.Tensor, L: int, N: int, M: int):
+    """One launch: the segment tables of the packed offsets cu_seqlens ([N + 1] contiguous int32/int64
+    on an sm_90 device, N >= 1) for segments of L tokens over M = T // L + N slots.
+
+    Returns (pseudo [M + 1] in cu_seqlens' dtype, slot_tab [6, M] int64 rows seq, index, start, end,
+    prev, h0_index; flag_tab [5, M] bool rows valid, first, last, need_transition, need_correction;
+    seq_tab [3, N] int64 rows seq_first, seq_num, seq_last). The rows are contiguous views into
+    buffers whose rows start 64-byte aligned. No host synchronisation."""
+    dev = cu_seqlens.device
     MS, NS = _round_up(M, ROW_ALIGN), _round_up(N, ROW_ALIGN)
-    pseudo = torch.empty(M + 1, dtype=cu.dtype, device=dev)
+    pseudo = torch.empty(M + 1, dtype=cu_seqlens.dtype, device=dev)
     slot_tab = torch.empty(6, MS, dtype=torch.int64, device=dev)
     flag_tab = torch.empty(5, MS, dtype=torch.uint8, device=dev)
     seq_tab = torch.empty(3, NS, dtype=torch.int64, device=dev)
-    kernel(cu, L, pseudo, slot_tab, flag_tab, seq_tab)
-    seq, index, start, end, prev, h0_index = slot_tab[:, :M].unbind(0)
-    valid, first, last, need_transition, need_correction = flag_tab.view(torch.bool)[:, :M].unbind(0)
-    seq_first, seq_num, seq_last = seq_tab[:, :N].unbind(0)
-    return SegmentTables(
-        cu_seqlens=pseudo,
-        seq=seq,
-        index=index,
-        start=start,
-        end=end,
-        valid=valid,
-        first=first,
-        last=last,
-        prev=prev,
-        h0_index=h0_index,
-        need_transition=need_transition,
-        need_correction=need_correction,
-        seq_first=seq_first,
-        seq_num=seq_num,
-        seq_last=seq_last,
-        segment_len=L,
-        N=N,
-        M=M,
-    )
-
-
-def segment_tables_device(cu_seqlens: torch.Tensor, segment_len: int, T: int | None = None) -> SegmentTables:
-    """`build_segment_tables(cu_seqlens, segment_len, T=T)` for packed offsets, in one kernel launch.
-
-    Args:
-        cu_seqlens: [N + 1] int32/int64 offsets (non-decreasing, cu[0] == 0, cu[N] <= T), on a CUDA
-            device of compute capability 9.0 for the kernel path.
-        segment_len: L, a positive multiple of 64.
-        T: tokens of the packed row, from the inputs' shape [1, T, ...] (required).
-    Returns:
-        `SegmentTables` with M = T // L + N slots, equal field by field (dtype and values) to
-        `build_segment_tables`: cu_seqlens [M + 1] in cu_seqlens' dtype; seq, index, start, end,
-        prev, h0_index int64 [M]; valid, first, last, need_transition, need_correction bool [M];
-        seq_first, seq_num, seq_last int64 [N]. The fields are contiguous views into three shared
-        buffers (see the module docstring).
-
-    No host synchronisation and no recompilation for new values or sizes. Falls back to
-    `build_segment_tables` (the same tables by torch ops) where the kernel does not apply: N == 0
-    (then M = T // L, nothing to search), offsets not on an sm_90 CUDA device (CPU tensors
-    included), a dtype other than int32/int64, or L or M + 1 beyond int32.
-    Raises ValueError for a segment_len that is not a positive multiple of 64, a missing or negative
-    T, or cu_seqlens that is not a 1-D tensor with at least one entry.
-    """
-    L, T = check_segment_args(segment_len, T)
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
-        raise ValueError("cu_seqlens must be a 1-D tensor of N + 1 >= 1 offsets "
-                         "(the fixed-length tables come from build_segment_tables(None, ...))")
-    N = cu_seqlens.shape[0] - 1
-    M = num_segment_slots(T, N, L)
-    if N == 0 or L > _INT32_MAX or M + 1 > _INT32_MAX or not kernel_supported(cu_seqlens):
-        return build_segment_tables(cu_seqlens, L, T=T)
     kernel = build_segment_tables_kernel(_SEQ_DTYPES[cu_seqlens.dtype])
-    cu = cu_seqlens.contiguous()
-    dev = cu.device
     if dev.index is not None and dev.index != torch.cuda.current_device():
         with torch.cuda.device(dev):
-            return _launch(kernel, cu, L, N, M)
-    return _launch(kernel, cu, L, N, M)
+            kernel(cu_seqlens, L, pseudo, slot_tab, flag_tab, seq_tab)
+    else:
+        kernel(cu_seqlens, L, pseudo, slot_tab, flag_tab, seq_tab)
+    return pseudo, slot_tab[:, :M], flag_tab.view(torch.bool)[:, :M], seq_tab[:, :N]

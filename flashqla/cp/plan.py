@@ -1,14 +1,14 @@
-"""Intra-device context-parallel (CP) planner: when to split, where, and the segment tables.
+"""Intra-device context-parallel (CP) planner: whether to split, and where.
 
 The sm_90 recurrent kernel runs one CTA per (value slice, value head, sequence) and walks that
-sequence's chunks serially (`flashqla/ops/gdn/kernels/sm90/NOTES.md`). A few long sequences with few
+sequence's chunks serially. A few long sequences with few
 value heads leave most SMs idle: 2/8 heads, 1 x 32768 tokens launches 16 CTAs (BV = 64) on 132 SMs,
 each 512 chunks long. CP cuts every long sequence into segments, runs the segments as independent
 sequences, and stitches the states back (derivations CP-1 .. CP-5, `reference/gdn/cp.py`).
 
-This module decides (a pure function of static facts, cached) and builds the tables a segmented
-launch needs (torch ops on the device, no host synchronisation). `flashqla.cp.driver` runs the
-existing kernels over those tables (see "Kernel launches" below).
+This module decides (a pure function of static facts, cached); `flashqla.cp.segments` builds the
+tables a segmented launch needs and `flashqla.cp.forward` / `flashqla.cp.backward` run the kernels
+over them.
 
 Rule (`plan_cp`)
 ----------------
@@ -19,7 +19,7 @@ the hint the model assumes balanced sequences of ceil(T / N) tokens, the case le
 splitting (an unbalanced mix only gains more from a split; `force` covers a caller who knows).
 
 Cost model, in units of one chunk step of the recurrent kernel at BV = 128 (~3.3 us on the H200),
-for the launches `flashqla.cp.driver` makes:
+for the launches `flashqla.cp.forward` makes:
 
     t(BV)        per-CTA cost of one chunk: t(128) = 1.1 (1.0 before the refit at UNSPLIT_CHUNK_COST), t(64) = 0.9 (first 0.8 from NOTES.md, 32/32
                  1x4096, both launches under one wave: the op took 0.318 ms at BV = 64 and 0.378 ms
@@ -46,25 +46,6 @@ for the launches `flashqla.cp.driver` makes:
                  segments, the compact transition launch) + CORRECTION_COST * HV * m' * 64 gate_chunks
                  + LAUNCH_COST * EXTRA_LAUNCHES_GATED (gate_chunks defaults to DEFAULT_GATE_CHUNKS)
 
-Measured on the H200 at 2/8 heads, 1 x 32768 tokens, L = 2048 (`tests/gpu/cp_bench.py --breakdown`,
-CUDA graphs): prepare 0.115 ms, one recurrent launch over the 16 segments 0.111 ms (predicted 32
-chunk units, ~3.5 us each), the combine scan 0.157 ms (15 fp32 [8, 128, 128] x [8, 128, 128]
-products, hence SCAN_STEP_COST = 3), the correction 0.080-0.089 ms (8 per-head GEMMs; predicted
-19 + 8 units); whole exact CP call 0.68-0.72 ms against 1.58 ms unsplit (predicted 3.4x, measured
-2.2-2.3x: the rest is small torch launches the model counts only as EXTRA_LAUNCHES). Since then the
-segment tables, both scans, the correction and the backward's E are one launch each
-(`flashqla.cp.tables_kernel`, `kernels/sm90/cp_scan.py`, `kernels/sm90/cp_correct.py`): the scan
-takes 4.4 us a step at 8 value heads and 11 us at 32 (SCAN_STEP_COST 1.5 for the forward), the
-per-head correction launches are gone, and the whole call is 0.457 ms at 2/8 x 32768
-(tests/gpu/cp_fwd_plan_check.py: these costs split 12 more benchmark rows, each measured faster
-split, 1.05-1.83x). Then the run and the transitions became one launch (`chunk_recurrent_dual`) with
-the gate-driven cut of each (segment, head) transition, costed by DUAL_LAUNCH,
-FULL_TRANSITION_HEADS, CUT_CHUNKS and HEAD_OVERHEAD below (tests/gpu/cp_dual_check.py): 2/8 x
-32768 is now split at L = 2560 (104 run CTAs, 12 full and 84 cut transitions in one wave) and takes
-0.370 ms. Then the correction kernel's epilogue lost a 64-bit division per store (54 -> 21 us a
-call), the scan prefetches P (1.12-1.27x) and the runs' initial states are one launch: HEAD_OVERHEAD,
-SCAN_STEP_COST and t(64) were refitted (their comments), and 2/8 x 32768 takes 0.301 ms (forward
-benchmark, 2026-11-30).
 The planner evaluates both BV choices (only those dividing V), no split, and every segment length
 L = SEGMENT_QUANTUM * j (512 tokens = 8 chunks, as FlashInfer's exact CP; always a multiple of the
 64-token chunk) with L < l_max, and splits when the best split is predicted at least MIN_GAIN = 1.2x
@@ -84,7 +65,7 @@ constants are module-level and named below.
 
 Backward (`backward=True`) and unknown lengths
 ------------------------------------------------
-The backward's plan (`flashqla.cp.driver.chunk_gated_delta_rule_cp_bwd`) costs its own launches for
+The backward's plan (`flashqla.cp.backward.cp_backward`) costs its own launches for
 one sequence: the forward's run and transition recomputed, the combine scan and the reverse scan,
 the states pass over the segments, and the fused chunk backward at BWD_CHUNK_COST forward chunk
 steps per chunk with one CTA per (segment, value head) and BWD_WAVE_COST per wave of them. Its
@@ -100,45 +81,15 @@ lengths are taken as balanced. (Costing a skewed batch too, one sequence
 holding all but N - 1 tokens, was measured on the backward grid: its splits lost as often as they won.)
 Segment lengths are searched on every quantum up to DENSE_QUANTA quanta, then on a geometric grid.
 
-Segment tables (`build_segment_tables`)
-----------------------------------------
-With segment length L (a multiple of 64) sequence n = [cu[n], cu[n+1]) is cut from its start into
-ceil(len_n / L) segments (the last one shorter; an empty sequence has none), exactly as
-`reference.gdn.cp.plan_segments`. Segment j of sequence n occupies slot
-
-    slot(n, j) = floor(cu[n] / L) + n + j
-
-(the forward's chunk-slot trick with L for 64: floor(cu[n+1] / L) - floor(cu[n] / L) + 1 >=
-ceil(len_n / L) slots are free before sequence n + 1 starts, so slots never collide), and the slot
-count M = floor(T / L) + N is known from shapes alone. Slots are in token order; a slot beyond its
-sequence's last segment is inert: an empty segment at the sequence's end (start == end == cu[n+1]).
-Every table is computed by torch ops from `cu_seqlens` on its device (searchsorted over the strictly
-increasing slot bases, no `.item()`, `.tolist()`, `.cpu()`, no data-dependent Python branch):
-
-    cu_seqlens [M + 1]  pseudo offsets: the segments (inert ones empty) as M independent sequences;
-                        the existing kernels run them with N' = M from zero (or h0_index) state
-    seq [M]             sequence of each slot; index [M] its position j in the sequence
-    start, end [M]      token offsets (inert: start == end); valid, first, last [M] bool
-    prev [M]            slot of the previous segment of the same sequence, -1 if none: the combine
-                        order (segments of a sequence are consecutive slots, first to last)
-    h0_index [M]        the sequence whose initial state a first segment starts from, else -1
-    need_transition [M] valid, not first, not last: P_j is needed for the next segment's entering
-                        state (a first segment runs from h0 and ends exact; a last one's P S only
-                        feeds the final state, which its correction pass produces: X = P_<c S
-                        walks to P S at the segment's end)
-    need_correction [M] valid and not first (its entering state is not known at launch)
-    seq_first, seq_num, seq_last [N]  first slot, segment count, last slot (-1 when empty): the final
-                        state of sequence n is the state leaving slot seq_last[n] (h0 when empty)
-
 Cache
 -----
-`get_cp_plan` keys the plan on static facts only: shapes, dtypes, device, SM count and the flags
+`plan_for` keys the plan on static facts only: shapes, dtypes, device, SM count and the flags
 (`PlanKey`). It never looks at, hashes or identifies the cu_seqlens tensor (not its values, not its
 data pointer), so a caller that reuses a cu_seqlens buffer and edits it in place cannot get a stale
-plan; the tables, which do depend on the values, are rebuilt on every call (a handful of small
-device ops, no sync).
+plan; the tables, which do depend on the values, are rebuilt on every call
+(`flashqla.cp.segments`, no sync).
 
-Gate-driven shortcut (opt-in; `flashqla.cp.driver`, gate_chunks = m)
+Gate-driven shortcut (opt-in; `flashqla.cp.forward`, gate_chunks = m)
 ---------------------------------------------------------------------
 By CP-4 / CP-5 a state carried across a window whose summed log-decay is G contributes at most
 exp(G) ||S||_F to every later state and scale ||q|| exp(G) ||S||_F to every later output. The
@@ -150,21 +101,6 @@ sequence, so a per-(segment, head) fallback decided on the device would still pa
 transition launch: the mode is therefore a host-side choice (never taken by the rule), and the driver
 reports the decays and a per-(slot, head) flag on the device. GATE_THRESHOLD (-10, FlashQLA's) is
 the level below which the bound is below bf16 resolution (e^-10 ~ 4.5e-5).
-
-Kernel launches (`flashqla.cp.driver`, existing kernels only)
--------------------------------------------------------------
-1. prepare over the pseudo `cu_seqlens` (slot count floor(T / 64) + M): segments are chunk-aligned
-   within their sequence, so every chunk's g_cum and A diag(beta) are unchanged, and the products
-   serve every launch below;
-2. run: the recurrent kernel over the pseudo offsets, N' = M, from h0[h0_index] on first segments and
-   zero elsewhere (a gathered [M, HV, K, V] initial state): o (exact on first segments, O(0)
-   elsewhere) and each slot's end state Q; inert slots exit at once;
-3. transition: the recurrent kernel with v = 0 from the identity on every non-first segment: its end
-   state is P_j, its output U_t = scale Phi_t^T q_t (K = V = 128);
-4. combine scan (`flashqla.cp.merge.scan_segment_states(first_from_h0=True)`, torch): S <- P_j S + Q_j
-   per sequence, the entering state of every slot and every final state;
-5. output correction o_t += S_in^T U_t on non-first segments (CP-3 by linearity; torch GEMMs), or a
-   third recurrent launch from the entering states (correction="rerun").
 """
 
 from __future__ import annotations
@@ -172,57 +108,18 @@ from __future__ import annotations
 import collections
 import functools
 import heapq
-import math
-import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-__all__ = [
-    "CHUNK",
-    "SEGMENT_QUANTUM",
-    "BV_CHOICES",
-    "CHUNK_COST",
-    "CTAS_PER_SM",
-    "PASSES_EXACT",
-    "PASSES_GATED",
-    "SCAN_STEP_COST",
-    "BWD_SCAN_STEP_COST",
-    "CORRECTION_COST",
-    "LAUNCH_COST",
-    "EXTRA_LAUNCHES",
-    "EXTRA_LAUNCHES_GATED",
-    "DEFAULT_GATE_CHUNKS",
-    "BWD_CHUNK_COST",
-    "BWD_WAVE_COST",
-    "PACKED_BWD_OWN_PLAN",
-    "MIN_GAIN",
-    "BWD_MIN_GAIN",
-    "TIE",
-    "GATE_THRESHOLD",
-    "TRUNCATE_LOG_DECAY",
-    "DUAL_LAUNCH",
-    "FULL_TRANSITION_HEADS",
-    "CUT_CHUNKS",
-    "HEAD_OVERHEAD",
-    "DEFAULT_SM_COUNT",
-    "CPPlan",
-    "plan_cp",
-    "fit_lengths_costs",
-    "PlanKey",
-    "plan_key",
-    "get_cp_plan",
-    "clear_plan_cache",
-    "plan_cache_info",
-    "sm_count",
-    "num_segment_slots",
-    "SegmentTables",
-    "build_segment_tables",
-]
+from flashqla.contract import CHUNK, check_seqlens, cp_mode
+from flashqla.cp.segments import num_segment_slots
+from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
 
-#: Tokens per chunk of the kernels.
-CHUNK = 64
+__all__ = ["CPPlan", "CallPlan", "PlanKey", "clear_plan_cache", "cp_splits", "fit_lengths_costs", "plan_call", "plan_cp",
+           "plan_for", "plan_key", "sm_count"]
+
 #: Segment lengths the rule picks are multiples of this many tokens (8 chunks).
 SEGMENT_QUANTUM = 512
 #: Value-slice widths of the recurrent kernel, preferred first on a tie.
@@ -374,11 +271,6 @@ BWD_LEN_ORDER_COST = 0.2
 TIE = 0.03
 #: Summed log-decay below which a carried state is dropped by the gate-driven shortcut (FlashQLA's).
 GATE_THRESHOLD = -10.0
-#: Summed log-decay (natural log) after which the split path's per-(segment, value head) transition is
-#: cut short by default (`flashqla.cp.driver.transition_limits`): ln 2^-24, so what is dropped is at most
-#: 2^-24 (about 6e-8) of the entering state's norm (records CP-4 / CP-5), below fp32's rounding of a
-#: state. FlashQLA's shortcut uses -10 (4.5e-5).
-TRUNCATE_LOG_DECAY = -24 * math.log(2.0)
 #: SM count assumed for a device that is not a CUDA GPU (an H200 / H100 SXM has 132).
 DEFAULT_SM_COUNT = 132
 
@@ -482,14 +374,6 @@ LENGTHS_DENSE_QUANTA = 64
 LENGTHS_GRID_RATIO = 1.05
 
 
-def _bwd_order_mode() -> str:
-    """FLASHQLA_BWD_ORDER (`kernels/sm90/_common.bwd_order_mode`), read when a plan is made (plans are
-    cached: `clear_plan_cache` after changing it)."""
-    from flashqla.ops.gdn.kernels.sm90._common import bwd_order_mode
-
-    return bwd_order_mode()
-
-
 def _lengths_runs(seqlens, L: int | None, HV: int, longest_first: bool = False) -> tuple[list, int, int]:
     """The backward's CTAs for these sequence lengths cut at L (None: whole sequences), as
     `_greedy_makespan` runs in launch order (token order, or longest_first: descending chunk counts,
@@ -565,27 +449,6 @@ def fit_lengths_costs(samples, sms: int = DEFAULT_SM_COUNT) -> dict:
     rms = float(((X @ c - Y[:, 0]) ** 2).mean().sqrt())
     names = ("BWD_LEN_TOKEN_COST", "BWD_LEN_WAVE_COST", "BWD_LEN_SPLIT_COST", "BWD_LEN_SCAN_STEP_COST")
     return dict({n: float(c[i + 1] / c[0]) for i, n in enumerate(names)}, unit_ms=float(c[0]), rms_ms=rms)
-
-
-def check_seqlens(seqlens, N: int, T: int) -> tuple[int, ...]:
-    """`seqlens` (any sequence of N ints >= 0 summing to T; numpy and torch integers too) as a tuple of
-    Python ints. ValueError naming seqlens otherwise (bools and floats included)."""
-    try:
-        items = list(seqlens)
-    except TypeError:
-        raise ValueError(f"seqlens must be a sequence of N = {N} int lengths, got {type(seqlens).__name__}") from None
-    out = []
-    for n in items:
-        if isinstance(n, (bool, float)) or getattr(n, "dtype", None) in (torch.bool,):
-            raise ValueError(f"seqlens must hold ints, got {n!r}")
-        try:
-            out.append(operator.index(n))
-        except TypeError:
-            raise ValueError(f"seqlens must hold ints, got {n!r}") from None
-    if len(out) != N or any(n < 0 for n in out) or sum(out) != T:
-        shown = tuple(out) if len(out) <= 8 else str(tuple(out[:8]))[:-1] + ", ...)"
-        raise ValueError(f"seqlens must be N = {N} int lengths >= 0 summing to T = {T}, got {shown}")
-    return tuple(out)
 
 
 def _unsplit_bwd_time(BV: int, HV: int, V: int, N: int, l_avg: int, l_max: int, sms: int) -> float:
@@ -745,7 +608,6 @@ def _plan_cp(
         return _unsplit_time(bv, HV, V, N, l_mean, l_max, sm_count)
 
     if backward and seqlens is not None and 1 < N <= LENGTHS_MAX_SEQUENCES:  # the launch-order model
-        mode = _bwd_order_mode()
         pairs = _length_pairs(seqlens)
         bv_u = bvs[0]
         # the unsplit backward launches in token order; a split one in either (longest first costs
@@ -755,19 +617,14 @@ def _plan_cp(
                                                                                LENGTHS_GRID_RATIO)
         cands = []
         for L in lens:
-            options = []
-            if mode != "longest":
-                options.append((_bwd_lengths_time(seqlens, L, HV, sm_count), L, bv_u, False))
-            if mode != "tokens":
-                options.append((_bwd_lengths_time(pairs, L, HV, sm_count, True) + BWD_LEN_ORDER_COST, L, bv_u, True))
+            options = [(_bwd_lengths_time(seqlens, L, HV, sm_count), L, bv_u, False),
+                       (_bwd_lengths_time(pairs, L, HV, sm_count, True) + BWD_LEN_ORDER_COST, L, bv_u, True)]
             cands.append(min(options, key=lambda c: (c[0], c[3])))
         # no TIE: this model separates candidates a few percent apart (the mean-and-longest one does not)
         return _decide(t_u, bv_u, cands, bvs, exact, sm_count, force, segment_len, l_max, backward, tie=0.0)
     if backward:
         bv_u = min(bvs, key=lambda bv: (unsplit(bv), bvs.index(bv)))
     else:  # the width the unsplit launch runs at (`recurrent.pick_block_v`), not the cheapest one
-        from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
-
         bv_u = pick_block_v(N, HV, V, sm_count)
         if bv_u not in bvs:
             bv_u = min(bvs, key=lambda bv: (unsplit(bv), bvs.index(bv)))
@@ -862,26 +719,74 @@ def _plan_for_key(key: PlanKey) -> CPPlan:
                    gate_chunks=key.gate_chunks, backward=key.backward, seqlens=key.seqlens)
 
 
-def get_cp_plan(q, v, cu_seqlens=None, *, sm_count_override=None, force=False, disable=False, exact=False,
-                segment_len=None, max_seqlen=None, gate_chunks=None, build_tables=True, backward=False, seqlens=None):
-    """The plan for these inputs (cached on `plan_key`) and, when it splits, the segment tables for
-    the current values of cu_seqlens (rebuilt every call, on cu_seqlens' device, no host sync).
+def plan_for(q, v, cu_seqlens=None, *, sm_count_override=None, force=False, disable=False, exact=False,
+             segment_len=None, max_seqlen=None, gate_chunks=None, backward=False, seqlens=None) -> CPPlan:
+    """The plan for these inputs (cached on `plan_key`).
 
     Args: q [B, T, H, K], v [B, T, HV, V] (only shapes, dtype and device are read); cu_seqlens None or
         [N + 1] int32/int64 offsets (B == 1); the flags as in `plan_cp`; sm_count_override replaces
-        the device's SM count; build_tables=False returns tables None; backward=True plans the
-        backward's launches (a separate cache entry); seqlens: the caller's host-side lengths (a
-        tuple, `plan_cp`), or None.
-    Returns (CPPlan, SegmentTables or None).
+        the device's SM count; backward=True plans the backward's launches (a separate cache entry);
+        seqlens: the caller's host-side lengths (a tuple, `plan_cp`), or None.
     """
     key = plan_key(q, v, cu_seqlens, sm_count_override=sm_count_override, force=force, disable=disable,
                    exact=exact, segment_len=segment_len, max_seqlen=max_seqlen, gate_chunks=gate_chunks,
                    backward=backward, seqlens=seqlens)
-    plan = _plan_for_key(key)
-    tables = None
-    if plan.split and build_tables:
-        tables = build_segment_tables(cu_seqlens, plan.segment_len, T=key.T, B=key.B, device=q.device)
-    return plan, tables
+    return _plan_for_key(key)
+
+
+class CallPlan(NamedTuple):
+    """What one call of the op runs: `forward`, the forward's `CPPlan` (for a training forward that
+    keeps its split states: the backward's plan, so that the backward can reuse them), and
+    `backward`, the backward's plan (None for a call that will run no backward). `keep`: the forward
+    splits as the backward will and keeps its segments' states (`flashqla.cp.saved.CPSaved`)."""
+
+    forward: CPPlan
+    backward: CPPlan | None = None
+    keep: bool = False
+
+
+def plan_call(q, v, cu_seqlens=None, cp=None, *, training: bool = False, keep_states: bool = False,
+              max_seqlen=None, seqlens=None, segment_len=None, gate_chunks=None, sm_count_override=None) -> CallPlan:
+    """The plans of one call (the op's only entry into the planner): the forward's, and with
+    `training` the backward's. cp: the mode (`flashqla.contract.cp_mode`: None reads $FLASHQLA_CP);
+    "off" never splits. With `keep_states` (an eager training forward) and a backward plan that
+    splits, the forward takes the backward's segmentation (exact mode) so that the backward reuses
+    its states; not with `segment_len` or `gate_chunks` (explicit forward options). Shapes, dtypes,
+    the device's SM count and the host-side hints only (no device read; cached plans).
+    Raises ValueError for an unknown cp mode, or seqlens that are not the batch's N lengths summing
+    to its tokens."""
+    mode = cp_mode(cp)
+    if seqlens is not None:
+        N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        seqlens = check_seqlens(seqlens, N, q.shape[0] * q.shape[1])
+    flags = dict(sm_count_override=sm_count_override, force=mode == "on", disable=mode == "off", max_seqlen=max_seqlen)
+    bwd = plan_for(q, v, cu_seqlens, exact=True, backward=True, seqlens=seqlens, **flags) if training else None
+    keep = keep_states and bwd is not None and bwd.split and segment_len is None and gate_chunks is None
+    if keep:
+        return CallPlan(bwd, bwd, True)
+    fwd = plan_for(q, v, cu_seqlens, exact=gate_chunks is None, segment_len=segment_len, gate_chunks=gate_chunks, **flags)
+    return CallPlan(fwd, bwd, False)
+
+
+def cp_splits(q, v, cu_seqlens=None, cp=None, *, segment_len=None, gate_chunks=None, max_seqlen=None,
+              sm_count=None, backward=False, seqlens=None) -> bool:
+    """Whether `flashqla.chunk_gated_delta_rule_fwd` (backward=True: `chunk_gated_delta_rule_bwd`, whose
+    plan is costed for the backward's launches) would split these inputs (a cached plan lookup on
+    static facts: shapes, dtypes, device, SM count, options; no host read of any tensor value).
+
+    q: [B, T, H, K]; v: [B, T, HV, V]; cu_seqlens: None or [N + 1]; cp: None ($FLASHQLA_CP, default
+    "auto"), "auto", "on" or "off"; the other options as in `chunk_gated_delta_rule_fwd`.
+    Raises ValueError for an unknown cp mode, or seqlens that are not the batch's N lengths summing to
+    its tokens."""
+    mode = cp_mode(cp)
+    if mode == "off":
+        return False
+    if seqlens is not None:
+        N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        seqlens = check_seqlens(seqlens, N, q.shape[0] * q.shape[1])
+    return plan_for(q, v, cu_seqlens, sm_count_override=sm_count, force=mode == "on", exact=gate_chunks is None,
+                    segment_len=segment_len, max_seqlen=max_seqlen, gate_chunks=gate_chunks, backward=backward,
+                    seqlens=seqlens).split
 
 
 def clear_plan_cache() -> None:
@@ -895,147 +800,3 @@ def plan_cache_info():
     return _plan_for_key.cache_info()
 
 
-def num_segment_slots(T: int, N: int, segment_len: int) -> int:
-    """Upper bound on the segments of N sequences with T tokens in all: floor(T / L) + N (shapes only)."""
-    return T // segment_len + N
-
-
-@dataclass(frozen=True)
-class SegmentTables:
-    """Segment tables over M = floor(T / L) + N slots (see the module docstring for each field).
-
-    cu_seqlens [M + 1] (cu_seqlens' dtype, int64 when built from B rows); every other index tensor
-    int64; valid, first, last, need_transition, need_correction bool. seq_first, seq_num, seq_last
-    [N]. segment_len: L. N, M: ints from shapes.
-    """
-
-    cu_seqlens: torch.Tensor
-    seq: torch.Tensor
-    index: torch.Tensor
-    start: torch.Tensor
-    end: torch.Tensor
-    valid: torch.Tensor
-    first: torch.Tensor
-    last: torch.Tensor
-    prev: torch.Tensor
-    h0_index: torch.Tensor
-    need_transition: torch.Tensor
-    need_correction: torch.Tensor
-    seq_first: torch.Tensor
-    seq_num: torch.Tensor
-    seq_last: torch.Tensor
-    segment_len: int
-    N: int
-    M: int
-
-    def max_segments_per_sequence(self, T: int) -> int:
-        """ceil(T / L): a shape-only bound on any sequence's segment count (T total tokens)."""
-        return _cdiv(T, self.segment_len)
-
-
-_INT64_MAX = 2**63 - 1
-
-
-def _whole_number(value, name: str) -> int:
-    """value as a Python int: an integer, or a float with an integral finite value; ValueError naming
-    `name` otherwise (bools, NaN, inf, fractions, strings)."""
-    import math
-    import operator
-
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    try:
-        out = operator.index(value)
-    except TypeError:
-        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-            out = int(value)
-        else:
-            raise ValueError(f"{name} must be an integer, got {value!r}") from None
-    return out
-
-
-def check_segment_args(segment_len, T) -> tuple[int, int]:
-    """(L, T) as ints after the checks `build_segment_tables` and the one-launch tables share:
-    segment_len a positive multiple of 64 within int64, T a token count >= 0 (required)."""
-    L = _whole_number(segment_len, "segment_len")
-    if L <= 0 or L % CHUNK:
-        raise ValueError(f"segment_len must be a positive multiple of {CHUNK}, got {segment_len!r}")
-    if L > _INT64_MAX:
-        raise ValueError(f"segment_len must fit in int64, got {segment_len!r}")
-    if T is None:
-        raise ValueError("T (tokens per row, from the inputs' shape) is required")
-    T = _whole_number(T, "T")
-    if T < 0:
-        raise ValueError(f"T must be >= 0 tokens, got {T}")
-    if T > _INT64_MAX:
-        raise ValueError(f"T must fit in int64, got {T}")
-    return L, T
-
-
-def build_segment_tables(cu_seqlens, segment_len: int, *, T: int | None = None, B: int = 1, device=None) -> SegmentTables:
-    """Segment tables for segments of `segment_len` tokens, by torch ops only (no host sync).
-
-    Args:
-        cu_seqlens: [N + 1] int32/int64 offsets (non-decreasing, cu[0] == 0), or None for B rows of
-            T tokens (offsets b * T, built on `device`).
-        segment_len: L, a positive multiple of 64.
-        T: tokens per row, from the inputs' shape [B, T, ...] (required: with cu_seqlens the slot
-            count floor(T / L) + N bounds the segments because cu[N] <= T).
-        B: batch rows when cu_seqlens is None.
-    Returns `SegmentTables`. Raises ValueError naming the argument for a segment_len that is not a
-    positive multiple of 64 within int64, or a T that is missing, negative or not a whole number.
-    """
-    L, T = check_segment_args(segment_len, T)
-    if cu_seqlens is None:
-        dev = torch.device("cpu") if device is None else torch.device(device)
-        cu = torch.arange(B + 1, dtype=torch.int64, device=dev) * T
-        total, out_dtype = B * T, torch.int64
-    else:
-        cu, total, out_dtype = cu_seqlens.to(torch.int64), T, cu_seqlens.dtype
-        dev = cu.device
-    N = cu.shape[0] - 1
-    M = num_segment_slots(total, N, L)
-    i64 = dict(dtype=torch.int64, device=dev)
-    lo, hi = cu[:-1], cu[1:]
-    base = torch.div(lo, L, rounding_mode="floor") + torch.arange(N, **i64)  # strictly increasing
-    # ceil((hi - lo) / L) without forming hi - lo + L - 1 (L may be close to 2^63)
-    nseg = torch.where(hi > lo, torch.div(hi - lo - 1, L, rounding_mode="floor") + 1, torch.zeros_like(lo))
-    slot = torch.arange(M, **i64)
-    if N > 0:  # a shape, not a value
-        n = (torch.searchsorted(base.contiguous(), slot, right=True) - 1).clamp(min=0)
-    else:
-        n = torch.zeros(M, **i64)
-    base_n = base[n] if N > 0 else n
-    lo_n = lo[n] if N > 0 else n
-    hi_n = hi[n] if N > 0 else n
-    nseg_n = nseg[n] if N > 0 else n
-    j = slot - base_n
-    valid = (j >= 0) & (j < nseg_n)
-    # min(lo + j L, hi) without forming lo + j L past the sequence (L may be close to 2^63): j >= nseg
-    # means j L >= hi - lo
-    start = torch.where(j < nseg_n, lo_n + j * L, hi_n)
-    end = torch.where(hi_n - start > L, start + L, hi_n)
-    first = valid & (j == 0)
-    last = valid & (j == nseg_n - 1)
-    neg = torch.full_like(slot, -1)
-    pseudo = torch.cat([start, cu[-1:]]).to(out_dtype)
-    return SegmentTables(
-        cu_seqlens=pseudo,
-        seq=n,
-        index=j,
-        start=start,
-        end=end,
-        valid=valid,
-        first=first,
-        last=last,
-        prev=torch.where(valid & (j > 0), slot - 1, neg),
-        h0_index=torch.where(first, n, neg),
-        need_transition=valid & ~first & ~last,
-        need_correction=valid & ~first,
-        seq_first=base,
-        seq_num=nseg,
-        seq_last=torch.where(nseg > 0, base + nseg - 1, torch.full_like(base, -1)),
-        segment_len=L,
-        N=N,
-        M=M,
-    )

@@ -1,5 +1,7 @@
-"""Argument checks shared by the reference (`reference.chunk_gated_delta_rule`) and the production op
-(`flashqla.chunk_gated_delta_rule`).
+"""The op's contract: what the fast path supports, the argument checks shared by the reference
+(`reference.chunk_gated_delta_rule`) and the production op (`flashqla.chunk_gated_delta_rule`), the
+host-side planning hints, the two user settings read from the environment, and what a forward hands
+to its backward (`ChunkGDNForward`). The bottom layer of the package: imports torch only.
 
 Every check runs before any device work and raises `TypeError` (wrong kind of object or dtype) or
 `ValueError` (wrong shape or value), naming the argument. Checks that would need to read device
@@ -12,17 +14,46 @@ Positive gates. `g` is a natural-log decay and real models produce `g <= 0` (Qwe
 `check_values=True` (the reference, and any CPU `g`) it is rejected with a `ValueError`; the GPU op
 does not read `g` back to the host, so on device a positive `g` is the caller's responsibility and the
 result is undefined (it may overflow).
+
+User settings (read at each call, never at import):
+    FLASHQLA_CP        the default context-parallel mode of a call that passes cp=None (`cp_mode`)
+    FLASHQLA_CP_EXACT  "1": split calls walk every segment's transition whole (`resolve_truncate`)
 """
+
 
 from __future__ import annotations
 
 import math
 import numbers
+import operator
+import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["GDNDims", "check_gdn_inputs", "check_cu_seqlens_values", "planning_max_seqlen", "planning_seqlens", "max_seqlen_hint", "check_gate_values", "FLOAT_DTYPES"]
+__all__ = [
+    "CHUNK",
+    "CP_ENV",
+    "EXACT_ENV",
+    "FLOAT_DTYPES",
+    "SUPPORTED",
+    "TRUNCATE_LOG_DECAY",
+    "ChunkGDNForward",
+    "GDNDims",
+    "check_cu_seqlens_values",
+    "check_device",
+    "check_gate_values",
+    "check_gdn_inputs",
+    "check_seqlens",
+    "check_supported",
+    "cp_mode",
+    "l2norm",
+    "max_seqlen_hint",
+    "planning_max_seqlen",
+    "planning_seqlens",
+    "resolve_truncate",
+]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -83,7 +114,7 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, T: int, name: str = "cu_se
 def planning_max_seqlen(cu_seqlens_cpu, cu_seqlens, T: int) -> int | None:
     """The longest sequence of `cu_seqlens_cpu`, a host copy of `cu_seqlens` (FLA's argument of that
     name), rounded up to whole 64-token chunks: the context-parallel planner's length hint
-    (`flashqla.cp.planner.plan_cp(max_seqlen=...)`). None when `cu_seqlens_cpu` is None.
+    (`flashqla.cp.plan.plan_cp(max_seqlen=...)`). None when `cu_seqlens_cpu` is None.
 
     Only host memory is read (no device synchronisation). The hint shapes the plan (whether and
     where long sequences are split), never the results: the segment tables are built on the device
@@ -112,7 +143,7 @@ def max_seqlen_hint(seqlens) -> int | None:
 def planning_seqlens(cu_seqlens_cpu, cu_seqlens, T: int) -> tuple[int, ...] | None:
     """The sequence lengths of `cu_seqlens_cpu` (a host copy of `cu_seqlens`, FLA's argument of that
     name) as a tuple of ints: the backward's context-parallel planner costs its plan on them
-    (`flashqla.cp.planner.plan_cp(seqlens=...)`, packed batches), the forward's on their maximum
+    (`flashqla.cp.plan.plan_cp(seqlens=...)`, packed batches), the forward's on their maximum
     (`planning_max_seqlen`). None when `cu_seqlens_cpu` is None or while torch.compile or
     torch.export traces the caller; checks and errors as `planning_max_seqlen`. The lengths shape
     the plan, never the results."""
@@ -255,3 +286,171 @@ def check_gdn_inputs(
     if check_values or g.device.type == "cpu":
         check_gate_values(g)
     return GDNDims(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N)
+
+
+# ------------------------------------------------------------------------------------------------
+# the fast path (the sm_90 kernels)
+# ------------------------------------------------------------------------------------------------
+
+#: Chunk length (tokens) of the fast path.
+CHUNK = 64
+
+#: What the fast path supports; anything else raises before any device work (`check_supported`).
+SUPPORTED = {
+    "qkv_dtypes": (torch.bfloat16, torch.float16),
+    "g_dtype": torch.float32,
+    "state_dtype": torch.float32,
+    "K": 128,
+    "V": 128,
+    "chunk_size": CHUNK,
+    "compute_capability": (9, 0),
+}
+
+
+def check_supported(q, k, v, g, beta, initial_state) -> None:
+    """Fast-path checks that need no device work (dtypes and head dims); raises TypeError/ValueError
+    naming the argument. The CPU path is `reference.chunk_gated_delta_rule` (any float dtype and size)."""
+    if q.dtype not in SUPPORTED["qkv_dtypes"]:
+        raise TypeError(f"chunk_gated_delta_rule supports q, k, v in bfloat16 or float16, got {q.dtype} "
+                        "(reference.chunk_gated_delta_rule takes any floating dtype, fp64 included)")
+    if g.dtype != torch.float32:
+        raise TypeError(f"chunk_gated_delta_rule supports g in float32 (natural-log decay), got {g.dtype}")
+    if beta.dtype not in (torch.float32, q.dtype):
+        raise TypeError(f"chunk_gated_delta_rule supports beta in float32 or q's dtype ({q.dtype}), got {beta.dtype}")
+    K, V = q.shape[-1], v.shape[-1]
+    if K != SUPPORTED["K"] or V != SUPPORTED["V"]:
+        raise ValueError(f"chunk_gated_delta_rule supports head dims K = V = 128 (chunk size 64), got K = {K}, V = {V} "
+                         "(reference.chunk_gated_delta_rule takes any head dims)")
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        raise TypeError(f"chunk_gated_delta_rule supports initial_state in float32, got {initial_state.dtype}")
+
+
+def check_device(q) -> None:
+    """RuntimeError unless q is on a CUDA device of compute capability 9.0 (H100/H200)."""
+    if q.device.type != "cuda":
+        raise RuntimeError(f"chunk_gated_delta_rule runs on a CUDA device of compute capability 9.0 (Hopper); the "
+                           f"inputs are on {q.device}. On the CPU use reference.chunk_gated_delta_rule (the same "
+                           "signature, any dtype, fp64 included)")
+    cap = torch.cuda.get_device_capability(q.device)
+    if tuple(cap) != SUPPORTED["compute_capability"]:
+        raise RuntimeError(
+            f"chunk_gated_delta_rule needs compute capability 9.0 (H100/H200, sm_90a kernels); {q.device} has {cap[0]}.{cap[1]}"
+        )
+
+
+#: Epsilon of the in-kernel L2 normalisation of q and k (`l2norm`).
+L2NORM_EPS = 1e-6
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """x * rsqrt(sum(x^2, -1) + L2NORM_EPS) in at least fp32, rounded back to x's dtype
+    (differentiable torch ops: autograd carries the gradient through it)."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
+
+
+class ChunkGDNForward(NamedTuple):
+    """What the forward produces and a backward will consume.
+
+    o: [B, T, HV, V] in q's dtype.
+    final_state: [N, HV, K, V] fp32, or None.
+    A: [HV, S * 64, 64] in q's dtype: per chunk slot, A diag(beta) with A FLA's gated WY inverse
+        (I + strictly_lower(diag(beta) (K K^T) * Gamma))^-1 (slot layout: `kernels.sm90._common`).
+    g_cum_log2: [HV, S * 64] fp32: chunk-local inclusive cumsum of g in base-2 units (g_cum / ln 2).
+        A and g_cum_log2 are None when `chunk_gated_delta_rule_fwd(for_backward=False)` split the
+        sequences (context parallelism keeps them in the segments' layout, useless to a backward),
+        and when cp_saved is set (they travel in it, `CPSaved.A`, `.g_cum_log2`, in the segments'
+        slot layout, which the split backward reads as they are).
+    q, k: the q and k the kernels used (L2-normalised when use_qk_l2norm_in_kernel).
+    cp_saved: None, or a split forward's `flashqla.cp.saved.CPSaved` (entering states, transitions,
+        U rows, A and g_cum_log2 of its segments; `chunk_gated_delta_rule_fwd(keep_cp_states=True)`),
+        which `chunk_gated_delta_rule_bwd(A, g_cum_log2, cp_saved=...)` uses instead of recomputing
+        (pass A and g_cum_log2 as they are here: None).
+    """
+
+    o: torch.Tensor
+    final_state: torch.Tensor | None
+    A: torch.Tensor | None
+    g_cum_log2: torch.Tensor | None
+    q: torch.Tensor
+    k: torch.Tensor
+    cp_saved: object = None
+
+
+# ------------------------------------------------------------------------------------------------
+# context parallelism: the user settings and the planning hints
+# ------------------------------------------------------------------------------------------------
+
+#: Environment variable with the default context-parallel mode of a call that passes cp=None.
+CP_ENV = "FLASHQLA_CP"
+#: The context-parallel modes: "auto" (the planner decides), "on" (always split), "off" (never).
+CP_MODES = ("auto", "on", "off")
+
+
+def cp_mode(cp, default: str = "auto") -> str:
+    """The intra-device context-parallel mode of a call: "off" (never split), "auto" (the planner of
+    `flashqla.cp` splits long sequences with few value heads; the backward has its own plan) or "on"
+    (always split); True / False mean "on" / "off"; None reads $FLASHQLA_CP, else `default`. Raises
+    ValueError naming `cp` (or the variable) for anything else."""
+    mode = os.environ.get(CP_ENV, default) if cp is None else cp
+    mode = {True: "on", False: "off"}.get(mode, mode) if isinstance(mode, bool) else mode
+    if mode not in CP_MODES:
+        raise ValueError(f"cp must be 'off', 'auto', 'on' or None (${CP_ENV}, default {default!r}), got {mode!r}")
+    return mode
+
+
+#: Environment variable: "1" makes every transition of a split call walk its whole segment (no
+#: gate-driven cut) where the call does not say (`resolve_truncate`).
+EXACT_ENV = "FLASHQLA_CP_EXACT"
+#: The gate-driven cut of a split call's transitions: a transition stops at the chunk where the summed
+#: log-decay from its segment's start falls below ln 2^-24 (records CP-4, CP-5).
+TRUNCATE_LOG_DECAY = -24 * math.log(2.0)
+_EXACT_ON = ("1", "true", "yes", "on")
+_EXACT_OFF = ("", "0", "false", "no", "off")
+
+
+def resolve_truncate(truncate) -> float | None:
+    """The natural-log decay cutoff of a split call's transitions: None (exact: whole segments) or a
+    negative finite float. truncate: None ($FLASHQLA_CP_EXACT: "1", "true", "yes" or "on" means
+    exact; unset, "", "0", "false", "no" or "off" the default cut TRUNCATE_LOG_DECAY), False (exact),
+    True (TRUNCATE_LOG_DECAY) or a negative finite real number (that cutoff, e.g. -10). Raises
+    ValueError naming truncate (or FLASHQLA_CP_EXACT) for anything else."""
+    if truncate is None:
+        env = os.environ.get(EXACT_ENV, "").strip().lower()
+        if env not in _EXACT_ON + _EXACT_OFF:
+            raise ValueError(f"${EXACT_ENV} must be one of {_EXACT_ON} (exact transitions) or {_EXACT_OFF} (the "
+                             f"gate-driven cut), got {os.environ.get(EXACT_ENV)!r}")
+        truncate = env in _EXACT_OFF
+    if truncate is True:
+        return TRUNCATE_LOG_DECAY
+    if truncate is False:
+        return None
+    if isinstance(truncate, numbers.Real) and not isinstance(truncate, bool):
+        try:
+            value = float(truncate)
+        except (OverflowError, TypeError, ValueError):
+            value = float("nan")
+        if math.isfinite(value) and value < 0:
+            return value
+    raise ValueError(f"truncate must be None, a bool or a negative finite log-decay, got {truncate!r}")
+
+
+def check_seqlens(seqlens, N: int, T: int) -> tuple[int, ...]:
+    """`seqlens` (any sequence of N ints >= 0 summing to T; numpy and torch integers too) as a tuple of
+    Python ints. ValueError naming seqlens otherwise (bools and floats included)."""
+    try:
+        items = list(seqlens)
+    except TypeError:
+        raise ValueError(f"seqlens must be a sequence of N = {N} int lengths, got {type(seqlens).__name__}") from None
+    out = []
+    for n in items:
+        if isinstance(n, (bool, float)) or getattr(n, "dtype", None) in (torch.bool,):
+            raise ValueError(f"seqlens must hold ints, got {n!r}")
+        try:
+            out.append(operator.index(n))
+        except TypeError:
+            raise ValueError(f"seqlens must hold ints, got {n!r}") from None
+    if len(out) != N or any(n < 0 for n in out) or sum(out) != T:
+        shown = tuple(out) if len(out) <= 8 else str(tuple(out[:8]))[:-1] + ", ...)"
+        raise ValueError(f"seqlens must be N = {N} int lengths >= 0 summing to T = {T}, got {shown}")
+    return tuple(out)

@@ -1,103 +1,55 @@
-"""Backward pass 2 of 3, variant "v2": the same products, inputs, outputs and semantics as
-`chunk_bwd.py` ("v1"), rescheduled to cut the per-chunk latency. The default pass 2
-(`chunk_bwd.DEFAULT_VARIANT`) since its H200 check (`tests/gpu/bwd_v2_check.py`, 2026-11-30; NOTES-bwd.md):
-dq, dk, dv and dh0 bitwise equal to v1, dg and dbeta within 1e-6 relative (summation order), every
-case finite, bitwise repeatable, packed tails exactly zero; 1.4-1.5x faster than v1 on the whole
-backward (16/32 x 1 x 32768: 14.97 -> 10.04 ms, 16.9 us per chunk). FLASHQLA_BWD_VARIANT=v1 or
-`chunk_bwd.chunk_fused_bwd(variant="v1")` selects v1.
+"""Backward pass 2 for what `chunk_bwd` does not cover: fp16 inputs, whose chunk-start states h are
+stored in bf16 (the fp16 backward's fallback, with `states_bwd_fp16`, until fp16 runs on the main
+kernels).
 
-Math and reference stage: as v1 (`reference.gdn.fused_bwd.chunk_bwd_fused`; records BWD-Abeta,
-BWD-fused, BWD-dq, BWD-dG; the formulas are in v1's docstring). Every product has v1's operands,
-tiling (`T.gemm`'s default warp policy, two consumer warpgroups) and accumulation order:
-    dS:  gamma_C dS, += Q^T (scale D dO), += K^T (-D dv)
-    dk:  dLk K, (dbeta term), *= beta, += (diag(beta) dLk)^T K, += (-D dv) S0^T, += (scale M)^T Q,
-         += diag(r) v_new D^T
-    dq:  (scale D dO) S0^T, (dG term), += (scale M) K
-so dq, dk, dv and dh0 should equal v1's bitwise. The per-row sums of dG and dbeta are the same terms
-summed in another order (fp32; expected ~1e-7 relative against v1; see below).
-
-What changed against v1 (all on the per-chunk critical path):
-1. Loads overlap compute. `T.Pipelined(num_stages=1)`: TileLang's pipeliner adds a producer
-   warpgroup (128 threads, setmaxnreg 24; consumers 240) that loads q, k, v, dO, A diag(beta),
-   g_cum_log2 and (bf16) h by TMA into single-buffered tiles, one full/empty mbarrier pair per
-   tile. A consumer releases a tile after the last statement that reads it, so the next chunk's
-   tile is loaded while this chunk still runs; the chunk body is ordered to release early:
+The products and semantics of `chunk_bwd` (reference stage `reference.gdn.fused_bwd.chunk_bwd_fused`;
+records BWD-Abeta, BWD-fused, BWD-dq, BWD-dG; the formulas are in `chunk_bwd`'s docstring), on one
+CTA per (sequence, value head), chunks in reverse, with two consumer warpgroups that share every
+product and a producer warpgroup:
+1. `T.Pipelined(num_stages=1)`: TileLang's pipeliner adds a producer warpgroup (128 threads,
+   setmaxnreg 24; consumers 240) that loads q, k, v, dO, A diag(beta), g_cum_log2 and h by TMA into
+   single-buffered tiles, one full/empty mbarrier pair per tile. A consumer releases a tile after the
+   last statement that reads it, so the next chunk's tile is loaded while this chunk still runs:
    g_cum_log2 first (copied to a consumer tile), then A diag(beta) (after v_new), v (after
-   X v_new^T; X is written over V as in v1), dO (after dO v_new^T and scale D dO), q, h, and k last.
-   The producer issues the loads in that order. Rows past a sequence end are zeroed in shared
-   memory (q, k, v, dO; a partial chunk only), so the products see v1's operands; beta is loaded by
-   the consumers (masked), and with h stored fp32 the consumers load and round h as v1 does.
-2. Independent wgmma issued back to back (`T.wgmma_gemm`), one `T.wait_wgmma(n)` per result in
-   issue order, each issue-and-wait group one statement of the pipelined body (`for _ in
-   T.serial(1)`, as the forward's "overlap" schedule) so no tile is released before its last
-   wgmma completed. Seven groups per chunk instead of ~21 waited products: the chain
-   D -> K D -> dv_new -> dv -> -D dv -> dS is issued first in each group and the off-chain products
-   (K K^T, Q K^T, U, A, X, v_new, M, dL, dq, dk) run behind it. dS += Q^T (scale D dO) moved from
-   the chunk end to the middle (same accumulation order), so q and h are released earlier.
-3. U = K S0 is computed once and kept in registers until dv exists (v1 recomputed it: one
-   64x128x128 product less per chunk; the same values).
-4. Reductions: v1 ran nine `reduce_sum`s (each a cross-warpgroup all-reduce with 2-8 barriers per
-   row element), a 128x128 product tile for <S0, D> (64 registers) and a serial 192-step loop per
-   thread for the chunk-end dG terms. v2 accumulates every contribution in registers (TileLang
-   reducers: dG rows, dG columns, dbeta rows, and two scalars <S0, D> and the r-terms moved to the
-   last valid row) and finalises them once per chunk, batched (one all-reduce call per reducer).
-5. dq_hv, dk_hv, dv, dbeta and dh0 can be `torch.empty`: with packed sequences the CTA of the last
-   sequence writes zeros in the rows past cu_seqlens[-1], and the CTA of the first sequence in the
-   rows before cu_seqlens[0]; every other row belongs to exactly one sequence (v1 zero-filled all
-   five buffers: ~1.35 GB of memset at 16/32 heads x 32768 tokens).
-6. The gates in registers (2026-11-30): g_cum_log2 at the rows and columns of the [64, 64]
-   accumulator, beta at its rows, gamma = exp2(g) and r = exp2(min(g_C - g, 0)) at the rows of the
-   [64, 128] accumulators, and gamma_C, computed once per chunk. Read from shared memory inside the
-   element loops they were reloaded at every element (the loops' own shared stores may alias
-   them): 518 -> 324 shared loads and 108 -> 74 exp2 in the PTX. Same arithmetic: every gradient
-   bitwise equal to the previous build on the H200 (six cases of `bwd_v2_check.py`), pass 2
-   1.10x (16/32 4 x 8192) and 1.18x (16/32, 8 packed sequences of 8192 tokens) faster; ptxas spills
-   grew from 16 to 52 B (fp32 h: 204 -> 280 B).
+   X v_new^T; X is written over V), dO (after dO v_new^T and scale D dO), q, h, and k last. Rows past
+   a sequence end are zeroed in shared memory (q, k, v, dO; a partial chunk only); beta is loaded by
+   the consumers (masked).
+2. Independent wgmma issued back to back (`T.wgmma_gemm`), one `T.wait_wgmma(n)` per result in issue
+   order, each issue-and-wait group one statement of the pipelined body: the chain D -> K D -> dv_new
+   -> dv -> -D dv -> dS is issued first in each group and the off-chain products (K K^T, Q K^T, U, A,
+   X, v_new, M, dL, dq, dk) run behind it.
+3. U = K S0 is computed once and kept in registers until dv exists.
+4. Reductions accumulate in registers (dG rows, dG columns, dbeta rows, and two scalars <S0, D> and the
+   r-terms moved to the last valid row, per-thread locals summed by warp shuffles and one slot per
+   warp) and are finalised once per chunk.
+5. Every row of dq_hv, dk_hv, dv, dbeta and dh0 is written: with packed sequences the CTA of the last
+   sequence writes zeros in the rows past cu_seqlens[-1], and the CTA of the first sequence in the rows
+   before cu_seqlens[0] (`_common.launch_pass2` allocates them uninitialised).
+6. The gates in registers: g_cum_log2 at the rows and columns of the [64, 64] accumulator, beta at its
+   rows, gamma = exp2(g) and r = exp2(min(g_C - g, 0)) at the rows of the [64, 128] accumulators, and
+   gamma_C, computed once per chunk (not reloaded from shared memory inside the element loops).
 
-Shared memory: the same tiles as v1 (no double buffering: q, k, v, dO 16 KB each, A diag(beta)
-8 KB, h 32 KB, D (bf16) 32 KB, Kg/A/Pg 8 KB each, W, v_new, dv_new 16 KB each) plus the gate copy
-and the reductions' staging.
-
-Accumulators: a wgmma's accumulator registers stay live across the whole chunk loop (the inline
-asm reads them even when it clears them), so v2 keeps D (64 registers per thread), one [64, 64]
-and three [64, 128] accumulators and assigns the ~12 products' results to them by lifetime;
-a fourth [64, 128] one (an earlier draft) spilled ~600 B and made ptxas serialise the wgmma (C7512).
-
-Measured on CPU (TileLang 0.1.15, nvcc 13.0, ptxas sm_90a via `_common.ptxas_report`; H = 1,
-HV = 2), v1 in brackets:
-- bf16 q/k/v + bf16 h + fp32 beta + int32 packed: 168 registers at entry (384 threads; setmaxnreg
-  24 producer / 240 consumers) [255, 256 threads], 16 B spill stores / loads [16 B]: four
-  loop-invariant scalars stored once before the chunk loop, ~4 reloads per chunk; no C751x
-  warning; shared memory 228,880 B dynamic + 1,024 B static (mbarriers) = 229,904 of 232,448 B
-  [226,560 B]. SASS (nvdisasm), whole kernel: 124 HGMMA [132], 16 wgmma waits [21], 57 BAR.SYNC
-  [171], 42 SHFL [84], 36 UTMALDG [0], 108 MUFU.EX2 [108].
-- fp16 + fp32 h + fp16 beta + int64 fixed: the same, but 96 B spill stores / 112 B loads (the
-  consumers' load and rounding of the fp32 h tile, 64 values per thread, on top of the resident
-  accumulators; 204 / 236 B since the chunk-end scalars became per-thread locals); no C751x warning.
-On the H200 (2026-11-30): the first run found dG wrong (up to 1e14 relative; not repeatable even at
-T = 1): the two chunk-end scalars were a fully replicated `T.alloc_reducer((2,))`, whose per-thread
-init TileLang 0.1.15 guards with `threadIdx.x < 256` while the consumers are threads 128-383, so the
-second consumer warpgroup never cleared its partials. They are now per-thread locals summed by warp
-shuffles and one slot per warp (the compile test forbids that guard in the consumer code). After the
-fix every case of `tests/gpu/bwd_v2_check.py` passed; compute-sanitizer memcheck (17 edge cases) and
-racecheck (0 hazards) ran clean with v2 as the pass 2.
+Accumulators: a wgmma's accumulator registers stay live across the whole chunk loop, so the kernel
+keeps D (64 registers per thread), one [64, 64] and three [64, 128] accumulators and assigns the ~12
+products' results to them by lifetime. Shared memory: q, k, v, dO 16 KB each, A diag(beta) 8 KB, h
+32 KB, D (bf16) 32 KB, Kg/A/Pg 8 KB each, W, v_new, dv_new 16 KB each, plus the gate copy and the
+reductions' staging.
 """
 
 import functools
 
-import torch
+from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, launch_pass2, sequence_span, tl_dtype
 
-from flashqla.ops.gdn.kernels.sm90._common import CHUNK, compile_kernel, num_slots, order_args, sequence_span, tl_dtype
-
-__all__ = ["build_chunk_bwd_v2_kernel", "chunk_fused_bwd_v2", "launch_pass2"]
+__all__ = ["build_chunk_bwd_fp16_kernel", "chunk_fused_bwd_fp16"]
 
 
-def _chunk_bwd_v2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
-                            varlen: bool, exact_diagonal: bool = True):
+def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
+                         varlen: bool):
+    """The TileLang kernel (arguments as `build_chunk_bwd_fp16_kernel`)."""
     import tilelang.language as T
 
     # beta in q's dtype: the stored diagonal is beta exactly, nothing to restore
-    exact_diagonal = exact_diagonal and beta_dtype != dtype
+    exact_diagonal = beta_dtype != dtype
 
     C = CHUNK
     G = HV // H
@@ -117,7 +69,7 @@ def _chunk_bwd_v2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
     N2 = T.dynamic("N2")  # rows of dh0
     SH = T.dynamic("SH")
 
-    @T.prim_func
+    @T.prim_func  # (the kernel's symbol name is part of its generated source: kept as it was)
     def gdn_chunk_bwd_v2(
         q: T.Tensor((B, Tn, H, K), dtype),
         k: T.Tensor((B, Tn, H, K), dtype),
@@ -492,63 +444,20 @@ def _chunk_bwd_v2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype
 
     return gdn_chunk_bwd_v2
 
-
 @functools.lru_cache(maxsize=None)
-def build_chunk_bwd_v2_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str, seq_dtype: str,
-                              varlen: bool, exact_diagonal: bool = True):
-    """Compiled pass-2 kernel, variant v2 (cached). Same static key as v1's `build_chunk_bwd_kernel`;
-    `exact_diagonal=False` builds it without the diagonal's restoration (a measurement baseline only)."""
-    func = _chunk_bwd_v2_prim_func(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen, exact_diagonal)
-    return compile_kernel(func, f"gdn_chunk_bwd_v2_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{h_dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}"
-                                f"{'' if exact_diagonal else '_rounded_diagonal'}")
+def build_chunk_bwd_fp16_kernel(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str, beta_dtype: str,
+                                seq_dtype: str, varlen: bool):
+    """Compiled pass-2 kernel (cached). Static key: head counts, head dims, q's dtype, the stored h's
+    dtype, beta's dtype, cu_seqlens' dtype, packed or not."""
+    func = _chunk_bwd_prim_func(H, HV, K, V, dtype, h_dtype, beta_dtype, seq_dtype, varlen)
+    return compile_kernel(func, f"gdn_chunk_bwd_fp16_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{h_dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}")
 
 
-def launch_pass2(build, q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, qk_dtype=torch.float32,
-                 ordered: bool = False, order=None):
-    """Launches a pass-2 kernel whose CTAs write every row of their outputs (v2, v5): dq_hv, dk_hv
-    (in qk_dtype: fp32, or q's dtype for v5 on request), dv, dbeta and dh0 allocated uninitialised, dG
-    zeroed; with no CTA to run (no slot, token or sequence), zeros and dh0 = dht. build(args) returns
-    the compiled kernel for the static key `chunk_bwd.chunk_bwd_kernel_args`. Arguments and results
-    as `chunk_bwd.chunk_fused_bwd`; ordered: the kernel takes the launch-order arguments (v5, not
-    v2), filled from order (`_common.launch_order`'s result, None for token order)."""
-    from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_bwd_kernel_args
-    from flashqla.ops.gdn.kernels.sm90.prepare import dummy_cu_seqlens
-
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    varlen = cu_seqlens is not None
-    N = cu_seqlens.numel() - 1 if varlen else B
-    S = num_slots(B, T, N, varlen)
-    dev = q.device
-    dq_hv = torch.empty(B, T, HV, K, dtype=qk_dtype, device=dev)
-    dk_hv = torch.empty(B, T, HV, K, dtype=qk_dtype, device=dev)
-    dv = torch.empty_like(v)
-    dbeta = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
-    dG = torch.zeros(HV, S * CHUNK, dtype=torch.float32, device=dev)
-    dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
-    if S == 0 or T == 0 or N == 0:  # no CTA would run: nothing but zeros (and dht) to return
-        for x in (dq_hv, dk_hv, dv, dbeta, dh0):
-            x.zero_()
-        if dht is not None:
-            dh0.copy_(dht)
-        return dq_hv, dk_hv, dv, dbeta, dG, dh0
-    dht_arg = dht if dht is not None else torch.empty(1, HV, K, V, dtype=torch.float32, device=dev)
-    cu = cu_seqlens if varlen else dummy_cu_seqlens(dev)
-    kernel = build(chunk_bwd_kernel_args(q, v, beta, h, cu_seqlens))
-    extra = order_args(order, dev) if ordered else ()
-    kernel(q, k, v, beta, A, g_cum_log2, h, do, dht_arg, cu, *extra, float(scale), int(dht is not None),
-           dq_hv, dk_hv, dv, dbeta, dG, dh0)
-    return dq_hv, dk_hv, dv, dbeta, dG, dh0
-
-
-def chunk_fused_bwd_v2(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, *, exact_diagonal: bool = True):
-    """Launches pass 2 with the v2 kernel (`launch_pass2`). Arguments and results as
-    `chunk_bwd.chunk_fused_bwd`; dq_hv, dk_hv, dv, dbeta and dh0 are allocated uninitialised (the
-    kernel writes every row: see the module docstring). exact_diagonal=False: the measurement
-    baseline without the diagonal's restoration (`build_chunk_bwd_v2_kernel`)."""
-
-    def build(args):
-        # the default build under the builder-cache key the precompile path uses (no extra arguments)
-        return build_chunk_bwd_v2_kernel(*args) if exact_diagonal else build_chunk_bwd_v2_kernel(*args, False)
-
-    return launch_pass2(build, q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens)
+def chunk_fused_bwd_fp16(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens):
+    """Launches pass 2 (arguments and results as `chunk_bwd.chunk_fused_bwd`; h in any of the stored
+    dtypes; the sequences in token order)."""
+    seq_dtype = tl_dtype(cu_seqlens.dtype) if cu_seqlens is not None else "int32"
+    key = (q.shape[2], v.shape[2], q.shape[3], v.shape[3], tl_dtype(q.dtype), tl_dtype(h.dtype), tl_dtype(beta.dtype),
+           seq_dtype, cu_seqlens is not None)
+    return launch_pass2(lambda: build_chunk_bwd_fp16_kernel(*key), q, k, v, beta, A, g_cum_log2, h, do, dht, scale,
+                        cu_seqlens)

@@ -1,0 +1,162 @@
+"""The launches the forward and backward drivers orchestrate, behind one interface, so that the same
+orchestration (unsplit, or split over segments by `flashqla.cp`) runs the sm_90 kernels on the GPU
+and an fp64 stand-in (`reference.gdn.cp.ReferenceCPBackend`) on any device in the CPU tests.
+
+    Backend       the protocol (shapes as the sm_90 launchers)
+    Sm90Backend   the sm_90 kernels (`flashqla.ops.gdn.kernels.sm90`), compiled concurrently on first use
+    default_backend()  the process's Sm90Backend
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from flashqla.ops.gdn.kernels.sm90 import registry
+from flashqla.ops.gdn.kernels.sm90._common import tl_dtype
+from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_fused_bwd
+from flashqla.ops.gdn.kernels.sm90.chunk_bwd_fp16 import chunk_fused_bwd_fp16
+from flashqla.ops.gdn.kernels.sm90.finish_bwd import chunk_finish_bwd
+from flashqla.ops.gdn.kernels.sm90.prepare import chunk_prepare_fwd, prepare_kernel_args
+from flashqla.ops.gdn.kernels.sm90.recurrent import chunk_recurrent_dual, chunk_recurrent_fwd, recurrent_kernel_args
+from flashqla.ops.gdn.kernels.sm90.states_bwd import chunk_states_bwd
+from flashqla.ops.gdn.kernels.sm90.states_bwd_fp16 import chunk_states_bwd_fp16
+
+__all__ = ["Backend", "Sm90Backend", "default_backend"]
+
+
+class Backend(Protocol):
+    """The launches a driver orchestrates.
+
+    state_dtype: dtype of states (fp32 for the kernels).
+    prepare(k [1, T, H, K], g [1, T, HV], beta [1, T, HV], cu_seqlens [N + 1], HV)
+        -> (A [HV, S * 64, 64], g_cum_log2 [HV, S * 64]) in the slot layout of cu_seqlens
+        (S = floor(T / 64) + N; `flashqla.ops.gdn.kernels.sm90._common`).
+    recurrent(q, k, v [1, T, HV, V'], A, g_cum_log2, scale, initial_state [N, HV, K, V'] or None,
+              output_final_state, cu_seqlens, block_v, o=None) -> (o [1, T, HV, V'], final_state or None).
+        V' is V for the run and K for the transition pass (K == V on the kernels).
+    zeros(shape, dtype, device) -> a zero tensor the launches only read (may be cached).
+    bwd(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens, order=None, dh0=None)
+        -> (dq, dk, dv, dg, dbeta, dh0 or None): the unsplit backward from the forward's products;
+        order: the launch order of the sequences (`launch_order.launch_order`), or None (token
+        order; the same results); dh0: whether the caller uses the returned dh0 (None: when
+        initial_state is given), a hint a backend may ignore.
+    Optional: recurrent_dual(q, k, v, A, g_cum_log2, scale, initial_state, limit, cu_seqlens, block_v, o)
+    -> (o, Q, U, P) or None (the split path's run and transitions in one launch); warm(k, beta, q, v,
+    cu_seqlens, HV, block_v, dual=False) (compile ahead of the launches); deferred_dht (bwd takes dht
+    as a callable, called once the states pass is launched).
+    """
+
+    state_dtype: torch.dtype
+
+    def prepare(self, k, g, beta, cu_seqlens, HV: int): ...
+
+    def recurrent(self, q, k, v, A, g_cum_log2, scale, initial_state, output_final_state, cu_seqlens, block_v=None, o=None): ...
+
+    def zeros(self, shape, dtype, device): ...
+
+    def bwd(self, q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens, order=None, dh0=None): ...
+
+
+class Sm90Backend:
+    """`Backend` on the sm_90 kernels. Compiles the kernels of a configuration concurrently on first use
+    (`registry.build_once`). `zeros` keeps the last few zero value tensors it made (the transition
+    pass reads v = 0; a [1, T, HV, K] buffer per shape)."""
+
+    name = "sm90"
+    state_dtype = torch.float32
+    #: `bwd` takes dht as a callable (`flashqla.cp.backward` then computes it on a side stream)
+    deferred_dht = True
+    ZERO_CACHE = 4
+
+    def __init__(self):
+        self._zeros: dict = {}
+
+    def warm(self, k, beta, q, v, cu_seqlens, HV: int, block_v, dual: bool = False) -> None:
+        """Builds the prepare kernel and the recurrent kernel a call will launch (the dual launch's when
+        `dual`) concurrently, once per key."""
+        specs = [("prepare", prepare_kernel_args(k, beta, cu_seqlens, HV)),
+                 ("recurrent", recurrent_kernel_args(q, v, cu_seqlens, block_v, dual=dual))]
+        registry.build_once(tuple(specs), specs)
+
+    def prepare(self, k, g, beta, cu_seqlens, HV: int, A=None, g_cum_log2=None):
+        """`chunk_prepare_fwd` (A, g_cum_log2: optional preallocated outputs)."""
+        return chunk_prepare_fwd(k, g, beta, cu_seqlens, HV, A=A, g_cum_log2=g_cum_log2)
+
+    def recurrent(self, q, k, v, A, g_cum_log2, scale, initial_state, output_final_state, cu_seqlens, block_v=None, o=None,
+                  final_state=None):
+        """`chunk_recurrent_fwd` (o, final_state: optional preallocated outputs)."""
+        return chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale, initial_state, output_final_state, cu_seqlens,
+                                   block_v=block_v, o=o, final_state=final_state)
+
+    def recurrent_dual(self, q, k, v, A, g_cum_log2, scale, initial_state, limit, cu_seqlens, block_v=None, o=None):
+        """Run and transition in one launch (`chunk_recurrent_dual`): (o, Q, U, P); None when it does
+        not apply (K != V)."""
+        if q.shape[-1] != v.shape[-1]:
+            return None
+        return chunk_recurrent_dual(q, k, v, A, g_cum_log2, scale, initial_state, limit, cu_seqlens, block_v=block_v, o=o)
+
+    def _build_bwd(self, q, v, beta, cu_seqlens, dh0: bool) -> None:
+        """First use of a backward configuration: passes 1-3 on these offsets, compiled concurrently."""
+        if q.shape[0] * q.shape[1] == 0:
+            return
+        H, HV, K, V = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
+        seq_dtype = tl_dtype(cu_seqlens.dtype) if cu_seqlens is not None else "int32"
+        dtype = tl_dtype(q.dtype)
+        specs = registry.bwd_specs(H, HV, K, V, dtype, tl_dtype(beta.dtype), seq_dtype, cu_seqlens is not None, dh0)
+        specs.append(("gva_reduce", (H, HV, K, dtype)))
+        registry.build_once(("bwd", tuple(specs)), specs)
+
+    def bwd(self, q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens, order=None, dh0=None):
+        """The unsplit backward's launches (three passes; `flashqla.ops.gdn.bwd`): pass 1 (the states),
+        pass 2 (every per-chunk gradient) and pass 3 (dG's reverse cumsum, the GVA sum of dq and dk),
+        on the main kernels for bf16 inputs and their fp16 fallbacks otherwise
+        (`registry.main_bwd_applies`). order: the sequences' launch order or None. dht: None, a
+        tensor, or a callable returning one, called once the states pass (which does not read dht)
+        is launched: the split backward computes the segments' terminal gradients on a side stream
+        meanwhile. dh0: whether the caller uses the returned state gradients (None: when
+        initial_state is given); pass 2's build follows it. Returns (dq, dk, dv, dg, dbeta, dh0 or
+        None without initial_state), FLA's dtypes (dg fp32, dbeta in beta's dtype)."""
+        join = dht if callable(dht) else None
+        main = registry.main_bwd_applies(q.shape[3], v.shape[3], tl_dtype(q.dtype))
+        try:
+            dh0 = initial_state is not None if dh0 is None else bool(dh0)
+            self._build_bwd(q, v, beta, cu_seqlens, dh0)
+            q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
+            if main:
+                h = chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, order=order)
+            else:
+                h = chunk_states_bwd_fp16(k, v, A, g_cum_log2, initial_state, cu_seqlens)
+        finally:  # joined even when a launch above raises (a capture must not end with an open fork)
+            if join is not None:
+                dht = join()
+        if main:
+            dq_hv, dk_hv, dv, dbeta, dG, dS0 = chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale,
+                                                               cu_seqlens, order=order, dh0=dh0)
+        else:
+            dq_hv, dk_hv, dv, dbeta, dG, dS0 = chunk_fused_bwd_fp16(q, k, v, beta, A, g_cum_log2, h, do, dht, scale,
+                                                                    cu_seqlens)
+        dq, dk, dg = chunk_finish_bwd(dG, dq_hv, dk_hv, cu_seqlens, q.shape[2], q.dtype)
+        return dq, dk, dv, dg, dbeta.to(beta.dtype), (dS0 if initial_state is not None else None)
+
+    def zeros(self, shape, dtype, device):
+        key = (tuple(shape), dtype, str(device))
+        z = self._zeros.pop(key, None)
+        if z is None:
+            z = torch.zeros(shape, dtype=dtype, device=device)
+        self._zeros[key] = z  # most recent last
+        while len(self._zeros) > self.ZERO_CACHE:
+            self._zeros.pop(next(iter(self._zeros)))
+        return z
+
+
+_DEFAULT = None
+
+
+def default_backend() -> Sm90Backend:
+    """The process's `Sm90Backend` (made on first use)."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = Sm90Backend()
+    return _DEFAULT

@@ -1,0 +1,38 @@
+"""The generated CUDA source of the shipped kernels is the recorded one (`tests/kernel_sources.py`):
+a change to Python code around the kernels (a move, a rename, a removed variant) that changes what a
+kernel compiles to fails here, on the CPU, without a GPU. Lowering needs TileLang only (no nvcc).
+
+After a deliberate kernel change, rewrite the record: `python tests/kernel_sources.py --write`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import kernel_sources as ks
+
+
+def test_one_build_of_each_kind_is_recorded():
+    """One build of each kernel kind of the quick configuration lowers to a source recorded for it."""
+    got = ks.config_sources(ks.QUICK, one_per_kind=True)
+    recorded = {tuple(r) for r in json.loads(ks.RECORD.read_text())[ks.QUICK]}
+    kinds = {sym for sym, _ in got}
+    assert len(kinds) >= 14, kinds  # every family: prepare, recurrent, passes 1-3, the split path's kernels
+    missing = [r for r in got if r not in recorded]
+    assert not missing, f"kernel sources changed: {missing}"
+
+
+@pytest.mark.compile_all
+def test_every_build_is_recorded():
+    """Every build of every recorded configuration, in processes of their own (a few minutes)."""
+    got = ks.collect(list(ks.CONFIGS), jobs=2)
+    assert not ks.compare(got, json.loads(ks.RECORD.read_text()))
+
+
+def test_compare_names_what_changed():
+    rec = {"c": [["k", "aa"], ["k", "bb"]]}
+    assert ks.compare({"c": [["k", "bb"], ["k", "aa"]]}, rec) == []
+    bad = ks.compare({"c": [["k", "aa"], ["k", "cc"]]}, rec)
+    assert len(bad) == 1 and "cc" in bad[0] and "bb" in bad[0]
+    assert "not in the record" in ks.compare({"d": []}, rec)[0]
