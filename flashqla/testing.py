@@ -46,20 +46,20 @@ BUDGETS: dict[str, dict[str, float]] = {
     "reference_fp64": {"o": 1e-10, "ht": 1e-10, "dq": 1e-9, "dk": 1e-9, "dv": 1e-9, "dg": 1e-9, "dbeta": 1e-9, "dh0": 1e-9},
     # sm_90 forward, bf16 q/k/v, fp32 g/beta/state, against the fp64 recurrence (tests/gpu/test_fwd_gpu.py;
     # each case is also held to FLA 0.6.0's own error on the same inputs, x1.1 + 1e-4). Measured on the
-    # H200 (2026-11-29), ours / FLA: T=1000 2/4 heads o 3.97e-3 / 3.96e-3, ht 3.72e-3 / 3.69e-3;
+    # H200, ours / FLA: T=1000 2/4 heads o 3.97e-3 / 3.96e-3, ht 3.72e-3 / 3.69e-3;
     # B=2 T=700 4/4 o 3.84e-3 / 3.84e-3, ht 3.76e-3 / 3.81e-3; varlen 5,0,63,1,64,130 o 2.73e-3 / 2.73e-3,
     # ht 9.98e-4 / 9.95e-4; largest of ours seen 3.99e-3 (o) and 3.88e-3 (ht): o and ht at 2.5x margin
     # (the bound every GPU case, T up to 8192, passed on the H200).
     # g_cum (fp32 cumsum) and A (A diag(beta) rounded to bf16, ~1.6e-3 in a CPU model of the kernel)
     # passed these bounds on the H200; their values were not recorded.
     "sm90_fwd_bf16": {"o": 1e-2, "ht": 1e-2, "g_cum": 1e-6, "A": 1e-2},
-    # the backward through autograd from bf16 q/k/v (measured on the H200: 3e-3 .. 8e-3, NOTES-bwd.md)
+    # the backward through autograd from bf16 q/k/v (measured 3e-3 .. 8e-3: benchmarks/journal/backward.md)
     "sm90_bwd_bf16": {"dq": 2e-2, "dk": 2e-2, "dv": 2e-2, "dg": 3e-2, "dbeta": 2e-2, "dh0": 2e-2},
 }
 
 #: FLA 0.6.0's own relative-RMS error against the fp64 reference on the GPU tier's inputs (the same
 #: seeds and sizes; FLA's public `chunk_gated_delta_rule` with autograd), measured on an H200
-#: (2026-11-29; torch 2.11, triton 3.6, FLA's TileLang backward backend), keyed by pytest node id.
+#: (torch 2.11, triton 3.6, FLA's TileLang backward backend), keyed by pytest node id.
 #: The GPU tests hold ours to these when FLA is not run in the same process
 #: (FLASHQLA_TEST_WITH_FLA=0, or fla not importable); with FLA importable they measure it again.
 FLA_ERRORS: dict[str, dict[str, float]] = {
@@ -79,16 +79,15 @@ FLA_ERRORS: dict[str, dict[str, float]] = {
                                                    "dbeta": 2.705e-3, "dh0": 1.381e-3},
     "tests/gpu/test_bwd_gpu.py::test_lengths[1000]": {"dq": 4.333e-3, "dk": 5.804e-3, "dv": 3.576e-3, "dg": 7.247e-3,
                                                      "dbeta": 4.151e-3, "dh0": 3.514e-3},
-    # measured by tests/gpu/bwd_accuracy_sweep.py with FLA (2026-12-01, H200): the same inputs (seed T)
+    # measured by benchmarks/experiments/bwd_accuracy_sweep.py with FLA: the same inputs (seed T)
     "tests/gpu/test_bwd_gpu.py::test_lengths[4096]": {"dq": 4.589e-3, "dk": 5.818e-3, "dv": 3.705e-3, "dg": 1.157e-2,
                                                      "dbeta": 4.154e-3, "dh0": 2.325e-3},
 }
 
 #: FLA 0.6.0's errors on `tests/gpu/test_bwd_gpu.py::test_against_fla_over_seeds`'s inputs, keyed by
-#: (T, seed), measured on the H200 as FLA_ERRORS (2026-12-01; T = 63-65: that test's own run with FLA,
-#: ours / FLA geometric means there dq 0.839, dk 0.814, dv 0.997, dg 1.057, dbeta 1.078, dh0 0.881;
-#: T = 4096: `tests/gpu/bwd_accuracy_sweep.py`, the same inputs; FLA's errors repeat within 1.3%
-#: between its runs there).
+#: (T, seed), measured on the H200 as FLA_ERRORS (T = 63-65: that test's own run with FLA; T = 4096:
+#: `benchmarks/experiments/bwd_accuracy_sweep.py`, the same inputs; FLA's errors repeat within 1.3%
+#: between its runs there). Ours against them: `benchmarks/journal/accuracy.md`, "dg against FLA".
 FLA_BWD_SWEEP_ERRORS: dict[tuple[int, int], dict[str, float]] = {
     (63, 63): {"dq": 3.101e-03, "dk": 4.778e-03, "dv": 2.967e-03, "dg": 1.972e-03, "dbeta": 3.199e-03, "dh0": 1.401e-03},
     (63, 1063): {"dq": 3.118e-03, "dk": 4.856e-03, "dv": 3.054e-03, "dg": 5.619e-03, "dbeta": 2.612e-03, "dh0": 1.511e-03},

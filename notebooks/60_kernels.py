@@ -17,13 +17,12 @@
 # The kernels need a Hopper GPU (compute capability 9.0). Without one every section below prints why it
 # is skipped; every claim is an `assert` inside the GPU branch.
 #
-# reviewed: 2026-11-29 · `flashqla.ops.gdn.api.chunk_gated_delta_rule_fwd`, `reference.gdn.chunk`,
+# reviewed: 2026-11-29 · `flashqla.ops.gdn.fwd.chunk_gated_delta_rule_fwd`, `reference.gdn.chunk`,
 # `reference.recurrent_gated_delta_rule`, `flashqla.testing.kernel_chunks`
 
 # %%
 import math
 import os
-import pathlib
 
 import matplotlib
 
@@ -37,13 +36,12 @@ except ImportError:  # pragma: no cover - the GPU machine has no IPython
     Image, display = str, print
 
 import reference
-from flashqla.testing import BUDGETS, make_gdn_inputs, rel_rms
+from flashqla.testing import BUDGETS, make_gdn_inputs, notebook_figure_dir, rel_rms
 from reference.gdn import chunk
 
 SIZE = os.environ.get("FLASHQLA_NB_SIZE", "small")
-# figures go to notebooks/figures; FLASHQLA_NB_FIGURES sends them elsewhere (the test run does)
-FIG = pathlib.Path(os.environ.get("FLASHQLA_NB_FIGURES") or "figures")
-FIG.mkdir(exist_ok=True)
+# figures go to notebooks/out/ (not committed); FLASHQLA_NB_FIGURES=notebooks/figures refreshes the committed ones
+FIG = notebook_figure_dir()
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 SKIP = None
 if not torch.cuda.is_available():
@@ -82,7 +80,7 @@ else:
 
 # %%
 if HOPPER:
-    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
+    from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd
 
     with torch.no_grad():
         out = chunk_gated_delta_rule_fwd(**xd, output_final_state=True, poison_outputs=True)

@@ -5,7 +5,7 @@
 # against FLA 0.6.0 and FlashQLA 0.1.3, timed in the same process on the same inputs with CUDA graphs, each
 # implementation gated on its error against fp64 before it is timed (the method is in the results'
 # markdown, printed below). This notebook reads whatever rows exist, says which implementations have not
-# been timed yet, and draws three figures into `benchmarks/results/` next to the CSVs they come from:
+# been timed yet, and draws three figures:
 #
 # 1. time per row, ours / FLA / FlashQLA;
 # 2. each forward against the H200's roofline: the FLOP count of DESIGN.md section 6 (163,840 per token and
@@ -14,9 +14,12 @@
 # 3. FLA's forward kernel by kernel (its five launches, each timed alone on the previous ones' outputs)
 #    against the whole fused forwards: where a five-kernel chain spends its time, and what fusion buys.
 #
-# Nothing here needs a GPU: it reads CSVs.
+# Nothing here needs a GPU: it reads the committed CSVs (found from the repository, whatever the working
+# directory) and writes its figures to `benchmarks/out/` (ignored by git). To refresh the committed
+# figures, run it with `FLASHQLA_NB_FIGURES=benchmarks/results` (a folder, relative to the repository or
+# absolute: the figures go there).
 #
-# reviewed: 2026-11-29 · `flashqla.bench.figures`, `flashqla.bench.report`, `benchmarks/results/`
+# reviewed: 2026-12-05 · `flashqla.bench.plots`, `flashqla.bench.report`, `benchmarks/results/`
 
 # %%
 import math
@@ -28,20 +31,20 @@ import matplotlib
 matplotlib.use("Agg")
 from IPython.display import Image, Markdown, display
 
-from flashqla.bench import figures
+from flashqla.bench import plots
+from flashqla.bench.config import OUT_DIR, REPO_ROOT, RESULTS_DIR
 from flashqla.bench.grid import PEAK_TFLOPS, tflops
-from flashqla.bench.peers import IMPLS, LABELS
-from flashqla.bench.report import breakdown_markdown, geomean, is_ok, method_from_markdown, num, speedup
+from flashqla.bench.impls import IMPLS, LABELS
+from flashqla.bench.report import breakdown_markdown, geomean, method_from_markdown, speedup
+from flashqla.bench.store import is_ok, num
 
-RESULTS = pathlib.Path("..") / "benchmarks" / "results"
-# the figures go next to the CSVs; FLASHQLA_NB_FIGURES sends them elsewhere (the test run does, so
-# that executing the notebooks never rewrites committed files)
-FIGURES = pathlib.Path(os.environ.get("FLASHQLA_NB_FIGURES") or RESULTS)
+RESULTS = RESULTS_DIR  # benchmarks/results of the repository this package is imported from
+FIGURES = REPO_ROOT / pathlib.Path(os.environ.get("FLASHQLA_NB_FIGURES") or OUT_DIR)  # absolute stays absolute
 FIGURES.mkdir(parents=True, exist_ok=True)
 PREFIX = "h200-fwd"
-rows, brows = figures.load(RESULTS, PREFIX)
-print(f"{RESULTS / (PREFIX + '.csv')}: {len(rows)} rows; breakdown: {len(brows)} step rows")
-assert rows, f"no benchmark rows in {RESULTS}: run python -m flashqla.bench on the GPU machine first"
+rows, brows = plots.load(RESULTS, PREFIX)  # FileNotFoundError naming the CSV when it is missing
+print(f"{RESULTS / (PREFIX + '.csv')}: {len(rows)} rows; breakdown: {len(brows)} step rows; figures go to {FIGURES}")
+assert rows, f"{RESULTS / (PREFIX + '.csv')} has no benchmark rows: run python -m flashqla.bench on a Hopper GPU first"
 
 # %% [markdown]
 # ## What was measured, and what was not
@@ -50,6 +53,8 @@ assert rows, f"no benchmark rows in {RESULTS}: run python -m flashqla.bench on t
 md = RESULTS / f"{PREFIX}.md"
 if md.exists():
     display(Markdown("\n".join(method_from_markdown(md.read_text()))))
+else:
+    print(f"{md} is missing: no method to show (it is written beside the CSV by the measuring run)")
 runs = {}
 for r in rows:  # one line per (environment, our commit) the rows come from
     env = tuple(r.get(k, "?") for k in ("gpu", "driver", "cuda", "torch", "triton", "tilelang", "fla", "flash_qla", "commit"))
@@ -58,7 +63,7 @@ for env, dates in runs.items():
     print("gpu {} (driver {}, CUDA {}), torch {}, triton {}, tilelang {}, fla {}, flash_qla {}; our commit {}: ".format(*env)
           + f"{len(dates)} rows, {min(dates)} .. {max(dates)}")
 
-cov = figures.coverage(rows)
+cov = plots.coverage(rows)
 for impl, c in cov.items():
     if not c["has_columns"]:
         print(f"{LABELS[impl]:>9}: no columns in the CSV (this harness version did not measure it)")
@@ -77,9 +82,9 @@ lines = ["| row | commit | T | N | " + " | ".join(f"{LABELS[i]} ms" for i in IMP
          + " | ".join(f"{LABELS[i]} % of roofline" for i in IMPLS) + " | FlashQLA over FLA |",
          "|" + " --- |" * (4 + 2 * len(IMPLS) + 1)]
 for r in rows:
-    pct = [figures.roofline_pct(r, i) for i in IMPLS]
+    pct = [plots.roofline_pct(r, i) for i in IMPLS]
     s = speedup(r, "flash_qla", "fla")
-    lines.append(f"| {figures.row_label(r)} | {r.get('commit', '?')} | {r['T']} | {r['N']} | " + " | ".join(fmt_ms(r, i) for i in IMPLS) + " | "
+    lines.append(f"| {plots.row_label(r)} | {r.get('commit', '?')} | {r['T']} | {r['N']} | " + " | ".join(fmt_ms(r, i) for i in IMPLS) + " | "
                  + " | ".join("-" if math.isnan(p) else f"{p:.1f}%" for p in pct) + " | "
                  + ("-" if math.isnan(s) else f"{s:.2f}x") + " |")
 display(Markdown("\n".join(lines)))
@@ -88,7 +93,7 @@ display(Markdown("\n".join(lines)))
 # ## Time per row
 
 # %%
-p_times = figures.plot_times(rows, FIGURES / f"{PREFIX}-times.png")
+p_times = plots.plot_times(rows, FIGURES / f"{PREFIX}-times.png")
 display(Image(p_times))
 
 # %% [markdown]
@@ -97,13 +102,13 @@ display(Image(p_times))
 # inputs and outputs could be compute bound. What each implementation reaches of its row's roof:
 
 # %%
-p_roof = figures.plot_roofline(rows, FIGURES / f"{PREFIX}-roofline.png")
+p_roof = plots.plot_roofline(rows, FIGURES / f"{PREFIX}-roofline.png")
 if p_roof is None:
     print("no implementation timed on any row: no roofline to draw")
 else:
     display(Image(p_roof))
 for impl in IMPLS:
-    pcts = [figures.roofline_pct(r, impl) for r in rows if is_ok(r, impl)]
+    pcts = [plots.roofline_pct(r, impl) for r in rows if is_ok(r, impl)]
     if pcts:
         print(f"{LABELS[impl]:>9}: {min(pcts):.1f} .. {max(pcts):.1f}% of the roofline over {len(pcts)} rows")
     else:
@@ -113,7 +118,7 @@ for impl in IMPLS:
 # ## FLA's five kernels against fused forwards
 
 # %%
-p_break = figures.plot_breakdown(brows, rows, FIGURES / f"{PREFIX}-breakdown.png")
+p_break = plots.plot_breakdown(brows, rows, FIGURES / f"{PREFIX}-breakdown.png")
 if p_break is None:
     print(f"no FLA breakdown in {RESULTS / (PREFIX + '-breakdown.csv')}")
 else:
@@ -128,16 +133,16 @@ else:
 for r in rows:
     for impl in IMPLS:
         if is_ok(r, impl):
-            assert num(r[f"{impl}_err_o"]) <= 0.02 and num(r[f"{impl}_err_ht"]) <= 0.02, (figures.row_label(r), impl)
+            assert num(r[f"{impl}_err_o"]) <= 0.02 and num(r[f"{impl}_err_ht"]) <= 0.02, (plots.row_label(r), impl)
 # no implementation beats the roofline (the FLOP and byte counts are lower bounds of the real work)
 for r in rows:
     for impl in IMPLS:
         if is_ok(r, impl):
-            assert figures.roofline_pct(r, impl) <= 100.0, (figures.row_label(r), impl)
+            assert plots.roofline_pct(r, impl) <= 100.0, (plots.row_label(r), impl)
             assert tflops(num(r[f"{impl}_ms"]), int(r["T"]), int(r["h_v"])) <= PEAK_TFLOPS
 # FLA's five steps, each timed alone, add up to its whole forward (a serial chain, within 10%)
 for key in {(b["h_qk"], b["h_v"], b["mix"]) for b in brows}:
-    steps = sum(num(b["ms"]) for b in brows if (b["h_qk"], b["h_v"], b["mix"]) == key and b["step"] in figures.STEP_NAMES)
+    steps = sum(num(b["ms"]) for b in brows if (b["h_qk"], b["h_v"], b["mix"]) == key and b["step"] in plots.STEP_NAMES)
     r = next((r for r in rows if (r["h_qk"], r["h_v"], r["mix"]) == key), None)
     if r is not None and is_ok(r, "fla"):
         assert abs(steps - num(r["fla_ms"])) <= 0.1 * num(r["fla_ms"]), (key, steps, r["fla_ms"])

@@ -1,9 +1,11 @@
-"""CPU tests of the benchmark harness: grid, FLOP counts, CP rows, the fp64 trusted result, CSV
-resume and the peers' cache, report formatting, the measuring loop with stand-in implementations,
-and the no-GPU exit. Fast (a few seconds), no GPU, no peer package needed."""
+"""CPU tests of the benchmark harness (forward, and what both benchmarks share): grid, FLOP counts,
+CP rows, the fp64 result of the gate (`reference/`) against the token recurrence, CSV resume and the
+peers' cache, the implementation table, report formatting, the measuring loop with stand-in
+implementations, and the command line. No GPU, no peer package needed."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -14,16 +16,20 @@ import pytest
 import torch
 
 from flashqla.bench import grid as G
+from flashqla.bench import impls as I
+from flashqla.bench import plots
 from flashqla.bench import report as R
 from flashqla.bench import store as S
 from flashqla.bench.breakdown import STEP_NAMES, step_bytes
-from flashqla.bench.peers import ENV_FIELDS, Impl, gpu_slug
+from flashqla.bench.gate import fp64_result, rel_rms
+from flashqla.bench.impls import ENV_FIELDS, Impl, gpu_slug
+from flashqla.bench.inputs import RowInputs
 from flashqla.bench.timing import Timing, launches_for
-from flashqla.bench.trusted import chunk_gdn_fp64, rel_rms
 from flashqla.testing import make_gdn_inputs
 from flashqla.testing import rel_rms as rel_rms_host
 
 ROOT = Path(__file__).resolve().parents[1]
+FWD = S.SCHEMAS["fwd"]
 ENV = dict(gpu="Test GPU", driver="1.0", cuda="12.8", torch="2.x", triton="3.x", tilelang="0.1.15",
            fla="0.6.0", flash_qla="0.1.3")
 
@@ -82,13 +88,13 @@ def test_select_rows_quick_and_filters():
 
 
 def test_flop_count_and_tflops():
-    assert G.FWD_FLOP_PER_TOKEN_HEAD == 163_840
-    assert G.fwd_flop(32768, 64) == 163_840 * 32768 * 64
+    assert G.FLOP_PER_TOKEN_HEAD == {"fwd": 163_840, "bwd": 491_520, "step": 655_360}
+    assert G.flop(32768, 64) == 163_840 * 32768 * 64 and G.flop(10, 2, "step") == 655_360 * 20
     # 16/64 1x32768 in 1.0 ms: 343.6 TFLOP/s, 47.3 % of 726
     tf = G.tflops(1.0, 32768, 64)
     assert tf == pytest.approx(343.597383680, rel=1e-9)
     assert G.pct_of_peak(tf) == pytest.approx(100 * 343.597383680 / 726, rel=1e-9)
-    # peers.md section 7: 1,032 B per token-head for MHA; state term N*HV*131,072
+    # 1,032 B per token-head for MHA; state term N*HV*131,072
     assert G.fwd_min_bytes(1000, 1, 4, 4) == 1000 * 4 * 1032 + 4 * 131_072
 
 
@@ -102,47 +108,69 @@ def test_cp_rows():
     assert sum(G.is_cp_row(r.mix.lengths, r.heads.h_v) for r in G.fwd_rows()) == 109
 
 
-# ---------------------------------------------------------------- trusted result, metric
+# ---------------------------------------------------------------- the gate's fp64 result, metric
 
 
-@pytest.mark.parametrize("lengths, C, HV", [([37, 1, 90], 16, 4), ([64, 128], 64, 4), (None, 8, 2)])
-def test_trusted_matches_token_recurrence(lengths, C, HV):
+def row_inputs(x: dict, lengths, do=None, dht=None) -> RowInputs:
+    """A `make_gdn_inputs` dict (B = 1, packed) as the benchmark's row inputs."""
+    return RowInputs(x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], x["cu_seqlens"], tuple(lengths),
+                     do=do, dht=dht, scale=x["q"].shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("lengths, H, HV, initial_state, batch", [
+    ([37, 1, 90], 2, 4, True, None),        # varlen with a 1-token sequence, GVA 2, all heads at once
+    ([37, 1, 90], 2, 4, True, 1),           # one value head per batch
+    ([64, 128, 70], 1, 4, False, 640),      # GVA 4, two value heads per batch (320 chunk-padded tokens), no h0
+    ([150], 3, 6, True, 400),               # one sequence, 3 q/k heads, two value heads per batch
+])
+def test_fp64_result_is_the_token_recurrence(lengths, H, HV, initial_state, batch):
+    """The gate's forward result (`reference.chunk_gated_delta_rule` in fp64, in batches of value
+    heads) equals the fp64 token recurrence, whatever the batching."""
     from reference.gdn.recurrent import recurrent_gated_delta_rule
 
-    T = sum(lengths) if lengths else 50
-    x = make_gdn_inputs(B=1 if lengths else 2, T=T, H=2, HV=HV, K=16, V=8, cu_seqlens=lengths)
+    x = make_gdn_inputs(B=1, T=sum(lengths), H=H, HV=HV, K=16, V=8, seqlens=lengths, initial_state=initial_state,
+                        seed=len(lengths))
     o_ref, ht_ref = recurrent_gated_delta_rule(**x, output_final_state=True)
-    o, ht = chunk_gdn_fp64(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
-                           cu_seqlens=x["cu_seqlens"], chunk_size=C)
-    assert o.dtype == torch.float64 and o.shape == o_ref.shape and ht.shape == ht_ref.shape
-    assert rel_rms(o, o_ref) < 1e-12
-    assert rel_rms(ht, ht_ref) < 1e-12
+    got = fp64_result(row_inputs(x, lengths), max_token_heads=batch)
+    assert set(got) == {"o", "ht"}
+    assert got["o"].dtype == torch.float64 and got["o"].shape == o_ref.shape and got["ht"].shape == ht_ref.shape
+    assert rel_rms(got["o"], o_ref) < 1e-12
+    assert rel_rms(got["ht"], ht_ref) < 1e-12
 
 
-@pytest.mark.parametrize("initial_state", [True, False])
-def test_trusted_in_head_groups_equals_one_piece(initial_state):
-    """Above its memory bound the trusted result is computed one q/k head group at a time: the
-    groups' o and final state equal the one-piece result and the token recurrence."""
+def test_fp64_result_from_bf16_inputs_without_state():
+    """From the rounded inputs the kernels get (bf16 q/k/v, fp32 g/beta): the recurrence on the same
+    rounded values, in fp64."""
     from reference.gdn.recurrent import recurrent_gated_delta_rule
 
-    x = make_gdn_inputs(B=1, T=150, H=3, HV=6, K=16, V=8, cu_seqlens=[70, 1, 79], initial_state=initial_state)
-    o_ref, ht_ref = recurrent_gated_delta_rule(**x, output_final_state=True)
-    whole = chunk_gdn_fp64(**x, chunk_size=16)
-    for max_bytes in (1, 4 * 12 * 1024 * (150 + 3 * 16)):  # one q/k head a group; groups of 2 + 1
-        parts = chunk_gdn_fp64(**x, chunk_size=16, max_bytes=max_bytes)
-        for got, one, ref in zip(parts, whole, (o_ref, ht_ref)):
-            assert got.shape == one.shape and rel_rms(got, one) < 1e-14 and rel_rms(got, ref) < 1e-12
-
-
-def test_trusted_from_bf16_inputs_without_state():
-    from reference.gdn.recurrent import recurrent_gated_delta_rule
-
-    x = make_gdn_inputs(T=60, H=1, HV=2, K=32, V=16, cu_seqlens=[20, 40], dtype=torch.bfloat16,
+    x = make_gdn_inputs(T=60, H=1, HV=2, K=32, V=16, seqlens=[20, 40], dtype=torch.bfloat16,
                         beta_dtype=torch.float32, initial_state=False)
-    up = {k: (v.double() if k in ("q", "k", "v") else v) for k, v in x.items()}
+    up = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in x.items()}
     o_ref, ht_ref = recurrent_gated_delta_rule(**up, output_final_state=True)
-    o, ht = chunk_gdn_fp64(**x)
-    assert rel_rms(o, o_ref) < 1e-12 and rel_rms(ht, ht_ref) < 1e-12
+    got = fp64_result(row_inputs(x, [20, 40]))
+    assert rel_rms(got["o"], o_ref) < 1e-12 and rel_rms(got["ht"], ht_ref) < 1e-12
+
+
+def test_fp64_batches_follow_the_token_head_budget(monkeypatch):
+    """Value heads go to the reference in batches of max_token_heads // chunk-padded tokens (at least
+    one head), each batch with its own q/k heads."""
+    import reference
+
+    calls = []
+    real = reference.chunk_gated_delta_rule
+
+    def spy(q, k, v, *args, **kw):
+        calls.append((q.shape[2], v.shape[2]))
+        return real(q, k, v, *args, **kw)
+
+    monkeypatch.setattr(reference, "chunk_gated_delta_rule", spy)
+    lengths = [100, 1]                                   # 2 + 1 chunks: 192 padded tokens
+    assert G.padded_tokens(lengths) == 192
+    x = row_inputs(make_gdn_inputs(B=1, T=101, H=2, HV=6, K=16, V=8, seqlens=lengths), lengths)
+    for budget, sizes in ((None, [6]), (192 * 4, [4, 2]), (192 * 2 + 1, [2, 2, 2]), (1, [1] * 6)):
+        calls.clear()
+        fp64_result(x, max_token_heads=budget)
+        assert [hv for _, hv in calls] == sizes and all(h == hv for h, hv in calls), (budget, calls)
 
 
 def test_device_rel_rms_is_the_testing_metric():
@@ -192,11 +220,11 @@ def _result_line(env, commit, h_qk, h_v, mix, ours_ms=1.0, status="ok", date="20
 
 def test_csv_append_and_resume_keys(tmp_path):
     p = tmp_path / "r.csv"
-    S.append_row(p, _result_line(ENV, "c1", 16, 32, "1x8192"), S.RESULT_FIELDS)
-    S.append_row(p, _result_line(ENV, "c1", 16, 32, "8192x4"), S.RESULT_FIELDS)
-    S.append_row(p, _result_line(ENV, "c2", 2, 8, "1x32768"), S.RESULT_FIELDS)
+    S.append_row(p, _result_line(ENV, "c1", 16, 32, "1x8192"), FWD.result_fields)
+    S.append_row(p, _result_line(ENV, "c1", 16, 32, "8192x4"), FWD.result_fields)
+    S.append_row(p, _result_line(ENV, "c2", 2, 8, "1x32768"), FWD.result_fields)
     other = dict(ENV, driver="2.0")
-    S.append_row(p, _result_line(other, "c1", 16, 64, "1024x8"), S.RESULT_FIELDS)
+    S.append_row(p, _result_line(other, "c1", 16, 64, "1024x8"), FWD.result_fields)
     rows = S.read_rows(p)
     assert len(rows) == 4
     assert S.done_keys(rows, ENV, "c1") == {(16, 32, "1x8192"), (16, 32, "8192x4")}
@@ -205,26 +233,26 @@ def test_csv_append_and_resume_keys(tmp_path):
     assert S.done_keys(rows, ENV, "c3") == set()
     peers_only = _result_line(ENV, "c1", 8, 32, "1x2048")
     peers_only["ours_status"] = ""
-    S.append_row(p, peers_only, S.RESULT_FIELDS)
+    S.append_row(p, peers_only, FWD.result_fields)
     assert (8, 32, "1x2048") not in S.done_keys(S.read_rows(p), ENV, "c1")
     assert (8, 32, "1x2048") in S.done_keys(S.read_rows(p), ENV, "c1", need=())
     # a row measured again keeps its last line
-    S.append_row(p, _result_line(ENV, "c1", 16, 32, "1x8192", ours_ms=0.5), S.RESULT_FIELDS)
+    S.append_row(p, _result_line(ENV, "c1", 16, 32, "1x8192", ours_ms=0.5), FWD.result_fields)
     got = [r for r in S.rows_for_key(S.read_rows(p), ENV, "c1") if r["ours_status"]]
-    assert len(got) == 2 and {R.num(r["ours_ms"]) for r in got} == {0.5, 1.0}
+    assert len(got) == 2 and {S.num(r["ours_ms"]) for r in got} == {0.5, 1.0}
     env, commit = S.latest_key(S.read_rows(p))
     assert commit == "c1" and env == ENV
     # --report-only --commit: that commit's rows, whatever was measured later
     assert S.latest_key(S.read_rows(p), "c2") == (ENV, "c2") and S.latest_key(S.read_rows(p), "c9") is None
     # rows of several commits: each row key from the first commit that has it, other envs never
-    S.append_row(p, _result_line(ENV, "c2", 16, 32, "1x8192", ours_ms=0.25), S.RESULT_FIELDS)
+    S.append_row(p, _result_line(ENV, "c2", 16, 32, "1x8192", ours_ms=0.25), FWD.result_fields)
     merged = {(r["h_qk"], r["mix"]): r for r in S.rows_for_commits(S.read_rows(p), ENV, ["c2", "c1"])}
-    assert merged[("16", "1x8192")]["commit"] == "c2" and R.num(merged[("16", "1x8192")]["ours_ms"]) == 0.25
+    assert merged[("16", "1x8192")]["commit"] == "c2" and S.num(merged[("16", "1x8192")]["ours_ms"]) == 0.25
     assert merged[("16", "8192x4")]["commit"] == "c1" and merged[("2", "1x32768")]["commit"] == "c2"
     assert ("16", "1024x8") not in merged
     assert {r["commit"] for r in S.rows_for_commits(S.read_rows(p), ENV, ["c1"])} == {"c1"}
     with pytest.raises(ValueError):
-        S.append_row(p, {"bogus": 1}, S.RESULT_FIELDS)
+        S.append_row(p, {"bogus": 1}, FWD.result_fields)
 
 
 def test_csv_schema_change_rewrites_with_union(tmp_path):
@@ -244,15 +272,16 @@ def test_peer_cache(tmp_path):
     c.put("fla", dict(rf, mix="8192x4", T=32768, N=4), {"status": "error: OutOfMemoryError: x"}, "d1")
     c2 = S.PeerCache(p, ENV)
     assert len(c2) == 3
-    assert R.num(c2.get("fla", (16, 32, "1x8192"))["ms"]) == pytest.approx(0.472)
+    assert S.num(c2.get("fla", (16, 32, "1x8192"))["ms"]) == pytest.approx(0.472)
     assert c2.has_row((16, 32, "1x8192"))
     assert c2.get("fla", (16, 32, "8192x4")) is None                       # errors are not results
     assert c2.get("fla", (16, 32, "8192x4"), include_errors=True) is not None
     assert not c2.has_row((16, 32, "8192x4"))
-    assert len(S.PeerCache(p, dict(ENV, flash_qla="0.1.4"))) == 0           # keyed by versions
+    newer = S.PeerCache(p, dict(ENV, flash_qla="0.1.4"))                    # keyed by each peer's version
+    assert newer.get("flash_qla", (16, 32, "1x8192")) is None and newer.get("fla", (16, 32, "1x8192")) is not None
     # the last line of a key wins
     c2.put("fla", rf, {"ms": 0.5, "status": "ok"}, "d2")
-    assert R.num(S.PeerCache(p, ENV).get("fla", (16, 32, "1x8192"))["ms"]) == pytest.approx(0.5)
+    assert S.num(S.PeerCache(p, ENV).get("fla", (16, 32, "1x8192"))["ms"]) == pytest.approx(0.5)
 
 
 def test_pick_retime():
@@ -276,7 +305,7 @@ def _row(h_qk, h_v, mix, ours, fla, fq, fla_status="ok"):
     line.update({"fla_ms": fla if fla_status == "ok" else "", "fla_status": fla_status, "fla_err_o": 0.05 if fla_status == "FAIL" else 1e-3,
                  "flash_qla_ms": fq, "flash_qla_status": "ok", "flash_qla_err_o": 2e-3, "flash_qla_err_ht": 1e-3,
                  "peers_source": "live"})
-    return {k: S._fmt(v) for k, v in line.items()}
+    return {k: S.fmt(v) for k, v in line.items()}
 
 
 def test_speedup_and_geomean():
@@ -303,7 +332,7 @@ def test_markdown_report(tmp_path):
     rows[0].update({"peers_source": "cached (re-timed)", "fla_retime_ms": "2.1", "fla_retime_status": "ok",
                     "flash_qla_retime_ms": "", "flash_qla_retime_status": "FAIL"})
     meta = {"date": "2026-11-29T00:00:00Z", "method": ["timer line"]}
-    md = R.markdown(rows, ENV, "abc123", meta)
+    md = R.markdown("fwd", rows, ENV, "abc123", meta)
     for needle in ("| GPU | Test GPU |", "| driver | 1.0 |", "| CUDA (torch build) | 12.8 |", "| triton | 3.x |",
                    "| tilelang | 0.1.15 |", "| fla | 0.6.0 |", "| flash_qla | 0.1.3 |", "| our commit | abc123 |",
                    "2026-11-29", "- timer line", "FAIL (5.0e-02)", "| n/a |", "+5.0%", "single-sequence few-head"):
@@ -389,7 +418,7 @@ def test_breakdown_bytes_and_markdown():
 def test_plot_writes_png(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [_row(16, 32, "8192x4", 0.5, 2.0, 0.5), _row(2, 8, "1x32768", 0.4, 0.9, 0.3)]
-    out = R.plot(rows, tmp_path / "p.png")
+    out = plots.plot_fwd(rows, tmp_path / "p.png")
     assert out is not None and out.stat().st_size > 1000
 
 
@@ -397,8 +426,8 @@ def test_plot_writes_png(tmp_path):
 
 
 def _good(x):
-    o, ht = chunk_gdn_fp64(x.q, x.k, x.v, x.g, x.beta, initial_state=x.h0, cu_seqlens=x.cu_seqlens)
-    return o.to(torch.bfloat16), ht.float()
+    ref = fp64_result(x)
+    return ref["o"].to(torch.bfloat16), ref["ht"].float()
 
 
 def _wrong(x):
@@ -419,12 +448,13 @@ def _host_timer(counter):
 
 
 def _run(tmp_path, argv, impls, commit="c1"):
-    from flashqla.bench.__main__ import parse_args, run_rows
+    from flashqla.bench.__main__ import parse_args
+    from flashqla.bench.runner import run_rows
 
-    args = parse_args(argv + ["--results-dir", str(tmp_path), "--no-plot"])
-    rows = G.select_rows(args.heads, args.mixes, args.quick)
+    opts = parse_args(argv + ["--results-dir", str(tmp_path), "--no-plot"])
+    rows = G.select_rows(opts.heads, opts.mixes, opts.quick)
     calls = []
-    rc = run_rows(rows, args, impls, ENV, commit, device="cpu", time_fn=_host_timer(calls))
+    rc = run_rows(rows, opts, impls, ENV, commit, device="cpu", time_fn=_host_timer(calls))
     return rc, calls
 
 
@@ -439,7 +469,7 @@ def test_loop_gate_resume_cache_and_drift(tmp_path, capsys):
     for r in res:
         assert r["ours_status"] == "ok" and r["flash_qla_status"] == "ok"
         assert r["fla_status"] == "FAIL" and r["fla_ms"] == ""
-        assert R.num(r["ours_err_o"]) < 1e-2 and R.num(r["fla_err_ht"]) > 0.1
+        assert S.num(r["ours_err_o"]) < 1e-2 and S.num(r["fla_err_ht"]) > 0.1
     peers = S.read_rows(tmp_path / "peers-test-gpu-fwd.csv")
     assert len(peers) == 4 and {p["impl"] for p in peers} == {"fla", "flash_qla"}
     md = (tmp_path / "test-gpu-fwd.md").read_text()
@@ -465,8 +495,10 @@ def test_loop_gate_resume_cache_and_drift(tmp_path, capsys):
     # the live re-timing is kept in the results CSV beside the cached timing, and the page lists it
     r = res[retimed[0]]
     assert r["flash_qla_status"] == "ok" and r["flash_qla_retime_status"] == "ok"
-    cached, live = R.num(r["flash_qla_ms"]), R.num(r["flash_qla_retime_ms"])
+    cached, live = S.num(r["flash_qla_ms"]), S.num(r["flash_qla_retime_ms"])
     assert cached > 0 and live > 0 and cached != live                    # the host timer's times grow per call
+    assert (f"drift FlashQLA 1/2 {retimed[0]}: cached {cached:.3f} ms, now {live:.3f} ms "
+            f"({100 * (live / cached - 1):+.1f}%)") in out
     assert r["fla_status"] == "FAIL" and r["fla_retime_status"] == "FAIL" and r["fla_retime_ms"] == ""
     assert all(not o[f"{p}_retime_status"] for m, o in res.items() if m != retimed[0] for p in ("fla", "flash_qla"))
     md = (tmp_path / "test-gpu-fwd.md").read_text()
@@ -484,18 +516,18 @@ def test_retime_columns_append_to_an_older_csv(tmp_path):
     import csv
 
     p = tmp_path / "test-gpu-fwd.csv"
-    old_fields = [f for f in S.RESULT_FIELDS if "_retime_" not in f]
-    assert list(S.RESULT_FIELDS[:len(old_fields)]) == old_fields               # the new columns come last
+    old_fields = [f for f in FWD.result_fields if "_retime_" not in f]
+    assert list(FWD.result_fields[:len(old_fields)]) == old_fields               # the new columns come last
     old = {**_row(2, 8, "1x32768", 0.4, 0.9, 0.3), "peers_source": "cached (re-timed)"}
     S.append_row(p, old, old_fields)
     new = {**_row(16, 32, "8192x4", 0.5, 2.0, 0.5), "peers_source": "cached (re-timed)", "fla_retime_ms": "2.2",
            "fla_retime_status": "ok", "flash_qla_retime_ms": "0.5", "flash_qla_retime_status": "ok"}
-    S.append_row(p, new, S.RESULT_FIELDS)
+    S.append_row(p, new, FWD.result_fields)
     with p.open(newline="") as f:
-        assert next(csv.reader(f)) == list(S.RESULT_FIELDS)
+        assert next(csv.reader(f)) == list(FWD.result_fields)
     rows = {r["mix"]: r for r in S.read_rows(p)}
     assert rows["1x32768"]["fla_ms"] == "0.9" and rows["1x32768"]["fla_retime_ms"] == ""
-    md = R.markdown(list(rows.values()), ENV, "c", {"method": []})
+    md = R.markdown("fwd", list(rows.values()), ENV, "c", {"method": []})
     drift = md[md.index("## Drift"):]
     assert "| 16/32 | 8192x4 | FLA | 2.000 | 2.200 | +10.0% | c |" in drift
     assert "| 16/32 | 8192x4 | FlashQLA | 0.500 | 0.500 | +0.0% | c |" in drift
@@ -545,7 +577,7 @@ def test_cli_list_and_bad_filters():
 def test_cli_report_only(tmp_path):
     p = tmp_path / "test-gpu-fwd.csv"
     for r in (_row(16, 32, "8192x4", 0.5, 2.0, 0.5), _row(2, 8, "1x32768", 0.4, 0.9, 0.3)):
-        S.append_row(p, r, S.RESULT_FIELDS)
+        S.append_row(p, r, FWD.result_fields)
     out = subprocess.run([sys.executable, "-m", "flashqla.bench", "--report-only", "--no-plot",
                           "--results-dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
@@ -560,7 +592,6 @@ def test_cli_report_only(tmp_path):
 
 def test_impl_selection_and_missing_peers():
     from flashqla.bench.__main__ import parse_args, selected_impls
-    from flashqla.bench.peers import load_impls
 
     assert selected_impls(parse_args([])) == ("ours", "fla", "flash_qla")
     assert selected_impls(parse_args(["--peers", "none"])) == ("ours",)
@@ -568,72 +599,154 @@ def test_impl_selection_and_missing_peers():
     with pytest.raises(SystemExit):
         selected_impls(parse_args(["--impls", "flashinfer"]))
     for name in ("fla", "flash_qla"):
-        if __import__("importlib").util.find_spec({"fla": "fla", "flash_qla": "flash_qla"}[name]) is None:
-            impl = load_impls((name,))[name]
-            assert not impl.available and impl.reason.startswith("not available (")
+        if __import__("importlib").util.find_spec(name) is None:
+            for direction in ("fwd", "bwd"):
+                impl = I.load_impls((name,), direction)[name]
+                assert not impl.available and impl.reason.startswith("not available ("), (name, direction)
 
 
 def test_importing_the_harness_needs_no_peer():
-    code = ("import sys, flashqla.bench.__main__, flashqla.bench.report, flashqla.bench.runner; "
-            "print(any(m in sys.modules for m in ('fla', 'flash_qla', 'tilelang', 'triton', 'matplotlib')))")
+    code = ("import sys, flashqla.bench, flashqla.bench.__main__, flashqla.bench.report, flashqla.bench.runner, "
+            "flashqla.bench.plots, flashqla.bench.impls, flashqla.bench.gate; "
+            "print(any(m in sys.modules for m in ('fla', 'flash_qla', 'tilelang', 'triton', 'matplotlib', 'reference')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "False"
 
 
-def test_cp_mode_reaches_ours_and_the_commit_column(monkeypatch):
-    from flashqla.bench.__main__ import apply_cp_mode, commit_with_cp
+def test_one_import_site_of_reference_and_no_import_circle():
+    """`reference` is imported in one place of the harness (`gate.fp64_result`), and no module of
+    the harness imports one that imports it back (module level or inside a function)."""
+    import ast
+    import re
 
-    # apply_cp_mode writes os.environ itself: record the variable's state with setenv first, so that
-    # monkeypatch restores it (unset) after the test instead of leaking the last mode to later tests
-    monkeypatch.setenv("FLASHQLA_CP", "auto")
-    monkeypatch.delenv("FLASHQLA_CP")
-    assert apply_cp_mode(None) == "auto" and os.environ["FLASHQLA_CP"] == "auto"
-    assert apply_cp_mode("off") == "off" and os.environ["FLASHQLA_CP"] == "off"
+    bench = ROOT / "flashqla" / "bench"
+    deps, sites = {}, []
+    for path in sorted(bench.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = set()
+        for node in ast.walk(tree):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for m in mods:
+                if m == "reference" or m.startswith("reference."):
+                    sites.append((path.name, node.lineno))
+                if m.startswith("flashqla.bench."):
+                    names.add(m.split(".")[2])
+                elif m == "flashqla.bench" and isinstance(node, ast.ImportFrom):
+                    names |= {a.name for a in node.names}
+        deps[path.stem] = names - {path.stem}
+    assert len(sites) == 1 and sites[0][0] == "gate.py", sites
+    assert not any(re.search(r"\bimport_module\(\s*['\"]reference", p.read_text()) for p in bench.glob("*.py"))
+
+    def reaches(a, b, seen=()):
+        return any(d == b or (d not in seen and reaches(d, b, seen + (d,))) for d in deps.get(a, ()))
+
+    circles = sorted(m for m in deps if reaches(m, m))
+    assert circles == [], {m: deps[m] for m in circles}
+
+
+def test_cp_mode_reaches_ours_and_the_commit_column(monkeypatch):
+    """--cp (default $FLASHQLA_CP, else auto, read when the command line is parsed) is passed to our
+    op as `cp=` by the loaders, forward and backward alike, and names the commit column."""
+    import flashqla.ops.gdn.api as api
+    import flashqla.ops.gdn.bwd as bwd
+    import flashqla.ops.gdn.fwd as fwd
+    from flashqla.bench.__main__ import commit_with_cp, parse_args
+
+    monkeypatch.delenv("FLASHQLA_CP", raising=False)
+    assert parse_args([]).cp == "auto" and parse_args(["--cp", "off"]).cp == "off"
     monkeypatch.setenv("FLASHQLA_CP", "on")
-    assert apply_cp_mode(None) == "on"
+    assert parse_args([]).cp == "on" and parse_args(["--cp", "auto"]).cp == "auto"
     assert commit_with_cp("abc123", "off") == "abc123" and commit_with_cp("abc123", "auto") == "abc123+cp-auto"
     assert commit_with_cp("abc123+cp-auto", "auto") == "abc123+cp-auto"  # never twice
 
+    seen = []
+
+    class Fwd:
+        o, final_state, q, k, A, g_cum_log2, cp_saved = "o", "ht", None, None, None, None, None
+
+    monkeypatch.setattr(api, "chunk_gated_delta_rule", lambda *a, **kw: seen.append(("op", kw["cp"])) or ("o", "ht"))
+    monkeypatch.setattr(fwd, "chunk_gated_delta_rule_fwd", lambda *a, **kw: seen.append(("fwd", kw["cp"])) or Fwd())
+    monkeypatch.setattr(bwd, "chunk_gated_delta_rule_bwd", lambda *a, **kw: seen.append(("bwd", kw["cp"])) or (0,) * 6)
+    lengths = [20, 12]
+    x = row_inputs(make_gdn_inputs(B=1, T=32, H=1, HV=2, K=16, V=8, seqlens=lengths), lengths, do=0, dht=0)
+    I.load_impls(("ours",), "fwd", cp="off")["ours"].fn(x)
+    assert os.environ["FLASHQLA_CP"] == "on"                             # the harness never writes it
+    ours = I.load_impls(("ours",), "bwd", cp="auto")["ours"]
+    assert "cp='auto'" in ours.source
+    ours.step(x)
+    assert seen == [("op", "off"), ("fwd", "auto"), ("bwd", "auto")]
+    assert os.environ["FLASHQLA_CP"] == "on"
+
+
+def _stub_impls():
+    return {"ours": Impl("ours", "ours", fn=lambda x: x), "fla": Impl("fla", "FLA", fn=lambda x: x),
+            "flash_qla": Impl("flash_qla", "FlashQLA")}
+
+
+ROW = G.Row(G.parse_heads("16/32"), G.parse_mix("1x8192"))
+OTHER = G.Row(G.parse_heads("16/32"), G.parse_mix("8192x4"))
+
 
 def test_plan_sources_per_peers_mode():
-    from flashqla.bench.peers import Impl, plan_sources
-
-    impls = {"ours": Impl("ours", "ours", fn=lambda x: x), "fla": Impl("fla", "FLA", fn=lambda x: x),
-             "flash_qla": Impl("flash_qla", "FlashQLA")}
+    impls = _stub_impls()
 
     class Cache:
         def get(self, name, key):
-            return 1.0 if (name, key) == ("fla", "row") else None
+            return 1.0 if (name, key) == ("fla", ROW.key) else None
 
-    assert plan_sources(impls, "row", "live", Cache()) == {"ours": "live", "fla": "live", "flash_qla": "n/a"}
-    assert plan_sources(impls, "row", "cached", Cache())["fla"] == "cached"
-    assert plan_sources(impls, "other", "cached", Cache())["fla"] == "not cached"
-    assert plan_sources(impls, "other", "auto", Cache())["fla"] == "live"
-    assert plan_sources(impls, "row", "auto", None)["fla"] == "live"
-    assert plan_sources({"ours": impls["ours"]}, "row", "none", None) == {"ours": "live", "fla": "skip", "flash_qla": "skip"}
+    assert I.plan_sources(impls, ROW, "live", Cache()) == {"ours": "live", "fla": "live", "flash_qla": "n/a"}
+    assert I.plan_sources(impls, ROW, "cached", Cache())["fla"] == "cached"
+    assert I.plan_sources(impls, OTHER, "cached", Cache())["fla"] == "not cached"
+    assert I.plan_sources(impls, OTHER, "auto", Cache())["fla"] == "live"
+    assert I.plan_sources(impls, ROW, "auto", None)["fla"] == "live"
+    assert I.plan_sources({"ours": impls["ours"]}, ROW, "none", None) == {"ours": "live", "fla": "skip", "flash_qla": "skip"}
 
 
 def test_unselected_peers_come_from_the_cache():
     # `--impls ours --peers cached`: ours is timed, a cached peer is still reported (not re-timed)
-    from flashqla.bench.peers import Impl, plan_sources
-
     ours = {"ours": Impl("ours", "ours", fn=lambda x: x)}
 
     class Cache:
         def get(self, name, key):
-            return {"ms": "1.0"} if (name, key) == ("fla", "row") else None
+            return {"ms": "1.0"} if (name, key) == ("fla", ROW.key) else None
 
-    assert plan_sources(ours, "row", "cached", Cache()) == {"ours": "live", "fla": "cached", "flash_qla": "skip"}
-    assert plan_sources(ours, "row", "auto", Cache())["fla"] == "cached"
-    assert plan_sources(ours, "other", "cached", Cache())["fla"] == "skip"
-    assert plan_sources(ours, "row", "cached", None)["fla"] == "skip"
+    assert I.plan_sources(ours, ROW, "cached", Cache()) == {"ours": "live", "fla": "cached", "flash_qla": "skip"}
+    assert I.plan_sources(ours, ROW, "auto", Cache())["fla"] == "cached"
+    assert I.plan_sources(ours, OTHER, "cached", Cache())["fla"] == "skip"
+    assert I.plan_sources(ours, ROW, "cached", None)["fla"] == "skip"
+
+
+def test_the_table_entry_says_what_a_peer_supports(monkeypatch, tmp_path):
+    """A peer's entry decides what it runs: a row its `supports` refuses is "not supported" (an
+    "n/a" cell, never timed), and a benchmark it has no call for leaves it "not available"."""
+    entry = I.ENTRIES["flash_qla"]
+    monkeypatch.setitem(I.ENTRIES, "flash_qla", dataclasses.replace(entry, supports=lambda row: row.mix.N > 1,
+                                                                     train=None))
+    impls = {"ours": Impl("ours", "ours", fn=_good), "flash_qla": Impl("flash_qla", "FlashQLA", fn=_good)}
+    assert I.plan_sources(impls, ROW, "live", None)["flash_qla"] == "unsupported"
+    assert I.plan_sources(impls, OTHER, "live", None)["flash_qla"] == "live"
+    rc, calls = _run(tmp_path, ["--heads", "1/2", "--mixes", "40,20+20", "--peers", "live"], impls)
+    res = {r["mix"]: r for r in S.read_rows(tmp_path / "test-gpu-fwd.csv")}
+    assert res["40"]["flash_qla_status"] == "not supported" and res["20+20"]["flash_qla_status"] == "ok"
+    assert len(calls) == 3 and R.cell_ms(res["40"], "flash_qla") == "n/a"
+    bwd = I.load_impls(("flash_qla",), "bwd")["flash_qla"]
+    assert not bwd.available and bwd.reason == "not available (no backward in the benchmark's table)"
+
+
+def test_peer_cache_keys_each_peer_by_its_own_version(tmp_path):
+    """A peer's cached line is keyed by the platform and its own version: another peer's version
+    changing (or a peer added to the table) leaves it valid; its own version or the platform does not."""
+    p = tmp_path / "peers.csv"
+    rf = {"h_qk": 16, "h_v": 32, "mix": "1x8192", "T": 8192, "N": 1}
+    S.PeerCache(p, ENV).put("fla", rf, {"ms": 0.5, "status": "ok"}, "d")
+    assert S.PeerCache(p, dict(ENV, flash_qla="0.2.0")).get("fla", (16, 32, "1x8192")) is not None
+    assert S.PeerCache(p, dict(ENV, fla="0.7.0")).get("fla", (16, 32, "1x8192")) is None
+    assert S.PeerCache(p, dict(ENV, driver="2.0")).get("fla", (16, 32, "1x8192")) is None
+    assert I.ENV_FIELDS == I.BASE_ENV_FIELDS + I.PEERS and I.PEERS == ("fla", "flash_qla")
 
 
 def test_report_fills_empty_peer_columns_from_the_cache(tmp_path):
-    from flashqla.bench import store as S
-    from flashqla.bench.__main__ import fill_cached_peers
-    from flashqla.bench.peers import ENV_FIELDS
-
     env = {f: f"v-{f}" for f in ENV_FIELDS}
     cache = S.PeerCache(tmp_path / "peers.csv", env)
     row_fields = {"h_qk": 2, "h_v": 8, "mix": "1x32768", "T": 32768, "N": 1}
@@ -642,7 +755,7 @@ def test_report_fills_empty_peer_columns_from_the_cache(tmp_path):
     live = {**base, "fla_ms": "0.95", "fla_status": "ok", "peers_source": "live"}
     empty = dict(base)
     other = {**base, "mix": "1x8192", "T": "8192"}
-    got = fill_cached_peers([live, empty, other], cache)
+    got = R.fill_cached_peers([live, empty, other], cache)
     assert got[0]["fla_ms"] == "0.95" and got[0]["peers_source"] == "live"  # a measured peer is kept
     assert float(got[1]["fla_ms"]) == 0.929 and got[1]["fla_status"] == "ok" and got[1]["peers_source"] == "cached"
     assert not got[2].get("fla_ms") and not got[2].get("peers_source")  # nothing cached for that row
@@ -650,8 +763,6 @@ def test_report_fills_empty_peer_columns_from_the_cache(tmp_path):
 
 
 def test_cp_grid_rows_and_page(tmp_path):
-    from flashqla.bench.__main__ import _paths, write_outputs
-
     rows = G.cp_grid_rows()
     labels = [(r.heads.label, r.mix.label) for r in rows]
     assert len(rows) == 24 and len(set(labels)) == 24
@@ -663,33 +774,31 @@ def test_cp_grid_rows_and_page(tmp_path):
     # the forward report writes the CP page from the CP rows only, with its plot of time against T
     p = tmp_path / "test-gpu-fwd.csv"
     for r in (_row(2, 8, "1x2048", 0.1, 0.2, 0.05), _row(2, 8, "1x32768", 0.9, 0.9, 0.4), _row(16, 32, "8192x4", 0.5, 2.0, 0.5)):
-        S.append_row(p, r, S.RESULT_FIELDS)
-    paths = _paths(tmp_path, "test-gpu-fwd")
+        S.append_row(p, r, FWD.result_fields)
+    paths = S.files(tmp_path, "test-gpu-fwd")
     assert paths["cp_md"].name == "test-gpu-cp.md"
-    write_outputs(paths, ENV, "c", {"date": "d", "method": ["m"]}, plot=R.pyplot() is not None)
+    R.write_pages("fwd", paths, ENV, "c", {"date": "d", "method": ["m"]}, plot=plots.pyplot() is not None)
     md = paths["cp_md"].read_text()
     assert "one long sequence" in md and "| 2/8 | 1x2048 |" in md and "| 2/8 | 1x32768 |" in md
     assert "8192x4" not in md and "8192x4" in paths["md"].read_text()
-    if R.pyplot() is not None:
+    if plots.pyplot() is not None:
         assert paths["cp_png"].stat().st_size > 0
 
 
 def test_cp_page_header_counts_its_own_rows(tmp_path):
     """With --also-commits each page's header counts the rows it shows: the CP page only its CP rows,
     not every row of the forward CSV."""
-    from flashqla.bench.__main__ import _paths, write_outputs
-
     p = tmp_path / "test-gpu-fwd.csv"
     for commit, rows in (("new", [_row(2, 8, "1x2048", 0.1, 0.2, 0.05), _row(16, 32, "8192x4", 0.5, 2.0, 0.5)]),
                          ("old", [_row(2, 8, "1x32768", 0.9, 0.9, 0.4), _row(2, 8, "1x4096", 0.2, 0.3, 0.1),
                                   _row(16, 32, "1024x8", 0.2, 0.5, 0.2), _row(16, 64, "8192x4", 0.5, 2.0, 0.5)])):
         for r in rows:
-            S.append_row(p, {**r, "commit": commit}, S.RESULT_FIELDS)
-    paths = _paths(tmp_path, "test-gpu-fwd")
-    write_outputs(paths, ENV, "new", {"date": "d", "method": ["m"]}, plot=False, also=["old"])
+            S.append_row(p, {**r, "commit": commit}, FWD.result_fields)
+    paths = S.files(tmp_path, "test-gpu-fwd")
+    R.write_pages("fwd", paths, ENV, "new", {"date": "d", "method": ["m"]}, plot=False, also=["old"])
     assert "| our commit | new (2 rows); old (4 rows) |" in paths["md"].read_text()
     assert "| our commit | new (1 rows); old (2 rows) |" in paths["cp_md"].read_text()
-    write_outputs(paths, ENV, "new", {"date": "d", "method": ["m"]}, plot=False)
+    R.write_pages("fwd", paths, ENV, "new", {"date": "d", "method": ["m"]}, plot=False)
     assert "| our commit | new |" in paths["cp_md"].read_text()
 
 
@@ -701,7 +810,7 @@ def test_report_only_renders_drift_from_the_csv_and_updates_the_peers_method(tmp
     retimed = {**_row(2, 8, "1x32768", 0.4, 0.9, 0.3), "peers_source": "cached (re-timed)", "fla_retime_ms": "0.99",
                "fla_retime_status": "ok"}
     for r in (_row(16, 32, "8192x4", 0.5, 2.0, 0.5), retimed):
-        S.append_row(p, r, S.RESULT_FIELDS)
+        S.append_row(p, r, FWD.result_fields)
     old_peers = ("Peers column: `live` = timed in this process on the same inputs; `cached` = read from the peers "
                  "CSV of this environment key (re-timed rows are listed under Drift).")
     (tmp_path / "test-gpu-fwd.md").write_text(f"# old\n\n## Method\n\n- timer X.\n- {old_peers}\n\n## Rest\n")

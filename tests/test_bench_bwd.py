@@ -1,11 +1,12 @@
 """CPU tests of the backward benchmark (`python -m flashqla.bench --bwd`): grid and row keys, the
-fp64 gradients of the gate against autograd of the token recurrence, the gate's decisions, the
-peers' cache keying, the report, the measuring loop with stand-in implementations (resume, cached
-peers, drift, pairwise gate, failures) and the command line. No GPU, no peer package."""
+gate's fp64 gradients (`reference/`'s hand-written backward) against autograd of the token
+recurrence, the gate's decisions, the peers' cache keying, the report, the measuring loop with
+stand-in implementations (resume, cached peers, drift, pairwise gate, failures) and the command
+line. No GPU, no peer package."""
 
 from __future__ import annotations
 
-import importlib.machinery
+import importlib.util
 import math
 import subprocess
 import sys
@@ -15,34 +16,36 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashqla.bench import bwd_grid as BG
-from flashqla.bench import bwd_report as BR
-from flashqla.bench import bwd_runner as BRun
+from flashqla.bench import gate as GT
 from flashqla.bench import grid as G
+from flashqla.bench import impls as I
+from flashqla.bench import plots
+from flashqla.bench import report as R
 from flashqla.bench import store as S
-from flashqla.bench.bwd_impls import BwdImpl, FwdOut, patch_flash_qla_bwd
-from flashqla.bench.peers import ENV_FIELDS
+from flashqla.bench.gate import GRAD_NAMES, fp64_result, rel_rms
+from flashqla.bench.impls import ENV_FIELDS, FwdOut, Impl, patch_flash_qla_bwd
+from flashqla.bench.inputs import InputFactory, RowInputs
 from flashqla.bench.report import PEERS_METHOD
 from flashqla.bench.timing import Timing
-from flashqla.bench.trusted import GRAD_NAMES, chunk_gdn_fp64_grads, rel_rms
 from flashqla.testing import make_gdn_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(gpu="Test GPU", driver="1.0", cuda="12.8", torch="2.x", triton="3.x", tilelang="0.1.15",
            fla="0.6.0", flash_qla="0.1.3")
 PREFIX = "test-gpu-bwd"
+BWD = S.SCHEMAS["bwd"]
 
 
 # ---------------------------------------------------------------- grid and row keys
 
 
 def test_grid_is_flashqlas_backward_table():
-    rows = BG.bwd_rows()
+    rows = G.bwd_rows()
     assert len(rows) == 32 and len({r.key for r in rows}) == 32
-    assert [h.label for h in BG.BWD_HEADS] == ["16/32", "8/16", "4/8", "2/4"]
-    names = [BG.short_name(m.lengths) for m in BG.bwd_mixes()]
+    assert [h.label for h in G.BWD_HEADS] == ["16/32", "8/16", "4/8", "2/4"]
+    names = [G.short_name(m.lengths) for m in G.bwd_mixes()]
     assert names == ["8k_1seq", "8k_2seq", "8k_4seq", "8k_8seq", "32k_1seq", "32k_2seq", "32k_4seq", "32k_8seq"]
-    for m in BG.bwd_mixes():
+    for m in G.bwd_mixes():
         assert m.T in (8192, 32768) and m.N in (1, 2, 4, 8) and min(m.lengths) > 0
         # the key carries the lengths: the label parses back to them
         assert G.parse_mix(m.label).lengths == m.lengths
@@ -50,52 +53,52 @@ def test_grid_is_flashqlas_backward_table():
     assert rows[3].key == (16, 32, "161+1928+3157+563+1244+229+177+733")
 
 
-@pytest.mark.parametrize("T, n", sorted(BG.BWD_SPLITS))
+@pytest.mark.parametrize("T, n", sorted(G.BWD_SPLITS))
 def test_random_split_reproduces_the_pinned_lengths(T, n):
-    got = BG.random_split(T, n, BG.BWD_SEED)
-    assert got == BG.BWD_SPLITS[(T, n)]
+    got = G.random_split(T, n, G.BWD_SEED)
+    assert got == G.BWD_SPLITS[(T, n)]
     assert sum(got) == T and len(got) == n and min(got) > 0
 
 
 def test_random_split_is_seeded_and_checked():
-    assert BG.random_split(1000, 5, 1) == BG.random_split(1000, 5, 1)
-    assert BG.random_split(1000, 5, 1) != BG.random_split(1000, 5, 2)
-    assert BG.random_split(3, 3) == (1, 1, 1)
+    assert G.random_split(1000, 5, 1) == G.random_split(1000, 5, 1)
+    assert G.random_split(1000, 5, 1) != G.random_split(1000, 5, 2)
+    assert G.random_split(3, 3) == (1, 1, 1)
     for bad in ((10, 0), (3, 4)):
         with pytest.raises(ValueError):
-            BG.random_split(*bad)
-    assert BG.bwd_mix(8192, 4, seed=7).lengths == BG.random_split(8192, 4, 7)
+            G.random_split(*bad)
+    assert G.bwd_mix(8192, 4, seed=7).lengths == G.random_split(8192, 4, 7)
 
 
 def test_parse_bwd_mix_and_select():
-    assert BG.parse_bwd_mix("8k_4seq").lengths == (5809, 1244, 406, 733)
-    assert BG.parse_bwd_mix("32k_1seq").label == "1x32768"
-    assert BG.parse_bwd_mix("5000+3192").label == "5000+3192"
-    assert BG.parse_bwd_mix("8192x2").label == "8192+8192"
+    assert G.parse_bwd_mix("8k_4seq").lengths == (5809, 1244, 406, 733)
+    assert G.parse_bwd_mix("32k_1seq").label == "1x32768"
+    assert G.parse_bwd_mix("5000+3192").label == "5000+3192"
+    assert G.parse_bwd_mix("8192x2").label == "8192+8192"
     for bad in ("8k_0seq", "x", "0k_1seq"):
         with pytest.raises(ValueError):
-            BG.parse_bwd_mix(bad)
-    quick = BG.select_bwd_rows(quick=True)
-    assert [(r.heads.label, BG.short_name(r.mix.lengths)) for r in quick] == [
+            G.parse_bwd_mix(bad)
+    quick = G.select_bwd_rows(quick=True)
+    assert [(r.heads.label, G.short_name(r.mix.lengths)) for r in quick] == [
         ("16/32", "32k_1seq"), ("16/32", "8k_8seq"), ("2/4", "32k_1seq")]
     assert len({r.heads for r in quick}) == 2
-    assert len(BG.select_bwd_rows(["2/4"])) == 8
-    rows = BG.select_bwd_rows(["2/4,16/32"], ["32k_1seq", "8k_2seq"])
+    assert len(G.select_bwd_rows(["2/4"])) == 8
+    rows = G.select_bwd_rows(["2/4,16/32"], ["32k_1seq", "8k_2seq"])
     assert [(r.heads.label, r.mix.label) for r in rows] == [
         ("16/32", "7053+1139"), ("16/32", "1x32768"), ("2/4", "7053+1139"), ("2/4", "1x32768")]
-    extra = BG.select_bwd_rows(["1/2"], ["64+100"])
+    extra = G.select_bwd_rows(["1/2"], ["64+100"])
     assert [r.label for r in extra] == ["1/2 64+100"]
 
 
 def test_flop_counts():
-    assert BG.BWD_FLOP_PER_TOKEN_HEAD == 491_520 and BG.STEP_FLOP_PER_TOKEN_HEAD == 655_360
+    assert G.FLOP_PER_TOKEN_HEAD["bwd"] == 491_520 and G.FLOP_PER_TOKEN_HEAD["step"] == 655_360
     # 16/32 1x32768 backward in 2.515 ms (FlashQLA's published row): 205 TFLOP/s, 28.2 % of 726
-    tf = BG.bwd_tflops(2.515, 32768, 32)
+    tf = G.tflops(2.515, 32768, 32, "bwd")
     assert tf == pytest.approx(491_520 * 32768 * 32 / 2.515e-3 / 1e12)
     assert 204 < tf < 206
-    assert BG.step_tflops(1.0, 1000, 2) == pytest.approx(655_360 * 2000 / 1e-3 / 1e12)
-    assert BG.padded_tokens((8192,)) == 8192 and BG.padded_tokens((100, 1)) == 2 * 128
-    assert BG.mix_name(8192, 4) == "8k_4seq" and BG.mix_name(1000, 2) == "1000_2seq"
+    assert G.tflops(1.0, 1000, 2, "step") == pytest.approx(655_360 * 2000 / 1e-3 / 1e12)
+    assert G.padded_tokens((8192,)) == 8192 and G.padded_tokens((100, 1)) == 128 + 64
+    assert G.mix_name(8192, 4) == "8k_4seq" and G.mix_name(1000, 2) == "1000_2seq"
 
 
 # ---------------------------------------------------------------- fp64 gradients
@@ -119,21 +122,28 @@ def _recurrence_grads(x, do, dht):
     return o.detach(), ht.detach(), grads
 
 
+def _rows_inputs(x, lengths, do, dht):
+    return RowInputs(x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], x["cu_seqlens"], tuple(lengths),
+                     do=do, dht=dht, scale=x["q"].shape[-1] ** -0.5)
+
+
 @pytest.mark.parametrize("lengths, H, HV, h0, with_dht, batch", [
-    ([37, 1, 90, 22], 2, 4, True, True, 1 << 20),   # varlen with a 1-token sequence, GVA 2, one batch of heads
+    ([37, 1, 90, 22], 2, 4, True, True, None),      # varlen with a 1-token sequence, GVA 2, one batch of heads
     ([37, 1, 90, 22], 2, 4, True, True, 1),         # one value head per batch
-    ([70, 50], 1, 4, False, True, 300),             # GVA 4, two heads per batch, no h0
+    ([70, 50], 1, 4, False, True, 400),             # GVA 4, two heads per batch (192 chunk-padded tokens), no h0
     ([65], 2, 2, True, False, 1),                    # no dht
 ])
 def test_fp64_grads_match_autograd_of_the_recurrence(lengths, H, HV, h0, with_dht, batch):
+    """The gate's gradients (the reference's hand-written chunked backward in fp64, in batches of value
+    heads) equal autograd through the fp64 token recurrence."""
     T = sum(lengths)
     x = make_gdn_inputs(B=1, T=T, H=H, HV=HV, K=16, V=8, seqlens=lengths, initial_state=h0, seed=len(lengths))
     gen = torch.Generator().manual_seed(5)
     do = torch.randn(1, T, HV, 8, generator=gen, dtype=torch.float64)
     dht = torch.randn(len(lengths), HV, 16, 8, generator=gen, dtype=torch.float64) if with_dht else None
     o, ht, ref = _recurrence_grads(x, do, dht)
-    got = chunk_gdn_fp64_grads(x["q"], x["k"], x["v"], x["g"], x["beta"], do, dht, initial_state=x["initial_state"],
-                               cu_seqlens=x["cu_seqlens"], chunk_size=16, max_token_heads=batch)
+    got = fp64_result(_rows_inputs(x, lengths, do, dht), grads=True, max_token_heads=batch)
+    assert set(got) == {"o", "ht", *GRAD_NAMES}
     assert rel_rms(got["o"], o) < 1e-12 and rel_rms(got["ht"], ht) < 1e-12
     for n in GRAD_NAMES:
         if ref[n] is None:
@@ -151,8 +161,7 @@ def test_fp64_grads_from_bf16_inputs():
     dht = torch.randn(2, 2, 32, 16, generator=gen)
     up = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in x.items()}
     o, ht, ref = _recurrence_grads(up, do.double(), dht.double())
-    got = chunk_gdn_fp64_grads(x["q"], x["k"], x["v"], x["g"], x["beta"], do, dht, initial_state=x["initial_state"],
-                               cu_seqlens=x["cu_seqlens"])
+    got = fp64_result(_rows_inputs(x, [30, 50], do, dht), grads=True)
     for n in GRAD_NAMES:
         assert rel_rms(got[n], ref[n]) < 1e-12, n
 
@@ -161,46 +170,46 @@ def test_fp64_grads_from_bf16_inputs():
 
 
 def test_decide_against_fp64():
-    tol = BRun.GATE_TOL_BWD
+    tol = GT.GATE_TOL["bwd"]
     ok = {"o": 4e-3, "dq": 5e-3, "dg": 2.5e-2}
     bad = {"o": 4e-3, "dg": 3.5e-2}
-    st = BRun.decide(["ours", "fla"], {"ours": ok, "fla": bad}, {}, tol)
+    st = GT.decide(["ours", "fla"], {"ours": ok, "fla": bad}, {}, tol)
     assert st == {"ours": "ok", "fla": "FAIL"}
-    assert BRun.decide(["ours"], {"ours": {}}, {}, tol) == {"ours": "FAIL"}           # nothing compared
-    assert BRun.decide(["ours"], {"ours": {"dv": math.inf}}, {}, tol) == {"ours": "FAIL"}
+    assert GT.decide(["ours"], {"ours": {}}, {}, tol) == {"ours": "FAIL"}           # nothing compared
+    assert GT.decide(["ours"], {"ours": {"dv": math.inf}}, {}, tol) == {"ours": "FAIL"}
 
 
 def test_decide_pairwise():
-    tol = BRun.GATE_TOL_BWD
+    tol = GT.GATE_TOL["bwd"]
     good, far = {"dq": 6e-3, "dg": 1e-2}, {"dq": 0.4}
     # FLA disagrees with both others, which agree with each other: FLA fails
     pairs = {("ours", "fla"): far, ("ours", "flash_qla"): good, ("fla", "flash_qla"): far}
-    st = BRun.decide(["ours", "fla", "flash_qla"], None, pairs, tol)
+    st = GT.decide(["ours", "fla", "flash_qla"], None, pairs, tol)
     assert st == {"ours": "ok", "fla": "FAIL", "flash_qla": "ok"}
     # two that disagree: neither can be trusted
-    assert BRun.decide(["ours", "fla"], None, {("ours", "fla"): far}, tol) == {"ours": "FAIL", "fla": "FAIL"}
-    assert BRun.decide(["ours"], None, {}, tol) == {"ours": "unchecked"}
+    assert GT.decide(["ours", "fla"], None, {("ours", "fla"): far}, tol) == {"ours": "FAIL", "fla": "FAIL"}
+    assert GT.decide(["ours"], None, {}, tol) == {"ours": "unchecked"}
 
 
 def test_errs_text_and_worst():
     errs = {"dg": 2.5e-2, "o": 3.9e-3, "dq": 1e-2}
-    text = BRun.format_errs(errs)
+    text = GT.format_errs(errs)
     assert text == "o=3.9e-03 dq=1.0e-02 dg=2.5e-02"                  # report order
-    assert BRun.parse_errs(text) == pytest.approx(errs, rel=1e-2)
-    assert BRun.parse_errs("junk dq=x o=1e-3") == {"o": 1e-3}
-    assert BRun.worst(errs, BRun.GATE_TOL_BWD)[0] == "dg"              # 2.5e-2 / 3e-2 is the nearest
-    assert BRun.worst({}, BRun.GATE_TOL_BWD)[0] == ""
+    assert GT.parse_errs(text) == pytest.approx(errs, rel=1e-2)
+    assert GT.parse_errs("junk dq=x o=1e-3") == {"o": 1e-3}
+    assert GT.worst(errs, GT.GATE_TOL["bwd"])[0] == "dg"              # 2.5e-2 / 3e-2 is the nearest
+    assert GT.worst({}, GT.GATE_TOL["bwd"])[0] == ""
 
 
 def test_errors_and_pairwise_on_tensors():
     a = {"o": torch.ones(4), "dq": torch.ones(3), "dh0": None}
     b = {"o": torch.ones(4) * 1.01, "dq": torch.ones(3)}
-    e = BRun.errors(a, b)
+    e = GT.errors(a, b)
     assert set(e) == {"o", "dq"} and e["o"] == pytest.approx(1 / 101, rel=1e-6) and e["dq"] == 0
-    pairs = BRun.pairwise({"ours": a, "fla": b, "flash_qla": b})
+    pairs = GT.pairwise({"ours": a, "fla": b, "flash_qla": b})
     assert set(pairs) == {("ours", "fla"), ("ours", "flash_qla"), ("fla", "flash_qla")}
     with pytest.raises(ValueError):
-        BRun.errors({"o": torch.ones(3)}, {"o": torch.ones(4)})
+        GT.errors({"o": torch.ones(3)}, {"o": torch.ones(4)})
 
 
 # ---------------------------------------------------------------- peers' cache and adapters
@@ -208,40 +217,24 @@ def test_errors_and_pairwise_on_tensors():
 
 def test_bwd_peer_cache_keying(tmp_path):
     p = tmp_path / "peers.csv"
-    c = S.PeerCache(p, ENV, BR.IMPL_FIELDS_BWD)
+    c = S.PeerCache(p, ENV, BWD.impl_fields)
     rf = {"h_qk": 16, "h_v": 32, "mix": "7053+1139", "T": 8192, "N": 2}
     c.put("flash_qla", rf, {"bwd_ms": 0.75, "step_ms": 1.1, "status": "ok", "err": 4e-3, "errs": "dq=4.0e-03"}, "d1")
     c.put("fla", rf, {"status": "error: OutOfMemoryError: x"}, "d1")
     header = p.read_text().splitlines()[0].split(",")
-    assert header == list(ENV_FIELDS) + ["impl", "h_qk", "h_v", "mix", "T", "N"] + list(BR.IMPL_FIELDS_BWD) + ["date"]
-    c2 = S.PeerCache(p, ENV, BR.IMPL_FIELDS_BWD)
+    assert header == list(ENV_FIELDS) + ["impl", "h_qk", "h_v", "mix", "T", "N"] + list(BWD.impl_fields) + ["date"]
+    c2 = S.PeerCache(p, ENV, BWD.impl_fields)
     line = c2.get("flash_qla", (16, 32, "7053+1139"))
-    assert BR.num(line["bwd_ms"]) == 0.75 and line["errs"] == "dq=4.0e-03"
+    assert S.num(line["bwd_ms"]) == 0.75 and line["errs"] == "dq=4.0e-03"
     assert c2.get("fla", (16, 32, "7053+1139")) is None                      # an error is not a result
     assert c2.get("flash_qla", (16, 32, "1x8192")) is None                   # the lengths are the key
-    for field in ENV_FIELDS:                                                 # keyed by GPU and every version
-        assert len(S.PeerCache(p, dict(ENV, **{field: "other"}), BR.IMPL_FIELDS_BWD)) == 0
+    for field in I.BASE_ENV_FIELDS:                                          # keyed by GPU and the platform
+        assert len(S.PeerCache(p, dict(ENV, **{field: "other"}), BWD.impl_fields)) == 0
+    other = S.PeerCache(p, dict(ENV, fla="other"), BWD.impl_fields)         # and by the peer's own version
+    assert other.get("fla", (16, 32, "7053+1139"), include_errors=True) is None
+    assert other.get("flash_qla", (16, 32, "7053+1139")) is not None
     # the forward's cache is unchanged
-    assert S.PeerCache(tmp_path / "fwd.csv", ENV).fields == S.PEER_FIELDS
-
-
-def _fake_module(monkeypatch, name, fn=None):
-    mod = types.ModuleType(name)
-    mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
-    if fn is not None:
-        mod.chunk_gated_delta_rule_bwd = fn
-    monkeypatch.setitem(sys.modules, name, mod)
-    return mod
-
-
-def test_ours_adapter_finds_the_backward(monkeypatch):
-    from flashqla.bench.bwd_impls import ours_bwd_source
-
-    fn, extra, name = ours_bwd_source()
-    assert callable(fn) and extra == {} and name == "flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd"
-    _fake_module(monkeypatch, "fake_flashqla_bwd_empty")
-    with pytest.raises(ImportError, match="no chunk_gated_delta_rule_bwd"):
-        ours_bwd_source("fake_flashqla_bwd_empty")
+    assert S.PeerCache(tmp_path / "fwd.csv", ENV).fields == S.SCHEMAS["fwd"].peer_fields
 
 
 def test_patch_flash_qla_bwd_adds_the_pass_config(monkeypatch):
@@ -265,23 +258,22 @@ def test_patch_flash_qla_bwd_adds_the_pass_config(monkeypatch):
 
 
 def test_missing_peers_are_not_available():
-    from flashqla.bench.bwd_impls import load_bwd_impls
-
-    for name, mod in (("fla", "fla"), ("flash_qla", "flash_qla")):
-        if importlib.util.find_spec(mod) is None:
-            impl = load_bwd_impls((name,))[name]
+    for name in ("fla", "flash_qla"):
+        if importlib.util.find_spec(name) is None:
+            impl = I.load_impls((name,), "bwd")[name]
             assert not impl.available and impl.reason.startswith("not available (")
-    ours = load_bwd_impls(("ours",))["ours"]
-    assert ours.available and "chunk_gated_delta_rule_fwd" in ours.source
+    ours = I.load_impls(("ours",), "bwd")["ours"]
+    assert ours.available and ours.fn is None and "chunk_gated_delta_rule_fwd" in ours.source
+    assert "flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd" in ours.source
 
 
 # ---------------------------------------------------------------- report
 
 
 def _line(h_qk, h_v, name, ours, fla, fq, commit="c", fla_status="ok", date="2026-12-01T00:00:00Z"):
-    m = BG.parse_bwd_mix(name)
+    m = G.parse_bwd_mix(name)
     line = {**ENV, "commit": commit, "h_qk": h_qk, "h_v": h_v, "mix": m.label, "T": m.T, "N": m.N,
-            "name": BG.short_name(m.lengths), "parallelism": G.effective_parallelism(m.lengths, h_v), "gate": "fp64",
+            "name": G.short_name(m.lengths), "parallelism": G.effective_parallelism(m.lengths, h_v), "gate": "fp64",
             "peers_source": "live", "date": date}
     for impl, (bwd, step), st in (("ours", ours, "ok"), ("fla", fla, fla_status), ("flash_qla", fq, "ok")):
         line.update({f"{impl}_status": st, f"{impl}_bwd_ms": bwd if st == "ok" else "",
@@ -289,7 +281,7 @@ def _line(h_qk, h_v, name, ours, fla, fq, commit="c", fla_status="ok", date="202
                      f"{impl}_err": 5e-2 if st == "FAIL" else 4e-3,
                      f"{impl}_errs": "o=4.0e-03 dg=5.0e-02" if st == "FAIL" else "o=4.0e-03 dq=3.0e-03"})
     line["pair_ours_fla"] = 6e-3
-    return {k: S._fmt(v) for k, v in line.items()}
+    return {k: S.fmt(v) for k, v in line.items()}
 
 
 def test_markdown_report():
@@ -300,7 +292,7 @@ def test_markdown_report():
     rows[0].update({"peers_source": "cached (re-timed)", "fla_retime_bwd_ms": "6.3", "fla_retime_step_ms": "9.9",
                     "fla_retime_status": "ok"})
     meta = {"date": "2026-12-01T00:00:00Z", "method": ["timer line"]}
-    md = BR.markdown(rows, ENV, "abc123", meta)
+    md = R.markdown("bwd", rows, ENV, "abc123", meta)
     for needle in ("| GPU | Test GPU |", "| driver | 1.0 |", "| CUDA (torch build) | 12.8 |", "| torch | 2.x |",
                    "| tilelang | 0.1.15 |", "| fla | 0.6.0 |", "| flash_qla | 0.1.3 |", "| our commit | abc123 |",
                    "2026-12-01", "- timer line", "## Backward, per row",
@@ -330,17 +322,17 @@ def test_markdown_report():
     # rows written before the re-timed columns: named, no number
     legacy = _line(2, 4, "8k_1seq", (0.5, 0.7), (1.0, 1.4), (0.5, 0.6))
     legacy["peers_source"] = "cached (re-timed)"
-    drift = BR.markdown([legacy], ENV, "abc123", meta).split("## Drift")[1]
+    drift = R.markdown("bwd", [legacy], ENV, "abc123", meta).split("## Drift")[1]
     assert "No re-timed rows recorded: " in drift and "2/4 8k_1seq at c" in drift and "|" not in drift
-    assert "No re-timed rows recorded." in BR.markdown(rows[1:], ENV, "abc123", meta)
+    assert "No re-timed rows recorded." in R.markdown("bwd", rows[1:], ENV, "abc123", meta)
 
 
 def test_console_line_and_plot(tmp_path):
     r = _line(16, 32, "32k_1seq", (2.0, 2.8), (6.0, 9.0), (3.0, 4.0))
-    text = BR.console_line(r)
+    text = R.console_line("bwd", r)
     assert text.startswith("16/32 32k_1seq ") and "ours 2.000/2.800 ms" in text and "vs FLA 3.00x/3.21x" in text
     pytest.importorskip("matplotlib")
-    out = BR.plot([r, _line(2, 4, "8k_4seq", (0.5, 0.7), (1.0, 1.4), (0.5, 0.6))], tmp_path / "p.png")
+    out = plots.plot_bwd([r, _line(2, 4, "8k_4seq", (0.5, 0.7), (1.0, 1.4), (0.5, 0.6))], tmp_path / "p.png")
     assert out is not None and out.stat().st_size > 1000
 
 
@@ -348,8 +340,7 @@ def test_console_line_and_plot(tmp_path):
 
 
 def _reference(x):
-    return chunk_gdn_fp64_grads(x.q, x.k, x.v, x.g, x.beta, x.do, x.dht, scale=x.scale, initial_state=x.h0,
-                                cu_seqlens=x.cu_seqlens)
+    return fp64_result(x, grads=True)
 
 
 def _stand_in(name, scale_dg=1.0, broken=False, calls=None):
@@ -367,7 +358,7 @@ def _stand_in(name, scale_dg=1.0, broken=False, calls=None):
         return (ref["dq"].to(torch.bfloat16), ref["dk"].to(torch.bfloat16), ref["dv"].to(torch.bfloat16),
                 ref["dg"].float() * scale_dg, ref["dbeta"].float(), ref["dh0"].float())
 
-    return BwdImpl(name, name, fwd=fwd, bwd=bwd, source=f"stand-in {name}")
+    return Impl(name, name, fwd=fwd, bwd=bwd, source=f"stand-in {name}")
 
 
 def _host_timer(counter):
@@ -380,11 +371,12 @@ def _host_timer(counter):
 
 def _run(tmp_path, argv, impls, commit="c1"):
     from flashqla.bench.__main__ import parse_args
-    from flashqla.bench.bwd_main import run_bwd_rows, select_rows
+    from flashqla.bench.runner import run_rows
 
-    args = parse_args(["--bwd"] + argv + ["--results-dir", str(tmp_path), "--no-plot"])
+    opts = parse_args(["--bwd"] + argv + ["--results-dir", str(tmp_path), "--no-plot"])
     calls = []
-    rc = run_bwd_rows(select_rows(args), args, impls, ENV, commit, device="cpu", time_fn=_host_timer(calls))
+    rows = G.rows_for("bwd", opts.heads, opts.mixes, opts.quick)
+    rc = run_rows(rows, opts, impls, ENV, commit, device="cpu", time_fn=_host_timer(calls))
     return rc, calls
 
 
@@ -402,10 +394,10 @@ def test_loop_gate_resume_cache_and_drift(tmp_path, capsys):
     for r in res.values():
         assert r["gate"] == "fp64" and r["name"] in ("70_2seq", "65_1seq")
         for i in ("ours", "flash_qla"):
-            assert r[f"{i}_status"] == "ok" and BR.num(r[f"{i}_bwd_ms"]) > 0 and BR.num(r[f"{i}_step_ms"]) > 0
-            assert BR.num(r[f"{i}_err"]) < 1e-2 and "dg=" in r[f"{i}_errs"]
-        assert r["fla_status"] == "FAIL" and r["fla_bwd_ms"] == "" and BRun.parse_errs(r["fla_errs"])["dg"] > 0.4
-        assert BR.num(r["pair_ours_flash_qla"]) < 1e-2 and BR.num(r["pair_ours_fla"]) > 0.3
+            assert r[f"{i}_status"] == "ok" and S.num(r[f"{i}_bwd_ms"]) > 0 and S.num(r[f"{i}_step_ms"]) > 0
+            assert S.num(r[f"{i}_err"]) < 1e-2 and "dg=" in r[f"{i}_errs"]
+        assert r["fla_status"] == "FAIL" and r["fla_bwd_ms"] == "" and GT.parse_errs(r["fla_errs"])["dg"] > 0.4
+        assert S.num(r["pair_ours_flash_qla"]) < 1e-2 and S.num(r["pair_ours_fla"]) > 0.3
     peers = S.read_rows(tmp_path / f"peers-{PREFIX}.csv")
     assert len(peers) == 4 and {p["impl"] for p in peers} == {"fla", "flash_qla"}
     md = (tmp_path / f"{PREFIX}.md").read_text()
@@ -431,13 +423,15 @@ def test_loop_gate_resume_cache_and_drift(tmp_path, capsys):
     # the live re-timing is kept in the results CSV beside the cached timing, and the page lists it
     r = res[retimed[0]]
     assert r["flash_qla_retime_status"] == "ok" and r["fla_retime_status"] == "FAIL" and r["fla_retime_bwd_ms"] == ""
-    cached = [BR.num(r[f"flash_qla_{k}_ms"]) for k in ("bwd", "step")]
-    live = [BR.num(r[f"flash_qla_retime_{k}_ms"]) for k in ("bwd", "step")]
+    cached = [S.num(r[f"flash_qla_{k}_ms"]) for k in ("bwd", "step")]
+    live = [S.num(r[f"flash_qla_retime_{k}_ms"]) for k in ("bwd", "step")]
     assert min(cached + live) > 0 and cached != live
+    assert (f"drift FlashQLA 1/2 {S.row_name(r)}: cached {cached[0]:.3f} ms, now {live[0]:.3f} ms "
+            f"({100 * (live[0] / cached[0] - 1):+.1f}%)") in out              # the backward's time compared
     assert all(not o[f"{p}_retime_status"] for m, o in res.items() if m != retimed[0] for p in ("fla", "flash_qla"))
     md = (tmp_path / f"{PREFIX}.md").read_text()
     cells = " | ".join(f"{c:.3f} | {v:.3f} | {100 * (v / c - 1):+.1f}%" for c, v in zip(cached, live))
-    assert f"| 1/2 | {BR.row_name(r)} | FlashQLA | {cells} | c2 |" in md[md.index("## Drift"):]
+    assert f"| 1/2 | {S.row_name(r)} | FlashQLA | {cells} | c2 |" in md[md.index("## Drift"):]
     assert "listed under Drift" not in md
 
 
@@ -445,18 +439,18 @@ def test_retime_columns_append_to_an_older_bwd_csv(tmp_path):
     """A backward CSV written before the re-timed columns still loads after a row with them is
     appended (they become its last columns), and the page names its re-timed row without numbers."""
     p = tmp_path / f"{PREFIX}.csv"
-    old_fields = [f for f in BR.RESULT_FIELDS_BWD if "_retime_" not in f]
-    assert list(BR.RESULT_FIELDS_BWD[:len(old_fields)]) == old_fields
+    old_fields = [f for f in BWD.result_fields if "_retime_" not in f]
+    assert list(BWD.result_fields[:len(old_fields)]) == old_fields
     old = _line(2, 4, "8k_1seq", (0.5, 0.7), (1.0, 1.4), (0.5, 0.6))
     old["peers_source"] = "cached (re-timed)"
     S.append_row(p, old, old_fields)
     new = _line(2, 4, "8k_2seq", (0.5, 0.7), (1.0, 1.4), (0.5, 0.6))
     new.update({"peers_source": "cached (re-timed)", "fla_retime_bwd_ms": "1.1", "fla_retime_step_ms": "1.4",
                 "fla_retime_status": "ok"})
-    S.append_row(p, new, BR.RESULT_FIELDS_BWD)
+    S.append_row(p, new, BWD.result_fields)
     rows = S.read_rows(p)
     assert [r["name"] for r in rows] == ["8k_1seq", "8k_2seq"] and rows[0]["fla_retime_bwd_ms"] == ""
-    drift = BR.markdown(rows, ENV, "c", {"method": []}).split("## Drift")[1]
+    drift = R.markdown("bwd", rows, ENV, "c", {"method": []}).split("## Drift")[1]
     assert "| 2/4 | 8k_2seq | FLA | 1.000 | 1.100 | +10.0% | 1.400 | 1.400 | +0.0% | c |" in drift
     assert "Also re-timed, live times not recorded: " in drift and "2/4 8k_1seq at c" in drift
 
@@ -470,7 +464,7 @@ def test_loop_pairwise_gate_and_failures(tmp_path):
     assert r["gate"] == "pairwise"
     assert r["ours_status"] == "ok" and r["flash_qla_status"] == "ok" and r["ours_step_ms"] == ""
     assert r["fla_status"].startswith("error: RuntimeError: kernel exploded")
-    assert BR.num(r["ours_err"]) < 1e-2 and r["pair_fla_flash_qla"] == ""
+    assert S.num(r["ours_err"]) < 1e-2 and r["pair_fla_flash_qla"] == ""
     # alone under the pairwise gate: unchecked, not timed
     rc, calls = _run(tmp_path, ["--heads", "1/2", "--mixes", "34", "--peers", "none", "--ref", "pairwise"],
                      {"ours": _stand_in("ours")})
@@ -491,7 +485,7 @@ def test_loop_peers_only_then_ours(tmp_path):
                      {"ours": _stand_in("ours"), **peers})
     r = _rows(tmp_path)["20+20"]
     assert len(calls) == 2 and r["ours_status"] == "ok" and r["fla_status"] == "ok" and r["peers_source"] == "cached"
-    assert BR.speedup(r, "ours", "fla") > 0
+    assert R.speedup(r, "ours", "fla", "bwd_ms") > 0
 
 
 def test_time_budget_defers_peers_to_the_next_run(tmp_path, capsys):
@@ -539,13 +533,13 @@ def test_time_budget_stops_early(tmp_path, capsys):
 
 
 def test_inputs_are_seeded_and_sliced():
-    rows = BG.select_bwd_rows(["1/2"], ["30+20", "50"])
-    f1 = BRun.BwdInputFactory("cpu", 50, seed=3)
+    rows = G.select_bwd_rows(["1/2"], ["30+20", "50"])
+    f1 = InputFactory("cpu", 50, seed=3, grads=True)
     a, b = f1.get(rows[0]), f1.get(rows[1])
     assert a.do.shape == (1, 50, 2, 128) and a.do.dtype == torch.bfloat16 and a.dht.shape == (2, 2, 128, 128)
     assert torch.equal(a.do, b.do) and torch.equal(a.q, b.q)             # one draw per head config, first T tokens
     assert a.cu_seqlens.tolist() == [0, 30, 50] and a.scale == 128**-0.5
-    again = BRun.BwdInputFactory("cpu", 50, seed=3).get(rows[0])
+    again = InputFactory("cpu", 50, seed=3, grads=True).get(rows[0])
     assert torch.equal(again.dht, a.dht) and torch.equal(again.do, a.do)
 
 
@@ -577,7 +571,7 @@ def test_cli_bwd_report_only(tmp_path):
     p = tmp_path / f"{PREFIX}.csv"
     for r in (_line(16, 32, "32k_1seq", (2.0, 2.8), (6.0, 9.0), (3.0, 4.0)),
               _line(2, 4, "8k_4seq", (0.5, 0.7), (1.0, 1.4), (0.5, 0.6))):
-        S.append_row(p, r, BR.RESULT_FIELDS_BWD)
+        S.append_row(p, r, BWD.result_fields)
     S.append_row(tmp_path / "test-gpu-fwd.csv", {"gpu": "x"}, ["gpu"])    # a forward file beside it is ignored
     out = subprocess.run([sys.executable, "-m", "flashqla.bench", "--bwd", "--report-only", "--no-plot",
                           "--results-dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
@@ -601,14 +595,6 @@ def test_cli_bwd_report_only(tmp_path):
     assert "- timer X." in md and old not in md and f"- {PEERS_METHOD}" in md
 
 
-def test_importing_the_bwd_harness_needs_no_peer():
-    code = ("import sys, flashqla.bench.__main__, flashqla.bench.bwd_main, flashqla.bench.bwd_report, "
-            "flashqla.bench.bwd_runner, flashqla.bench.bwd_impls; "
-            "print(any(m in sys.modules for m in ('fla', 'flash_qla', 'tilelang', 'triton', 'matplotlib')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
-    assert out.stdout.strip() == "False"
-
-
 def test_cli_bwd_report_only_also_commits(tmp_path):
     """`--bwd --report-only --also-commits`: rows the latest commit did not measure come from the named
     commit; the header counts each commit's rows; a row both measured shows the latest's."""
@@ -616,7 +602,7 @@ def test_cli_bwd_report_only_also_commits(tmp_path):
     for r in (_line(16, 32, "32k_1seq", (2.0, 2.8), (6.0, 9.0), (3.0, 4.0), commit="old", date="2026-12-01T00:00:00Z"),
               _line(2, 4, "8k_4seq", (0.9, 1.1), (1.0, 1.4), (0.5, 0.6), commit="old", date="2026-12-01T00:00:00Z"),
               _line(2, 4, "8k_4seq", (0.5, 0.7), (1.0, 1.4), (0.5, 0.6), commit="new", date="2026-12-01T01:00:00Z")):
-        S.append_row(p, r, BR.RESULT_FIELDS_BWD)
+        S.append_row(p, r, BWD.result_fields)
     run = lambda *extra: subprocess.run([sys.executable, "-m", "flashqla.bench", "--bwd", "--report-only", "--no-plot",  # noqa: E731
                                          "--results-dir", str(tmp_path), *extra], capture_output=True, text=True, cwd=ROOT)
     out = run()
@@ -635,28 +621,25 @@ def test_cp_page_gets_the_backward_one_sequence_rows(tmp_path):
     """The backward report writes its one-sequence rows as the last section of an existing CP page
     (replacing, not repeating, it on every rebuild), and the forward report keeps that section when it
     rewrites the page; no CP page, none written."""
-    from flashqla.bench import report as R
-    from flashqla.bench.__main__ import _paths, write_outputs as write_fwd
-    from flashqla.bench.bwd_main import paths_for, write_outputs
     from tests.test_bench import _row
 
     p = tmp_path / f"{PREFIX}.csv"
     for r in (_line(16, 32, "32k_1seq", (2.0, 2.8), (6.0, 9.0), (3.0, 4.0)),
               _line(2, 4, "8k_4seq", (0.5, 0.7), (1.0, 1.4), (0.5, 0.6))):
-        S.append_row(p, r, BR.RESULT_FIELDS_BWD)
-    paths = paths_for(tmp_path, PREFIX)
+        S.append_row(p, r, BWD.result_fields)
+    paths = S.files(tmp_path, PREFIX)
     assert paths["cp_md"].name == PREFIX.replace("-bwd", "-cp") + ".md"
     meta = {"date": "d", "method": ["m"]}
-    write_outputs(paths, ENV, "c", meta, plot=False)
+    R.write_pages("bwd", paths, ENV, "c", meta, plot=False)
     assert not paths["cp_md"].exists()
     # the forward benchmark writes the CP page from its CP rows
-    S.append_row(tmp_path / "test-gpu-fwd.csv", _row(2, 8, "1x2048", 0.1, 0.2, 0.05), S.RESULT_FIELDS)
-    fwd_paths = _paths(tmp_path, "test-gpu-fwd")
+    S.append_row(tmp_path / "test-gpu-fwd.csv", _row(2, 8, "1x2048", 0.1, 0.2, 0.05), S.SCHEMAS["fwd"].result_fields)
+    fwd_paths = S.files(tmp_path, "test-gpu-fwd")
     assert fwd_paths["cp_md"] == paths["cp_md"]
-    write_fwd(fwd_paths, ENV, "c", meta, plot=False)
+    R.write_pages("fwd", fwd_paths, ENV, "c", meta, plot=False)
     assert R.CP_BWD_HEADING not in paths["cp_md"].read_text()
     for _ in range(2):
-        write_outputs(paths, ENV, "c", meta, plot=False)
+        R.write_pages("bwd", paths, ENV, "c", meta, plot=False)
         md = paths["cp_md"].read_text()
         assert md.count(R.CP_BWD_HEADING) == 1 and md.index("| 2/8 | 1x2048 |") < md.index(R.CP_BWD_HEADING)
         section = md[md.index(R.CP_BWD_HEADING):]
@@ -664,12 +647,12 @@ def test_cp_page_gets_the_backward_one_sequence_rows(tmp_path):
         assert "| backward: ours over FLA | 3.00x (n=1) |" in section and "our commit: c)" in section
         assert "| backward: ours over FlashQLA | 1.50x (n=1) |" in section
     # the forward report keeps the backward's section as it is
-    write_fwd(fwd_paths, ENV, "c", meta, plot=False)
+    R.write_pages("fwd", fwd_paths, ENV, "c", meta, plot=False)
     assert paths["cp_md"].read_text() == md
     assert "Environment: gpu Test GPU, driver 1.0, cuda 12.8," in md
     # a later backward run without one-sequence rows leaves the section as it is
-    S.append_row(p, _line(2, 4, "8k_4seq", (0.4, 0.6), (1.0, 1.4), (0.5, 0.6), commit="c2"), BR.RESULT_FIELDS_BWD)
-    write_outputs(paths, ENV, "c2", meta, plot=False)
+    S.append_row(p, _line(2, 4, "8k_4seq", (0.4, 0.6), (1.0, 1.4), (0.5, 0.6), commit="c2"), BWD.result_fields)
+    R.write_pages("bwd", paths, ENV, "c2", meta, plot=False)
     assert paths["cp_md"].read_text() == md
     h = R.CP_BWD_HEADING
     assert R.splice_section("a\n" + h + "\nx\n", h, []) == "a\n"

@@ -10,13 +10,13 @@ import pathlib
 import sys
 
 import pytest
-import torch
 
 import flashqla
 import flashqla.contract
 import flashqla.cp.plan
 import flashqla.ops.gdn.backend as backend_mod
 from flashqla.ops.gdn import api
+from flashqla.ops.gdn import autograd as autograd_mod
 from flashqla.testing import make_gdn_inputs
 from reference.gdn.cp import ReferenceCPBackend
 
@@ -42,8 +42,9 @@ def _count(monkeypatch, module, name: str) -> list:
 @pytest.fixture
 def counters(monkeypatch):
     monkeypatch.setattr(backend_mod, "_DEFAULT", ReferenceCPBackend())
-    monkeypatch.setattr(api, "check_device", lambda q: None)
-    monkeypatch.setattr(api, "check_supported", lambda *a: None)
+    for mod in (api, autograd_mod):  # the public op's checks and the custom ops' own
+        monkeypatch.setattr(mod, "check_device", lambda q: None)
+        monkeypatch.setattr(mod, "check_supported", lambda *a: None)
     return {name: _count(monkeypatch, mod, name) for mod, name in (
         (flashqla.contract, "check_gdn_inputs"), (flashqla.cp.plan, "plan_call"), (flashqla.cp.plan, "plan_for"))}
 

@@ -21,11 +21,12 @@ import random
 import pytest
 import torch
 
-import flashqla.cp.driver as driver
-import flashqla.cp.planner as planner
+import flashqla.cp.forward as cp_fwd_mod
+import flashqla.cp.plan as planner
+from flashqla.contract import CHUNK
 from flashqla.cp import build_segment_tables, cp_backward, cp_forward, scan_segment_grads, scan_segment_states
-from flashqla.cp import tables_kernel as tk
-from flashqla.cp.planner import CHUNK, plan_cp
+from flashqla.cp import segments
+from flashqla.cp.plan import plan_cp
 from flashqla.testing import make_gdn_inputs
 from reference.gdn.cp import ReferenceCPBackend
 from reference.gdn.recurrent import recurrent_gated_delta_rule
@@ -99,24 +100,24 @@ def _close(a, b, tol=1e-12):
                          ids=lambda x: repr(x))
 def test_tables_bad_segment_len_names_the_argument(L):
     with pytest.raises(ValueError, match="segment_len"):
-        tk.segment_tables_device(torch.tensor([0, 10, 100]), L, 100)
+        segments.segment_tables_device(torch.tensor([0, 10, 100]), L, 100)
 
 
 @pytest.mark.parametrize("L", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
 def test_tables_non_finite_segment_len_names_the_argument(L):
     with pytest.raises(ValueError, match="segment_len"):
-        tk.segment_tables_device(torch.tensor([0, 10, 100]), L, 100)
+        segments.segment_tables_device(torch.tensor([0, 10, 100]), L, 100)
 
 
 @pytest.mark.parametrize("L", [2**63, 2**64, 2**70], ids=["2^63", "2^64", "2^70"])
 def test_tables_segment_len_beyond_int64_is_rejected(L):
     with pytest.raises(ValueError, match="segment_len"):
-        tk.segment_tables_device(torch.tensor([0, 10, 100]), L, 100)
+        segments.segment_tables_device(torch.tensor([0, 10, 100]), L, 100)
 
 
 def test_tables_huge_segment_len_within_int64_counts_segments():
     L = 2**63 - 64  # a positive multiple of 64 that fits int64
-    t = tk.segment_tables_device(torch.tensor([0, 10, 100]), L, 100)
+    t = segments.segment_tables_device(torch.tensor([0, 10, 100]), L, 100)
     assert t.seq_num.tolist() == [1, 1] and t.valid.tolist() == [True, True]
 
 
@@ -124,7 +125,7 @@ def test_tables_huge_segment_len_within_int64_counts_segments():
 def test_tables_large_segment_len_falls_back_and_is_right(L):
     """L beyond int32 takes the torch tables (documented); one segment per sequence, none lost."""
     cu = torch.tensor([0, 10, 10, 100], dtype=torch.int32)
-    t = tk.segment_tables_device(cu, L, 150)
+    t = segments.segment_tables_device(cu, L, 150)
     assert t.M == 3 and t.segment_len == L
     assert t.seq_num.tolist() == [1, 0, 1] and t.seq_first.tolist() == [0, 1, 2]
     assert t.valid.tolist() == [True, False, True] and t.start.tolist() == [0, 10, 10] and t.end.tolist() == [10, 10, 100]
@@ -133,23 +134,23 @@ def test_tables_large_segment_len_falls_back_and_is_right(L):
 def test_tables_missing_or_negative_T():
     cu = torch.tensor([0, 10, 100])
     with pytest.raises(ValueError, match="T .*required"):
-        tk.segment_tables_device(cu, 64)
+        segments.segment_tables_device(cu, 64)
     with pytest.raises(ValueError, match="T .*required"):
-        tk.segment_tables_device(cu, 64, None)
+        segments.segment_tables_device(cu, 64, None)
     for T in (-1, -64, -(2**70)):
         with pytest.raises(ValueError, match="T must be >= 0"):
-            tk.segment_tables_device(cu, 64, T)
+            segments.segment_tables_device(cu, 64, T)
 
 
 def test_tables_negative_fractional_T_is_rejected():
     with pytest.raises(ValueError, match="T"):
-        tk.segment_tables_device(torch.tensor([0, 0]), 64, -0.5)
+        segments.segment_tables_device(torch.tensor([0, 0]), 64, -0.5)
 
 
 @pytest.mark.parametrize("T", [float("nan"), float("inf"), 2**70], ids=["nan", "inf", "2^70"])
 def test_tables_non_finite_or_huge_T_names_the_argument(T):
     with pytest.raises(ValueError, match=r"\bT\b"):
-        tk.segment_tables_device(torch.tensor([0, 10, 100]), 64, T)
+        segments.segment_tables_device(torch.tensor([0, 10, 100]), 64, T)
 
 
 @pytest.mark.parametrize("cu", [None, [0, 10], torch.tensor(5), torch.zeros(0, dtype=torch.int64),
@@ -157,20 +158,20 @@ def test_tables_non_finite_or_huge_T_names_the_argument(T):
                          ids=["None", "list", "0-d", "empty", "2-D", "1x3"])
 def test_tables_bad_offsets_name_the_argument(cu):
     with pytest.raises(ValueError, match="cu_seqlens"):
-        tk.segment_tables_device(cu, 64, 10)
+        segments.segment_tables_device(cu, 64, 10)
 
 
 def test_tables_segment_len_checked_before_T_and_offsets():
     """Each bad argument gets its own message even when several are bad."""
     with pytest.raises(ValueError, match="segment_len"):
-        tk.segment_tables_device(None, 100, None)
+        segments.segment_tables_device(None, 100, None)
     with pytest.raises(ValueError, match="T .*required"):
-        tk.segment_tables_device(None, 64, None)
+        segments.segment_tables_device(None, 64, None)
 
 
 def test_tables_integral_float_segment_len_equals_int():
     cu = _offsets([70, 0, 200, 1])
-    a = tk.segment_tables_device(cu, 128.0, 300)
+    a = segments.segment_tables_device(cu, 128.0, 300)
     b = build_segment_tables(cu, 128, T=300)
     assert isinstance(a.segment_len, int) and a.segment_len == 128
     for f in TABLE_FIELDS:
@@ -225,7 +226,7 @@ def test_tables_fallback_random_mixes_with_tails(dtype):
         lens = [rng.choice([0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 600]) for _ in range(N)]
         cu = _offsets(lens, dtype)
         T = int(cu[-1]) + rng.choice([0, 0, 1, 63, 64, L, L + 1])
-        t = tk.segment_tables_device(cu, L, T)
+        t = segments.segment_tables_device(cu, L, T)
         _check_tables_against_layout(t, cu, L, T)
         ref = build_segment_tables(cu, L, T=T)
         for f in TABLE_FIELDS:
@@ -287,9 +288,8 @@ def test_one_sequence_scans_match_python_loops(end, T, L):
     for ffh, use_h0 in itertools.product((False, True), (False, True)):
         h = h0 if use_h0 else None
         sw, fw = _brute_states(P, Q, cu, L, h, ffh)
-        for rb in (-1, None, 2, 4):
-            s, f = scan_segment_states(P, Q, tab, T, h, first_from_h0=ffh, row_block=rb)
-            assert _close(s, sw) and _close(f, fw), (ffh, use_h0, rb)
+        s, f = scan_segment_states(P, Q, tab, T, h, first_from_h0=ffh)
+        assert _close(s, sw) and _close(f, fw), (ffh, use_h0)
         if end == 0:
             assert torch.equal(f, h if use_h0 else torch.zeros_like(f)) and not s.any()
     for use_d in (False, True):
@@ -707,7 +707,7 @@ def test_one_sequence_fast_path_equals_general_path_with_tail(monkeypatch):
     do, dht = _cotangents(d, True, seed=3)
     o1, ht1 = _forward(d, 64)
     g1 = _backward(d, 64, do, dht)
-    monkeypatch.setattr(driver, "_ONE_SEQUENCE_FAST_PATH", False)
+    monkeypatch.setattr(cp_fwd_mod, "ONE_SEQUENCE_FAST_PATH", False)
     o2, ht2 = _forward(d, 64)
     g2 = _backward(d, 64, do, dht)
     assert _rel(o1[:, :100], o2[:, :100]) <= 1e-14 and _rel(ht1, ht2) <= 1e-14
@@ -724,7 +724,7 @@ def test_gated_one_sequence_tail_fast_path_equals_general_path(cu, T, monkeypatc
     tab = build_segment_tables(d["cu_seqlens"], 64, T=T)
     out = []
     for fast in (True, False):
-        monkeypatch.setattr(driver, "_ONE_SEQUENCE_FAST_PATH", fast)
+        monkeypatch.setattr(cp_fwd_mod, "ONE_SEQUENCE_FAST_PATH", fast)
         o, ht, _, _, info = cp_forward(_FiniteGarbageBackend(), d["q"], d["k"], d["v"], d["g"], d["beta"], 0.25,
                                        d["initial_state"], True, d["cu_seqlens"], tab, block_v=None, gate_chunks=2)
         out.append((o[:, : cu[-1]], ht, info.gate_ok))

@@ -1,4 +1,4 @@
-"""flashqla.cp.driver backward on CPU: `cp_backward` / `chunk_gated_delta_rule_cp_bwd` run on the fp64
+"""flashqla.cp.backward on CPU: `cp_backward` / `chunk_gated_delta_rule_bwd` run on the fp64
 reference backend (`reference.gdn.cp.ReferenceCPBackend`: the forward launches and the unsplit
 backward on the kernels' slot layout), every gradient (dq, dk, dv, dg, dbeta, dh0) to 1e-12 against
 the unsplit fp64 backward (`reference.gdn.fused_bwd`, itself equal to autograd of the recurrence to
@@ -14,15 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashqla.cp import (
-    build_segment_tables,
-    chunk_gated_delta_rule_cp_bwd,
-    chunk_gated_delta_rule_cp_fwd,
-    cp_backward,
-    scan_segment_grads,
-    segment_slots_to_sequence_slots,
-    sequence_slots_to_segment_slots,
-)
+from flashqla.cp import build_segment_tables, cp_backward, scan_segment_grads
+from flashqla.cp.segments import segment_slots_to_sequence_slots, sequence_slots_to_segment_slots
+from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
+from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd
 from flashqla.testing import make_gdn_inputs
 from reference.gdn.cp import ReferenceCPBackend
 from reference.gdn.fused_bwd import forward_slot_products
@@ -143,9 +138,9 @@ def test_entry_point_after_cp_forward(cp, seqlens, B, T):
     do, dht = _cotangents(d, True)
     want = _unsplit(d, do, dht)
     be = ReferenceCPBackend()
-    f = chunk_gated_delta_rule_cp_fwd(**d, output_final_state=True, cp=cp, segment_len=128, backend=be)
-    got = chunk_gated_delta_rule_cp_bwd(f.q, f.k, d["v"], d["g"], d["beta"], f.A, f.g_cum_log2, do, dht, None,
-                                        d["initial_state"], d["cu_seqlens"], cp=cp, segment_len=128, backend=be)
+    f = chunk_gated_delta_rule_fwd(**d, output_final_state=True, cp=cp, segment_len=128, backend=be)
+    got = chunk_gated_delta_rule_bwd(f.q, f.k, d["v"], d["g"], d["beta"], f.A, f.g_cum_log2, do, dht, None,
+                                     d["initial_state"], d["cu_seqlens"], cp=cp, segment_len=128, backend=be)
     _check(got, want)
     assert ("recurrent" in [k for k, _ in be.launches[2:]]) == (cp == "on")  # the unsplit backward launches no recurrent
 
@@ -232,7 +227,7 @@ def test_backward_reads_no_tensor_value(seqlens):
     G = torch.empty(4, S * 64, **meta)
     be = _MetaBwdBackend()
     with _no_host_reads():
-        out = chunk_gated_delta_rule_cp_bwd(q, q, v, g, g, A, G, v, h0, None, h0, cu, cp="on", segment_len=256, backend=be)
+        out = chunk_gated_delta_rule_bwd(q, q, v, g, g, A, G, v, h0, None, h0, cu, cp="on", segment_len=256, backend=be)
     assert out[0].shape == q.shape and out[5].shape == h0.shape
     assert be.launches == ["recurrent", "recurrent", "bwd"]
 
@@ -257,26 +252,26 @@ def test_need_dh0_false_drops_dh0_only(cp):
     d = make_gdn_inputs(1, 700, 1, 2, 128, 128, seqlens=[300, 0, 1, 399], dtype=torch.float64, seed=7)
     do, dht = _cotangents(d, True)
     be = ReferenceCPBackend()
-    f = chunk_gated_delta_rule_cp_fwd(**d, output_final_state=True, cp=cp, segment_len=128, backend=be)
+    f = chunk_gated_delta_rule_fwd(**d, output_final_state=True, cp=cp, segment_len=128, backend=be)
     got = {}
     for need in (True, False):
         rec = _DH0Recorder()
-        got[need] = chunk_gated_delta_rule_cp_bwd(f.q, f.k, d["v"], d["g"], d["beta"], f.A, f.g_cum_log2, do, dht, None,
-                                                  d["initial_state"], d["cu_seqlens"], cp=cp, segment_len=128,
-                                                  backend=rec, need_dh0=need)
+        got[need] = chunk_gated_delta_rule_bwd(f.q, f.k, d["v"], d["g"], d["beta"], f.A, f.g_cum_log2, do, dht, None,
+                                               d["initial_state"], d["cu_seqlens"], cp=cp, segment_len=128,
+                                               backend=rec, need_dh0=need)
         assert rec.dh0_hints == [need], rec.dh0_hints
     assert got[True][5] is not None and got[False][5] is None
     for name, a, b in zip(NAMES[:5], got[False][:5], got[True][:5]):
         assert torch.equal(a, b), name
     # without an initial state there is no dh0 either way, and the hint says so
     rec = _DH0Recorder()
-    out = chunk_gated_delta_rule_cp_bwd(f.q, f.k, d["v"], d["g"], d["beta"], f.A, f.g_cum_log2, do, dht, None, None,
-                                        d["cu_seqlens"], cp=cp, segment_len=128, backend=rec)
+    out = chunk_gated_delta_rule_bwd(f.q, f.k, d["v"], d["g"], d["beta"], f.A, f.g_cum_log2, do, dht, None, None,
+                                     d["cu_seqlens"], cp=cp, segment_len=128, backend=rec)
     assert out[5] is None and rec.dh0_hints == [False]
     for bad in (None, 1, "no"):  # a bool only, before any launch
         rec = _DH0Recorder()
         with pytest.raises(TypeError, match="need_dh0"):
-            chunk_gated_delta_rule_cp_bwd(f.q, f.k, d["v"], d["g"], d["beta"], f.A, f.g_cum_log2, do, dht, None,
-                                          d["initial_state"], d["cu_seqlens"], cp=cp, segment_len=128, backend=rec,
-                                          need_dh0=bad)
+            chunk_gated_delta_rule_bwd(f.q, f.k, d["v"], d["g"], d["beta"], f.A, f.g_cum_log2, do, dht, None,
+                                       d["initial_state"], d["cu_seqlens"], cp=cp, segment_len=128, backend=rec,
+                                       need_dh0=bad)
         assert rec.launches == []

@@ -20,19 +20,14 @@ import random
 import pytest
 import torch
 
-import flashqla.cp.driver as driver
-import flashqla.cp.planner as planner
+import flashqla.cp.forward as cp_fwd_mod
+import flashqla.cp.plan as planner
+from flashqla.contract import CHUNK, EXACT_ENV, TRUNCATE_LOG_DECAY, resolve_truncate
 from flashqla.cp import build_segment_tables, cp_backward, cp_forward
-from flashqla.cp.driver import (
-    EXACT_ENV,
-    _keep_rows,
-    _transition_limits_torch,
-    chunk_gated_delta_rule_cp_bwd,
-    chunk_gated_delta_rule_cp_fwd,
-    resolve_truncate,
-    transition_limits,
-)
-from flashqla.cp.planner import BWD_MIN_GAIN, CHUNK, MIN_GAIN, TRUNCATE_LOG_DECAY, clear_plan_cache, plan_cp
+from flashqla.cp.forward import _keep_rows, _transition_limits_torch, transition_limits
+from flashqla.cp.plan import BWD_MIN_GAIN, MIN_GAIN, clear_plan_cache, plan_cp
+from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
+from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd
 from flashqla.testing import make_gdn_inputs
 from reference.gdn.chunk import floor_gates
 from reference.gdn.cp import ReferenceCPBackend
@@ -227,8 +222,8 @@ def _entry_inputs(T=300, seqlens=None, seed=0):
 
 def test_entry_point_env_and_argument(monkeypatch):
     d = _entry_inputs(320)
-    run = lambda **kw: chunk_gated_delta_rule_cp_fwd(**d, output_final_state=True, cp="on", segment_len=128,  # noqa: E731
-                                                     backend=ReferenceCPBackend(), return_info=True, **kw)
+    run = lambda **kw: chunk_gated_delta_rule_fwd(**d, output_final_state=True, cp="on", segment_len=128,  # noqa: E731
+                                                  backend=ReferenceCPBackend(), return_info=True, **kw)
     monkeypatch.delenv(EXACT_ENV, raising=False)
     out_d, info_d = run()
     tab = info_d.tables
@@ -254,12 +249,12 @@ def test_bad_truncate_raises_on_split_entry_points(bad):
     d = _entry_inputs(256)
     be = ReferenceCPBackend()
     with pytest.raises(ValueError, match="truncate"):
-        chunk_gated_delta_rule_cp_fwd(**d, output_final_state=True, cp="on", segment_len=128, backend=be, truncate=bad)
-    f = chunk_gated_delta_rule_cp_fwd(**d, output_final_state=True, cp="on", segment_len=128, backend=be)
+        chunk_gated_delta_rule_fwd(**d, output_final_state=True, cp="on", segment_len=128, backend=be, truncate=bad)
+    f = chunk_gated_delta_rule_fwd(**d, output_final_state=True, cp="on", segment_len=128, backend=be)
     do = torch.randn_like(d["v"])
     with pytest.raises(ValueError, match="truncate"):
-        chunk_gated_delta_rule_cp_bwd(f.q, f.k, d["v"], d["g"], d["beta"], f.A, f.g_cum_log2, do, None, None,
-                                      d["initial_state"], None, cp="on", segment_len=128, backend=be, truncate=bad)
+        chunk_gated_delta_rule_bwd(f.q, f.k, d["v"], d["g"], d["beta"], f.A, f.g_cum_log2, do, None, None,
+                                   d["initial_state"], None, cp="on", segment_len=128, backend=be, truncate=bad)
 
 
 @pytest.mark.parametrize("which", ["fwd", "bwd", "gated"])
@@ -270,16 +265,16 @@ def test_bad_truncate_raises_when_not_split(which):
     be = ReferenceCPBackend()
     if which == "gated":  # split, but the gate-driven mode never reads truncate
         with pytest.raises(ValueError, match="truncate"):
-            chunk_gated_delta_rule_cp_fwd(**d, output_final_state=True, cp="on", segment_len=128, gate_chunks=1,
-                                          backend=be, truncate=0)
+            chunk_gated_delta_rule_fwd(**d, output_final_state=True, cp="on", segment_len=128, gate_chunks=1,
+                                       backend=be, truncate=0)
     elif which == "fwd":
         with pytest.raises(ValueError, match="truncate"):
-            chunk_gated_delta_rule_cp_fwd(**d, output_final_state=True, cp="off", backend=be, truncate=0)
+            chunk_gated_delta_rule_fwd(**d, output_final_state=True, cp="off", backend=be, truncate=0)
     else:
-        f = chunk_gated_delta_rule_cp_fwd(**d, output_final_state=True, cp="off", backend=be)
+        f = chunk_gated_delta_rule_fwd(**d, output_final_state=True, cp="off", backend=be)
         with pytest.raises(ValueError, match="truncate"):
-            chunk_gated_delta_rule_cp_bwd(f.q, f.k, d["v"], d["g"], d["beta"], f.A, f.g_cum_log2, torch.ones_like(d["v"]),
-                                          None, None, d["initial_state"], None, cp="off", backend=be, truncate=0)
+            chunk_gated_delta_rule_bwd(f.q, f.k, d["v"], d["g"], d["beta"], f.A, f.g_cum_log2, torch.ones_like(d["v"]),
+                                       None, None, d["initial_state"], None, cp="off", backend=be, truncate=0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -503,7 +498,7 @@ def test_one_sequence_fast_path_equals_general_path_with_cut(monkeypatch):
     d = _inputs(1, 400, [0, 290], seed=8)
     outs = []
     for fast in (True, False):
-        monkeypatch.setattr(driver, "_ONE_SEQUENCE_FAST_PATH", fast)
+        monkeypatch.setattr(cp_fwd_mod, "ONE_SEQUENCE_FAST_PATH", fast)
         outs.append(_fwd(d, 128, -10.0))
     (o1, h1, *_), (o2, h2, *_) = outs
     assert float((o1[:, :290] - o2[:, :290]).abs().max()) <= 1e-13 and float((h1 - h2).abs().max()) <= 1e-13
@@ -595,13 +590,13 @@ def test_backward_entry_point_truncate_forms(monkeypatch):
     monkeypatch.delenv(EXACT_ENV, raising=False)
     d = _entry_inputs(320, seqlens=[200, 0, 120], seed=5)
     be = ReferenceCPBackend()
-    f = chunk_gated_delta_rule_cp_fwd(**d, output_final_state=True, cp="on", segment_len=64, backend=be)
+    f = chunk_gated_delta_rule_fwd(**d, output_final_state=True, cp="on", segment_len=64, backend=be)
     gen = torch.Generator().manual_seed(1)
     do = torch.randn(d["v"].shape, generator=gen, dtype=F64)
     dht = torch.randn(d["initial_state"].shape, generator=gen, dtype=F64)
-    run = lambda t: chunk_gated_delta_rule_cp_bwd(f.q, f.k, d["v"], d["g"], d["beta"], f.A, f.g_cum_log2, do, dht,  # noqa: E731
-                                                  None, d["initial_state"], d["cu_seqlens"], cp="on", segment_len=64,
-                                                  backend=be, truncate=t)
+    run = lambda t: chunk_gated_delta_rule_bwd(f.q, f.k, d["v"], d["g"], d["beta"], f.A, f.g_cum_log2, do, dht,  # noqa: E731
+                                               None, d["initial_state"], d["cu_seqlens"], cp="on", segment_len=64,
+                                               backend=be, truncate=t)
     g_none, g_true, g_false, g_10 = run(None), run(True), run(False), run(-10.0)
     for a, b, c, e in zip(g_none, g_true, g_false, g_10):
         assert torch.equal(a, b)
@@ -713,8 +708,8 @@ def test_entry_point_batch_rows_cut(monkeypatch):
     monkeypatch.delenv(EXACT_ENV, raising=False)
     d = make_gdn_inputs(2, 333, 1, 3, 16, 64, initial_state=True, dtype=F64, seed=12)
     be = ReferenceCPBackend()
-    run = lambda t: chunk_gated_delta_rule_cp_fwd(**d, output_final_state=True, cp="on", segment_len=128,  # noqa: E731
-                                                  backend=be, return_info=True, truncate=t)
+    run = lambda t: chunk_gated_delta_rule_fwd(**d, output_final_state=True, cp="on", segment_len=128,  # noqa: E731
+                                               backend=be, return_info=True, truncate=t)
     (fx, ix), (ft, it) = run(False), run(-10.0)
     tab = it.tables
     assert tab.N == 2 and bool((it.transition_chunks[tab.need_correction, -1] == 1).all())

@@ -1,4 +1,4 @@
-"""flashqla.cp.driver on CPU: the CP forward's orchestration of the two sm_90 launches, run on the
+"""flashqla.cp.forward on CPU: the CP forward's orchestration of the two sm_90 launches, run on the
 fp64 reference backend (`reference.gdn.cp.ReferenceCPBackend`, the same launches in plain PyTorch on
 the kernels' slot layout), against the fp64 token recurrence.
 
@@ -19,18 +19,13 @@ import math
 import pytest
 import torch
 
-import flashqla.cp.driver as driver
-from flashqla.cp import (
-    CPInfo,
-    build_segment_tables,
-    chunk_gated_delta_rule_cp_fwd,
-    clear_plan_cache,
-    cp_forward,
-    cp_splits,
-    num_segment_slots,
-    scan_segment_states,
-    segment_slots_to_sequence_slots,
-)
+import flashqla.cp.forward as cp_fwd_mod
+import flashqla.cp.segments as segments
+from flashqla.contract import CP_ENV
+from flashqla.cp import CPInfo, build_segment_tables, clear_plan_cache, cp_forward, scan_segment_states
+from flashqla.cp.plan import cp_splits
+from flashqla.cp.segments import num_segment_slots, segment_slots_to_sequence_slots
+from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd
 from flashqla.ops.gdn.kernels.sm90._common import num_slots
 from flashqla.testing import make_gdn_inputs
 from reference.gdn.cp import ReferenceCPBackend
@@ -119,7 +114,7 @@ def test_one_sequence_fast_path_equals_gathered_path(monkeypatch):
     d = _inputs(1, 1000, seed=9)
     o1, ht1, *_ = _run(d, 128)
     g1 = [_run(d, 128, gate_chunks=m)[:2] for m in (1, 3)]  # the gated mode's view path too
-    monkeypatch.setattr(driver, "_ONE_SEQUENCE_FAST_PATH", False)
+    monkeypatch.setattr(cp_fwd_mod, "ONE_SEQUENCE_FAST_PATH", False)
     o2, ht2, *_ = _run(d, 128)
     assert _rel(o1, o2) <= 1e-14 and _rel(ht1, ht2) <= 1e-14
     for m, (og, hg) in zip((1, 3), g1):
@@ -249,15 +244,15 @@ def test_entry_point_modes(cp, split, monkeypatch):
     d = _big(seqlens=[900, 200])
     o_ref, ht_ref = _truth(d)
     be = ReferenceCPBackend()
-    out, info = chunk_gated_delta_rule_cp_fwd(**d, output_final_state=True, cp=cp, segment_len=256, backend=be,
-                                              return_info=True, poison_outputs=True)
+    out, info = chunk_gated_delta_rule_fwd(**d, output_final_state=True, cp=cp, segment_len=256, backend=be,
+                                           return_info=True, poison_outputs=True)
     assert (info is not None) == split and isinstance(info, (CPInfo, type(None)))
     assert _rel(out.o, o_ref) <= 1e-12 and _rel(out.final_state, ht_ref) <= 1e-12
-    assert out.A.shape[1] == 64 * num_slots(1, 1100, 2, True)  # the caller's layout (relayout=True)
+    assert out.A.shape[1] == 64 * num_slots(1, 1100, 2, True)  # the caller's layout (for_backward=True)
     Ar, Gr = forward_slot_products(d["k"], d["g"], d["beta"], 2, d["cu_seqlens"])
     assert torch.allclose(out.A, Ar, atol=1e-13, rtol=0) and torch.allclose(out.g_cum_log2, Gr, atol=1e-13, rtol=0)
     assert cp_splits(d["q"], d["v"], d["cu_seqlens"], cp, segment_len=256) == split
-    monkeypatch.setenv(driver.CP_ENV, cp)
+    monkeypatch.setenv(CP_ENV, cp)
     assert cp_splits(d["q"], d["v"], d["cu_seqlens"], segment_len=256) == split
 
 
@@ -265,55 +260,55 @@ def test_entry_point_shape_cache_serves_new_values():
     """Fixed-length input: the segmentation's index tensors are built once per shape; a second call
     with other values (same shapes) is exact too, in both modes, as is a batch of two rows."""
     for B, T in [(1, 1000), (1, 1000), (2, 600), (2, 600)]:
-        d = _big(B=B, T=T, seed=B * T + len(driver._LAYOUTS))
+        d = _big(B=B, T=T, seed=B * T + len(segments._LAYOUTS))
         o_ref, ht_ref = _truth(d)
-        out = chunk_gated_delta_rule_cp_fwd(**d, output_final_state=True, cp="on", segment_len=256, backend=ReferenceCPBackend())
+        out = chunk_gated_delta_rule_fwd(**d, output_final_state=True, cp="on", segment_len=256, backend=ReferenceCPBackend())
         assert _rel(out.o, o_ref) <= 1e-12 and _rel(out.final_state, ht_ref) <= 1e-12
-        out = chunk_gated_delta_rule_cp_fwd(**d, output_final_state=True, cp="on", segment_len=256, gate_chunks=1,
-                                            backend=ReferenceCPBackend())
+        out = chunk_gated_delta_rule_fwd(**d, output_final_state=True, cp="on", segment_len=256, gate_chunks=1,
+                                         backend=ReferenceCPBackend())
         assert _rel(out.o[..., 1, :], o_ref[..., 1, :]) <= 1e-12  # the g = -30 head
 
 
-def test_entry_point_fixed_length_l2norm_and_segment_layout():
+def test_entry_point_fixed_length_l2norm_inference():
     d = _big(B=1, T=1000, seed=3)
     d["q"] = d["q"] * 3
     d["k"] = d["k"] * 0.5
     o_ref, ht_ref = recurrent_gated_delta_rule(**d, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    out, info = chunk_gated_delta_rule_cp_fwd(**d, output_final_state=True, use_qk_l2norm_in_kernel=True, cp="on",
-                                              segment_len=256, backend=ReferenceCPBackend(), relayout=False,
-                                              return_info=True)
+    out, info = chunk_gated_delta_rule_fwd(**d, output_final_state=True, use_qk_l2norm_in_kernel=True, cp="on",
+                                           segment_len=256, backend=ReferenceCPBackend(), for_backward=False,
+                                           return_info=True)
     assert _rel(out.o, o_ref) <= 1e-5 and _rel(out.final_state, ht_ref) <= 1e-5  # the op's L2 norm has eps 1e-6
     assert info.tables.cu_seqlens.dtype == torch.int32  # fixed length: int32 pseudo offsets
-    assert out.A.shape[1] == 64 * num_slots(1, 1000, info.tables.M, True)  # the segments' layout
+    assert out.A is None and out.g_cum_log2 is None  # inference: nothing kept for a backward
 
 
 def test_entry_point_gated_and_errors():
     d = _big(T=1100, seed=5)
     o_ref, _ = _truth(d)
-    out, info = chunk_gated_delta_rule_cp_fwd(**d, output_final_state=True, cp="on", segment_len=256, gate_chunks=2,
-                                              backend=ReferenceCPBackend(), return_info=True)
+    out, info = chunk_gated_delta_rule_fwd(**d, output_final_state=True, cp="on", segment_len=256, gate_chunks=2,
+                                           backend=ReferenceCPBackend(), return_info=True)
     assert info.mode == "gated" and info.plan.split and not info.plan.exact
     assert _rel(out.o[..., 1, :], o_ref[..., 1, :]) <= 1e-12  # the g = -30 head
     be = ReferenceCPBackend()
     for bad, exc in [(dict(cp="sometimes"), ValueError), (dict(correction="fast"), ValueError), (dict(gate_chunks=0), ValueError),
                      (dict(cp="on", segment_len=100), ValueError), (dict(use_qk_l2norm_in_kernel=1), TypeError)]:
         with pytest.raises(exc):
-            chunk_gated_delta_rule_cp_fwd(**d, backend=be, **bad)
+            chunk_gated_delta_rule_fwd(**d, backend=be, **bad)
     # the kernels' path checks the fast path before any device work
     x = make_gdn_inputs(1, 64, 1, 2, 128, 128, dtype=torch.bfloat16)
     x["g"], x["beta"], x["initial_state"] = x["g"].float(), x["beta"].float(), x["initial_state"].float()
     with pytest.raises(RuntimeError, match="CUDA"):
-        chunk_gated_delta_rule_cp_fwd(**x, cp="on")
+        chunk_gated_delta_rule_fwd(**x, cp="on")
     with pytest.raises(TypeError):
-        chunk_gated_delta_rule_cp_fwd(**_big(T=64), cp="on")  # fp64 is not a kernel dtype
+        chunk_gated_delta_rule_fwd(**_big(T=64), cp="on")  # fp64 is not a kernel dtype
     assert not cp_splits(torch.zeros(3), torch.zeros(3), None, "on")  # unreadable shapes: the op's checks report them
 
 
 def test_empty_inputs_take_the_unsplit_path():
     for T, seqlens in [(0, None), (0, [0, 0])]:
         d = _big(T=T, seqlens=seqlens)
-        out, info = chunk_gated_delta_rule_cp_fwd(**d, output_final_state=True, cp="on", backend=ReferenceCPBackend(),
-                                                  return_info=True)
+        out, info = chunk_gated_delta_rule_fwd(**d, output_final_state=True, cp="on", backend=ReferenceCPBackend(),
+                                               return_info=True)
         assert info is None and out.o.shape == d["v"].shape
         assert torch.equal(out.final_state, d["initial_state"])
 
@@ -384,49 +379,47 @@ def test_driver_reads_no_tensor_value(seqlens, mode):
     cu = None if seqlens is None else torch.empty(N + 1, dtype=torch.int32, **meta)
     be = _MetaBackend()
     with _no_host_reads():
-        out, info = chunk_gated_delta_rule_cp_fwd(q, q, v, g, g, None, h0, True, cu, cp="on", segment_len=256,
-                                                  backend=be, return_info=True, **mode)
+        out, info = chunk_gated_delta_rule_fwd(q, q, v, g, g, None, h0, True, cu, cp="on", segment_len=256,
+                                               backend=be, return_info=True, **mode)
         assert cp_splits(q, v, cu, "on", segment_len=256)
     assert out.o.shape == v.shape and out.final_state.shape == h0.shape
     assert info.tables.M == num_segment_slots(T, N, 256)
     assert be.launches[0] == "prepare" and len(be.launches) == (4 if mode.get("correction") == "rerun" else 3)
 
 
-def test_backward_side_stream_switch(monkeypatch):
-    """The split backward's side stream (`driver._overlap_applies`): never for CPU tensors or another
-    backend, off with $FLASHQLA_CP_BWD_OVERLAP=0, and a clear error naming the variable for anything
-    but "0" / "1" (the overlap itself is checked bitwise on the GPU, tests/gpu/test_cp_gpu.py)."""
-    from flashqla.cp import driver
+def test_backward_side_stream_applies():
+    """The split backward's side stream (`flashqla.cp.backward._overlap_applies`): never for CPU tensors,
+    nor for a backend whose bwd takes dht as a tensor only (the overlap itself is checked bitwise on
+    the GPU, tests/gpu/test_cp_gpu.py)."""
+    from types import SimpleNamespace
+
+    from flashqla.cp.backward import _overlap_applies
+    from flashqla.ops.gdn.backend import Sm90Backend
 
     x = torch.zeros(1)
-    be = driver.Sm90Backend()
-    monkeypatch.delenv(driver.OVERLAP_ENV, raising=False)
-    assert not driver._overlap_applies(be, x)  # a CPU tensor
-    monkeypatch.setenv(driver.OVERLAP_ENV, "0")
-    assert not driver._overlap_applies(be, x)
-    monkeypatch.setenv(driver.OVERLAP_ENV, "yes")
-    with pytest.raises(ValueError, match="FLASHQLA_CP_BWD_OVERLAP"):
-        driver._overlap_applies(be, x)
-    monkeypatch.setenv(driver.OVERLAP_ENV, "1")
+    be = Sm90Backend()
+    assert not _overlap_applies(be, x)  # a CPU tensor
 
     class OtherBackend:  # a backend whose bwd takes dht as a tensor only
         pass
 
-    assert not driver._overlap_applies(OtherBackend(), x)
+    assert not _overlap_applies(OtherBackend(), x)
+    cuda_like = SimpleNamespace(is_cuda=True)  # (no GPU here: only the attribute is read)
+    assert not _overlap_applies(OtherBackend(), cuda_like)
+    assert _overlap_applies(be, cuda_like)
 
 
 def test_sm90_backward_joins_the_fork_when_a_launch_raises(monkeypatch):
     """`Sm90Backend.bwd` calls a callable dht (the side stream's join) even when a launch before it
     raises, and the error still reaches the caller: a graph capture never ends with an open fork."""
-    from flashqla.cp import driver
-    from flashqla.ops.gdn import bwd as bwd_mod
+    from flashqla.ops.gdn.backend import Sm90Backend
 
     def boom(*a, **k):
         raise RuntimeError("launch failed")
 
-    monkeypatch.setattr(bwd_mod, "_build_once", boom)
+    monkeypatch.setattr(Sm90Backend, "_build_bwd", boom)
     joined = []
     x = torch.zeros(1, 1, 1, 1)
     with pytest.raises(RuntimeError, match="launch failed"):
-        driver.Sm90Backend().bwd(x, x, x, x, x, x, x, x, lambda: joined.append(1), 1.0, None, None)
+        Sm90Backend().bwd(x, x, x, x, x, x, x, x, lambda: joined.append(1), 1.0, None, None)
     assert joined == [1]

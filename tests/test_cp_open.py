@@ -1,5 +1,5 @@
-"""flashqla.cp.driver with an open sequence (`cp_forward_open`, `cp_backward_open`, and the scan
-`flashqla.cp.merge.scan_open_states`) on CPU, on the fp64 launch-level reference
+"""flashqla.cp.forward / .backward with an open sequence (`cp_forward_open`, `cp_backward_open`, and
+the scan `flashqla.cp.merge.scan_open_states`) on CPU, on the fp64 launch-level reference
 (`reference.gdn.cp.ReferenceCPBackend`), without processes: the exchange that the cross-rank op runs
 (all-gather and scan over ranks) is simulated by a callable that records what it is given and hands
 back a known state S_in (forward) and a known gradient X (backward).
@@ -20,9 +20,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import flashqla.cp.driver as driver
+import flashqla.cp.forward as cp_fwd_mod
 from flashqla.cp import build_segment_tables, cp_backward, cp_forward
-from flashqla.cp.driver import cp_backward_open, cp_forward_open
+from flashqla.cp.backward import cp_backward_open
+from flashqla.cp.forward import cp_forward_open
 from flashqla.cp.merge import scan_open_states
 from flashqla.testing import make_gdn_inputs
 from reference.gdn.cp import ReferenceCPBackend, segment_maps
@@ -82,7 +83,7 @@ CASES = [  # (T, seqlens, L)
 def _run(d, L, open_first=True, one_sequence_fast_path=True, monkeypatch=None):
     T = d["q"].shape[1]
     if monkeypatch is not None:
-        monkeypatch.setattr(driver, "_ONE_SEQUENCE_FAST_PATH", one_sequence_fast_path)
+        monkeypatch.setattr(cp_fwd_mod, "ONE_SEQUENCE_FAST_PATH", one_sequence_fast_path)
     tab = build_segment_tables(d["cu_seqlens"], L, T=T)
     be = ReferenceCPBackend()
     seen = {}

@@ -1,4 +1,4 @@
-"""flashqla.cp planner: the split rule, the segment tables (against reference.gdn.cp's plan and its
+"""flashqla.cp planner (`flashqla.cp.plan`, `flashqla.cp.segments`): the split rule, the segment tables (against reference.gdn.cp's plan and its
 exact CP forward in fp64), no host sync while building tables, and a plan cache that cannot go stale."""
 
 from __future__ import annotations
@@ -9,23 +9,24 @@ import random
 import pytest
 import torch
 
-from flashqla.cp import (
-    SEGMENT_QUANTUM,
-    TIE,
-    build_segment_tables,
-    clear_plan_cache,
-    get_cp_plan,
-    num_segment_slots,
-    plan_cache_info,
-    plan_cp,
-    plan_key,
-    scan_segment_states,
-)
+from flashqla.cp import build_segment_tables, clear_plan_cache, plan_cp, plan_for, scan_segment_states
+from flashqla.cp.plan import SEGMENT_QUANTUM, TIE, plan_cache_info, plan_key
+from flashqla.cp.segments import num_segment_slots, split_tables
 from flashqla.testing import make_gdn_inputs
 from reference.gdn.chunk import prepare_chunk_layout
 from reference.gdn.cp import cp_gated_delta_rule_fwd, output_correction, plan_segments, segment_maps
 from reference.gdn.fused import from_chunks, fused_chunk_fwd, gate_cumsum, to_chunks
 from reference.gdn.recurrent import recurrent_gated_delta_rule
+
+
+def _plan_and_tables(q, v, cu_seqlens=None, **kw):
+    """(plan, tables): `plan_for`'s plan and, when it splits, the segment tables the op builds for it
+    (`flashqla.cp.segments.split_tables`, rebuilt on every call from cu_seqlens' current values);
+    tables None when the plan does not split."""
+    plan = plan_for(q, v, cu_seqlens, **kw)
+    if not plan.split:
+        return plan, None
+    return plan, split_tables(cu_seqlens, plan.segment_len, q.shape[0], q.shape[1], q.device)[0]
 
 
 def _cu(lengths, dtype=torch.int32):
@@ -270,7 +271,7 @@ def test_tables_without_host_sync(lengths):
     v = torch.zeros(1, T, 4, 128)
     with _no_host_reads():
         tab = build_segment_tables(cu, 128, T=T)
-        plan, tab2 = get_cp_plan(q, v, cu, force=True, segment_len=128, sm_count_override=132)
+        plan, tab2 = _plan_and_tables(q, v, cu, force=True, segment_len=128, sm_count_override=132)
         rows = build_segment_tables(None, 64, T=T, B=2)
     assert rows.M == num_segment_slots(2 * T, 2, 64)
     assert plan.split == (T > 0) and (tab2 is None) == (T == 0)  # nothing to split in an empty input
@@ -316,11 +317,11 @@ def test_cache_keys_static_facts_and_follows_in_place_edits():
     kw = dict(force=True, segment_len=128, sm_count_override=132)
     key = plan_key(q, v, cu, **kw)
     assert not any(isinstance(x, torch.Tensor) for x in key)
-    plan1, tab1 = get_cp_plan(q, v, cu, **kw)
+    plan1, tab1 = _plan_and_tables(q, v, cu, **kw)
     _check_tables(tab1, cu.tolist(), T, 128)
     before = plan_cache_info()
     cu[1:4] = torch.tensor([400, 410, 420], dtype=cu.dtype)  # same buffer, new lengths 400, 10, 10, 130
-    plan2, tab2 = get_cp_plan(q, v, cu, **kw)
+    plan2, tab2 = _plan_and_tables(q, v, cu, **kw)
     after = plan_cache_info()
     assert after.hits == before.hits + 1 and after.misses == before.misses  # served from the cache
     assert plan2 is plan1
@@ -339,7 +340,7 @@ def test_cache_keys_static_facts_and_follows_in_place_edits():
 def test_unsplit_plan_has_no_tables():
     q = torch.zeros(1, 1024, 16, 16)
     v = torch.zeros(1, 1024, 64, 128)
-    plan, tab = get_cp_plan(q, v, _cu([512, 512]), sm_count_override=132)
+    plan, tab = _plan_and_tables(q, v, _cu([512, 512]), sm_count_override=132)
     assert not plan.split and tab is None
 
 
@@ -425,7 +426,7 @@ def test_unsplit_plan_prices_the_width_the_launch_runs(HV, N, T, hint):
     """A plan that does not split reports (and is costed at) the value slice width the unsplit launch
     runs at, `recurrent.pick_block_v`: pricing the cheaper width instead once kept 16/64 28672 + 4096
     unsplit at a predicted BV = 64 cost while the launch ran BV = 128 (1.79 against 1.60 ms split)."""
-    from flashqla.cp.planner import _unsplit_time
+    from flashqla.cp.plan import _unsplit_time
     from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
 
     p = plan_cp(HV, N, T, 128, 132, exact=True, max_seqlen=hint)
@@ -437,10 +438,10 @@ def test_unsplit_plan_prices_the_width_the_launch_runs(HV, N, T, hint):
 
 
 def test_plan_ab_rows_changed_by_a_candidate_constant():
-    """tests/gpu/cp_plan_ab.py --changed-by: the grid rows whose plan a candidate constant changes,
-    each with its plan now and the candidate's; the planner's constants are restored afterwards."""
-    from flashqla.cp import planner as P
-    from tests.gpu.cp_plan_ab import changed_rows, grid_plans
+    """benchmarks/experiments/cp_plan_ab.py --changed-by: the grid rows whose plan a candidate constant
+    changes, each with its plan now and the candidate's; the planner's constants are restored afterwards."""
+    from benchmarks.experiments.cp_plan_ab import changed_rows, grid_plans
+    from flashqla.cp import plan as P
 
     before = (dict(P.CHUNK_COST), dict(P.UNSPLIT_CHUNK_COST), P.HEAD_OVERHEAD)
     assert changed_rows(f"CHUNK_COST[128]={P.CHUNK_COST[128]}") == []
@@ -452,7 +453,7 @@ def test_plan_ab_rows_changed_by_a_candidate_constant():
     for spec in specs:
         row, old, new = spec.split(":")
         assert now[row] == old != new
-    # measured 0.262 ms unsplit against 0.308 split at 4c5bf31 (planner.py, UNSPLIT_CHUNK_COST)
+    # measured 0.262 ms unsplit against 0.308 split at 4c5bf31 (planner.py, now plan.py, UNSPLIT_CHUNK_COST)
     assert "8/32 1x8192:off:2048/128" in specs
     with pytest.raises(SystemExit, match="cannot read"):
         changed_rows("NOT_A_CONSTANT=1")

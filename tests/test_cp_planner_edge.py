@@ -1,5 +1,5 @@
-"""Edge cases of the context-parallel planner (`flashqla.cp.planner.plan_cp`, `get_cp_plan`,
-`flashqla.cp.driver.cp_splits`, `flashqla.ops.gdn.api.cp_mode`): awkward but valid shapes, invalid
+"""Edge cases of the context-parallel planner (`flashqla.cp.plan.plan_cp`, `plan_for`,
+`flashqla.cp.plan.cp_splits`, `flashqla.contract.cp_mode`): awkward but valid shapes, invalid
 arguments, and regressions found by review of the backward plan / length-scenario change. CPU only."""
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ import textwrap
 import pytest
 import torch
 
-import flashqla.cp.planner as P
-from flashqla.cp.driver import cp_splits
-from flashqla.cp.planner import (BWD_CHUNK_COST, BWD_WAVE_COST, CHUNK, CHUNK_COST, CTAS_PER_SM, UNSPLIT_CHUNK_COST, get_cp_plan, plan_cp,
-                                  plan_key)
-from flashqla.ops.gdn.api import CP_ENV, cp_mode
+import flashqla.cp.plan as P
+from flashqla.contract import CP_ENV, cp_mode
+from flashqla.cp.plan import (BWD_CHUNK_COST, BWD_WAVE_COST, CHUNK, CHUNK_COST, CTAS_PER_SM, UNSPLIT_CHUNK_COST, CPPlan, cp_splits,
+                              plan_cp, plan_for, plan_key)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,7 +75,7 @@ def test_packed_backward_plan():
     backward (at 8192 tokens both split; H200, the backward of the 8/16 7053 + 1139 row: 2.18 -> 1.09
     ms). force and a fixed segment_len act as for one sequence (the distributed backend passes
     both); PACKED_BWD_OWN_PLAN = False restores the forward's plan for every packed batch."""
-    from flashqla.cp import planner
+    from flashqla.cp import plan as planner
 
     HV, N, T = 8, 8, 8 * 8192
     for L in (1024, 2048, 4096):
@@ -106,8 +105,7 @@ def test_huge_T_plans_in_bounded_time():
     code = textwrap.dedent(
         """
         import math, torch
-        from flashqla.cp.planner import plan_cp
-        from flashqla.cp.driver import cp_splits
+        from flashqla.cp.plan import cp_splits, plan_cp
         T = 2 ** 31
         p = plan_cp(1, 1, T, exact=True)
         assert p.split and p.segment_len % 64 == 0 and 0 < p.segment_len < T and math.isfinite(p.est_split), p
@@ -220,14 +218,14 @@ def test_plan_key_separates_forward_and_backward():
     q = torch.empty(1, 32768, 2, 128, device="meta", dtype=torch.bfloat16)
     kf, kb = plan_key(q, q, exact=True), plan_key(q, q, exact=True, backward=True)
     assert kf != kb and kb.backward is True and kf.backward is False and kf._replace(backward=True) == kb
-    pf, tf = get_cp_plan(q, q, exact=True, build_tables=False)
-    pb, tb = get_cp_plan(q, q, exact=True, build_tables=False, backward=True)
-    assert P.plan_cache_info().currsize == 2 and tf is None and tb is None
+    pf = plan_for(q, q, exact=True)
+    pb = plan_for(q, q, exact=True, backward=True)
+    assert P.plan_cache_info().currsize == 2 and isinstance(pf, CPPlan) and isinstance(pb, CPPlan)
     assert pf == plan_cp(2, 1, 32768, 128, P.DEFAULT_SM_COUNT, exact=True)
     assert pb == plan_cp(2, 1, 32768, 128, P.DEFAULT_SM_COUNT, exact=True, backward=True)
     assert pf.est_unsplit != pb.est_unsplit
     # repeated lookups hit the cache and return the same objects
-    assert get_cp_plan(q, q, exact=True, build_tables=False, backward=True)[0] is pb
+    assert plan_for(q, q, exact=True, backward=True) is pb
     assert P.plan_cache_info().hits == 1
 
 

@@ -1,4 +1,4 @@
-"""The backward planner costed on every sequence's length (`flashqla.cp.planner.plan_cp(seqlens=...)`):
+"""The backward planner costed on every sequence's length (`flashqla.cp.plan.plan_cp(seqlens=...)`):
 the launch-order schedule it simulates, the checks on the hint, the cache keys, and its choices on the
 H200 sweep it was fitted on (benchmarks/results/h200-cp-train-sweep.json)."""
 
@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from flashqla.cp import planner as P
+from flashqla.cp import plan as P
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWEEP = os.path.join(ROOT, "benchmarks", "results", "h200-cp-train-sweep.json")
@@ -92,7 +92,7 @@ def test_one_sequence_keeps_the_fitted_one_sequence_model():
 
 def _sweep():
     """The committed sweep: {row name: {L: (step_ms, longest_first)}} and the fit's samples."""
-    from flashqla.bench.bwd_grid import select_bwd_rows
+    from flashqla.bench.grid import select_bwd_rows
 
     with open(SWEEP) as fh:
         data = json.load(fh)
@@ -119,14 +119,13 @@ def test_costs_are_the_fit_of_the_committed_sweep():
         P.fit_lengths_costs(samples[:4])
 
 
-def test_plans_on_the_measured_sweep(monkeypatch):
+def test_plans_on_the_measured_sweep():
     """On each swept row, the L (or unsplit) the plan picks among the measured ones, each costed in
     the launch order it was measured in, is within 2% of the fastest measured training step (the
     mean-and-longest model: up to 1.27x slower on these rows); the plan splits exactly when that pick
     does, and its own L (searched on a finer grid) is within 2% of the fastest where it was measured."""
-    from flashqla.bench.bwd_grid import select_bwd_rows
+    from flashqla.bench.grid import select_bwd_rows
 
-    monkeypatch.delenv("FLASHQLA_BWD_ORDER", raising=False)
     P.clear_plan_cache()
     rows, _ = _sweep()
     assert len(rows) == 11
@@ -223,7 +222,7 @@ def test_numpy_and_torch_integers_are_lengths():
 
 def test_bad_seqlens_are_reported_not_dropped():
     """cp="on" with lengths that do not fit the batch raises, instead of silently running unsplit."""
-    from flashqla.cp.driver import cp_splits
+    from flashqla.cp.plan import cp_splits
 
     q = torch.empty(1, 8192, 2, 128)
     v = torch.empty(1, 8192, 4, 128)
@@ -234,36 +233,29 @@ def test_bad_seqlens_are_reported_not_dropped():
             cp_splits(q, v, cu, "on", backward=True, seqlens=bad)
 
 
-def test_launch_order(monkeypatch):
+def test_launch_order():
     """The backward's chain kernels take a packed batch's sequences longest first (ties in token
-    order) where asked (FLASHQLA_BWD_ORDER=auto, the default: the plan's `longest_first`), always
-    ("longest") or never ("tokens"); one sequence or no offsets: token order (None)."""
-    from flashqla.ops.gdn.kernels.sm90._common import launch_order, order_args
+    order) where the plan says so (its `longest_first`), else in token order (None); one sequence or
+    no offsets: token order (None)."""
+    from flashqla.ops.gdn.kernels.sm90._common import order_args
+    from flashqla.ops.gdn.kernels.sm90.launch_order import launch_order
 
-    monkeypatch.delenv("FLASHQLA_BWD_ORDER", raising=False)
     cu = torch.tensor([0, 100, 100, 7000, 7100, 9000], dtype=torch.int32)
     assert launch_order(cu) is None
+    assert launch_order(cu, longest_first=False) is None
     order = launch_order(cu, True)
     assert order.dtype == torch.int32 and order.tolist() == [2, 4, 0, 3, 1]
     assert launch_order(torch.tensor([0, 4096]), True) is None and launch_order(None, True) is None
     assert order_args(None, "cpu")[1] == 0 and order_args(order, "cpu") == (order, 1)
-    monkeypatch.setenv("FLASHQLA_BWD_ORDER", "longest")
-    assert launch_order(cu).tolist() == [2, 4, 0, 3, 1]
-    monkeypatch.setenv("FLASHQLA_BWD_ORDER", "tokens")
-    assert launch_order(cu, True) is None
-    monkeypatch.setenv("FLASHQLA_BWD_ORDER", "random")
-    with pytest.raises(ValueError, match="FLASHQLA_BWD_ORDER"):
-        launch_order(cu, True)
 
 
-def test_the_plan_sorts_only_where_the_schedule_gains(monkeypatch):
+def test_the_plan_sorts_only_where_the_schedule_gains():
     """The split backward sorts its segments where the longest-first schedule beats token order by more
     than the sort costs (BWD_LEN_ORDER_COST), as measured on the H200 grid: 16/32 with 8 sequences of
     32768 tokens (2.812 -> 2.566 ms under one plan) sorts; 2/4 7053 + 1139 (all CTAs in one round:
-    nothing to gain, 12 us lost to the sort) does not; FLASHQLA_BWD_ORDER pins either."""
-    from flashqla.bench.bwd_grid import select_bwd_rows
+    nothing to gain, 12 us lost to the sort) does not."""
+    from flashqla.bench.grid import select_bwd_rows
 
-    monkeypatch.delenv("FLASHQLA_BWD_ORDER", raising=False)
     P.clear_plan_cache()
 
     def plan(heads, mix):
@@ -274,8 +266,4 @@ def test_the_plan_sorts_only_where_the_schedule_gains(monkeypatch):
     big, small = plan("16/32", "32k_8seq"), plan("2/4", "8k_2seq")
     assert big.split and big.longest_first and small.split and not small.longest_first
     assert not P.plan_cp(8, 1, 32768, backward=True, seqlens=(32768,)).longest_first  # one sequence
-    for mode, want in (("longest", True), ("tokens", False)):
-        monkeypatch.setenv("FLASHQLA_BWD_ORDER", mode)
-        P.clear_plan_cache()
-        assert plan("2/4", "8k_2seq").longest_first is want and plan("16/32", "32k_8seq").longest_first is want
     P.clear_plan_cache()

@@ -1,5 +1,5 @@
 """Awkward inputs for the backward planner costed on every sequence's length
-(`flashqla.cp.planner.plan_cp(seqlens=...)`, `flashqla.validation.planning_seqlens`) and its plumbing:
+(`flashqla.cp.plan.plan_cp(seqlens=...)`, `flashqla.contract.planning_seqlens`) and its plumbing:
 invalid lengths that must not silently turn `cp="on"` off, and a backward given other lengths than its
 forward (correct, the kept states not reused). (Planning cost and cache-independent checks:
 tests/test_cp_planner_lengths.py.) CPU only (the fp64 stand-in backend of
@@ -11,10 +11,19 @@ import numpy as np
 import pytest
 import torch
 
-from flashqla.cp import driver
-from flashqla.cp import planner as P
+import flashqla.cp.backward as cp_backward_mod
+import flashqla.ops.gdn.fwd as fwd_mod
+from flashqla.cp import plan as P
 from flashqla.testing import make_gdn_inputs, rel_rms
 from tests.test_cp_public_op import cpu_backend, small_gpu  # noqa: F401 (fixtures)
+
+
+@pytest.fixture
+def fwd_gates_lifted(monkeypatch):
+    """The forward driver's device / dtype gates (bound in `flashqla.ops.gdn.fwd` at import), lifted as
+    `cpu_backend` lifts the public op's: its fp64 CPU inputs reach the stand-in backend."""
+    monkeypatch.setattr(fwd_mod, "check_device", lambda q: None)
+    monkeypatch.setattr(fwd_mod, "check_supported", lambda *a: None)
 
 
 @pytest.fixture
@@ -42,15 +51,17 @@ def test_cp_on_backward_never_silently_drops_the_split(small_gpu, monkeypatch, f
     lens = [512, 512, 7168]
     x = make_gdn_inputs(B=1, T=sum(lens), H=1, HV=2, K=128, V=128, seqlens=lens, seed=41)
     split_ran = []
-    monkeypatch.setattr(driver, "chunk_gated_delta_rule_cp_bwd", lambda *a, **kw: split_ran.append(1))
+    monkeypatch.setattr(bwd_mod, "cp_backward", lambda *a, **kw: split_ran.append(1))
 
     def unsplit(*a, **kw):
         raise _UnsplitRan
 
-    monkeypatch.setattr(bwd_mod, "_build_once", unsplit)
-    dummy = torch.zeros(1)
+    monkeypatch.setattr(small_gpu, "bwd", unsplit)  # the unsplit backward's launch (the default backend's)
+    # placeholder products of the caller's slot shape (checked before planning; never read here)
+    S = sum(lens) // 64 + len(lens)
+    A, G = torch.zeros(2, S * 64, 64, dtype=x["q"].dtype), torch.zeros(2, S * 64)
     try:
-        bwd_mod.chunk_gated_delta_rule_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], dummy, dummy, x["v"],
+        bwd_mod.chunk_gated_delta_rule_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], A, G, x["v"],
                                            cu_seqlens=x["cu_seqlens"], cp="on", seqlens=seqlens)
     except ValueError as e:
         assert "seqlens" in str(e)
@@ -60,16 +71,23 @@ def test_cp_on_backward_never_silently_drops_the_split(small_gpu, monkeypatch, f
         assert split_ran
 
 
-def test_backward_with_other_lengths_than_its_forward(small_gpu, monkeypatch, fresh_plans):
+def test_backward_with_other_lengths_than_its_forward(small_gpu, fwd_gates_lifted, monkeypatch, fresh_plans):
     """The forward keeps its split states for the lengths it was given; a backward given other lengths
     (a plan with another L) does not use them, and its gradients are those of the matching backward."""
-    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
+    from flashqla.ops.gdn import bwd as bwd_mod
     from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
+    from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd
 
     applied = []
-    real = driver._saved_applies
-    monkeypatch.setattr(driver, "_saved_applies", lambda saved, tab, *a: applied.append(
-        (tab.segment_len, real(saved, tab, *a))) or applied[-1][1])
+    real = cp_backward_mod.saved_applies
+
+    def recorded(saved, tab, *a):
+        applied.append((tab.segment_len, real(saved, tab, *a)))
+        return applied[-1][1]
+
+    # the backward driver and cp_backward each bind it at import
+    monkeypatch.setattr(bwd_mod, "saved_applies", recorded)
+    monkeypatch.setattr(cp_backward_mod, "saved_applies", recorded)
     lens = (6849, 661, 682)
     x = make_gdn_inputs(B=1, T=sum(lens), H=1, HV=2, K=128, V=128, seqlens=list(lens), seed=42)
     f = chunk_gated_delta_rule_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["initial_state"], True,

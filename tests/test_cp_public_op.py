@@ -1,7 +1,8 @@
 """The public op's context-parallel wiring end to end on CPU: `flashqla.chunk_gated_delta_rule(...,
-cp="on")` -> custom op `flashqla::gdn_fwd` -> `flashqla.cp.driver` (forward) and, through autograd,
-`flashqla::gdn_bwd` -> `chunk_gated_delta_rule_bwd(cp=...)` -> the driver's split backward, with the
-driver's backend replaced by the fp64 stand-in of the kernels (`reference.gdn.cp.ReferenceCPBackend`)
+cp="on")` plans once (`flashqla.cp.plan.plan_call`) -> `autograd.GDNEagerFunction` -> the forward driver
+(`flashqla.ops.gdn.fwd.forward`, `flashqla.cp.forward`) and, through autograd,
+`chunk_gated_delta_rule_bwd(plan=...)` -> the split backward (`flashqla.cp.backward`), with the
+default backend replaced by the fp64 stand-in of the kernels (`reference.gdn.cp.ReferenceCPBackend`)
 and the device / dtype gates of the fast path lifted. Outputs, final state and every gradient
 against autograd of the fp64 reference op."""
 
@@ -11,8 +12,11 @@ import pytest
 import torch
 
 import flashqla
+import flashqla.cp.plan as cp_plan
+import flashqla.ops.gdn.autograd as autograd_mod
+import flashqla.ops.gdn.bwd as bwd_mod
+import flashqla.ops.gdn.backend as backend_mod
 import reference
-from flashqla.cp import driver
 from flashqla.ops.gdn import api
 from flashqla.testing import make_gdn_inputs, rel_rms
 from reference.gdn.cp import ReferenceCPBackend
@@ -23,9 +27,10 @@ NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 @pytest.fixture
 def cpu_backend(monkeypatch):
     backend = ReferenceCPBackend()
-    monkeypatch.setattr(driver, "_BACKEND", backend)
-    monkeypatch.setattr(api, "_check_device", lambda q: None)
-    monkeypatch.setattr(api, "_check_supported", lambda *a: None)
+    monkeypatch.setattr(backend_mod, "_DEFAULT", backend)
+    for mod in (api, autograd_mod):  # the public op's checks and the custom ops' own
+        monkeypatch.setattr(mod, "check_device", lambda q: None)
+        monkeypatch.setattr(mod, "check_supported", lambda *a: None)
     return backend
 
 
@@ -66,13 +71,11 @@ def small_gpu(cpu_backend, monkeypatch):
     """The planner sees 16 SMs (a CPU tensor's device reports DEFAULT_SM_COUNT), and prices the unsplit
     launch at BV = 64 as the split path's (CHUNK_COST): these tests check how the hint reaches the
     plans, on a mix chosen for those costs (UNSPLIT_CHUNK_COST's cheaper BV = 64 keeps it unsplit)."""
-    from flashqla.cp import planner
-
-    monkeypatch.setattr(planner, "DEFAULT_SM_COUNT", 16)
-    monkeypatch.setattr(planner, "UNSPLIT_CHUNK_COST", dict(planner.CHUNK_COST))
-    planner.clear_plan_cache()  # both caches: plans made under other costs must not leak in or out
+    monkeypatch.setattr(cp_plan, "DEFAULT_SM_COUNT", 16)
+    monkeypatch.setattr(cp_plan, "UNSPLIT_CHUNK_COST", dict(cp_plan.CHUNK_COST))
+    cp_plan.clear_plan_cache()  # both caches: plans made under other costs must not leak in or out
     yield cpu_backend
-    planner.clear_plan_cache()
+    cp_plan.clear_plan_cache()
 
 
 def _forward_split(backend, N) -> bool:
@@ -81,8 +84,8 @@ def _forward_split(backend, N) -> bool:
 
 def test_without_the_hint_lengths_are_taken_balanced(small_gpu):
     x = make_gdn_inputs(B=1, T=sum(UNBALANCED), H=1, HV=2, K=128, V=128, seqlens=UNBALANCED, seed=23)
-    assert not driver.cp_splits(x["q"], x["v"], x["cu_seqlens"], "auto")
-    assert driver.cp_splits(x["q"], x["v"], x["cu_seqlens"], "auto", max_seqlen=1984)
+    assert not cp_plan.cp_splits(x["q"], x["v"], x["cu_seqlens"], "auto")
+    assert cp_plan.cp_splits(x["q"], x["v"], x["cu_seqlens"], "auto", max_seqlen=1984)
 
 
 @pytest.mark.parametrize("hint", [UNBALANCED, [1984, 64], [16, 2032]], ids=["true-lengths", "swapped", "wrong-longest"])
@@ -103,21 +106,37 @@ def test_cu_seqlens_cpu_plans_only(small_gpu, hint):
 
 @pytest.fixture
 def spy(small_gpu, monkeypatch):
-    """Records (backward, max_seqlen) of every plan lookup of the forward and the backward."""
+    """Records (backward, max_seqlen) of every plan lookup of the forward and the backward: the op plans
+    once (`plan_call` -> `plan_for`, recorded there) and hands the backward its plan, recorded when the
+    autograd backward runs on it as the lookup that made it ((True, None) for a plan from no lookup)."""
     seen = []
-    real = driver.cp_splits
+    made = []  # (plan, backward, max_seqlen) of every lookup
+    real_plan_for = cp_plan.plan_for
 
-    def cp_splits(*a, **kw):
+    def plan_for(*a, **kw):
+        plan = real_plan_for(*a, **kw)
         seen.append((kw.get("backward", False), kw.get("max_seqlen")))
-        return real(*a, **kw)
+        made.append((plan, kw.get("backward", False), kw.get("max_seqlen")))
+        return plan
 
-    monkeypatch.setattr(driver, "cp_splits", cp_splits)
+    real_bwd = autograd_mod.chunk_gated_delta_rule_bwd
+
+    def chunk_gated_delta_rule_bwd(*a, plan=None, **kw):
+        if plan is None:  # the backward plans for itself (through plan_for, recorded there)
+            return real_bwd(*a, plan=plan, **kw)
+        seen.append(next(((True, ms) for p, bwd, ms in made if p is plan and bwd), (True, None)))
+        return real_bwd(*a, plan=plan, **kw)
+
+    monkeypatch.setattr(cp_plan, "plan_for", plan_for)
+    monkeypatch.setattr(bwd_mod, "plan_for", plan_for)  # the backward's own lookup (the custom ops')
+    monkeypatch.setattr(autograd_mod, "chunk_gated_delta_rule_bwd", chunk_gated_delta_rule_bwd)
     return seen
 
 
 def test_cu_seqlens_cpu_reaches_the_backward_plan(spy):
-    """The autograd backward plans with the same hint as the forward (which, keeping its split states
-    for the backward, asks the backward's plan first and stops there when that splits)."""
+    """The autograd backward runs on a plan made with the same hint as the forward's (the op plans once:
+    keeping its split states for the backward, it asks the backward's plan first and stops there when
+    that splits, and hands that plan to the backward)."""
     x = make_gdn_inputs(B=1, T=sum(UNBALANCED), H=1, HV=2, K=128, V=128, seqlens=UNBALANCED, seed=24)
     _run(flashqla.chunk_gated_delta_rule, x, cp="auto", cu_seqlens_cpu=torch.tensor([0, 64, 2048], dtype=torch.int32))
     assert len(spy) >= 2 and all(ms == 1984 for _, ms in spy) and (True, 1984) in spy, spy

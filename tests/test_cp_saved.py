@@ -1,9 +1,9 @@
-"""The split forward's kept states (`flashqla.cp.driver.CPSaved`) reused by the split backward, on CPU
+"""The split forward's kept states (`flashqla.cp.saved.CPSaved`) reused by the split backward, on CPU
 with the fp64 reference backend (`reference.gdn.cp.ReferenceCPBackend`).
 
-A forward with `keep_for_backward=True` returns its segments' entering states, transitions, U rows and
-limits; `cp_backward(saved=...)` over the same segments then launches no run or transition and
-gives bitwise the gradients of the backward that recomputes them (the same values from the same
+A forward with `keep_for_backward=True` (`keep_cp_states=True` at the entry point) returns its
+segments' entering states, transitions, U rows and limits; `cp_backward(saved=...)` over the same
+segments then launches no run or transition and gives bitwise the gradients of the backward that recomputes them (the same values from the same
 inputs), for every case of `tests/test_cp_backward.py`'s matrix shape (fixed length, batch rows,
 varlen mixes with empty and 1-token sequences, GVA, initial state and dht on and off, the gate-driven
 cut on and off). A CPSaved that does not match (another L, another cut, other sizes) is ignored.
@@ -16,9 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashqla.cp import build_segment_tables, chunk_gated_delta_rule_cp_bwd, chunk_gated_delta_rule_cp_fwd, cp_backward
-from flashqla.cp.driver import CPSaved, cp_forward, saved_products_in_sequence_slots, segment_slots_to_sequence_slots
-from flashqla.cp.planner import clear_plan_cache, plan_cp
+from flashqla.cp import build_segment_tables, cp_backward, cp_forward
+from flashqla.cp.plan import clear_plan_cache, plan_cp
+from flashqla.cp.saved import CPSaved, saved_products_in_sequence_slots
+from flashqla.cp.segments import segment_slots_to_sequence_slots
+from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
+from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd
 from flashqla.testing import make_gdn_inputs
 from reference.gdn.cp import ReferenceCPBackend
 from test_cp_public_op import cpu_backend  # noqa: F401 - the fixture: the public op on the fp64 reference backend
@@ -141,7 +144,7 @@ def test_kept_states_are_the_true_entering_states():
 
 
 def test_entry_points_plan_the_forward_for_the_backward():
-    """`chunk_gated_delta_rule_cp_fwd(keep_for_backward=True)` splits with the backward's plan where the
+    """`chunk_gated_delta_rule_fwd(keep_cp_states=True)` splits with the backward's plan where the
     forward's own plan would not split (2 value heads x 2048 tokens at K = V = 64: the forward stays
     whole, the backward splits at L = 512), with the same outputs; the backward given its cp_saved
     returns bitwise the gradients of the one that recomputes, without the run and transition launches."""
@@ -152,10 +155,10 @@ def test_entry_points_plan_the_forward_for_the_backward():
     bwd_plan = plan_cp(HV, 1, T, K, 132, exact=True, max_seqlen=T, backward=True)
     assert bwd_plan.split
     args = (d["q"], d["k"], d["v"], d["g"], d["beta"], K**-0.5, d["initial_state"], True, d["cu_seqlens"])
-    f = chunk_gated_delta_rule_cp_fwd(*args, backend=ReferenceCPBackend(), sm_count=132, max_seqlen=T,
-                                      keep_for_backward=True)
+    f = chunk_gated_delta_rule_fwd(*args, backend=ReferenceCPBackend(), sm_count=132, max_seqlen=T,
+                                   keep_cp_states=True)
     assert f.cp_saved is not None and f.cp_saved.segment_len == bwd_plan.segment_len
-    plain = chunk_gated_delta_rule_cp_fwd(*args, backend=ReferenceCPBackend(), sm_count=132, max_seqlen=T)
+    plain = chunk_gated_delta_rule_fwd(*args, backend=ReferenceCPBackend(), sm_count=132, max_seqlen=T)
     assert plain.cp_saved is None
     assert torch.allclose(f.o, plain.o, rtol=1e-10, atol=1e-10)
     assert torch.allclose(f.final_state, plain.final_state, rtol=1e-10, atol=1e-10)
@@ -164,9 +167,9 @@ def test_entry_points_plan_the_forward_for_the_backward():
     head = (f.q, f.k, d["v"], d["g"], d["beta"])
     tail = (do, dht, K**-0.5, d["initial_state"], d["cu_seqlens"])
     be_saved, be_plain = ReferenceCPBackend(), ReferenceCPBackend()
-    got = chunk_gated_delta_rule_cp_bwd(*head, f.A, f.g_cum_log2, *tail, backend=be_saved, sm_count=132, max_seqlen=T,
-                                        cp_saved=f.cp_saved)
-    want = chunk_gated_delta_rule_cp_bwd(*head, A_seq, G_seq, *tail, backend=be_plain, sm_count=132, max_seqlen=T)
+    got = chunk_gated_delta_rule_bwd(*head, f.A, f.g_cum_log2, *tail, backend=be_saved, sm_count=132, max_seqlen=T,
+                                     cp_saved=f.cp_saved)
+    want = chunk_gated_delta_rule_bwd(*head, A_seq, G_seq, *tail, backend=be_plain, sm_count=132, max_seqlen=T)
     _same(got, want)
     assert [k for k, _ in be_saved.launches].count("recurrent") == 0
     assert [k for k, _ in be_plain.launches].count("recurrent") == 2
@@ -256,9 +259,6 @@ def test_public_op_under_activation_checkpointing(cpu_backend):
 def test_bad_arguments_are_refused():
     """keep_cp_states must be a bool and cp_saved a CPSaved (or None): a clear TypeError naming the
     argument, raised before any device work."""
-    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
-    from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
-
     x = make_gdn_inputs(B=1, T=128, H=1, HV=2, K=128, V=128, dtype=torch.bfloat16, seed=1)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     with pytest.raises(TypeError, match="keep_cp_states must be a bool"):
@@ -280,25 +280,32 @@ KEPT_CASES = [  # (B, T, seqlens), K = V = 64: a packed varlen mix with an empty
 
 def _kept_forward(d):
     """The split forward keeping its states (cp="on": the backward's plan splits); (ChunkGDNForward, CPInfo)."""
-    return chunk_gated_delta_rule_cp_fwd(**d, output_final_state=True, cp="on", backend=ReferenceCPBackend(),
-                                         keep_for_backward=True, return_info=True)
+    return chunk_gated_delta_rule_fwd(**d, output_final_state=True, cp="on", backend=ReferenceCPBackend(),
+                                      keep_cp_states=True, return_info=True)
 
 
 def _cp_bwd(f, d, do, dht, A, G2, saved, cp="on", **kw):
     be = ReferenceCPBackend()
-    got = chunk_gated_delta_rule_cp_bwd(f.q, f.k, d["v"], d["g"], d["beta"], A, G2, do, dht, None, d["initial_state"],
-                                        d["cu_seqlens"], cp=cp, backend=be, cp_saved=saved, **kw)
+    got = chunk_gated_delta_rule_bwd(f.q, f.k, d["v"], d["g"], d["beta"], A, G2, do, dht, None, d["initial_state"],
+                                     d["cu_seqlens"], cp=cp, backend=be, cp_saved=saved, **kw)
     return got, [k for k, _ in be.launches]
 
 
 def _count_moves(monkeypatch):
-    """Records every call of the two slot relayouts in the driver."""
-    from flashqla.cp import driver
+    """Records every call of the two slot relayouts in the drivers (the forward's and the backward's, and
+    the kept products' move to the caller's layout), wherever they are called by name."""
+    import flashqla.cp.saved
+    import flashqla.cp.segments
+    import flashqla.ops.gdn.bwd
+    import flashqla.ops.gdn.fwd
 
     moves = []
     for name in ("segment_slots_to_sequence_slots", "sequence_slots_to_segment_slots"):
-        real = getattr(driver, name)
-        monkeypatch.setattr(driver, name, lambda *a, _n=name, _r=real: moves.append(_n) or _r(*a))
+        real = getattr(flashqla.cp.segments, name)
+        spy = lambda *a, _n=name, _r=real: moves.append(_n) or _r(*a)  # noqa: E731
+        for mod in (flashqla.cp.segments, flashqla.cp.saved, flashqla.ops.gdn.fwd, flashqla.ops.gdn.bwd):
+            if hasattr(mod, name):
+                monkeypatch.setattr(mod, name, spy)
     return moves
 
 
@@ -315,8 +322,8 @@ def test_kept_forward_returns_its_products_in_cp_saved(B, T, seqlens, monkeypatc
     assert saved is not None and f.A is None and f.g_cum_log2 is None
     S_seg = B * T // 64 + info.tables.M
     assert saved.A.shape == (2, S_seg * 64, 64) and saved.g_cum_log2.shape == (2, S_seg * 64)
-    plain = chunk_gated_delta_rule_cp_fwd(**d, output_final_state=True, cp="on", segment_len=saved.segment_len,
-                                          backend=ReferenceCPBackend())
+    plain = chunk_gated_delta_rule_fwd(**d, output_final_state=True, cp="on", segment_len=saved.segment_len,
+                                       backend=ReferenceCPBackend())
     assert plain.cp_saved is None and plain.A is not None  # not keeping: the caller's layout, as before
     A_seq, G_seq = segment_slots_to_sequence_slots(saved.A, saved.g_cum_log2, info.tables, d["cu_seqlens"], B, T)
     assert torch.equal(A_seq, plain.A) and torch.equal(G_seq, plain.g_cum_log2)
@@ -329,8 +336,6 @@ def test_backward_reads_the_kept_products_as_they_are(B, T, seqlens, monkeypatch
     """The backward given A = g_cum_log2 = None and the cp_saved: bitwise the gradients of the old
     path (A moved to the caller's layout after the forward, back to the segments' in the backward),
     with no relayout and no recurrent launch; the same through `chunk_gated_delta_rule_bwd`."""
-    from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
-
     d, do, dht = _inputs(B, T, seqlens, 1, 2, True, seed=12, K=64, V=64)
     f, info = _kept_forward(d)
     saved = f.cp_saved
@@ -387,15 +392,13 @@ def test_backward_after_cu_seqlens_edited_in_place():
 def test_missing_products_are_refused():
     """A = None needs the cp_saved that carries it; exactly one of A, g_cum_log2 None, or a cp_saved of
     a forward of other sizes, is a ValueError naming what is wrong (before any device work)."""
-    from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
-
     x = make_gdn_inputs(B=1, T=128, H=1, HV=2, K=128, V=128, dtype=torch.bfloat16, seed=1)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     A = torch.zeros(2, 128, 64, dtype=torch.bfloat16)
     G = torch.zeros(2, 128)
     do = torch.zeros_like(x["v"])
     for fn in (chunk_gated_delta_rule_bwd,
-               lambda *a, **k: chunk_gated_delta_rule_cp_bwd(*a, backend=ReferenceCPBackend(), **k)):
+               lambda *a, **k: chunk_gated_delta_rule_bwd(*a, backend=ReferenceCPBackend(), **k)):
         with pytest.raises(ValueError, match="^A is None and cp_saved is None"):
             fn(*args, None, None, do)
         with pytest.raises(ValueError, match="^g_cum_log2 is None but A is not"):
@@ -413,8 +416,8 @@ def test_missing_products_are_refused():
 # --- awkward uses of the kept products ----------------------------------------------------------------
 
 
-def test_cp_bwd_refuses_a_cp_saved_that_is_not_one():
-    """`chunk_gated_delta_rule_cp_bwd` (public in flashqla.cp) names cp_saved when it is not a CPSaved,
+def test_bwd_with_a_backend_refuses_a_cp_saved_that_is_not_one():
+    """`chunk_gated_delta_rule_bwd` (with a backend, as the split path's tests call it) names cp_saved when it is not a CPSaved,
     with A None (where the kept products would be read from it) or given, before any device work."""
     x = make_gdn_inputs(B=1, T=128, H=1, HV=2, K=64, V=64, seed=1)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
@@ -424,8 +427,8 @@ def test_cp_bwd_refuses_a_cp_saved_that_is_not_one():
     for prods in ((None, None), (A, G)):
         for cp in ("on", "off"):
             with pytest.raises(TypeError, match="^cp_saved must be None or"):
-                chunk_gated_delta_rule_cp_bwd(*args, *prods, do, cp=cp, backend=ReferenceCPBackend(),
-                                              cp_saved={"A": A})
+                chunk_gated_delta_rule_bwd(*args, *prods, do, cp=cp, backend=ReferenceCPBackend(),
+                                           cp_saved={"A": A})
 
 
 def test_saved_products_with_a_packed_tail():
@@ -521,8 +524,7 @@ def test_public_op_retain_graph_reads_the_kept_products_twice(cpu_backend):
 def test_backward_names_products_of_another_layout():
     """A and g_cum_log2 must have the caller's slot count (what the forward returns without keeping):
     a kept forward's `CPSaved.A`, laid out over its segments (more slots), passed as A is refused
-    naming the argument, by the driver and by the public backward, before any work."""
-    from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
+    naming the argument, by the backward with a backend (split) and without (unsplit), before any work."""
 
     x = make_gdn_inputs(B=1, T=128, H=1, HV=2, K=64, V=64, seed=1)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
@@ -531,6 +533,6 @@ def test_backward_names_products_of_another_layout():
     bad_A, bad_G = torch.zeros(2, 192, 64, dtype=torch.float64), torch.zeros(2, 192, dtype=torch.float64)
     for A, G, name in ((bad_A, good_G, "A"), (good_A, bad_G, "g_cum_log2")):
         with pytest.raises(ValueError, match=f"^{name} must be"):
-            chunk_gated_delta_rule_cp_bwd(*args, A, G, do, cp="on", backend=ReferenceCPBackend())
+            chunk_gated_delta_rule_bwd(*args, A, G, do, cp="on", backend=ReferenceCPBackend())
         with pytest.raises(ValueError, match=f"^{name} must be"):
             chunk_gated_delta_rule_bwd(*args, A, G, do, cp="off")

@@ -1,12 +1,12 @@
 """The split path's gate-driven transition cut on CPU (fp64 reference backend).
 
 Each (segment, value head) transition walks only the chunks up to the first one at which the summed
-log-decay from the segment's start falls below a cutoff (`flashqla.cp.driver.transition_limits`);
+log-decay from the segment's start falls below a cutoff (`flashqla.cp.forward.transition_limits`);
 past it P is taken as 0 and U's rows as 0. Checked here against a brute-force count of the limits,
 against exact transitions within the CP-4 / CP-5 bound per token and per final state (with FlashQLA's
 cutoff of -10, where the cut is large enough to see), bitwise on the g == 0 head (which never cuts),
 for the backward too, and for the argument's validation. The sm_90 dual launch is compared with the
-two-launch path bitwise on the GPU (tests/gpu/test_cp_kernels_gpu.py, tests/gpu/cp_dual_check.py).
+two-launch path bitwise on the GPU (tests/gpu/test_cp_kernels_gpu.py).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import math
 import pytest
 import torch
 
-from flashqla.cp import TRUNCATE_LOG_DECAY, build_segment_tables, cp_backward, cp_forward
-from flashqla.cp.driver import EXACT_ENV, resolve_truncate, transition_limits
+from flashqla.contract import EXACT_ENV, TRUNCATE_LOG_DECAY, resolve_truncate
+from flashqla.cp import build_segment_tables, cp_backward, cp_forward, transition_limits
 from flashqla.testing import make_gdn_inputs
 from reference.gdn.cp import ReferenceCPBackend
 

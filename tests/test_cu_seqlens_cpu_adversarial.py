@@ -1,5 +1,5 @@
 """Awkward inputs for `cu_seqlens_cpu`, the host copy of the packed offsets that the public op reads
-as the context-parallel planner's length hint (`flashqla.validation.planning_max_seqlen`), on CPU.
+as the context-parallel planner's length hint (`flashqla.contract.planning_max_seqlen`), on CPU.
 
 The kernels are replaced by the fp64 stand-in (`reference.gdn.cp.ReferenceCPBackend`, fixtures of
 tests/test_cp_public_op.py) and the planner sees 16 SMs. The contract checked here: a bad hint is a
@@ -17,10 +17,12 @@ import torch
 
 import flashqla
 import reference
-from flashqla import validation
-from flashqla.cp import driver, planner
+import flashqla.ops.gdn.backend as backend_mod
+from flashqla import contract
+from flashqla.contract import planning_max_seqlen
+from flashqla.cp import plan as planner
+from flashqla.cp.plan import cp_splits
 from flashqla.testing import make_gdn_inputs, rel_rms
-from flashqla.validation import planning_max_seqlen
 from tests.test_cp_public_op import UNBALANCED, NAMES, _run, cpu_backend, small_gpu, spy  # noqa: F401 (fixtures)
 
 
@@ -250,13 +252,13 @@ def test_plan_cache_stays_bounded_over_many_hints(small_gpu):
     for longest in range(T // 2, T + 1, 32):
         ms = planning_max_seqlen(torch.tensor([0, longest, T]) if longest < T else torch.tensor([0, 0, T]), cu, T)
         for backward in (False, True):
-            split = driver.cp_splits(q, v, cu, "auto", max_seqlen=ms, backward=backward)
+            split = cp_splits(q, v, cu, "auto", max_seqlen=ms, backward=backward)
             assert split == planner.plan_cp(2, 2, T, 128, 16, exact=True, max_seqlen=ms, backward=backward).split
     info = planner.plan_cache_info()
     assert info.currsize <= info.maxsize == 256
     assert planner.plan_cp.cache_info().currsize <= 1024
-    splits_with = driver.cp_splits(q, v, cu, "auto", max_seqlen=T)
-    assert driver.cp_splits(q, v, cu, "auto") == planner.plan_cp(2, 2, T, 128, 16, exact=True).split
+    splits_with = cp_splits(q, v, cu, "auto", max_seqlen=T)
+    assert cp_splits(q, v, cu, "auto") == planner.plan_cp(2, 2, T, 128, 16, exact=True).split
     assert splits_with == planner.plan_cp(2, 2, T, 128, 16, exact=True, max_seqlen=T).split
 
 
@@ -286,7 +288,7 @@ def test_custom_ops_opcheck_with_max_seqlen(small_gpu, monkeypatch):
     kernels' in A and the gradients, so test_faketensor runs for the inference op only)."""
     from reference.gdn.cp import ReferenceCPBackend
 
-    monkeypatch.setattr(driver, "_BACKEND", ReferenceCPBackend(state_dtype=torch.float32))
+    monkeypatch.setattr(backend_mod, "_DEFAULT", ReferenceCPBackend(state_dtype=torch.float32))
     x = _inputs([64, 128], seed=38)
     q, k, v = (x[n].to(torch.bfloat16) for n in "qkv")
     g, beta, h0 = (x[n].float() for n in ("g", "beta", "initial_state"))
@@ -303,9 +305,9 @@ def test_custom_ops_opcheck_with_max_seqlen(small_gpu, monkeypatch):
 def device_like_values(monkeypatch):
     """As on a GPU, the values of cu_seqlens and g are not read by the op's checks (they would be
     device tensors); those of cu_seqlens_cpu still are."""
-    real = validation.check_cu_seqlens_values
-    monkeypatch.setattr(validation, "check_gate_values", lambda g: None)
-    monkeypatch.setattr(validation, "check_cu_seqlens_values",
+    real = contract.check_cu_seqlens_values
+    monkeypatch.setattr(contract, "check_gate_values", lambda g: None)
+    monkeypatch.setattr(contract, "check_cu_seqlens_values",
                         lambda cu, T, name="cu_seqlens": None if name == "cu_seqlens" else real(cu, T, name))
 
 
@@ -369,9 +371,8 @@ def test_torch_export_with_the_hint(small_gpu, device_like_values, strict):
 def test_bench_rows_host_offsets_match_their_device_offsets():
     """Every mix of the forward, backward and context-parallel grids: RowInputs.cu_seqlens_cpu is
     cu_seqlens on the host (int64) and a valid hint for it."""
-    from flashqla.bench.bwd_grid import bwd_mixes
-    from flashqla.bench.grid import CP_GRID_LONG, CP_GRID_MIXES, FWD_MIXES, parse_mix
-    from flashqla.bench.runner import RowInputs
+    from flashqla.bench.grid import CP_GRID_LONG, CP_GRID_MIXES, FWD_MIXES, bwd_mixes, parse_mix
+    from flashqla.bench.inputs import RowInputs
 
     mixes = list(FWD_MIXES) + list(bwd_mixes()) + [parse_mix(m) for m in CP_GRID_MIXES] + \
         [parse_mix(m) for _, m in CP_GRID_LONG]
@@ -387,19 +388,22 @@ def test_bench_rows_host_offsets_match_their_device_offsets():
 
 
 def test_bench_bwd_ours_loader_passes_the_hint(spy, monkeypatch):
-    """`flashqla.bench.bwd_impls` ours (forward and backward entry points called directly, as the
+    """`flashqla.bench.impls` ours (forward and backward entry points called directly, as the
     backward benchmark does) plans with the rows' host offsets and matches the fp64 reference."""
-    from flashqla.bench.bwd_impls import _load_ours
-    from flashqla.bench.bwd_runner import BwdInputs
+    import flashqla.ops.gdn.fwd as fwd_mod
+    from flashqla.bench.impls import _ours_train
+    from flashqla.bench.inputs import RowInputs as BwdInputs
 
-    monkeypatch.setenv("FLASHQLA_CP", "auto")
+    # the forward driver's own device / dtype gates (it binds them at import), lifted as `cpu_backend` lifts the op's
+    monkeypatch.setattr(fwd_mod, "check_device", lambda q: None)
+    monkeypatch.setattr(fwd_mod, "check_supported", lambda *a: None)
     x = _inputs(UNBALANCED, seed=41)
     gen = torch.Generator().manual_seed(42)
     do = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64)
     dht = torch.randn(x["initial_state"].shape, generator=gen, dtype=torch.float64)
     row = BwdInputs(x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], x["cu_seqlens"].to(torch.int32),
                     tuple(UNBALANCED), do=do, dht=dht, scale=128**-0.5)
-    fwd, bwd, _ = _load_ours()
+    fwd, bwd, _ = _ours_train(cp="auto")
     f = fwd(row)
     grads = bwd(row, f.saved)
     assert spy == [(True, 1984), (True, 1984)], spy  # the forward keeps its split states: the backward's plan

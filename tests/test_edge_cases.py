@@ -15,7 +15,7 @@ import torch
 
 import flashqla
 from flashqla.testing import BUDGETS, assert_close_rel, make_gdn_inputs, rel_rms
-from flashqla.validation import check_gdn_inputs
+from flashqla.contract import check_gdn_inputs
 from reference import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from reference.gdn.chunk import G_FLOOR
 from reference.gdn.cp import cp_gated_delta_rule_fwd
@@ -452,16 +452,22 @@ def test_valid_scales_accepted():
 @pytest.fixture
 def no_device_work(monkeypatch):
     """Makes any kernel build or launch fail loudly: the checks must come first."""
-    import flashqla.ops.gdn.kernels.sm90 as sm90
+    import flashqla.ops.gdn.backend as backend
     import flashqla.ops.gdn.kernels.sm90.prepare as prepare
     import flashqla.ops.gdn.kernels.sm90.recurrent as recurrent
+    import flashqla.ops.gdn.kernels.sm90.registry as registry
 
     def boom(*a, **k):
         raise AssertionError("device work started before the argument checks")
 
-    monkeypatch.setattr(sm90, "build_kernels", boom)
+    monkeypatch.setattr(registry, "build", boom)
+    monkeypatch.setattr(registry, "build_kernels", boom)
     monkeypatch.setattr(prepare, "chunk_prepare_fwd", boom)
     monkeypatch.setattr(recurrent, "chunk_recurrent_fwd", boom)
+    # the backend binds the launchers at import: patch its names too
+    monkeypatch.setattr(backend, "chunk_prepare_fwd", boom)
+    monkeypatch.setattr(backend, "chunk_recurrent_fwd", boom)
+    monkeypatch.setattr(backend, "chunk_recurrent_dual", boom)
 
 
 def _prod(**kw):
@@ -505,7 +511,7 @@ def test_production_op_rejects_before_device_work(case, no_device_work):
         with pytest.raises(exc, match=pattern):
             flashqla.chunk_gated_delta_rule(**x)
         with pytest.raises(exc, match=pattern):
-            flashqla.ops.gdn.api.chunk_gated_delta_rule_fwd(**x)
+            flashqla.ops.gdn.fwd.chunk_gated_delta_rule_fwd(**x)
 
 
 def test_production_op_grad_request_on_cpu_gets_the_device_error(no_device_work):
@@ -588,7 +594,7 @@ def test_first_order_with_create_graph_and_constant_cotangent():
 
 
 def test_positive_and_non_finite_gates_rejected_with_grad():
-    """Documented in flashqla/validation.py: g > 0 and non-finite g are rejected (before any graph)."""
+    """Documented in flashqla/contract.py: g > 0 and non-finite g are rejected (before any graph)."""
     x = _small()
     for bad, pattern in ((0.25, r"^g must be <= 0"), (math.nan, r"^g must be finite"), (math.inf, r"^g must be finite")):
         g = x["g"].clone()

@@ -1,8 +1,8 @@
-"""CPU tier: the backward's launch order (`_common.launch_order`) and its one-launch rank kernel
+"""CPU tier: the backward's launch order (`launch_order.launch_order`) and its one-launch rank kernel
 (`flashqla/ops/gdn/kernels/sm90/launch_order.py`).
 
 - the torch path (CPU, and the reference) is the stable descending sort of the lengths, checked against
-  Python's `sorted` on awkward offsets; the None returns and FLASHQLA_BWD_ORDER as before;
+  Python's `sorted` on awkward offsets; the None returns (token order unless longest_first) as before;
 - the kernel compiles for sm_90a for int32 and int64 offsets; N is a run-time size (one build per
   dtype); its source has one barrier a step (and two around the warps' partial counts), no atomics and
   no host synchronisation; no spills;
@@ -67,63 +67,42 @@ AWKWARD = [
 ]
 
 
-@pytest.fixture
-def order_mode(monkeypatch):
-    def set_mode(mode):
-        if mode is None:
-            monkeypatch.delenv("FLASHQLA_BWD_ORDER", raising=False)
-        else:
-            monkeypatch.setenv("FLASHQLA_BWD_ORDER", mode)
-
-    return set_mode
-
-
 # --------------------------------------------------------------------------------------------
-# launch_order: the torch path (CPU), its None returns and FLASHQLA_BWD_ORDER
+# launch_order: the torch path (CPU), its None returns
 # --------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
 @pytest.mark.parametrize("case", range(len(AWKWARD)))
-def test_torch_path_is_the_stable_descending_sort(order_mode, dtype, case):
-    order_mode("longest")
+def test_torch_path_is_the_stable_descending_sort(dtype, case):
     for lead in (0, 77):
         cu = offsets(AWKWARD[case], dtype, lead)
-        got = _common.launch_order(cu)
+        got = lo.launch_order(cu, longest_first=True)
         assert got.dtype == torch.int32 and got.shape == (cu.numel() - 1,) and got.device == cu.device
         assert got.tolist() == python_order(cu)
 
 
-def test_torch_path_random_offsets(order_mode):
-    order_mode("longest")
+def test_torch_path_random_offsets():
     gen = torch.Generator().manual_seed(5)
     for c in range(60):
         N = int(torch.randint(2, 600, (1,), generator=gen))
         hi = [2, 5, 64, 10000][c % 4]  # few distinct lengths (many ties) to many
         lens = torch.randint(0, hi, (N,), generator=gen).tolist()
         cu = offsets(lens, torch.int32 if c % 2 else torch.int64)
-        assert _common.launch_order(cu, longest_first=True).tolist() == python_order(cu)
+        assert lo.launch_order(cu, longest_first=True).tolist() == python_order(cu)
 
 
-def test_none_returns_and_modes(order_mode):
+def test_none_returns():
+    """Token order (None) unless the caller (the plan's `longest_first`) asks; no offsets, N <= 1: None."""
     cu = offsets([3, 9, 1])
     one = offsets([7])
-    order_mode(None)  # "auto": only where the caller asks
-    assert _common.launch_order(cu) is None
-    assert _common.launch_order(cu, longest_first=True).tolist() == [1, 0, 2]
-    for mode in ("longest", "tokens", "auto"):
-        order_mode(mode)
-        assert _common.launch_order(None, True) is None
-        assert _common.launch_order(one, True) is None  # N == 1: numel 2
-        assert _common.launch_order(torch.zeros(1, dtype=torch.int32), True) is None  # N == 0
-        assert _common.launch_order(torch.zeros(0, dtype=torch.int32), True) is None
-    order_mode("tokens")
-    assert _common.launch_order(cu, True) is None
-    order_mode("longest")
-    assert _common.launch_order(cu).tolist() == [1, 0, 2]
-    order_mode("sometimes")
-    with pytest.raises(ValueError, match="FLASHQLA_BWD_ORDER"):
-        _common.launch_order(cu, True)
+    assert lo.launch_order(cu) is None
+    assert lo.launch_order(cu, longest_first=False) is None
+    assert lo.launch_order(cu, longest_first=True).tolist() == [1, 0, 2]
+    assert lo.launch_order(None, True) is None
+    assert lo.launch_order(one, True) is None  # N == 1: numel 2
+    assert lo.launch_order(torch.zeros(1, dtype=torch.int32), True) is None  # N == 0
+    assert lo.launch_order(torch.zeros(0, dtype=torch.int32), True) is None
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,11 +154,11 @@ def test_kernel_rejects_other_dtypes():
 
 def test_registered_for_precompilation(monkeypatch):
     """`op_kernel_specs` lists the kernel for what the backward launches it on: a packed batch's offsets,
-    and the split path's packed segment offsets (int32 for a fixed-length batch); `_build` knows it."""
-    from flashqla.ops.gdn.kernels import sm90
+    and the split path's packed segment offsets (int32 for a fixed-length batch); `registry.build` knows it."""
+    from flashqla.ops.gdn.kernels.sm90 import registry
 
     def listed(**kw):
-        return [a for k, a in sm90.op_kernel_specs(2, 4, **kw) if k == "launch_order"]
+        return [a for k, a in registry.op_kernel_specs(2, 4, **kw) if k == "launch_order"]
 
     assert listed(varlen=True, seq_dtype="int64") == [("int64",)]
     assert listed(varlen=True, seq_dtype="int32") == [("int32",)]
@@ -189,7 +168,7 @@ def test_registered_for_precompilation(monkeypatch):
     assert listed(varlen=True, backward=False) == []
     built = []
     monkeypatch.setattr(lo, "build_launch_order_kernel", lambda *a: built.append(a) or "kernel")
-    assert sm90._build("launch_order", ("int64",)) == "kernel" and built == [("int64",)]
+    assert registry.build("launch_order", ("int64",)) == "kernel" and built == [("int64",)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,13 +198,12 @@ def host_kernels():
 def run_host(host_kernels, cu, monkeypatch):
     """`launch_order` on a CPU tensor, forced onto the kernel path with the host build (the launcher
     itself past ORDER_KERNEL_MAX, where `launch_order` takes the torch sort)."""
-    monkeypatch.setenv("FLASHQLA_BWD_ORDER", "longest")
-    monkeypatch.setattr(_common, "on_sm90", lambda t: True)
+    monkeypatch.setattr(lo, "on_sm90", lambda t: True)
     monkeypatch.setattr(lo, "build_launch_order_kernel", lambda dt: host_kernels[dt])
     hk = host_kernels[_common.tl_dtype(cu.dtype)]
     before = hk.launches
     N = cu.numel() - 1
-    got = _common.launch_order(cu) if N <= _common.ORDER_KERNEL_MAX else lo.longest_first_order(cu)
+    got = lo.launch_order(cu, longest_first=True) if N <= lo.ORDER_KERNEL_MAX else lo.longest_first_order(cu)
     assert hk.launches == before + 1, "one launch per call"
     assert got.dtype == torch.int32 and got.shape == (cu.numel() - 1,)
     return got
@@ -289,40 +267,38 @@ def test_path_choice_and_no_host_sync(monkeypatch):
     other dtypes, and off sm_90."""
     rec = _Recorder()
     builds = []
-    monkeypatch.setenv("FLASHQLA_BWD_ORDER", "longest")
     monkeypatch.setattr(lo, "build_launch_order_kernel", lambda dt: builds.append(dt) or rec)
     cu = offsets([5, 0, 300, 64], torch.int32)
-    assert _common.launch_order(cu).tolist() == [2, 3, 0, 1]  # CPU: the torch sort
+    assert lo.launch_order(cu, True).tolist() == [2, 3, 0, 1]  # CPU: the torch sort
     assert rec.calls == []
 
-    monkeypatch.setattr(_common, "on_sm90", lambda t: True)
+    monkeypatch.setattr(lo, "on_sm90", lambda t: True)
 
     def refuse(*a, **k):
         raise AssertionError("host synchronisation on the launch path")
 
     for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__index__", "__float__"):
         monkeypatch.setattr(torch.Tensor, name, refuse)
-    out = _common.launch_order(cu)
-    wide = _common.launch_order(cu.to(torch.int64))
-    assert _common.launch_order(offsets([9], torch.int32)) is None  # N <= 1: token order, no launch
-    assert _common.launch_order(torch.zeros(1, dtype=torch.int32)) is None
-    limit = _common.launch_order(torch.zeros(_common.ORDER_KERNEL_MAX + 1, dtype=torch.int64))
+    out = lo.launch_order(cu, True)
+    wide = lo.launch_order(cu.to(torch.int64), True)
+    assert lo.launch_order(offsets([9], torch.int32), True) is None  # N <= 1: token order, no launch
+    assert lo.launch_order(torch.zeros(1, dtype=torch.int32), True) is None
+    limit = lo.launch_order(torch.zeros(lo.ORDER_KERNEL_MAX + 1, dtype=torch.int64), True)
     monkeypatch.undo()
     assert builds == ["int32", "int64", "int64"] and len(rec.calls) == 3
     kcu, korder = rec.calls[0]
     assert kcu is cu and korder is out and out.dtype == torch.int32 and out.shape == (4,)
-    assert limit.shape == (_common.ORDER_KERNEL_MAX,) and rec.calls[2][1] is limit
+    assert limit.shape == (lo.ORDER_KERNEL_MAX,) and rec.calls[2][1] is limit
     assert wide.shape == (4,)
 
     # past the limit, or int16 offsets: the torch sort, no launch
-    monkeypatch.setenv("FLASHQLA_BWD_ORDER", "longest")
-    monkeypatch.setattr(_common, "on_sm90", lambda t: True)
+    monkeypatch.setattr(lo, "on_sm90", lambda t: True)
     monkeypatch.setattr(lo, "build_launch_order_kernel", lambda dt: builds.append(dt) or rec)
-    lens = [1, 2] * ((_common.ORDER_KERNEL_MAX + 2) // 2)
+    lens = [1, 2] * ((lo.ORDER_KERNEL_MAX + 2) // 2)
     cu = offsets(lens, torch.int64)
-    assert _common.launch_order(cu).tolist() == python_order(cu)
+    assert lo.launch_order(cu, True).tolist() == python_order(cu)
     cu16 = offsets([3, 9, 1], torch.int16)
-    assert _common.launch_order(cu16).tolist() == [1, 0, 2]
+    assert lo.launch_order(cu16, True).tolist() == [1, 0, 2]
     assert len(rec.calls) == 3
 
 
@@ -338,11 +314,19 @@ def test_launcher_arguments():
 
 
 def test_module_has_no_host_sync_calls():
-    """The module never reads device values on the host: no call of a reading method anywhere in it."""
+    """The module never reads device values on the host: no call of a reading method anywhere in it. Its
+    one `.to` (`launch_order`'s torch path, moved here from `_common`) is a cast to a dtype on the same
+    device: every `.to` call takes exactly one `torch.<dtype>` argument (no device, no keywords)."""
     import ast
     import inspect
 
     tree = ast.parse(inspect.getsource(lo))
-    called = {node.func.attr for node in ast.walk(tree)
-              if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
-    assert not called & {"item", "tolist", "cpu", "numpy", "synchronize", "to"}, called
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)]
+    called = {node.func.attr for node in calls}
+    assert not called & {"item", "tolist", "cpu", "numpy", "synchronize"}, called
+    for node in calls:
+        if node.func.attr == "to":
+            assert not node.keywords and len(node.args) == 1, ast.unparse(node)
+            arg = node.args[0]
+            assert (isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name) and arg.value.id == "torch"
+                    and isinstance(getattr(torch, arg.attr, None), torch.dtype)), ast.unparse(node)

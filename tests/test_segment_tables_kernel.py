@@ -1,4 +1,5 @@
-"""CPU tier: the one-launch segment-table kernel (`flashqla.cp.tables_kernel`).
+"""CPU tier: the one-launch segment-table kernel (`flashqla.ops.gdn.kernels.sm90.cp_tables`) and its
+wrapper (`flashqla.cp.segments.segment_tables_device`).
 
 - the kernel compiles for sm_90a for int32 and int64 offsets, and its generated source is plain
   per-thread scalar code (no shared memory, barrier, atomic, spin loop or printf; every thread's
@@ -9,7 +10,7 @@
   field, on random packed mixes and edge cases, every output element written over a poison;
 - the wrapper: argument checks, the N == 0 / M == 0 and CPU-tensor fallbacks, buffer layout, and no
   host synchronisation on the launch path.
-The same comparison on an H200, CUDA graphs and timings: tests/gpu/segment_tables_check.py.
+The same comparison on an H200, and across CUDA-graph replays: tests/gpu/test_cp_kernels_gpu.py.
 """
 
 import tempfile
@@ -17,8 +18,9 @@ import tempfile
 import pytest
 import torch
 
-from flashqla.cp.planner import SegmentTables, build_segment_tables
-from flashqla.cp import tables_kernel as tk
+from flashqla.cp import segments
+from flashqla.cp.segments import SegmentTables, build_segment_tables
+from flashqla.ops.gdn.kernels.sm90 import cp_tables as tk
 
 from tests import host_cuda
 from tests.host_cuda import CXX, HAVE_NVCC, needs_cxx, needs_nvcc
@@ -133,7 +135,7 @@ def run_host(host_kernels, cu, L, T, monkeypatch):
     monkeypatch.setattr(tk, "build_segment_tables_kernel", lambda dt: host_kernels[dt])
     hk = host_kernels[tk._SEQ_DTYPES[cu.dtype]]
     before = hk.launches
-    got = tk.segment_tables_device(cu, L, T)
+    got = segments.segment_tables_device(cu, L, T)
     assert hk.launches == before + (1 if cu.shape[0] > 1 else 0), "one launch per call (none when N == 0)"
     return got
 
@@ -214,20 +216,20 @@ def test_generated_source_leading_offset(host_kernels, monkeypatch, dtype):
 @pytest.mark.parametrize("L", [0, -64, 32, 100, True, 64.5])
 def test_rejects_bad_segment_len(L):
     with pytest.raises(ValueError, match="segment_len"):
-        tk.segment_tables_device(torch.tensor([0, 10]), L, 10)
+        segments.segment_tables_device(torch.tensor([0, 10]), L, 10)
 
 
 def test_rejects_missing_or_negative_T_and_bad_offsets():
     with pytest.raises(ValueError, match="T .*required"):
-        tk.segment_tables_device(torch.tensor([0, 10]), 64)
+        segments.segment_tables_device(torch.tensor([0, 10]), 64)
     with pytest.raises(ValueError, match="T must be >= 0"):
-        tk.segment_tables_device(torch.tensor([0, 10]), 64, -1)
+        segments.segment_tables_device(torch.tensor([0, 10]), 64, -1)
     with pytest.raises(ValueError, match="1-D"):
-        tk.segment_tables_device(torch.zeros(0, dtype=torch.int32), 64, 10)
+        segments.segment_tables_device(torch.zeros(0, dtype=torch.int32), 64, 10)
     with pytest.raises(ValueError, match="1-D"):
-        tk.segment_tables_device(torch.zeros(2, 2, dtype=torch.int32), 64, 10)
+        segments.segment_tables_device(torch.zeros(2, 2, dtype=torch.int32), 64, 10)
     with pytest.raises(ValueError, match="1-D"):
-        tk.segment_tables_device(None, 64, 10)
+        segments.segment_tables_device(None, 64, 10)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
@@ -235,7 +237,7 @@ def test_rejects_missing_or_negative_T_and_bad_offsets():
 def test_no_sequences(dtype, T, L):
     """N == 0 (M = T // L, 0 when T < L): torch ops, no kernel, the torch tables."""
     cu = torch.zeros(1, dtype=dtype)
-    got = tk.segment_tables_device(cu, L, T)
+    got = segments.segment_tables_device(cu, L, T)
     assert got.N == 0 and got.M == T // L
     assert_tables_equal(got, build_segment_tables(cu, L, T=T))
 
@@ -248,9 +250,9 @@ def test_cpu_offsets_fall_back_to_torch_ops(monkeypatch):
     monkeypatch.setattr(tk, "build_segment_tables_kernel", no_build)
     cu = offsets([0, 1, 63, 64, 65, 0, 130], torch.int32)
     assert not tk.kernel_supported(cu)
-    assert_tables_equal(tk.segment_tables_device(cu, 64, 500), build_segment_tables(cu, 64, T=500))
+    assert_tables_equal(segments.segment_tables_device(cu, 64, 500), build_segment_tables(cu, 64, T=500))
     cu16 = offsets([3, 70], torch.int16)
-    assert_tables_equal(tk.segment_tables_device(cu16, 64, 80), build_segment_tables(cu16, 64, T=80))
+    assert_tables_equal(segments.segment_tables_device(cu16, 64, 80), build_segment_tables(cu16, 64, T=80))
 
 
 class _Recorder:
@@ -278,7 +280,7 @@ def test_launch_layout_and_no_host_sync(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, refuse)
     monkeypatch.setattr(tk, "kernel_supported", lambda cu: True)
     monkeypatch.setattr(tk, "build_segment_tables_kernel", lambda dt: rec)
-    tab = tk.segment_tables_device(cu, L, T)
+    tab = segments.segment_tables_device(cu, L, T)
     monkeypatch.undo()
 
     assert len(rec.calls) == 1
@@ -304,10 +306,13 @@ def test_launch_layout_and_no_host_sync(monkeypatch):
 
 
 def test_module_has_no_host_sync_calls():
-    """The module never reads device values on the host: no call of a reading method anywhere in it."""
+    """The kernel module and the wrapper never read device values on the host: no call of a reading
+    method anywhere in them."""
     import ast
     import inspect
+    import textwrap
 
-    tree = ast.parse(inspect.getsource(tk))
-    called = {node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
-    assert not called & {"item", "tolist", "cpu", "numpy", "synchronize", "to"}, called
+    for src in (inspect.getsource(tk), textwrap.dedent(inspect.getsource(segments.segment_tables_device))):
+        tree = ast.parse(src)
+        called = {node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
+        assert not called & {"item", "tolist", "cpu", "numpy", "synchronize", "to"}, called

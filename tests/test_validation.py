@@ -1,4 +1,4 @@
-"""Every error raised by flashqla.validation, through the shared check and through the reference ops;
+"""Every error raised by flashqla.contract, through the shared check and through the reference ops;
 each message names the offending argument (CPU)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flashqla.testing import make_gdn_inputs
-from flashqla.validation import check_gdn_inputs
+from flashqla.contract import check_gdn_inputs
 from reference import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from reference.gdn.chunk import chunk_gated_delta_rule_fwd
 
@@ -33,7 +33,7 @@ def _cu(values, dtype=torch.int32):
 
 # (id, varlen base, {argument: new value} or a function of the base dict, exception, message regex)
 CASES = [
-    # object kind, rank and dtype (flashqla.validation._tensor)
+    # object kind, rank and dtype (flashqla.contract._tensor)
     ("q-not-tensor", False, lambda x: {"q": x["q"].tolist()}, TypeError, r"^q must be a torch\.Tensor"),
     ("k-rank", False, lambda x: {"k": x["k"][0]}, ValueError, r"^k must have 4 dimensions"),
     ("v-int-dtype", False, lambda x: {"v": x["v"].to(torch.int32)}, TypeError, r"^v must be a floating-point tensor"),
@@ -203,7 +203,7 @@ def test_add_cotangents_shapes_and_seed():
 
 
 def test_planning_max_seqlen_rounds_the_longest_sequence_up_to_chunks():
-    from flashqla.validation import planning_max_seqlen
+    from flashqla.contract import planning_max_seqlen
 
     cu = torch.tensor([0, 5, 5, 200, 300])
     assert planning_max_seqlen(None, cu, 300) is None
@@ -225,7 +225,7 @@ def test_planning_max_seqlen_rounds_the_longest_sequence_up_to_chunks():
     ],
 )
 def test_planning_max_seqlen_rejects(hint, err, match):
-    from flashqla.validation import planning_max_seqlen
+    from flashqla.contract import planning_max_seqlen
 
     cu = torch.tensor([0, 5, 300])
     bad = {

@@ -1,13 +1,21 @@
 """Benchmark harness: `python -m flashqla.bench` (GDN forward, ours vs FLA vs FlashQLA) and
-`python -m flashqla.bench --bwd` (backward and training step).
+`python -m flashqla.bench --bwd` (backward and training step), one harness for both.
 
-Forward modules: `grid` (FlashQLA's published H200 grid, FLOP and byte counts, CP rows), `timing`
-(the one CUDA-graph timer), `trusted` (fp64 chunked result of the correctness gate, and its
-gradients by autograd for the backward gate), `peers` (the implementations and the environment
-key), `runner` (one row: inputs, gate, timing), `store` (resumable CSVs, the peers' cache),
-`breakdown` (FLA's forward kernel by kernel), `report` (markdown, geometric means, plot).
-Backward modules: `bwd_grid` (FlashQLA's backward grid with its seeded random lengths, backward and
-training-step FLOP), `bwd_impls` (each implementation as a forward and a backward call),
-`bwd_runner` (inputs with do/dht, fp64 gradients, gate, timing), `bwd_report`, `bwd_main` (the
-loop). Importing this package needs no GPU and imports no peer.
+Modules, one per concern; what differs between the forward and the backward is data (`store.SCHEMAS`,
+`gate.GATE_TOL`, the grids) or one small function each (`runner`'s per-row measurement, `report`'s
+page body):
+
+- `grid`: the forward, context-parallel and backward grids (FlashQLA's published tables), FLOP counts;
+- `impls`: the implementation table (ours and the peers: how each is loaded and called), the
+  environment key;
+- `inputs`: the seeded inputs of a row;
+- `gate`: the fp64 result (from `reference/`), the error metric and the gate's decision;
+- `timing`: the one CUDA-graph timer;
+- `runner`: the measuring loop;
+- `store`: the CSVs (results, the peers' cache), their schemas and file names;
+- `report`: the markdown pages; `plots`: every figure (pages and `notebooks/70_benchmarks.py`);
+- `breakdown`: FLA's forward kernel by kernel;
+- `config`: the options; `__main__`: the command line.
+
+Importing this package needs no GPU and imports no peer.
 """

@@ -79,22 +79,23 @@ def step_bytes(T: int, N: int, NT: int, H: int, HV: int, K: int = 128, V: int = 
 
 
 def run_fla_breakdown(x, timer: dict | None = None, ref=None) -> dict:
-    """Times FLA's five forward steps one by one on the row inputs `x` (a `runner.RowInputs`).
+    """Times FLA's five forward steps one by one on the row inputs `x` (an `inputs.RowInputs`).
 
     Returns {"steps": [(name, ms)], "intra_ms": ms of `chunk_gated_delta_rule_fwd_intra`,
     "kkt_source": "kernel" or "intra - w_u", "err_o": rel. RMS of the chained steps' o against
-    `ref` (NaN without `ref`), "NT": total chunks}. Raises ImportError when FLA is absent.
+    `ref["o"]` (`gate.fp64_result`; NaN without `ref`), "NT": total chunks}. Raises ImportError when
+    FLA is absent.
     """
     import torch
-
-    from flashqla.bench.timing import time_cuda_graph
-    from flashqla.bench.trusted import rel_rms
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_fwd_o
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
     from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
     from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
     from fla.ops.utils.constant import RCP_LN2
+
+    from flashqla.bench.gate import rel_rms
+    from flashqla.bench.timing import time_cuda_graph
 
     timer = timer or {}
     C = 64
@@ -111,7 +112,9 @@ def run_fla_breakdown(x, timer: dict | None = None, ref=None) -> dict:
 
         gc = cumsum()
         try:
-            from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_kkt_solve_kernel as kern
+            from fla.ops.gated_delta_rule.chunk_fwd import (
+                chunk_gated_delta_rule_fwd_kkt_solve_kernel as kern,
+            )
 
             def kkt_solve():
                 A = torch.zeros(1, T, HV, C, device=k.device, dtype=k.dtype)
@@ -144,7 +147,7 @@ def run_fla_breakdown(x, timer: dict | None = None, ref=None) -> dict:
         def intra():
             return chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, cu_seqlens=cu, chunk_size=C, chunk_indices=ci)
 
-        err_o = rel_rms(o, ref[0]) if ref is not None else math.nan
+        err_o = rel_rms(o, ref["o"]) if ref is not None else math.nan
         del o
         ms = {}
         for name, fn in (("chunk_local_cumsum", cumsum), ("kkt_solve", kkt_solve), ("recompute_w_u_fwd", w_u),

@@ -1,37 +1,44 @@
-"""Formatting of the results: console lines, the markdown table, geometric means, the plot.
+"""The pages of the benchmark: markdown from the results CSVs (and the plots, `plots`).
 
-Speed-up of ours over a peer = peer ms / our ms (above 1: ours is faster), on rows where both
-passed the gate. TFLOP/s on DESIGN.md section 6's count (163,840 FLOP per token and value head)
-and as a percentage of the 726 TFLOP/s bf16 GEMM rate of our H200.
+Pages (`<gpu>` e.g. `h200`):
+
+- `<gpu>-fwd.md`: environment, method, geometric-mean speed-ups (all rows, CP rows, other rows),
+  the per-row table (ms, speed-ups, TFLOP/s and % of 726), gate errors, drift, FLA's breakdown;
+- `<gpu>-cp.md`: the same for the rows of the context-parallel grid, then the backward's
+  one-sequence rows as its last section (`CP_BWD_HEADING`: written by the backward's pages, kept by
+  the forward's);
+- `<gpu>-bwd.md`: environment, method, geometric-mean speed-ups (all rows and per total T) of the
+  backward and the training step, one table each, the correctness gate, drift.
+
+Speed-up of ours over a peer = peer ms / our ms (above 1: ours is faster), on rows where both passed
+the gate. TFLOP/s on DESIGN.md section 6's counts (`grid.FLOP_PER_TOKEN_HEAD`) and as a percentage of
+the 726 TFLOP/s bf16 GEMM rate of our H200.
+
+`write_pages` writes a benchmark's pages (and plots) from its CSVs; `rebuild` is `--report-only`:
+the pages of the latest commit's rows (with `also` commits filling the rows it lacks), keeping the
+Method lines of the page in the results folder (the measuring run's) and writing to the pages folder.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
+from flashqla.bench import grid as G
+from flashqla.bench import plots
+from flashqla.bench import store as S
 from flashqla.bench.breakdown import COPY_TBPS, STEP_NAMES
-from flashqla.bench.grid import FWD_HEADS, FWD_MIXES, PEAK_TFLOPS, parse_mix, pct_of_peak, tflops
-from flashqla.bench.peers import ENV_FIELDS, IMPLS, LABELS, PEERS
+from flashqla.bench.gate import CHECKED, GATE_TOL, parse_errs, worst
+from flashqla.bench.impls import ENV_FIELDS, IMPLS, LABELS, PEERS
+from flashqla.bench.store import grid_order, is_cp, is_ok, num, row_name
+from flashqla.bench.timing import DEFAULTS
 
 __all__ = [
-    "num",
-    "is_ok",
-    "speedup",
-    "geomean",
-    "grid_order",
-    "cell_ms",
-    "console_line",
-    "geomean_table",
-    "markdown",
-    "method_from_markdown",
-    "PEERS_METHOD",
-    "with_current_peers_method",
-    "drift_section",
-    "CP_BWD_HEADING",
-    "splice_section",
-    "kept_section",
-    "plot",
+    "speedup", "geomean", "fmt_x", "cell_ms", "console_line",
+    "geomean_table", "markdown", "cp_section", "breakdown_markdown", "drift_section", "method_from_markdown",
+    "with_current_peers_method", "method_lines", "PEERS_METHOD", "CP_BWD_HEADING", "splice_section", "kept_section",
+    "commit_label", "fill_cached_peers", "write_pages", "rebuild",
 ]
 
 #: The Method bullet on the peers column, the same on every page (forward, CP, backward); a page
@@ -42,29 +49,19 @@ PEERS_METHOD = (
     "(`--retime`): the Drift section lists these rows, with the live time and its difference from the cached one "
     "where the results CSV keeps them (its `<peer>_retime_*` columns; rows re-timed before those columns existed "
     "are named without them).")
+#: The heading of the context-parallel page's backward section (`cp_section`): the backward's pages
+#: write it, the forward's keep it when they rewrite the page.
+CP_BWD_HEADING = "## Backward and training step, one sequence"
+#: Speed-up pairs of the geometric means: ours over each peer, then each peer over the ones before it.
+PAIRS = [("ours", p) for p in PEERS] + [(b, a) for i, a in enumerate(PEERS) for b in PEERS[i + 1:]]
+_ENV_NAMES = {"gpu": "GPU", "cuda": "CUDA (torch build)"}
 
 
-def num(x) -> float:
-    """A CSV cell (or a number) as float; empty or unparsable -> NaN."""
-    if isinstance(x, (int, float)):
-        return float(x)
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return math.nan
-
-
-def is_ok(r: dict, impl: str) -> bool:
-    """True when `impl` passed the gate on row `r` and has a time."""
-    ms = num(r.get(f"{impl}_ms"))
-    return str(r.get(f"{impl}_status", "")) == "ok" and ms > 0
-
-
-def speedup(r: dict, a: str = "ours", b: str = "fla") -> float:
+def speedup(r: dict, a: str = "ours", b: str = "fla", field: str = "ms") -> float:
     """b's time over a's time on row r (how many times faster a is); NaN unless both are ok."""
-    if not (is_ok(r, a) and is_ok(r, b)):
+    if not (is_ok(r, a, field) and is_ok(r, b, field)):
         return math.nan
-    return num(r[f"{b}_ms"]) / num(r[f"{a}_ms"])
+    return num(r[f"{b}_{field}"]) / num(r[f"{a}_{field}"])
 
 
 def geomean(xs) -> float:
@@ -75,197 +72,132 @@ def geomean(xs) -> float:
     return math.exp(sum(math.log(x) for x in v) / len(v))
 
 
-def _is_cp(r: dict) -> bool:
-    return str(r.get("cp_row", "")).lower() in ("1", "true", "yes", "cp")
-
-
-def grid_order(r: dict) -> tuple:
-    """Sort key: the published grid's head-config order, then its mix order; extras last."""
-    heads = [(h.h_qk, h.h_v) for h in FWD_HEADS]
-    hk = (int(r["h_qk"]), int(r["h_v"]))
-    mixes = [m.lengths for m in FWD_MIXES]
-    try:
-        ml = parse_mix(str(r["mix"])).lengths
-    except ValueError:
-        ml = ()
-    return (heads.index(hk) if hk in heads else len(heads), hk,
-            mixes.index(ml) if ml in mixes else len(mixes), str(r["mix"]))
-
-
-def cell_ms(r: dict, impl: str) -> str:
-    """Table cell of one implementation's time: ms, FAIL (with the error), n/a, error, or '-'."""
-    st = str(r.get(f"{impl}_status", ""))
-    if st == "ok":
-        return f"{num(r[f'{impl}_ms']):.3f}"
-    if st == "FAIL":
-        errs = [num(r.get(f"{impl}_err_o")), num(r.get(f"{impl}_err_ht"))]
-        e = max((x for x in errs if not math.isnan(x)), default=math.nan)
-        return f"FAIL ({e:.1e})" if not math.isnan(e) else "FAIL"
-    if st.startswith("error"):
-        return "error"
-    if st.startswith("not available") or st == "n/a":
-        return "n/a"
-    return "-"
-
-
-def _tf_cell(r: dict, impl: str) -> str:
-    if not is_ok(r, impl):
-        return "-"
-    tf = tflops(num(r[f"{impl}_ms"]), int(r["T"]), int(r["h_v"]))
-    return f"{tf:.0f} ({pct_of_peak(tf):.1f}%)"
-
-
 def fmt_x(v: float) -> str:
     """A speed-up cell: `1.23x`, or '-' when undefined (NaN)."""
     return "-" if math.isnan(v) else f"{v:.2f}x"
 
 
-def console_line(r: dict) -> str:
-    """One line per finished row for the terminal."""
-    parts = [f"{r['h_qk']}/{r['h_v']:<3} {r['mix']:<12}"]
+def _fail_detail(direction: str, r: dict, impl: str) -> str:
+    if direction == "bwd":
+        name, e = worst(parse_errs(r.get(f"{impl}_errs", "")), GATE_TOL["bwd"])
+        return f"{name} {e:.1e}" if name else ""
+    errs = [num(r.get(f"{impl}_err_o")), num(r.get(f"{impl}_err_ht"))]
+    e = max((x for x in errs if not math.isnan(x)), default=math.nan)
+    return "" if math.isnan(e) else f"{e:.1e}"
+
+
+def cell_ms(r: dict, impl: str, direction: str = "fwd", field: str | None = None) -> str:
+    """Table cell of one implementation's time in `<impl>_<field>` (default: the benchmark's first
+    timed column): ms, FAIL (with the worst error), unchecked, n/a, error, or '-'."""
+    field = field or S.SCHEMAS[direction].timed[0][0]
+    st = str(r.get(f"{impl}_status", ""))
+    if st == "ok":
+        ms = num(r.get(f"{impl}_{field}"))
+        return f"{ms:.3f}" if ms > 0 else "-"
+    if st == "FAIL":
+        detail = _fail_detail(direction, r, impl)
+        return f"FAIL ({detail})" if detail else "FAIL"
+    if st == "unchecked":
+        return "unchecked"
+    if st.startswith("error"):
+        return "error"
+    if st.startswith(("not available", "not supported")) or st == "n/a":
+        return "n/a"
+    return "-"
+
+
+def _tf_cell(r: dict, impl: str, field: str, kind: str) -> str:
+    if not is_ok(r, impl, field):
+        return "-"
+    tf = G.tflops(num(r[f"{impl}_{field}"]), int(r["T"]), int(r["h_v"]), kind)
+    return f"{tf:.0f} ({G.pct_of_peak(tf):.1f}%)"
+
+
+def console_line(direction: str, r: dict) -> str:
+    """One line per finished row for the terminal: each implementation's times (the backward:
+    backward/step) and error, then the speed-ups of ours over each peer."""
+    timed = S.SCHEMAS[direction].timed
+    name = row_name(r) if direction == "bwd" else str(r["mix"])
+    parts = [f"{str(r['h_qk']) + '/' + str(r['h_v']):<5} {name:<12}"]
     for i in IMPLS:
         st = str(r.get(f"{i}_status", ""))
         if st == "ok":
-            parts.append(f"{LABELS[i]} {num(r[f'{i}_ms']):.3f} ms (err {num(r.get(f'{i}_err_o')):.1e})")
+            times = "/".join(f"{num(r.get(f'{i}_{f}')):.3f}" if num(r.get(f"{i}_{f}")) > 0 else "-" for f, _, _ in timed)
+            err = num(r.get(f"{i}_err" if direction == "bwd" else f"{i}_err_o"))
+            parts.append(f"{LABELS[i]} {times} ms (err {err:.1e})")
         elif st == "FAIL":
-            parts.append(f"{LABELS[i]} FAIL (err o {num(r.get(f'{i}_err_o')):.1e}, ht {num(r.get(f'{i}_err_ht')):.1e})")
+            errs = (r.get(f"{i}_errs", "") if direction == "bwd"
+                    else f"err o {num(r.get(f'{i}_err_o')):.1e}, ht {num(r.get(f'{i}_err_ht')):.1e}")
+            parts.append(f"{LABELS[i]} FAIL ({errs})")
         elif st:
             parts.append(f"{LABELS[i]} {st}")
-    for p in ("fla", "flash_qla"):
-        s = speedup(r, "ours", p)
-        if not math.isnan(s):
-            parts.append(f"vs {LABELS[p]} {s:.2f}x")
+    for p in PEERS:
+        s = [speedup(r, "ours", p, f) for f, _, _ in timed]
+        if not all(math.isnan(x) for x in s):
+            parts.append(f"vs {LABELS[p]} " + "/".join(fmt_x(x) for x in s))
     return " | ".join(parts)
 
 
-def geomean_table(rows: list[dict]) -> list[str]:
-    """Markdown lines: geometric-mean speed-ups over all rows, CP rows and the other rows."""
-    pairs = [("ours", "fla"), ("ours", "flash_qla"), ("flash_qla", "fla")]
-    subsets = [("all rows", rows), ("CP rows", [r for r in rows if _is_cp(r)]),
-               ("other rows", [r for r in rows if not _is_cp(r)])]
+# ---------------------------------------------------------------------------------------- tables
+
+
+def geomean_table(direction: str, rows: list[dict]) -> list[str]:
+    """Markdown lines: geometric-mean speed-ups per timed column and pair (`PAIRS`), over all rows
+    and subsets (the forward: CP rows and the other rows; the backward: each total T)."""
+    if direction == "bwd":
+        subsets = [("all rows", rows)] + [(f"T = {t}", [r for r in rows if int(r["T"]) == t])
+                                          for t in sorted({int(r["T"]) for r in rows})]
+    else:
+        subsets = [("all rows", rows), ("CP rows", [r for r in rows if is_cp(r)]),
+                   ("other rows", [r for r in rows if not is_cp(r)])]
+    timed = S.SCHEMAS[direction].timed
     out = ["| speed-up (geometric mean) | " + " | ".join(s for s, _ in subsets) + " |",
            "| --- | " + " | ".join("---" for _ in subsets) + " |"]
-    for a, b in pairs:
-        cells = []
-        for _, rs in subsets:
-            xs = [speedup(r, a, b) for r in rs]
-            xs = [x for x in xs if not math.isnan(x)]
-            cells.append(f"{fmt_x(geomean(xs))} (n={len(xs)})" if xs else "- (n=0)")
-        out.append(f"| {LABELS[a]} over {LABELS[b]} | " + " | ".join(cells) + " |")
+    for field, _, title in timed:
+        prefix = f"{title.split(' (')[0]}: " if len(timed) > 1 else ""
+        for a, b in PAIRS:
+            cells = []
+            for _, rs in subsets:
+                xs = [x for x in (speedup(r, a, b, field) for r in rs) if not math.isnan(x)]
+                cells.append(f"{fmt_x(geomean(xs))} (n={len(xs)})" if xs else "- (n=0)")
+            out.append(f"| {prefix}{LABELS[a]} over {LABELS[b]} | " + " | ".join(cells) + " |")
     return out
 
 
-#: The heading of the context-parallel page's backward section (`bwd_report.cp_section`): the backward
-#: benchmark writes it, the forward one keeps it when it rewrites the page.
-CP_BWD_HEADING = "## Backward and training step, one sequence"
+def _lead_columns(direction: str) -> list[tuple[str, object]]:
+    """The per-row table's first columns: the row itself."""
+    heads = ("heads", lambda r: f"{r['h_qk']}/{r['h_v']}")
+    if direction == "bwd":
+        return [heads, ("mix", row_name),
+                ("lengths", lambda r: str(r["mix"]).replace("1x", "", 1) if int(r["N"]) == 1 else str(r["mix"])),
+                ("T", lambda r: str(r["T"])), ("N", lambda r: str(r["N"]))]
+    return [heads, ("mix", lambda r: str(r["mix"])), ("T", lambda r: str(r["T"])), ("N", lambda r: str(r["N"])),
+            ("par", lambda r: f"{num(r.get('parallelism')):.0f}"), ("CP", lambda r: "CP" if is_cp(r) else "")]
 
 
-def splice_section(text: str, heading: str, lines: list[str]) -> str:
-    """`text` with the section that starts at the line `heading` (to the end: it is the last section)
-    replaced by `lines`, or `lines` appended when there is none; empty `lines` removes the section."""
-    cut = _section_start(text, heading)
-    head = (text if cut < 0 else text[:cut]).rstrip("\n")
-    head = head + "\n\n" if head else ""
-    return (head + "\n".join(lines) + "\n") if lines else (head[:-1] if head else "")
-
-
-def _section_start(text: str, heading: str) -> int:
-    """Offset of the line `heading` in `text` (at the start, or after a newline; the line may end the
-    text), or -1."""
-    i = text.find(heading)
-    while i >= 0:
-        end = i + len(heading)
-        if (i == 0 or text[i - 1] == "\n") and (end == len(text) or text[end] == "\n"):
-            return i
-        i = text.find(heading, i + 1)
-    return -1
-
-
-def kept_section(path, heading: str = CP_BWD_HEADING) -> list[str]:
-    """The lines of the section `heading` (the page's last) of the file at `path`, or [] when the file or
-    the section is not there."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    text = path.read_text()
-    cut = _section_start(text, heading)
-    return [] if cut < 0 else text[cut:].rstrip("\n").split("\n")
-
-
-def markdown(rows: list[dict], env: dict, commit: str, meta: dict, breakdown_rows: list[dict] | None = None,
-             title: str = "GDN chunked prefill, forward: ours vs FLA vs FlashQLA") -> str:
-    """The results page: header, method, geometric means, the table, drift (from the rows' re-timed
-    columns) and breakdown."""
-    rows = sorted(rows, key=grid_order)
-    L = [f"# {title}", ""]
-    L += ["| | |", "| --- | --- |"]
-    names = {"gpu": "GPU", "driver": "driver", "cuda": "CUDA (torch build)", "torch": "torch", "triton": "triton",
-             "tilelang": "tilelang", "fla": "fla", "flash_qla": "flash_qla"}
-    for f in ENV_FIELDS:
-        L.append(f"| {names[f]} | {env.get(f, '')} |")
-    L.append(f"| our commit | {commit} |")
-    L.append(f"| date (UTC) | {meta.get('date', '')} |")
-    L.append("")
-    L.append("## Method")
-    L.append("")
-    for line in meta.get("method", []):
-        L.append(f"- {line}")
-    L.append("")
-    L.append("## Geometric-mean speed-ups")
-    L.append("")
-    L += geomean_table(rows)
-    L.append("")
-    L.append("CP rows (marked `CP` below) are the single-sequence few-head rows: the longest sequence holds at "
-             "least 3/4 of the tokens and the effective parallelism `par` = h_v x T / max length is below half "
-             "the SM count, so a kernel walking each (sequence, head) chunk chain on one SM leaves most SMs idle. "
-             "They belong to the context-parallel work; the other rows measure the fused kernel itself.")
-    L.append("")
-    L.append("## Forward, per row")
-    L.append("")
-    head = ["heads", "mix", "T", "N", "par", "CP", "ours ms", "FLA ms", "FlashQLA ms", "ours vs FLA",
-            "ours vs FlashQLA", "ours TFLOP/s (% of 726)", "FLA TFLOP/s", "FlashQLA TFLOP/s", "peers"]
-    L.append("| " + " | ".join(head) + " |")
-    L.append("|" + "|".join(" --- " for _ in head) + "|")
+def _table(direction: str, rows: list[dict], field: str, kind: str) -> list[str]:
+    """The per-row table of one timed column: the row, each implementation's ms, ours over each peer,
+    each implementation's TFLOP/s, the peers' source."""
+    lead = _lead_columns(direction)
+    head = ([h for h, _ in lead] + [f"{LABELS[i]} ms" for i in IMPLS] + [f"ours vs {LABELS[p]}" for p in PEERS]
+            + [f"{LABELS[i]} TFLOP/s" + (f" (% of {G.PEAK_TFLOPS:.0f})" if i == "ours" else "") for i in IMPLS]
+            + ["peers"])
+    L = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
     for r in rows:
-        cells = [f"{r['h_qk']}/{r['h_v']}", str(r["mix"]), str(r["T"]), str(r["N"]),
-                 f"{num(r.get('parallelism')):.0f}", "CP" if _is_cp(r) else "",
-                 cell_ms(r, "ours"), cell_ms(r, "fla"), cell_ms(r, "flash_qla"),
-                 fmt_x(speedup(r, "ours", "fla")), fmt_x(speedup(r, "ours", "flash_qla")),
-                 _tf_cell(r, "ours"), _tf_cell(r, "fla"), _tf_cell(r, "flash_qla"), str(r.get("peers_source", ""))]
+        cells = ([fn(r) for _, fn in lead] + [cell_ms(r, i, direction, field) for i in IMPLS]
+                 + [fmt_x(speedup(r, "ours", p, field)) for p in PEERS]
+                 + [_tf_cell(r, i, field, kind) for i in IMPLS] + [str(r.get("peers_source", ""))])
         L.append("| " + " | ".join(cells) + " |")
-    L.append("")
-    errs = []
-    for i in IMPLS:
-        e = [max(num(r.get(f"{i}_err_o")), num(r.get(f"{i}_err_ht"))) for r in rows if is_ok(r, i)]
-        e = [x for x in e if not math.isnan(x)]
-        if e:
-            errs.append(f"{LABELS[i]} max {max(e):.1e}")
-    if errs:
-        L.append("Gate errors (relative RMS of o and final state against the fp64 result, worst over the passing "
-                 "rows): " + "; ".join(errs) + ".")
-        L.append("")
-    L += drift_section(rows)
-    if breakdown_rows:
-        L += breakdown_markdown(breakdown_rows, rows)
-    return "\n".join(L) + "\n"
+    return L
 
 
-def method_from_markdown(md: str) -> list[str]:
-    """The bullet lines of the '## Method' section of an earlier page (for --report-only)."""
-    out, inside = [], False
-    for line in md.splitlines():
-        if line.startswith("## "):
-            inside = line.strip() == "## Method"
-            continue
-        if inside and line.startswith("- "):
-            out.append(line[2:])
-    return out
-
-
-def with_current_peers_method(lines: list[str]) -> list[str]:
-    """Method lines (of an earlier page, for --report-only) with the peers-column bullet replaced by
-    `PEERS_METHOD`, the one that says what the page's Drift section shows."""
-    return [PEERS_METHOD if line.startswith("Peers column:") else line for line in lines]
+def _header(title: str, env: dict, commit: str, meta: dict) -> list[str]:
+    """A page's title, environment table, commit, date and Method section."""
+    L = [f"# {title}", "", "| | |", "| --- | --- |"]
+    L += [f"| {_ENV_NAMES.get(f, f)} | {env.get(f, '')} |" for f in ENV_FIELDS]
+    L += [f"| our commit | {commit} |", f"| date (UTC) | {meta.get('date', '')} |", "", "## Method", ""]
+    L += [f"- {line}" for line in meta.get("method", [])]
+    return L + [""]
 
 
 def _timed_cell(ms: float, status: str) -> str:
@@ -321,6 +253,93 @@ def drift_section(rows: list[dict], kinds=(("", "ms"),), mix_of=None) -> list[st
     return L
 
 
+# ---------------------------------------------------------------------------------------- pages
+
+_VS = " vs ".join(LABELS[i] for i in IMPLS)
+FWD_TITLE = f"GDN chunked prefill, forward: {_VS}"
+CP_TITLE = f"GDN chunked prefill, one long sequence (context parallelism): {_VS}"
+BWD_TITLE = f"GDN chunked prefill, backward and training step: {_VS}"
+
+
+def markdown(direction: str, rows: list[dict], env: dict, commit: str, meta: dict,
+             breakdown_rows: list[dict] | None = None, title: str | None = None) -> str:
+    """The results page of `rows` (see the module docstring): `commit` is the header's commit cell,
+    `meta` holds "date" and the "method" lines; the forward's `breakdown_rows` add FLA's breakdown;
+    `title` (default the benchmark's)."""
+    rows = sorted(rows, key=lambda r: grid_order(r, direction))
+    L = _header(title or (BWD_TITLE if direction == "bwd" else FWD_TITLE), env, commit, meta)
+    L += ["## Geometric-mean speed-ups", ""] + geomean_table(direction, rows)
+    if direction == "bwd":
+        for field, kind, title in S.SCHEMAS["bwd"].timed:
+            L += ["", f"## {title[0].upper() + title[1:]}, per row", ""] + _table("bwd", rows, field, kind)
+        L += ["", "## Correctness gate", "",
+              "Worst quantity of each implementation (relative RMS against the fp64 result, or against the agreeing "
+              "implementation when the row's gate is `pairwise`; the quantity nearest its tolerance: "
+              + ", ".join(f"{n} {GATE_TOL['bwd'][n]:g}" for n in CHECKED["bwd"])
+              + "), and the largest relative RMS between two implementations over all of o, final state and "
+                "gradients.", ""]
+        L += _gate_table(rows) + [""]
+        L += drift_section(rows, kinds=(("bwd ", "bwd_ms"), ("step ", "step_ms")), mix_of=row_name)
+        return "\n".join(L) + "\n"
+    L += ["", "CP rows (marked `CP` below) are the single-sequence few-head rows: the longest sequence holds at "
+          "least 3/4 of the tokens and the effective parallelism `par` = h_v x T / max length is below half "
+          "the SM count, so a kernel walking each (sequence, head) chunk chain on one SM leaves most SMs idle. "
+          "They belong to the context-parallel work; the other rows measure the fused kernel itself.", "",
+          "## Forward, per row", ""]
+    L += _table("fwd", rows, "ms", "fwd") + [""]
+    errs = []
+    for i in IMPLS:
+        e = [max(num(r.get(f"{i}_err_o")), num(r.get(f"{i}_err_ht"))) for r in rows if is_ok(r, i)]
+        e = [x for x in e if not math.isnan(x)]
+        if e:
+            errs.append(f"{LABELS[i]} max {max(e):.1e}")
+    if errs:
+        L += ["Gate errors (relative RMS of o and final state against the fp64 result, worst over the passing "
+              "rows): " + "; ".join(errs) + ".", ""]
+    L += drift_section(rows)
+    if breakdown_rows:
+        L += breakdown_markdown(breakdown_rows, rows)
+    return "\n".join(L) + "\n"
+
+
+def _gate_table(rows: list[dict]) -> list[str]:
+    pairs = S.SCHEMAS["bwd"].pair_names
+    head = (["heads", "mix", "gate"] + [f"{LABELS[i]} worst" for i in IMPLS]
+            + [f"{LABELS[a]} ~ {LABELS[b]}" for a, b in pairs])
+    L = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+    for r in rows:
+        cells = [f"{r['h_qk']}/{r['h_v']}", row_name(r), str(r.get("gate", ""))]
+        for i in IMPLS:
+            name, e = worst(parse_errs(r.get(f"{i}_errs", "")), GATE_TOL["bwd"])
+            st = str(r.get(f"{i}_status", ""))
+            cells.append(f"{name} {e:.1e}" + (" FAIL" if st == "FAIL" else "") if name else "-")
+        for a, b in pairs:
+            v = num(r.get(f"pair_{a}_{b}"))
+            cells.append("-" if math.isnan(v) else f"{v:.1e}")
+        L.append("| " + " | ".join(cells) + " |")
+    return L
+
+
+def cp_section(rows: list[dict], commit: str, page: str, env: dict | None = None) -> list[str]:
+    """The context-parallel page's backward section (`CP_BWD_HEADING`): the one-sequence rows of
+    `rows` (the backward page's), their geometric-mean speed-ups and the backward and training-step
+    tables; `commit`: the rows' commit label; `page`: the backward page's file name, where the method,
+    the gate and the drift are; `env`: the rows' environment key, named in the section (the page's
+    header is the forward run's). [] without one-sequence rows."""
+    one = sorted((r for r in rows if int(r["N"]) == 1), key=lambda r: grid_order(r, "bwd"))
+    if not one:
+        return []
+    L = [CP_BWD_HEADING, "",
+         f"The one-sequence rows of the backward grid, from `{page}` (its method, correctness gate and drift "
+         f"section apply; our commit: {commit}). Ours splits the sequence where the backward's plan predicts a "
+         "gain (cp='auto'); FlashQLA runs its own intra-card context parallelism (`auto_cp=True`)."
+         + ("" if not env else " Environment: " + ", ".join(f"{f} {env.get(f, '')}" for f in ENV_FIELDS) + "."), ""]
+    L += geomean_table("bwd", one)
+    for field, kind, title in S.SCHEMAS["bwd"].timed:
+        L += ["", f"### {title[0].upper() + title[1:]}", ""] + _table("bwd", one, field, kind)
+    return L
+
+
 def breakdown_markdown(brows: list[dict], rows: list[dict]) -> list[str]:
     """Markdown lines of the FLA step breakdown, one table per row."""
     from collections import OrderedDict
@@ -364,102 +383,225 @@ def breakdown_markdown(brows: list[dict], rows: list[dict]) -> list[str]:
         L.append(f"- intermediates' HBM round trip (g_cum, A, w, u, h, v_new written and read back): "
                  f"{inter / MB:.1f} MB = {rt_ms:.3f} ms at {COPY_TBPS:.1f} TB/s"
                  + (f" ({100 * rt_ms / fla_ms:.0f}% of FLA's forward)" if fla_ms > 0 else ""))
-        for i in ("ours", "flash_qla"):
+        for i in IMPLS:
+            if i == "fla":
+                continue
             L.append(f"- {LABELS[i]} (whole forward): " + (f"{num(whole[f'{i}_ms']):.3f} ms" if is_ok(whole, i) else cell_ms(whole, i) if whole else "-"))
         L.append("")
     return L
 
 
-def pyplot():
-    """matplotlib.pyplot on the Agg backend, or None when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
+# ---------------------------------------------------------------------------------------- method
 
 
-def save_figure(plt, fig, path) -> Path:
-    """Lays out `fig`, writes it as a PNG to `path` (creating its folder) and closes it."""
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+def method_from_markdown(md: str) -> list[str]:
+    """The bullet lines of the '## Method' section of an earlier page (for --report-only)."""
+    out, inside = [], False
+    for line in md.splitlines():
+        if line.startswith("## "):
+            inside = line.strip() == "## Method"
+            continue
+        if inside and line.startswith("- "):
+            out.append(line[2:])
+    return out
 
 
-def heads_in_order(rows: list[dict]) -> list[tuple[int, int]]:
-    """The (h_qk, h_v) head configurations of `rows`, in the order they first appear."""
-    return list(dict.fromkeys((int(r["h_qk"]), int(r["h_v"])) for r in rows))
+def with_current_peers_method(lines: list[str]) -> list[str]:
+    """Method lines (of an earlier page, for --report-only) with the peers-column bullet replaced by
+    `PEERS_METHOD`, the one that says what the page's Drift section shows."""
+    return [PEERS_METHOD if line.startswith("Peers column:") else line for line in lines]
 
 
-def plot(rows: list[dict], path) -> Path | None:
-    """TFLOP/s per row and implementation, one panel per head configuration; writes a PNG.
+def method_lines(opts, impls: dict) -> list[str]:
+    """The Method bullets of a measuring run's pages: timer, inputs, gate, FLOP count, how each
+    implementation was called (`impls.Impl.source`, or why not), the peers column. `opts`: the
+    run's `config.Options`."""
+    bwd = opts.direction == "bwd"
+    t = DEFAULTS | opts.timer
+    tol = opts.tolerances
+    timer = (f"Timer (one function for every implementation, `flashqla.bench.timing.time_cuda_graph`): {t['warmup']} "
+             f"eager warm-up calls; the calls of one graph sized for about {t['target_ms']:g} ms per replay "
+             f"({t['min_launches']} to {t['max_launches']} calls, captured back to back); one untimed replay; "
+             f"{t['replays']} timed replays; reported: the median per-call time. Host overhead stays outside the graph "
+             "(as in FlashQLA's own benchmark); inputs are not rotated between calls.")
+    if bwd:
+        timer += (" Two timings per implementation: the backward alone (on the saved products of one forward, called "
+                  "again and again) and the training step (forward + backward).")
+    inputs = ("Inputs: `flashqla.testing.make_gdn_inputs` (L2-normalised q and k, v ~ N(0, 1), Qwen3-Next gate, "
+              f"beta = sigmoid, value head 0 with g = 0, last value head with g = -30; seed {opts.seed}), "
+              + ("bf16 q/k/v/do" if bwd else "bf16 q/k/v") + ", fp32 g/beta, K = V = 128, packed varlen (B = 1, "
+              "`cu_seqlens` int32) for every row as FlashQLA benchmarks it, `initial_state` ~ N(0, 1) fp32 given"
+              + (", `dht` ~ N(0, 1) fp32 given and do ~ N(0, 1); sequence lengths: FlashQLA's backward grid (random "
+                 "cut points, seed 42), listed per row" if bwd else "")
+              + "; the final state returned by every implementation.")
+    fp64 = ("the fp64 result computed on the GPU from the same inputs (`reference.chunk_gated_delta_rule` in fp64, "
+            "its chunked forward" + (" and its hand-written chunked backward" if bwd else "")
+            + ", in batches of value heads; equal to the token recurrence"
+            + (" and to autograd through it" if bwd else "") + " to fp64 rounding, "
+            + ("tests/test_bench_bwd.py)" if bwd else "tests/test_bench.py)"))
+    if bwd:
+        limit = opts.ref_limit
+        gate = ("Correctness gate before any timing: one forward and one backward per implementation; o, final state, "
+                "dq, dk, dv, dg (raw gate), dbeta and dh0 against "
+                + (fp64 + (f" on rows of at most {limit} chunk-padded token-heads, pairwise above" if limit else "")
+                   if opts.ref == "fp64" else
+                   "each other (pairwise: an implementation passes when it agrees with another one)")
+                + "; relative RMS within " + ", ".join(f"{n} {v:g}" for n, v in tol.items())
+                + "; an implementation above it is marked FAIL and not timed. Pairwise agreement is recorded for "
+                  "every row.")
+        flop = ("FLOP: 491,520 per token and value head for the backward, 655,360 for the training step (DESIGN.md "
+                "section 6)")
+    else:
+        gate = (f"Correctness gate before any timing: o and final state against {fp64}; relative RMS <= {tol['o']:g} "
+                f"(o) and {tol['ht']:g} (final state); an implementation above it is marked FAIL and not timed.")
+        flop = "FLOP: 163,840 per token and value head (DESIGN.md section 6)"
+    flop += (f"; TFLOP/s on that count, % of the {G.PEAK_TFLOPS:.0f} TFLOP/s bf16 GEMM rate measured on our H200. "
+             "Speed-up = peer ms / our ms.")
+    calls = []
+    for name in IMPLS:
+        impl = impls.get(name)
+        if impl is None:
+            what = ("not run in the call that wrote this page (--impls); its columns, where filled, come from earlier "
+                    "calls or the peers cache (see the commit and peers columns)")
+        else:
+            what = impl.source if impl.available else (impl.reason or "not available")
+        calls.append(f"{LABELS[name]}: {what}.")
+    return [timer, inputs, gate, flop, *calls, PEERS_METHOD]
 
-    Returns the path, or None when matplotlib is missing or there is nothing to plot."""
-    plt = pyplot()
-    if plt is None:
-        return None
-    rows = sorted(rows, key=grid_order)
-    heads = heads_in_order(rows)
-    if not heads:
-        return None
-    ncol = min(3, len(heads))
-    nrow = math.ceil(len(heads) / ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(6.5 * ncol, 3.8 * nrow), squeeze=False)
-    colors = {"ours": "tab:red", "fla": "tab:blue", "flash_qla": "tab:green"}
-    width = 0.27
-    for ax, h in zip(axes.flat, heads):
-        rs = [r for r in rows if (int(r["h_qk"]), int(r["h_v"])) == h]
-        xs = range(len(rs))
-        for j, i in enumerate(IMPLS):
-            ys = [tflops(num(r[f"{i}_ms"]), int(r["T"]), int(r["h_v"])) if is_ok(r, i) else 0.0 for r in rs]
-            ax.bar([x + (j - 1) * width for x in xs], ys, width, label=LABELS[i], color=colors[i])
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels([("*" if _is_cp(r) else "") + str(r["mix"]) for r in rs], rotation=60, ha="right", fontsize=7)
-        ax.set_title(f"h_qk/h_v = {h[0]}/{h[1]}")
-        ax.set_ylabel("TFLOP/s")
-        ax.grid(axis="y", alpha=0.3)
-    for ax in list(axes.flat)[len(heads):]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=8)
-    fig.suptitle(f"GDN forward, TFLOP/s on 163,840 FLOP per token-head\n(bf16 GEMM rate {PEAK_TFLOPS:.0f}; * = CP row)",
-                 fontsize=10)
-    return save_figure(plt, fig, path)
+
+# ---------------------------------------------------------------------------------------- writing
 
 
-def plot_vs_T(rows: list[dict], path) -> Path | None:
-    """Milliseconds against T (log-log) per implementation, one panel per head configuration: the
-    context-parallel benchmark's plot (single-sequence rows). Returns the path, or None when
-    matplotlib is missing or there is nothing to plot."""
-    plt = pyplot()
-    if plt is None:
-        return None
-    heads = heads_in_order(sorted(rows, key=grid_order))
-    if not heads:
-        return None
-    ncol = min(2, len(heads))
-    nrow = math.ceil(len(heads) / ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(6.0 * ncol, 4.0 * nrow), squeeze=False)
-    colors = {"ours": "tab:red", "fla": "tab:blue", "flash_qla": "tab:green"}
-    for ax, h in zip(axes.flat, heads):
-        rs = sorted((r for r in rows if (int(r["h_qk"]), int(r["h_v"])) == h), key=lambda r: int(r["T"]))
-        for i in IMPLS:
-            pts = [(int(r["T"]), num(r[f"{i}_ms"])) for r in rs if is_ok(r, i)]
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=LABELS[i], color=colors[i])
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("T (one sequence)")
-        ax.set_ylabel("ms")
-        ax.set_title(f"h_qk/h_v = {h[0]}/{h[1]}")
-        ax.grid(alpha=0.3, which="both")
-    for ax in list(axes.flat)[len(heads):]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=8)
-    fig.suptitle("GDN forward, one long sequence: time against T", fontsize=10)
-    return save_figure(plt, fig, path)
+def commit_label(rows: list[dict], commit: str, also=()) -> str:
+    """The header's commit cell of a page showing `rows`: `commit`, or with `also` the commits that
+    gave these rows, each with how many ("abc (4 rows); def (20 rows)"), counted over `rows` only."""
+    if not also:
+        return commit
+    counts = {c: sum(r.get("commit") == c for r in rows) for c in [commit, *also]}
+    return "; ".join(f"{c} ({n} rows)" for c, n in counts.items() if n)
+
+
+def fill_cached_peers(rows: list[dict], cache: S.PeerCache) -> list[dict]:
+    """Rows whose peer columns are empty (a run with `--impls ours`) get the peers' cached results
+    for the same row, and `peers_source` "cached"; rows with a peer result keep theirs. Returns new
+    dicts (the CSV is not rewritten)."""
+    out = []
+    for r in rows:
+        r = dict(r)
+        used = False
+        for name in PEERS:
+            if any(str(r.get(f"{name}_{f}", "")).strip() for f in ("status",) + cache.impl_fields[:1]):
+                continue
+            c = cache.get(name, S.row_key(r))
+            if c is None:
+                continue
+            for f in cache.impl_fields:
+                r[f"{name}_{f}"] = c.get(f, "")
+            used = True
+        if used and not str(r.get("peers_source", "")).strip():
+            r["peers_source"] = "cached"
+        out.append(r)
+    return out
+
+
+def write_pages(direction: str, paths: dict, env: dict, commit: str, meta: dict, plot: bool, also=()) -> list[Path]:
+    """Writes the pages of one benchmark (`paths`: `store.files`) from the CSV rows of (env, commit),
+    and for rows not measured at `commit` those of the commits in `also` (first match wins; the header
+    counts the rows each commit gave). Forward: `<gpu>-fwd.md`, and when some rows belong to the
+    context-parallel grid `<gpu>-cp.md` from those alone (keeping its backward section), with their
+    plots. Backward: `<gpu>-bwd.md` and its plot, and its one-sequence rows as the context-parallel
+    page's last section (`cp_section`) when that page exists (in the pages folder, else the results
+    folder's) and these rows include one-sequence rows (else the section stays as it is). Returns the
+    files written."""
+    schema = S.SCHEMAS[direction]
+    rows = S.rows_for_commits(S.read_rows(paths["csv"]), env, [commit, *also])
+    rows = fill_cached_peers(rows, S.PeerCache(paths["peers"], env, schema.impl_fields))
+    paths["md"].parent.mkdir(parents=True, exist_ok=True)
+    cp_base = paths["cp_md"] if paths["cp_md"].exists() else paths.get("src_cp_md", paths["cp_md"])
+    written = []
+    if direction == "bwd":
+        paths["md"].write_text(markdown("bwd", rows, env, commit_label(rows, commit, also), meta))
+        written.append(paths["md"])
+        one = [r for r in rows if int(r["N"]) == 1]
+        if cp_base.exists() and one:  # a run without one-sequence rows leaves the section
+            paths["cp_md"].write_text(splice_section(cp_base.read_text(), CP_BWD_HEADING,
+                                                     cp_section(rows, commit_label(one, commit, also),
+                                                                paths["md"].name, env)))
+            written.append(paths["cp_md"])
+        if plot and rows and plots.plot_bwd(rows, paths["png"]):
+            written.append(paths["png"])
+        return written
+    brows = [b for b in S.read_rows(paths["breakdown"]) if S.env_key(b) == S.env_key(env) and b.get("commit") == commit]
+    paths["md"].write_text(markdown("fwd", rows, env, commit_label(rows, commit, also), meta, brows))
+    written.append(paths["md"])
+    cp_rows = [r for r in rows if G.is_cp_grid_row(int(r["h_qk"]), int(r["h_v"]), r["mix"])]
+    if cp_rows:
+        kept = kept_section(cp_base)  # the backward's one-sequence section is the backward's to write
+        page = markdown("fwd", cp_rows, env, commit_label(cp_rows, commit, also), meta, [], title=CP_TITLE)
+        paths["cp_md"].write_text(splice_section(page, CP_BWD_HEADING, kept))
+        written.append(paths["cp_md"])
+    if plot and rows and plots.plot_fwd(rows, paths["png"]):
+        written.append(paths["png"])
+    if plot and cp_rows and plots.plot_vs_T(cp_rows, paths["cp_png"]):
+        written.append(paths["cp_png"])
+    return written
+
+
+def rebuild(direction: str, results_dir, out_dir=None, prefix: str | None = None, commit: str | None = None,
+            also=(), plot: bool = True) -> int:
+    """`--report-only`: the pages of one benchmark rebuilt from the CSVs in `results_dir`, written to
+    `out_dir` (default `results_dir`): the rows of `commit` (default: the most recently measured one),
+    rows it lacks from the commits in `also`, the Method lines of the page of the same name in
+    `results_dir` (the measuring run's; its peers bullet brought up to date). Returns the exit
+    status: 1 when the CSV has no such rows (nothing written), else 0."""
+    prefix = S.find_prefix(direction, results_dir, prefix)
+    paths = S.files(results_dir, prefix, out_dir)
+    rows = S.read_rows(paths["csv"])
+    key = S.latest_key(rows, commit)
+    if key is None:
+        print(f"no results in {paths['csv']}" + (f" for commit {commit}" if commit else ""), file=sys.stderr)
+        return 1
+    env, commit = key
+    method = with_current_peers_method(method_from_markdown(paths["src_md"].read_text() if paths["src_md"].exists()
+                                                            else ""))
+    dates = [r.get("date", "") for r in S.rows_for_key(rows, env, commit)]
+    meta = {"date": max(dates, default=S.now_utc()),
+            "method": method or ["Rebuilt from the CSV (--report-only); method of the measuring run unknown."]}
+    written = write_pages(direction, paths, env, commit, meta, plot, also)
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- sections
+
+
+def splice_section(text: str, heading: str, lines: list[str]) -> str:
+    """`text` with the section that starts at the line `heading` (to the end: it is the last section)
+    replaced by `lines`, or `lines` appended when there is none; empty `lines` removes the section."""
+    cut = _section_start(text, heading)
+    head = (text if cut < 0 else text[:cut]).rstrip("\n")
+    head = head + "\n\n" if head else ""
+    return (head + "\n".join(lines) + "\n") if lines else (head[:-1] if head else "")
+
+
+def _section_start(text: str, heading: str) -> int:
+    """Offset of the line `heading` in `text` (at the start, or after a newline; the line may end the
+    text), or -1."""
+    i = text.find(heading)
+    while i >= 0:
+        end = i + len(heading)
+        if (i == 0 or text[i - 1] == "\n") and (end == len(text) or text[end] == "\n"):
+            return i
+        i = text.find(heading, i + 1)
+    return -1
+
+
+def kept_section(path, heading: str = CP_BWD_HEADING) -> list[str]:
+    """The lines of the section `heading` (the page's last) of the file at `path`, or [] when the file or
+    the section is not there."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    text = path.read_text()
+    cut = _section_start(text, heading)
+    return [] if cut < 0 else text[cut:].rstrip("\n").split("\n")

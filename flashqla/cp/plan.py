@@ -18,13 +18,11 @@ Sequence lengths are never read from `cu_seqlens` (that would be a device-to-hos
 the hint the model assumes balanced sequences of ceil(T / N) tokens, the case least favourable to
 splitting (an unbalanced mix only gains more from a split; `force` covers a caller who knows).
 
-Cost model, in units of one chunk step of the recurrent kernel at BV = 128 (~3.3 us on the H200),
-for the launches `flashqla.cp.forward` makes:
+Cost model, in units of one chunk step of the recurrent kernel at BV = 128, for the launches
+`flashqla.cp.forward` makes (the constants are fitted to the timings in
+`benchmarks/journal/context-parallel.md`; each constant's comment says to which):
 
-    t(BV)        per-CTA cost of one chunk: t(128) = 1.1 (1.0 before the refit at UNSPLIT_CHUNK_COST), t(64) = 0.9 (first 0.8 from NOTES.md, 32/32
-                 1x4096, both launches under one wave: the op took 0.318 ms at BV = 64 and 0.378 ms
-                 at BV = 128; less the 0.082 ms prepare kernel, 0.236 vs 0.296 ms for the same chunk
-                 count; 0.9 in the refit described at HEAD_OVERHEAD)
+    t(BV)        per-CTA cost of one chunk: t(128) = 1.1, t(64) = 0.9 (CHUNK_COST)
     slots        SMs x CTAs per SM; one CTA per SM at both widths (the role-split recurrent kernel,
                  unsplit and in the dual launch: 156,160 B of shared memory at BV = 64, 229,888 B at
                  BV = 128)
@@ -55,13 +53,11 @@ overhead the model leaves out). The optimum
 lands where the segment CTAs fill one or a few whole waves: shorter segments do not shorten the
 critical path below total work / slots and add scan steps; longer ones leave SMs idle.
 Examples at 132 SMs (exact mode, the dual launch and the cut): 2/8 1x32768 -> split, L = 2560,
-BV = 128 (measured 1.56 -> 0.37 ms); 16/32 1x32768 -> split, L = 8192 (1.72 -> 0.96 ms); 16/64
-1x32768 -> split, L = 16896 (1.92 -> 1.48 ms); 32/32 1x4096 -> split, L = 1024 (0.233 -> 0.228
-ms; no split before the split path's fixed costs fell, when it measured 0.286 split against 0.237);
-16/64 1x4096 -> no split; 16/64 4x8192 (256 CTAs unsplit) -> no split. `disable=True` never splits; `force=True`
-always splits (the best split, or `segment_len`); `segment_len` fixes L (a multiple of 64);
-`exact=True` costs exact mode, `exact=False` the gate-driven mode with `gate_chunks` chunks. The
-constants are module-level and named below.
+BV = 128; 16/32 1x32768 -> split, L = 8192; 16/64 1x32768 -> split, L = 16896; 32/32 1x4096 ->
+split, L = 1024; 16/64 1x4096 -> no split; 16/64 4x8192 (256 CTAs unsplit) -> no split.
+`disable=True` never splits; `force=True` always splits (the best split, or `segment_len`);
+`segment_len` fixes L (a multiple of 64); `exact=True` costs exact mode, `exact=False` the gate-driven
+mode with `gate_chunks` chunks. The constants are module-level and named below.
 
 Backward (`backward=True`) and unknown lengths
 ------------------------------------------------
@@ -71,7 +67,7 @@ the states pass over the segments, and the fused chunk backward at BWD_CHUNK_COS
 steps per chunk with one CTA per (segment, value head) and BWD_WAVE_COST per wave of them. Its
 unsplit cost is the states pass plus BWD_CHUNK_COST times the longest chain (and one wave cost per
 wave), so one long sequence splits far sooner than in the forward
-(16/32 heads x 32768 tokens: forward unsplit, backward L = 8192; H200: 9.99 -> 5.36 ms). A packed
+(16/32 heads x 32768 tokens: forward unsplit, backward L = 8192). A packed
 batch (N > 1) is planned the same way (`PACKED_BWD_OWN_PLAN`) since the segment tables and both
 scans became one launch each (the forward and the backward plan independently: the backward
 recomputes every product it needs from the forward's A and g_cum_log2).
@@ -124,29 +120,18 @@ __all__ = ["CPPlan", "CallPlan", "PlanKey", "clear_plan_cache", "cp_splits", "fi
 SEGMENT_QUANTUM = 512
 #: Value-slice widths of the recurrent kernel, preferred first on a tie.
 BV_CHOICES = (128, 64)
-#: Per-CTA cost of one chunk step, relative to BV = 128 (NOTES.md, 32/32 1x4096: 0.8; 0.9 since the
-#: split path's fixed costs fell, fitted with HEAD_OVERHEAD and SCAN_STEP_COST below).
-#: Refitted on the H200 with the role-split dual launch and the staged o store (2026-11-30, commit
-#: 4c5bf31, tests/gpu/cp_plan_ab.py): 1.0 -> 1.1 at BV = 128 (with UNSPLIT_CHUNK_COST[64] 0.58 -> 0.5),
-#: see UNSPLIT_CHUNK_COST.
+#: Per-CTA cost of one chunk step of the split path's launches (the dual run + transition launch), in
+#: the model's chunk units, by value-slice width. Fitted with UNSPLIT_CHUNK_COST, HEAD_OVERHEAD and
+#: SCAN_STEP_COST to forward rows timed under the plans they choose between: BV = 64 in
+#: `benchmarks/journal/context-parallel.md`, "The split path's fixed costs, again", BV = 128 with
+#: UNSPLIT_CHUNK_COST (its comment).
 CHUNK_COST = {128: 1.1, 64: 0.9}
-#: The same for the unsplit forward launch, whose BV = 64 kernel is the role-split one (schedule
-#: "roles" of `kernels/sm90/recurrent.py`; the split path's dual launch stays "overlap" unless
-#: FLASHQLA_DUAL_SCHEDULE=roles, and is priced at CHUNK_COST either way).
-#: Measured on the H200 (2026-11-30, tests/gpu/recurrent_floor.py, recurrent launch alone, us per
-#: chunk step against BV = 128 "overlap" on the same row): 0.55-0.61 with the SMs not full (2/8 2048x4,
-#: 1024x8, 1x8192, 4/16 8192x4), 0.535 per CTA at 256 CTAs on 132 SMs (16/32 8192x4).
-#: Then the staged o store (the role-split kernel's output warpgroup writes o through shared memory):
-#: BV = 64 1.62-1.74 us a step against 3.43-3.67 for BV = 128 "overlap" (0.47-0.49), BV = 128 role
-#: split 2.70-2.91 (0.79). The split path's BV = 128 dual launch is now underpriced against these for
-#: short segments (5.3-6.1 us a planner unit against 3.8-3.9 for the rest), so with u(64) = 0.5 the
-#: split's chunk cost at BV = 128 rose to 1.1: of 34 forward-grid rows timed under their old plan and
-#: under CHUNK_COST[128] = 1.35's (cp_plan_ab.py --changed-by), the 14 whose plan this pair changes
-#: (all to unsplit) measured 1.23x, 1.22x, 1.17x, 1.17x, 1.01x (8/32 12288 + 4096), 1.13x, 0.92x (16/32
-#: 12288 + 4096), 0.99x (8/24 1024 + 7168), 1.09x (16/48 x 32768), 1.28x, 1.33x, 1.18x, 1.13x, 0.98x
-#: (32/32 12288 + 4096), geometric mean 1.12x; the other grid rows and every backward plan are unchanged
-#: (4/16 x 1048576: L 133632 -> 133120). The remaining misses are mixed: BV = 128 splits of 24576 +
-#: 8192 measured 1.09-1.16x faster than unsplit, which a higher CHUNK_COST[128] loses.
+#: The same for the unsplit forward launch (the role-split recurrent kernel,
+#: `kernels/sm90/recurrent.py`, at the width `recurrent.pick_block_v` picks); the split path's dual
+#: launch is priced at CHUNK_COST. Fitted with CHUNK_COST to the recurrent launch's chunk step at both
+#: widths and to the forward-grid rows whose plans the pair changes
+#: (`benchmarks/journal/forward.md`, "The grid with the staged o store, the planner refit, cold
+#: compile and warmup").
 UNSPLIT_CHUNK_COST = {128: 1.0, 64: 0.5}
 #: Resident CTAs per SM of the recurrent kernel.
 CTAS_PER_SM = {128: 1, 64: 1}
@@ -158,44 +143,32 @@ PASSES_GATED = 1.0
 #: Whether exact CP runs the run and the transition as one launch (`chunk_recurrent_dual`: the CTAs
 #: of both share the waves; the default on sm_90).
 DUAL_LAUNCH = True
-#: The gate-driven cut (`flashqla.cp.driver.transition_limits`, on by default) makes most transitions
+#: The gate-driven cut (`flashqla.cp.forward.transition_limits`, on by default) makes most transitions
 #: short, but how short depends on g, which the plan cannot read without a host sync. The plan assumes
-#: FULL_TRANSITION_HEADS value heads per segment walk the whole segment (gates that do not decay, as
-#: the benchmark's g == 0 head) and the others CUT_CHUNKS chunks: the dual launch then takes
-#: max(waves of the long CTAs x chunks, all work / CTA slots). Measured on the H200 (2026-11-30,
-#: tests/gpu/cp_dual_check.py, the benchmark's gates): the cut transitions walked 2-3 chunks on
-#: average, the g == 0 head all of them. With every head undecayed a plan made this way is at most
-#: ~25% slower than the best exact plan (2/8 x 32768: L = 2560, 2 waves of 40 chunks against 64).
+#: FULL_TRANSITION_HEADS value heads per segment walk the whole segment (gates that do not decay, as the
+#: benchmark's g == 0 head) and the others CUT_CHUNKS chunks: the dual launch then takes max(waves of
+#: the long CTAs x chunks, all work / CTA slots). CUT_CHUNKS is set from the chunks the cut walked on
+#: the benchmark's gates (`benchmarks/journal/context-parallel.md`, "Run and transitions in one
+#: launch"). With every head undecayed a plan made this way is at most ~25% slower than the best exact
+#: plan (2/8 x 32768: L = 2560, 2 waves of 40 chunks against 64).
 FULL_TRANSITION_HEADS = 1
 CUT_CHUNKS = 4
 #: Fixed cost of a split forward per value head beyond the launches above (limits, scan, correction,
-#: their index work), chunk units. Fitted on the H200 (2026-11-30, tests/gpu/cp_dual_check.py --cp on,
-#: the planner's split with the default cut against unsplit, ms): split faster at 16/64 x 32768 (1.92
-#: -> 1.49), 16/48 x 16384 (0.91 -> 0.78), 16/32 x 8192 (0.44 -> 0.41), 16/64 28672 + 4096 (1.89 ->
-#: 1.60); slower at 16/64 x 8192 (0.49 -> 0.56), 32/32 x 4096 (0.237 -> 0.286), 8/32 x 4096 (0.226 ->
-#: 0.275); even at 16/16 4 x 8192 (0.52). Every value in (0.59, 0.88) makes MIN_GAIN pick the faster
-#: of the two on all eight. Refitted (2026-11-30, H200) after the correction kernel's epilogue fix, the
-#: scan's prefetch and the one-launch initial states: 0.25, with CHUNK_COST[64] 0.9 and SCAN_STEP_COST
-#: 1.0, picks the fastest measured plan on 11 of 12 swept rows (tests/gpu/cp_length_sweep.py, short
-#: few-head rows; the old costs: 5 of 12); the 36 rows of the forward grid whose plans it changes,
-#: timed under both plans (tests/gpu/cp_plan_ab.py): 32 faster (up to 1.49x, 4/16 6144 + 2048 0.281
-#: -> 0.189 ms), 4 slower by 1-3.4% (8/32 6144 + 2048 and 2048 + 6144, 16/64 x 8192, 16/64 12288 +
-#: 4096). The backward's plans do not change.
+#: their index work), chunk units. Fitted with CHUNK_COST[64] and SCAN_STEP_COST to short few-head
+#: rows timed over segment lengths and widths, and checked on the forward-grid rows whose plans the
+#: fit changes, each timed under both plans (`benchmarks/journal/context-parallel.md`, "The split path's
+#: fixed costs, again").
 HEAD_OVERHEAD = 0.25
-#: Cost of one combine-scan step (the one-launch scan kernel, `kernels/sm90/cp_scan.py`), chunk units.
-#: Measured on the H200 (CUDA graphs): 4.4 us a step at 8 value heads, 11 us at 32 (~1.3-3.3 units),
-#: then 1.12-1.27x less with the "prefetch" variant; 1.0 since the refit (HEAD_OVERHEAD).
+#: Cost of one combine-scan step (the one-launch scan kernel, `kernels/sm90/cp_scan.py`), chunk units;
+#: fitted with HEAD_OVERHEAD (its comment).
 SCAN_STEP_COST = 1.0
 #: The same in the backward's costs, and BWD_WAVE_COST: a fixed cost per wave of the backward's
 #: (segment, value head) CTAs (their first and last chunk, the states pass's and the segment
-#: gradients' per-CTA work). Refitted on the H200 (2026-12-01, pass 2 v5, `tests/gpu/cp_bwd_sweep.py`:
-#: 15 rows of the backward grid, each timed unsplit and at 6-10 segment lengths): with 3.0 and no wave
-#: cost the plan was the fastest measured on 5 of the 15 rows (up to 1.21x slower: 2/4 1 x 8192 at
-#: L = 1024, 0.372 ms, against 0.307 at 512); with 1.5 and 20 on 10, the six one-sequence rows all
-#: among them. The five left are packed rows whose best L depends on the lengths below the longest,
-#: which the plan does not see (1.00-1.14x; 4/8 with 8 sequences of 32768 tokens: 1.206 ms at
-#: L = 1536 against 1.057 at 2560). Lowering only the scan cost (1.5, no wave cost) moved two packed
-#: rows to shorter, slower segments (16/32 5809 + 1244 + 406 + 733: L 1536 -> 512, 1.028 -> 1.272 ms).
+#: gradients' per-CTA work). Fitted to rows of the backward grid timed unsplit and at several segment
+#: lengths (`benchmarks/journal/context-parallel.md`, "The whole backward beside FlashQLA's kernels; the
+#: backward planner refitted"). Packed rows whose best L depends on the lengths below the longest,
+#: which these costs do not see, are costed on every length when the caller gives them
+#: (BWD_LEN_TOKEN_COST).
 BWD_SCAN_STEP_COST = 1.5
 BWD_WAVE_COST = 20.0
 #: Cost of the output correction per corrected token and value head, chunk units (bf16 o, U, o).
@@ -207,35 +180,27 @@ EXTRA_LAUNCHES_GATED = 12
 #: Chunks the gate-driven mode's transition launch covers when the plan is costed without a value.
 DEFAULT_GATE_CHUNKS = 4
 #: Backward (`backward=True`): per-CTA cost of one chunk of the fused chunk backward (pass 2), in
-#: forward chunk units. Measured on the H200 (2026-11-30, pass-2 variant v2, `tests/gpu/bwd_v2_check.py`):
-#: 16.7-16.9 us per chunk on one-sequence rows against ~3.3 us for the forward's recurrent step.
-#: Pass 2's default since 2026-12-01 (v5) takes 10.8-12.6 us, about 3.5-3.8; fitted with BWD_SCAN_STEP_COST
-#: and BWD_WAVE_COST on the measured sweep (their comment), 5.0 still picks best: the value stands for
-#: pass 2's chunk plus the states pass's and the recomputed run's share that scales with chunks.
+#: forward chunk units: pass 2's chunk plus the states pass's and the recomputed run's share that
+#: scales with chunks, fitted with BWD_SCAN_STEP_COST and BWD_WAVE_COST (their comment).
 BWD_CHUNK_COST = 5.0
 #: Whether a packed batch's backward (N > 1) is planned with the backward's own costs (True) or takes
-#: the forward's plan (False). Read
-#: when a plan is made (plans are cached: `clear_plan_cache` after changing it). Measured on the H200
-#: (2026-11-30, tests/gpu/cp_plan_check.py, 24 packed rows of the backward grid, one-launch tables and
-#: scan): the own plan was never slower (within 1%) and up to 3.6x faster (4/8 7212+25556 7.80 ms
-#: unsplit; 2/4 8 sequences of 32768 tokens 3.06 -> 1.21 ms; 4/8 7053+1139 2.20 -> 0.76 ms).
+#: the forward's plan (False). Read when a plan is made (plans are cached: `clear_plan_cache` after
+#: changing it). The own plan was the faster one on the packed rows of the backward grid
+#: (`benchmarks/journal/context-parallel.md`, "The split path in one launch per step").
 PACKED_BWD_OWN_PLAN = True
 #: Split only when the predicted time improves at least this much.
 MIN_GAIN = 1.2
-#: The same for the backward's plan (`backward=True`). Measured on the H200 (2026-12-01,
-#: `tests/gpu/cp_train_plan_check.py`, the backward benchmark's calls: a forward keeping its split
-#: states, the backward reusing them): of the 32 backward-grid rows, two plans change between 1.2 and
-#: 1.0 (both at 1.05), both faster: 8/16 with 8 sequences of 8192 tokens (predicted 1.12x) unsplit -> L = 512,
-#: backward 0.764 -> 0.571 ms, training step 0.927 -> 0.837; 16/32 7212 + 7072 + 13725 + 4759 (1.06x)
-#: -> L = 1536, 3.590 -> 2.993 ms, 4.375 -> 4.025. The backward's split costs include the recomputed
-#: forward run, transitions and combine scan, which a backward on kept states does not launch (its
-#: forward does, under the training step). 1.05, not 1.0: a split predicted within the model's noise
-#: of the unsplit launch is not taken.
+#: The same for the backward's plan (`backward=True`), lower than the forward's: the backward's split
+#: costs include the recomputed forward run, transitions and combine scan, which a backward on kept
+#: states does not launch (its forward does, under the training step). 1.05, not 1.0: a split
+#: predicted within the model's noise of the unsplit launch is not taken. Chosen on the backward
+#: grid's training steps (`benchmarks/journal/context-parallel.md`, "The backward planner's own split
+#: threshold").
 BWD_MIN_GAIN = 1.05
 #: The backward's plan when the caller gives every sequence's length (`seqlens`, N > 1; from FLA's
 #: `cu_seqlens_cpu`): the time of the training step's CP work (the forward keeping its split states and
 #: the backward reusing them) is costed per launch order instead of from the longest and mean lengths,
-#: in units of one chunk step of a backward CTA (~14 us on the H200):
+#: in units of one chunk step of a backward CTA:
 #:
 #:     t(L) = makespan(L) + BWD_LEN_TOKEN_COST * HV * T + BWD_LEN_WAVE_COST * HV * m / SMs
 #:            + [split] (BWD_LEN_SPLIT_COST + BWD_LEN_SCAN_STEP_COST * (most segments of a sequence - 1))
@@ -243,29 +208,20 @@ BWD_MIN_GAIN = 1.05
 #: makespan(L): the CTAs (one per segment, or sequence when unsplit, and value head: m segments) in
 #: launch order (segment-major, value heads fastest), each sent to the first SM that is free, each
 #: lasting its segment's chunks; the latest finish (`_greedy_makespan`), in the launch order the step
-#: used. Fitted on the H200 (`fit_lengths_costs`, least squares, the makespan's coefficient scaled to 1;
-#: `tests/test_cp_planner_lengths.py` refits from the sweep and checks these values) on
-#: benchmarks/results/h200-cp-train-sweep.json (2026-12-01, commit 0c7a8e3,
-#: `tests/gpu/cp_train_plan_check.py --lengths`: eleven packed rows of the backward grid, each unsplit
-#: and at L = 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192 below its longest sequence, 90 training
-#: steps): one unit is 13.9 us, RMS error 0.045 ms on steps of 0.42-6.0 ms, and the L it ranks first
-#: among the measured ones is the fastest measured on nine rows, within 1.9% on the other two.
-#: The first fit (commit 5f7465c, before the split's fixed costs fell: the cut scan, the side stream,
-#: longest-first launches) had 72.9e-6 / 7.27 / 11.07 / 0.55; with it 16/32 with 8 sequences of 8192
-#: tokens stayed whole (predicted 1.03x), although the split at L = 2048 now measures a training step
-#: of 0.987 against 0.990 ms and a backward of 0.693 against 0.794 (predicted 1.08x by this fit).
+#: used. Fitted by `fit_lengths_costs` (least squares, the makespan's coefficient scaled to 1) to the
+#: training steps in `benchmarks/results/h200-cp-train-sweep.json` (packed rows of the backward grid,
+#: each unsplit and at several L below its longest sequence, as written by
+#: `benchmarks/experiments/cp_train_plan_check.py --lengths`); `tests/test_cp_planner_lengths.py` refits
+#: from that file and checks these values. The fit's error and its picks:
+#: `benchmarks/journal/context-parallel.md`, "The backward's lengths model refitted".
 BWD_LEN_TOKEN_COST = 57.9e-6
 BWD_LEN_WAVE_COST = 5.87
 BWD_LEN_SPLIT_COST = 7.96
 BWD_LEN_SCAN_STEP_COST = 0.518
-#: The sort that launches a split backward's segments longest first (`_common.launch_order`), in the
-#: same units. As torch ops (a subtraction, a radix sort, a cast) it cost 12-17 us a backward on the
-#: H200 grid at 1a329fc (sorted whenever N > 1) against e042054 (token order), on rows whose plan and
-#: schedule it did not change (2/4 7053 + 1139, 4/8 7053 + 1139, 2/4 with 4 and 8 sequences of 8192
-#: tokens): 1.0 unit. The one-launch rank kernel (`kernels/sm90/launch_order.py`) takes 1.8-2.9 us for
-#: up to 1000 segments in a CUDA graph on the H200: 0.2 unit. Where the order shortens the schedule it
-#: pays: 16/32 with 8 sequences of 32768 tokens 2.812 -> 2.566 ms under one plan, 8/16 1.728 -> 1.368
-#: (`tests/gpu/bwd_order_check.py`, gradients bitwise equal).
+#: The launch that orders a split backward's segments longest first (`launch_order.launch_order`: one
+#: launch of the rank kernel, `kernels/sm90/launch_order.py`), in the same units: the kernel's measured
+#: time (`benchmarks/journal/context-parallel.md`, "The current kernels on the GPU"). The order moves
+#: CTAs, not arithmetic: the gradients are the same either way.
 BWD_LEN_ORDER_COST = 0.2
 #: Split candidates within this fraction of the best are ties; the longest segment wins.
 TIE = 0.03
@@ -287,7 +243,7 @@ class CPPlan:
     split, else None. BV: value-slice width for the recurrent kernel. exact: no gate-driven shortcut.
     sm_count: SMs assumed. est_unsplit, est_split: predicted times in chunk units (est_split None
     when no split candidate exists). reason: one line saying why. longest_first: the split backward
-    launches the segments longest first (`_common.launch_order`; the lengths-costed plan's choice
+    launches the segments longest first (`launch_order.launch_order`; the lengths-costed plan's choice
     where it predicts a gain above the sort's cost, BWD_LEN_ORDER_COST).
     """
 
@@ -428,9 +384,9 @@ def fit_lengths_costs(samples, sms: int = DEFAULT_SM_COUNT) -> dict:
     training steps.
 
     samples: (seqlens, HV, L or None, longest_first, step_ms) per measured step (the sweep written by
-    `tests/gpu/cp_train_plan_check.py --lengths`). Returns {"BWD_LEN_TOKEN_COST", "BWD_LEN_WAVE_COST",
-    "BWD_LEN_SPLIT_COST", "BWD_LEN_SCAN_STEP_COST"} in makespan units, "unit_ms" (the makespan's
-    coefficient) and "rms_ms" (the fit's residual). The order's cost is not fitted
+    `benchmarks/experiments/cp_train_plan_check.py --lengths`). Returns {"BWD_LEN_TOKEN_COST",
+    "BWD_LEN_WAVE_COST", "BWD_LEN_SPLIT_COST", "BWD_LEN_SCAN_STEP_COST"} in makespan units, "unit_ms"
+    (the makespan's coefficient) and "rms_ms" (the fit's residual). The order's cost is not fitted
     (BWD_LEN_ORDER_COST, measured on its own).
     """
     rows, y = [], []
@@ -554,10 +510,10 @@ def _plan_cp(
         segment_len: fix L (tokens, positive multiple of 64) instead of searching.
         max_seqlen: optional host-side bound on the longest sequence (else balanced lengths).
         gate_chunks: chunks the gate-driven transition launch covers (None: DEFAULT_GATE_CHUNKS).
-        backward: cost the backward's launches (`flashqla.cp.driver.chunk_gated_delta_rule_cp_bwd`,
+        backward: cost the backward's launches (`flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd`,
             exact) instead of the forward's.
         seqlens: optional host-side lengths of the N sequences (a tuple summing to T; FLA's
-            cu_seqlens_cpu, `flashqla.validation.planning_seqlens`). With backward and N > 1 the plan
+            cu_seqlens_cpu, `flashqla.contract.planning_seqlens`). With backward and N > 1 the plan
             is costed on them (`_bwd_lengths_time`, BWD_LEN_TOKEN_COST's comment); elsewhere only their
             maximum is used, as max_seqlen.
 
@@ -585,8 +541,7 @@ def _plan_cp(
     if backward:
         exact = True  # the backward has no gate-driven mode
     if backward and N > 1 and not PACKED_BWD_OWN_PLAN:
-        # the rule before the one-launch tables and scan (the backward's own costs then lost on several
-        # packed rows, 4/8 8 sequences of 8192 tokens 1.00 -> 2.32 ms): the forward's plan
+        # PACKED_BWD_OWN_PLAN off: the forward's plan (the rule before the one-launch tables and scan)
         p = plan_cp(HV, N, T, V, sm_count, force=force, disable=disable, exact=True, segment_len=segment_len,
                     max_seqlen=max_seqlen)
         return CPPlan(p.split, p.segment_len, p.BV, p.exact, p.sm_count, p.est_unsplit, p.est_split,
@@ -776,17 +731,22 @@ def cp_splits(q, v, cu_seqlens=None, cp=None, *, segment_len=None, gate_chunks=N
 
     q: [B, T, H, K]; v: [B, T, HV, V]; cu_seqlens: None or [N + 1]; cp: None ($FLASHQLA_CP, default
     "auto"), "auto", "on" or "off"; the other options as in `chunk_gated_delta_rule_fwd`.
+    Returns False for inputs whose shapes the planner cannot read (the op's checks then report them).
     Raises ValueError for an unknown cp mode, or seqlens that are not the batch's N lengths summing to
     its tokens."""
     mode = cp_mode(cp)
     if mode == "off":
         return False
-    if seqlens is not None:
+    if seqlens is not None and getattr(q, "dim", lambda: 0)() == 4:
         N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         seqlens = check_seqlens(seqlens, N, q.shape[0] * q.shape[1])
-    return plan_for(q, v, cu_seqlens, sm_count_override=sm_count, force=mode == "on", exact=gate_chunks is None,
-                    segment_len=segment_len, max_seqlen=max_seqlen, gate_chunks=gate_chunks, backward=backward,
-                    seqlens=seqlens).split
+    try:
+        plan = plan_for(q, v, cu_seqlens, sm_count_override=sm_count, force=mode == "on", exact=gate_chunks is None,
+                        segment_len=segment_len, max_seqlen=max_seqlen, gate_chunks=gate_chunks, backward=backward,
+                        seqlens=seqlens)
+    except (AttributeError, TypeError, ValueError, IndexError):  # shapes the planner cannot read: the op's checks report them
+        return False
+    return plan.split
 
 
 def clear_plan_cache() -> None:

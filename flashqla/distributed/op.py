@@ -69,15 +69,8 @@ tokens) and a backward of one recurrent launch plus one backward over the segmen
 path a continuing piece 0 gets one transition run (a forward pass with v = 0) in the forward and one
 in the backward; no piece is backpropagated twice on either path.
 
-History (measured on 2 H200s with the previous algorithm, before the segmented path and without the
-kernels' own CP per rank: every rank ran its shard unsplit, reran a continuing piece 0 with v = 0,
-and backpropagated a continuing last piece twice (the second time with do = 0, dht = X); CUDA
-medians, ms; 1 GPU = `flashqla.chunk_gated_delta_rule`, CP off):
-
-    | heads | tokens    | fwd 1 GPU | fwd 2 GPUs | step 1 GPU | step 2 GPUs |
-    | 2/8   | 262,144   | 13.23     | 16.02      | 123.4      | 128.6       |
-    | 16/32 | 262,144   | 15.52     | 25.67      | 131.6      | 153.5       |
-    | 2/8   | 1,048,576 | 51.68     | 62.22      | 492.7      | 511.0       |
+Measured on two GPUs: `benchmarks/results/h200-2gpu.md`; the per-rank algorithm before the
+segmented path: `benchmarks/journal/multi-gpu.md`.
 
 Derivations: CP-1 (affine map of a segment), CP-2 (composition, the scan), CP-3 (output correction),
 BWD-dSin (the gradient at an entering state from forward quantities) in `derivations/cp.py`; the
@@ -483,7 +476,7 @@ def chunk_gated_delta_rule_cp(
         over the ranks is the full gradient (as data parallelism sums a replicated parameter's).
 
     Raises:
-        TypeError, ValueError: `flashqla.validation.check_gdn_inputs` on the local tensors; B != 1
+        TypeError, ValueError: `flashqla.contract.check_gdn_inputs` on the local tensors; B != 1
             (q); T_r != the context's shard length (q); initial_state not [N, HV, K, V] with the
             global N; cu_seqlens given with cp_context; cp_context and group both given; cu_seqlens
             or shard lengths invalid (`build_cp_context`); backend unknown or None on a non-CUDA

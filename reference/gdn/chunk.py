@@ -525,7 +525,7 @@ def chunk_gated_delta_rule_fwd(
         fp64, else fp32).
 
     Raises:
-        TypeError, ValueError: `flashqla.validation.check_gdn_inputs(..., check_values=True)`
+        TypeError, ValueError: `flashqla.contract.check_gdn_inputs(..., check_values=True)`
         (positive or non-finite g included); ValueError for a non-positive chunk_size.
 
     Gates below `G_FLOOR` are raised to it before the cumsum (`floor_gates`; g_cum is of the floored g).

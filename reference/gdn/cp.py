@@ -17,8 +17,9 @@ The algebra (derivations CP-1 .. CP-5, research/flashqla-design.md section 4, FL
                        only: sum_j A_j^T E_j + A_m^T dht, E_j = sum_t U_t do_t^T over segment j,
                        A_j = P_{j-1} ... P_0 (BWD-dSin)
     ReferenceCPBackend the two sm_90 forward launches (prepare, recurrent) in fp64 on the kernels'
-                       slot layout, so that `flashqla.cp.driver` (which orchestrates those launches
-                       over segments) runs on CPU against this file's algebra
+                       slot layout, so that `flashqla.cp.forward` / `flashqla.cp.backward` (which
+                       orchestrate those launches over segments) run on CPU against this file's
+                       algebra
 
 Segments are sub-sequences: `plan_segments` cuts every sequence (each batch row, or each
 `cu_seqlens` span) into consecutive pieces of `segment_len` tokens (a multiple of the chunk size, so
@@ -358,7 +359,7 @@ def entering_state_grad(q, k, g, beta, do, dht=None, scale=None, cu_seqlens=None
 
 
 # ----------------------------------------------------------------------------------------------
-# The sm_90 forward's two launches on the kernels' slot layout (a backend for flashqla.cp.driver)
+# The sm_90 forward's two launches on the kernels' slot layout (a backend for flashqla.cp)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -403,7 +404,7 @@ def recurrent_from_slots(q, k, v, A_beta, g_cum_log2, scale: float, initial_stat
 
 class ReferenceCPBackend:
     """The sm_90 forward's launches in plain PyTorch (any device, fp64 when the inputs are fp64), with
-    the interface `flashqla.cp.driver` orchestrates (see `flashqla.cp.driver.CPBackend`).
+    the interface `flashqla.cp` orchestrates (see `flashqla.ops.gdn.backend.Backend`).
 
     prepare(k, g, beta, cu_seqlens, HV) -> (A_beta [HV, S * 64, 64], g_cum_log2 [HV, S * 64]) in the
         slot layout of cu_seqlens (`forward_slot_products`, gates floored as the op does).

@@ -474,7 +474,7 @@ def fused_gated_delta_rule_fwd(
         inverse (FLA's gated A is `regate(A, g_cum)`), in the compute dtype.
 
     Raises:
-        TypeError, ValueError: `flashqla.validation.check_gdn_inputs(..., check_values=True)`.
+        TypeError, ValueError: `flashqla.contract.check_gdn_inputs(..., check_values=True)`.
 
     g is floored at `reference.gdn.chunk.G_FLOOR` before the cumsum (`floor_gates`).
     """
@@ -570,11 +570,12 @@ def solve_tril_nilpotent(L: torch.Tensor, block: int = 16) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Appended for the sm_90 prepare kernel's variant "v2" (flashqla/ops/gdn/kernels/sm90/prepare_v2.py):
-# one chunk of one q/k head for all G value heads of its group, K K^T formed once, each value head's
-# inverse in the kernel's order. Records: CF-1..CF-3 (FLA's gated A), WY-3 (diagonal blocks), WY-5
-# ((I - F)(I + F^2) D^-1, with G = (I - F) X taken literally as one product), RW-2 (beta folded into
-# the stored columns), RW-4 (base 2). No new record: sharing K K^T is the op's GVA definition.
+# The grouped prepare stage: one chunk of one q/k head for all G value heads of its group, K K^T
+# formed once, each value head's inverse by WY-5's four products (the sm_90 prepare kernel,
+# flashqla/ops/gdn/kernels/sm90/prepare.py, forms it recursively: `prepare_group_recursive` below).
+# Records: CF-1..CF-3 (FLA's gated A), WY-3 (diagonal blocks), WY-5 ((I - F)(I + F^2) D^-1, with
+# G = (I - F) X taken literally as one product), RW-2 (beta folded into the stored columns), RW-4
+# (base 2). No new record: sharing K K^T is the op's GVA definition.
 # Twins: `solve_tril_nilpotent` (same inverse) and reference.gdn.chunk's chunk_local_cumsum,
 # chunk_scaled_dot_kkt, solve_tril (FLA's stages).
 # ----------------------------------------------------------------------------------------------
@@ -600,7 +601,8 @@ def _group_gated_L(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, nvalid:
 
 
 def prepare_group(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, nvalid: int | None = None, block: int = 16):
-    """What the v2 prepare kernel computes for one chunk of one q/k head and its G value heads.
+    """The grouped prepare stage for one chunk of one q/k head and its G value heads, the inverse in
+    WY-5's nilpotent form.
 
     Args:
         k: [..., C, K], the chunk of the q/k head (rows past `nvalid` may hold anything finite: they
@@ -635,7 +637,7 @@ def prepare_group(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, nvalid: 
 
 
 # ----------------------------------------------------------------------------------------------
-# Appended for the sm_90 prepare kernel's variant "v3" (flashqla/ops/gdn/kernels/sm90/prepare_v3.py):
+# The stage twin of the sm_90 prepare kernel (flashqla/ops/gdn/kernels/sm90/prepare.py):
 # the same chunk-of-a-group computation as `prepare_group`, with the inverse formed block-recursively
 # in the kernel's order of products. Records: WY-3 (diagonal 16 x 16 blocks) and WY-4 with two blocks,
 # applied to the 16-blocks of each half and then to the two 32-blocks (the off-diagonal block of a
@@ -645,7 +647,7 @@ def prepare_group(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, nvalid: 
 
 
 def solve_tril_recursive(L: torch.Tensor, block: int = 16) -> torch.Tensor:
-    """(I + L)^-1 for strictly lower L [..., n, n] with n == 4 * block, as the v3 prepare kernel forms it:
+    """(I + L)^-1 for strictly lower L [..., n, n] with n == 4 * block, as the sm_90 prepare kernel forms it:
 
         Ai_ii = (I + L_ii)^-1 by forward substitution (WY-3), i = 0..3
         F_10 = Ai_11 L_10,  F_32 = Ai_33 L_32,  Z = blockdiag(Ai_22, Ai_33) Lb,  Lb = L[2b:, :2b]
@@ -679,7 +681,7 @@ def solve_tril_recursive(L: torch.Tensor, block: int = 16) -> torch.Tensor:
 
 def prepare_group_recursive(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, nvalid: int | None = None,
                             block: int = 16):
-    """What the v3 prepare kernel computes for one chunk of one q/k head and its G value heads:
+    """What the sm_90 prepare kernel computes for one chunk of one q/k head and its G value heads:
     `prepare_group`'s inputs and outputs, with A = (I + L)^-1 by `solve_tril_recursive` instead of
     WY-5's four products.
 

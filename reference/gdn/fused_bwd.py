@@ -199,10 +199,10 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
         a model of the kernel's roundings (None: exact). A_beta_vd: None (A_beta) or the A diag(beta)
         that dv = A_beta^T dv_new uses (the kernels' exact diagonal: beta on it, while v_new and
         A = I - A_beta Kg keep the stored one). dog_pair: in dh_prev, the scaled dO as the pair of
-        its operand rounding and the rounding of the remainder (v5's option "l",
-        `chunk_bwd_v5.OPTS`), instead of its operand rounding alone. exact_w: dbeta's rows
+        its operand rounding and the rounding of the remainder (the sm_90 kernel's option "l",
+        `chunk_bwd.OPTS`), instead of its operand rounding alone. exact_w: dbeta's rows
         rowsum(X * W) take W as computed (the compute dtype) instead of its operand rounding, which
-        v_new's product keeps (measured as v5's option "w" and not kept: NOTES-bwd.md, "dbeta with W
+        v_new's product keeps (no kernel builds it: `benchmarks/journal/backward.md`, "dbeta with W
         in fp32").
 
     Returns dict of chunk tensors: dq, dk [NC, HV, C, K] (per value head, before the GVA sum);
@@ -296,8 +296,8 @@ def fused_gated_delta_rule_bwd(
         diagonal of A diag(beta) instead of the stored value, as the sm_90 backward kernels do (the
         diagonal of (I + L)^-1 is exactly 1, so the stored diagonal is beta rounded to q's dtype;
         the kernels add diag(beta - stored) dv_new in fp32); pass 1, v_new and A = I - A_beta Kg
-        keep the stored one. NOTES-bwd.md, "The exact diagonal".
-        dog_pair: see `chunk_bwd_fused` (the sm_90 v5 kernel's option "l", built where dh0 is returned).
+        keep the stored one (`benchmarks/journal/accuracy.md`, "The exact diagonal").
+        dog_pair: see `chunk_bwd_fused` (the sm_90 kernel's option "l", built where dh0 is returned).
         exact_w: see `chunk_bwd_fused` (no kernel builds it).
 
     Returns:

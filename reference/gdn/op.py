@@ -159,7 +159,7 @@ def chunk_gated_delta_rule(
         input's dtype (dg as dL/dg per token, natural log).
 
     Raises:
-        TypeError, ValueError: from `flashqla.validation.check_gdn_inputs(..., check_values=True)`,
+        TypeError, ValueError: from `flashqla.contract.check_gdn_inputs(..., check_values=True)`,
             before any work: non-tensor or non-float arguments, mismatched dtypes, shapes, devices,
             HV % H != 0, cu_seqlens with B != 1 or bad values, initial_state of the wrong shape,
             a non-real or non-finite scale, a non-bool output_final_state, and a positive or

@@ -70,7 +70,7 @@ def recurrent_gated_delta_rule(
         dtype (fp64 for fp64 inputs, else fp32), or None.
 
     Raises:
-        TypeError, ValueError: see `flashqla.validation.check_gdn_inputs` (values are checked,
+        TypeError, ValueError: see `flashqla.contract.check_gdn_inputs` (values are checked,
         positive g included).
 
     Source: FLA `naive_recurrent_gated_delta_rule`; DESIGN.md section 1.

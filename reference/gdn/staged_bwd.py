@@ -1,11 +1,12 @@
-"""The role-specialised pass 2 of the backward as a checked schedule. Its kernel ("v4", commit
-5febd42) was correct on the H200 but 2.3x slower than v2 and was removed (NOTES-bwd.md, "v4 on the
-H200"); the schedule stays as the plan for a role-split kernel with shorter per-role instruction
-streams.
+"""The role-specialised pass 2 of the backward as a checked schedule, without a producer warpgroup:
+a plan for a role-split kernel with short per-role instruction streams. (The kernel built from it was
+correct but slower than the shipped pass 2 and is not kept: `benchmarks/journal/backward.md`; the
+shipped pass 2, `flashqla/ops/gdn/kernels/sm90/chunk_bwd.py`, splits the roles differently, with a TMA
+producer warp.)
 
 One chunk of `reference.gdn.fused_bwd.chunk_bwd_fused` (records BWD-Abeta, BWD-fused, BWD-dq,
-BWD-dG) split over the three warpgroup roles of a 384-thread CTA, six barrier stages (NOTES-bwd.md,
-"Plan: pass 2 with role-specialised consumer warpgroups" and "Pass-2 variant v4"):
+BWD-dG) split over the three warpgroup roles of a 384-thread CTA, six barrier stages
+(`benchmarks/journal/backward.md`, "Plan: pass 2 with role-specialised consumer warpgroups"):
 
     S  owns the state gradient D [K, V] in registers: <S0, D>, D's operand copy, D' (the chain's end)
     K  the chain and dk: K D, Pg^T dO, A_beta^T dv_new, -D dv, then every dk product
@@ -41,7 +42,7 @@ __all__ = ["Op", "TILES", "SCHEDULE", "LOADED", "check_schedule", "run_chunk", "
 C, K, V = 64, 128, 128
 #: Hopper's shared memory per block (dynamic + static), bytes.
 SMEM_LIMIT = 232448
-#: Static shared memory of a TileLang kernel with mbarriers (v2: 1024 B).
+#: Static shared memory of a TileLang kernel with mbarriers (1024 B).
 STATIC_SMEM = 1024
 
 #: Shared-memory tiles: name -> (region, bytes). Tiles with the same region alias one buffer.

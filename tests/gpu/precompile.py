@@ -23,14 +23,14 @@ if ROOT not in sys.path:
 
 #: (H, HV) of the GPU tier's tests
 TIER_HEADS = ((1, 2), (1, 4), (2, 2), (2, 4), (4, 4), (2, 8))
-#: (H, HV) whose backward the 2-GPU benchmark runs besides the backward grid's (tests/gpu/multigpu_bench.py)
+#: (H, HV) whose backward the 2-GPU benchmark runs besides the backward grid's (benchmarks/experiments/multigpu_bench.py)
 EXTRA_BWD_HEADS = ((2, 8),)
 
 
 def tier_specs() -> list:
     """The kernels the GPU tier's tests build (bf16 / fp32 beta / int32 offsets and the fp16, bf16-beta
     and int64 variants the tests use)."""
-    from flashqla.ops.gdn.kernels.sm90 import op_kernel_specs
+    from flashqla.ops.gdn.kernels.sm90.registry import op_kernel_specs
 
     specs = []
     for H, HV in TIER_HEADS:
@@ -42,13 +42,14 @@ def tier_specs() -> list:
         for varlen in (False, True):
             specs += op_kernel_specs(H, HV, varlen=varlen, dtype="float16", beta_dtype="float16", seq_dtype="int64")
             specs += op_kernel_specs(H, HV, varlen=varlen, seq_dtype="int64")
-    specs += op_kernel_specs(2, 4, h_dtype="float32")
+    # pass 1 of the fp16 inputs on bf16 ones (test_bwd_gpu.py's test_pass1_states_match_reference)
+    specs.append(("states_bwd_fp16", (1, 2, 128, 128, "bfloat16", "bfloat16", "int32", True)))
     for varlen in (False, True):  # flashqla.warmup(2, 4, varlen=...): both widths (test_fwd_gpu's no-recompile test)
         for bv in (64, 128):
             specs += op_kernel_specs(2, 4, varlen=varlen, block_v=bv)
     specs += op_kernel_specs(16, 32, varlen=True, seq_dtype="int64", block_v=128)
     specs += op_kernel_specs(16, 32, varlen=True, block_v=128)
-    specs += op_kernel_specs(4, 16, varlen=True, seq_dtype="int64")  # tests/gpu/cp_dual_check.py
+    specs += op_kernel_specs(4, 16, varlen=True, seq_dtype="int64")  # test_cp_kernels_gpu.py's dual-launch cases
     specs += op_kernel_specs(4, 16, varlen=True)
     return list(dict.fromkeys(specs))
 
@@ -58,7 +59,7 @@ def bench_specs() -> list:
     slice widths, the backward's kernels for the backward grid."""
     from flashqla.bench.bwd_grid import BWD_HEADS
     from flashqla.bench.grid import FWD_HEADS
-    from flashqla.ops.gdn.kernels.sm90 import op_kernel_specs
+    from flashqla.ops.gdn.kernels.sm90.registry import op_kernel_specs
 
     fwd_heads = [(h.h_qk, h.h_v) for h in FWD_HEADS]
     bwd_heads = list(dict.fromkeys([(h.h_qk, h.h_v) for h in BWD_HEADS] + list(EXTRA_BWD_HEADS)))
@@ -74,30 +75,10 @@ def bench_specs() -> list:
     return list(dict.fromkeys(specs))
 
 
-def variant_specs(specs: list) -> list:
-    """The variants the GPU checks compare next to the defaults of `specs`: prepare "v2" and "v3"
-    (tests/gpu/prepare_v3_check.py), pass-2 "v1" and "v2" (tests/gpu/bwd_v2_check.py) and the dual
-    launch's two schedules at BV = 64 ("overlap", "roles"), less the
-    default of each (already in `specs`; FLASHQLA_PREPARE / FLASHQLA_BWD_VARIANT select the others)."""
-    from flashqla.ops.gdn.kernels.sm90 import chunk_bwd, prepare
-
-    out = []
-    for kind, args in specs:
-        if kind == "prepare" and len(args) == 8:  # (the one-head build, a ninth entry, is v3's alone)
-            out += [(kind, args[:-1] + (v,)) for v in ("v2", "v3") if v != prepare.DEFAULT_VARIANT]
-        elif kind == "chunk_bwd":
-            out += [(kind, tuple(args[:-1]) + (v,)) for v in ("v1", "v2") if v != chunk_bwd.DEFAULT_VARIANT]
-        elif kind == "recurrent" and len(args) == 10 and args[-1] and args[4] == 64:
-            # the dual launch's role-split form (FLASHQLA_DUAL_SCHEDULE=roles) beside the default
-            out += [(kind, args[:-2] + (s, True)) for s in ("overlap", "roles") if s != args[-2]]
-    return list(dict.fromkeys(out))
-
-
 def pack(cache_dir: str, out: str, limit_mb: float = 24.0) -> None:
     """tar.xz of the whole cache directory (TileLang keeps the host wrappers under
     `<version>/linux-x86_64/kernels/` and the cubins under `<version>/cuda-binaries/`: both are needed).
-    xz -9: its 64 MiB window spans many kernels' near-identical files (about 4x smaller than -3:
-    6.3 against 24.6 MB for the tier, the benchmark grids and the variants)."""
+    xz -9: its 64 MiB window spans many kernels' near-identical files (about 4x smaller than -3)."""
     tmp = out + ".tmp"
     with open(tmp, "wb") as f:
         tar = subprocess.Popen(["tar", "-cf", "-", "-C", cache_dir, "."], stdout=subprocess.PIPE)
@@ -118,23 +99,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tier", action="store_true", help="the GPU tier's kernels")
     ap.add_argument("--bench", action="store_true", help="the benchmark grids' kernels")
-    ap.add_argument("--variants", action="store_true",
-                    help="also the other kernel variants the GPU checks compare (prepare v2 / v3, pass-2 v1 / v2, the dual launch's two schedules at BV = 64)")
     ap.add_argument("--workers", type=int, default=None, help="worker processes (default: CPU count)")
     ap.add_argument("--pack", metavar="FILE", help="write the cache directory as FILE (tar.xz) afterwards")
     ap.add_argument("--list", action="store_true", help="print the kernel specs and exit")
     args = ap.parse_args(argv)
     specs = (tier_specs() if args.tier else []) + (bench_specs() if args.bench else [])
     specs = list(dict.fromkeys(specs))
-    if args.variants:
-        specs += variant_specs(specs)
     if args.list:
         for s in specs:
             print(s)
         print(f"{len(specs)} kernels")
         return 0
     if specs:
-        from flashqla.ops.gdn.kernels.sm90 import precompile
+        from flashqla.ops.gdn.kernels.sm90.registry import precompile
 
         t = time.time()
         precompile(specs, max_workers=args.workers)

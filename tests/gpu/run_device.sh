@@ -6,10 +6,10 @@
 # usage (from the repo root): bash tests/gpu/run_device.sh [LOG_DIR] [FILE ...]
 #   FILE: test files under tests/gpu (default: fwd, bwd, autograd, cp, cp_kernels, qwen3_next)
 #   PRECOMPILE=0 skips the precompile step; BOX=<seconds> sets each file's time box (default 150).
-#   SANITIZE=1 adds a last stage: tests/gpu/sanitize.py (forward + backward on tiny edge shapes against
-#   fp64) once plainly, which builds its kernels, then under compute-sanitizer's memcheck (every case)
-#   and racecheck (--tiny), each with PYTORCH_NO_CUDA_MEMORY_CACHING=1; SANITIZE=only runs that stage
-#   alone. Time boxes: SANITIZE_BOX (plain run, 150 s), MEMCHECK_BOX (240 s), RACECHECK_BOX (240 s);
+#   SANITIZE=1 adds a last stage: benchmarks/experiments/sanitize.py (forward + backward on tiny edge
+#   shapes against fp64) once plainly, which builds its kernels, then under compute-sanitizer's
+#   memcheck (every case) and racecheck (--tiny), each with PYTORCH_NO_CUDA_MEMORY_CACHING=1;
+#   SANITIZE=only runs that stage alone. Time boxes: SANITIZE_BOX (plain run, 150 s), MEMCHECK_BOX (240 s), RACECHECK_BOX (240 s);
 #   COMPUTE_SANITIZER=<path> if it is not on the PATH. Logs: sanitize.log, sanitize_memcheck.log,
 #   sanitize_racecheck.log (rc 3: the sanitizer reported an error; rc 1: a case failed its check).
 #
@@ -41,7 +41,7 @@ if [ "${SANITIZE:-0}" != 0 ]; then
   SAN=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
   verdict() { grep -E 'cases passed' "$1" | tail -1 | grep . || tail -1 "$1" | cut -c1-200; }
   start=$(date +%s)
-  timeout ${SANITIZE_BOX:-150} python tests/gpu/sanitize.py 2>&1 | filter > "$OUT/sanitize.log"
+  timeout ${SANITIZE_BOX:-150} python benchmarks/experiments/sanitize.py 2>&1 | filter > "$OUT/sanitize.log"
   rc=${PIPESTATUS[0]}
   echo "== sanitize.py (plain, builds the kernels): rc $rc, $(( $(date +%s) - start )) s: $(verdict "$OUT/sanitize.log")"
   grep -E "FAILED" "$OUT/sanitize.log" | cut -c1-240 | head -8
@@ -52,7 +52,7 @@ if [ "${SANITIZE:-0}" != 0 ]; then
       if [ $tool = memcheck ]; then args=(); box=${MEMCHECK_BOX:-240}; else args=(--tiny); box=${RACECHECK_BOX:-240}; fi
       start=$(date +%s)
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout $box "$SAN" --tool $tool --error-exitcode 3 \
-        python tests/gpu/sanitize.py "${args[@]}" 2>&1 | filter > "$OUT/sanitize_$tool.log"
+        python benchmarks/experiments/sanitize.py "${args[@]}" 2>&1 | filter > "$OUT/sanitize_$tool.log"
       rc=${PIPESTATUS[0]}
       echo "== compute-sanitizer --tool $tool: rc $rc, $(( $(date +%s) - start )) s: $(grep -E 'SUMMARY' "$OUT/sanitize_$tool.log" | tail -1 | sed 's/^=* *//'); $(verdict "$OUT/sanitize_$tool.log")"
       grep -E "^=+ +(Invalid|Error|Warning|Program hit|Race|Uninitialized)" "$OUT/sanitize_$tool.log" | cut -c1-240 | head -8

@@ -121,10 +121,11 @@ def test_torch_compile_matches_eager():
 @pytest.mark.parametrize("seqlens,hint", [(None, False), ([3000, 100, 1000], False), ([100, 3000, 0, 1000, 64], True)],
                          ids=["one-sequence", "varlen", "varlen-host-lengths"])
 def test_autograd_context_parallel_matches_unsplit(seqlens, hint):
-    """cp="on" (forward and backward split into segments, `flashqla.cp.driver`) against the fp64
-    reference, with the same budgets as the unsplit op; g == 0 and g = -30 heads included. With the
-    host lengths (cu_seqlens_cpu) the training forward and the backward split as the lengths-costed
-    backward plan says (`planner.plan_cp(seqlens=...)`), the backward on the forward's kept states."""
+    """cp="on" (forward and backward split into segments, `flashqla.cp.forward` / `.backward`) against
+    the fp64 reference, with the same budgets as the unsplit op; g == 0 and g = -30 heads included.
+    With the host lengths (cu_seqlens_cpu) the training forward and the backward split as the
+    lengths-costed backward plan says (`flashqla.cp.plan.plan_cp(seqlens=...)`), the backward on the
+    forward's kept states."""
     T = 4096 if seqlens is None else sum(seqlens)
     x = make_gdn_inputs(K=128, V=128, seed=16, B=1, T=T, H=1, HV=2, seqlens=seqlens, initial_state=True)
     for n in ("q", "k", "v"):
@@ -186,16 +187,18 @@ def test_initial_state_without_grad(cp, compiled, monkeypatch):
     every other gradient stays within the budgets against fp64 and as close to it as in the run where
     the state does require grad (the builds differ only where D, the state gradient's bf16 copy, rounds
     differently), eagerly and under torch.compile (the custom op's need_dh0), split and unsplit."""
-    from flashqla.ops.gdn.kernels.sm90 import chunk_bwd_v5
+    from flashqla.ops.gdn.kernels.sm90 import chunk_bwd
 
     seen = []
-    orig = chunk_bwd_v5.build_chunk_bwd_v5_kernel
+    orig = chunk_bwd.build_chunk_bwd_kernel
 
-    def spy(*args, opts=None, dh0=True, **kw):  # the pass-2 builds a backward asks for (warm-up and launch)
-        seen.append(chunk_bwd_v5.canonical_opts(opts, args[8], dh0))
-        return orig(*args, opts=opts, dh0=dh0, **kw)
+    def spy(*args, **kw):  # the pass-2 builds a backward asks for (warm-up and launch)
+        # args: (H, HV, K, V, dtype, beta_dtype, seq_dtype, varlen[, dh0])
+        dh0 = kw["dh0"] if "dh0" in kw else (args[8] if len(args) > 8 else True)
+        seen.append(chunk_bwd.build_options(args[7], dh0))
+        return orig(*args, **kw)
 
-    monkeypatch.setattr(chunk_bwd_v5, "build_chunk_bwd_v5_kernel", spy)
+    monkeypatch.setattr(chunk_bwd, "build_chunk_bwd_kernel", spy)
     x = make_gdn_inputs(K=128, V=128, seed=16, B=1, T=1200, H=2, HV=4, seqlens=[700, 0, 500], initial_state=True)
     for n in ("q", "k", "v"):
         x[n] = x[n].to(torch.bfloat16).double()
@@ -215,8 +218,8 @@ def test_initial_state_without_grad(cp, compiled, monkeypatch):
         fn(L["q"], L["k"], L["v"], L["g"], L["beta"], L["initial_state"]).backward()
         grads[state_grad], opts[state_grad] = {n: L[n].grad for n in NAMES}, set(seen)
     assert grads[False]["initial_state"] is None and grads[True]["initial_state"] is not None
-    assert opts[True] and all(chunk_bwd_v5.DH0_OPTS in o for o in opts[True]), opts
-    assert opts[False] and not any(chunk_bwd_v5.DH0_OPTS in o for o in opts[False]), opts
+    assert opts[True] and all(chunk_bwd.DH0_OPTS in o for o in opts[True]), opts
+    assert opts[False] and not any(chunk_bwd.DH0_OPTS in o for o in opts[False]), opts
     R = {n: (x[n].clone().requires_grad_(n != "initial_state") if x[n] is not None else None) for n in NAMES}
     o_ref, _ = reference.chunk_gated_delta_rule(R["q"], R["k"], R["v"], R["g"], R["beta"], initial_state=R["initial_state"],
                                                 cu_seqlens=cu)

@@ -83,14 +83,14 @@ def _reference(xd, scale):
     return dict(zip(NAMES, out))
 
 
-def _ours(xd, scale, h_dtype=torch.bfloat16):
-    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
+def _ours(xd, scale):
+    from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd
     from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
 
     f = chunk_gated_delta_rule_fwd(xd["q"], xd["k"], xd["v"], xd["g"], xd["beta"], scale, xd["initial_state"], True,
                                    xd["cu_seqlens"])
     out = chunk_gated_delta_rule_bwd(f.q, f.k, xd["v"], xd["g"], xd["beta"], f.A, f.g_cum_log2, xd["do"], xd["dht"], scale,
-                                     xd["initial_state"], xd["cu_seqlens"], h_dtype=h_dtype)
+                                     xd["initial_state"], xd["cu_seqlens"])
     return dict(zip(NAMES, out)), f
 
 
@@ -113,10 +113,10 @@ def _fla(xd, scale):
     return out
 
 
-def _check(xd, h_dtype=torch.bfloat16):
+def _check(xd):
     scale = 128**-0.5
     ref = _reference(xd, scale)
-    ours, _ = _ours(xd, scale, h_dtype)
+    ours, _ = _ours(xd, scale)
     assert ours["dg"].dtype == torch.float32 and ours["dbeta"].dtype == xd["beta"].dtype
     assert ours["dq"].dtype == xd["q"].dtype and ours["dv"].dtype == xd["v"].dtype
     errs = {n: rel_rms(ours[n], ref[n]) for n in NAMES if ref[n] is not None}
@@ -191,10 +191,6 @@ def test_varlen(lengths, h0):
     _check(_inputs(seed=len(lengths), B=1, T=sum(lengths), H=2, HV=4, seqlens=lengths, initial_state=h0))
 
 
-def test_h_fp32():
-    _check(_inputs(seed=5, B=1, T=500, H=2, HV=4), h_dtype=torch.float32)
-
-
 def test_strong_decay_per_head():
     # make_gdn_inputs: value head 0 has g == 0, the last value head g == -30 per token; each head's
     # dg / dbeta / dv relative to its own size
@@ -226,7 +222,7 @@ def test_two_call_state_handoff():
     scale = 128**-0.5
     xd = _inputs(seed=3, B=1, T=400, H=2, HV=4)
     ref = _reference(xd, scale)
-    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
+    from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd
 
     Tc = 200
     first = {n: (xd[n][:, :Tc].contiguous() if n in ("q", "k", "v", "g", "beta", "do") else xd[n]) for n in xd}
@@ -243,13 +239,19 @@ def test_two_call_state_handoff():
     assert rel_rms(g1["dh0"], ref["dh0"]) <= BUDGET["dh0"]
 
 
-def test_pass1_states_match_reference():
-    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
+@pytest.mark.parametrize("kernel", ["states_bwd", "states_bwd_fp16"])
+def test_pass1_states_match_reference(kernel):
+    """Pass 1's stored states h (bf16) against the fp64 recompute from the kernels' own A and
+    g_cum_log2: the main kernel (`states_bwd`) and the fp16 inputs' one (`states_bwd_fp16`, run here
+    on the same bf16 inputs)."""
+    from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd
     from flashqla.ops.gdn.kernels.sm90.states_bwd import chunk_states_bwd
+    from flashqla.ops.gdn.kernels.sm90.states_bwd_fp16 import chunk_states_bwd_fp16
 
+    states = chunk_states_bwd if kernel == "states_bwd" else chunk_states_bwd_fp16
     xd = _inputs(seed=6, B=1, T=330, H=1, HV=2, seqlens=[130, 0, 1, 64, 135])
     f = chunk_gated_delta_rule_fwd(xd["q"], xd["k"], xd["v"], xd["g"], xd["beta"], None, xd["initial_state"], True, xd["cu_seqlens"])
-    h = chunk_states_bwd(f.k, xd["v"], f.A, f.g_cum_log2, xd["initial_state"], xd["cu_seqlens"], torch.float32)
+    h = states(f.k, xd["v"], f.A, f.g_cum_log2, xd["initial_state"], xd["cu_seqlens"])
     x = {n: _cpu64(t) for n, t in xd.items()}
     lay = prepare_chunk_layout(1, 330, x["cu_seqlens"], 64)
     HV = 2
@@ -272,7 +274,7 @@ def test_no_recompile_and_cuda_graph():
     n0 = compile_count()
     _ours(_inputs(seed=8, B=1, T=777, H=2, HV=4), scale)
     assert compile_count() == n0, "a new T recompiled a backward kernel"
-    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
+    from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd
     from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
 
     f = chunk_gated_delta_rule_fwd(xd["q"], xd["k"], xd["v"], xd["g"], xd["beta"], scale, xd["initial_state"], True)

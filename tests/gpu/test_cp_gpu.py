@@ -1,14 +1,16 @@
 """GPU tier: context parallelism on the sm_90 kernels, CP on vs CP off vs fp64.
 
-Forward (`flashqla.cp.chunk_gated_delta_rule_cp_fwd`), o and the final state against the fp64 token
-recurrence: 2/8 heads 1 x 8192 with a forced split (8 segments), varlen [5000, 100, 3000] (the two
-long sequences split, the short one not), both output corrections, the gate-driven mode; every input
-has a g == 0 head and a g = -30 head (`make_gdn_inputs(special_heads=True)`) and an initial state.
-Also: no recompile for new lengths, poisoned outputs all written, CUDA graph replay equals eager.
+Forward (`flashqla.ops.gdn.fwd.chunk_gated_delta_rule_fwd` with cp="on"), o and the final state
+against the fp64 token recurrence: 2/8 heads 1 x 8192 with a forced split (8 segments), varlen
+[5000, 100, 3000] (the two long sequences split, the short one not), both output corrections, the
+gate-driven mode; every input has a g == 0 head and a g = -30 head
+(`make_gdn_inputs(special_heads=True)`) and an initial state. Also: no recompile for new lengths,
+poisoned outputs all written, CUDA graph replay equals eager.
 
-Backward (`flashqla.cp.chunk_gated_delta_rule_cp_bwd`), every gradient (dq dk dv dg dbeta dh0) against
-the fp64 reference backward (`reference.gdn.fused_bwd`, equal to autograd of the recurrence to 1e-12)
-and against the unsplit sm_90 backward, on 1 x 4096 and on a varlen mix [2500, 100, 1500], with dht.
+Backward (`flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd` with cp="on"), every gradient (dq dk dv
+dg dbeta dh0) against the fp64 reference backward (`reference.gdn.fused_bwd`, equal to autograd of the
+recurrence to 1e-12) and against the unsplit sm_90 backward, on 1 x 4096 and on a varlen mix
+[2500, 100, 1500], with dht.
 
 Run on the GPU machine: `pytest -m gpu tests/gpu/test_cp_gpu.py`. Skips cleanly without a Hopper GPU.
 The forward tests ran in 31-44 s on the H200 (five kernel configurations compiled concurrently
@@ -61,9 +63,9 @@ def _reference(xd: dict):
 
 
 def _cp(xd, **kw):
-    from flashqla.cp import chunk_gated_delta_rule_cp_fwd
+    from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd
 
-    out, info = chunk_gated_delta_rule_cp_fwd(**xd, output_final_state=True, poison_outputs=True, return_info=True, **kw)
+    out, info = chunk_gated_delta_rule_fwd(**xd, output_final_state=True, poison_outputs=True, return_info=True, **kw)
     torch.cuda.synchronize()
     assert torch.isfinite(out.o.float()).all(), "o has unwritten (NaN) or non-finite elements"
     assert torch.isfinite(out.final_state).all(), "final_state has non-finite elements"
@@ -76,12 +78,12 @@ _WARM = {}
 @pytest.fixture(scope="module", autouse=True)
 def _precompile():
     """Compile every configuration the module uses at once (threads overlap the compiler runs)."""
-    from flashqla.ops.gdn.kernels.sm90 import build_kernels
+    from flashqla.ops.gdn.kernels.sm90.registry import build_kernels
 
     bf, f32, i32 = "bfloat16", "float32", "int32"
     specs = [
         ("prepare", (2, 8, 128, bf, f32, i32, False)),  # CP off, 1 x 8192
-        ("prepare", (2, 8, 128, bf, f32, i32, False, "v3", 1)),  # ... whose 128 slots take one value head a CTA
+        ("prepare", (2, 8, 128, bf, f32, i32, False, 1)),  # ... whose 128 slots take one value head a CTA
         ("recurrent", (2, 8, 128, 128, 64, bf, i32, False)),
         ("prepare", (2, 8, 128, bf, f32, i32, True)),  # CP on (int32 pseudo offsets), varlen CP off
         ("recurrent", (2, 8, 128, 128, 64, bf, i32, True)),
@@ -92,7 +94,7 @@ def _precompile():
 
 
 def _compare(name, xd, **kw):
-    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
+    from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd
 
     ref_o, ref_ht = _reference(xd)
     off = chunk_gated_delta_rule_fwd(**xd, output_final_state=True, poison_outputs=True)
@@ -123,7 +125,7 @@ def test_varlen_partly_split(h0):
 
 def test_strong_decay_and_no_decay_heads_exact_mode():
     """Per head: the g == 0 head (0) and the g = -30 head (7) are as accurate with CP as without."""
-    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
+    from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd
 
     xd = _to_device(make_gdn_inputs(B=1, T=4096, H=2, HV=8, seed=3))
     ref_o, ref_ht = _reference(xd)
@@ -167,7 +169,7 @@ def _capture(fn):
 
 
 def test_no_recompile_poison_and_graph_replay():
-    from flashqla.cp import chunk_gated_delta_rule_cp_fwd
+    from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd
     from flashqla.ops.gdn.kernels.sm90._common import compile_count
 
     xd = _to_device(make_gdn_inputs(B=1, T=6000, H=2, HV=8, cu_seqlens=[3000, 3000], seed=5))
@@ -178,7 +180,7 @@ def test_no_recompile_poison_and_graph_replay():
     assert compile_count() == n, "a new sequence mix must not recompile"
 
     def fn():
-        return chunk_gated_delta_rule_cp_fwd(**xd2, output_final_state=True, cp="on", segment_len=1024, block_v=64)
+        return chunk_gated_delta_rule_fwd(**xd2, output_final_state=True, cp="on", segment_len=1024, block_v=64)
 
     eager = fn()
     graph, captured = _capture(fn)
@@ -195,9 +197,8 @@ BWD_BUDGET = {"dq": 2e-2, "dk": 2e-2, "dv": 2e-2, "dg": 3e-2, "dbeta": 2e-2, "dh
 
 
 def _bwd_case(name, x, segment_len):
-    from flashqla.cp import chunk_gated_delta_rule_cp_bwd
-    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
     from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
+    from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd
     from reference.gdn import fused_bwd as fb
 
     gen = torch.Generator().manual_seed(7)
@@ -214,7 +215,7 @@ def _bwd_case(name, x, segment_len):
     f = chunk_gated_delta_rule_fwd(**xd, output_final_state=True)
     args = (f.q, f.k, xd["v"], xd["g"], xd["beta"], f.A, f.g_cum_log2, do_d, dht_d, scale, xd["initial_state"], xd["cu_seqlens"])
     off = chunk_gated_delta_rule_bwd(*args)
-    on = chunk_gated_delta_rule_cp_bwd(*args, cp="on", segment_len=segment_len)
+    on = chunk_gated_delta_rule_bwd(*args, cp="on", segment_len=segment_len)
     torch.cuda.synchronize()
     for n, a, b, r in zip(NAMES, on, off, ref):
         e_on, e_off = rel_rms(a, r), rel_rms(b, r)
@@ -234,15 +235,21 @@ def test_backward_varlen_partly_split():
 
 def test_backward_side_stream_bitwise_and_graph_capture(monkeypatch):
     """The split backward's terminal gradients (E and the reverse scan) run on a side stream beside the
-    states pass ($FLASHQLA_CP_BWD_OVERLAP, default on): every gradient bit for bit the serial order's,
-    eagerly and replayed from a CUDA graph captured with the fork, on a varlen mix whose long sequence
-    is split and whose short one is not, with an initial state and dht."""
-    from flashqla.cp import chunk_gated_delta_rule_cp_bwd, driver
-    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
+    states pass (on a backend with `deferred_dht`, `Sm90Backend`): every gradient bit for bit the
+    serial order's (the same kernels on a backend without `deferred_dht`), eagerly and replayed from a
+    CUDA graph captured with the fork, on a varlen mix whose long sequence is split and whose short
+    one is not, with an initial state and dht."""
+    from flashqla.cp import backward as cp_bwd
+    from flashqla.ops.gdn.backend import Sm90Backend
+    from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
+    from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd
+
+    class SerialBackend(Sm90Backend):  # dht computed before the states pass, on the current stream
+        deferred_dht = False
 
     forks = []
-    real = driver._on_side_stream
-    monkeypatch.setattr(driver, "_on_side_stream", lambda *a: forks.append(1) or real(*a))
+    real = cp_bwd._on_side_stream
+    monkeypatch.setattr(cp_bwd, "_on_side_stream", lambda *a: forks.append(1) or real(*a))
     xd = _to_device(make_gdn_inputs(B=1, T=5100, H=2, HV=8, cu_seqlens=[3500, 100, 1500], seed=13))
     f = chunk_gated_delta_rule_fwd(**xd, output_final_state=True)
     gen = torch.Generator().manual_seed(8)
@@ -251,13 +258,11 @@ def test_backward_side_stream_bitwise_and_graph_capture(monkeypatch):
     args = (f.q, f.k, xd["v"], xd["g"], xd["beta"], f.A, f.g_cum_log2, do, dht, 128**-0.5, xd["initial_state"],
             xd["cu_seqlens"])
 
-    def run():
-        return chunk_gated_delta_rule_cp_bwd(*args, cp="on", segment_len=512)
+    def run(backend=None):
+        return chunk_gated_delta_rule_bwd(*args, cp="on", segment_len=512, backend=backend)
 
-    monkeypatch.setenv("FLASHQLA_CP_BWD_OVERLAP", "0")
-    serial = run()
+    serial = run(SerialBackend())
     assert not forks
-    monkeypatch.setenv("FLASHQLA_CP_BWD_OVERLAP", "1")
     side = run()
     assert len(forks) == 1, "the split backward did not fork"
     graph, captured = _capture(run)  # a warm-up call, then the captured one

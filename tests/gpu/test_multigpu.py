@@ -4,7 +4,8 @@ reference (`reference.chunk_gated_delta_rule` on CPU, same bf16-rounded inputs),
 backend in each intra-device mode: `KernelBackend(cp="auto")` (the default), `cp="on"` with 512-token
 segments (every rank with tokens takes the segmented path: its pieces as one intra-device CP pass, a
 continuing first piece as an open sequence; its sm_90 launches are counted and must be prepare + 2
-recurrent forward, 1 recurrent + 1 backward backward) and `cp="off"` (the per-piece path).
+recurrent forward, 1 recurrent + 1 backward backward) and `cp="off"` (the per-piece path: never the
+segmented one, every forward launch pair an unsplit prepare + recurrent).
 
 One spawn of 2 ranks runs every case in every mode; each rank passes its own shard and backpropagates
 a loss over its outputs and final-state rows. The parent compares the concatenated outputs and token gradients
@@ -55,11 +56,11 @@ MODES = {"auto": dict(cp="auto"), "on": dict(cp="on", segment_len=512), "off": d
 
 
 class _CountingLaunches:
-    """The sm_90 launches (`flashqla.cp.driver.Sm90Backend`), recording the kind of each launch, so
-    that a case can tell which path ran."""
+    """The sm_90 launches (`flashqla.ops.gdn.backend.Sm90Backend`, without the dual launch), recording
+    the kind of each launch, so that a case can tell which path ran."""
 
     def __init__(self):
-        from flashqla.cp.driver import Sm90Backend
+        from flashqla.ops.gdn.backend import Sm90Backend
 
         self.inner = Sm90Backend()
         self.state_dtype = self.inner.state_dtype
@@ -162,19 +163,27 @@ def _rank_run(name: str, rank: int, mode: str) -> dict:
         kw["cu_seqlens"] = x["cu_seqlens"].to(dev)
     else:
         kw["cp_context"] = build_cp_context(x["cu_seqlens"], shard_lens=spec.get("shards"))
-    o, ht = chunk_gated_delta_rule_cp(L["q"], L["k"], L["v"], L["g"], L["beta"], **kw)
+    from flashqla.distributed import op as dist_op
+
+    segmented = []  # calls of the segmented path's forward (`cp_forward_open`)
+    real_open = dist_op.cp_forward_open
+    dist_op.cp_forward_open = lambda *a, **k: segmented.append(1) or real_open(*a, **k)
+    try:
+        o, ht = chunk_gated_delta_rule_cp(L["q"], L["k"], L["v"], L["g"], L["beta"], **kw)
+    finally:
+        dist_op.cp_forward_open = real_open
     n_fwd = len(counter.launches)
     loss = (o.double() * x["w_o"][:, lo:hi].to(dev)).sum() + ((ht.double() * x["w_h"].to(dev)).sum() if final else 0.0)
     loss.backward()
     torch.cuda.synchronize(dev)
     out = _collect(o, ht, L)
-    out["segmented"] = bool(counter.launches)
+    out["segmented"] = bool(segmented)
     out["launches_ok"] = True
     if mode == "on" and ctx.num_pieces:  # the segmented path, no extra launch for a continuing piece
         out["launches_ok"] = (counter.launches[:n_fwd] == ["prepare", "recurrent", "recurrent"]
                               and counter.launches[n_fwd:] == ["recurrent", "bwd"])
-    if mode == "off":
-        out["launches_ok"] = not counter.launches
+    if mode == "off":  # the per-piece path: unsplit forwards through the backend, never the segmented one
+        out["launches_ok"] = not segmented and n_fwd % 2 == 0 and counter.launches[:n_fwd] == ["prepare", "recurrent"] * (n_fwd // 2)
     out["launches"] = list(counter.launches)
     return out
 
@@ -197,7 +206,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
 def _precompile() -> None:
     """Builds the kernels the ranks will launch (both value-slice widths of the recurrent kernel, the
     backward) in this process first, so that the ranks find them in TileLang's cache."""
-    from flashqla.ops.gdn.api import chunk_gated_delta_rule_fwd
+    from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd
 
     x = _inputs("one_sequence_odd_split")
     L = _leaves(x, "cuda:0", 0, 200)

@@ -14,8 +14,8 @@ known output shapes (fake implementations below) instead of tracing into TileLan
         -> (dq, dk, dv, dg fp32, dbeta in beta's dtype, dh0 [N, HV, K, V] fp32 (or [0] without initial_state
             or when need_dh0 is False: autograd passes whether initial_state requires grad))
 
-The ops run on inputs the public op has validated (`flashqla.chunk_gated_delta_rule`) and plan
-their own call (`flashqla.cp.plan`). cp is the context-parallel mode ("off", "auto", "on";
+The forward ops check their inputs as the public op does (they can be called directly, and a
+compiled graph calls them) and plan their own call (`flashqla.cp.plan`). cp is the context-parallel mode ("off", "auto", "on";
 `flashqla.contract.cp_mode`): A and g_cum_log2 come back in the unsplit layout either way. max_seqlen
 is the planner's host-side length hint (`flashqla.contract.planning_max_seqlen`; None: balanced lengths
 assumed); it changes the plan, never the results. S is the number of chunk slots (`kernels.sm90._common.num_slots`: B * ceil(T / 64), or
@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from flashqla.contract import check_device, check_gdn_inputs, check_supported, cp_mode
 from flashqla.cp.plan import plan_call
 from flashqla.cp.saved import CPSaved, cu_key
 from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
@@ -43,6 +44,16 @@ from flashqla.ops.gdn.kernels.sm90._common import num_slots
 __all__ = ["gdn_fwd", "gdn_fwd_inference", "gdn_bwd", "num_slots_for", "GDNEagerFunction"]
 
 _EMPTY_SHAPE = (0,)
+
+
+def _check(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp) -> None:
+    """The public op's checks, in its order, for a custom op called directly (torch.ops.flashqla.*):
+    the arguments, the fast path's dtypes and head dims, the cp mode, a Hopper GPU. Raises what
+    `flashqla.chunk_gated_delta_rule` raises."""
+    check_gdn_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    check_supported(q, k, v, g, beta, initial_state)
+    cp_mode(cp)
+    check_device(q)
 
 
 def num_slots_for(q: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> int:
@@ -68,6 +79,7 @@ def gdn_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward (`flashqla.ops.gdn.fwd.forward`) as a custom op: (o, final_state or an empty [0]
     tensor, A, g_cum_log2); shapes and dtypes in the module docstring."""
+    _check(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp)
     plan = plan_call(q, v, cu_seqlens, cp, max_seqlen=max_seqlen)
     f = forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, plan=plan)
     final_state = f.final_state if f.final_state is not None else q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
@@ -103,6 +115,7 @@ def gdn_fwd_inference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward when no gradient is needed: (o, final_state or an empty [0] tensor), without the
     backward's products (`flashqla.ops.gdn.fwd.forward(for_backward=False)`)."""
+    _check(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp)
     plan = plan_call(q, v, cu_seqlens, cp, max_seqlen=max_seqlen)
     f = forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, plan=plan, for_backward=False)
     final_state = f.final_state if f.final_state is not None else q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)

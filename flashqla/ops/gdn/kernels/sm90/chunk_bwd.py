@@ -57,11 +57,9 @@ __all__ = ["DEFAULT_OPTS", "DH0_OPTS", "OPTS", "build_chunk_bwd_kernel", "build_
 
 #: Registers per thread of each role (setmaxnreg), by packed input (cu_seqlens) or not. The CTA launches
 #: with 128 a thread (65,536 / 512); the producer gives back 104, which the consumers take. Packed builds
-#: (every launch of the benchmarks, the split backward's segments included) give A 8 of K's: measured on
-#: the H200 (`tests/gpu/pass2_variant_rows.py`, six benchmark rows, same process), the backward 0.6-1.4%
-#: faster with the "dagl" build and 0.0-0.8% with "dag", gradients bitwise equal; K 168 / A 160 and
-#: K 160 / A 168 were 0.6-1.2% slower than 184 / 144 (NOTES-bwd.md, "Registers moved from K to A").
-#: Fixed-length builds keep 184 / 144 (not measured).
+#: (every launch of the benchmarks, the split backward's segments included) give A 8 of K's: the
+#: fastest of the splits measured, with bitwise the same gradients (`benchmarks/journal/backward.md`,
+#: "Registers moved from K to A"). Fixed-length builds keep 184 / 144 (not measured).
 NREG_BY_VARLEN = {True: {"S": 160, "K": 176, "A": 152, "P": 24}, False: {"S": 160, "K": 184, "A": 144, "P": 24}}
 
 
@@ -153,8 +151,8 @@ def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype
     ):
         with T.Kernel(HV * ((Np1 - 1) if varlen else B), threads=512) as (bx,):
             hv = bx % HV
-            # packed: the sequences in the order given (`_common.launch_order`); fixed-length rows in
-            # order, an expression as before (a mutable n there cost registers: ptxas serialised wgmma)
+            # packed: the sequences in the order given (`launch_order.launch_order`); fixed-length
+            # rows in order, as one expression (a mutable n there costs registers: ptxas serialises wgmma)
             n = T.if_then_else(use_order != 0, order[bx // HV], bx // HV) if varlen else bx // HV
             bos, seqlen, bidx, slot0, nchunks = sequence_span(n, cu_seqlens, Tn, varlen)
             hk = hv // G

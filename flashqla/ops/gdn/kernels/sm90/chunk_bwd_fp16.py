@@ -138,8 +138,8 @@ def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: s
             rb = T.alloc_reducer((C,), acc, op="sum")
             sc = T.alloc_local((2,), acc)  # per-thread partials of the two scalars (see the finalisation)
             # the gates in registers, once per chunk, at the rows and columns each thread's
-            # accumulators hold (read from shared memory inside the element loops, they were reloaded
-            # at every element: the loops' own shared stores may alias them)
+            # accumulators hold (read from shared memory inside the element loops, they would be
+            # reloaded at every element: the loops' own shared stores may alias them)
             g_r = T.alloc_fragment((C,), acc)  # g_cum_log2 at the rows of cc_f
             g_c = T.alloc_fragment((C,), acc)  # ... at its columns
             b_r = T.alloc_fragment((C,), acc)  # beta at the rows of cc_f
@@ -148,8 +148,9 @@ def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: s
             gamc = T.alloc_local((1,), acc)  # gamma_C
             # delta = beta - beta rounded to q's dtype (the stored diagonal of A diag(beta): the diagonal
             # of (I + L)^-1 is exactly 1), 0 past the end, at the rows of the [C, V] accumulators: dv
-            # starts from diag(delta) dv_new in fp32 (the exact diagonal; NOTES-bwd.md, "The exact
-            # diagonal": in v_new it measured worse on a strong-decay head, so v_new keeps the stored one)
+            # starts from diag(delta) dv_new in fp32 (the exact diagonal, `reference.gdn.fused_bwd`'s
+            # exact_diagonal; restored in v_new too it is less accurate on a strong-decay head, so v_new
+            # keeps the stored one: benchmarks/journal/accuracy.md, "The exact diagonal")
             d_v = T.alloc_fragment((C,), acc)
             rg_f = T.alloc_fragment((C,), acc)
             cg_f = T.alloc_fragment((C,), acc)
@@ -198,8 +199,8 @@ def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: s
                 T.fence_proxy_async()
 
                 for _ in T.serial(1):
-                    # rows past a sequence end are zero, as v1's masked loads (a sequence's last chunk
-                    # only). Each tile is masked inside the group that first reads it: the pipeliner
+                    # rows past a sequence end are zero (a sequence's last chunk only).
+                    # Each tile is masked inside the group that first reads it: the pipeliner
                     # waits for a tile's TMA before the first statement that reads it, and does not
                     # count these writes as a use.
                     if nvalid < C:
@@ -376,7 +377,7 @@ def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: s
                     # dk_state = diag(r) v_new D^T; dG: -rowsum(dk_state * K), moved to the last valid row
                     for t, d in T.Parallel(C, K):
                         ck2_f[t, d] = ck2_f[t, d] * r_r[t]
-                    # -p adds -0.0 where the original added +0.0: the same sums, bit for bit
+                    # -pr adds -0.0 at the last valid row, which leaves every sum's bits as they are
                     for t, d in T.Parallel(C, K):
                         pr = T.if_then_else(t == nvalid - 1, T.float32(0), ck2_f[t, d] * T.cast(k_s[t, d], acc))
                         T.reducer_update(rg[t], -pr)
@@ -389,7 +390,7 @@ def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: s
                         if t < nvalid:
                             dk_hv[bidx, t0 + t, hv, d] = u_f[t, d]
 
-                # ---- dbeta and the dG row (the chunk-end terms at the last valid row, as v1)
+                # ---- dbeta and the dG row (the chunk-end terms at the last valid row)
                 T.finalize_reducer(rg, rg_f, batch=2)
                 T.finalize_reducer(cg, cg_f, batch=8)
                 T.finalize_reducer(rb, rb_f, batch=2)
@@ -399,7 +400,7 @@ def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: s
                 # the two scalars: warp sums, one slot per consumer warp (a fully replicated
                 # T.alloc_reducer is not used here: TileLang 0.1.15 guards its per-thread init with the
                 # consumer thread count but not the warpgroup offset, so the second consumer
-                # warpgroup's partials were never cleared)
+                # warpgroup's partials would never be cleared)
                 w0 = T.warp_reduce_sum(sc[0])
                 w1 = T.warp_reduce_sum(sc[1])
                 if tx % 32 == 0:

@@ -1,31 +1,32 @@
 """The token-wise products of context parallelism in one launch each (records CP-3 and BWD-dSin).
 
 Exact CP runs every segment from a zero state and repairs it afterwards with the segment's entering
-state S_in [K, V] (`flashqla.cp.driver`):
+state S_in [K, V] (`flashqla.cp.forward`, `flashqla.cp.backward`):
 
     forward   o_t += S_in^T U_t      for every token t of a corrected segment (CP-3; U_t [K] the
                                      transition launch's output row, o_t [V])
     backward  E = sum_t U_t do_t^T   over the segment's tokens: the gradient reaching S_in through
                                      the segment's own outputs (BWD-dSin)
 
-In torch these were one GEMM per value head on views (one sequence) or, for packed batches, a gather
-of every corrected token row, a batched GEMM and an index_add (~0.8 ms at 2/8 heads, 28672 + 4096
-tokens). Here one CTA per (segment slot, value head) walks its segment's rows in 64-row tiles: TMA
-loads of U (and o or do), a wgmma with the entering state (bf16 in shared memory, converted once per
-CTA) or into the [K, V] fp32 accumulator. Slots are read from the pseudo offsets of the segment
-tables (a slot's rows are [cu[j], cu[j + 1]), spread over CTAs of TG tiles each by the correction);
-a per-(slot, value head) limit says how many 64-row
-tiles from the slot's start are used (0: the slot is not corrected; `need_correction` or an open
-sequence's mask as a flag gives 0 or all; the gate-driven truncation gives the chunks its transition
-walked, `flashqla.cp.driver.transition_limits`: U rows past them were never written and add nothing).
-Every size is a run-time value.
+In torch (the CPU path) these are one GEMM per value head on views (one sequence) or, for packed
+batches, a gather of every corrected token row, a batched GEMM and an index_add. Here one CTA per
+(segment slot, value head) walks its segment's rows in 64-row tiles: TMA loads of U (and o or do), a
+wgmma with the entering state (bf16 in shared memory, converted once per CTA) or into the [K, V] fp32
+accumulator. Slots are read from the pseudo offsets of the segment tables (a slot's rows are [cu[j],
+cu[j + 1]), spread over CTAs of TG tiles each by the correction); a per-(slot, value head) limit says
+how many 64-row tiles from the slot's start are used (0: the slot is not corrected; `need_correction` or
+an open sequence's mask as a flag gives 0 or all; the gate-driven truncation gives the chunks its
+transition walked, `flashqla.cp.forward.transition_limits`: U rows past them are never written and add
+nothing). Every size is a run-time value.
 
 `gdn_cp_correct` adds in fp32 and rounds o once (the torch path rounded the product to o's dtype
 before adding). Rows of the last tile past the segment's end are computed but not stored.
 `gdn_cp_state_grads` zeroes U's rows past the end before the product and writes E only on slots with a
-positive limit (the wrapper zero-fills E: TileLang 0.1.15 moved a `T.clear` of the accumulator placed before
-the flag test into the flagged branch of the warp-specialised consumer, so unflagged slots stored an
-uninitialised accumulator; found on the H200 by tests/gpu/cp_scan_check.py). Compile key: HV, K, V, the dtype of U / o / do, the dtype of the offsets.
+positive limit (the wrapper zero-fills E: TileLang 0.1.15 moves a `T.clear` of the accumulator placed
+before the flag test into the flagged branch of the warp-specialised consumer, which would leave
+unflagged slots with an uninitialised accumulator; `benchmarks/journal/context-parallel.md`, "The
+split path in one launch per step"). Compile key: HV, K, V, the dtype of U / o / do, the dtype of the
+offsets.
 """
 
 import functools

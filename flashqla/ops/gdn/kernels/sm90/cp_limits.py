@@ -1,15 +1,15 @@
 """The gate-driven transition limits of context parallelism in one launch.
 
-`flashqla.cp.driver.transition_limits` decides, per (segment slot, value head), how many chunks the
+`flashqla.cp.forward.transition_limits` decides, per (segment slot, value head), how many chunks the
 slot's transition walks: all of them on slots that are corrected, unless the summed log-decay from the
-slot's start falls below a cutoff first (then up to and including that chunk; records CP-4 / CP-5).
-In torch that is about twenty small ops per call (gathers, a cumsum, a cumprod, masks), ~40 us inside a
-CUDA graph on the H200; here it is one launch: one thread per (slot, value head) walks the slot's chunk
-ends g_cum_log2[hv, 64 (base + c) + 63] (base = floor(start / 64) + slot, the slot layout of
-`_common.py`) in groups of GROUP independent loads, summing in fp32 in chunk order (as the torch
-version's cumsum) and stopping at the first chunk below the cutoff. Same result as the torch version
-(tests/gpu/cp_dual_check.py compares them). Compile key: HV and the dtype of the pseudo offsets; M,
-the slot layout's size and the cutoff are run-time values.
+slot's start falls below a cutoff first (then up to and including that chunk; records CP-4 / CP-5). In
+torch that is about twenty small ops per call (gathers, a cumsum, a cumprod, masks); here it is one
+launch: one thread per (slot, value head) walks the slot's chunk ends g_cum_log2[hv, 64 (base + c) + 63]
+(base = floor(start / 64) + slot, the slot layout of `_common.py`) in groups of GROUP independent loads,
+summing in fp32 in chunk order (as the torch version's cumsum) and stopping at the first chunk below the
+cutoff. Same result as the torch version (`tests/gpu/test_cp_kernels_gpu.py` compares them). Compile
+key: HV and the dtype of the pseudo offsets; M, the slot layout's size and the cutoff are run-time
+values.
 """
 
 import functools
@@ -99,7 +99,7 @@ def build_cp_limits_kernel(HV: int, seq_dtype: str):
 
 def cp_transition_limits(g_cum_log2: torch.Tensor, cu: torch.Tensor, need_correction: torch.Tensor,
                          cutoff_log2: float | None) -> torch.Tensor:
-    """[M, HV] int32 transition limits (`flashqla.cp.driver.transition_limits`) in one launch.
+    """[M, HV] int32 transition limits (`flashqla.cp.forward.transition_limits`) in one launch.
 
     g_cum_log2: [HV, S * 64] fp32 (the prepare kernel's, slot layout of cu); cu: [M + 1] int32/int64
     pseudo offsets (`SegmentTables.cu_seqlens`); need_correction: [M] bool; cutoff_log2: the cutoff in

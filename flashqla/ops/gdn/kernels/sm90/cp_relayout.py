@@ -1,15 +1,13 @@
 """The prepare products (A diag(beta), g_cum_log2) moved between the caller's chunk slots and the
 segments' chunk slots, in one launch.
 
-`flashqla.cp.driver.sequence_slots_to_segment_slots` (the split backward, before its kernels) and
+`flashqla.cp.segments.sequence_slots_to_segment_slots` (the split backward, before its kernels) and
 `segment_slots_to_sequence_slots` (the split forward for training, after them) express this move as
 about fifteen torch ops: slot searches and gathers over small index tensors, a gather of A and of
-g_cum_log2 over every slot, and a `torch.where` over the whole of A for the slots no chunk uses. In
-a CUDA graph that measured 0.03-0.15 ms per call on the H200 (seven gather kernels, one full pass of
-A for the mask, a dozen small launches; 2/4 heads with 8 packed sequences of 8192 tokens: ~0.05 of
-0.40 ms of the backward's kernel time; 16/32 x 8192: ~0.17 of 1.23 ms). `relayout_slots` does the
-same move with one TileLang launch that reads each used source slot once and writes each
-destination slot once, with the same values bit for bit (a copy; zeros where no chunk is).
+g_cum_log2 over every slot, and a `torch.where` over the whole of A for the slots no chunk uses (their
+cost against this launch: `benchmarks/journal/context-parallel.md`, "The split backward's fixed costs").
+`relayout_slots` does the same move with one TileLang launch that reads each used source slot once and
+writes each destination slot once, with the same values bit for bit (a copy; zeros where no chunk is).
 
 Kernel (`gdn_cp_relayout`): grid (destination slots, HV), 128 threads. The CTA of destination slot
 s finds where its chunk lives:
@@ -30,8 +28,8 @@ torch path stays the CPU one and the reference.
 
 The initial states move the same way (`slot_initial_states`, kernel `gdn_cp_slot_h0`): the split
 path's runs start first segments from h0[h0_index[slot]] and every other slot from zero. In torch that
-was a clamp, an index_select over all M slots and a `torch.where` (3 launches, 10-16 us a call on the
-H200 at 2/8 heads, 6-12 slots); here one launch, grid (slots, HV), 128 threads, float4 copies.
+is a clamp, an index_select over all M slots and a `torch.where` (3 launches); here one launch, grid
+(slots, HV), 128 threads, float4 copies.
 """
 
 import functools
@@ -114,9 +112,9 @@ def relayout_slots(A: torch.Tensor, g_cum_log2: torch.Tensor, tables, cu_seqlens
                    to_segments: bool):
     """A [HV, S_in * 64, 64] and g_cum_log2 [HV, S_in * 64] moved to the other slot layout:
     `to_segments` True: from the caller's (cu_seqlens, or B rows of T tokens) to the segments' of
-    `tables` (`flashqla.cp.planner.SegmentTables`), else back. Returns (A [HV, out_slots * 64, 64],
+    `tables` (`flashqla.cp.segments.SegmentTables`), else back. Returns (A [HV, out_slots * 64, 64],
     g_cum_log2 [HV, out_slots * 64]), zeros in the slots no chunk uses: the values
-    `flashqla.cp.driver.sequence_slots_to_segment_slots` / `segment_slots_to_sequence_slots` return.
+    `flashqla.cp.segments.sequence_slots_to_segment_slots` / `segment_slots_to_sequence_slots` return.
     CUDA tensors only (the torch functions are the CPU path)."""
     HV = A.shape[0]
     dev = A.device
@@ -175,7 +173,7 @@ def slot_initial_states(h0: torch.Tensor, h0_index: torch.Tensor) -> torch.Tenso
     states: `SegmentTables.h0_index` is the sequence of a first segment, -1 elsewhere).
 
     h0: [N, HV, K, V] fp32; h0_index: [M] int64 with values in [-1, N). CUDA tensors on sm_90 (the
-    torch expression in `flashqla.cp.driver` is the CPU path and the reference).
+    torch expression in `flashqla.cp.forward` is the CPU path and the reference).
     Raises ValueError for an h0 that is not 4-D fp32 or an h0_index that is not 1-D integer."""
     if h0.dim() != 4 or h0.dtype != torch.float32:
         raise ValueError(f"h0 must be [N, HV, K, V] fp32, got shape {tuple(h0.shape)} and {h0.dtype}")

@@ -6,12 +6,12 @@ The split forward and backward (`flashqla.cp`) chain segment states per sequence
     backward  G(last) = dht (or 0);     G(j - 1) = P_j^T G(j) + E_j
 
 with P_j [K, K] a segment's transition and Q_j / E_j [K, V] fp32. In torch each step is a batched
-product of a few value heads (cuBLAS fills few SMs: ~10 us a step) plus, for packed batches, a
-gather, a scatter and masks (~8 launches a step over ceil(T / L) steps). Here one CTA per (sequence,
-value head, slice of BS value columns) walks its sequence's segments with the state slice in shared
-memory: per step it loads P_j into shared memory and accumulates Q_j + P_j S (or P_j^T G) with fp32
-FMAs (no tensor cores: the chain stays fp32-exact up to summation order, like the torch products).
-Columns of the state are independent, so slices never talk to each other.
+product of a few value heads (cuBLAS fills few SMs) plus, for packed batches, a gather, a scatter and
+masks (~8 launches a step over ceil(T / L) steps). Here one CTA per (sequence, value head, slice of BS
+value columns) walks its sequence's segments with the state slice in shared memory: per step it loads
+P_j into shared memory and accumulates Q_j + P_j S (or P_j^T G) with fp32 FMAs (no tensor cores: the
+chain stays fp32-exact up to summation order, like the torch products). Columns of the state are
+independent, so slices never talk to each other.
 
 Variant "prefetch" (the default) keeps that FMA loop but splits each step's contraction into two
 halves of P, copied into shared memory by cp.async one half ahead (the next step's first half and Q
@@ -56,11 +56,11 @@ def _dropped(limit, seg_start, seg_end, sl, hv):
 
 
 def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool):
-    """Variant "prefetch": the first variant's FMA loop and thread layout, with P and Q copied into
-    shared memory by cp.async one half of P ahead. Each step contracts over k in two halves (k < K / 2,
-    then the rest: the same FMA order, so the same bits); half 1 of a step loads while half 0 is
-    summed, and half 0 and Q of the next step while half 1 is summed. Two half buffers of P (rows
-    padded by one word as before) keep two CTAs an SM."""
+    """Variant "prefetch": the FMA loop and thread layout of the module docstring, with P and Q
+    copied into shared memory by cp.async one half of P ahead. Each step contracts over k in two
+    halves (k < K / 2, then the rest: the same FMA order, so the same bits); half 1 of a step loads
+    while half 0 is summed, and half 0 and Q of the next step while half 1 is summed. Two half buffers
+    of P (rows padded by one word) keep two CTAs an SM."""
     import tilelang.language as T
 
     NB = V // BS
@@ -195,7 +195,7 @@ def _cp_scan_prefetch_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool)
 
 
 def _cp_scan_ahead_prim_func(HV: int, K: int, V: int, BS: int, reverse: bool):
-    """Variant "ahead": the FMA loop and thread layout of the others, with the next step's whole P and Q
+    """Variant "ahead": the FMA loop and thread layout of "prefetch", with the next step's whole P and Q
     copied into shared memory by cp.async while this step sums (two buffers of P with rows padded by
     one word, two of Q: one CTA an SM). Two copy groups a step (P or none, then Q), so every wait
     counts the same groups. The contraction runs over k in order: the same bits as the others."""

@@ -87,7 +87,7 @@ def _states_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: st
             n = T.alloc_var("int32")
             n = bx // HV
             if varlen:
-                if use_order != 0:  # the sequences in the order given (`_common.launch_order`)
+                if use_order != 0:  # the sequences in the order given (`launch_order.launch_order`)
                     n = order[bx // HV]
             bos, seqlen, bidx, slot0, nchunks = sequence_span(n, cu_seqlens, Tn, varlen)
             hk = hv // G
@@ -166,7 +166,8 @@ def _states_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: st
                     T.barrier_wait(s_full[s], ph)
                     # one whole warp takes the TMA store (TileLang elects its issuing lane with elect.sync,
                     # which every lane of the warp must execute: under a one-thread guard the other
-                    # lanes ran ahead to the next chunk's wait and the kernel hung from the third chunk on)
+                    # lanes would run ahead to the next chunk's wait and the kernel would hang from the
+                    # third chunk on)
                     if tx < CH + 32:
                         T.tma_copy(sb_s[s, :, :], h[(slot0 + c) * HV + hv, 0:K, 0:BV])
                         T.tma_store_arrive()

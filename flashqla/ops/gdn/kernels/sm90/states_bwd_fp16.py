@@ -62,7 +62,7 @@ def _states_prim_func(H: int, HV: int, K: int, V: int, dtype: str, h_dtype: str,
             n = T.alloc_var("int32")
             n = bx // (NV * HV)
             if varlen:
-                if use_order != 0:  # the sequences in the order given (`_common.launch_order`)
+                if use_order != 0:  # the sequences in the order given (`launch_order.launch_order`)
                     n = order[bx // (NV * HV)]
             bos, seqlen, bidx, slot0, nchunks = sequence_span(n, cu_seqlens, Tn, varlen)
             hk = hv // G
