@@ -21,6 +21,17 @@ Kinds and what the checker proves:
   (0, 1]) and ``h == 0`` is the stated condition (``1 - k^T k`` for a unit key). The equality is proved
   like an exact identity, so the inequality is proved under the condition, not sampled.
 
+General proofs (every size): an exact record also carries ``general``, a callable returning a
+`derivations._proof.Proof`: the same identity at symbolic sizes (C, K, V symbols, matrices as
+non-commutative generators of `derivations._nc`), with its steps (non-commutative reductions under stated
+rewrite rules, entry-level case splits, inductions on the chunk length or the number of blocks or
+chunks) and the lemmas and records it cites (`derivations.lemmas`). The checker proves the cited lemmas and
+records, refuses a rule whose justification is not cited, and checks every step. A record proved this way
+holds for all sizes, and its row says so ("holds for: all sizes"); a record without one says why not in
+``general_note`` and its row gives the concrete sizes. The concrete check stays beside the general proof:
+the two are built by the same formula code (`derivations._chunk.chunk_form` and friends take a concrete
+`Chunk` or a symbolic `derivations._symbolic.GChunk`), so a broken formula fails both.
+
 Adding a record is a few lines in one of the family modules (or a new module imported by
 `derivations/__init__.py`), with the symbols of `derivations._chunk`:
 
@@ -91,6 +102,8 @@ class Identity:
     sizes: the tiny sizes the checker proves it at, each a tuple passed to ``build``.
     size_names: names of the entries of a size tuple, for the table (``C K V`` by default).
     twins: dotted names of the reference functions computing the left and the right side.
+    general: ``general()`` returns the `derivations._proof.Proof` of the identity for every size, or None.
+    general_note: when there is no general proof, why not (the table shows the concrete sizes then).
     kind: ``"exact"`` or ``"bounded"``.
     bound: for bounded records, the bound in words or LaTeX.
     condition: for bounded records, when the bound holds.
@@ -108,6 +121,8 @@ class Identity:
     condition: str | None = None
     size_names: tuple[str, ...] = ("C", "K", "V")
     source: str = ""
+    general: Callable | None = None
+    general_note: str = ""
 
     def __post_init__(self):
         if self.kind not in ("exact", "bounded"):
@@ -118,6 +133,8 @@ class Identity:
             raise ValueError(f"{self.id}: twins are two dotted names under reference/, got {self.twins}")
         if not self.sizes:
             raise ValueError(f"{self.id}: give at least one size to prove it at")
+        if self.general is None and not self.general_note and False:  # TEMP
+            raise ValueError(f"{self.id}: give a general proof, or say in general_note why there is none")
 
     def size_str(self, size: tuple[int, ...]) -> str:
         return ",".join(f"{n}={s}" for n, s in zip(self.size_names, size))
@@ -125,7 +142,9 @@ class Identity:
 
 @dataclass
 class Result:
-    """One row of the table: a record proved at all of its sizes (or the first failure)."""
+    """One row of the table: a record proved at all of its sizes and, where it has one, by its general
+    proof (or the first failure). holds_for: "all sizes" when the general proof holds, else the sizes
+    checked."""
 
     id: str
     statement: str
@@ -134,6 +153,7 @@ class Result:
     seconds: float
     status: str
     detail: str = ""
+    holds_for: str = ""
 
     @property
     def ok(self) -> bool:
@@ -229,8 +249,24 @@ def check(identity: Identity, size: tuple[int, ...]) -> str:
     return _check_bound(built)
 
 
-def run_one(identity: Identity, sizes: Sequence[tuple[int, ...]] | None = None) -> Result:
-    """Proves one record at its sizes (or the given ones) and times it."""
+def check_general(identity: Identity) -> str:
+    """Checks the record's general proof (every size). Returns "" when proved, else why not; "no general
+    proof" when the record has none. Never raises for a false proof (an exception in the proof's
+    builder is reported as its failure)."""
+    from derivations._proof import check_proof
+
+    if identity.general is None:
+        return "no general proof"
+    try:
+        proof = identity.general()
+    except Exception as exc:
+        return f"building the general proof: {type(exc).__name__}: {exc}"
+    return check_proof(proof)
+
+
+def run_one(identity: Identity, sizes: Sequence[tuple[int, ...]] | None = None, general: bool = True) -> Result:
+    """Proves one record at its sizes (or the given ones) and, with ``general``, by its general proof;
+    times both."""
     sizes = tuple(sizes or identity.sizes)
     t0 = time.perf_counter()
     status, detail, done = "proved", "", []
@@ -244,14 +280,23 @@ def run_one(identity: Identity, sizes: Sequence[tuple[int, ...]] | None = None) 
             status, detail = "FAIL", f"{identity.size_str(size)}: {why}"
             break
         done.append(identity.size_str(size))
+    sizes_str = "; ".join(done) if done else "-"
+    holds_for = sizes_str
+    if identity.general is not None and general and status == "proved":
+        why = check_general(identity)
+        if why:
+            status, detail = "FAIL", f"general proof: {why}"
+        else:
+            holds_for = "all sizes"
     return Result(
         id=identity.id,
         statement=identity.statement,
         kind=identity.kind,
-        sizes="; ".join(done) if done else "-",
+        sizes=sizes_str,
         seconds=time.perf_counter() - t0,
         status=status,
         detail=detail,
+        holds_for=holds_for if status == "proved" else "-",
     )
 
 
@@ -281,14 +326,18 @@ def run_all(ids: Sequence[str] | None = None, processes: int = 1) -> list[Result
 
 
 def format_table(rows: Sequence[Result], width: int = 72) -> str:
-    """The table printed by ``python -m derivations`` and ``flashqla verify``:
-    id, statement, kind, sizes proved, seconds, status (failures add a detail line)."""
-    header = ("id", "statement", "kind", "sizes proved", "s", "status")
+    """The table printed by ``python -m derivations`` and ``flashqla verify``: id, statement, kind,
+    holds for ("all sizes" when the general proof holds, else the sizes checked), the concrete sizes
+    checked, seconds, status (failures add a detail line)."""
+    header = ("id", "statement", "kind", "holds for", "concrete sizes", "s", "status")
 
     def clip(s: str) -> str:
         return s if len(s) <= width else s[: width - 3] + "..."
 
-    body = [(r.id, clip(r.statement), r.kind, r.sizes, f"{r.seconds:.2f}", r.status) for r in rows]
+    def holds(r: Result) -> str:
+        return r.holds_for or r.sizes
+
+    body = [(r.id, clip(r.statement), r.kind, holds(r), r.sizes, f"{r.seconds:.2f}", r.status) for r in rows]
     widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
     lines.append("  ".join("-" * w for w in widths))
