@@ -139,6 +139,28 @@ class Chunk:
     def tril(X: sp.Matrix, diagonal: int = 0) -> sp.Matrix:
         return tril(X, diagonal)
 
+    # reductions of elementwise products (the backward's rowsum / colsum terms)
+    @staticmethod
+    def rowsum_had(X: sp.Matrix, Y: sp.Matrix) -> sp.Matrix:
+        """rowsum(X * Y) as a column vector."""
+        return rows_sum(hadamard(X, Y))
+
+    @staticmethod
+    def colsum_had(X: sp.Matrix, Y: sp.Matrix) -> sp.Matrix:
+        """colsum(X * Y) as a column vector."""
+        return cols_sum(hadamard(X, Y))
+
+    @staticmethod
+    def sum_had(X: sp.Matrix, Y: sp.Matrix) -> sp.Expr:
+        """sum(X * Y) = <X, Y>."""
+        return sum(hadamard(X, Y))
+
+    def add_last(self, x: sp.Matrix, s) -> sp.Matrix:
+        """x with s added to its last entry (x + e_last s)."""
+        x = sp.Matrix(x)
+        x[self.C - 1] += s
+        return x
+
     @staticmethod
     def eye(n) -> sp.Matrix:
         return sp.eye(n)

@@ -19,6 +19,8 @@ level for all sizes (its id in brackets), and every rewrite rule (`Rule`) names 
 induction hypothesis it comes from.
 
 Normal form (`nf`):
+- ``tril_0(w) = tril_-1(w) + diag(dg(w))`` and ``triu_0(w) = triu_1(w) + diag(dg(w))``: masks are kept
+  strict, diagonal parts become diagonal atoms `Dp` (normalised like ``dg``) [L-diagpart];
 - runs of adjacent diagonal atoms are sorted and ``X X^-1`` pairs of declared inverses cancel
   [L-diag-commute];
 - a mask of a sum is the sum of the masks; diagonal factors at either end of a masked word move out,
@@ -27,9 +29,9 @@ Normal form (`nf`):
   nested lower masks keep the stricter one [L-mask-nested];
   ``tril_d(w)^T = triu_{-d}(w^T)`` [L-mask-transpose];
 - ``dg`` is linear, ``dg(P w Q) = P Q dg(w)`` for diagonal P, Q, ``dg(w) = dg(w^T)``, ``dg(I) = 1``
-  [L-dg]; ``dg(tril_d(w)) = dg(w)`` for d >= 0 and 0 for d < 0 [L-dg];
-  ``dg(tril_d(x) P triu_e(z) Q) = dg(x P triu_e(z) Q)`` when -e <= d (the second factor's mask already
-  confines the sum) [L-dg-mask];
+  [L-dg]; ``dg(tril_d(w)) = dg(w)`` for d >= 0 and 0 for d < 0 [L-dg]; a mask at either end moves
+  onto the rest of the word, ``dg(tril_d(x) R) = dg(x triu_-d(R))``, ``dg(R tril_d(x)) = dg(triu_-d(R) x)``
+  (both sum x_ij R_ji over the same j) [L-dg-mask]; of all the words reached this way the least is kept;
 - ``tr`` is linear, invariant under rotation and transposition [L-trace].
 
 `reduce` (inside `nf`) then rewrites with the rules until none applies: a rule ``lhs -> rhs`` replaces an
@@ -47,7 +49,7 @@ from typing import Iterable
 import sympy as sp
 
 __all__ = [
-    "Sym", "Mask", "Dg", "M", "Rule", "Block",
+    "Sym", "Mask", "Dg", "Dp", "diagpart", "M", "Rule", "Block",
     "sym", "diag_pair", "diag", "eye", "zeros", "ones", "scalar_block",
     "tril", "triu", "dg", "tr", "nf", "is_zero_nc", "rules_from", "grad", "NotReduced",
 ]
@@ -109,7 +111,7 @@ class Mask:
 
     @property
     def T(self) -> "Mask":
-        return Mask("triu" if self.kind == "tril" else "tril", -self.d, _word_T(self.word), self.n)
+        return Mask("triu" if self.kind == "tril" else "tril", -self.d, next(iter(_canon(_word_T(self.word)))), self.n)
 
     @property
     def key(self) -> str:
@@ -138,6 +140,36 @@ class Dg:
     @property
     def key(self) -> str:
         return f"dg[{_wkey(self.word)}]"
+
+    def __repr__(self):
+        return self.key
+
+
+@dataclass(frozen=True)
+class Dp:
+    """diag(dg(w)): the diagonal part of the square word ``w``, a diagonal matrix (it commutes with the
+    other diagonal atoms) [L-diagpart]."""
+
+    word: tuple
+    n: sp.Expr
+    diag = True
+    inv = None
+
+    @property
+    def shape(self):
+        return (self.n, self.n)
+
+    @property
+    def T(self):
+        return self
+
+    @property
+    def key(self) -> str:
+        return f"diagpart[{_wkey(self.word)}]"
+
+    @property
+    def name(self) -> str:
+        return self.key
 
     def __repr__(self):
         return self.key
@@ -348,6 +380,10 @@ def _mask(kind: str, X: M, d: int) -> M:
     n = X.shape[0]
     if not _same(n, X.shape[1]):
         raise ValueError(f"{kind} of a non-square {X.shape}")
+    if d == 0 and not _is_one(n):  # tril_0(X) = tril_-1(X) + diag(dg(X)), triu alike [L-diagpart]
+        return _mask(kind, X, -1 if kind == "tril" else 1) + diagpart(X)
+    if not _is_one(n) and d != (-1 if kind == "tril" else 1):
+        raise ValueError(f"only the masks tril_0, tril_-1, triu_0, triu_1 are supported, got {kind}_{d}")
     out: dict = {}
 
     def add(word, c):
@@ -374,29 +410,41 @@ def _mask(kind: str, X: M, d: int) -> M:
     return M(out, X.shape)
 
 
-def _unwrap_confined(word: tuple) -> tuple:
-    """dg(tril_d(x) P triu_e(z) Q) = dg(x P triu_e(z) Q) when -e <= d, and the mirror image
-    dg(triu_e(x) P tril_d(z) Q) = dg(x P tril_d(z) Q) when -d >= e ... [L-dg-mask]: the i-th diagonal entry
-    sums x_ij (P triu_e(z) Q)_ji over j, and triu_e(z)_ji != 0 needs i - j >= e, i.e. j - i <= -e <= d."""
-    masks = [i for i, a in enumerate(word) if not a.diag]
-    if len(masks) != 2:
-        return word
-    i0, i1 = masks
-    a, b = word[i0], word[i1]
-    if i0 != 0 or not (isinstance(a, Mask) and isinstance(b, Mask)):
-        return word
-    if a.kind == "tril" and b.kind == "triu" and -b.d <= a.d:
-        return a.word + word[1:]
-    if a.kind == "triu" and b.kind == "tril" and -b.d >= a.d:
-        return a.word + word[1:]
-    return word
+def _transfer_mask(kind: str, d: int):
+    """The mask a dg moves onto the other factor: dg(tril_d(x) R) = dg(x triu_-d(R)),
+    dg(triu_d(x) R) = dg(x tril_-d(R)), and mirrored at the end [L-dg-mask]."""
+    return ("triu", -d) if kind == "tril" else ("tril", -d)
+
+
+def _dg_moves(core: tuple):
+    """The words dg(core) equals (with extra diagonal factors): (facs, word) pairs, word None for zero.
+    Moves: transpose [L-dg]; a mask at the front or the back moves onto the rest [L-dg-mask]."""
+    out = [((), next(iter(_canon(_word_T(core)))))]
+    for front in (True, False):
+        a = core[0] if front else core[-1]
+        if not isinstance(a, Mask) or len(core) < 2:
+            continue
+        rest = core[1:] if front else core[:-1]
+        kind, d = _transfer_mask(a.kind, a.d)
+        rest_shape = (rest[0].shape[0], rest[-1].shape[1])
+        moved = _mask(kind, M({rest: 1}, rest_shape), d)
+        if not moved.terms:
+            out.append(((), None))
+            continue
+        (w2, c2), = moved.terms.items()
+        word = a.word + w2 if front else w2 + a.word
+        word = next(iter(_canon(word)))
+        pre, mid, post = _strip_diag(word)
+        out.append((pre + post, mid))
+    return out
 
 
 def _dg_word(word: tuple):
     """dg of one word as (diagonal factors, core word) with dg(word) = factors * dg(core), core None when
     dg(word) = 0, core () when dg(word) = dg(I) = 1. Diagonal factors at the ends move out, a
-    diagonal-keeping mask is unwrapped and a diagonal-free one gives zero, a lower mask confined by an
-    upper one is unwrapped, and of w, w^T the canonical one is kept [L-dg, L-dg-mask]."""
+    diagonal-keeping mask around the whole word is unwrapped and a diagonal-free one gives zero [L-dg];
+    then the canonical one (least key) of the words reached by transposing and by moving a mask at
+    either end onto the rest [L-dg, L-dg-mask]."""
     pre, rest, post = _strip_diag(word)
     facs = pre + post
     while len(rest) == 1 and isinstance(rest[0], Mask):
@@ -407,9 +455,27 @@ def _dg_word(word: tuple):
         facs = facs + p2 + q2
     if not rest:
         return facs, ()
-    rest = _unwrap_confined(rest)
-    rest_t = next(iter(_canon(_word_T(rest))))
-    return facs, min(rest, rest_t, key=_wkey)
+    seen = {rest: ()}
+    todo = [rest]
+    while todo:
+        w = todo.pop()
+        for extra, w2 in _dg_moves(w):
+            if w2 is None:
+                return facs, None
+            if not w2:
+                return facs + seen[w] + extra, ()
+            if len(w2) == 1 and isinstance(w2[0], Mask):
+                sub_facs, sub = _dg_word(w2)
+                if sub is None:
+                    return facs, None
+                return facs + seen[w] + extra + sub_facs, sub
+            if w2 not in seen:
+                seen[w2] = seen[w] + extra
+                todo.append(w2)
+            if len(seen) > 64:
+                raise NotReduced(f"dg orbit of {_wkey(rest)} too large")
+    best = min(seen, key=_wkey)
+    return facs + seen[best], best
 
 
 def dg(X: M) -> M:
@@ -422,10 +488,38 @@ def dg(X: M) -> M:
         facs, core = _dg_word(w)
         if core is None:
             continue
-        vec = (Sym("1", n, sp.Integer(1)),) if core == () else (Dg(core, n),)
+        if core == ():
+            dps = [f for f in facs if isinstance(f, Dp)]
+            if dps:  # diag(dg(u)) 1 = dg(u) [L-diagpart]
+                rest = list(facs)
+                rest.remove(dps[0])
+                facs, vec = tuple(rest), (Dg(dps[0].word, n),)
+            else:
+                vec = (Sym("1", n, sp.Integer(1)),)
+        else:
+            vec = (Dg(core, n),)
         for w2, c2 in _canon(facs + vec).items():
             out[w2] = sp.expand(out.get(w2, 0) + c * c2)
     return M(out, (n, 1))
+
+
+def diagpart(X: M) -> M:
+    """diag(dg(X)): the diagonal part of a square expression, as diagonal atoms [L-diagpart]."""
+    n = X.shape[0]
+    if not _same(n, X.shape[1]):
+        raise ValueError(f"diagpart of a non-square {X.shape}")
+    out: dict = {}
+    for w, c in X.terms.items():
+        if _is_one(n):
+            out[w] = sp.expand(out.get(w, 0) + c)
+            continue
+        facs, core = _dg_word(w)
+        if core is None:
+            continue
+        word = facs if core == () else facs + (Dp(core, n),)
+        for w2, c2 in _canon(word).items():
+            out[w2] = sp.expand(out.get(w2, 0) + c * c2)
+    return M(out, X.shape)
 
 
 _TRACES: dict = {}
@@ -474,15 +568,51 @@ class Rule:
 
 def rules_from(lhs: M, rhs: M, by: str, transpose: bool = True) -> list[Rule]:
     """The rule ``lhs -> rhs`` (lhs a single word with coefficient 1, or c * word: then rhs / c), and with
-    ``transpose`` its transpose ``lhs^T -> rhs^T`` (an equality transposes into one)."""
+    ``transpose`` its transpose ``lhs^T -> rhs^T`` (an equality transposes into one). Each rule also comes
+    without the invertible diagonal factors at its word's ends, their inverses moved to the other side
+    (P w = r  =>  w = P^-1 r): a normal form may have cancelled such a factor against its inverse."""
     if len(lhs.terms) != 1:
         raise ValueError(f"a rule's left side is one word, got {lhs!r}")
-    (w, c), = lhs.terms.items()
-    out = [Rule(w, rhs * (sp.Integer(1) / c), by)]
-    if transpose:
-        (wt, ct), = lhs.T.terms.items()
-        if wt != w:
-            out.append(Rule(wt, rhs.T * (sp.Integer(1) / ct), by))
+    out = []
+    sides = [lhs, rhs] + ([lhs.T, rhs.T] if transpose else [])
+    for L, R in zip(sides[0::2], sides[1::2]):
+        (w, c), = L.terms.items()
+        R = R * (sp.Integer(1) / c)
+        for rule in _strip_invertible(w, R, by):
+            if all(rule.lhs != r.lhs for r in out):
+                out.append(rule)
+    return out
+
+
+def _inverse_of(a: Sym) -> Sym:
+    return Sym(a.inv, a.rows, a.cols, diag=True, inv=a.name)
+
+
+def _strip_invertible(w: tuple, R: M, by: str) -> list[Rule]:
+    out = [Rule(w, R, by)]
+    pre, core, post = _strip_diag(w)
+    if not core:
+        return out
+    inv_pre = [a for a in pre if a.inv is not None]
+    inv_post = [a for a in post if a.inv is not None]
+    for strip_pre in ([], inv_pre) if inv_pre else ([],):
+        for strip_post in ([], inv_post) if inv_post else ([],):
+            if not strip_pre and not strip_post:
+                continue
+            p2, q2 = list(pre), list(post)
+            left, right = eye(R.shape[0]) if not strip_pre else None, None
+            for a in strip_pre:
+                p2.remove(a)
+                f = M({(_inverse_of(a),): 1}, a.shape)
+                left = f if left is None else left * f
+            for a in strip_post:
+                q2.remove(a)
+                f = M({(_inverse_of(a),): 1}, a.shape)
+                right = f if right is None else right * f
+            R2 = (left if left is not None else eye(R.shape[0])) * R
+            if right is not None:
+                R2 = R2 * right
+            out.append(Rule(tuple(p2) + core + tuple(q2), R2, by))
     return out
 
 
@@ -548,15 +678,89 @@ class NotReduced(RuntimeError):
     pass
 
 
-def _rebuild_atom(a, rules, memo, n) -> M:
-    """An atom with its inner word brought to normal form (masks and dg rebuilt linearly)."""
+def _rebuild_atom(a, rules, memo, n, left=(), right=()) -> M:
+    """An atom with its inner word brought to normal form (masks and dg rebuilt linearly). For a mask,
+    the diagonal runs ``left`` and ``right`` next to it in the outer word go inside first
+    (P tril_d(w) Q = tril_d(P w Q) [L-mask-diag]), so that a rule whose word starts or ends with a
+    diagonal factor the mask's normal form had moved out still applies inside."""
     if isinstance(a, Mask):
-        inner = _nf(M({a.word: 1}, (a.n, a.n)), rules, memo, n)
+        inner_word = next(iter(_canon(tuple(left) + a.word + tuple(right))))
+        inner = _nf(M({inner_word: 1}, (a.n, a.n)), rules, memo, n)
         return _mask(a.kind, inner, a.d)
-    if isinstance(a, Dg):
-        inner = _nf(M({a.word: 1}, (a.n, a.n)), rules, memo, n)
-        return dg(inner)
+    if isinstance(a, (Dg, Dp)):
+        return _rebuild_dg(a, tuple(left), rules, memo, n)
     return M({(a,): 1}, a.shape)
+
+
+def _dg_orbit(core: tuple) -> dict:
+    """{word: extra diagonal factors} of the words dg(core) equals (`_dg_moves`); {} when it is zero."""
+    seen = {core: ()}
+    todo = [core]
+    while todo:
+        w = todo.pop()
+        for extra, w2 in _dg_moves(w):
+            if w2 is None:
+                return {}
+            if w2 and w2 not in seen and not (len(w2) == 1 and isinstance(w2[0], Mask)):
+                seen[w2] = seen[w] + extra
+                todo.append(w2)
+        if len(seen) > 64:
+            break
+    return seen
+
+
+def _rebuild_dg(a, left: tuple, rules, memo, n) -> M:
+    """left * dg(core) with the rules tried on every word of the dg's orbit, the diagonal factors
+    ``left`` (moved out of the dg by its normal form) put back at either end (dg(P w) = dg(w P) = P dg(w)
+    [L-dg]): the first word a rule reduces gives dg of its normal form; else the inner word's normal form.
+    The same for a diagonal part (`Dp`)."""
+    make = dg if isinstance(a, Dg) else diagpart
+    for w, extra in _dg_orbit(a.word).items():
+        facs = tuple(left) + tuple(extra)
+        for cand in (facs + w, w + facs):
+            cand = next(iter(_canon(cand)))
+            red = _nf(M({cand: 1}, (a.n, a.n)), rules, memo, n)
+            if set(red.terms) != {cand}:
+                return make(red)
+    inner = _nf(M({a.word: 1}, (a.n, a.n)), rules, memo, n)
+    out = make(inner)
+    for f in reversed(left):
+        out = M({(f,): 1}, f.shape) * out
+    return out
+
+
+def _rebuild(word: tuple, rules, memo, n) -> M:
+    """The word with every mask and dg atom rebuilt (`_rebuild_atom`); a mask takes in the diagonal runs
+    on either side of it."""
+    parts, i = [], 0
+    while i < len(word):
+        a = word[i]
+        if isinstance(a, Mask):
+            left = []
+            while parts and not isinstance(parts[-1], M) and parts[-1].diag:
+                left.insert(0, parts.pop())
+            j = i + 1
+            while j < len(word) and word[j].diag:
+                j += 1
+            parts.append(_rebuild_atom(a, rules, memo, n, left, word[i + 1 : j]))
+            i = j
+            continue
+        if isinstance(a, Dg):
+            left = []
+            while parts and not isinstance(parts[-1], M) and parts[-1].diag:
+                left.insert(0, parts.pop())
+            parts.append(_rebuild_atom(a, rules, memo, n, left))
+        elif isinstance(a, Dp):
+            x = _rebuild_atom(a, rules, memo, n)
+            parts.append(a if x.terms == {(a,): 1} else x)
+        else:
+            parts.append(a)
+        i += 1
+    acc = None
+    for p in parts:
+        x = p if isinstance(p, M) else M({(p,): 1}, p.shape)
+        acc = x if acc is None else acc * x
+    return acc
 
 
 def _word_shape(word):
@@ -571,12 +775,8 @@ def _nf_word(word: tuple, shape, rules, memo, n) -> M:
         raise NotReduced("rewriting did not terminate (more than 20000 steps)")
     n[0] += 1
     # inner words first
-    if any(isinstance(a, (Mask, Dg)) for a in word):
-        parts = [_rebuild_atom(a, rules, memo, n) for a in word]
-        acc = parts[0]
-        for p in parts[1:]:
-            acc = acc * p
-        rebuilt = acc
+    if any(isinstance(a, (Mask, Dg, Dp)) for a in word):
+        rebuilt = _rebuild(word, rules, memo, n)
         if set(rebuilt.terms) != {word} or rebuilt.terms[word] != 1:
             out = _nf(rebuilt, rules, memo, n)
             memo[key] = out
@@ -743,7 +943,8 @@ def grad(pairs, wrt, inverses=None, logdiag=None, scalar=None) -> M:
     ``inverses``: ``{A: L}`` for generators defined as A = (I + L)^-1: dA = -A dL A [L-dinv].
     The differential of each word is the sum over its atoms (the product rule); an atom's contribution
     is moved off the variation by the adjoints <H, X dY Z> = <X^T H Z^T, dY>, <H, dY^T> = <H^T, dY>,
-    <H, tril_d(dY)> = <tril_d(H), dY>, <H, diag(dy)> = <dg(H), dy> [L-adjoint]."""
+    <H, tril_d(dY)> = <tril_d(H), dY>, <H, diag(dg(dY))> = <diag(dg(H)), dY>, <H, diag(dy)> = <dg(H), dy>
+    [L-adjoint]."""
     inverses = inverses or {}
     inv_atoms = {next(iter(A.terms))[0]: L for A, L in inverses.items()}
     if logdiag is not None:
@@ -782,6 +983,8 @@ def grad(pairs, wrt, inverses=None, logdiag=None, scalar=None) -> M:
         if isinstance(a, Mask):
             masked = _mask(a.kind, H, a.d)
             return walk([(masked, M({a.word: 1}, (a.n, a.n)))])
+        if isinstance(a, Dp):  # <H, diag(dg(dw))> = <diag(dg(H)), dw>
+            return walk([(diagpart(H), M({a.word: 1}, (a.n, a.n)))])
         return None
 
     def walk(ps) -> M | None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sympy as sp
 
-from derivations._nc import Block, M, diag, diag_pair, eye, rules_from, sym, tril, zeros
+from derivations._nc import Block, M, dg, diag, diag_pair, diagpart, eye, rules_from, sym, tr, tril, zeros
 from derivations._proof import Eq
 
 __all__ = ["Csym", "Ksym", "Vsym", "GChunk", "Ext", "One", "token"]
@@ -37,6 +37,7 @@ class GChunk:
 
     def __init__(self, C=Csym, K=Ksym, V=Vsym, prefix: str = ""):
         p = prefix
+        self.prefix = p
         self.C, self.K, self.V = C, K, V
         self.q = sym(f"Q{p}", C, K)
         self.k = sym(f"K{p}", C, K)
@@ -68,6 +69,30 @@ class GChunk:
     def eye(self, n) -> M:
         return eye(n)
 
+    # reductions of elementwise products [L-adjoint]
+    @staticmethod
+    def rowsum_had(X: M, Y: M) -> M:
+        """rowsum(X * Y) = dg(X Y^T)."""
+        return dg(X * Y.T)
+
+    @staticmethod
+    def colsum_had(X: M, Y: M) -> M:
+        """colsum(X * Y) = dg(X^T Y)."""
+        return dg(X.T * Y)
+
+    @staticmethod
+    def sum_had(X: M, Y: M):
+        """sum(X * Y) = tr(X^T Y), a scalar."""
+        return tr(X.T * Y)
+
+    @property
+    def e_last(self) -> M:
+        """The last unit vector (C x 1)."""
+        return sym(f"e_last{self.prefix}", self.C, 1)
+
+    def add_last(self, x: M, s) -> M:
+        return x + self.e_last * s
+
     @property
     def L_free(self) -> M:
         return tril(self.B * self.k * self.k.T, -1)
@@ -85,7 +110,8 @@ class GChunk:
     # the rules
     def rules(self, which: str = "both") -> list:
         """The defining relations of the inverses, (I + L) A = A (I + L) = I ("def"), and their unit lower
-        triangular shape tril_0(A) = A, tril_-1(A) = A - I [L-ut]; with every transpose."""
+        triangular shape diag(dg(A)) = I, tril_-1(A) = A - I (so tril_0(A) = A) [L-ut]; with every
+        transpose."""
         out = []
         I = eye(self.C)
         pairs = []
@@ -95,7 +121,7 @@ class GChunk:
             pairs.append((self.L_gated, self.Ag))
         for L, A in pairs:
             out += rules_from(L * A, I - A, "def") + rules_from(A * L, I - A, "def")
-            out += rules_from(tril(A, 0), A, "L-ut") + rules_from(tril(A, -1), A - I, "L-ut")
+            out += rules_from(diagpart(A), I, "L-ut") + rules_from(tril(A, -1), A - I, "L-ut")
         return out
 
     def regate_rule(self) -> list:

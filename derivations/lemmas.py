@@ -16,7 +16,8 @@ lower-triangular matrices, the differential of an inverse) are proved in the non
     L-gate            Gamma * X = D tril_0(X) D^-1, Gamma_ij = gamma_i / gamma_j (i >= j) else 0, D = diag(gamma)
     L-gamma           prod_{s=j+1}^{i} a_s = gamma_i / gamma_j; r = gamma_{C-1} / gamma; gamma_C = a_C gamma_{C-1}
     L-dg              dg(P X Q) = P Q dg(X), dg(X^T) = dg(X), dg(I) = 1, dg(tril_d X) = dg(X) (d >= 0) or 0
-    L-dg-mask         dg(tril_d(X) P triu_e(Z) Q) = dg(X P triu_e(Z) Q) for -e <= d (P, Q diagonal)
+    L-dg-mask         a mask at either end of a dg moves onto the rest: dg(tril_d(x) R) = dg(x triu_-d(R)),
+                      dg(R tril_d(x)) = dg(triu_-d(R) x) (triu alike)
     L-trace           tr(X Y) = tr(Y X), tr(X^T) = tr(X)
     L-adjoint         <H, X dY Z> = <X^T H Z^T, dY>, <H, dY^T> = <H^T, dY>, <H, tril_d dY> = <tril_d H, dY>,
                       <H, diag(y)> = <dg(H), y>; rowsum(X * Y) = dg(X Y^T), colsum(X * Y) = dg(X^T Y),
@@ -274,25 +275,20 @@ def _dg():
     return Proof(claim="every n", method="entry (i, i)", steps=steps)
 
 
-@lemma("L-dg-mask", "dg(tril_d(X) P triu_e(Z) Q) = dg(X P triu_e(Z) Q) for -e <= d, and the mirror image (P, Q diagonal)")
+@lemma("L-dg-mask", "a mask at either end of a dg moves onto the rest: dg(tril_d(x) R) = dg(x triu_-d(R)), dg(R tril_d(x)) = dg(triu_-d(R) x), and triu alike")
 def _dg_mask():
-    # the i-th diagonal entry is sum_j x_ij p_j z_ji q_i with the masks on (i, j) and (j, i): the
-    # summands agree for every j
-    x, z = sp.Function("x"), sp.Function("z")
+    # dg(M(x) R)_i = sum_j M(x)_ij R_ji and dg(x M'(R))_i = sum_j x_ij M'(R)_ji: the summands agree for every j
+    # when M' keeps (j, i) exactly when M keeps (i, j); mirrored, dg(R M(x))_i = sum_j R_ij M(x)_ji
+    x, R = sp.Function("x"), sp.Function("R")
     steps = []
-    for d, e in ((-1, 1), (0, 0), (0, 1), (-1, 2)):
-        if -e > d:
-            continue
-        lhs = _mask("tril", x(i, j), d) * _mask("triu", z(j, i), e, a=j, b=i)
-        rhs = x(i, j) * _mask("triu", z(j, i), e, a=j, b=i)
-        steps.append(Entry(f"tril_{d} / triu_{e}: summand", lhs - rhs, _ij()))
-    for e, d in ((1, -1), (0, 0), (1, 0)):
-        if -d < e:
-            continue
-        lhs = _mask("triu", x(i, j), e) * _mask("tril", z(j, i), d, a=j, b=i)
-        rhs = x(i, j) * _mask("tril", z(j, i), d, a=j, b=i)
-        steps.append(Entry(f"triu_{e} / tril_{d}: summand", lhs - rhs, _ij()))
-    return Proof(claim="the summands of the i-th diagonal entry agree for every j, so the sums agree", method="summand (i, j), three cases", steps=steps)
+    for kind, d in (("tril", 0), ("tril", -1), ("tril", 1), ("triu", 0), ("triu", 1), ("triu", -1)):
+        other = "triu" if kind == "tril" else "tril"
+        front = _mask(kind, x(i, j), d) * R(j, i) - x(i, j) * _mask(other, R(j, i), -d, a=j, b=i)
+        back = R(i, j) * _mask(kind, x(j, i), d, a=j, b=i) - _mask(other, R(i, j), -d) * x(j, i)
+        steps.append(Entry(f"front {kind}_{d} -> {other}_{-d}: summand", front, _ij()))
+        steps.append(Entry(f"back {kind}_{d} -> {other}_{-d}: summand", back, _ij()))
+    return Proof(claim="the summands of the i-th diagonal entry agree for every j, so the sums agree (every n)",
+                 method="summand (i, j), three cases", steps=steps)
 
 
 @lemma("L-trace", "tr(X Y) = tr(Y X), tr(X^T) = tr(X)")
