@@ -64,6 +64,9 @@ __all__ = [
     "check",
     "is_zero",
     "run_all",
+    "run_lemmas",
+    "check_general",
+    "explain",
     "format_table",
 ]
 
@@ -133,7 +136,7 @@ class Identity:
             raise ValueError(f"{self.id}: twins are two dotted names under reference/, got {self.twins}")
         if not self.sizes:
             raise ValueError(f"{self.id}: give at least one size to prove it at")
-        if self.general is None and not self.general_note and False:  # TEMP
+        if self.general is None and not self.general_note:
             raise ValueError(f"{self.id}: give a general proof, or say in general_note why there is none")
 
     def size_str(self, size: tuple[int, ...]) -> str:
@@ -298,6 +301,41 @@ def run_one(identity: Identity, sizes: Sequence[tuple[int, ...]] | None = None, 
         detail=detail,
         holds_for=holds_for if status == "proved" else "-",
     )
+
+
+def run_lemmas() -> list[Result]:
+    """Proves every lemma of `derivations.lemmas` (each once per process); one `Result` row per lemma
+    (kind "lemma", holds for "all sizes" when proved)."""
+    from derivations._proof import ENGINE_LEMMAS, check_proof, lemmas
+
+    import derivations.lemmas  # noqa: F401
+
+    rows = []
+    for lm in lemmas():
+        t0 = time.perf_counter()
+        try:
+            why = check_proof(lm.proof(), engine=lm.id not in ENGINE_LEMMAS)
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        rows.append(Result(id=lm.id, statement=lm.statement, kind="lemma", sizes="-", seconds=time.perf_counter() - t0,
+                           status="proved" if not why else "FAIL", detail=why, holds_for="all sizes" if not why else "-"))
+    return rows
+
+
+def explain(identity: Identity) -> str:
+    """What the record's general proof proves and how: claim, method, cited lemmas and records, and each
+    step with the rewrite rules it uses (what `python -m derivations --explain ID` prints)."""
+    if identity.general is None:
+        return f"{identity.id}: no general proof ({identity.general_note}); concrete sizes {identity.sizes}"
+    p = identity.general()
+    lines = [f"{identity.id}: {identity.statement}", f"  claim:  {p.claim}", f"  method: {p.method}",
+             f"  cites:  {', '.join(p.uses) or '-'} (and the engine's lemmas)"]
+    for st in p.steps:
+        kind = type(st).__name__
+        lines.append(f"  [{kind}] {st.name}")
+        for r in getattr(st, "rules", ()):
+            lines.append(f"      rule {r!r}")
+    return "\n".join(lines)
 
 
 def _run_one_by_id(id: str) -> Result:

@@ -22,7 +22,8 @@ Normal form (`nf`):
 - ``tril_0(w) = tril_-1(w) + diag(dg(w))`` and ``triu_0(w) = triu_1(w) + diag(dg(w))``: masks are kept
   strict, diagonal parts become diagonal atoms `Dp` (normalised like ``dg``) [L-diagpart];
 - runs of adjacent diagonal atoms are sorted and ``X X^-1`` pairs of declared inverses cancel
-  [L-diag-commute];
+  [L-diag-commute]; a 1 x 1 stretch of a word (a row times a column) becomes a commutative scalar
+  symbol, the same for the stretch and its transpose [L-scalar];
 - a mask of a sum is the sum of the masks; diagonal factors at either end of a masked word move out,
   ``tril_d(P w Q) = P tril_d(w) Q`` for diagonal P, Q [L-mask-diag]; a masked diagonal is itself (d >= 0)
   or zero (d < 0) [L-mask-diag]; a mask of a 1 x 1 block is itself (d >= 0) or zero [L-mask-blocks];
@@ -111,7 +112,7 @@ class Mask:
 
     @property
     def T(self) -> "Mask":
-        return Mask("triu" if self.kind == "tril" else "tril", -self.d, next(iter(_canon(_word_T(self.word)))), self.n)
+        return Mask("triu" if self.kind == "tril" else "tril", -self.d, _canon_word(_word_T(self.word)), self.n)
 
     @property
     def key(self) -> str:
@@ -318,9 +319,9 @@ def ones(n) -> M:
 # ------------------------------------------------------------------------------------------------
 
 
-def _canon(word: tuple) -> dict:
-    """``{word: 1}`` with every run of adjacent diagonal atoms sorted and declared inverse pairs
-    cancelled [L-diag-commute]."""
+def _canon_word(word: tuple) -> tuple:
+    """The word with every run of adjacent diagonal atoms sorted and declared inverse pairs cancelled
+    [L-diag-commute]."""
     out, run = [], []
 
     def flush():
@@ -328,7 +329,7 @@ def _canon(word: tuple) -> dict:
             return
         cnt = Counter(a for a in run)
         for a in list(cnt):
-            if a.inv is not None:
+            if getattr(a, "inv", None) is not None:
                 partner = Sym(a.inv, a.rows, a.cols, diag=True, inv=a.name)
                 k = min(cnt[a], cnt.get(partner, 0))
                 if k:
@@ -344,7 +345,44 @@ def _canon(word: tuple) -> dict:
             flush()
             out.append(a)
     flush()
-    return {tuple(out): 1}
+    return tuple(out)
+
+
+_SCALARS: dict = {}
+
+
+def _scalar_symbol(seg: tuple) -> sp.Symbol:
+    """A 1 x 1 word as a commutative real symbol, the same for the word and its transpose [L-scalar];
+    nonnegative when the word is u^T u (a squared norm)."""
+    t = _canon_word(_word_T(seg))
+    key = min(_wkey(seg), _wkey(t))
+    if key not in _SCALARS:
+        half = len(seg) // 2
+        square = len(seg) % 2 == 0 and seg[:half] == _word_T(seg[half:])
+        _SCALARS[key] = sp.Symbol(f"<{key}>", real=True, nonnegative=True) if square else sp.Symbol(f"<{key}>", real=True)
+    return _SCALARS[key]
+
+
+def _canon(word: tuple) -> dict:
+    """``{word: coefficient}``: `_canon_word`, then every 1 x 1 stretch of the word between two places
+    where the inner dimension is 1 taken out as a commutative scalar (a 1 x 1 matrix is a scalar and
+    equals its transpose [L-scalar])."""
+    word = _canon_word(word)
+    cuts = [p + 1 for p in range(len(word) - 1) if _is_one(word[p].shape[1])]
+    if not cuts:
+        if word and _is_one(word[0].shape[0]) and _is_one(word[-1].shape[1]):
+            return {(): _scalar_symbol(word)}
+        return {word: 1}
+    bounds = [0] + cuts + [len(word)]
+    segs = [word[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    coeff, keep = sp.Integer(1), []
+    for k, seg in enumerate(segs):
+        shape = (seg[0].shape[0], seg[-1].shape[1])
+        if _is_one(shape[0]) and _is_one(shape[1]):
+            coeff = coeff * _scalar_symbol(seg)
+        else:
+            keep.append(seg)
+    return {_canon_word(tuple(a for seg in keep for a in seg)): coeff}
 
 
 def _strip_diag(word: tuple):
@@ -419,7 +457,7 @@ def _transfer_mask(kind: str, d: int):
 def _dg_moves(core: tuple):
     """The words dg(core) equals (with extra diagonal factors): (facs, word) pairs, word None for zero.
     Moves: transpose [L-dg]; a mask at the front or the back moves onto the rest [L-dg-mask]."""
-    out = [((), next(iter(_canon(_word_T(core)))))]
+    out = [((), _canon_word(_word_T(core)))]
     for front in (True, False):
         a = core[0] if front else core[-1]
         if not isinstance(a, Mask) or len(core) < 2:
@@ -433,7 +471,7 @@ def _dg_moves(core: tuple):
             continue
         (w2, c2), = moved.terms.items()
         word = a.word + w2 if front else w2 + a.word
-        word = next(iter(_canon(word)))
+        word = _canon_word(word)
         pre, mid, post = _strip_diag(word)
         out.append((pre + post, mid))
     return out
@@ -539,7 +577,7 @@ def tr(X: M) -> sp.Expr:
         for base in (w, _word_T(w)):
             for p in range(len(base)):
                 rot = base[p:] + base[:p]
-                cands.append(next(iter(_canon(rot))))
+                cands.append(_canon_word(rot))
         best = min(cands, key=_wkey)
         key = _wkey(best)
         if key not in _TRACES:
@@ -684,7 +722,7 @@ def _rebuild_atom(a, rules, memo, n, left=(), right=()) -> M:
     (P tril_d(w) Q = tril_d(P w Q) [L-mask-diag]), so that a rule whose word starts or ends with a
     diagonal factor the mask's normal form had moved out still applies inside."""
     if isinstance(a, Mask):
-        inner_word = next(iter(_canon(tuple(left) + a.word + tuple(right))))
+        inner_word = _canon_word(tuple(left) + a.word + tuple(right))
         inner = _nf(M({inner_word: 1}, (a.n, a.n)), rules, memo, n)
         return _mask(a.kind, inner, a.d)
     if isinstance(a, (Dg, Dp)):
@@ -718,7 +756,7 @@ def _rebuild_dg(a, left: tuple, rules, memo, n) -> M:
     for w, extra in _dg_orbit(a.word).items():
         facs = tuple(left) + tuple(extra)
         for cand in (facs + w, w + facs):
-            cand = next(iter(_canon(cand)))
+            cand = _canon_word(cand)
             red = _nf(M({cand: 1}, (a.n, a.n)), rules, memo, n)
             if set(red.terms) != {cand}:
                 return make(red)

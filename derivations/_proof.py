@@ -7,7 +7,12 @@ A `Proof` states a claim for every size and lists its steps. A step is one of
 - `Entry`: a scalar expression in symbolic indices and sizes that must vanish on every region of a
   complete case split of the indices (`REGIONS`), for entry-level facts (masks, gates, diagonals);
 - `Check`: any other mechanical check (a callable returning "" when it holds, else why not), for the
-  few facts proved with SymPy's own matrix calculus or sums.
+  few facts proved with SymPy's own matrix calculus or sums;
+- `Cert`: an inequality step of a bounded record: ``large - small`` equals a sum of nonnegative terms
+  ``coef * q`` plus multiples of conditions ``h`` (zero under the record's condition), with every
+  ``coef`` nonnegative by SymPy's assumptions on the stated domain and every ``q`` nonnegative by
+  construction: a squared Frobenius norm tr(Z^T Z) built by the checker from ``Z``, or the induction
+  hypothesis.
 
 The normal form of `derivations._nc` applies a few lemmas implicitly (diagonal factors commute and move
 through masks, nested masks, transposed masks, masks of block matrices, diagonals of products, traces):
@@ -29,7 +34,7 @@ import sympy as sp
 from derivations import _nc
 from derivations._nc import Block, M, Rule
 
-__all__ = ["ENGINE_LEMMAS", "Eq", "Entry", "Check", "Proof", "Lemma", "lemma", "lemmas", "get_lemma", "check_proof",
+__all__ = ["ENGINE_LEMMAS", "Eq", "Entry", "Check", "Cert", "Proof", "Lemma", "lemma", "lemmas", "get_lemma", "check_proof",
            "prove_cited", "REGIONS", "region_vars"]
 
 
@@ -62,6 +67,21 @@ class Check:
 
 
 @dataclass
+class Cert:
+    """``large - small == sum(coef * q) + sum(m * h)`` identically, every coef >= 0 on ``domain``;
+    terms: ``[(coef, Z)]`` with q = tr(Z^T Z) (Z an `M`), ``[(coef, ("hyp", q))]`` with q the induction
+    hypothesis' nonnegative quantity (inductive steps only), or ``[(coef, ("cited", id, q))]`` with q >= 0
+    the conclusion of a cited record; conditions: ``[(m, h)]``, h == 0 the condition."""
+
+    name: str
+    small: sp.Expr
+    large: sp.Expr
+    terms: Sequence = ()
+    conditions: Sequence = ()
+    domain: dict = field(default_factory=dict)
+
+
+@dataclass
 class Proof:
     """claim: what holds for all sizes; method: how (e.g. "induction on C"); uses: lemma and record ids;
     steps: `Eq`, `Entry` and `Check` steps."""
@@ -85,7 +105,7 @@ _LEMMAS: dict[str, Lemma] = {}
 
 #: the lemmas behind the normalisations of `derivations._nc` (proved before every proof is checked)
 ENGINE_LEMMAS = ("L-diag-commute", "L-mask-diag", "L-mask-nested", "L-mask-transpose", "L-mask-blocks",
-                 "L-dg", "L-dg-mask", "L-trace")
+                 "L-diagpart", "L-dg", "L-dg-mask", "L-trace", "L-scalar")
 
 
 def lemma(id: str, statement: str):
@@ -142,7 +162,7 @@ _PROVED: dict[str, str] = {}
 _IN_PROGRESS: set = set()
 
 
-def _check_step(step) -> str:
+def _check_step(step, allowed=()) -> str:
     if isinstance(step, Eq):
         lhs, rhs = step.lhs, step.rhs
         if isinstance(lhs, Block) or isinstance(rhs, Block):
@@ -167,6 +187,27 @@ def _check_step(step) -> str:
         return ""
     if isinstance(step, Check):
         return step.fn()
+    if isinstance(step, Cert):
+        total = sp.Integer(0)
+        for n, (coef, q) in enumerate(step.terms):
+            c = sp.factor(sp.together(sp.sympify(coef).subs(step.domain)))
+            if c.is_nonnegative is not True:
+                return f"term {n}: coefficient not provably nonnegative: {c}"
+            if isinstance(q, M):
+                q = _nc.tr(q.T * q)
+            elif isinstance(q, tuple) and q[0] == "hyp" and step.name.startswith("step"):
+                q = q[1]
+            elif isinstance(q, tuple) and q[0] == "cited" and q[1] in allowed:
+                q = q[2]
+            else:
+                return f"term {n}: not a squared norm or the induction hypothesis"
+            total += coef * q
+        for m, h in step.conditions:
+            total += m * h
+        diff = sp.expand(sp.sympify(step.large) - sp.sympify(step.small) - total)
+        if diff != 0 and sp.simplify(diff) != 0:
+            return f"large - small != certificate: {diff}"
+        return ""
     return f"unknown step type {type(step).__name__}"
 
 
@@ -217,7 +258,7 @@ def check_proof(proof: Proof, engine: bool = True) -> str:
             if r.by == "hyp" and not step.name.startswith("step"):
                 return f"step {step.name!r}: the induction hypothesis is used outside an inductive step"
         try:
-            why = _check_step(step)
+            why = _check_step(step, allowed)
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
         if why:

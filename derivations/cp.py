@@ -232,6 +232,7 @@ CP_4 = register(Identity(
     condition="||k_t||_2 = 1 and beta_t in [0, 1] (any a_t = exp(g_t) > 0)",
     twins=("reference.gdn.cp.cp_gated_delta_rule_fwd", "reference.gdn.recurrent.recurrent_gated_delta_rule"),
     source="FlashQLA warm-up truncation (threshold sum g < -10); research/flashqla-design.md 4.3",
+    general=lambda: _general_window("state"),
 ))
 
 CP_5 = register(Identity(
@@ -246,6 +247,7 @@ CP_5 = register(Identity(
     condition="||k_t||_2 = 1 and beta_t in [0, 1] (any a_t = exp(g_t) > 0)",
     twins=("reference.gdn.cp.cp_gated_delta_rule_fwd", "reference.gdn.recurrent.recurrent_gated_delta_rule"),
     source="FlashQLA warm-up truncation; research/flashqla-design.md 4.3, 4.5",
+    general=lambda: _general_window("output"),
 ))
 
 CP_6_ADJ = register(Identity(
@@ -261,6 +263,7 @@ CP_6_ADJ = register(Identity(
     twins=("reference.gdn.cp.segment_maps", "reference.gdn.cp.entering_state_grad"),
     source="CP-4 transposed (each factor is symmetric); the backward's gate-driven cut of P_j^T G_j "
            "(flashqla.cp.driver.cp_backward, transition_limits)",
+    general=lambda: _general_window("adjoint"),
 ))
 
 CP_6 = register(Identity(
@@ -385,3 +388,64 @@ def _general_entering_grad():
                Eq("U: the outputs of a chunk run with v = 0 are scale D R S (linear in S)", chunk_form(ch, S, scale)["o"],
                   output_correction(ch, eye(Ksym), S, scale), ch.rules("free") + ch.regate_rule())],
     )
+
+
+def _general_window(which: str):
+    """CP-4 ("state"), CP-5 ("output"), CP-6 ("adjoint") for windows of any length and any K, V: the
+    bound for the whole state matrix (Frobenius norm, no per-column argument)."""
+    from derivations._nc import eye, rules_from, sym
+    from derivations._proof import Cert, Eq, Proof
+
+    Kd, Vd = sp.Symbol("K", integer=True, positive=True), sp.Symbol("V", integer=True, positive=True)
+    S, Y = sym("S_w", Kd, Vd), sym("Y", Kd, Vd)  # the dropped state; Y = P S_w after the window so far
+    k = sym("k", Kd, 1)
+    a = sp.Symbol("a", positive=True)
+    beta = sp.Symbol("beta", positive=True)
+    G = sp.Symbol("G", positive=True)  # the gate product of the window so far (exp of its summed g)
+    h = sp.Symbol("h", nonnegative=True)  # the hypothesis' slack: G^2 ||S_w||^2 - ||Y||^2 >= 0
+    domain = {beta: 1 / (1 + sp.Symbol("p", nonnegative=True))}
+    I = eye(Kd)
+    Fk = a * (I - beta * k * k.T)
+    Y1 = Fk * Y
+    Z = k.T * Y
+    from derivations._nc import tr
+
+    nS, nY, nY1, nZ = tr(S.T * S), tr(Y.T * Y), tr(Y1.T * Y1), tr(Z.T * Z)
+    kk = tr(k.T * k)
+    hyp_value = G**2 * nS - nY
+    step_terms = [(a**2, ("hyp", hyp_value)), (a**2 * beta * (2 - beta), Z)]
+    step_cond = [(a**2 * beta**2 * nZ, 1 - kk)]
+    steps = [
+        Cert("base: an empty window, G = 1 and Y = S_w", small=tr(S.T * S), large=tr(S.T * S)),
+        Cert("step: one more factor a (I - beta k k^T)", small=nY1, large=(a * G) ** 2 * nS,
+             terms=step_terms, conditions=step_cond, domain=domain),
+    ]
+    uses = ()
+    method = ("induction on the number of factors (any order: the new factor multiplies on the left); step: "
+              "(aG)^2 ||S||^2 - ||a (I - beta k k^T) Y||^2 = a^2 (G^2 ||S||^2 - ||Y||^2) + a^2 beta (2 - beta) ||k^T Y||^2 "
+              "+ a^2 beta^2 ||k^T Y||^2 (1 - k^T k), every term >= 0 for beta in (0, 1], zero condition term for ||k|| = 1")
+    if which == "adjoint":
+        steps.insert(0, Eq("each factor is symmetric, so P^T is again a product of such factors", Fk.T, Fk))
+        claim = ("for windows of any length and all K, V: ||P^T Y||_F <= exp(G) ||Y||_F (P^T: the same factors in "
+                 "ascending order)")
+    elif which == "state":
+        claim = "for windows of any length and all K, V: ||P S_w||_F <= exp(G) ||S_w||_F"
+    else:
+        q = sym("q", Kd, 1)
+        scale = sp.Symbol("scale", positive=True)
+        alpha = tr(q.T * q)
+        W = alpha * Y - q * (q.T * Y)
+        o = q.T * Y  # the output difference / scale, 1 x V
+        # Cauchy-Schwarz: alpha (alpha ||Y||^2 - ||q^T Y||^2) = ||alpha Y - q q^T Y||^2; then CP-4
+        steps = [
+            Cert("Cauchy-Schwarz (times alpha = q^T q)", small=alpha * tr(o.T * o), large=alpha**2 * nY, terms=[(1, W)]),
+            Cert("with CP-4 (G^2 ||S_w||^2 - ||Y||^2 >= 0)", small=scale**2 * alpha * nY,
+                 large=scale**2 * alpha * G**2 * nS, terms=[(scale**2 * alpha, ("cited", "CP-4", hyp_value))]),
+        ]
+        uses = ("CP-4",)
+        method = ("Cauchy-Schwarz as an identity, q^T q (q^T q ||Y||^2 - ||q^T Y||^2) = ||q^T q Y - q q^T Y||_F^2 "
+                  "(q = 0 is trivial), then CP-4 for ||Y||_F = ||P S_w||_F")
+        claim = ("for windows of any length and all K, V: ||o_t,true - o_t,trunc||_2^2 = scale^2 ||q^T P S_w||^2 "
+                 "<= scale^2 ||q||^2 exp(2G) ||S_w||_F^2 (for q != 0 divide the first step by q^T q > 0; q = 0 "
+                 "makes both sides 0)")
+    return Proof(claim=claim, method=method, uses=uses, steps=steps)

@@ -15,6 +15,8 @@ lower-triangular matrices, the differential of an inverse) are proved in the non
     L-mask-blocks     tril_d [[X, Y], [Z, W]] = [[tril_d X, 0], [Z, tril_d W]] (d in {0, -1}, any split m + n)
     L-gate            Gamma * X = D tril_0(X) D^-1, Gamma_ij = gamma_i / gamma_j (i >= j) else 0, D = diag(gamma)
     L-gamma           prod_{s=j+1}^{i} a_s = gamma_i / gamma_j; r = gamma_{C-1} / gamma; gamma_C = a_C gamma_{C-1}
+    L-diagpart        tril_0(X) = tril_-1(X) + diag(dg(X)), triu_0(X) = triu_1(X) + diag(dg(X)); diag(dg(X)) 1 = dg(X)
+    L-scalar          a 1 x 1 matrix x^T y is a scalar and equals y^T x
     L-dg              dg(P X Q) = P Q dg(X), dg(X^T) = dg(X), dg(I) = 1, dg(tril_d X) = dg(X) (d >= 0) or 0
     L-dg-mask         a mask at either end of a dg moves onto the rest: dg(tril_d(x) R) = dg(x triu_-d(R)),
                       dg(R tril_d(x)) = dg(triu_-d(R) x) (triu alike)
@@ -273,6 +275,33 @@ def _dg():
         kept = (d >= 0) if kind == "tril" else (d <= 0)
         steps.append(Entry(f"dg({kind}_{d} X)", _mask(kind, X[i, i], d, a=i, b=i) - (X[i, i] if kept else 0), [{}]))
     return Proof(claim="every n", method="entry (i, i)", steps=steps)
+
+
+@lemma("L-diagpart", "tril_0(X) = tril_-1(X) + diag(dg(X)), triu_0(X) = triu_1(X) + diag(dg(X)); diag(dg(X)) 1 = dg(X)")
+def _diagpart():
+    X = _mat("X")
+    dpart = sp.KroneckerDelta(i, j) * X[i, i]
+    one = sp.Symbol("s_", integer=True, nonnegative=True)
+    return Proof(
+        claim="every n",
+        method="entry (i, j), three cases; the row sum of diag(dg(X))",
+        steps=[
+            Entry("tril_0 = tril_-1 + diagonal part", _mask("tril", X[i, j], 0) - _mask("tril", X[i, j], -1) - dpart, _ij()),
+            Entry("triu_0 = triu_1 + diagonal part", _mask("triu", X[i, j], 0) - _mask("triu", X[i, j], 1) - dpart, _ij()),
+            Entry("diag(dg(X)) 1 = dg(X)", sp.Sum(sp.KroneckerDelta(i, j) * X[i, i], (j, 0, n - 1)).doit() - X[i, i],
+                  [{n: i + 1 + one}]),
+        ],
+    )
+
+
+@lemma("L-scalar", "a 1 x 1 product x^T y (x, y n x 1) equals its transpose y^T x")
+def _scalar():
+    x, y = sp.MatrixSymbol("x", n, 1), sp.MatrixSymbol("y", n, 1)
+    return Proof(
+        claim="every n (a 1 x 1 matrix is a scalar: it commutes with every matrix as a scalar multiple)",
+        method="the single entry as a sum",
+        steps=[Check("x^T y = y^T x", lambda: _same_sums(_entry(x.T * y, 0, 0), _entry(y.T * x, 0, 0)))],
+    )
 
 
 @lemma("L-dg-mask", "a mask at either end of a dg moves onto the rest: dg(tril_d(x) R) = dg(x triu_-d(R)), dg(R tril_d(x)) = dg(triu_-d(R) x), and triu alike")
