@@ -95,11 +95,11 @@ def _grad(loss, X: sp.Matrix) -> sp.Matrix:
     return X.applyfunc(lambda x: sp.diff(loss, x))
 
 
-def _builder(name: str):
+def _builder(name: str, dL_diagonal: int = -1):
     def build(C, K, V):
         gates = "cumulative" if name == "dG" else "token"
         ch, S, dO, dSn, scale, loss = _setup(C, K, V, gates)
-        hand = handwritten(ch, S, dO, dSn, scale)[name]
+        hand = handwritten(ch, S, dO, dSn, scale, dL_diagonal)[name]
         if name == "dq":
             auto = _grad(loss, ch.q)
         elif name == "dk":
