@@ -10,6 +10,14 @@ and the names of its two numeric twins in `reference/`. Families:
     BWD  derivations/backward.py    hand-written chunk gradients == sympy.diff of the loss
     CP   derivations/cp.py          affine segment maps, composition, output correction, truncation bounds
 
+The general proofs rest on:
+
+    derivations/_nc.py        non-commutative matrix algebra at symbolic sizes: generators, masks, dg,
+                              traces, block matrices, rewrite rules, gradients by adjoints
+    derivations/_proof.py     proofs (steps Eq / Entry / Check / Cert), lemmas, the checker
+    derivations/lemmas.py     the lemmas (L-...), each proved for every size
+    derivations/_symbolic.py  one chunk at symbolic sizes (GChunk), one token more (Ext), one token (One)
+
 Every record is proved twice: entry by entry at tiny concrete sizes, and for every size by its general
 proof (`Identity.general`, a `derivations._proof.Proof`: non-commutative matrix algebra at symbolic sizes
 with stated rewrite rules, entry-level case splits, inductions), citing the lemmas of
@@ -66,10 +74,11 @@ def main(argv=None) -> int:
         for i in args.ids or sorted(known):
             print(explain(get(i)))
         return 0
+    from derivations._core import run_records_and_lemmas
+
     t0 = time.perf_counter()
-    rows = run_all(args.ids or None, processes=args.processes)
+    rows, lemma_rows = run_records_and_lemmas(args.ids or None, processes=args.processes, lemmas=not args.ids)
     print(format_table(rows))
-    lemma_rows = run_lemmas() if not args.ids else []
     if lemma_rows:
         print("\nlemmas (cited by the general proofs)")
         print(format_table(lemma_rows))

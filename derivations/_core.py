@@ -95,7 +95,8 @@ class Bound:
 
 @dataclass(frozen=True)
 class Identity:
-    """One algebraic step, proved symbolically at tiny sizes and matched numerically at full size.
+    """One algebraic step, proved symbolically at tiny sizes and for every size (its general proof), and
+    matched numerically at full size.
 
     id: short stable name, ``<FAMILY>-<n>`` or ``BWD-<grad>`` (CF chunk form, WY the WY/UT
         representation, RW hardware-friendly rewrites, BWD backward, CP context parallelism).
@@ -352,15 +353,24 @@ def run_all(ids: Sequence[str] | None = None, processes: int = 1) -> list[Result
     shortens the wall time where the cores are real; the default is serial because on a shared
     2-core machine a pool measured no faster.
     """
+    return run_records_and_lemmas(ids, processes, lemmas=False)[0]
+
+
+def run_records_and_lemmas(ids: Sequence[str] | None = None, processes: int = 1, lemmas: bool = True):
+    """(record rows, lemma rows): `run_all` and, with ``lemmas``, `run_lemmas`, the lemmas proved in this
+    process while the workers prove the records."""
     ids = list(ids) if ids is not None else [r.id for r in registry()]
     for i in ids:
         get(i)
     if processes <= 1 or len(ids) <= 1:
-        return [run_one(get(i)) for i in ids]
+        rows = [run_one(get(i)) for i in ids]
+        return rows, (run_lemmas() if lemmas else [])
     import multiprocessing as mp
 
     with mp.get_context("spawn").Pool(processes) as pool:
-        return pool.map(_run_one_by_id, ids, chunksize=1)
+        pending = pool.map_async(_run_one_by_id, ids, chunksize=1)
+        lemma_rows = run_lemmas() if lemmas else []
+        return pending.get(), lemma_rows
 
 
 def format_table(rows: Sequence[Result], width: int = 72) -> str:

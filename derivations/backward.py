@@ -29,6 +29,16 @@ a_t = exp(g_t), d loss / d g_t = a_t d loss / d a_t = sum_{i >= t} dG_i (BWD-dg)
 Numeric twins: FLA's hand-written backward (`reference.gdn.chunk_bwd`) against torch.autograd through
 the token recurrence; for BWD-dG, the per-position dL/dg_cum of `chunk_bwd_dqkwg` plus
 `prepare_wy_repr_bwd` against torch.autograd through `reference.gdn.fused.fused_chunk_fwd` in g_cum.
+
+General proofs (every C, K, V): `handwritten` is one code for the concrete chunk and the symbolic one
+(`derivations._symbolic.GChunk`). The loss through the chunk form equals the loss through the recurrence
+for every size (CF-1, CF-2), so their gradients agree; `derived_gradients` differentiates it at symbolic
+sizes (`derivations._nc.grad`: the product rule, adjoints moved onto the variable [L-adjoint],
+dA = -A dL A [L-dinv], log-gates D = diag(exp(eps)) [L-logdiag]), and hand-written minus derived reduces
+to zero with (I + L_gated) A = I and tril_0(A) = A as rewrite rules. rowsum(X * Y) = dg(X Y^T),
+colsum(X * Y) = dg(X^T Y), sum(X * Y) = tr(X^T Y) [L-adjoint]. BWD-dg: the chain rule through
+gamma_i = prod_{s<=i} a_s [L-chain-gates] and the reverse cumsum as an indicator sum [L-sum-range], with
+dG from BWD-dG.
 """
 
 from __future__ import annotations

@@ -23,6 +23,10 @@ state; the backward recovers A and collapses FLA's gradients through w, u and A:
 Each side of BWD-fused is checked against `sympy.diff` of the chunk's loss <dO, O> + <dS', S'> through
 the token recurrence (the ground truth of the BWD records), with the cumulative gates c_i = exp(g_cum_i)
 as symbols, so dG is c_i d loss / d c_i.
+
+General proofs (every C, K, V): BWD-Abeta reduces A - (I - A_beta Kg) to zero with A (I + L_gated) = I
+(Kg = D tril_-1(K K^T) D^-1 [L-gate]); BWD-fused compares `fused_backward` on the symbolic chunk with the
+gradients derived at symbolic sizes (`derivations.backward.derived_gradients`), part by part.
 """
 
 from __future__ import annotations

@@ -36,6 +36,18 @@ telescoped over the window, plus Lagrange's identity ||q||^2 ||x||^2 - (q^T x)^2
 for the outputs. The unit-key condition enters as the multiple beta^2 (k^T x)^2 (1 - k^T k) of its
 defining polynomial (zero when ||k|| = 1); the coefficients' signs are decided with beta = 1 / (1 + p),
 p >= 0 (beta in (0, 1]; beta = 0 makes the factor the identity).
+
+General proofs (every chunk length, K, V, number of chunks or segments, window length):
+- CP-1: induction on the number of chunks, the next chunk's chunk form (CF-2) as M S + B_c (RW-1);
+- CP-2: each segment affine (CP-1), both groupings expanded;
+- CP-3: chunk c entered with P S + Q (CP-1), its outputs by its chunk form (CF-1), reduced with RW-1;
+- BWD-dSin: induction on the number of segments: the last one is affine in its entering state (CP-1,
+  CP-3), so its terms are <E_m + P_m^T G, S_m> + const and the hypothesis applies with G' = E_m + P_m^T G;
+- CP-4, CP-6: induction on the window (any order of the factors, each symmetric) with the certificate of
+  the whole state matrix, (aG)^2 ||S||^2 - ||a (I - beta k k^T) Y||^2 = a^2 (G^2 ||S||^2 - ||Y||^2)
+  + a^2 beta (2 - beta) ||k^T Y||^2 + a^2 beta^2 ||k^T Y||^2 (1 - k^T k) (`derivations._proof.Cert`);
+- CP-5: Cauchy-Schwarz as the identity q^T q (q^T q ||Y||^2 - ||q^T Y||^2) = ||q^T q Y - q q^T Y||^2,
+  then CP-4.
 """
 
 from __future__ import annotations

@@ -11,6 +11,17 @@ inverse (I + tril_-1(diag(beta) K K^T))^-1, A_gated FLA's (I + tril_-1(diag(beta
     RW-4  exp(g_cum_i - g_cum_j) = exp2(g_cum_log2_i - g_cum_log2_j),  g_cum_log2 = g_cum / ln 2
     RW-5  S' = gamma_C S + X^T Y,  X = -diag(beta) A_free^T K,  Y = gamma_C K S - diag(r) V
     RW-6  dS = M_c^T dS' + scale (D R)^T dO,  M_c = gamma_C I - T_c,  R = Q - tril_0(Q K^T) A_free diag(beta) K
+
+General proofs (every C, K, V), at symbolic sizes with the chunk of `derivations._symbolic.GChunk`:
+- RW-1: Gamma * X = D tril_0(X) D^-1 [L-gate] turns the re-gating into D A D^-1, and
+  (I + L_gated) D A D^-1 = D A D^-1 (I + L_gated) = I by the relations (I + L) A = A (I + L) = I and
+  tril_0(A) = A [L-ut]; a two-sided inverse is the inverse.
+- RW-2, RW-3, RW-5: the chunk form's side reduced with A_gated -> D A D^-1 (RW-1) and
+  diag(r) = gamma_C D^-1 [L-gamma].
+- RW-4: the (i, j) entry with symbolic indices and an arbitrary real g_cum, three cases.
+- RW-6: the loss through the chunk form (CF-1, CF-2), its gradient in S by adjoints [L-adjoint].
+The right-hand sides are one code for both proofs (`regated_form`, `v_new_form`, `transition_form`,
+`xy_form`, `state_grad_form`); the tests pass broken versions and check that both proofs reject them.
 """
 
 from __future__ import annotations
