@@ -8,9 +8,11 @@ compute its left and right sides at full size (tests/test_twins.py runs them in 
 Kinds and what the checker proves:
 
 - ``exact``: the builder returns ``(lhs, rhs)``, each a SymPy matrix or a tuple of matrices of the same
-  shapes. The checker proves ``lhs - rhs == 0`` entry by entry: expand, and if that is not already
-  zero, put the entry over a common denominator and expand the numerator (gates are written
-  multiplicatively, ``a_t = exp(g_t)`` as positive symbols, so every entry is a polynomial or a
+  shapes. The checker proves ``lhs - rhs == 0`` entry by entry: a polynomial or Laurent-polynomial entry
+  is converted exactly into a sparse polynomial over QQ (`sympy.polys.rings`, the inverse of a symbol a
+  second generator, monomials grouped by net exponent) and compared with zero; any other entry is
+  expanded, and if that is not already zero, put over a common denominator with its numerator expanded
+  (gates are written multiplicatively, ``a_t = exp(g_t)`` as positive symbols, so every entry is a polynomial or a
   rational function and this decides zero exactly). Entries with transcendental functions left
   (the exp2 rescaling) fall back to ``sympy.simplify``.
 - ``bounded``: the builder returns a `Bound` claiming ``small <= large`` (two scalar expressions) with a
@@ -214,15 +216,61 @@ def _check_exact(lhs, rhs) -> str:
     lhs, rhs = _as_tuple(lhs), _as_tuple(rhs)
     if len(lhs) != len(rhs):
         return f"{len(lhs)} left-hand parts vs {len(rhs)} right-hand parts"
+    diffs = []
     for p, (L, R) in enumerate(zip(lhs, rhs)):
         L, R = sp.Matrix(L), sp.Matrix(R)
         if L.shape != R.shape:
             return f"part {p}: shape {L.shape} vs {R.shape}"
-        for i in range(L.rows):
-            for j in range(L.cols):
-                if not is_zero(L[i, j] - R[i, j]):
-                    return f"part {p} entry ({i},{j}) differs"
+        diffs += [((p, i, j), sp.sympify(L[i, j] - R[i, j])) for i in range(L.rows) for j in range(L.cols)]
+    # polynomial and Laurent-polynomial entries: exact arithmetic in a sparse polynomial ring (the same
+    # decision as expanding, much faster); anything else (other rational functions, exp): `is_zero`
+    laurent = _Laurent([e for _, e in diffs])
+    for (p, i, j), e in diffs:
+        if e == 0:
+            continue
+        zero = laurent.is_zero(e)
+        if zero is None:
+            zero = is_zero(e)
+        if not zero:
+            return f"part {p} entry ({i},{j}) differs"
     return ""
+
+
+class _Laurent:
+    """Exact zero test of Laurent polynomials (polynomials in the symbols and their inverses, as the
+    cumulative gates c_i / c_j make them): each s^-k becomes u_s^k, the entry a polynomial over QQ in the
+    s and u_s (`sympy.polys.rings`), and its monomials are grouped by the net exponent of each s
+    (s u_s = 1). ``is_zero`` returns None for anything else."""
+
+    def __init__(self, entries):
+        syms = sorted(set().union(*[e.free_symbols for e in entries]), key=str) if entries else []
+        self.syms = syms
+        self.inv = {x: sp.Dummy(f"inv_{x}") for x in syms}
+        self.ring = _poly_ring_of(syms + [self.inv[x] for x in syms]) if syms else None
+
+    def is_zero(self, e):
+        if self.ring is None:
+            return None
+        inv = self.inv
+        e = e.replace(lambda t: t.is_Pow and t.base in inv and t.exp.is_Integer and t.exp < 0,
+                      lambda t: inv[t.base] ** (-t.exp))
+        try:
+            poly = self.ring.from_expr(e)
+        except (ValueError, TypeError, sp.PolynomialError, sp.CoercionFailed):
+            return None
+        n = len(self.syms)
+        net: dict = {}
+        for monom, coeff in poly.terms():
+            key = tuple(monom[k] - monom[n + k] for k in range(n))
+            net[key] = net.get(key, 0) + coeff
+        return all(c == 0 for c in net.values())
+
+
+def _poly_ring_of(gens):
+    from sympy.polys.domains import QQ
+    from sympy.polys.rings import ring
+
+    return ring(gens, QQ)[0]
 
 
 def _check_bound(b: Bound) -> str:

@@ -110,7 +110,7 @@ register(Identity(
     statement="gated A from the stored A diag(beta): A = I - A_beta tril_-1(K K^T * Gamma)",
     latex=r"A = I - (A B)\, \operatorname{tril}_{-1}(K K^\top \odot \Gamma)",
     build=_a_from_a_beta,
-    sizes=((4, 2),),
+    sizes=((4, 2), (8, 2)),
     size_names=("C", "K"),
     twins=("reference.gdn.fused.regate", "reference.gdn.fused_bwd.a_from_a_beta"),
     source="ours (the sm_90 forward stores A diag(beta)); A (I + L) = I",
