@@ -1025,10 +1025,15 @@ def grad(pairs, wrt, inverses=None, logdiag=None, scalar=None) -> M:
             return walk([(diagpart(H), M({a.word: 1}, (a.n, a.n)))])
         return None
 
+    hidden = set(_SCALARS.values()) | set(_TRACES.values())
+
     def walk(ps) -> M | None:
         acc = None
         for G, F in ps:
             for w, c in F.terms.items():
+                if sp.sympify(c).free_symbols & hidden:
+                    # a 1 x 1 or trace scalar would hide its matrix factors from the product rule
+                    raise ValueError(f"grad: a scalar made of matrices in the coefficient {c}")
                 for p, a in enumerate(w):
                     left = M({w[:p]: 1}, (F.shape[0], a.shape[0])) if p else eye(F.shape[0])
                     right = M({w[p + 1 :]: 1}, (a.shape[1], F.shape[1])) if p + 1 < len(w) else eye(F.shape[1])

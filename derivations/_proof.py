@@ -84,12 +84,14 @@ class Cert:
 @dataclass
 class Proof:
     """claim: what holds for all sizes; method: how (e.g. "induction on C"); uses: lemma and record ids;
-    steps: `Eq`, `Entry` and `Check` steps."""
+    steps: `Eq`, `Entry`, `Check` and `Cert` steps; conclusion: for a bounded record, the scalar proved
+    nonnegative, which a `Cert` of another proof may cite."""
 
     claim: str
     method: str
     uses: tuple = ()
     steps: list = field(default_factory=list)
+    conclusion: object = None  # bounded records: the quantity proved >= 0 (large - small), for `Cert` citations
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,11 @@ def _check_step(step, allowed=()) -> str:
             elif isinstance(q, tuple) and q[0] == "hyp" and step.name.startswith("step"):
                 q = q[1]
             elif isinstance(q, tuple) and q[0] == "cited" and q[1] in allowed:
+                from derivations._core import get
+
+                concl = get(q[1]).general().conclusion
+                if concl is None or sp.expand(sp.sympify(q[2]) - concl) != 0:
+                    return f"term {n}: {q[2]} is not the conclusion of {q[1]} ({concl})"
                 q = q[2]
             else:
                 return f"term {n}: not a squared norm or the induction hypothesis"

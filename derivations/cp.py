@@ -460,4 +460,5 @@ def _general_window(which: str):
         claim = ("for windows of any length and all K, V: ||o_t,true - o_t,trunc||_2^2 = scale^2 ||q^T P S_w||^2 "
                  "<= scale^2 ||q||^2 exp(2G) ||S_w||_F^2 (for q != 0 divide the first step by q^T q > 0; q = 0 "
                  "makes both sides 0)")
-    return Proof(claim=claim, method=method, uses=uses, steps=steps)
+    conclusion = hyp_value if which != "output" else scale**2 * alpha * G**2 * nS - scale**2 * tr(o.T * o)
+    return Proof(claim=claim, method=method, uses=uses, steps=steps, conclusion=conclusion)

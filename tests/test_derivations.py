@@ -404,3 +404,21 @@ def test_a_broken_lemma_breaks_the_records_citing_it(monkeypatch):
     monkeypatch.setattr(_proof, "_PROVED", {})
     assert "cited L-blockinv" in derivations.check_general(derivations.get("WY-3"))
     assert "cited" in derivations.check_general(derivations.get("CF-2"))
+
+
+def test_cert_citation_must_match_the_cited_conclusion():
+    # a bound may cite another bounded record's conclusion only as that record proved it
+    x = sym("x", _C, 1)
+    nx = _nc.tr(x.T * x)
+    p = _proof.Proof(claim="c", method="m", uses=("CP-4",),
+                     steps=[_proof.Cert("c", small=0, large=nx, terms=[(1, ("cited", "CP-4", nx))])])
+    assert "not the conclusion of CP-4" in _proof.check_proof(p)
+
+
+def test_grad_refuses_hidden_matrix_factors():
+    # a 1 x 1 stretch becomes a scalar symbol; differentiating through it would miss its matrix factors
+    k, S = sym("k", _C, 1), sym("S", _C, _C)
+    (scalar,) = (k.T * S * k).terms.values()  # k^T S k, a scalar symbol
+    F = S * scalar
+    with pytest.raises(ValueError, match="scalar made of matrices"):
+        _nc.grad([(sym("G", _C, _C), F)], S)
