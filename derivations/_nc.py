@@ -9,7 +9,9 @@ commutative SymPy coefficients (the scalars: gates a, beta, gamma, scale). Atoms
 - `Mask`: ``tril_d(w)`` (entries with j - i <= d kept) or ``triu_e(w)`` (entries with j - i >= e kept) of a
   word ``w``.
 - `Dg`: the column vector of the diagonal of a square word, ``dg(w)_i = w_ii``.
-Traces ``tr(w)`` are scalars: each canonical trace becomes a commutative SymPy symbol.
+- `Dp`: the diagonal part diag(dg(w)) of a square word, a diagonal atom.
+Traces ``tr(w)`` and 1 x 1 stretches of words are scalars: each canonical one becomes a commutative SymPy
+symbol (opaque: rules do not reach inside it, and `grad` refuses to differentiate through it).
 
 What the engine takes as given (the axioms of the proofs, all standard matrix algebra): matrix product
 is associative and distributes over sums; scalars commute with matrices; transposition reverses products
@@ -35,10 +37,17 @@ Normal form (`nf`):
   (both sum x_ij R_ji over the same j) [L-dg-mask]; of all the words reached this way the least is kept;
 - ``tr`` is linear, invariant under rotation and transposition [L-trace].
 
-`reduce` (inside `nf`) then rewrites with the rules until none applies: a rule ``lhs -> rhs`` replaces an
-occurrence of the word ``lhs`` (diagonal atoms at the rule's ends are matched up to commutation with the
-word's adjacent diagonal atoms, [L-diag-commute]). Every rule is an equality, so reaching zero proves
+`nf` then rewrites with the rules until none applies: a rule ``lhs -> rhs`` replaces an occurrence of
+the word ``lhs`` (diagonal atoms at the rule's ends are matched up to commutation with the word's
+adjacent diagonal atoms [L-diag-commute]; every rule also comes without the invertible diagonal factors
+at its ends, their inverses moved to the other side); inside a mask, dg or diagonal part the rules apply
+to the inner word, with the diagonal factors the normal form moved out put back in (and for dg, on every
+word of its orbit). Every rule and every normalisation is an equality, so reaching zero proves
 ``lhs - rhs == 0``; failing to reach zero proves nothing, and the checker reports the remainder.
+
+`grad` differentiates a loss sum <G, F> at symbolic sizes: the product rule over the atoms of each word,
+adjoints moved onto the variable, dA = -A dL A for generators declared inverses of I + L [L-adjoint,
+L-dinv].
 """
 
 from __future__ import annotations

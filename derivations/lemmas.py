@@ -170,9 +170,7 @@ def _mask_blocks():
     steps = []
     for d in (0, -1):
         whole = lambda a, b: _mask("tril", f(a, b), d, a=a, b=b)  # noqa: E731
-        # top-left: rows, cols < m, local = global index: tril_d of X
-        for reg in REGIONS["ij"](i, j, m):
-            steps.append(Entry(f"d={d} top-left", (whole(i, j) - _mask("tril", f(i, j), d)).subs(reg), [{}]))
+        # top-left: rows, cols < m keep their indices, so it is tril_d of X by definition
         # top-right: i < m <= j: zero
         steps.append(Entry(f"d={d} top-right", whole(p, m + q).subs(m, p + 1 + s), [{}]))
         # bottom-left: j < m <= i: Z itself
