@@ -20,7 +20,7 @@ from functools import reduce
 
 import sympy as sp
 
-__all__ = ["mat", "Chunk", "tril", "hadamard", "prod", "rows_sum", "cols_sum"]
+__all__ = ["mat", "Chunk", "tril", "hadamard", "prod", "rows_sum", "cols_sum", "chunk_form", "transition"]
 
 
 def mat(name: str, r: int, c: int, **assumptions) -> sp.Matrix:
@@ -50,6 +50,32 @@ def rows_sum(X: sp.Matrix) -> sp.Matrix:
 def cols_sum(X: sp.Matrix) -> sp.Matrix:
     """Column vector of column sums."""
     return sp.Matrix([sum(X[:, j]) for j in range(X.cols)])
+
+
+def chunk_form(ch, S, scale=1, A_g=None, out_diagonal: int = 0) -> dict:
+    """FLA's chunk form (research/fla-gdn.md section 2.2) of a chunk ``ch``: a concrete `Chunk`, or a
+    symbolic one of `derivations._symbolic` (the same formulas prove the general records).
+
+    ``ch`` provides q, k, v, B = diag(beta), D = diag(gamma), Dr = diag(r), gamma_C, ``gate(X, d)`` (the
+    decay mask Gamma_d * X) and ``A_gated()``. ``out_diagonal``: the output mask's diagonal (0: token t
+    sees itself; the tests shift it to check that a broken rewrite fails). Returns dict with A (gated),
+    w, u, v_new, o, S_end."""
+    A = ch.A_gated() if A_g is None else A_g
+    w = A * ch.B * ch.D * ch.k
+    u = A * ch.B * ch.v
+    v_new = u - w * S
+    o = scale * (ch.D * ch.q * S + ch.gate(ch.q * ch.k.T, out_diagonal) * v_new)
+    S_end = ch.gamma_C * S + ch.k.T * ch.Dr * v_new
+    return dict(A=A, w=w, u=u, v_new=v_new, o=o, S_end=S_end)
+
+
+def transition(ch, A=None):
+    """Transition form of the state update: S' = (gamma_C I - T_c) S + B_c with
+    T_c = gamma_C K^T A B K and B_c = K^T A B diag(r) V (A gate-free). Returns (T_c, B_c)."""
+    A = ch.A_free() if A is None else A
+    T_c = ch.gamma_C * ch.k.T * A * ch.B * ch.k
+    B_c = ch.k.T * A * ch.B * ch.Dr * ch.v
+    return T_c, B_c
 
 
 class Chunk:
@@ -91,6 +117,53 @@ class Chunk:
     @property
     def D(self) -> sp.Matrix:
         return sp.diag(*self.gamma)
+
+    @property
+    def Dinv(self) -> sp.Matrix:
+        return sp.diag(*[1 / g for g in self.gamma])
+
+    @property
+    def Dr(self) -> sp.Matrix:
+        """diag(r), r_i = gamma_C / gamma_i."""
+        return sp.diag(*self.r)
+
+    def gate(self, X: sp.Matrix, diagonal: int = 0) -> sp.Matrix:
+        """Gamma_diagonal * X (the causal decay mask, elementwise)."""
+        return hadamard(self.Gamma(diagonal), X)
+
+    def gate_T(self, X: sp.Matrix, diagonal: int = 0) -> sp.Matrix:
+        """Gamma_diagonal^T * X."""
+        return hadamard(self.Gamma(diagonal).T, X)
+
+    @staticmethod
+    def tril(X: sp.Matrix, diagonal: int = 0) -> sp.Matrix:
+        return tril(X, diagonal)
+
+    # reductions of elementwise products (the backward's rowsum / colsum terms)
+    @staticmethod
+    def rowsum_had(X: sp.Matrix, Y: sp.Matrix) -> sp.Matrix:
+        """rowsum(X * Y) as a column vector."""
+        return rows_sum(hadamard(X, Y))
+
+    @staticmethod
+    def colsum_had(X: sp.Matrix, Y: sp.Matrix) -> sp.Matrix:
+        """colsum(X * Y) as a column vector."""
+        return cols_sum(hadamard(X, Y))
+
+    @staticmethod
+    def sum_had(X: sp.Matrix, Y: sp.Matrix) -> sp.Expr:
+        """sum(X * Y) = <X, Y>."""
+        return sum(hadamard(X, Y))
+
+    def add_last(self, x: sp.Matrix, s) -> sp.Matrix:
+        """x with s added to its last entry (x + e_last s)."""
+        x = sp.Matrix(x)
+        x[self.C - 1] += s
+        return x
+
+    @staticmethod
+    def eye(n) -> sp.Matrix:
+        return sp.eye(n)
 
     @property
     def gamma_C(self) -> sp.Expr:
@@ -139,22 +212,10 @@ class Chunk:
         """Gate-free A = (I + L_free)^-1."""
         return self.inverse(self.L_free)
 
-    def chunk_form(self, S0: sp.Matrix, scale=1, A_g: sp.Matrix | None = None):
-        """FLA's chunk form (research/fla-gdn.md section 2.2).
-
-        Returns dict with A (gated), w, u, v_new, o, S_end."""
-        A = self.A_gated() if A_g is None else A_g
-        w = A * self.B * self.D * self.k
-        u = A * self.B * self.v
-        v_new = u - w * S0
-        o = scale * (self.D * self.q * S0 + hadamard(self.q * self.k.T, self.Gamma()) * v_new)
-        S_end = self.gamma_C * S0 + self.k.T * sp.diag(*self.r) * v_new
-        return dict(A=A, w=w, u=u, v_new=v_new, o=o, S_end=S_end)
+    def chunk_form(self, S0: sp.Matrix, scale=1, A_g: sp.Matrix | None = None, out_diagonal: int = 0):
+        """FLA's chunk form (module function `chunk_form`). Returns dict with A (gated), w, u, v_new, o, S_end."""
+        return chunk_form(self, S0, scale, A_g, out_diagonal)
 
     def transition(self, A: sp.Matrix | None = None):
-        """Transition form of the state update: S' = (gamma_C I - T_c) S + B_c with
-        T_c = gamma_C K^T A B K and B_c = K^T A B diag(r) V (A gate-free). Returns (T_c, B_c)."""
-        A = self.A_free() if A is None else A
-        T_c = self.gamma_C * self.k.T * A * self.B * self.k
-        B_c = self.k.T * A * self.B * sp.diag(*self.r) * self.v
-        return T_c, B_c
+        """(T_c, B_c) of the transition form (module function `transition`)."""
+        return transition(self, A)

@@ -7,22 +7,34 @@ section 2.2):
     w = A diag(beta gamma) K,   u = A diag(beta) V,   v_new = u - w S
     O = scale (D Q S + (Q K^T * Gamma_causal) v_new)
     S' = gamma_C S + K^T diag(r) v_new
+
+General proofs (every C, K, V): induction on the chunk length C. Base C = 1 (one token: every C x C
+quantity is 1 x 1, A = 1). Step C -> C + 1: the chunk of C + 1 tokens is the chunk of C tokens and one
+more token, as block matrices split C + 1 (`derivations._symbolic.Ext`); the new row of the gated L is
+beta a k^T K^T diag(r) [L-gate, L-gamma, L-mask-blocks], the gated inverse extends as
+[[A, 0], [-l A, 1]] [L-blockinv] (checked as a step), and the chunk form at C + 1, reduced with the
+C-token relations (I + L) A = I and the induction hypothesis (the C-token recurrence equals the C-token
+chunk form, a rewrite rule), equals one more recurrence step. The formulas are the ones the concrete
+check uses (`derivations._chunk.chunk_form` on a `derivations._symbolic` chunk).
 """
 
 from __future__ import annotations
 
-from derivations._chunk import Chunk, mat
-from derivations._core import Identity, register
-
 import sympy as sp
+
+from derivations._chunk import Chunk, chunk_form, mat
+from derivations._core import Identity, register
+from derivations._nc import Block, rules_from, sym, zeros
+from derivations._proof import Eq, Proof
+from derivations._symbolic import Csym, Ext, GChunk, Ksym, One, Vsym
 
 TWINS = ("reference.gdn.recurrent.recurrent_gated_delta_rule", "reference.gdn.chunk.chunk_gated_delta_rule_fwd")
 
 
-def _outputs(C, K, V):
+def _outputs(C, K, V, out_diagonal=0):
     ch, S0, scale = Chunk(C, K, V), mat("s", K, V), sp.Symbol("scale", positive=True)
     O_rec, _, _ = ch.recurrence(S0, scale)
-    return O_rec, ch.chunk_form(S0, scale)["o"]
+    return O_rec, ch.chunk_form(S0, scale, out_diagonal=out_diagonal)["o"]
 
 
 def _state(C, K, V):
@@ -39,6 +51,48 @@ def _deltas(C, K, V):
     return sp.Matrix.vstack(*rows), ch.chunk_form(S0)["v_new"]
 
 
+#: the lemmas every CF induction step rests on
+CF_LEMMAS = ("L-gate", "L-gamma", "L-ut", "L-blockinv")
+
+
+def _induction(part: str, out_diagonal: int = 0) -> Proof:
+    """Induction on C for one part of the chunk form: "S_end" (CF-2), "o" (CF-1), "v_new" (CF-3)."""
+    one, ch = One(), GChunk()
+    ext = Ext(ch)
+    S = sym("S", Ksym, Vsym)
+    scale = sp.Symbol("scale", positive=True)
+    S_C = sym("S_C", Ksym, Vsym)  # the recurrence's state after C tokens
+    cf_C = chunk_form(ch, S, scale, out_diagonal=out_diagonal)
+    cf_1 = chunk_form(one, S, scale, out_diagonal=out_diagonal)
+    cf_E = chunk_form(ext, S, scale, out_diagonal=out_diagonal)
+    S1, o1, w1 = one.recurrence(S)
+    Sn, on, wn = ext.recurrence(S_C)
+    state = rules_from(S_C, cf_C["S_end"], "hyp" if part == "S_end" else "CF-2", transpose=False)
+    steps = [Eq("base: L_gated = 0 at C = 1, so A = (I + 0)^-1 = 1", one.L_gated, zeros(1, 1)),
+             *ext.inverse_steps("gated")]
+    rules = ch.rules("gated") + state
+    if part == "S_end":
+        steps += [Eq("base: S_1", cf_1["S_end"], S1), Eq("step: S_{C+1}", cf_E["S_end"], Sn, rules)]
+    elif part == "o":
+        O_C = sym("O_C", Csym, Vsym)  # the recurrence's first C outputs (causal: the new token does not change them)
+        hyp = rules_from(O_C, cf_C["o"], "hyp", transpose=False)
+        steps += [Eq("base: o_1", cf_1["o"], scale * o1),
+                  Eq("step: O_{C+1} = [O_C; scale q^T S_{C+1}]", cf_E["o"], Block([[O_C], [scale * on]]), rules + hyp)]
+    else:
+        U_C = sym("U_C", Csym, Vsym)  # the recurrence's first C writes
+        hyp = rules_from(U_C, cf_C["v_new"], "hyp", transpose=False)
+        steps += [Eq("base: write 1", cf_1["v_new"], w1),
+                  Eq("step: [U_C; beta (v^T - a k^T S_C)]", cf_E["v_new"], Block([[U_C], [wn]]), rules + hyp)]
+    what = {"S_end": "the end state", "o": "the outputs", "v_new": "v_new (the per-token writes)"}[part]
+    return Proof(
+        claim=f"for every C >= 1, K, V and entering state S: {what} of the chunk form equal the token recurrence's",
+        method="induction on C: base C = 1; step C -> C + 1 appends one token (2 x 2 block matrices), "
+               "non-commutative reduction with (I + L_gated) A = I, tril(A) = A and the hypothesis as rewrite rules",
+        uses=CF_LEMMAS + (() if part == "S_end" else ("CF-2",)),
+        steps=steps,
+    )
+
+
 CF_1 = register(Identity(
     id="CF-1",
     statement="chunk-form outputs equal the token recurrence's, for a chunk entered with a state S",
@@ -47,6 +101,7 @@ CF_1 = register(Identity(
     sizes=((3, 2, 2), (4, 2, 1), (4, 3, 2)),
     twins=TWINS,
     source="FLA chunk_gated_delta_rule_fwd; research/fla-gdn.md 2.2",
+    general=lambda: _induction("o"),
 ))
 
 CF_2 = register(Identity(
@@ -54,9 +109,10 @@ CF_2 = register(Identity(
     statement="chunk-form end state equals the token recurrence's, for a chunk entered with a state S",
     latex=r"S_C = \gamma_C S + K^\top \operatorname{diag}(r)\,(U - W S)",
     build=_state,
-    sizes=((3, 2, 2), (4, 2, 1)),
+    sizes=((3, 2, 2), (4, 2, 1), (6, 2, 1)),
     twins=TWINS,
     source="FLA chunk_gated_delta_rule_fwd_h; research/fla-gdn.md 2.2",
+    general=lambda: _induction("S_end"),
 ))
 
 CF_3 = register(Identity(
@@ -64,7 +120,8 @@ CF_3 = register(Identity(
     statement="v_new = u - w S is the recurrence's per-token write beta_t (v_t - a_t S_{t-1}^T k_t)",
     latex=r"(U - W S)_t = \beta_t\,(v_t - a_t S_{t-1}^\top k_t)",
     build=_deltas,
-    sizes=((3, 2, 2), (4, 2, 1)),
+    sizes=((3, 2, 2), (4, 2, 1), (6, 2, 1)),
     twins=("reference.gdn.fused.recurrent_deltas", "reference.gdn.chunk.chunk_fwd_h"),
     source="research/fla-gdn.md 2.2 step 5",
+    general=lambda: _induction("v_new"),
 ))

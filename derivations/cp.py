@@ -36,23 +36,45 @@ telescoped over the window, plus Lagrange's identity ||q||^2 ||x||^2 - (q^T x)^2
 for the outputs. The unit-key condition enters as the multiple beta^2 (k^T x)^2 (1 - k^T k) of its
 defining polynomial (zero when ||k|| = 1); the coefficients' signs are decided with beta = 1 / (1 + p),
 p >= 0 (beta in (0, 1]; beta = 0 makes the factor the identity).
+
+General proofs (every chunk length, K, V, number of chunks or segments, window length):
+- CP-1: induction on the number of chunks, the next chunk's chunk form (CF-2) as M S + B_c (RW-1);
+- CP-2: each segment affine (CP-1), both groupings expanded;
+- CP-3: chunk c entered with P S + Q (CP-1), its outputs by its chunk form (CF-1), reduced with RW-1;
+- BWD-dSin: induction on the number of segments: the last one is affine in its entering state (CP-1,
+  CP-3), so its terms are <E_m + P_m^T G, S_m> + const and the hypothesis applies with G' = E_m + P_m^T G;
+- CP-4, CP-6: induction on the window (any order of the factors, each symmetric) with the certificate of
+  the whole state matrix, (aG)^2 ||S||^2 - ||a (I - beta k k^T) Y||^2 = a^2 (G^2 ||S||^2 - ||Y||^2)
+  + a^2 beta (2 - beta) ||k^T Y||^2 + a^2 beta^2 ||k^T Y||^2 (1 - k^T k) (`derivations._proof.Cert`);
+- CP-5: Cauchy-Schwarz as the identity q^T q (q^T q ||Y||^2 - ||q^T Y||^2) = ||q^T q Y - q q^T Y||^2,
+  then CP-4.
 """
 
 from __future__ import annotations
 
 import sympy as sp
 
-from derivations._chunk import Chunk, hadamard, mat, prod, tril
+from derivations._chunk import Chunk, chunk_form, hadamard, mat, prod, transition
 from derivations._core import Bound, Identity, register
+
+
+def chunk_map(ch):
+    """(M_c, B_c) of one chunk from the transition form (RW-3): S' = M_c S + B_c, M_c = gamma_C I - T_c;
+    a concrete or a symbolic chunk."""
+    T_c, B_c = transition(ch)
+    return ch.gamma_C * ch.eye(ch.K) - T_c, B_c
 
 
 def _maps(chunks):
     """Per-chunk maps (M_c, B_c) from the transition form."""
-    out = []
-    for ch in chunks:
-        T_c, B_c = ch.transition()
-        out.append((ch.gamma_C * sp.eye(ch.K) - T_c, B_c))
-    return out
+    return [chunk_map(ch) for ch in chunks]
+
+
+def output_correction(ch, P, S, scale, diagonal: int = 0):
+    """scale D R P S, R = Q - tril_diagonal(Q K^T) A_free diag(beta) K: how the outputs of a chunk entered
+    with P S + Q move with S (CP-3); a concrete or a symbolic chunk."""
+    R = ch.q - ch.tril(ch.q * ch.k.T, diagonal) * ch.A_free() * ch.B * ch.k
+    return scale * ch.D * R * P * S
 
 
 def combine(first, second):
@@ -94,7 +116,7 @@ def _compose(C, K, V):
     return (P_cat, Q_cat, P_cat, Q_cat), (*left, *right)
 
 
-def _outputs(C, K, V, n):
+def _outputs(C, K, V, n, diagonal=0):
     chunks = [Chunk(C, K, V, prefix=f"c{i}") for i in range(n)]
     S = mat("s", K, V)
     scale = sp.Symbol("scale", positive=True)
@@ -102,8 +124,7 @@ def _outputs(C, K, V, n):
     zero, _ = _run(chunks, sp.zeros(K, V), scale)
     rhs, P = [], sp.eye(K)
     for ch, O0, (M, _) in zip(chunks, zero, _maps(chunks)):
-        R = ch.q - tril(ch.q * ch.k.T) * ch.A_free() * ch.B * ch.k
-        rhs.append(O0 + scale * ch.D * R * P * S)
+        rhs.append(O0 + output_correction(ch, P, S, scale, diagonal))
         P = M * P
     return tuple(lhs), tuple(rhs)
 
@@ -162,6 +183,7 @@ CP_1 = register(Identity(
     size_names=("C", "K", "V", "chunks"),
     twins=("reference.gdn.recurrent.recurrent_gated_delta_rule", "reference.gdn.cp.segment_maps"),
     source="FLA cp pre_process_fwd (S_ext, M); FlashQLA cp_fwd; research/flashqla-design.md 4.3",
+    general=lambda: _general_segment(),
 ))
 
 CP_2 = register(Identity(
@@ -172,6 +194,7 @@ CP_2 = register(Identity(
     sizes=((2, 2, 1),),
     twins=("reference.gdn.cp.segment_maps", "reference.gdn.cp.combine"),
     source="FLA merge_fwd_bwd_kernel; FlashQLA correct_initial_states; research/flashqla-design.md 4.3",
+    general=lambda: _general_compose(),
 ))
 
 CP_3 = register(Identity(
@@ -183,6 +206,7 @@ CP_3 = register(Identity(
     size_names=("C", "K", "V", "chunks"),
     twins=("reference.gdn.recurrent.recurrent_gated_delta_rule", "reference.gdn.cp.output_correction"),
     source="FlashQLA intra-card CP (segments from zero, corrected); research/flashqla-design.md 4.3",
+    general=lambda: _general_outputs(),
 ))
 
 def _entering_grad(C, K, V, n):
@@ -220,6 +244,7 @@ CP_4 = register(Identity(
     condition="||k_t||_2 = 1 and beta_t in [0, 1] (any a_t = exp(g_t) > 0)",
     twins=("reference.gdn.cp.cp_gated_delta_rule_fwd", "reference.gdn.recurrent.recurrent_gated_delta_rule"),
     source="FlashQLA warm-up truncation (threshold sum g < -10); research/flashqla-design.md 4.3",
+    general=lambda: _general_window("state"),
 ))
 
 CP_5 = register(Identity(
@@ -234,6 +259,7 @@ CP_5 = register(Identity(
     condition="||k_t||_2 = 1 and beta_t in [0, 1] (any a_t = exp(g_t) > 0)",
     twins=("reference.gdn.cp.cp_gated_delta_rule_fwd", "reference.gdn.recurrent.recurrent_gated_delta_rule"),
     source="FlashQLA warm-up truncation; research/flashqla-design.md 4.3, 4.5",
+    general=lambda: _general_window("output"),
 ))
 
 CP_6_ADJ = register(Identity(
@@ -249,6 +275,7 @@ CP_6_ADJ = register(Identity(
     twins=("reference.gdn.cp.segment_maps", "reference.gdn.cp.entering_state_grad"),
     source="CP-4 transposed (each factor is symmetric); the backward's gate-driven cut of P_j^T G_j "
            "(flashqla.cp.driver.cp_backward, transition_limits)",
+    general=lambda: _general_window("adjoint"),
 ))
 
 CP_6 = register(Identity(
@@ -263,4 +290,175 @@ CP_6 = register(Identity(
     source="CP-1 and CP-3 composed (o_t = o0_t + (A_j S_in + B_j)^T U_t, S_end = A_m S_in + B_m) and "
            "differentiated; the cross-rank backward's D (flashqla.distributed.op) and its segmented form "
            "(flashqla.cp.driver)",
+    general=lambda: _general_entering_grad(),
 ))
+
+
+# ------------------------------------------------------------------------------------------------
+# general proofs
+# ------------------------------------------------------------------------------------------------
+
+#: the chunk-level facts the CP general proofs cite: the chunk form is the recurrence (CF-1, CF-2) and
+#: its gated inverse is the re-gated gate-free one (RW-1)
+CP_USES = ("CF-2", "RW-1", "L-gate", "L-gamma", "L-ut")
+
+
+def _general_segment():
+    from derivations._nc import eye, rules_from, sym
+    from derivations._proof import Eq, Proof
+    from derivations._symbolic import GChunk, Ksym, Vsym
+
+    ch = GChunk(prefix="c")  # the next chunk, any length
+    S, S_n = sym("S", Ksym, Vsym), sym("S_n", Ksym, Vsym)
+    P_n, Q_n = sym("P_n", Ksym, Ksym), sym("Q_n", Ksym, Vsym)
+    M, B = chunk_map(ch)
+    hyp = rules_from(S_n, P_n * S + Q_n, "hyp", transpose=False)
+    rules = ch.rules("free") + ch.regate_rule()
+    return Proof(
+        claim="for every number of chunks n and every C, K, V: the state after the n chunks is P S + Q with "
+              "P = M_{n-1} ... M_0 and Q the state after them from S = 0",
+        method="induction on n (n = 0: S = I S + 0); step: the next chunk maps its entering state S_n by its "
+               "chunk form (CF-2) = M S_n + B_c; non-commutative reduction with the hypothesis S_n = P_n S + Q_n",
+        uses=CP_USES,
+        steps=[Eq("base: S = I S + 0", S, eye(Ksym) * S),
+               Eq("step: S_{n+1} = (M P_n) S + (M Q_n + B)", chunk_form(ch, S_n)["S_end"], (M * P_n) * S + (M * Q_n + B), rules + hyp),
+               Eq("step: from S = 0, Q_{n+1} = M Q_n + B", chunk_form(ch, Q_n)["S_end"], M * Q_n + B, rules)],
+    )
+
+
+def _general_compose():
+    from derivations._nc import sym
+    from derivations._proof import Eq, Proof
+    from derivations._symbolic import Ksym, Vsym
+
+    S = sym("S", Ksym, Vsym)
+    m = [(sym(f"P{i}", Ksym, Ksym), sym(f"Q{i}", Ksym, Vsym)) for i in (1, 2, 3)]
+    left = combine(combine(m[0], m[1]), m[2])
+    right = combine(m[0], combine(m[1], m[2]))
+    seq = S
+    for P, Q in m:  # the concatenation: each segment maps its entering state (CP-1)
+        seq = P * seq + Q
+    return Proof(
+        claim="for segments of any lengths and sizes: both groupings of the composition map S as the "
+              "concatenation does (so the composition is associative and a scan may group it freely)",
+        method="each segment is affine (CP-1); non-commutative expansion",
+        uses=("CP-1",),
+        steps=[Eq("((3 o 2) o 1)(S) = concatenation", left[0] * S + left[1], seq),
+               Eq("(3 o (2 o 1))(S) = concatenation", right[0] * S + right[1], seq)],
+    )
+
+
+def _general_outputs(diagonal: int = 0):
+    from derivations._nc import sym
+    from derivations._proof import Eq, Proof
+    from derivations._symbolic import GChunk, Ksym, Vsym
+
+    ch = GChunk(prefix="c")  # chunk c of the segment, entered with P S + Q (CP-1)
+    S, P, Q = sym("S", Ksym, Vsym), sym("P", Ksym, Ksym), sym("Q", Ksym, Vsym)
+    scale = sp.Symbol("scale", positive=True)
+    O_S = chunk_form(ch, P * S + Q, scale)["o"]
+    O_0 = chunk_form(ch, Q, scale)["o"]
+    return Proof(
+        claim="for every chunk c of a segment of any length, every C, K, V: O_c(S) = O_c(0) + scale D_c R_c P_<c S",
+        method="chunk c is entered with P_<c S + Q_<c (CP-1) and its outputs are its chunk form (CF-1); "
+               "non-commutative reduction with A_gated -> D A_free D^-1 (RW-1)",
+        uses=CP_USES + ("CF-1", "CP-1"),
+        steps=[Eq("O_c(S) = O_c(0) + scale D R P S", O_S, O_0 + output_correction(ch, P, S, scale, diagonal),
+                  ch.rules("free") + ch.regate_rule())],
+    )
+
+
+def _general_entering_grad():
+    from derivations import _nc
+    from derivations._nc import eye, sym, zeros
+    from derivations._proof import Eq, Proof
+    from derivations._symbolic import GChunk, Ksym, Vsym
+
+    Cj = sp.Symbol("C_j", integer=True, positive=True)  # tokens of segment m
+    S_m, G = sym("S_m", Ksym, Vsym), sym("G", Ksym, Vsym)
+    U, O0, dO = sym("U_m", Cj, Ksym), sym("O0_m", Cj, Vsym), sym("dO_m", Cj, Vsym)
+    P, Bm = sym("P_m", Ksym, Ksym), sym("B_m", Ksym, Vsym)
+    Sig, A = sym("Sigma_m", Ksym, Vsym), sym("A_m", Ksym, Ksym)  # sum_{j<m} A_j^T E_j, and A_m
+    E = U.T * dO
+    G1 = U.T * dO + P.T * G
+    # U of a chunk: the run from I with v = 0, whose outputs are scale D R S (CP-3 with v = 0)
+    ch = GChunk(prefix="c")
+    ch.v = zeros(ch.C, Vsym)
+    S = sym("S", Ksym, Vsym)
+    scale = sp.Symbol("scale", positive=True)
+    return Proof(
+        claim="for every number of segments m and all sizes: the gradient of sum_j <dO_j, O_j> + <G, S_end> "
+              "with respect to S_in is sum_j A_j^T E_j + A_m^T G",
+        method="induction on m (m = 0: d<G, S_in>/dS_in = G); step: the last segment is affine in its entering "
+               "state (CP-1, CP-3: O_m = O0_m + U_m S_m, S_end = P_m S_m + B_m), so the loss is "
+               "<U_m^T dO_m + P_m^T G, S_m> + const and the hypothesis applies with G' = E_m + P_m^T G",
+        uses=("CP-1", "CP-3", "L-adjoint", "RW-1", "L-gate", "L-gamma", "L-ut"),
+        steps=[Eq("base: d<G, S>/dS = G", _nc.grad([(G, S_m)], S_m), G),
+               Eq("step: d/dS_m of the last segment's terms = E_m + P_m^T G",
+                  _nc.grad([(dO, O0 + U * S_m), (G, P * S_m + Bm)], S_m), G1),
+               Eq("step: Sigma_m + A_m^T G' = (Sigma_m + A_m^T E_m) + (P_m A_m)^T G", Sig + A.T * G1, (Sig + A.T * E) + (P * A).T * G),
+               Eq("U: the outputs of a chunk run with v = 0 are scale D R S (linear in S)", chunk_form(ch, S, scale)["o"],
+                  output_correction(ch, eye(Ksym), S, scale), ch.rules("free") + ch.regate_rule())],
+    )
+
+
+def _general_window(which: str):
+    """CP-4 ("state"), CP-5 ("output"), CP-6 ("adjoint") for windows of any length and any K, V: the
+    bound for the whole state matrix (Frobenius norm, no per-column argument)."""
+    from derivations._nc import eye, rules_from, sym
+    from derivations._proof import Cert, Eq, Proof
+
+    Kd, Vd = sp.Symbol("K", integer=True, positive=True), sp.Symbol("V", integer=True, positive=True)
+    S, Y = sym("S_w", Kd, Vd), sym("Y", Kd, Vd)  # the dropped state; Y = P S_w after the window so far
+    k = sym("k", Kd, 1)
+    a = sp.Symbol("a", positive=True)
+    beta = sp.Symbol("beta", positive=True)
+    G = sp.Symbol("G", positive=True)  # the gate product of the window so far (exp of its summed g)
+    h = sp.Symbol("h", nonnegative=True)  # the hypothesis' slack: G^2 ||S_w||^2 - ||Y||^2 >= 0
+    domain = {beta: 1 / (1 + sp.Symbol("p", nonnegative=True))}
+    I = eye(Kd)
+    Fk = a * (I - beta * k * k.T)
+    Y1 = Fk * Y
+    Z = k.T * Y
+    from derivations._nc import tr
+
+    nS, nY, nY1, nZ = tr(S.T * S), tr(Y.T * Y), tr(Y1.T * Y1), tr(Z.T * Z)
+    kk = tr(k.T * k)
+    hyp_value = G**2 * nS - nY
+    step_terms = [(a**2, ("hyp", hyp_value)), (a**2 * beta * (2 - beta), Z)]
+    step_cond = [(a**2 * beta**2 * nZ, 1 - kk)]
+    steps = [
+        Cert("base: an empty window, G = 1 and Y = S_w", small=tr(S.T * S), large=tr(S.T * S)),
+        Cert("step: one more factor a (I - beta k k^T)", small=nY1, large=(a * G) ** 2 * nS,
+             terms=step_terms, conditions=step_cond, domain=domain),
+    ]
+    uses = ()
+    method = ("induction on the number of factors (any order: the new factor multiplies on the left); step: "
+              "(aG)^2 ||S||^2 - ||a (I - beta k k^T) Y||^2 = a^2 (G^2 ||S||^2 - ||Y||^2) + a^2 beta (2 - beta) ||k^T Y||^2 "
+              "+ a^2 beta^2 ||k^T Y||^2 (1 - k^T k), every term >= 0 for beta in (0, 1], zero condition term for ||k|| = 1")
+    if which == "adjoint":
+        steps.insert(0, Eq("each factor is symmetric, so P^T is again a product of such factors", Fk.T, Fk))
+        claim = ("for windows of any length and all K, V: ||P^T Y||_F <= exp(G) ||Y||_F (P^T: the same factors in "
+                 "ascending order)")
+    elif which == "state":
+        claim = "for windows of any length and all K, V: ||P S_w||_F <= exp(G) ||S_w||_F"
+    else:
+        q = sym("q", Kd, 1)
+        scale = sp.Symbol("scale", positive=True)
+        alpha = tr(q.T * q)
+        W = alpha * Y - q * (q.T * Y)
+        o = q.T * Y  # the output difference / scale, 1 x V
+        # Cauchy-Schwarz: alpha (alpha ||Y||^2 - ||q^T Y||^2) = ||alpha Y - q q^T Y||^2; then CP-4
+        steps = [
+            Cert("Cauchy-Schwarz (times alpha = q^T q)", small=alpha * tr(o.T * o), large=alpha**2 * nY, terms=[(1, W)]),
+            Cert("with CP-4 (G^2 ||S_w||^2 - ||Y||^2 >= 0)", small=scale**2 * alpha * nY,
+                 large=scale**2 * alpha * G**2 * nS, terms=[(scale**2 * alpha, ("cited", "CP-4", hyp_value))]),
+        ]
+        uses = ("CP-4",)
+        method = ("Cauchy-Schwarz as an identity, q^T q (q^T q ||Y||^2 - ||q^T Y||^2) = ||q^T q Y - q q^T Y||_F^2 "
+                  "(q = 0 is trivial), then CP-4 for ||Y||_F = ||P S_w||_F")
+        claim = ("for windows of any length and all K, V: ||o_t,true - o_t,trunc||_2^2 = scale^2 ||q^T P S_w||^2 "
+                 "<= scale^2 ||q||^2 exp(2G) ||S_w||_F^2 (for q != 0 divide the first step by q^T q > 0; q = 0 "
+                 "makes both sides 0)")
+    conclusion = hyp_value if which != "output" else scale**2 * alpha * G**2 * nS - scale**2 * tr(o.T * o)
+    return Proof(claim=claim, method=method, uses=uses, steps=steps, conclusion=conclusion)

@@ -18,14 +18,31 @@ instead (WY-5): with D the block-diagonal part of I + L and E the strictly block
 I + L = D (I + F), F = D^-1 E, and F^4 = 0 for four blocks, so
 
     (I + L)^-1 = (I - F + F^2 - F^3) D^-1 = (I - F)(I + F^2) D^-1          (WY-5)
+
+General proofs (every size):
+- WY-1, WY-2: induction on the chunk length C, as the CF records (`derivations.chunk_form`): the product
+  of C + 1 factors is one factor times the product of C, the chunk quantities at C + 1 are block matrices
+  [L-gate, L-gamma, L-mask-blocks], the gated inverse extends by [L-blockinv].
+- WY-3: induction on the row i: after rows < i, X + I is the inverse of the leading i x i block; the
+  recursion's row i is a (I + X) = -l (I + X) (a = -l, l = L[i, :i]), the last row of the block inverse
+  [[I + L_i, 0], [l, 1]]^-1 [L-blockinv].
+- WY-4: induction on the number of blocks m, any block size n: the merge's block row m is
+  -A_mm sum_{k=j}^{m-1} L_mk A_kj = -A_mm (R A^(m))_j [L-sum-range: A^(m) is block lower triangular], the
+  last block row of [[I + L^(m), 0], [R, I + L_mm]]^-1 [L-blockinv].
+- WY-5: the four-block product at any block size n (4 x 4 block matrices of n x n generators):
+  D + E = D (I + F), F^4 = 0 by block multiplication, and (D + E)(I - F)(I + F^2) D^-1 = I.
 """
 
 from __future__ import annotations
 
 import sympy as sp
 
-from derivations._chunk import Chunk, mat, prod
+from derivations import _nc
+from derivations._chunk import Chunk, chunk_form, mat, prod
 from derivations._core import Identity, register
+from derivations._nc import Block, eye, rules_from, sym, zeros
+from derivations._proof import Entry, Eq, Proof
+from derivations._symbolic import Csym, Ext, GChunk, Ksym, One, Vsym
 
 
 def _factor(ch: Chunk, t: int) -> sp.Matrix:
@@ -33,12 +50,26 @@ def _factor(ch: Chunk, t: int) -> sp.Matrix:
     return ch.a[t] * (sp.eye(ch.K) - ch.beta[t] * kt * kt.T)
 
 
+def product_form(ch, I_K):
+    """gamma_C I - K^T diag(r) W, W = A diag(beta gamma) K (concrete or symbolic chunk)."""
+    w = chunk_form(ch, _zero_state(ch), 1)["w"]
+    return ch.gamma_C * I_K - ch.k.T * ch.Dr * w
+
+
+def writes_form(ch):
+    """K^T diag(r) U, U = A diag(beta) V (concrete or symbolic chunk)."""
+    u = chunk_form(ch, _zero_state(ch), 1)["u"]
+    return ch.k.T * ch.Dr * u
+
+
+def _zero_state(ch):
+    return sp.zeros(ch.K, ch.V) if isinstance(ch, Chunk) else zeros(ch.K, ch.V)
+
+
 def _product(C, K):
     ch = Chunk(C, K, 1)
     lhs = prod(_factor(ch, t) for t in reversed(range(C))) if C else sp.eye(K)
-    w = ch.chunk_form(sp.zeros(K, 1))["w"]
-    rhs = ch.gamma_C * sp.eye(K) - ch.k.T * sp.diag(*ch.r) * w
-    return lhs, rhs
+    return lhs, product_form(ch, sp.eye(K))
 
 
 def _writes(C, K, V):
@@ -49,8 +80,7 @@ def _writes(C, K, V):
         for s in range(t + 1, C):
             carry = _factor(ch, s) * carry
         lhs += carry * ch.beta[t] * ch.k[t, :].T * ch.v[t, :]
-    u = ch.chunk_form(sp.zeros(K, V))["u"]
-    return lhs, ch.k.T * sp.diag(*ch.r) * u
+    return lhs, writes_form(ch)
 
 
 def forward_substitution(L: sp.Matrix) -> sp.Matrix:
@@ -60,11 +90,16 @@ def forward_substitution(L: sp.Matrix) -> sp.Matrix:
     X = -L
     for i in range(1, n):
         a = -L[i, :i]
-        row = a.row_join(sp.zeros(1, n - i))
-        for m in range(i):
-            row += a[m] * X[m, :]
-        X[i, :] = row
+        # sum_{m<i} a_m X_m is the row a times the rows X[:i] (zero from column i on)
+        row = fs_row(a, X[:i, :i])
+        X[i, :] = row.row_join(sp.zeros(1, n - i))
     return X + sp.eye(n)
+
+
+def fs_row(a, X_prev):
+    """Row i of forward substitution, columns < i: a + sum_{m<i} a_m X_m = a + a X_prev (a = -L[i, :i],
+    X_prev the rows and columns < i of X); one code for the concrete and the general proof."""
+    return a + a * X_prev
 
 
 def _strictly_lower(n: int) -> sp.Matrix:
@@ -77,6 +112,11 @@ def _diagonal_block(n):
     return (sp.eye(n) + L) * forward_substitution(L), sp.eye(n)
 
 
+#: the merge's sum over m starts at j + MERGE_START (0; the tests shift it to check that a broken merge
+#: fails both its concrete check and its general proof)
+MERGE_START = 0
+
+
 def block_merge(L: sp.Matrix, block: int) -> sp.Matrix:
     """(I + L)^-1 from the inverses of its diagonal blocks (FLA's merge_16x16_to_64x64 pattern)."""
     nb = L.rows // block
@@ -86,7 +126,7 @@ def block_merge(L: sp.Matrix, block: int) -> sp.Matrix:
         for j in range(nb - d):
             i = j + d
             acc = sp.zeros(block, block)
-            for m in range(j, i):
+            for m in range(j + MERGE_START, i):
                 acc += Lb(i, m) * Ai[(m, j)]
             Ai[(i, j)] = -Ai[(i, i)] * acc
     out = sp.zeros(L.rows, L.rows)
@@ -107,10 +147,11 @@ WY_1 = register(Identity(
     latex=r"\prod_{t=C-1}^{0} a_t (I - \beta_t k_t k_t^\top) = \gamma_C I - K^\top \operatorname{diag}(r)\, A\, \operatorname{diag}(\beta\gamma) K,"
     r"\quad A = (I + \operatorname{tril}_{-1}(\operatorname{diag}(\beta)(K K^\top \odot \Gamma)))^{-1}",
     build=_product,
-    sizes=((3, 2), (4, 3)),
+    sizes=((3, 2), (4, 3), (6, 2)),
     size_names=("C", "K"),
     twins=("reference.gdn.fused.chunk_transition_rank1", "reference.gdn.fused.chunk_transition_wy"),
     source="Yang et al., Gated Delta Networks (2024); FLA recompute_w_u_fwd",
+    general=lambda: _general_chunk("product"),
 ))
 
 WY_2 = register(Identity(
@@ -118,9 +159,10 @@ WY_2 = register(Identity(
     statement="the chunk's writes carried to its end = K^T diag(r) U, U = A diag(beta) V",
     latex=r"\sum_t \Big[\prod_{s>t} a_s (I - \beta_s k_s k_s^\top)\Big] \beta_t k_t v_t^\top = K^\top \operatorname{diag}(r)\, A \operatorname{diag}(\beta) V",
     build=_writes,
-    sizes=((3, 2, 2), (4, 2, 1)),
+    sizes=((3, 2, 2), (4, 2, 1), (6, 2, 1)),
     twins=("reference.gdn.fused.chunk_state_input_rank1", "reference.gdn.fused.chunk_state_input_wy"),
     source="FLA recompute_w_u_fwd, chunk_gated_delta_rule_fwd_h (zero entering state)",
+    general=lambda: _general_chunk("writes"),
 ))
 
 WY_3 = register(Identity(
@@ -128,10 +170,11 @@ WY_3 = register(Identity(
     statement="forward substitution in a diagonal block (FLA's row recursion) inverts I + L_ii",
     latex=r"X = -L,\; X_{i,:} = a + \textstyle\sum_{m<i} a_m X_{m,:},\; a = -L_{i,:i} \;\Rightarrow\; (I + L)(X + I) = I",
     build=_diagonal_block,
-    sizes=((4,), (6,)),
+    sizes=((4,), (6,), (8,)),
     size_names=("n",),
     twins=("reference.gdn.fused.solve_tril_diagonal_blocks", "reference.gdn.chunk.solve_tril"),
     source="FLA solve_tril_16x16_kernel; research/fla-gdn.md 5.3",
+    general=lambda: _general_forward_substitution(),
 ))
 
 WY_4 = register(Identity(
@@ -139,10 +182,11 @@ WY_4 = register(Identity(
     statement="solve_tril block merge: Ai_ij = -Ai_ii sum_m L_im Ai_mj from diagonal-block inverses gives (I+L)^-1",
     latex=r"A_{ij} = -A_{ii} \sum_{m=j}^{i-1} L_{im} A_{mj}\ (i>j),\ A_{ii} = (I + L_{ii})^{-1} \;\Rightarrow\; (I + L) A = I",
     build=_merge,
-    sizes=((4, 2), (3, 3), (4, 1)),
+    sizes=((4, 2), (3, 3), (4, 1), (4, 3)),
     size_names=("blocks", "block"),
     twins=("reference.gdn.fused.solve_tril_blocks", "reference.gdn.chunk.solve_tril"),
     source="FLA merge_16x16_to_64x64_inverse_kernel, fused kkt+solve kernel; research/fla-gdn.md 5.3",
+    general=lambda: _general_merge(),
 ))
 
 
@@ -160,7 +204,13 @@ def nilpotent_merge(L: sp.Matrix, block: int) -> sp.Matrix:
             if r // block > c // block:
                 E[r, c] = L[r, c]
     F = Dinv * E
-    return (sp.eye(n) - F) * (sp.eye(n) + F * F) * Dinv
+    return nilpotent_series(F, sp.eye(n)) * Dinv
+
+
+def nilpotent_series(F, I):
+    """(I + F)^-1 for F^4 = 0, as the kernel multiplies it: (I - F)(I + F^2) (= I - F + F^2 - F^3);
+    one code for the concrete and the general proof."""
+    return (I - F) * (I + F * F)
 
 
 def _nilpotent(block):
@@ -174,8 +224,146 @@ WY_5 = register(Identity(
     statement="4-block inverse by a nilpotent series: (I+L)^-1 = (I-F)(I+F^2) D^-1, F = D^-1 E, F^4 = 0",
     latex=r"I + L = D (I + F),\ F = D^{-1} E,\ F^4 = 0 \;\Rightarrow\; (I + L)^{-1} = (I - F)(I + F^2) D^{-1}",
     build=_nilpotent,
-    sizes=((1,), (2,)),
+    sizes=((1,), (2,), (3,)),
     size_names=("block",),
     twins=("reference.gdn.fused.solve_tril_nilpotent", "reference.gdn.chunk.solve_tril"),
     source="flashqla sm_90 prepare kernel (flashqla/ops/gdn/kernels/sm90/prepare.py)",
+    general=lambda: _general_nilpotent(),
 ))
+
+
+# ------------------------------------------------------------------------------------------------
+# general proofs
+# ------------------------------------------------------------------------------------------------
+
+
+def _general_chunk(which: str) -> Proof:
+    """WY-1 ("product") or WY-2 ("writes") by induction on C."""
+    one, ch = One(), GChunk()
+    ext = Ext(ch)
+    t1, tn = one.tok, ext.tok
+    I_K = eye(Ksym)
+
+    def factor(t):
+        return t["a"] * (I_K - t["beta"] * t["k"] * t["k"].T)
+
+    P_C = sym("P_C", Ksym, Ksym) if which == "product" else sym("F_C", Ksym, Vsym)
+    if which == "product":
+        base = (product_form(one, I_K), factor(t1))
+        hyp = rules_from(P_C, product_form(ch, I_K), "hyp", transpose=False)
+        step = (product_form(ext, I_K), factor(tn) * P_C)
+        what = "the product of the C gated rank-1 factors equals gamma_C I - K^T diag(r) W"
+    else:
+        base = (writes_form(one), t1["beta"] * t1["k"] * t1["v"].T)
+        hyp = rules_from(P_C, writes_form(ch), "hyp", transpose=False)
+        step = (writes_form(ext), factor(tn) * P_C + tn["beta"] * tn["k"] * tn["v"].T)
+        what = "the C writes carried to the chunk end equal K^T diag(r) U"
+    return Proof(
+        claim=f"for every C >= 1, K (and V): {what}",
+        method="induction on C: base C = 1; step C -> C + 1 multiplies by the new token's factor "
+               "(F_{C+1} = a (I - beta k k^T) F_C + beta k v^T); block matrices split C + 1",
+        uses=("L-gate", "L-gamma", "L-ut", "L-blockinv"),
+        steps=[Eq("base: L_gated = 0 at C = 1, so A = 1", one.L_gated, zeros(1, 1)),
+               Eq("base", *base),
+               *ext.inverse_steps("gated"),
+               Eq("step", step[0], step[1], ch.rules("gated") + hyp)],
+    )
+
+
+def _general_forward_substitution() -> Proof:
+    n = sp.Symbol("i", integer=True, positive=True)  # rows already done
+    Ln, X = sym("L_i", n, n), sym("X_i", n, n)  # leading strictly lower block; X after rows < i
+    ell = sym("l", 1, n)  # L[i, :i]
+    I = eye(n)
+    hyp = rules_from(Ln * X, -Ln - X, "hyp") + rules_from(X * Ln, -Ln - X, "hyp")  # (I + L_i)(I + X_i) = I, both sides
+    row = fs_row(-ell, X)
+    T = Block([[I + Ln, zeros(n, 1)], [ell, eye(1)]])
+    Xn = Block([[I + X, zeros(n, 1)], [row, eye(1)]])
+    return Proof(
+        claim="for every n: the row recursion's X satisfies (I + L)(X + I) = I",
+        method="induction on the row i (i = 1: X = 0, the 1 x 1 block); step: rows < i done, "
+               "the new row a + a X_i = -l (I + X_i) is the last row of the block inverse",
+        uses=("L-blockinv",),
+        steps=[Eq("base: X = 0 inverts the 1 x 1 block", eye(1) * eye(1), eye(1)),
+               Eq("step: the new row is -l (I + X_i)", row, -(ell * (I + X))),
+               Eq("step: [[I + L_i, 0], [l, 1]] [[I + X_i, 0], [row, 1]] = I", T * Xn, Block.eye(n, 1), hyp),
+               Eq("step: [[I + X_i, 0], [row, 1]] [[I + L_i, 0], [l, 1]] = I", Xn * T, Block.eye(n, 1), hyp)],
+    )
+
+
+def _merge_sum_check(start: int):
+    """The merge's sum_{k=j+start}^{m-1} L_mk A_kj against the block row product sum_{k=0}^{m-1} L_mk A_kj
+    with A block lower triangular (A_kj = 0 for k < j) [L-sum-range]."""
+    k = sp.Symbol("k", integer=True)
+    p, q, s, t = sp.symbols("p_ q_ s_ t_", integer=True, nonnegative=True)
+    Lmk, Akj = sp.Function("Lm"), sp.Function("A")
+    j, m = p, p + 1 + q  # 0 <= j < m
+    full = sp.Piecewise((Lmk(k) * Akj(k, j), k >= j), (0, True))  # A^(m) block lower triangular
+    merge_lo = j + start
+
+    def check():
+        # split the full product at j; below j every summand is zero, from j on it is L_mk A_kj
+        split = sp.simplify(sp.Sum(full, (k, 0, j - 1)) + sp.Sum(full, (k, j, m - 1)) - sp.Sum(full, (k, 0, m - 1)))
+        if split != 0:
+            return f"split: {split}"
+        if sp.simplify(full.subs(k, j - 1 - s)) != 0:
+            return "a summand below j is not zero"
+        if sp.simplify(merge_lo - j) != 0:
+            return f"the merge sums from k = {merge_lo}, the block row product from k = j"
+        if sp.simplify((full - Lmk(k) * Akj(k, j)).subs(k, j + s)) != 0:
+            return "summands differ from j on"
+        return ""
+
+    return check
+
+
+def _general_merge(start: int | None = None) -> Proof:
+    from derivations._proof import Check
+
+    start = MERGE_START if start is None else start
+    P, n = sp.Symbol("P", integer=True, positive=True), sp.Symbol("n", integer=True, positive=True)
+    Mm, Am = sym("M", P, P), sym("Ai_m", P, P)  # I + L^(m) and its merged inverse (first m blocks, P = m n)
+    R = sym("R", n, P)  # block row m of L, left of the diagonal
+    Nn, An = sym("N", n, n), sym("Ai_mm", n, n)  # I + L_mm and its inverse (forward substitution, WY-3)
+    rules = rules_from(Mm * Am, eye(P), "hyp") + rules_from(Am * Mm, eye(P), "hyp")
+    rules += rules_from(Nn * An, eye(n), "WY-3") + rules_from(An * Nn, eye(n), "WY-3")
+    row = -(An * (R * Am))  # the merge's block row m, by the sum check
+    T = Block([[Mm, zeros(P, n)], [R, Nn]])
+    X = Block([[Am, zeros(P, n)], [row, An]])
+    return Proof(
+        claim="for every number of blocks and every block size n: the merged blocks form (I + L)^-1",
+        method="induction on the number of blocks m (m = 1: the diagonal block's inverse, WY-3); step: "
+               "block row m of the merge is -A_mm R A^(m), the last block row of the block inverse",
+        uses=("WY-3", "L-blockinv", "L-sum-range", "L-ut"),
+        steps=[Check("step: the merge's sum is the block row product (A^(m) block lower triangular)", _merge_sum_check(start)),
+               Eq("step: [[M, 0], [R, N]] [[A^(m), 0], [row, A_mm]] = I", T * X, Block.eye(P, n), rules),
+               Eq("step: [[A^(m), 0], [row, A_mm]] [[M, 0], [R, N]] = I", X * T, Block.eye(P, n), rules)],
+    )
+
+
+def _general_nilpotent(series=None) -> Proof:
+    series = nilpotent_series if series is None else series
+    n = sp.Symbol("n", integer=True, positive=True)
+    nb = 4
+    Dd = [sym(f"D{i}", n, n) for i in range(nb)]  # I + L_ii
+    Di = [sym(f"Dinv{i}", n, n) for i in range(nb)]  # their inverses (forward substitution, WY-3)
+    rules = []
+    for a, b in zip(Dd, Di):
+        rules += rules_from(a * b, eye(n), "WY-3") + rules_from(b * a, eye(n), "WY-3")
+    Z = lambda: zeros(n, n)  # noqa: E731
+    E = Block([[sym(f"E{r}{c}", n, n) if r > c else Z() for c in range(nb)] for r in range(nb)])
+    D = Block([[Dd[r] if r == c else Z() for c in range(nb)] for r in range(nb)])
+    Dinv = Block([[Di[r] if r == c else Z() for c in range(nb)] for r in range(nb)])
+    I = Block.eye(*([n] * nb))
+    F = Dinv * E
+    F4 = F * F * F * F
+    zero = Block([[Z() for _ in range(nb)] for _ in range(nb)])
+    return Proof(
+        claim="for every block size n: with D the diagonal blocks of I + L and E its strictly block-lower part, "
+              "(I + L) (I - F)(I + F^2) D^-1 = I, F = D^-1 E",
+        method="4 x 4 block matrices of n x n generators; non-commutative reduction with D_i D_i^-1 = D_i^-1 D_i = I",
+        uses=("WY-3",),
+        steps=[Eq("D (I + F) = D + E = I + L", D * (I + F), D + E, rules),
+               Eq("F^4 = 0 (strictly block lower, four blocks)", F4, zero, rules),
+               Eq("(I + L) (I - F)(I + F^2) D^-1 = I", (D + E) * series(F, I) * Dinv, I, rules)],
+    )
