@@ -297,9 +297,29 @@ def test_bad_arguments(setup):
             qn.enable(model, mode="training")
         with pytest.raises(ValueError, match="mode"):
             qn.enable(model, mode=Mode.TRAINING | Mode.TORCH_COMPILE)
-        mapping = qn.kernel_mapping()
-        assert set(mapping) == {qn.KERNEL_NAME} and {d.type for d in mapping[qn.KERNEL_NAME]} == {"cuda", "cpu"}
     assert not qn._OPEN, "a failed enable left an attachment open"
+
+
+def test_kernel_mapping_by_hand(ref_spy):
+    """`kernel_mapping()` with kernels' own calls, as a user would write them on the "kernels" path."""
+    config = qn.tiny_qwen3_next_config()
+    model = qn.build_model(config, seed=7, dtype=torch.float32)
+    ids = qn.make_input_ids(config, 1, 30, seed=8)
+    layer = qn.gdn_layers(model)[0]
+    funcs = [f for f in getattr(layer, "_kernel_funcs", {}).values() if getattr(type(f), "kernel_layer_name", None) == qn.KERNEL_NAME]
+    if qn.integration_path() == "adapter":  # the reason the mapping cannot apply there
+        assert not funcs
+        return
+    from kernels import Mode, kernelize, use_kernel_mapping
+
+    with use_kernel_mapping(qn.kernel_mapping()):
+        kernelize(model, mode=Mode.TRAINING, device="cpu")
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert ref_spy.calls == 1 and torch.isfinite(layer.A_log.grad).all()
+    kernelize(model, mode=Mode.TRAINING, device="cpu")  # outside the mapping: transformers' function again
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    assert ref_spy.calls == 1
 
 
 def test_keep_float64():
