@@ -32,7 +32,8 @@ found by inspecting the installed code, not from version numbers):
   `kernels` function layer named "chunk_gated_delta_rule", and `use_kernelized_func` attaches that
   layer to each Qwen3NextGatedDeltaNet. `enable` puts a kernel mapping in force
   (`kernels.use_kernel_mapping`) from "chunk_gated_delta_rule", for the model's device (a CUDA
-  device by its exact compute capability) and for Mode.TRAINING and Mode.INFERENCE alike, to a
+  device by its exact compute capability) and for Mode.TRAINING and Mode.INFERENCE alike (not
+  Mode.TORCH_COMPILE: a model kernelized for torch.compile keeps transformers' function), to a
   local repository whose stateless layer calls our op (`kernel_mapping` builds the same mapping
   for `kernels.register_kernel_mapping`), then runs `kernels.kernelize` on the GDN layers' chunk
   functions only: the convolution, the gated norm and the single-token decoding step keep whatever
