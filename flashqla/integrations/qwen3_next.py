@@ -1,23 +1,63 @@
-"""transformers' Qwen3-Next gated-delta-net layer with a chosen chunked gated delta rule.
+"""transformers' Qwen3-Next gated-delta-net layer running flashqla's chunked gated delta rule.
 
-A "real client" of `chunk_gated_delta_rule`: the linear-attention layer of Qwen3-Next
+The linear-attention layer of Qwen3-Next
 (`transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet`) calls a chunked
-gated-delta-rule function during prefill and training. This module
+gated-delta-rule function during prefill and training. `enable` makes every such layer of a model
+call ours instead:
 
-- builds a small random Qwen3-Next causal LM whose one decoder layer is a linear-attention layer
-  (`tiny_qwen3_next_config`, `build_model`, `make_input_ids`),
-- swaps the function that the layer calls for another implementation, adapted to the layer's call
-  (`swap_chunk_gated_delta_rule`, `adapt_fla_op`, `torch_chunk_path`),
-- runs forward and backward of the model's language-modelling loss and returns the loss and the
-  gradient of every parameter (`loss_and_grads`),
-- runs the whole model, the layer's own torch path included, in fp64 (`keep_float64`).
+    from flashqla.integrations import qwen3_next
 
-How the layer calls the function (read from transformers 4.57 to 5.24):
+    att = qwen3_next.enable(model)        # until att.close()
+    with qwen3_next.enable(model):        # or for a block
+        ...
+
+The op (`backend`, the one way to choose it):
+
+- "auto" (default): by the device of the layer's tensors at each call: on a CUDA GPU of compute
+  capability 9.x `flashqla.chunk_gated_delta_rule` (q, k, v in bf16 or fp16: a bf16/fp16 model, or
+  pass `qkv_dtype`), on CPU `reference.chunk_gated_delta_rule` (any float dtype, fp64 included);
+  any other device is an error.
+- "flashqla": `flashqla.chunk_gated_delta_rule` only (a Hopper GPU).
+- "reference": `reference.chunk_gated_delta_rule` on any device.
+
+How it attaches depends on what the installed transformers exposes (`integration_path()` says which,
+found by inspecting the installed code, not from version numbers):
+
+- "kernels", transformers' own mechanism for replacing this function: transformers >= 5.15 with the
+  `kernels` package installed in the version range that transformers accepts (5.25 requires
+  kernels >= 0.19.1, < 0.20; 5.15 to 5.24 take it from their optional `kernels` extra, for example
+  0.16.x for 5.15 and 0.18.x for 5.24, and only while USE_HUB_KERNELS does not switch it off).
+  There the module global `torch_chunk_gated_delta_rule` is decorated with
+  `use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fla")`, which turns it into a
+  `kernels` function layer named "chunk_gated_delta_rule", and `use_kernelized_func` attaches that
+  layer to each Qwen3NextGatedDeltaNet. `enable` puts a kernel mapping in force
+  (`kernels.use_kernel_mapping`) from "chunk_gated_delta_rule", for the model's device (a CUDA
+  device by its exact compute capability) and for Mode.TRAINING and Mode.INFERENCE alike (not
+  Mode.TORCH_COMPILE: a model kernelized for torch.compile keeps transformers' function), to a
+  local repository whose stateless layer calls our op (`kernel_mapping` builds the same mapping
+  for `kernels.register_kernel_mapping`), then runs `kernels.kernelize` on the GDN layers' chunk
+  functions only: the convolution, the gated norm and the single-token decoding step keep whatever
+  they had. The mapping stays in force until `close()`, so transformers' own re-kernelization
+  (`model.train()` / `model.eval()` of a model kernelized by transformers, as `from_pretrained`
+  does by default from 5.25 on, earlier with `use_kernels=True`) keeps our op. With kernels < 0.18
+  (for example transformers 5.15 with kernels 0.16, 5.20 with 0.17) one function layer is shared by
+  every model of the process, so the replacement is process-wide; from kernels 0.18 on each layer
+  has its own.
+- "adapter", for the versions without that mechanism: transformers 4.57 to 5.14 (the instance
+  attribute `layer.chunk_gated_delta_rule`, FLA's op when `fla` is importable, else the torch
+  path, is replaced on each layer), and 5.15 to 5.24 without a matching `kernels` (the module
+  global `torch_chunk_gated_delta_rule`, then a plain wrapper that hands over to FLA's op when
+  `fla` is importable, is replaced: process-wide while attached).
+
+Either way `close()` puts back exactly what was there before `enable`; attachments close in the
+reverse order of opening.
+
+How the layer calls the function (read from transformers 4.57 to 5.25):
 
 - positionally `query, key, value`, then keywords `g=`, `beta=`, `initial_state=`,
   `output_final_state=`, `use_qk_l2norm_in_kernel=True`, and from 5.10 on `cu_seqlens=` (the
   packed-sequence offsets `cu_seq_lens_q`, None for ordinary batches), plus whatever keyword
-  arguments the decoder layer forwards (for example `use_cache`), which an implementation ignores.
+  arguments the decoder layer forwards (for example `use_cache`), which are ignored.
 - query, key `[B, T, Hq, K]` and value `[B, T, HV, V]` in the model's dtype, straight from the
   causal convolution: NOT L2-normalised, the layer asks the function to do it
   (`use_qk_l2norm_in_kernel=True`). Hq == HV up to 5.22 (the layer repeats each q/k head
@@ -25,25 +65,30 @@ How the layer calls the function (read from transformers 4.57 to 5.24):
   heads and the function does that repeat (value head hv reads q/k head hv // (HV // H), FLA's and
   flashqla's convention).
 - g `[B, T, HV]` natural-log decay `-exp(A_log) * softplus(a + dt_bias)`, fp32 for a bf16/fp16/fp32
-  model (fp64 in an fp64 model); beta `[B, T, HV]` = sigmoid(b) in the model's dtype.
-- scale is not passed: K ** -0.5, the default of FLA's op, flashqla's op and the torch path.
-- initial_state is None and output_final_state False when the model runs without a cache.
+  model (fp64 in an fp64 model, whose dt_bias promotes it); beta `[B, T, HV]` = sigmoid(b) in the
+  model's dtype.
+- scale is not passed: K ** -0.5, the default of FLA's op, of ours and of the torch path (a `scale=`
+  keyword, should a version pass one, is handed on to the op).
+- initial_state: 4.57 always passes None; 5.14 and later pass the cache's recurrent state when the
+  cache holds one (a prefill that continues a cached sequence), else None. output_final_state is
+  True exactly when the model runs with a cache.
 - returns `(o [B, T, HV, V] in query's dtype, final_state [B, HV, K, V] fp32 or None)`.
 
-Where the function lives (found by `swap_chunk_gated_delta_rule`): up to 5.14, the instance
-attribute `layer.chunk_gated_delta_rule` (FLA's op when `fla` is importable, else the torch path);
-from 5.15 on, the module global `torch_chunk_gated_delta_rule` that `forward` looks up at call time
-(a wrapper that hands over to FLA's op when `fla` is importable). `torch_chunk_path` returns the
-layer's own pure-PyTorch function in either case. Only this function is swapped: the causal
-convolution, the gated norm (FLA's fused one up to 5.14 when `fla` is importable) and the
-single-token decoding step stay whatever the installed transformers picks.
+Importing this module imports neither transformers nor kernels; a function that needs transformers
+raises `Qwen3NextUnavailable` (an ImportError) when it cannot be imported, and `IntegrationError`
+(a RuntimeError) when transformers is there but the op cannot be attached.
 
-Importing this module does not import transformers; every function that needs it raises
-`Qwen3NextUnavailable` (an ImportError) with the reason when it cannot be imported.
+The rest of the module serves the tests: a small random Qwen3-Next causal LM
+(`tiny_qwen3_next_config`, `build_model`, `make_input_ids`), the layer's own pure-PyTorch function
+(`torch_chunk_path`), any function with the layer's call swapped in for a block
+(`swap_chunk_gated_delta_rule`, through the same two mechanisms), the loss and every parameter
+gradient (`loss_and_grads`), greedy decoding from the prefill's cached state (`prefill_and_decode`)
+and an fp64 run of the whole model (`keep_float64`).
 
-Source: transformers `models/qwen3_next/modeling_qwen3_next.py` (`Qwen3NextGatedDeltaNet.forward`,
-`torch_chunk_gated_delta_rule`) and `configuration_qwen3_next.py`, versions 4.57.0 to 5.24.0
-(the tests ran with 4.57.6, 5.0.0, 5.14.0, 5.21.0 and 5.24.0).
+Source: transformers `models/qwen3_next/modeling_qwen3_next.py`, `integrations/hub_kernels.py` and
+`utils/kernel_config.py`, kernels `layer/` (`kernelize`, `use_kernel_mapping`, `use_kernelized_func`).
+The tests ran with transformers 4.57.6, 5.14.0, 5.15.0 (kernels 0.16.2), 5.20.0 (kernels 0.17.2),
+5.24.0 (with kernels 0.18.3 and without a matching kernels) and 5.25.0 (kernels 0.19.1).
 """
 
 from __future__ import annotations
@@ -52,6 +97,7 @@ import contextlib
 import copy
 import inspect
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -60,7 +106,15 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = [
     "Qwen3NextUnavailable",
+    "IntegrationError",
+    "BACKENDS",
+    "KERNEL_NAME",
     "qwen3_next_modeling",
+    "integration_path",
+    "select_op",
+    "enable",
+    "Attachment",
+    "kernel_mapping",
     "tiny_qwen3_next_config",
     "build_model",
     "cast_model",
@@ -74,25 +128,34 @@ __all__ = [
     "gdn_layers",
 ]
 
-#: Name of the layer's chunked gated delta rule: instance attribute (transformers <= 5.14) and
-#: module-level pure-torch function (all versions).
+#: The name under which transformers (>= 5.15) exposes the function to `kernels`' mappings.
+KERNEL_NAME = "chunk_gated_delta_rule"
+#: The choices of `enable`'s `backend` (see the module docstring).
+BACKENDS = ("auto", "flashqla", "reference")
+#: Instance attribute (transformers <= 5.14) and module-level function (all versions).
 _ATTR = "chunk_gated_delta_rule"
 _TORCH_FN = "torch_chunk_gated_delta_rule"
 _LAYER_CLASS = "Qwen3NextGatedDeltaNet"
-#: The pure-torch function per modeling module, taken at first import (a swap may replace the global).
-_TORCH_PATH: dict[str, Callable] = {}
+#: The pure-torch function per modeling module, found at first import (before any swap).
+_TORCH_PATH: dict[str, Callable | str] = {}
 
 
 class Qwen3NextUnavailable(ImportError):
-    """transformers, or its Qwen3-Next model code in a form this module understands, is not there."""
+    """transformers, or its Qwen3-Next model code (transformers >= 4.57), cannot be imported."""
+
+
+class IntegrationError(RuntimeError):
+    """transformers is installed but flashqla's op cannot be attached to its Qwen3-Next layer."""
 
 
 def qwen3_next_modeling():
     """Import and return `transformers.models.qwen3_next.modeling_qwen3_next`.
 
     Raises:
-        Qwen3NextUnavailable: transformers is not installed, has no Qwen3-Next model (it appeared in
-            4.57), or its layer has no chunked gated delta rule this module can find.
+        Qwen3NextUnavailable: transformers is not installed, or has no Qwen3-Next model (it appeared
+            in 4.57).
+        IntegrationError: the model code lacks a name this module relies on
+            (`Qwen3NextGatedDeltaNet`, `torch_chunk_gated_delta_rule`, `Qwen3NextForCausalLM`).
     """
     try:
         import transformers
@@ -107,16 +170,42 @@ def qwen3_next_modeling():
         ) from e
     for name in (_LAYER_CLASS, _TORCH_FN, "Qwen3NextForCausalLM"):
         if not hasattr(m, name):
-            raise Qwen3NextUnavailable(f"transformers {transformers.__version__}: modeling_qwen3_next has no {name}")
+            raise IntegrationError(f"transformers {transformers.__version__}: modeling_qwen3_next has no {name}")
     if m.__name__ not in _TORCH_PATH:  # first use, before any swap touches the module global
-        fn = inspect.unwrap(getattr(m, _TORCH_FN))
-        code = getattr(fn, "__code__", None)
-        if getattr(fn, "__name__", None) != _TORCH_FN or code is None or code.co_filename != m.__file__:
-            raise Qwen3NextUnavailable(
-                f"transformers {transformers.__version__}: cannot find the pure-torch {_TORCH_FN} under its wrappers (found {fn!r})"
-            )
-        _TORCH_PATH[m.__name__] = fn
+        _TORCH_PATH[m.__name__] = _find_torch_path(m, transformers.__version__)
     return m
+
+
+def _is_kernels_function(fn) -> bool:
+    """True when `fn` is a `kernels` function layer registered under KERNEL_NAME."""
+    return isinstance(fn, torch.nn.Module) and getattr(type(fn), "kernel_layer_name", None) == KERNEL_NAME
+
+
+def _find_torch_path(m, version: str) -> Callable | str:
+    """The pure-torch function under the module global's wrappers, or a message saying why not."""
+    fn = getattr(m, _TORCH_FN)
+    if _is_kernels_function(fn):
+        # a `kernels` function layer keeps the function it was made from in its forward's closure
+        fn = inspect.getclosurevars(type(fn).forward).nonlocals.get("func", fn)
+    fn = inspect.unwrap(fn)
+    code = getattr(fn, "__code__", None)
+    if getattr(fn, "__name__", None) != _TORCH_FN or code is None or code.co_filename != m.__file__:
+        return f"transformers {version}: cannot find the pure-torch {_TORCH_FN} under its wrappers (found {fn!r})"
+    return fn
+
+
+def integration_path() -> str:
+    """How `enable` attaches with the installed transformers: "kernels" or "adapter".
+
+    "kernels" when `modeling_qwen3_next.torch_chunk_gated_delta_rule` is a `kernels` function layer
+    named "chunk_gated_delta_rule" (transformers >= 5.15 with a `kernels` it accepts), "adapter"
+    otherwise; the module docstring says what each does.
+
+    Raises:
+        Qwen3NextUnavailable: transformers or its Qwen3-Next model code cannot be imported.
+    """
+    m = qwen3_next_modeling()
+    return "kernels" if _is_kernels_function(getattr(m, _TORCH_FN)) else "adapter"
 
 
 def tiny_qwen3_next_config(
@@ -254,6 +343,73 @@ def gdn_layers(model) -> list:
     return [mod for mod in model.modules() if isinstance(mod, m.Qwen3NextGatedDeltaNet)]
 
 
+# ---------------------------------------------------------------------------------------------
+# The op and the layer's call convention
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_backend(backend) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def _check_qkv_dtype(qkv_dtype) -> torch.dtype | None:
+    if qkv_dtype is not None and not (isinstance(qkv_dtype, torch.dtype) and qkv_dtype.is_floating_point):
+        raise TypeError(f"qkv_dtype must be None or a floating torch.dtype, got {qkv_dtype!r}")
+    return qkv_dtype
+
+
+def select_op(backend: str, device: torch.device | str) -> Callable:
+    """The op with FLA's signature that `backend` runs for tensors on `device`.
+
+    "auto": `flashqla.chunk_gated_delta_rule` on a CUDA device of compute capability 9.x,
+    `reference.chunk_gated_delta_rule` on CPU; "flashqla" and "reference" as named. The op is
+    looked up in its module at each call (so a patched module attribute is honoured).
+
+    Raises:
+        ValueError: `backend` is not one of BACKENDS, or it cannot run on `device` ("auto" on a
+            device that is neither CPU nor a 9.x CUDA GPU, "flashqla" off such a GPU).
+    """
+    _check_backend(backend)
+    device = torch.device(device)
+    if backend == "reference" or (backend == "auto" and device.type == "cpu"):
+        import reference
+
+        return reference.chunk_gated_delta_rule
+    on_hopper = device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] == 9
+    if not on_hopper:
+        raise ValueError(
+            f"backend={backend!r}: flashqla's kernels need a CUDA GPU of compute capability 9.x (Hopper) and the "
+            f"layer's tensors are on {device}; backend='reference' (reference.chunk_gated_delta_rule) runs on any device"
+        )
+    import flashqla
+
+    return flashqla.chunk_gated_delta_rule
+
+
+def _call_op(op, qkv_dtype, query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, kwargs):
+    """Call `op` (FLA's signature) with the layer's arguments; see `adapt_fla_op`."""
+    out_dtype = query.dtype
+    if qkv_dtype is not None:
+        query, key, value = (x.to(qkv_dtype) for x in (query, key, value))
+    o, final_state = op(
+        query,
+        key,
+        value,
+        g,
+        beta,
+        scale=kwargs.get("scale"),
+        initial_state=initial_state,
+        output_final_state=bool(output_final_state),
+        cu_seqlens=kwargs.get("cu_seqlens"),
+        use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
+    )
+    if qkv_dtype is not None:
+        o = o.to(out_dtype)
+    return o, final_state
+
+
 def adapt_fla_op(op: Callable, *, qkv_dtype: torch.dtype | None = None) -> Callable:
     """Wrap an op with FLA's signature so that the Qwen3-Next layer can call it.
 
@@ -261,17 +417,18 @@ def adapt_fla_op(op: Callable, *, qkv_dtype: torch.dtype | None = None) -> Calla
     use_qk_l2norm_in_kernel=False)` is `flashqla.chunk_gated_delta_rule` or
     `reference.chunk_gated_delta_rule`. The returned function takes the torch path's arguments
     (`query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-    use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs`) and passes them on unchanged: layout,
-    dtypes and the L2-norm flag already follow FLA's convention (the module docstring says how the
-    layer calls). scale stays at its default K ** -0.5, as in the torch path; `chunk_size` is
-    ignored (the result does not depend on it; FLA's op fixes it too), and so is any other keyword
-    the layer forwards. Returns `op`'s `(o, final_state)`.
+    use_qk_l2norm_in_kernel=False, **kwargs`) and passes them on unchanged: layout, dtypes and the
+    L2-norm flag already follow FLA's convention (the module docstring says how the layer calls).
+    Of the keywords only `cu_seqlens` and `scale` reach the op (scale None: K ** -0.5, as in the
+    torch path); `chunk_size` is ignored (the result does not depend on it; FLA's op fixes it too),
+    and so is any other keyword the layer forwards. Returns `op`'s `(o, final_state)`.
 
     Args:
         qkv_dtype: when given, q, k, v are cast to it before the call and o back to the query's
             dtype after it (for example bf16 for flashqla's op inside an fp32 model); g, beta and
             the states are left as they are. None (default): no cast at all.
     """
+    qkv_dtype = _check_qkv_dtype(qkv_dtype)
 
     def chunk_gated_delta_rule(
         query,
@@ -283,42 +440,269 @@ def adapt_fla_op(op: Callable, *, qkv_dtype: torch.dtype | None = None) -> Calla
         initial_state=None,
         output_final_state: bool = False,
         use_qk_l2norm_in_kernel: bool = False,
-        cu_seqlens=None,
-        **unused: Any,
+        **kwargs: Any,
     ):
-        out_dtype = query.dtype
-        if qkv_dtype is not None:
-            query, key, value = (x.to(qkv_dtype) for x in (query, key, value))
-        o, final_state = op(
-            query,
-            key,
-            value,
-            g,
-            beta,
-            initial_state=initial_state,
-            output_final_state=bool(output_final_state),
-            cu_seqlens=cu_seqlens,
-            use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
-        )
-        if qkv_dtype is not None:
-            o = o.to(out_dtype)
-        return o, final_state
+        return _call_op(op, qkv_dtype, query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, kwargs)
 
     chunk_gated_delta_rule.wrapped_op = op
     return chunk_gated_delta_rule
 
 
+class _BackendCall:
+    """The layer's call convention, running `select_op(backend, query.device)` at each call."""
+
+    def __init__(self, backend: str, qkv_dtype: torch.dtype | None):
+        self.backend, self.qkv_dtype = _check_backend(backend), _check_qkv_dtype(qkv_dtype)
+
+    def __call__(
+        self,
+        query,
+        key,
+        value,
+        g,
+        beta,
+        chunk_size: int = 64,
+        initial_state=None,
+        output_final_state: bool = False,
+        use_qk_l2norm_in_kernel: bool = False,
+        **kwargs: Any,
+    ):
+        op = select_op(self.backend, query.device)
+        return _call_op(op, self.qkv_dtype, query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, kwargs)
+
+    def __eq__(self, other):
+        return isinstance(other, _BackendCall) and (self.backend, self.qkv_dtype) == (other.backend, other.qkv_dtype)
+
+    def __hash__(self):
+        return hash((_BackendCall, self.backend, self.qkv_dtype))
+
+    def __repr__(self):
+        return f"flashqla backend {self.backend!r}" + ("" if self.qkv_dtype is None else f" (q, k, v in {self.qkv_dtype})")
+
+
 def torch_chunk_path() -> Callable:
     """The layer's own pure-PyTorch chunked gated delta rule (`torch_chunk_gated_delta_rule`).
 
-    In transformers >= 5.15 the module attribute is a wrapper that hands over to FLA when `fla` is
-    importable; this returns the function underneath (followed through `__wrapped__`), so the
-    comparison is always against the torch path, whatever else is installed. Note that it computes
-    in fp32 whatever the model dtype (it casts q, k, v, g, beta to fp32), unless run under
-    `keep_float64`.
+    From transformers 5.15 on the module attribute is a wrapper that hands over to FLA when `fla` is
+    importable (and, with `kernels`, a `kernels` function layer around that wrapper); this returns
+    the function underneath, so that a comparison is always against the torch path, whatever else
+    is installed. Note that it computes in fp32 whatever the model dtype (it casts q, k, v, g, beta
+    to fp32), unless run under `keep_float64`.
+
+    Raises:
+        Qwen3NextUnavailable: transformers or its Qwen3-Next model code cannot be imported.
+        IntegrationError: the function cannot be found under its wrappers.
     """
     m = qwen3_next_modeling()
-    return _TORCH_PATH[m.__name__]
+    fn = _TORCH_PATH[m.__name__]
+    if isinstance(fn, str):
+        raise IntegrationError(fn)
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------
+# Attaching: transformers' kernel mapping ("kernels") or the older call sites ("adapter")
+# ---------------------------------------------------------------------------------------------
+
+
+def _layer_class(impl: Callable) -> type:
+    """A stateless `torch.nn.Module` class whose forward has the torch path's signature and calls `impl`.
+
+    `kernels.kernelize` accepts a replacement only if it has no constructor, no members beyond
+    `forward`, `has_backward` and `can_torch_compile`, and a forward whose parameters match the
+    replaced function's in number and kind; it then binds this forward to the function layer, so
+    `self` is not an instance of this class and `impl` lives in the closure.
+    """
+
+    class FlashQLAChunkGatedDeltaRule(torch.nn.Module):
+        has_backward = True
+        can_torch_compile = False
+
+        def forward(
+            self,
+            query,
+            key,
+            value,
+            g,
+            beta,
+            chunk_size=64,
+            initial_state=None,
+            output_final_state=False,
+            use_qk_l2norm_in_kernel=False,
+            **kwargs,
+        ):
+            return impl(
+                query,
+                key,
+                value,
+                g=g,
+                beta=beta,
+                chunk_size=chunk_size,
+                initial_state=initial_state,
+                output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                **kwargs,
+            )
+
+    FlashQLAChunkGatedDeltaRule.forward.flashqla_impl = impl
+    return FlashQLAChunkGatedDeltaRule
+
+
+class _LocalRepository:
+    """A `kernels` repository (its protocol: `load()` returns the layer class) for a local function.
+
+    Equal (and hashing alike) for equal functions, so that `kernels`' cache of loaded layers serves
+    one class per function; deep copies (`kernels.use_kernel_mapping` copies the mapping in force)
+    return the same object, so the function stays the one given.
+    """
+
+    def __init__(self, impl: Callable):
+        self.impl = impl
+        self._layer = _layer_class(impl)
+
+    def load(self) -> type:
+        return self._layer
+
+    def __eq__(self, other):
+        return isinstance(other, _LocalRepository) and self.impl == other.impl
+
+    def __hash__(self):
+        return hash((_LocalRepository, self.impl))
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __str__(self):
+        return f"local function {self.impl!r}"
+
+
+def _modes():
+    from kernels import Mode
+
+    return (Mode.TRAINING, Mode.INFERENCE)
+
+
+def kernel_mapping(backend: str = "auto", *, qkv_dtype: torch.dtype | None = None) -> dict:
+    """A `kernels` mapping from "chunk_gated_delta_rule" to `backend`'s op, for every device it runs on.
+
+    For `kernels.register_kernel_mapping` (process-wide) or `kernels.use_kernel_mapping` (a block),
+    followed by `kernels.kernelize(model, mode=..., device=...)` or transformers'
+    `model.set_use_kernels(True)`: the "kernels" path of the module docstring done by hand
+    (`enable` does it for one model and checks the result). Entries, each for Mode.TRAINING and
+    Mode.INFERENCE: "auto": CUDA of compute capability 9.x -> flashqla, CPU -> reference;
+    "flashqla": CUDA 9.x only; "reference": CPU and CUDA (any capability). The 9.x entries are
+    narrower than transformers' own CUDA entry (every capability), so `kernels` picks them on a
+    Hopper GPU whichever was registered last; "reference"'s CUDA entry covers every capability like
+    transformers' own, and the one registered last wins.
+
+    Raises:
+        ValueError: unknown backend. TypeError: qkv_dtype not None or a floating dtype.
+        ImportError: `kernels` is not installed.
+    """
+    from kernels import CUDAProperties, Device
+
+    impl = _BackendCall(backend, qkv_dtype)
+    repo = _LocalRepository(impl)
+    per_mode = dict.fromkeys(_modes(), repo)
+    hopper = Device(type="cuda", properties=CUDAProperties(min_capability=90, max_capability=99))
+    devices = {
+        "auto": [hopper, Device(type="cpu")],
+        "flashqla": [hopper],
+        "reference": [Device(type="cpu"), Device(type="cuda")],
+    }[backend]
+    return {KERNEL_NAME: {d: dict(per_mode) for d in devices}}
+
+
+def _layers_device(layers) -> torch.device:
+    devices = {p.device for layer in layers for p in layer.parameters()}
+    if len(devices) != 1:
+        raise ValueError(f"model: its {_LAYER_CLASS} layers must hold parameters on one device, found {sorted(map(str, devices))}")
+    return devices.pop()
+
+
+def _kernels_device(device: torch.device):
+    """The `kernels` device key for exactly `device` (a CUDA device: its compute capability)."""
+    from kernels import CUDAProperties, Device
+
+    if device.type == "cuda" and torch.version.hip is None:
+        major, minor = torch.cuda.get_device_capability(device)
+        cap = 10 * major + minor
+        return Device(type="cuda", properties=CUDAProperties(min_capability=cap, max_capability=cap))
+    return Device(type=device.type)
+
+
+def _check_mode(model, mode):
+    from kernels import Mode
+
+    if mode is None:
+        return Mode.TRAINING if model.training else Mode.INFERENCE
+    if not isinstance(mode, Mode):
+        raise TypeError(f"mode must be None or a kernels.Mode, got {mode!r}")
+    if (Mode.TRAINING not in mode and Mode.INFERENCE not in mode) or Mode.TORCH_COMPILE in mode:
+        raise ValueError(f"mode must be Mode.TRAINING or Mode.INFERENCE (flashqla's op is not mapped for torch.compile), got {mode}")
+    return mode
+
+
+def _chunk_functions(layers) -> list:
+    """The `kernels` function layers named KERNEL_NAME that `layers` call (deduplicated)."""
+    funcs: dict[int, Any] = {}
+    for layer in layers:
+        found = [f for f in getattr(layer, "_kernel_funcs", {}).values() if _is_kernels_function(f)]
+        if not found:
+            raise IntegrationError(
+                f"{type(layer).__name__} carries no kernels function layer named {KERNEL_NAME!r} "
+                "(transformers' use_kernelized_func did not attach it); this version's layout is not supported"
+            )
+        funcs.update((id(f), f) for f in found)
+    return list(funcs.values())
+
+
+def _saved_forward(f) -> dict:
+    return {k: f.__dict__[k] for k in ("forward", "_kernel_repo") if k in f.__dict__}
+
+
+def _restore_forward(f, saved: dict) -> None:
+    for k in ("forward", "_kernel_repo"):
+        if k in saved:
+            f.__dict__[k] = saved[k]
+        else:
+            f.__dict__.pop(k, None)
+
+
+def _attach_kernels(model, layers, impl: Callable, mode) -> Callable[[], None]:
+    from kernels import kernelize, use_kernel_mapping
+
+    mode = _check_mode(model, mode)
+    device = _layers_device(layers)
+    funcs = _chunk_functions(layers)
+    repo = _LocalRepository(impl)
+    mapping = {KERNEL_NAME: {_kernels_device(device): dict.fromkeys(_modes(), repo)}}
+    saved = [(f, _saved_forward(f)) for f in funcs]
+    scope = use_kernel_mapping(mapping)  # inherits the mapping in force; ours wins for this name and device
+    scope.__enter__()
+
+    def undo():
+        scope.__exit__(None, None, None)
+        for f, s in saved:
+            _restore_forward(f, s)
+
+    try:
+        holder = torch.nn.Module()  # kernelize these function layers, nothing else of the model
+        holder.__dict__["_kernel_funcs"] = {str(i): f for i, f in enumerate(funcs)}
+        try:
+            kernelize(holder, mode=mode, device=device, use_fallback=False)
+        except (ValueError, TypeError) as e:
+            raise IntegrationError(f"kernels.kernelize did not map {KERNEL_NAME!r} to {impl!r} on {device}: {e}") from e
+        missing = [f for f in funcs if getattr(getattr(f.forward, "__func__", None), "flashqla_impl", None) != impl]
+        if missing:
+            hint = " (DISABLE_KERNEL_MAPPING is set)" if os.environ.get("DISABLE_KERNEL_MAPPING", "0") not in ("", "0") else ""
+            raise IntegrationError(
+                f"kernels.kernelize left {len(missing)} of {len(funcs)} {KERNEL_NAME!r} function layers without {impl!r}{hint}"
+            )
+    except BaseException:
+        undo()
+        raise
+    return undo
 
 
 def _call_site(layer) -> tuple[str, Any]:
@@ -330,31 +714,20 @@ def _call_site(layer) -> tuple[str, Any]:
         return "global", fwd.__globals__
     import transformers
 
-    raise Qwen3NextUnavailable(
+    raise IntegrationError(
         f"transformers {transformers.__version__}: {type(layer).__name__}.forward calls neither "
         f"self.{_ATTR} nor {_TORCH_FN}; this version's call convention is not supported"
     )
 
 
-@contextlib.contextmanager
-def swap_chunk_gated_delta_rule(model, impl: Callable) -> Iterator[None]:
-    """Within the block, every Qwen3-Next GDN layer of `model` calls `impl` for its chunked prefill.
-
-    `impl` takes the layer's call (see the module docstring): use `torch_chunk_path()`, or
-    `adapt_fla_op(op)` for an op with FLA's signature. Up to transformers 5.14 the layers' instance
-    attribute is replaced; from 5.15 the module global the layers' forward looks up (so the swap
-    reaches every Qwen3-Next layer of the process while the block runs: not thread-safe). Restored
-    on exit. The single-token decoding path (a cache and one token) is not swapped.
-
-    Raises:
-        Qwen3NextUnavailable: the layer's call convention is not recognised.
-        ValueError: `model` has no Qwen3-Next GDN layer.
-    """
-    layers = gdn_layers(model)
-    if not layers:
-        raise ValueError("the model has no Qwen3NextGatedDeltaNet layer")
+def _attach_adapter(layers, impl: Callable) -> Callable[[], None]:
     undo: list[Callable[[], None]] = []
     patched_globals: set[int] = set()
+
+    def undo_all():
+        for u in reversed(undo):
+            u()
+
     try:
         for layer in layers:
             kind, where = _call_site(layer)
@@ -367,10 +740,127 @@ def swap_chunk_gated_delta_rule(model, impl: Callable) -> Iterator[None]:
                 old = where[_TORCH_FN]
                 where[_TORCH_FN] = impl
                 undo.append(lambda w=where, o=old: w.__setitem__(_TORCH_FN, o))
-        yield
-    finally:
-        for u in reversed(undo):
-            u()
+    except BaseException:
+        undo_all()
+        raise
+    return undo_all
+
+
+#: Attachments not yet closed, oldest first (they must close in reverse order).
+_OPEN: list[Attachment] = []
+
+
+class Attachment:
+    """What `enable` (or `swap_chunk_gated_delta_rule`) attached; `close()` puts back what was there.
+
+    Attributes:
+        path: "kernels" or "adapter" (module docstring).
+        impl: the function the layers now call (the layer's call convention).
+        layers: the Qwen3NextGatedDeltaNet modules it reaches.
+
+    A context manager: leaving the `with` block closes it. Closing twice is a no-op.
+    """
+
+    def __init__(self, path: str, impl: Callable, layers: list, undo: Callable[[], None]):
+        self.path, self.impl, self.layers, self._undo = path, impl, layers, undo
+        _OPEN.append(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._undo is None
+
+    def close(self) -> None:
+        """Restore the layers' previous function.
+
+        Raises:
+            RuntimeError: a later attachment is still open (close in reverse order of opening).
+        """
+        if self._undo is None:
+            return
+        if _OPEN[-1] is not self:
+            raise RuntimeError("close attachments in the reverse order of opening: a later one is still open")
+        undo, self._undo = self._undo, None
+        _OPEN.pop()
+        undo()
+
+    def __enter__(self) -> Attachment:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self):
+        state = "closed" if self.closed else "open"
+        return f"<Attachment {self.path} {self.impl!r} on {len(self.layers)} layer(s), {state}>"
+
+
+def _attach(model, impl: Callable, mode) -> Attachment:
+    if not callable(impl):
+        raise TypeError(f"impl must be callable, got {impl!r}")
+    layers = gdn_layers(model)
+    if not layers:
+        raise ValueError(f"model: no {_LAYER_CLASS} layer in {type(model).__name__}")
+    path = integration_path()
+    if path == "kernels":
+        undo = _attach_kernels(model, layers, impl, mode)
+    else:  # no kernel mapping on this path, so no mode either
+        undo = _attach_adapter(layers, impl)
+    return Attachment(path, impl, layers, undo)
+
+
+def enable(model, backend: str = "auto", *, mode=None, qkv_dtype: torch.dtype | None = None) -> Attachment:
+    """Make every Qwen3-Next GDN layer of `model` run flashqla's chunked gated delta rule.
+
+    Attaches through transformers' kernel mapping where the installed transformers has one, else
+    through the older call sites (module docstring: which versions take which path). The op is
+    chosen per call by `select_op(backend, device)`. Prefill and training go through it; the
+    single-token decoding step stays transformers' own.
+
+    Args:
+        model: a module containing `Qwen3NextGatedDeltaNet` layers (for example a
+            `Qwen3NextForCausalLM`), all on one device.
+        backend: "auto" (default), "flashqla" or "reference" (module docstring).
+        mode: a `kernels.Mode`, Mode.TRAINING or Mode.INFERENCE, for `kernels.kernelize`; default
+            from `model.training`. The op is mapped for both modes, so it stays in place when
+            transformers re-kernelizes the model for the other one. Ignored on the "adapter" path.
+        qkv_dtype: cast q, k, v to this dtype for the op and o back (for example torch.bfloat16 to
+            run flashqla's op inside an fp32 model); None (default) casts nothing.
+
+    Returns:
+        An `Attachment`: `close()` (or leaving `with enable(model): ...`) restores the previous
+        function.
+
+    Raises:
+        ValueError: unknown backend; a backend that cannot run on the layers' device; no
+            Qwen3NextGatedDeltaNet in `model`; layers on several devices; a mode with
+            Mode.TORCH_COMPILE.
+        TypeError: qkv_dtype or mode of the wrong type.
+        Qwen3NextUnavailable: transformers or its Qwen3-Next model code cannot be imported.
+        IntegrationError: transformers is there but the op could not be attached.
+    """
+    impl = _BackendCall(backend, qkv_dtype)
+    layers = gdn_layers(model)
+    if layers:
+        select_op(backend, _layers_device(layers))  # fail now, not at the first forward
+    return _attach(model, impl, mode)
+
+
+@contextlib.contextmanager
+def swap_chunk_gated_delta_rule(model, impl: Callable, *, mode=None) -> Iterator[Attachment]:
+    """Within the block, every Qwen3-Next GDN layer of `model` calls `impl` for its chunked prefill.
+
+    `impl` takes the layer's call (module docstring): `torch_chunk_path()`, `adapt_fla_op(op)` for an
+    op with FLA's signature, or any function of that form. Attaches like `enable` (the "kernels" or
+    the "adapter" path); restored on exit, nested blocks unwind in order. The single-token decoding
+    path (a cache and one token) is not swapped. Yields the `Attachment`.
+
+    Raises:
+        ValueError: `model` has no Qwen3-Next GDN layer, or its layers sit on several devices.
+        TypeError: impl not callable.
+        IntegrationError: the function could not be attached.
+    """
+    with _attach(model, impl, mode) as att:
+        yield att
 
 
 class _KeepFloat64(TorchFunctionMode):
@@ -412,7 +902,8 @@ def loss_and_grads(
 
     The loss is transformers' mean next-token cross entropy with `labels=input_ids`, run without a
     cache (no final state). With `impl` the GDN layers call it (`swap_chunk_gated_delta_rule`);
-    without, whatever the installed transformers picks (FLA when importable, else the torch path).
+    without, whatever they call now (what `enable` attached, else transformers' own choice: FLA
+    when importable and the device suits it, else the torch path).
     `float64=True` runs under `keep_float64` (for an fp64 model: fp64 throughout).
 
     Args:
@@ -451,7 +942,8 @@ def prefill_and_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy generation with a cache: the prefill's final state feeds the decoding steps.
 
-    The prompt runs through the chunked gated delta rule (`impl` when given) with
+    The prompt runs through the chunked gated delta rule (`impl` when given, else whatever the
+    layers call now) with
     `output_final_state=True`; its final state `[B, HV, K, V]` goes into transformers' cache and
     each new token runs the layer's single-token recurrent path from it (not swapped). So the
     logits of steps 2, 3, ... check the final state's values and layout. The model needs a

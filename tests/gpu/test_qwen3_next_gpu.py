@@ -3,11 +3,13 @@
 A one-layer Qwen3-Next causal LM (2 key heads, 4 value heads, head dims 128, one value head strongly
 decaying; `flashqla.integrations.qwen3_next`), weights rounded to bf16 once and shared by every
 copy, computes its language-modelling loss and the gradient of every parameter (A_log and dt_bias
-included) with our op swapped into the gated-delta-net layer, as a user would run it: a bf16 model,
-inputs that require grad, the layer's own call (q, k not normalised, `use_qk_l2norm_in_kernel=True`,
-fp32 g, bf16 beta). The yardstick is the same model in fp32 with the layer's own pure-torch path
-(fp32 matmuls kept at full precision), and the error of the layer's own torch path in the bf16 model
-against that yardstick is the scale we must stay within:
+included) with our op attached as a user attaches it, `qwen3_next.enable(model)` (transformers'
+kernel mapping where the installed transformers has one, else the older call sites; the "auto"
+backend runs `flashqla.chunk_gated_delta_rule` on the Hopper GPU): a bf16 model, inputs that require
+grad, the layer's own call (q, k not normalised, `use_qk_l2norm_in_kernel=True`, fp32 g, bf16
+beta). The yardstick is the same model in fp32 with the layer's own pure-torch path swapped in
+through the same mechanism (fp32 matmuls kept at full precision), and the error of the layer's own
+torch path in the bf16 model against that yardstick is the scale we must stay within:
 
 - bf16 model: every error <= max(RATIO x the torch path's own bf16 error, FLOOR) and <= ABS. On CPU
   the bf16 model's torch path is ~1e-2 off the fp32 model per gradient (relative RMS; 0.2e-2 on the
@@ -15,7 +17,7 @@ against that yardstick is the scale we must stay within:
   the GDN core, dominates. So this tier catches convention and wiring faults (wrong head mapping,
   missing L2 norm, transposed state: errors of order 1), not the last percent of the op's accuracy;
   that is `tests/gpu/test_bwd_gpu.py`'s job against fp64.
-- fp32 model with only the op in bf16 (`adapt_fla_op(..., qkv_dtype=torch.bfloat16)`): isolates the
+- fp32 model with only the op in bf16 (`enable(model, qkv_dtype=torch.bfloat16)`): isolates the
   op. Rounding q, k, v, beta and o of the torch path to bf16 costs 2e-3 to 6e-3 per gradient on CPU;
   the kernels also keep intermediates in bf16 (FLA does the same), hence ABS_ISOLATED.
 - prefill then greedy decoding from the cached final state: ours vs the torch path in the bf16 model.
@@ -24,16 +26,18 @@ Budgets are PROVISIONAL (set from the CPU measurements above before any GPU run)
 measured ones after the first run, which prints every number (`-s`).
 
 Run on the GPU machine: `python3 -m pytest -m gpu tests/gpu/test_qwen3_next_gpu.py -x -s`
-(after `source .device/on-device.sh` there). Skips without a Hopper GPU, and without transformers'
-Qwen3-Next model code (transformers >= 4.57). Until the op's backward is wired, the gradient tests
-skip with the op's own message; the forward and decoding tests run already.
+(after `source .device/on-device.sh` there). Skips without a Hopper GPU or without transformers;
+with transformers installed, a failure to attach the op fails the tests.
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
+import flashqla
 from flashqla.integrations import qwen3_next as qn
 from flashqla.testing import rel_rms
 
@@ -42,12 +46,8 @@ pytestmark = pytest.mark.gpu
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 if not HOPPER:
     pytest.skip("needs a CUDA GPU of compute capability 9.0 (Hopper)", allow_module_level=True)
-try:
-    qn.qwen3_next_modeling()
-except qn.Qwen3NextUnavailable as e:
-    pytest.skip(f"Qwen3-Next model code not available: {e}", allow_module_level=True)
-
-import flashqla  # noqa: E402
+if importlib.util.find_spec("transformers") is None:
+    pytest.skip("transformers is not installed (the dev extra installs it)", allow_module_level=True)
 
 DEV = "cuda"
 B, T = 2, 1000  # 15 full chunks and a tail of 40 tokens
@@ -60,20 +60,30 @@ HEAD_REL = 0.15  # per head, A_log and dt_bias (the bf16 torch path: <= 3% on CP
 ABS_ISOLATED = 3e-2  # fp32 model, only the op in bf16
 DECODE_REL = 3e-2  # decoding logits, ours vs the torch path, both in the bf16 model
 
-OURS = qn.adapt_fla_op(flashqla.chunk_gated_delta_rule)
-OURS_ISOLATED = qn.adapt_fla_op(flashqla.chunk_gated_delta_rule, qkv_dtype=torch.bfloat16)
-
 
 class Spy:
-    """Counts the calls of a chunked gated delta rule and keeps the dtypes it was given."""
+    """Counts the calls of `flashqla.chunk_gated_delta_rule` and keeps the dtypes of q, k, v, g, beta."""
 
     def __init__(self, fn):
         self.fn, self.calls, self.dtypes = fn, 0, None
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
-        self.dtypes = [a.dtype for a in args[:3]] + [kwargs["g"].dtype, kwargs["beta"].dtype]
+        self.dtypes = [a.dtype for a in args[:5]]
         return self.fn(*args, **kwargs)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """The op that `enable`'s "auto" backend runs on the GPU, counted (it is looked up at each call)."""
+    s = Spy(flashqla.chunk_gated_delta_rule)
+    monkeypatch.setattr(flashqla, "chunk_gated_delta_rule", s)
+    return s
+
+
+def _torch_path(model):
+    """The layer's own pure-torch function, swapped in through the same mechanism as `enable`."""
+    return qn.swap_chunk_gated_delta_rule(model, qn.torch_chunk_path())
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -97,19 +107,10 @@ def models():
     return bf16, fp32, ids
 
 
-def _logits_and_loss(model, ids, impl):
-    with qn.swap_chunk_gated_delta_rule(model, impl), torch.no_grad():
+def _logits_and_loss(model, ids):
+    with torch.no_grad():
         out = model(input_ids=ids, labels=ids, use_cache=False)
     return out.logits, out.loss
-
-
-def _loss_and_grads_or_skip(model, ids, impl):
-    try:
-        return qn.loss_and_grads(model, ids, impl)
-    except NotImplementedError as e:
-        if "backward is not available" in str(e):
-            pytest.skip(f"flashqla.chunk_gated_delta_rule has no backward yet: {e}")
-        raise
 
 
 def _rel(x, ref):
@@ -124,13 +125,16 @@ def _check_nonzero(grads):
             assert (gr != 0).all(), f"{name}: a head has a zero gradient: {gr.tolist()}"
 
 
-def test_forward_bf16_model(models):
+def test_forward_bf16_model(models, spy):
     bf16, fp32, ids = models
-    spy = Spy(OURS)
-    logits_ref, loss_ref = _logits_and_loss(fp32, ids, qn.torch_chunk_path())
-    logits_torch, loss_torch = _logits_and_loss(bf16, ids, qn.torch_chunk_path())
-    logits_ours, loss_ours = _logits_and_loss(bf16, ids, spy)
-    assert spy.calls == 1, "the layer did not call the swapped op"
+    with _torch_path(fp32):
+        logits_ref, loss_ref = _logits_and_loss(fp32, ids)
+    with _torch_path(bf16):
+        logits_torch, loss_torch = _logits_and_loss(bf16, ids)
+    with qn.enable(bf16) as att:
+        logits_ours, loss_ours = _logits_and_loss(bf16, ids)
+    print(f"attached through the {att.path!r} path")
+    assert spy.calls == 1, "the layer did not call flashqla.chunk_gated_delta_rule"
     assert spy.dtypes[:3] == [torch.bfloat16] * 3 and spy.dtypes[3] == torch.float32, spy.dtypes
     assert torch.isfinite(logits_ours).all()
     e_ours, e_torch = rel_rms(logits_ours, logits_ref), rel_rms(logits_torch, logits_ref)
@@ -140,13 +144,17 @@ def test_forward_bf16_model(models):
     assert _rel(loss_ours, loss_ref) <= LOSS_REL
 
 
-def test_every_parameter_gradient_bf16_model(models):
+def test_every_parameter_gradient_bf16_model(models, spy):
     bf16, fp32, ids = models
-    spy = Spy(OURS)
     loss_ref, g_ref = qn.loss_and_grads(fp32, ids, qn.torch_chunk_path())
     loss_torch, g_torch = qn.loss_and_grads(bf16, ids, qn.torch_chunk_path())
-    loss_ours, g_ours = _loss_and_grads_or_skip(bf16, ids, spy)
-    assert spy.calls == 1, "the layer did not call the swapped op"
+    bf16.train()  # as for training: the op is mapped for Mode.TRAINING and Mode.INFERENCE alike
+    try:
+        with qn.enable(bf16):
+            loss_ours, g_ours = qn.loss_and_grads(bf16, ids)
+    finally:
+        bf16.eval()
+    assert spy.calls == 1, "the layer did not call flashqla.chunk_gated_delta_rule"
     assert set(g_ours) == set(g_ref) and any(n.endswith("A_log") for n in g_ours) and any(n.endswith("dt_bias") for n in g_ours)
     _check_nonzero(g_ref)
     _check_nonzero(g_ours)
@@ -170,13 +178,13 @@ def test_every_parameter_gradient_bf16_model(models):
     assert not bad, f"over budget: {bad}"
 
 
-def test_every_parameter_gradient_op_only_in_bf16(models):
+def test_every_parameter_gradient_op_only_in_bf16(models, spy):
     """fp32 model, only q, k, v (and so o) of the op in bf16: the op's own error, isolated."""
     _, fp32, ids = models
-    spy = Spy(OURS_ISOLATED)
     loss_ref, g_ref = qn.loss_and_grads(fp32, ids, qn.torch_chunk_path())
-    loss_ours, g_ours = _loss_and_grads_or_skip(fp32, ids, spy)
-    assert spy.calls == 1
+    with qn.enable(fp32, qkv_dtype=torch.bfloat16):
+        loss_ours, g_ours = qn.loss_and_grads(fp32, ids)
+    assert spy.calls == 1 and spy.dtypes[:3] == [torch.bfloat16] * 3, spy.dtypes
     _check_nonzero(g_ours)
     print(f"loss rel err {_rel(loss_ours, loss_ref):.2e}")
     errs = {n: rel_rms(g_ours[n], g_ref[n]) for n in g_ref}
@@ -187,14 +195,14 @@ def test_every_parameter_gradient_op_only_in_bf16(models):
     assert not bad, f"over budget {ABS_ISOLATED:g}: {bad}"
 
 
-def test_final_state_feeds_decoding():
+def test_final_state_feeds_decoding(spy):
     """Prefill through our op (output_final_state=True), then greedy decoding from the cached state."""
     config = qn.tiny_qwen3_next_config(layer_types=("linear_attention", "full_attention"))
     bf16 = qn.build_model(config, seed=2, dtype=torch.bfloat16, device=DEV)
     ids = qn.make_input_ids(config, B, 300, seed=3, device=DEV)
-    spy = Spy(OURS)
     seq_t, logits_t = qn.prefill_and_decode(bf16, ids, qn.torch_chunk_path(), new_tokens=3)
-    seq_o, logits_o = qn.prefill_and_decode(bf16, ids, spy, new_tokens=3)
+    with qn.enable(bf16):
+        seq_o, logits_o = qn.prefill_and_decode(bf16, ids, new_tokens=3)
     assert spy.calls == 1
     errs = [rel_rms(logits_o[s], logits_t[s]) for s in range(3)]
     print(f"decoding logits rel RMS, ours vs torch path (bf16 model), per step: {[f'{e:.2e}' for e in errs]}")
