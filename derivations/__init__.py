@@ -31,10 +31,10 @@ with stated rewrite rules, entry-level case splits, inductions), citing the lemm
     derivations.format_table(rows)   the table as text
 """
 
-from derivations._core import (Bound, Identity, Result, check, check_general, explain, format_table, get, is_zero, register,
+from ._core import (Bound, Identity, Result, check, check_general, explain, format_table, get, is_zero, register,
                                registry, run_all, run_lemmas, run_one)
-from derivations import lemmas  # noqa: E402,F401  (registers the lemmas)
-from derivations import chunk_form, wy, rewrites, backward, backward_fused, cp  # noqa: E402,F401  (registers the records)
+from . import lemmas  # noqa: E402,F401  (registers the lemmas)
+from . import chunk_form, wy, rewrites, backward, backward_fused, cp  # noqa: E402,F401  (registers the records)
 
 __all__ = [
     "Identity",
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
         for i in args.ids or sorted(known):
             print(explain(get(i)))
         return 0
-    from derivations._core import run_records_and_lemmas
+    from ._core import run_records_and_lemmas
 
     t0 = time.perf_counter()
     rows, lemma_rows = run_records_and_lemmas(args.ids or None, processes=args.processes, lemmas=not args.ids)

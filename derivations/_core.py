@@ -50,6 +50,7 @@ then a driver for its twins in tests/test_twins.py (a test fails while one is mi
 
 from __future__ import annotations
 
+import importlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -305,7 +306,7 @@ def check_general(identity: Identity) -> str:
     """Checks the record's general proof (every size). Returns "" when proved, else why not; "no general
     proof" when the record has none. Never raises for a false proof (an exception in the proof's
     builder is reported as its failure)."""
-    from derivations._proof import check_proof
+    from ._proof import check_proof
 
     if identity.general is None:
         return "no general proof"
@@ -355,9 +356,9 @@ def run_one(identity: Identity, sizes: Sequence[tuple[int, ...]] | None = None, 
 def run_lemmas() -> list[Result]:
     """Proves every lemma of `derivations.lemmas` (each once per process); one `Result` row per lemma
     (kind "lemma", holds for "all sizes" when proved)."""
-    from derivations._proof import ENGINE_LEMMAS, check_proof, lemmas
+    from ._proof import ENGINE_LEMMAS, check_proof, lemmas
 
-    import derivations.lemmas  # noqa: F401
+    from . import lemmas as _lemmas  # noqa: F401  (registers the lemmas)
 
     rows = []
     for lm in lemmas():
@@ -388,7 +389,7 @@ def explain(identity: Identity) -> str:
 
 
 def _run_one_by_id(id: str) -> Result:
-    import derivations  # noqa: F401  (registers every record in the worker process)
+    importlib.import_module(__package__)  # registers every record in the worker process
 
     return run_one(get(id))
 

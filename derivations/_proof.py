@@ -31,8 +31,8 @@ from typing import Callable, Sequence
 
 import sympy as sp
 
-from derivations import _nc
-from derivations._nc import Block, M, Rule
+from . import _nc
+from ._nc import Block, M, Rule
 
 __all__ = ["ENGINE_LEMMAS", "Eq", "Entry", "Check", "Cert", "Proof", "Lemma", "lemma", "lemmas", "get_lemma", "check_proof",
            "prove_cited", "REGIONS", "region_vars"]
@@ -200,7 +200,7 @@ def _check_step(step, allowed=()) -> str:
             elif isinstance(q, tuple) and q[0] == "hyp" and step.name.startswith("step"):
                 q = q[1]
             elif isinstance(q, tuple) and q[0] == "cited" and q[1] in allowed:
-                from derivations._core import get
+                from ._core import get
 
                 concl = get(q[1]).general().conclusion
                 if concl is None or sp.expand(sp.sympify(q[2]) - concl) != 0:
@@ -230,7 +230,7 @@ def prove_cited(id: str) -> str:
             # the engine's own lemmas are entry-level (no `Eq` step), so they do not need the engine
             why = check_proof(_LEMMAS[id].proof(), engine=id not in ENGINE_LEMMAS)
         else:
-            from derivations._core import get
+            from ._core import get
 
             rec = get(id)
             if rec.general is None:
@@ -249,7 +249,7 @@ def check_proof(proof: Proof, engine: bool = True) -> str:
     """"" when every cited lemma / record is proved, every rule cites something allowed and every step
     holds; else the first reason it does not. engine: prove `ENGINE_LEMMAS` first (a proof without `Eq`
     steps does not need them)."""
-    import derivations.lemmas  # noqa: F401  (registers the lemmas)
+    from . import lemmas  # noqa: F401  (registers the lemmas)
 
     allowed = {"def", "hyp", *proof.uses}
     if not engine and any(isinstance(s, Eq) for s in proof.steps):

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import sympy as sp
 
-from derivations._nc import Block, M, dg, diag, diag_pair, diagpart, eye, rules_from, sym, tr, tril, zeros
-from derivations._proof import Eq
+from ._nc import Block, M, dg, diag, diag_pair, diagpart, eye, rules_from, sym, tr, tril, zeros
+from ._proof import Eq
 
 __all__ = ["Csym", "Ksym", "Vsym", "GChunk", "Ext", "One", "token"]
 

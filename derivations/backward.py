@@ -45,8 +45,8 @@ from __future__ import annotations
 
 import sympy as sp
 
-from derivations._chunk import Chunk, chunk_form, hadamard, mat
-from derivations._core import Identity, register
+from ._chunk import Chunk, chunk_form, hadamard, mat
+from ._core import Identity, register
 
 TWINS = ("reference.gdn.chunk_bwd.chunk_gated_delta_rule_bwd", "reference.gdn.recurrent.recurrent_gated_delta_rule")
 
@@ -159,7 +159,7 @@ def derived_gradients(ch, S, dO, dSn, scale, names) -> dict:
     """The gradients of loss = <dO, O> + <dS', S'> (O, S' by the chunk form of the symbolic chunk ``ch``)
     derived by `derivations._nc.grad`: the product rule, the adjoints, dA = -A dL A for the gated inverse
     (its L depends on K, beta and the gates), and for dG the log-gates D = diag(exp(eps)) [L-logdiag]."""
-    from derivations import _nc
+    from . import _nc
 
     cf = chunk_form(ch, S, scale)
     pairs = [(dO, cf["o"]), (dSn, cf["S_end"])]
@@ -175,9 +175,9 @@ def derived_gradients(ch, S, dO, dSn, scale, names) -> dict:
 
 
 def _general(name: str, dL_diagonal: int = -1):
-    from derivations._nc import sym
-    from derivations._proof import Eq, Proof
-    from derivations._symbolic import GChunk, Ksym, Vsym
+    from ._nc import sym
+    from ._proof import Eq, Proof
+    from ._symbolic import GChunk, Ksym, Vsym
 
     ch = GChunk()
     S, dO, dSn = sym("S", Ksym, Vsym), sym("dO", ch.C, Vsym), sym("dSn", Ksym, Vsym)
@@ -196,7 +196,7 @@ def _general(name: str, dL_diagonal: int = -1):
 
 
 def _general_dg() -> "Proof":
-    from derivations._proof import Entry, Proof
+    from ._proof import Entry, Proof
 
     t, i = sp.symbols("t i", integer=True, nonnegative=True)
     C = sp.Symbol("C", integer=True, positive=True)

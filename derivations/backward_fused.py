@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import sympy as sp
 
-from derivations._chunk import Chunk, chunk_form, mat
-from derivations._core import Identity, register
-from derivations.backward import BWD_USES, _setup, derived_gradients
+from ._chunk import Chunk, chunk_form, mat
+from ._core import Identity, register
+from .backward import BWD_USES, _setup, derived_gradients
 
 
 def _kg(ch) -> sp.Matrix:
@@ -136,8 +136,8 @@ register(Identity(
 
 
 def _general_a_beta(form=a_from_a_beta):
-    from derivations._proof import Eq, Proof
-    from derivations._symbolic import GChunk
+    from ._proof import Eq, Proof
+    from ._symbolic import GChunk
 
     ch = GChunk()
     return Proof(
@@ -149,9 +149,9 @@ def _general_a_beta(form=a_from_a_beta):
 
 
 def _general_fused(dL_diagonal: int = -1):
-    from derivations._nc import sym
-    from derivations._proof import Eq, Proof
-    from derivations._symbolic import GChunk, Ksym, Vsym
+    from ._nc import sym
+    from ._proof import Eq, Proof
+    from ._symbolic import GChunk, Ksym, Vsym
 
     ch = GChunk()
     S, dO, dSn = sym("S", Ksym, Vsym), sym("dO", ch.C, Vsym), sym("dSn", Ksym, Vsym)

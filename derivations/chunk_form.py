@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import sympy as sp
 
-from derivations._chunk import Chunk, chunk_form, mat
-from derivations._core import Identity, register
-from derivations._nc import Block, rules_from, sym, zeros
-from derivations._proof import Eq, Proof
-from derivations._symbolic import Csym, Ext, GChunk, Ksym, One, Vsym
+from ._chunk import Chunk, chunk_form, mat
+from ._core import Identity, register
+from ._nc import Block, rules_from, sym, zeros
+from ._proof import Eq, Proof
+from ._symbolic import Csym, Ext, GChunk, Ksym, One, Vsym
 
 TWINS = ("reference.gdn.recurrent.recurrent_gated_delta_rule", "reference.gdn.chunk.chunk_gated_delta_rule_fwd")
 

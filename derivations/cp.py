@@ -54,8 +54,8 @@ from __future__ import annotations
 
 import sympy as sp
 
-from derivations._chunk import Chunk, chunk_form, hadamard, mat, prod, transition
-from derivations._core import Bound, Identity, register
+from ._chunk import Chunk, chunk_form, hadamard, mat, prod, transition
+from ._core import Bound, Identity, register
 
 
 def chunk_map(ch):
@@ -304,9 +304,9 @@ CP_USES = ("CF-2", "RW-1", "L-gate", "L-gamma", "L-ut")
 
 
 def _general_segment():
-    from derivations._nc import eye, rules_from, sym
-    from derivations._proof import Eq, Proof
-    from derivations._symbolic import GChunk, Ksym, Vsym
+    from ._nc import eye, rules_from, sym
+    from ._proof import Eq, Proof
+    from ._symbolic import GChunk, Ksym, Vsym
 
     ch = GChunk(prefix="c")  # the next chunk, any length
     S, S_n = sym("S", Ksym, Vsym), sym("S_n", Ksym, Vsym)
@@ -327,9 +327,9 @@ def _general_segment():
 
 
 def _general_compose():
-    from derivations._nc import sym
-    from derivations._proof import Eq, Proof
-    from derivations._symbolic import Ksym, Vsym
+    from ._nc import sym
+    from ._proof import Eq, Proof
+    from ._symbolic import Ksym, Vsym
 
     S = sym("S", Ksym, Vsym)
     m = [(sym(f"P{i}", Ksym, Ksym), sym(f"Q{i}", Ksym, Vsym)) for i in (1, 2, 3)]
@@ -349,9 +349,9 @@ def _general_compose():
 
 
 def _general_outputs(diagonal: int = 0):
-    from derivations._nc import sym
-    from derivations._proof import Eq, Proof
-    from derivations._symbolic import GChunk, Ksym, Vsym
+    from ._nc import sym
+    from ._proof import Eq, Proof
+    from ._symbolic import GChunk, Ksym, Vsym
 
     ch = GChunk(prefix="c")  # chunk c of the segment, entered with P S + Q (CP-1)
     S, P, Q = sym("S", Ksym, Vsym), sym("P", Ksym, Ksym), sym("Q", Ksym, Vsym)
@@ -369,10 +369,10 @@ def _general_outputs(diagonal: int = 0):
 
 
 def _general_entering_grad():
-    from derivations import _nc
-    from derivations._nc import eye, sym, zeros
-    from derivations._proof import Eq, Proof
-    from derivations._symbolic import GChunk, Ksym, Vsym
+    from . import _nc
+    from ._nc import eye, sym, zeros
+    from ._proof import Eq, Proof
+    from ._symbolic import GChunk, Ksym, Vsym
 
     Cj = sp.Symbol("C_j", integer=True, positive=True)  # tokens of segment m
     S_m, G = sym("S_m", Ksym, Vsym), sym("G", Ksym, Vsym)
@@ -405,8 +405,8 @@ def _general_entering_grad():
 def _general_window(which: str):
     """CP-4 ("state"), CP-5 ("output"), CP-6 ("adjoint") for windows of any length and any K, V: the
     bound for the whole state matrix (Frobenius norm, no per-column argument)."""
-    from derivations._nc import eye, rules_from, sym
-    from derivations._proof import Cert, Eq, Proof
+    from ._nc import eye, rules_from, sym
+    from ._proof import Cert, Eq, Proof
 
     Kd, Vd = sp.Symbol("K", integer=True, positive=True), sp.Symbol("V", integer=True, positive=True)
     S, Y = sym("S_w", Kd, Vd), sym("Y", Kd, Vd)  # the dropped state; Y = P S_w after the window so far
@@ -420,7 +420,7 @@ def _general_window(which: str):
     Fk = a * (I - beta * k * k.T)
     Y1 = Fk * Y
     Z = k.T * Y
-    from derivations._nc import tr
+    from ._nc import tr
 
     nS, nY, nY1, nZ = tr(S.T * S), tr(Y.T * Y), tr(Y1.T * Y1), tr(Z.T * Z)
     kk = tr(k.T * k)

@@ -37,9 +37,9 @@ from __future__ import annotations
 import sympy as sp
 from sympy.matrices.expressions.matexpr import MatrixElement
 
-from derivations import _nc
-from derivations._nc import Block, diag, eye, rules_from, sym, zeros
-from derivations._proof import Check, Entry, Eq, Proof, REGIONS, lemma, region_vars
+from . import _nc
+from ._nc import Block, diag, eye, rules_from, sym, zeros
+from ._proof import Check, Entry, Eq, Proof, REGIONS, lemma, region_vars
 
 n = sp.Symbol("n", integer=True, positive=True)
 i, j = sp.symbols("i j", integer=True, nonnegative=True)

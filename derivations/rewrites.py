@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import sympy as sp
 
-from derivations import _nc
-from derivations._chunk import Chunk, chunk_form, mat, transition
-from derivations._core import Identity, register
-from derivations._nc import eye, sym
-from derivations._proof import Entry, Eq, Proof, REGIONS
-from derivations._symbolic import GChunk, Ksym, Vsym
+from . import _nc
+from ._chunk import Chunk, chunk_form, mat, transition
+from ._core import Identity, register
+from ._nc import eye, sym
+from ._proof import Entry, Eq, Proof, REGIONS
+from ._symbolic import GChunk, Ksym, Vsym
 
 # ------------------------------------------------------------------------------------------------
 # the right-hand sides, one code for the concrete chunk (`_chunk.Chunk`) and the symbolic one

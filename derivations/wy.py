@@ -37,12 +37,12 @@ from __future__ import annotations
 
 import sympy as sp
 
-from derivations import _nc
-from derivations._chunk import Chunk, chunk_form, mat, prod
-from derivations._core import Identity, register
-from derivations._nc import Block, eye, rules_from, sym, zeros
-from derivations._proof import Entry, Eq, Proof
-from derivations._symbolic import Csym, Ext, GChunk, Ksym, One, Vsym
+from . import _nc
+from ._chunk import Chunk, chunk_form, mat, prod
+from ._core import Identity, register
+from ._nc import Block, eye, rules_from, sym, zeros
+from ._proof import Entry, Eq, Proof
+from ._symbolic import Csym, Ext, GChunk, Ksym, One, Vsym
 
 
 def _factor(ch: Chunk, t: int) -> sp.Matrix:
@@ -318,7 +318,7 @@ def _merge_sum_check(start: int):
 
 
 def _general_merge(start: int | None = None) -> Proof:
-    from derivations._proof import Check
+    from ._proof import Check
 
     start = MERGE_START if start is None else start
     P, n = sp.Symbol("P", integer=True, positive=True), sp.Symbol("n", integer=True, positive=True)

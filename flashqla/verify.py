@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashqla.faces import face
 from flashqla.testing import BUDGETS, make_gdn_inputs, rel_rms
 
 QUANTITIES_FWD = ("o", "ht")
@@ -66,7 +67,7 @@ def _print_rows(title: str, header: tuple[str, ...], rows: list[tuple]) -> None:
 
 def _derivations_rung() -> bool:
     try:
-        import derivations
+        derivations = face("derivations")
     except ImportError as exc:  # pragma: no cover - the package is installed with flashqla
         print(f"\n== derivations: not importable ({exc})")
         return False
@@ -94,7 +95,7 @@ def _grads(fn, x: dict, do: torch.Tensor, dht: torch.Tensor) -> dict:
 
 
 def _reference_rung(size: str) -> bool:
-    import reference
+    reference = face("reference")
 
     rows, ok = [], True
     for c in CASES[size]:
@@ -140,7 +141,7 @@ def kernel_checks(size: str, op, device, low: torch.dtype = torch.bfloat16) -> b
     quantity o, ht, dq, dk, dv, dg, dbeta, dh0, within `BUDGETS["sm90_fwd_bf16"]` and
     `BUDGETS["sm90_bwd_bf16"]`. Cases: `CASES[size]` at K = V = 128 (the fast path). Device-generic
     so that its logic can be exercised off the GPU with another op standing in."""
-    import reference
+    reference = face("reference")
 
     budget = {**BUDGETS["sm90_fwd_bf16"], **BUDGETS["sm90_bwd_bf16"]}
     rows, ok = [], True

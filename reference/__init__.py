@@ -5,7 +5,7 @@
 - `reference.gdn.op`: `chunk_gated_delta_rule`, the public op (FLA's signature) built on them.
 """
 
-from reference.gdn.op import chunk_gated_delta_rule
-from reference.gdn.recurrent import recurrent_gated_delta_rule
+from .gdn.op import chunk_gated_delta_rule
+from .gdn.recurrent import recurrent_gated_delta_rule
 
 __all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule"]

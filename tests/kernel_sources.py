@@ -98,10 +98,12 @@ def config_sources(name: str, one_per_kind: bool = False) -> list:
     return sorted(found)
 
 
-def _run_one(name: str) -> list:
+def _run_one(name: str, one_per_kind: bool = False) -> list:
+    """`config_sources(name, one_per_kind)` in a process of its own (the lowering patches TileLang's
+    compile and the builders' caches keep what it returns: nothing of it may stay in the caller)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHQLA_")}
-    out = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True, env=env,
-                         cwd=Path(__file__).resolve().parents[1])
+    cmd = [sys.executable, __file__, "--one", name] + (["--one-per-kind"] if one_per_kind else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
     if out.returncode:
         raise RuntimeError(f"lowering {name} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -133,11 +135,12 @@ def main(argv=None) -> int:
     p.add_argument("--write", action="store_true")
     p.add_argument("--check", action="store_true")
     p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--one-per-kind", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("-j", "--jobs", type=int, default=2)
     p.add_argument("--configs", default=",".join(CONFIGS))
     a = p.parse_args(argv)
     if a.one:
-        print(json.dumps(config_sources(a.one)))
+        print(json.dumps(config_sources(a.one, a.one_per_kind)))
         return 0
     names = a.configs.split(",")
     got = collect(names, a.jobs)

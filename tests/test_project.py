@@ -11,6 +11,8 @@ import tomllib
 import pytest
 import torch
 
+import flashqla
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -102,3 +104,42 @@ def test_verify_kernel_rung_logic_with_a_stand_in(capsys):
         return reference.chunk_gated_delta_rule(q, k, v, _Broken.apply(g), beta, **kw)
 
     assert not kernel_checks("small", broken, "cpu")
+
+
+def test_version_flag():
+    out = subprocess.run([sys.executable, "-m", "flashqla", "--version"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == f"flashqla {flashqla.__version__}", out
+    assert f'version = "{flashqla.__version__}"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_wheel_installs_only_flashqla(tmp_path):
+    """The wheel's only top-level package is flashqla: the repository's faces travel inside it
+    (flashqla.reference, flashqla.derivations, which `flashqla.faces` finds), with the license."""
+    import zipfile
+
+    pytest.importorskip("setuptools")
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (whl,) = tmp_path.glob("flashqla-*.whl")
+    names = zipfile.ZipFile(whl).namelist()
+    assert {n.split("/")[0] for n in names} == {"flashqla", f"flashqla-{flashqla.__version__}.dist-info"}
+    for path in ("flashqla/reference/gdn/op.py", "flashqla/derivations/lemmas.py", "flashqla/ops/gdn/kernels/sm90/chunk_bwd.py",
+                 "flashqla/faces.py"):
+        assert path in names, path
+    assert any(n.endswith("/LICENSE") for n in names)
+    # every package of the repository is in the list pyproject.toml names
+    for init in ROOT.rglob("__init__.py"):
+        rel = init.parent.relative_to(ROOT)
+        if rel.parts[0] in ("flashqla", "reference", "derivations") and "__pycache__" not in rel.parts:
+            installed = "/".join(("flashqla",) + rel.parts) if rel.parts[0] != "flashqla" else "/".join(rel.parts)
+            assert f"{installed}/__init__.py" in names, rel
+
+
+def test_faces_resolve_in_the_checkout_and_by_name():
+    from flashqla.faces import face
+
+    assert face("reference").__name__ in ("reference", "flashqla.reference")
+    assert hasattr(face("derivations"), "registry")
+    with pytest.raises(ValueError, match="name"):
+        face("bench")

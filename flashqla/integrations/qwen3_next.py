@@ -102,6 +102,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+
+from flashqla.faces import face
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
@@ -374,9 +376,7 @@ def select_op(backend: str, device: torch.device | str) -> Callable:
     _check_backend(backend)
     device = torch.device(device)
     if backend == "reference" or (backend == "auto" and device.type == "cpu"):
-        import reference
-
-        return reference.chunk_gated_delta_rule
+        return face("reference").chunk_gated_delta_rule
     on_hopper = device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] == 9
     if not on_hopper:
         raise ValueError(

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from flashqla.contract import check_gdn_inputs
-from reference.gdn.recurrent import compute_dtype, seq_bounds
+from .recurrent import compute_dtype, seq_bounds
 
 __all__ = [
     "G_FLOOR",

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from reference.gdn.chunk import (
+from .chunk import (
     layout_like,
     chunk_fwd_h,
     chunk_local_cumsum,
@@ -41,7 +41,7 @@ from reference.gdn.chunk import (
     scatter_heads,
     sum_groups,
 )
-from reference.gdn.recurrent import compute_dtype
+from .recurrent import compute_dtype
 
 __all__ = [
     "chunk_bwd_dv_local",

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import torch
 
 from flashqla.contract import check_gdn_inputs
-from reference.gdn.chunk import floor_gates, prepare_chunk_layout
-from reference.gdn.fused import (
+from .chunk import floor_gates, prepare_chunk_layout
+from .fused import (
     chunk_transition,
     decay_mask,
     fused_chunk_fwd,
@@ -47,8 +47,8 @@ from reference.gdn.fused import (
     kkt_solve,
     to_chunks,
 )
-from reference.gdn.fused_bwd import forward_slot_products, fused_gated_delta_rule_bwd, slots_to_chunks
-from reference.gdn.recurrent import compute_dtype, seq_bounds
+from .fused_bwd import forward_slot_products, fused_gated_delta_rule_bwd, slots_to_chunks
+from .recurrent import compute_dtype, seq_bounds
 
 __all__ = [
     "SegmentPlan",

@@ -45,8 +45,8 @@ import math
 import torch
 
 from flashqla.contract import check_gdn_inputs
-from reference.gdn.chunk import ChunkLayout, floor_gates, gather_chunks, prepare_chunk_layout, scatter_chunks
-from reference.gdn.recurrent import compute_dtype, seq_bounds
+from .chunk import ChunkLayout, floor_gates, gather_chunks, prepare_chunk_layout, scatter_chunks
+from .recurrent import compute_dtype, seq_bounds
 
 __all__ = [
     "LOG2_E",

@@ -55,8 +55,8 @@ from __future__ import annotations
 
 import torch
 
-from reference.gdn.chunk import G_FLOOR, ChunkLayout, floor_gates, prepare_chunk_layout
-from reference.gdn.fused import (
+from .chunk import G_FLOOR, ChunkLayout, floor_gates, prepare_chunk_layout
+from .fused import (
     LOG2_E,
     decay_mask,
     from_chunks,
@@ -65,7 +65,7 @@ from reference.gdn.fused import (
     pad_g_cum,
     to_chunks,
 )
-from reference.gdn.recurrent import compute_dtype
+from .recurrent import compute_dtype
 
 __all__ = [
     "slot_indices",

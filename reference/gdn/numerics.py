@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from flashqla.testing import rel_rms
-from reference.gdn import chunk, cp, fused, twins
-from reference.gdn.chunk import prepare_chunk_layout
-from reference.gdn.recurrent import recurrent_gated_delta_rule
+from . import chunk, cp, fused, twins
+from .chunk import prepare_chunk_layout
+from .recurrent import recurrent_gated_delta_rule
 
 __all__ = [
     "UNIT_ROUNDOFF",
@@ -299,7 +299,7 @@ def gradients(x: dict, op: str = "chunk") -> dict:
     backward) or "recurrent" (torch.autograd through the token recurrence). Computed in x's dtype
     (fp64 or fp32); x needs `do` and `dht` (`twins.with_cotangents`). Returns {name: tensor} for
     `GRAD_NAMES` (dh0 only when x has an initial state)."""
-    from reference import chunk_gated_delta_rule, recurrent_gated_delta_rule as recurrent
+    from .. import chunk_gated_delta_rule, recurrent_gated_delta_rule as recurrent
 
     fn = {"chunk": chunk_gated_delta_rule, "recurrent": recurrent}[op]
     names = [n for n in ("q", "k", "v", "g", "beta", "initial_state") if x.get(n) is not None]

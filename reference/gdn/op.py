@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from flashqla.contract import check_gdn_inputs
-from reference.gdn.chunk import G_FLOOR, check_chunk_size, chunk_gated_delta_rule_fwd
-from reference.gdn.chunk_bwd import chunk_gated_delta_rule_bwd
-from reference.gdn.recurrent import L2NORM_EPS, compute_dtype, l2norm
+from .chunk import G_FLOOR, check_chunk_size, chunk_gated_delta_rule_fwd
+from .chunk_bwd import chunk_gated_delta_rule_bwd
+from .recurrent import L2NORM_EPS, compute_dtype, l2norm
 
 __all__ = ["chunk_gated_delta_rule", "ChunkGatedDeltaRuleFunction", "l2norm_fwd", "l2norm_bwd"]
 

@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from reference.gdn.fused import decay_mask, gate_vectors
+from .fused import decay_mask, gate_vectors
 
 __all__ = ["Op", "TILES", "SCHEDULE", "LOADED", "check_schedule", "run_chunk", "SMEM_LIMIT", "STATIC_SMEM"]
 

@@ -32,9 +32,9 @@ from typing import Callable
 
 import torch
 
-from reference.gdn import chunk, chunk_bwd, cp, fused
-from reference.gdn.chunk import prepare_chunk_layout
-from reference.gdn.recurrent import compute_dtype, recurrent_gated_delta_rule
+from . import chunk, chunk_bwd, cp, fused
+from .chunk import prepare_chunk_layout
+from .recurrent import compute_dtype, recurrent_gated_delta_rule
 
 __all__ = ["TwinPair", "resolve", "twin_functions", "pairs", "pairs_many", "has_driver", "with_cotangents", "INPUT_NAMES"]
 
@@ -51,11 +51,18 @@ class TwinPair:
     rhs: torch.Tensor
 
 
+#: The name this package is imported under: "reference" in a checkout, "flashqla.reference" installed.
+_ROOT = __name__.rsplit(".gdn.", 1)[0]
+
+
 def resolve(name: str) -> Callable:
-    """The function behind a dotted name such as ``reference.gdn.chunk.solve_tril``.
+    """The function behind a dotted name such as ``reference.gdn.chunk.solve_tril`` (the records' names;
+    "reference" stands for this package, whatever it is imported as).
 
     Raises ImportError / AttributeError when the module or the attribute does not exist."""
     module, _, attr = name.rpartition(".")
+    if module == "reference" or module.startswith("reference."):
+        module = _ROOT + module[len("reference"):]
     return getattr(importlib.import_module(module), attr)
 
 
@@ -346,7 +353,7 @@ def _bwd_abeta(s, lhs_fn, rhs_fn):
 def _bwd_fused(s, lhs_fn, rhs_fn):
     # left: autograd of the recurrence (lhs_fn); right: the kernels' backward (rhs_fn) from the
     # sm_90 forward's slot-major A diag(beta) and g_cum_log2, computed by the reference
-    from reference.gdn import fused_bwd
+    from . import fused_bwd
 
     x = s.x
     Ab, G2 = fused_bwd.forward_slot_products(x["k"], x["g"], x["beta"], s.HV, s.cu, s.C)
@@ -490,7 +497,7 @@ def pairs_many(record_ids, x: dict, chunk_size: int = 64) -> dict[str, list[Twin
     """`pairs` for several records on the same inputs, sharing the upstream stages (FLA's forward and
     backward, the recurrence and its autograd gradients) between them. Returns {record_id: pairs}.
     Raises as `pairs`."""
-    import derivations
+    derivations = importlib.import_module(_ROOT.rpartition("reference")[0] + "derivations")
 
     shared = _Inputs(x, chunk_size)
     out = {}

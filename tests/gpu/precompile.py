@@ -57,8 +57,7 @@ def tier_specs() -> list:
 def bench_specs() -> list:
     """The kernels of the benchmark grids: every head configuration, packed and fixed, both value
     slice widths, the backward's kernels for the backward grid."""
-    from flashqla.bench.bwd_grid import BWD_HEADS
-    from flashqla.bench.grid import FWD_HEADS
+    from flashqla.bench.grid import BWD_HEADS, FWD_HEADS
     from flashqla.ops.gdn.kernels.sm90.registry import op_kernel_specs
 
     fwd_heads = [(h.h_qk, h.h_v) for h in FWD_HEADS]
