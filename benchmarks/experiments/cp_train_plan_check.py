@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gains", nargs="+", type=float, default=[1.2, 1.0])
     ap.add_argument("--lengths", nargs="+", type=int, default=None)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--commit", default="unknown", help="our commit id, written into the sweep's header")
     a = ap.parse_args(argv)
 
     import flashqla.cp.plan as P
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
             table.append((text, gain, L, bwd, step, max(errs.values()), ok, lf))
             if a.lengths is not None:  # rewritten after every step: a time-boxed run keeps what it measured
                 head = dict(what=SWEEP_WHAT, gpu=torch.cuda.get_device_name(),
-                            commit=os.environ.get("FLASHQLA_COMMIT", "unknown"),
+                            commit=a.commit,
                             date=datetime.datetime.now(datetime.timezone.utc).date().isoformat())
                 rows = [dict(row=r[0], L=r[2], longest_first=r[7], bwd_ms=r[3], step_ms=r[4], err=r[5], ok=r[6])
                         for r in table]

@@ -82,7 +82,7 @@ def parse_args(argv=None) -> Options:
                         "benchmarks/out, ignored by git)")
     p.add_argument("--prefix", default=None, help="file prefix (default <gpu>-fwd or <gpu>-bwd, e.g. h200-fwd)")
     p.add_argument("--commit", default=None,
-                   help="our commit id (default: $FLASHQLA_COMMIT, else git); with --report-only, the commit whose "
+                   help="our commit id (default: git; pass it where the checkout has no .git, e.g. the GPU machine); with --report-only, the commit whose "
                         "rows make the page, as written in the CSV (default: the latest measured)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNGs")
     p.add_argument("--list", action="store_true", help="print the selected rows and exit")
@@ -126,12 +126,10 @@ def commit_with_cp(commit: str, mode: str) -> str:
 
 
 def our_commit(explicit: str | None = None) -> str:
-    """Our commit: `explicit`, else $FLASHQLA_COMMIT, else `git rev-parse` (+ '+dirty' when files of
-    the package outside the harness differ from it), else 'unknown'."""
+    """Our commit: `explicit` (--commit), else `git rev-parse` (+ '+dirty' when files of the package
+    outside the harness differ from it), else 'unknown'."""
     if explicit:
         return explicit
-    if os.environ.get("FLASHQLA_COMMIT"):
-        return os.environ["FLASHQLA_COMMIT"]
     try:
         rev = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short=12", "HEAD"],
                              capture_output=True, text=True, timeout=20)
