@@ -13,6 +13,7 @@ and its kernels never do.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pathlib
 
 __all__ = ["face"]
@@ -22,16 +23,16 @@ _FACES = ("reference", "derivations")
 
 def face(name: str):
     """The module of face `name` ("reference" or "derivations"). ValueError for another name;
-    ModuleNotFoundError when neither form is importable."""
+    ModuleNotFoundError when neither form is importable. A top-level package of that name elsewhere
+    (another project's, a plain folder in the working directory) is never imported."""
     if name not in _FACES:
         raise ValueError(f"name must be one of {_FACES}, got {name!r}")
     checkout = pathlib.Path(__file__).resolve().parents[1] / name
     try:
-        mod = importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name != name:
-            raise
-    else:
-        if pathlib.Path(mod.__file__).resolve().parent == checkout:
-            return mod
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if any(pathlib.Path(loc).resolve() == checkout for loc in locations) and spec.origin is not None:
+        return importlib.import_module(name)
     return importlib.import_module(f"flashqla.{name}")

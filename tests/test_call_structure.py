@@ -17,6 +17,7 @@ import flashqla.cp.plan
 import flashqla.ops.gdn.backend as backend_mod
 from flashqla.ops.gdn import api
 from flashqla.ops.gdn import autograd as autograd_mod
+from flashqla.ops.gdn import bwd as bwd_mod
 from flashqla.testing import make_gdn_inputs
 from reference.gdn.cp import ReferenceCPBackend
 
@@ -42,7 +43,7 @@ def _count(monkeypatch, module, name: str) -> list:
 @pytest.fixture
 def counters(monkeypatch):
     monkeypatch.setattr(backend_mod, "_DEFAULT", ReferenceCPBackend())
-    for mod in (api, autograd_mod):  # the public op's checks and the custom ops' own
+    for mod in (api, autograd_mod, bwd_mod):  # the public op's checks and the custom ops' own
         monkeypatch.setattr(mod, "check_device", lambda q: None)
         monkeypatch.setattr(mod, "check_supported", lambda *a: None)
     return {name: _count(monkeypatch, mod, name) for mod, name in (

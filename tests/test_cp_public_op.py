@@ -28,7 +28,7 @@ NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 def cpu_backend(monkeypatch):
     backend = ReferenceCPBackend()
     monkeypatch.setattr(backend_mod, "_DEFAULT", backend)
-    for mod in (api, autograd_mod):  # the public op's checks and the custom ops' own
+    for mod in (api, autograd_mod, bwd_mod):  # the public op's checks and the custom ops' own
         monkeypatch.setattr(mod, "check_device", lambda q: None)
         monkeypatch.setattr(mod, "check_supported", lambda *a: None)
     return backend
@@ -119,7 +119,7 @@ def spy(small_gpu, monkeypatch):
         made.append((plan, kw.get("backward", False), kw.get("max_seqlen")))
         return plan
 
-    real_bwd = autograd_mod.chunk_gated_delta_rule_bwd
+    real_bwd = autograd_mod.backward
 
     def chunk_gated_delta_rule_bwd(*a, plan=None, **kw):
         if plan is None:  # the backward plans for itself (through plan_for, recorded there)
@@ -129,7 +129,7 @@ def spy(small_gpu, monkeypatch):
 
     monkeypatch.setattr(cp_plan, "plan_for", plan_for)
     monkeypatch.setattr(bwd_mod, "plan_for", plan_for)  # the backward's own lookup (the custom ops')
-    monkeypatch.setattr(autograd_mod, "chunk_gated_delta_rule_bwd", chunk_gated_delta_rule_bwd)
+    monkeypatch.setattr(autograd_mod, "backward", chunk_gated_delta_rule_bwd)
     return seen
 
 

@@ -104,6 +104,7 @@ from __future__ import annotations
 import collections
 import functools
 import heapq
+import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -723,6 +724,20 @@ def plan_call(q, v, cu_seqlens=None, cp=None, *, training: bool = False, keep_st
     return CallPlan(fwd, bwd, False)
 
 
+def _positive_int(value, name: str, multiple: int):
+    """None, or value as a positive int multiple of `multiple` (numpy / torch integers too); ValueError
+    naming `name` otherwise (bools, floats, strings)."""
+    if value is None:
+        return None
+    try:
+        out = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        out = None
+    if out is None or out <= 0 or out % multiple:
+        raise ValueError(f"{name} must be None or a positive multiple of {multiple}, got {value!r}")
+    return out
+
+
 def cp_splits(q, v, cu_seqlens=None, cp=None, *, segment_len=None, gate_chunks=None, max_seqlen=None,
               sm_count=None, backward=False, seqlens=None) -> bool:
     """Whether `flashqla.chunk_gated_delta_rule_fwd` (backward=True: `chunk_gated_delta_rule_bwd`, whose
@@ -735,11 +750,16 @@ def cp_splits(q, v, cu_seqlens=None, cp=None, *, segment_len=None, gate_chunks=N
     Raises ValueError for an unknown cp mode, or seqlens that are not the batch's N lengths summing to
     its tokens."""
     mode = cp_mode(cp)
+    segment_len = _positive_int(segment_len, "segment_len", CHUNK)
+    gate_chunks = _positive_int(gate_chunks, "gate_chunks", 1)
     if mode == "off":
         return False
-    if seqlens is not None and getattr(q, "dim", lambda: 0)() == 4:
+    if seqlens is not None and isinstance(q, torch.Tensor) and q.dim() == 4 and (
+            cu_seqlens is None or (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1)):
         N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         seqlens = check_seqlens(seqlens, N, q.shape[0] * q.shape[1])
+        if not backward and max_seqlen is None:  # the forward's plan reads the longest, as the op does
+            max_seqlen = -(-max(seqlens, default=0) // CHUNK) * CHUNK
     try:
         plan = plan_for(q, v, cu_seqlens, sm_count_override=sm_count, force=mode == "on", exact=gate_chunks is None,
                         segment_len=segment_len, max_seqlen=max_seqlen, gate_chunks=gate_chunks, backward=backward,

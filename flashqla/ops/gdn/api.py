@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from flashqla.contract import (SUPPORTED, check_device, check_gdn_inputs, check_supported, cp_mode, l2norm,
-                               max_seqlen_hint, planning_seqlens)
+                               max_seqlen_hint, planning_seqlens, resolve_truncate)
 from flashqla.cp.plan import plan_call
 from flashqla.ops.gdn.autograd import GDNEagerFunction, gdn_fwd, gdn_fwd_inference
 from flashqla.ops.gdn.fwd import forward
@@ -123,6 +123,7 @@ def chunk_gated_delta_rule(
     if not isinstance(use_qk_l2norm_in_kernel, bool):
         raise TypeError(f"use_qk_l2norm_in_kernel must be a bool, got {type(use_qk_l2norm_in_kernel).__name__}")
     cp = cp_mode(cp)
+    resolve_truncate(None)  # $FLASHQLA_CP_EXACT, checked on every call, split or not
     check_device(q)
     scale = d.K**-0.5 if scale is None else float(scale)
     if use_qk_l2norm_in_kernel:  # differentiable torch ops: autograd carries dq, dk through the norm

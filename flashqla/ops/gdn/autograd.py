@@ -34,10 +34,10 @@ from typing import Optional
 
 import torch
 
-from flashqla.contract import check_device, check_gdn_inputs, check_supported, cp_mode
+from flashqla.contract import check_device, check_gdn_inputs, check_supported, cp_mode, resolve_truncate
 from flashqla.cp.plan import plan_call
 from flashqla.cp.saved import CPSaved, cu_key
-from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
+from flashqla.ops.gdn.bwd import backward, chunk_gated_delta_rule_bwd
 from flashqla.ops.gdn.fwd import forward
 from flashqla.ops.gdn.kernels.sm90._common import num_slots
 
@@ -53,6 +53,7 @@ def _check(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlen
     check_gdn_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     check_supported(q, k, v, g, beta, initial_state)
     cp_mode(cp)
+    resolve_truncate(None)
     check_device(q)
 
 
@@ -260,7 +261,6 @@ class GDNEagerFunction(torch.autograd.Function):
                 meta = (*meta[:5], cu_key(cu_seqlens))
             saved = CPSaved(*meta, *extra)
         need = _need_dh0(ctx, initial_state)
-        grads = chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, g_cum_log2, do.contiguous(), dht, ctx.scale,
-                                           initial_state, cu_seqlens, cp_saved=saved, need_dh0=need, plan=ctx.plan,
-                                           backend=ctx.backend)
+        grads = backward(q, k, v, g, beta, A, g_cum_log2, do.contiguous(), dht, ctx.scale, initial_state, cu_seqlens,
+                         cp_saved=saved, need_dh0=need, plan=ctx.plan, backend=ctx.backend)
         return _input_grads(g, need, *grads)[:9] + (None, None)  # plan, backend

@@ -14,7 +14,9 @@ No host synchronisation: every size comes from shapes.
 
 from __future__ import annotations
 
-from flashqla.contract import cp_mode, resolve_truncate
+import torch
+
+from flashqla.contract import check_device, check_gdn_inputs, check_supported, cp_mode, resolve_truncate
 from flashqla.cp.backward import cp_backward
 from flashqla.cp.forward import flat
 from flashqla.cp.plan import CPPlan, plan_for
@@ -22,7 +24,7 @@ from flashqla.cp.saved import CPSaved, check_products, saved_applies, saved_prod
 from flashqla.cp.segments import sequence_slots_to_segment_slots, split_tables
 from flashqla.ops.gdn.backend import default_backend
 
-__all__ = ["chunk_gated_delta_rule_bwd"]
+__all__ = ["backward", "chunk_gated_delta_rule_bwd"]
 
 
 def chunk_gated_delta_rule_bwd(
@@ -69,6 +71,10 @@ def chunk_gated_delta_rule_bwd(
         cu_seqlens[-1] are zero.
 
     Raises:
+        TypeError, ValueError, RuntimeError: as `flashqla.chunk_gated_delta_rule` for q, k, v, g, beta,
+        scale, initial_state, cu_seqlens (arguments, and without a backend the fast path's dtypes and
+        head dims and a Hopper GPU); do not of v's shape or not floating point; dht not None or
+        [N, HV, K, V] (naming the argument).
         TypeError: cp_saved neither None nor a `CPSaved`; need_dh0 not a bool. ValueError: an unknown
         cp mode or truncate, a bad segment_len; exactly one of A, g_cum_log2 None (naming it); A None
         without cp_saved (naming A); A or g_cum_log2 not of these inputs' slot count (naming it);
@@ -76,6 +82,33 @@ def chunk_gated_delta_rule_bwd(
 
     Source: `reference.gdn.fused_bwd.fused_gated_delta_rule_bwd` (records BWD-*).
     """
+    d = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, False, cu_seqlens)
+    if not isinstance(do, torch.Tensor) or tuple(do.shape) != tuple(v.shape) or not do.dtype.is_floating_point:
+        raise ValueError(f"do must be a floating-point tensor of v's shape {tuple(v.shape)}, got "
+                         f"{getattr(do, 'dtype', type(do).__name__)} {tuple(getattr(do, 'shape', ()))}")
+    if dht is not None and (not isinstance(dht, torch.Tensor) or tuple(dht.shape) != (d.N, d.HV, d.K, d.V)):
+        raise ValueError(f"dht must be None or [N, HV, K, V] = {(d.N, d.HV, d.K, d.V)}, got "
+                         f"{tuple(getattr(dht, 'shape', ())) or type(dht).__name__}")
+    if do.device != q.device or (dht is not None and dht.device != q.device):
+        raise ValueError(f"do and dht must be on q's device {q.device}")
+    if backend is None:
+        check_supported(q, k, v, g, beta, initial_state)
+        check_device(q)
+    return backward(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens, cp=cp,
+                    max_seqlen=max_seqlen, seqlens=seqlens, cp_saved=cp_saved, need_dh0=need_dh0,
+                    segment_len=segment_len, truncate=truncate, block_v=block_v, sm_count=sm_count, backend=backend,
+                    plan=plan)
+
+
+def backward(
+    q, k, v, g, beta, A, g_cum_log2, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
+    *, cp: str | bool | None = None, max_seqlen: int | None = None, seqlens: tuple[int, ...] | None = None,
+    cp_saved: CPSaved | None = None, need_dh0: bool = True, segment_len: int | None = None, truncate=None,
+    block_v: int | None = None, sm_count: int | None = None, backend=None, plan: CPPlan | None = None,
+):
+    """`chunk_gated_delta_rule_bwd` on inputs a forward of this package validated (the op's autograd):
+    its arguments and returns, without the input checks (the products, need_dh0 and truncate are
+    still checked)."""
     if not isinstance(need_dh0, bool):
         raise TypeError(f"need_dh0 must be a bool, got {type(need_dh0).__name__}")
     check_products(A, g_cum_log2, cp_saved, q, v, cu_seqlens)  # cp_saved's type too
