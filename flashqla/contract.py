@@ -312,7 +312,7 @@ def check_supported(q, k, v, g, beta, initial_state) -> None:
     naming the argument. The CPU path is `reference.chunk_gated_delta_rule` (any float dtype and size)."""
     if q.dtype not in SUPPORTED["qkv_dtypes"]:
         raise TypeError(f"chunk_gated_delta_rule supports q, k, v in bfloat16 or float16, got {q.dtype} "
-                        "(reference.chunk_gated_delta_rule takes any floating dtype, fp64 included)")
+                        "(flashqla.reference.chunk_gated_delta_rule takes any floating dtype, fp64 included)")
     if g.dtype != torch.float32:
         raise TypeError(f"chunk_gated_delta_rule supports g in float32 (natural-log decay), got {g.dtype}")
     if beta.dtype not in (torch.float32, q.dtype):
@@ -320,7 +320,7 @@ def check_supported(q, k, v, g, beta, initial_state) -> None:
     K, V = q.shape[-1], v.shape[-1]
     if K != SUPPORTED["K"] or V != SUPPORTED["V"]:
         raise ValueError(f"chunk_gated_delta_rule supports head dims K = V = 128 (chunk size 64), got K = {K}, V = {V} "
-                         "(reference.chunk_gated_delta_rule takes any head dims)")
+                         "(flashqla.reference.chunk_gated_delta_rule takes any head dims)")
     if initial_state is not None and initial_state.dtype != torch.float32:
         raise TypeError(f"chunk_gated_delta_rule supports initial_state in float32, got {initial_state.dtype}")
 
@@ -329,8 +329,8 @@ def check_device(q) -> None:
     """RuntimeError unless q is on a CUDA device of compute capability 9.0 (H100/H200)."""
     if q.device.type != "cuda":
         raise RuntimeError(f"chunk_gated_delta_rule runs on a CUDA device of compute capability 9.0 (Hopper); the "
-                           f"inputs are on {q.device}. On the CPU use reference.chunk_gated_delta_rule (the same "
-                           "signature, any dtype, fp64 included)")
+                           f"inputs are on {q.device}. On the CPU use flashqla.reference.chunk_gated_delta_rule (`reference` in a "
+                           "checkout; the same signature, any dtype, fp64 included)")
     cap = torch.cuda.get_device_capability(q.device)
     if tuple(cap) != SUPPORTED["compute_capability"]:
         raise RuntimeError(

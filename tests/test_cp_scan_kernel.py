@@ -175,7 +175,8 @@ def test_rejects_unsupported_width():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("dtype,seq_dtype", [("bfloat16", "int32"), ("float16", "int64")])
+@pytest.mark.parametrize("dtype,seq_dtype", [("bfloat16", "int32"),
+                                             pytest.param("float16", "int64", marks=pytest.mark.compile_all)])
 def test_cp_token_kernels_compile(dtype, seq_dtype):
     """The output-correction and state-gradient kernels (`cp_correct.py`) compile: TMA tile loads, a
     wgmma per tile, no spills; the state-gradient kernel masks U's rows past the segment's end only

@@ -19,7 +19,7 @@ launches of a backend (`flashqla.ops.gdn.backend`: the sm_90 kernels, or
 from flashqla.cp.backward import cp_backward, cp_backward_open
 from flashqla.cp.forward import CPInfo, OpenForward, cp_forward, cp_forward_open, transition_limits
 from flashqla.cp.merge import scan_open_states, scan_segment_grads, scan_segment_states
-from flashqla.cp.plan import CallPlan, CPPlan, clear_plan_cache, plan_call, plan_cp, plan_for, sm_count
+from flashqla.cp.plan import CallPlan, CPPlan, clear_plan_cache, cp_splits, plan_call, plan_cp, plan_for, sm_count
 from flashqla.cp.saved import CPSaved
 from flashqla.cp.segments import SegmentTables, build_segment_tables, segment_tables_device
 
@@ -36,6 +36,7 @@ __all__ = [
     "cp_backward_open",
     "cp_forward",
     "cp_forward_open",
+    "cp_splits",
     "plan_call",
     "plan_cp",
     "plan_for",
