@@ -20,7 +20,7 @@ from flashqla.cp import build_segment_tables, cp_backward, cp_forward
 from flashqla.cp.plan import clear_plan_cache, plan_cp
 from flashqla.cp.saved import CPSaved, saved_products_in_sequence_slots
 from flashqla.cp.segments import segment_slots_to_sequence_slots
-from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
+from flashqla.ops.gdn.bwd import backward, chunk_gated_delta_rule_bwd
 from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd
 from flashqla.testing import make_gdn_inputs
 from reference.gdn.cp import ReferenceCPBackend
@@ -385,8 +385,14 @@ def test_backward_after_cu_seqlens_edited_in_place():
     for new in ([0, 1300, 1300, 1300, 1300, 1300], [0, 64, 64, 65, 700, 1300], [0, 0, 0, 0, 0, 0]):
         cu.copy_(torch.tensor(new, dtype=cu.dtype))
         for kw in (dict(cp="on"), dict(cp="off")):
-            got, _ = _cp_bwd(f, d, do, dht, None, None, f.cp_saved, **kw)
+            # the driver autograd runs (it does not read the offsets back, as on a GPU); the checked
+            # entry point refuses CPU offsets that no longer end at T
+            got = backward(f.q, f.k, d["v"], d["g"], d["beta"], None, None, do, dht, None, d["initial_state"],
+                           cu, backend=ReferenceCPBackend(), cp_saved=f.cp_saved, **kw)
             assert [t.shape for t in got] == [d[n].shape for n in ("q", "k", "v", "g", "beta", "initial_state")]
+        if cu[-1] != 1300:
+            with pytest.raises(ValueError, match="cu_seqlens must end at T"):
+                _cp_bwd(f, d, do, dht, None, None, f.cp_saved)
 
 
 def test_missing_products_are_refused():

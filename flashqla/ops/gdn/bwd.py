@@ -83,6 +83,9 @@ def chunk_gated_delta_rule_bwd(
     Source: `reference.gdn.fused_bwd.fused_gated_delta_rule_bwd` (records BWD-*).
     """
     d = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, False, cu_seqlens)
+    if not isinstance(need_dh0, bool):
+        raise TypeError(f"need_dh0 must be a bool, got {type(need_dh0).__name__}")
+    check_products(A, g_cum_log2, cp_saved, q, v, cu_seqlens)  # cp_saved's type too
     if not isinstance(do, torch.Tensor) or tuple(do.shape) != tuple(v.shape) or not do.dtype.is_floating_point:
         raise ValueError(f"do must be a floating-point tensor of v's shape {tuple(v.shape)}, got "
                          f"{getattr(do, 'dtype', type(do).__name__)} {tuple(getattr(do, 'shape', ()))}")
