@@ -52,6 +52,7 @@ __all__ = [
     "max_seqlen_hint",
     "planning_max_seqlen",
     "planning_seqlens",
+    "positive_int",
     "resolve_truncate",
 ]
 
@@ -454,3 +455,17 @@ def check_seqlens(seqlens, N: int, T: int) -> tuple[int, ...]:
         shown = tuple(out) if len(out) <= 8 else str(tuple(out[:8]))[:-1] + ", ...)"
         raise ValueError(f"seqlens must be N = {N} int lengths >= 0 summing to T = {T}, got {shown}")
     return tuple(out)
+
+
+def positive_int(value, name: str, multiple: int):
+    """None, or value as a positive int multiple of `multiple` (numpy / torch integers too); ValueError
+    naming `name` otherwise (bools, floats, strings)."""
+    if value is None:
+        return None
+    try:
+        out = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        out = None
+    if out is None or out <= 0 or out % multiple:
+        raise ValueError(f"{name} must be None or a positive multiple of {multiple}, got {value!r}")
+    return out

@@ -104,13 +104,12 @@ from __future__ import annotations
 import collections
 import functools
 import heapq
-import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from flashqla.contract import CHUNK, check_seqlens, cp_mode
+from flashqla.contract import CHUNK, check_seqlens, cp_mode, positive_int
 from flashqla.cp.segments import num_segment_slots
 from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
 
@@ -724,20 +723,6 @@ def plan_call(q, v, cu_seqlens=None, cp=None, *, training: bool = False, keep_st
     return CallPlan(fwd, bwd, False)
 
 
-def _positive_int(value, name: str, multiple: int):
-    """None, or value as a positive int multiple of `multiple` (numpy / torch integers too); ValueError
-    naming `name` otherwise (bools, floats, strings)."""
-    if value is None:
-        return None
-    try:
-        out = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        out = None
-    if out is None or out <= 0 or out % multiple:
-        raise ValueError(f"{name} must be None or a positive multiple of {multiple}, got {value!r}")
-    return out
-
-
 def cp_splits(q, v, cu_seqlens=None, cp=None, *, segment_len=None, gate_chunks=None, max_seqlen=None,
               sm_count=None, backward=False, seqlens=None) -> bool:
     """Whether `flashqla.chunk_gated_delta_rule_fwd` (backward=True: `chunk_gated_delta_rule_bwd`, whose
@@ -750,8 +735,8 @@ def cp_splits(q, v, cu_seqlens=None, cp=None, *, segment_len=None, gate_chunks=N
     Raises ValueError for an unknown cp mode, or seqlens that are not the batch's N lengths summing to
     its tokens."""
     mode = cp_mode(cp)
-    segment_len = _positive_int(segment_len, "segment_len", CHUNK)
-    gate_chunks = _positive_int(gate_chunks, "gate_chunks", 1)
+    segment_len = positive_int(segment_len, "segment_len", CHUNK)
+    gate_chunks = positive_int(gate_chunks, "gate_chunks", 1)
     if mode == "off":
         return False
     if seqlens is not None and isinstance(q, torch.Tensor) and q.dim() == 4 and (

@@ -109,12 +109,8 @@ def backward(
     cp_saved: CPSaved | None = None, need_dh0: bool = True, segment_len: int | None = None, truncate=None,
     block_v: int | None = None, sm_count: int | None = None, backend=None, plan: CPPlan | None = None,
 ):
-    """`chunk_gated_delta_rule_bwd` on inputs a forward of this package validated (the op's autograd):
-    its arguments and returns, without the input checks (the products, need_dh0 and truncate are
-    still checked)."""
-    if not isinstance(need_dh0, bool):
-        raise TypeError(f"need_dh0 must be a bool, got {type(need_dh0).__name__}")
-    check_products(A, g_cum_log2, cp_saved, q, v, cu_seqlens)  # cp_saved's type too
+    """`chunk_gated_delta_rule_bwd` on inputs and products a forward of this package made (the op's
+    autograd): its arguments and returns, without its checks (truncate is still resolved)."""
     cutoff = resolve_truncate(truncate)  # checked on every path, split or not
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     backend = default_backend() if backend is None else backend

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from flashqla.contract import CHUNK, ChunkGDNForward, check_device, check_gdn_inputs, check_supported, l2norm, resolve_truncate
+from flashqla.contract import (CHUNK, ChunkGDNForward, check_device, check_gdn_inputs, check_supported, l2norm, positive_int,
+                               resolve_truncate)
 from flashqla.cp.forward import CORRECTIONS, cp_forward, flat
 from flashqla.cp.plan import CallPlan, plan_call
 from flashqla.cp.segments import segment_slots_to_sequence_slots, split_tables
@@ -105,8 +106,7 @@ def chunk_gated_delta_rule_fwd(
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if correction not in CORRECTIONS:
         raise ValueError(f"correction must be one of {CORRECTIONS}, got {correction!r}")
-    if gate_chunks is not None and (isinstance(gate_chunks, bool) or not isinstance(gate_chunks, int) or gate_chunks < 1):
-        raise ValueError(f"gate_chunks must be None or a positive int (chunks of 64 tokens), got {gate_chunks!r}")
+    gate_chunks = positive_int(gate_chunks, "gate_chunks", 1)
     resolve_truncate(truncate)  # checked on every path, split or not
     if backend is None:
         check_supported(q, k, v, g, beta, initial_state)

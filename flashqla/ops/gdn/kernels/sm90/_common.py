@@ -93,11 +93,16 @@ def compile_count() -> int:
 
 
 def compile_kernel(prim_func, name: str):
-    """Compiles a TileLang PrimFunc for sm_90a and counts the compile."""
+    """Compiles a TileLang PrimFunc for sm_90a and counts the compile; `name` (the build's key, e.g.
+    "gdn_prepare_fwd_H2_HV4_...") is added to the note of an error the compile raises."""
     global _compiles
     import tilelang
 
-    kernel = tilelang.compile(prim_func, target=sm90_target(), pass_configs=_pass_configs(), out_idx=None)
+    try:
+        kernel = tilelang.compile(prim_func, target=sm90_target(), pass_configs=_pass_configs(), out_idx=None)
+    except Exception as exc:
+        exc.add_note(f"while compiling {name} for sm_90a (TileLang + nvcc)")
+        raise
     with _lock:
         _compiles += 1
     return kernel
