@@ -31,7 +31,7 @@ from flashqla.testing import rel_rms as rel_rms_host
 ROOT = Path(__file__).resolve().parents[1]
 FWD = S.SCHEMAS["fwd"]
 ENV = dict(gpu="Test GPU", driver="1.0", cuda="12.8", torch="2.x", triton="3.x", tilelang="0.1.15",
-           fla="0.6.0", flash_qla="0.1.3")
+           fla="0.6.0", flash_qla="0.1.3", flashinfer="0.7.2.post1")
 
 
 # ---------------------------------------------------------------- grid
@@ -273,7 +273,7 @@ def test_peer_cache(tmp_path):
     c2 = S.PeerCache(p, ENV)
     assert len(c2) == 3
     assert S.num(c2.get("fla", (16, 32, "1x8192"))["ms"]) == pytest.approx(0.472)
-    assert c2.has_row((16, 32, "1x8192"))
+    assert c2.has_row((16, 32, "1x8192"), ("fla", "flash_qla")) and not c2.has_row((16, 32, "1x8192"))
     assert c2.get("fla", (16, 32, "8192x4")) is None                       # errors are not results
     assert c2.get("fla", (16, 32, "8192x4"), include_errors=True) is not None
     assert not c2.has_row((16, 32, "8192x4"))
@@ -593,11 +593,12 @@ def test_cli_report_only(tmp_path):
 def test_impl_selection_and_missing_peers():
     from flashqla.bench.__main__ import parse_args, selected_impls
 
-    assert selected_impls(parse_args([])) == ("ours", "fla", "flash_qla")
+    assert selected_impls(parse_args([])) == ("ours", "fla", "flash_qla", "flashinfer")
+    assert selected_impls(parse_args(["--bwd"])) == ("ours", "fla", "flash_qla")  # FlashInfer: no backward
     assert selected_impls(parse_args(["--peers", "none"])) == ("ours",)
-    assert selected_impls(parse_args(["--impls", "flash_qla,fla"])) == ("fla", "flash_qla")
+    assert selected_impls(parse_args(["--impls", "flashinfer,flash_qla,fla"])) == ("fla", "flash_qla", "flashinfer")
     with pytest.raises(SystemExit):
-        selected_impls(parse_args(["--impls", "flashinfer"]))
+        selected_impls(parse_args(["--impls", "cudnn"]))
     for name in ("fla", "flash_qla"):
         if __import__("importlib").util.find_spec(name) is None:
             for direction in ("fwd", "bwd"):
@@ -697,12 +698,16 @@ def test_plan_sources_per_peers_mode():
         def get(self, name, key):
             return 1.0 if (name, key) == ("fla", ROW.key) else None
 
-    assert I.plan_sources(impls, ROW, "live", Cache()) == {"ours": "live", "fla": "live", "flash_qla": "n/a"}
+    assert I.plan_sources(impls, ROW, "live", Cache()) == {"ours": "live", "fla": "live", "flash_qla": "n/a",
+                                                           "flashinfer": "skip"}
+    assert I.plan_sources(impls, ROW, "live", Cache(), names=I.impls_for("bwd")) == {
+        "ours": "live", "fla": "live", "flash_qla": "n/a"}
     assert I.plan_sources(impls, ROW, "cached", Cache())["fla"] == "cached"
     assert I.plan_sources(impls, OTHER, "cached", Cache())["fla"] == "not cached"
     assert I.plan_sources(impls, OTHER, "auto", Cache())["fla"] == "live"
     assert I.plan_sources(impls, ROW, "auto", None)["fla"] == "live"
-    assert I.plan_sources({"ours": impls["ours"]}, ROW, "none", None) == {"ours": "live", "fla": "skip", "flash_qla": "skip"}
+    assert I.plan_sources({"ours": impls["ours"]}, ROW, "none", None) == {"ours": "live", "fla": "skip", "flash_qla": "skip",
+                                                                          "flashinfer": "skip"}
 
 
 def test_unselected_peers_come_from_the_cache():
@@ -713,7 +718,8 @@ def test_unselected_peers_come_from_the_cache():
         def get(self, name, key):
             return {"ms": "1.0"} if (name, key) == ("fla", ROW.key) else None
 
-    assert I.plan_sources(ours, ROW, "cached", Cache()) == {"ours": "live", "fla": "cached", "flash_qla": "skip"}
+    assert I.plan_sources(ours, ROW, "cached", Cache()) == {"ours": "live", "fla": "cached", "flash_qla": "skip",
+                                                            "flashinfer": "skip"}
     assert I.plan_sources(ours, ROW, "auto", Cache())["fla"] == "cached"
     assert I.plan_sources(ours, OTHER, "cached", Cache())["fla"] == "skip"
     assert I.plan_sources(ours, ROW, "cached", None)["fla"] == "skip"
@@ -745,7 +751,8 @@ def test_peer_cache_keys_each_peer_by_its_own_version(tmp_path):
     assert S.PeerCache(p, dict(ENV, flash_qla="0.2.0")).get("fla", (16, 32, "1x8192")) is not None
     assert S.PeerCache(p, dict(ENV, fla="0.7.0")).get("fla", (16, 32, "1x8192")) is None
     assert S.PeerCache(p, dict(ENV, driver="2.0")).get("fla", (16, 32, "1x8192")) is None
-    assert I.ENV_FIELDS == I.BASE_ENV_FIELDS + I.PEERS and I.PEERS == ("fla", "flash_qla")
+    assert I.ENV_FIELDS == I.BASE_ENV_FIELDS + I.PEERS and I.PEERS == ("fla", "flash_qla", "flashinfer")
+    assert I.impls_for("fwd") == I.IMPLS and I.impls_for("bwd") == ("ours", "fla", "flash_qla")
 
 
 def test_report_fills_empty_peer_columns_from_the_cache(tmp_path):
@@ -823,3 +830,57 @@ def test_report_only_renders_drift_from_the_csv_and_updates_the_peers_method(tmp
         md = (tmp_path / page).read_text()
         assert "- timer X." in md and f"- {R.PEERS_METHOD}" in md and old_peers not in md, page
         assert "| 2/8 | 1x32768 | FLA | 0.900 | 0.990 | +10.0% | c |" in md[md.index("## Drift"):], page
+
+
+def test_flashinfer_entry_maps_fla_layout_both_ways(monkeypatch):
+    """The FlashInfer entry hands FlashInfer its own contract (q/k/v without the batch axis, alpha =
+    exp(g), fp32 beta, the state as [N, HV, V, K], a preallocated output_state, cu_seqlens and a host
+    max_seqlen) and maps its outputs back to FLA's layout: a stand-in module that enforces that
+    contract and computes with the reference in FlashInfer's layout gives the reference's o and final
+    state to fp64 rounding; a wrong mapping (the state untransposed, g passed as its log) would not."""
+    import types
+
+    from reference import chunk_gated_delta_rule as ref_op
+
+    calls = []
+
+    def fake(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+             output_state=None, use_cp="auto", max_seqlen=None, **kw):
+        assert q.dim() == 3 and k.dim() == 3 and v.dim() == 3 and not kw
+        assert g.dtype == beta.dtype == torch.float32 and bool((g > 0).all() and (g <= 1).all())  # alpha
+        assert output_final_state and output_state is not None and output_state.shape == initial_state.shape
+        assert isinstance(max_seqlen, int) and use_cp == "auto"
+        calls.append(max_seqlen)
+        o, ht = ref_op(q[None].double(), k[None].double(), v[None].double(), g.double().log()[None],
+                       beta.double()[None], scale=scale, initial_state=initial_state.transpose(-1, -2).double(),
+                       output_final_state=True, cu_seqlens=cu_seqlens.long())
+        output_state.copy_(ht.transpose(-1, -2))
+        return o[0], output_state
+
+    pkg, mod = types.ModuleType("flashinfer"), types.ModuleType("flashinfer.gdn_prefill")
+    mod.chunk_gated_delta_rule = fake
+    pkg.gdn_prefill = mod
+    monkeypatch.setitem(sys.modules, "flashinfer", pkg)
+    monkeypatch.setitem(sys.modules, "flashinfer.gdn_prefill", mod)
+    impl = I.load_impls(("flashinfer",), "fwd")["flashinfer"]
+    assert impl.available, impl.reason
+    assert I.load_impls(("flashinfer",), "bwd")["flashinfer"].reason == \
+        "not available (no backward in the benchmark's table)"
+
+    lengths = (5, 0, 70, 1)
+    T, H, HV = sum(lengths), 1, 2
+    cu = torch.tensor([0, 5, 5, 75, 76], dtype=torch.int32)
+    b = make_gdn_inputs(B=1, T=T, H=H, HV=HV, K=128, V=128, dtype=torch.float32, gate="qwen3next",
+                        special_heads=True, initial_state=False, beta_dtype=torch.float32, seed=3)
+    h0 = torch.randn(len(lengths), HV, 128, 128, dtype=torch.float32, generator=torch.Generator().manual_seed(1))
+    x = RowInputs(b["q"], b["k"], b["v"], b["g"], b["beta"], h0, cu, lengths)
+    o, ht = impl.fn(x)
+    assert o.shape == (1, T, HV, 128) and ht.shape == (len(lengths), HV, 128, 128) and calls == [70]
+    ro, rht = ref_op(x.q.double(), x.k.double(), x.v.double(), x.g.double(), x.beta.double(), scale=x.scale,
+                     initial_state=h0.double(), output_final_state=True, cu_seqlens=cu.long())
+    assert rel_rms(o, ro) < 1e-6 and rel_rms(ht, rht) < 1e-6
+    assert rel_rms(ht.transpose(-1, -2), rht) > 0.5  # the layout matters: the check can fail
+    x2 = RowInputs(b["q"], b["k"], b["v"], b["g"], b["beta"], h0.clone(), cu, lengths)  # a new row: fresh inputs
+    x2.h0.zero_()
+    _, ht2 = impl.fn(x2)
+    assert rel_rms(ht2, rht) > 1e-3 and len(calls) == 2

@@ -31,7 +31,7 @@ from flashqla.testing import make_gdn_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(gpu="Test GPU", driver="1.0", cuda="12.8", torch="2.x", triton="3.x", tilelang="0.1.15",
-           fla="0.6.0", flash_qla="0.1.3")
+           fla="0.6.0", flash_qla="0.1.3", flashinfer="0.7.2.post1")
 PREFIX = "test-gpu-bwd"
 BWD = S.SCHEMAS["bwd"]
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from flashqla.bench import grid as G
 from flashqla.bench.config import REPO_ROOT, Options
-from flashqla.bench.impls import IMPLS
+from flashqla.bench.impls import IMPLS, impls_for
 from flashqla.bench.timing import DEFAULTS
 
 __all__ = ["parse_args", "main", "our_commit", "commit_with_cp", "selected_impls", "list_lines"]
@@ -143,12 +143,12 @@ def our_commit(explicit: str | None = None) -> str:
 
 
 def selected_impls(opts: Options) -> tuple[str, ...]:
-    """Implementations to load: `opts.impls`, less the peers when `--peers none`, in table order.
-    Raises SystemExit on an unknown name."""
+    """Implementations to load: `opts.impls` that have a call for the run's direction (FlashInfer has no
+    backward), less the peers when `--peers none`, in table order. Raises SystemExit on an unknown name."""
     bad = [n for n in opts.impls if n not in IMPLS]
     if bad:
         raise SystemExit(f"error: unknown implementation(s) {bad}; choose from {','.join(IMPLS)}")
-    return tuple(n for n in IMPLS if n in opts.impls and (n == "ours" or opts.peers != "none"))
+    return tuple(n for n in impls_for(opts.direction) if n in opts.impls and (n == "ours" or opts.peers != "none"))
 
 
 def list_lines(direction: str, rows) -> list[str]:

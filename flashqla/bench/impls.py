@@ -41,6 +41,17 @@ bookkeeping (which a CUDA graph would not replay anyway).
   its `fused_bwd` and `cp_bwd` modules first (TileLang 0.1.15's buffer-initialisation check, a
   diagnostic pass, trips on its fused backward).
 
+- `flashinfer`: FlashInfer 0.7.2.post1, forward only (it has no backward). Its public
+  `flashinfer.gdn_prefill.chunk_gated_delta_rule` (the sm_90 CuTe-DSL kernel that vLLM and SGLang
+  call on Hopper) with `use_cp="auto"` (its own context-parallel kernels where sequences x value
+  heads leave SMs idle) and `max_seqlen` = the row's longest sequence (its host-side CP hint, as the
+  planner's hint ours gets). Its inputs in its own layout, made once per row outside the timed call
+  (what an engine holds already): q/k/v without the batch dimension, alpha = exp(g) fp32 `[T, HV]`,
+  beta fp32 `[T, HV]`, the initial state transposed to `[N, HV, V, K]` fp32. Each call allocates its
+  final state (`output_state`, which it requires) as ours allocates its own; its outputs go back
+  to FLA's layout as views (o[None], the state's last two axes swapped; no copy). It runs K = V = 128 with
+  HV a multiple of H, which every row of the grids is.
+
 The environment key (`ENV_FIELDS`): GPU name, driver, CUDA (torch's build), torch, triton, tilelang,
 then each peer's version. A result row is keyed by all of it and our commit; a peer's cached timing
 by the fields before the peers and that peer's own version (`store.PeerCache`).
@@ -59,7 +70,7 @@ from typing import Any, Callable, NamedTuple
 __all__ = [
     "Entry", "TABLE", "ENTRIES", "IMPLS", "PEERS", "LABELS", "COLORS", "BASE_ENV_FIELDS", "ENV_FIELDS",
     "FLA_ENV_VARS", "Unavailable", "FwdOut", "Impl", "load_impls", "plan_sources", "collect_env", "dist_version",
-    "gpu_slug", "fla_dispatch_target", "fla_bwd_dispatch", "patch_flash_qla_bwd", "BUFFER_INIT_CHECK",
+    "gpu_slug", "impls_for", "peers_for", "flashinfer_inputs", "fla_dispatch_target", "fla_bwd_dispatch", "patch_flash_qla_bwd", "BUFFER_INIT_CHECK",
 ]
 
 
@@ -287,6 +298,44 @@ def _flash_qla_train(**_) -> tuple[Callable, Callable, str]:
                       f"`{BUFFER_INIT_CHECK}` added to {', '.join(patched) or 'no kernel (modules not found)'}")
 
 
+# ---------------------------------------------------------------------------------------- FlashInfer
+
+
+def flashinfer_inputs(x) -> dict:
+    """FlashInfer's arguments for row `x` (an `inputs.RowInputs`, FLA layout): q/k/v `[T, *, 128]`,
+    `g` = alpha = exp(g) fp32 `[T, HV]` (its gate is the decay factor, not its log), beta fp32
+    `[T, HV]`, `initial_state` `[N, HV, V, K]` fp32, `cu_seqlens`, `max_seqlen` (host int)."""
+    return dict(q=x.q[0], k=x.k[0], v=x.v[0], g=x.g[0].float().exp().contiguous(),
+                beta=x.beta[0].float().contiguous(), initial_state=x.h0.transpose(-1, -2).contiguous(),
+                cu_seqlens=x.cu_seqlens, max_seqlen=max(max(x.lengths), 1), scale=x.scale)
+
+
+def _flashinfer_forward(**_) -> tuple[Callable, str]:
+    try:
+        from flashinfer.gdn_prefill import chunk_gated_delta_rule as op
+    except ImportError as exc:
+        raise ImportError(f"flashinfer.gdn_prefill: {exc}") from exc
+    import torch
+
+    last: dict = {}  # the latest row's converted inputs (the runner calls one row at a time)
+
+    def run(x):
+        if last.get("x") is not x:
+            last.clear()
+            last.update(x=x, args=flashinfer_inputs(x))
+        a = last["args"]
+        h0 = a["initial_state"]
+        ht = torch.empty_like(h0)
+        o, ht = op(a["q"], a["k"], a["v"], a["g"], a["beta"], scale=a["scale"], initial_state=h0,
+                   output_final_state=True, cu_seqlens=a["cu_seqlens"], output_state=ht, use_cp="auto",
+                   max_seqlen=a["max_seqlen"])
+        return o.unsqueeze(0), ht.transpose(-1, -2)
+
+    return run, ("public `flashinfer.gdn_prefill.chunk_gated_delta_rule(use_cp=\"auto\", max_seqlen=<longest sequence>)` "
+                 "on its inputs in its own layout (alpha = exp(g), state [N, HV, V, K], made once per row outside "
+                 "the timed call), its final state allocated per call")
+
+
 # ---------------------------------------------------------------------------------------- the table
 
 #: Every implementation, in table order (ours first).
@@ -296,6 +345,8 @@ TABLE: tuple[Entry, ...] = (
           forward=_fla_forward, train=_fla_train),
     Entry("flash_qla", "FlashQLA", "tab:green", dists=("flash-qla", "flash_qla"), module="flash_qla",
           forward=_flash_qla_forward, train=_flash_qla_train),
+    Entry("flashinfer", "FlashInfer", "tab:purple", dists=("flashinfer-python", "flashinfer"), module="flashinfer",
+          forward=_flashinfer_forward),
 )
 ENTRIES = {e.name: e for e in TABLE}
 #: Implementation names (CSV column prefixes), in table order; the peers are all but ours.
@@ -303,6 +354,21 @@ IMPLS = tuple(e.name for e in TABLE)
 PEERS = tuple(e.name for e in TABLE if e.name != "ours")
 LABELS = {e.name: e.label for e in TABLE}
 COLORS = {e.name: e.color for e in TABLE}
+
+
+def impls_for(direction: str) -> tuple[str, ...]:
+    """The implementations with a call for `direction` ("fwd": a forward, "bwd": a backward), in table
+    order: the columns of that benchmark's CSV and pages."""
+    if direction not in ("fwd", "bwd"):
+        raise ValueError(f"direction must be 'fwd' or 'bwd', got {direction!r}")
+    return tuple(e.name for e in TABLE if (e.forward if direction == "fwd" else e.train) is not None)
+
+
+def peers_for(direction: str) -> tuple[str, ...]:
+    """`impls_for(direction)` less ours."""
+    return tuple(n for n in impls_for(direction) if n != "ours")
+
+
 #: The environment key: the platform, then one version column per peer, in CSV order.
 BASE_ENV_FIELDS = ("gpu", "driver", "cuda", "torch", "triton", "tilelang")
 ENV_FIELDS = BASE_ENV_FIELDS + PEERS
@@ -357,16 +423,17 @@ def load_impls(names=IMPLS, direction: str = "fwd", **opts) -> dict[str, Impl]:
     return out
 
 
-def plan_sources(impls: dict, row, peers: str, cache=None) -> dict[str, str]:
+def plan_sources(impls: dict, row, peers: str, cache=None, names=IMPLS) -> dict[str, str]:
     """Where each implementation's result for `row` (a `grid.Row`) comes from: "live" (timed now;
     ours always), "cached" (from `cache`, a `store.PeerCache`, or None when the cache is not used;
     also for a peer not selected in `impls` when the cache has it), "skip" (not selected and not
     cached), "n/a" (not loadable), "unsupported" (its entry's `supports(row)` is False) or
     "not cached" (`peers` == "cached" and no cached result).
-    `peers` is the --peers mode: "live", "cached", "auto" (cached when there, else live) or "none"."""
+    `peers` is the --peers mode: "live", "cached", "auto" (cached when there, else live) or "none";
+    `names`: the implementations of the benchmark (`impls_for(direction)`; default all)."""
     plan = {}
     key = row.key
-    for name in IMPLS:
+    for name in names:
         impl = impls.get(name)
         if impl is None:  # not selected (--impls): its cached result is still shown when the cache is used
             plan[name] = "cached" if (name != "ours" and cache is not None and cache.get(name, key) is not None) else "skip"

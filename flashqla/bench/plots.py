@@ -30,13 +30,16 @@ from pathlib import Path
 
 from flashqla.bench.breakdown import COPY_TBPS, STEP_NAMES
 from flashqla.bench.grid import PEAK_TFLOPS, flop, fwd_min_bytes, tflops
-from flashqla.bench.impls import COLORS, IMPLS, LABELS
+from flashqla.bench.impls import COLORS, LABELS, impls_for
 from flashqla.bench.store import SCHEMAS, grid_order, is_cp, is_ok, num, read_rows, row_key, row_name
 
 __all__ = [
     "COLORS", "STEP_NAMES", "pyplot", "plot_fwd", "plot_vs_T", "plot_bwd", "load", "coverage", "row_label",
     "intensity", "attainable_tflops", "roofline_pct", "plot_times", "plot_roofline", "plot_breakdown",
 ]
+
+#: The implementations of each benchmark's plots (FlashInfer has no backward).
+FWD_IMPLS, BWD_IMPLS = impls_for("fwd"), impls_for("bwd")
 
 
 def pyplot():
@@ -67,9 +70,9 @@ def _heads_in_order(rows: list[dict]) -> list[tuple[int, int]]:
     return list(dict.fromkeys((int(r["h_qk"]), int(r["h_v"])) for r in rows))
 
 
-def _offset(j: int, width: float) -> float:
-    """The bar offset of the j-th implementation, the bars centred on the tick."""
-    return (j - (len(IMPLS) - 1) / 2) * width
+def _offset(j: int, width: float, n: int) -> float:
+    """The bar offset of the j-th of `n` implementations, the bars centred on the tick."""
+    return (j - (n - 1) / 2) * width
 
 
 # ---------------------------------------------------------------------------------------- pages
@@ -87,13 +90,13 @@ def plot_fwd(rows: list[dict], path) -> Path | None:
     ncol = min(3, len(heads))
     nrow = math.ceil(len(heads) / ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(6.5 * ncol, 3.8 * nrow), squeeze=False)
-    width = 0.27
+    width = 0.8 / len(FWD_IMPLS)
     for ax, h in zip(axes.flat, heads):
         rs = [r for r in rows if (int(r["h_qk"]), int(r["h_v"])) == h]
         xs = range(len(rs))
-        for j, i in enumerate(IMPLS):
+        for j, i in enumerate(FWD_IMPLS):
             ys = [tflops(num(r[f"{i}_ms"]), int(r["T"]), int(r["h_v"])) if is_ok(r, i) else 0.0 for r in rs]
-            ax.bar([x + _offset(j, width) for x in xs], ys, width, label=LABELS[i], color=COLORS[i])
+            ax.bar([x + _offset(j, width, len(FWD_IMPLS)) for x in xs], ys, width, label=LABELS[i], color=COLORS[i])
         ax.set_xticks(list(xs))
         ax.set_xticklabels([("*" if is_cp(r) else "") + str(r["mix"]) for r in rs], rotation=60, ha="right", fontsize=7)
         ax.set_title(f"h_qk/h_v = {h[0]}/{h[1]}")
@@ -121,7 +124,7 @@ def plot_vs_T(rows: list[dict], path) -> Path | None:
     fig, axes = plt.subplots(nrow, ncol, figsize=(6.0 * ncol, 4.0 * nrow), squeeze=False)
     for ax, h in zip(axes.flat, heads):
         rs = sorted((r for r in rows if (int(r["h_qk"]), int(r["h_v"])) == h), key=lambda r: int(r["T"]))
-        for i in IMPLS:
+        for i in FWD_IMPLS:
             pts = [(int(r["T"]), num(r[f"{i}_ms"])) for r in rs if is_ok(r, i)]
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=LABELS[i], color=COLORS[i])
@@ -149,15 +152,16 @@ def plot_bwd(rows: list[dict], path) -> Path | None:
     if not heads:
         return None
     fig, axes = plt.subplots(2, len(heads), figsize=(4.6 * len(heads), 7.0), squeeze=False)
-    width = 0.8 / len(IMPLS)
+    width = 0.8 / len(BWD_IMPLS)
     for col, h in enumerate(heads):
         rs = [r for r in rows if (int(r["h_qk"]), int(r["h_v"])) == h]
         for row_i, (field, kind, title) in enumerate(SCHEMAS["bwd"].timed):
             ax = axes[row_i][col]
-            for j, i in enumerate(IMPLS):
+            for j, i in enumerate(BWD_IMPLS):
                 ys = [tflops(num(r[f"{i}_{field}"]), int(r["T"]), int(r["h_v"]), kind) if is_ok(r, i, field) else 0.0
                       for r in rs]
-                ax.bar([x + _offset(j, width) for x in range(len(rs))], ys, width, label=LABELS[i], color=COLORS[i])
+                ax.bar([x + _offset(j, width, len(BWD_IMPLS)) for x in range(len(rs))], ys, width, label=LABELS[i],
+                       color=COLORS[i])
             ax.set_xticks(list(range(len(rs))))
             ax.set_xticklabels([row_name(r) for r in rs], rotation=45, ha="right", fontsize=7)
             ax.set_title(f"{title.split(' (')[0]}, h_qk/h_v = {h[0]}/{h[1]}", fontsize=9)
@@ -196,7 +200,7 @@ def coverage(rows: list[dict]) -> dict[str, dict]:
     """Per implementation: `ok` (rows with a passing, timed result), `failed` (rows marked FAIL or error),
     `untimed` (rows without a result) and `has_columns` (the CSV has its `<impl>_ms` column)."""
     out = {}
-    for impl in IMPLS:
+    for impl in FWD_IMPLS:
         col = f"{impl}_ms"
         st = [str(r.get(f"{impl}_status", "") or "") for r in rows]
         out[impl] = dict(
@@ -238,9 +242,9 @@ def plot_times(rows: list[dict], path) -> Path | None:
     if not rows or plt is None:
         return None
     fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(rows) + 2), 3.8))
-    width = 0.8 / len(IMPLS)
-    for j, impl in enumerate(IMPLS):
-        xs = [i + _offset(j, width) for i, r in enumerate(rows) if is_ok(r, impl)]
+    width = 0.8 / len(FWD_IMPLS)
+    for j, impl in enumerate(FWD_IMPLS):
+        xs = [i + _offset(j, width, len(FWD_IMPLS)) for i, r in enumerate(rows) if is_ok(r, impl)]
         ys = [num(r[f"{impl}_ms"]) for r in rows if is_ok(r, impl)]
         if not xs:
             ax.bar([0], [0], 0, color=COLORS[impl], label=f"{LABELS[impl]} (not timed)")
@@ -250,7 +254,7 @@ def plot_times(rows: list[dict], path) -> Path | None:
             ax.text(x, y, f"{y:.2f}", ha="center", va="bottom", fontsize=6)
     ticks = []
     for r in rows:
-        missing = [LABELS[i] for i in IMPLS if not is_ok(r, i)]
+        missing = [LABELS[i] for i in FWD_IMPLS if not is_ok(r, i)]
         ticks.append(row_label(r) + (f"\n(no {', '.join(missing)})" if missing else ""))
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels(ticks, fontsize=7)
@@ -266,7 +270,7 @@ def plot_roofline(rows: list[dict], path, peak: float = PEAK_TFLOPS, copy_tbps: 
     """Two panels. Left, the roofline chart: each timed (row, implementation) at (intensity, achieved
     TFLOP/s) under the compute roof (`peak`) and the bandwidth roof (intensity x `copy_tbps`). Right,
     the percentage of its row's roof each implementation reaches (`roofline_pct`), per row."""
-    pts = [(impl, r) for r in rows for impl in IMPLS if is_ok(r, impl)]
+    pts = [(impl, r) for r in rows for impl in FWD_IMPLS if is_ok(r, impl)]
     plt = pyplot()
     if not pts or plt is None:
         return None
@@ -278,7 +282,7 @@ def plot_roofline(rows: list[dict], path, peak: float = PEAK_TFLOPS, copy_tbps: 
     lo, hi = min(ai + [peak / copy_tbps]) / 4, max(ai + [peak / copy_tbps]) * 4
     xs = [lo * (hi / lo) ** (i / 100) for i in range(101)]
     ax.loglog(xs, [min(peak, x * copy_tbps) for x in xs], "k-", lw=1.2, label=f"roof: min({peak:.0f}, {copy_tbps:.1f} TB/s x intensity)")
-    for impl in IMPLS:
+    for impl in FWD_IMPLS:
         sel = [r for i, r in pts if i == impl]
         if sel:
             ax.loglog([intensity(r) for r in sel], [tflops(num(r[f"{impl}_ms"]), int(r["T"]), int(r["h_v"])) for r in sel],
@@ -287,7 +291,7 @@ def plot_roofline(rows: list[dict], path, peak: float = PEAK_TFLOPS, copy_tbps: 
         for impl, r in pts:
             ax.annotate(row_label(r), (intensity(r), tflops(num(r[f"{impl}_ms"]), int(r["T"]), int(r["h_v"]))),
                         fontsize=6, xytext=(5, -2), textcoords="offset points")
-    missing = [LABELS[i] for i in IMPLS if not any(j == i for j, _ in pts)]
+    missing = [LABELS[i] for i in FWD_IMPLS if not any(j == i for j, _ in pts)]
     if missing:
         ax.plot([], [], " ", label=f"not timed: {', '.join(missing)}")
     ax.set_xlabel("arithmetic intensity, FLOP per unavoidable HBM byte")
@@ -297,10 +301,10 @@ def plot_roofline(rows: list[dict], path, peak: float = PEAK_TFLOPS, copy_tbps: 
     ax.legend(fontsize=7, loc="upper left")
     ax.xaxis.set_minor_formatter(NullFormatter())
 
-    width = 0.8 / len(IMPLS)
-    for j, impl in enumerate(IMPLS):
+    width = 0.8 / len(FWD_IMPLS)
+    for j, impl in enumerate(FWD_IMPLS):
         idx = [i for i, r in enumerate(rows) if is_ok(r, impl)]
-        bx.bar([i + _offset(j, width) for i in idx], [roofline_pct(rows[i], impl) for i in idx], width,
+        bx.bar([i + _offset(j, width, len(FWD_IMPLS)) for i in idx], [roofline_pct(rows[i], impl) for i in idx], width,
                color=COLORS[impl], label=LABELS[impl])
     bx.set_xticks(range(len(rows)))
     bx.set_xticklabels([row_label(r) for r in rows], rotation=60, ha="right", fontsize=7)
@@ -338,7 +342,7 @@ def plot_breakdown(brows: list[dict], rows: list[dict], path) -> Path | None:
                 bottom += steps[s]
         r = whole.get(key, {})
         names = ["FLA steps"]
-        for j, impl in enumerate(IMPLS, start=1):
+        for j, impl in enumerate(FWD_IMPLS, start=1):
             names.append(f"{LABELS[impl]}\nwhole")
             if r and is_ok(r, impl):
                 ms = num(r[f"{impl}_ms"])

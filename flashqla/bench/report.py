@@ -30,14 +30,14 @@ from flashqla.bench import plots
 from flashqla.bench import store as S
 from flashqla.bench.breakdown import COPY_TBPS, STEP_NAMES
 from flashqla.bench.gate import CHECKED, GATE_TOL, parse_errs, worst
-from flashqla.bench.impls import ENV_FIELDS, IMPLS, LABELS, PEERS
+from flashqla.bench.impls import BASE_ENV_FIELDS, LABELS, impls_for, peers_for
 from flashqla.bench.store import grid_order, is_cp, is_ok, num, row_name
 from flashqla.bench.timing import DEFAULTS
 
 __all__ = [
     "speedup", "geomean", "fmt_x", "cell_ms", "console_line",
     "geomean_table", "markdown", "cp_section", "breakdown_markdown", "drift_section", "method_from_markdown",
-    "with_current_peers_method", "method_lines", "PEERS_METHOD", "CP_BWD_HEADING", "splice_section", "kept_section",
+    "with_current_peers_method", "method_lines", "pairs_for", "env_fields", "PEERS_METHOD", "CP_BWD_HEADING", "splice_section", "kept_section",
     "commit_label", "fill_cached_peers", "write_pages", "rebuild",
 ]
 
@@ -52,8 +52,18 @@ PEERS_METHOD = (
 #: The heading of the context-parallel page's backward section (`cp_section`): the backward's pages
 #: write it, the forward's keep it when they rewrite the page.
 CP_BWD_HEADING = "## Backward and training step, one sequence"
-#: Speed-up pairs of the geometric means: ours over each peer, then each peer over the ones before it.
-PAIRS = [("ours", p) for p in PEERS] + [(b, a) for i, a in enumerate(PEERS) for b in PEERS[i + 1:]]
+
+
+def pairs_for(direction: str) -> list[tuple[str, str]]:
+    """Speed-up pairs of the geometric means: ours over each peer of `direction`'s benchmark, then
+    each peer over the ones before it."""
+    peers = peers_for(direction)
+    return [("ours", p) for p in peers] + [(b, a) for i, a in enumerate(peers) for b in peers[i + 1:]]
+
+
+def env_fields(direction: str) -> tuple[str, ...]:
+    """The environment fields a page of `direction` shows: the platform, then its peers' versions."""
+    return BASE_ENV_FIELDS + peers_for(direction)
 _ENV_NAMES = {"gpu": "GPU", "cuda": "CUDA (torch build)"}
 
 
@@ -119,7 +129,7 @@ def console_line(direction: str, r: dict) -> str:
     timed = S.SCHEMAS[direction].timed
     name = row_name(r) if direction == "bwd" else str(r["mix"])
     parts = [f"{str(r['h_qk']) + '/' + str(r['h_v']):<5} {name:<12}"]
-    for i in IMPLS:
+    for i in impls_for(direction):
         st = str(r.get(f"{i}_status", ""))
         if st == "ok":
             times = "/".join(f"{num(r.get(f'{i}_{f}')):.3f}" if num(r.get(f"{i}_{f}")) > 0 else "-" for f, _, _ in timed)
@@ -131,7 +141,7 @@ def console_line(direction: str, r: dict) -> str:
             parts.append(f"{LABELS[i]} FAIL ({errs})")
         elif st:
             parts.append(f"{LABELS[i]} {st}")
-    for p in PEERS:
+    for p in peers_for(direction):
         s = [speedup(r, "ours", p, f) for f, _, _ in timed]
         if not all(math.isnan(x) for x in s):
             parts.append(f"vs {LABELS[p]} " + "/".join(fmt_x(x) for x in s))
@@ -142,7 +152,7 @@ def console_line(direction: str, r: dict) -> str:
 
 
 def geomean_table(direction: str, rows: list[dict]) -> list[str]:
-    """Markdown lines: geometric-mean speed-ups per timed column and pair (`PAIRS`), over all rows
+    """Markdown lines: geometric-mean speed-ups per timed column and pair (`pairs_for`), over all rows
     and subsets (the forward: CP rows and the other rows; the backward: each total T)."""
     if direction == "bwd":
         subsets = [("all rows", rows)] + [(f"T = {t}", [r for r in rows if int(r["T"]) == t])
@@ -155,7 +165,7 @@ def geomean_table(direction: str, rows: list[dict]) -> list[str]:
            "| --- | " + " | ".join("---" for _ in subsets) + " |"]
     for field, _, title in timed:
         prefix = f"{title.split(' (')[0]}: " if len(timed) > 1 else ""
-        for a, b in PAIRS:
+        for a, b in pairs_for(direction):
             cells = []
             for _, rs in subsets:
                 xs = [x for x in (speedup(r, a, b, field) for r in rs) if not math.isnan(x)]
@@ -179,22 +189,23 @@ def _table(direction: str, rows: list[dict], field: str, kind: str) -> list[str]
     """The per-row table of one timed column: the row, each implementation's ms, ours over each peer,
     each implementation's TFLOP/s, the peers' source."""
     lead = _lead_columns(direction)
-    head = ([h for h, _ in lead] + [f"{LABELS[i]} ms" for i in IMPLS] + [f"ours vs {LABELS[p]}" for p in PEERS]
-            + [f"{LABELS[i]} TFLOP/s" + (f" (% of {G.PEAK_TFLOPS:.0f})" if i == "ours" else "") for i in IMPLS]
+    impls, peers = impls_for(direction), peers_for(direction)
+    head = ([h for h, _ in lead] + [f"{LABELS[i]} ms" for i in impls] + [f"ours vs {LABELS[p]}" for p in peers]
+            + [f"{LABELS[i]} TFLOP/s" + (f" (% of {G.PEAK_TFLOPS:.0f})" if i == "ours" else "") for i in impls]
             + ["peers"])
     L = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
     for r in rows:
-        cells = ([fn(r) for _, fn in lead] + [cell_ms(r, i, direction, field) for i in IMPLS]
-                 + [fmt_x(speedup(r, "ours", p, field)) for p in PEERS]
-                 + [_tf_cell(r, i, field, kind) for i in IMPLS] + [str(r.get("peers_source", ""))])
+        cells = ([fn(r) for _, fn in lead] + [cell_ms(r, i, direction, field) for i in impls]
+                 + [fmt_x(speedup(r, "ours", p, field)) for p in peers]
+                 + [_tf_cell(r, i, field, kind) for i in impls] + [str(r.get("peers_source", ""))])
         L.append("| " + " | ".join(cells) + " |")
     return L
 
 
-def _header(title: str, env: dict, commit: str, meta: dict) -> list[str]:
-    """A page's title, environment table, commit, date and Method section."""
+def _header(title: str, env: dict, commit: str, meta: dict, direction: str = "fwd") -> list[str]:
+    """A page's title, environment table (`env_fields(direction)`), commit, date and Method section."""
     L = [f"# {title}", "", "| | |", "| --- | --- |"]
-    L += [f"| {_ENV_NAMES.get(f, f)} | {env.get(f, '')} |" for f in ENV_FIELDS]
+    L += [f"| {_ENV_NAMES.get(f, f)} | {env.get(f, '')} |" for f in env_fields(direction)]
     L += [f"| our commit | {commit} |", f"| date (UTC) | {meta.get('date', '')} |", "", "## Method", ""]
     L += [f"- {line}" for line in meta.get("method", [])]
     return L + [""]
@@ -204,7 +215,7 @@ def _timed_cell(ms: float, status: str) -> str:
     return f"{ms:.3f}" if str(status) == "ok" and ms > 0 else (str(status) or "-")
 
 
-def drift_section(rows: list[dict], kinds=(("", "ms"),), mix_of=None) -> list[str]:
+def drift_section(rows: list[dict], kinds=(("", "ms"),), mix_of=None, direction: str = "fwd") -> list[str]:
     """Markdown lines of the '## Drift' section, from the rows as the results CSV keeps them: each
     cached peer that the measuring run timed again (`<peer>_retime_status` filled) with the cached
     time (`<peer>_<field>`, the one the tables show), the live one (`<peer>_retime_<field>`) and the
@@ -212,11 +223,11 @@ def drift_section(rows: list[dict], kinds=(("", "ms"),), mix_of=None) -> list[st
     "ms", the backward's "bwd_ms" and "step_ms"); then the rows marked re-timed in the peers column
     whose live times the CSV does not keep (written before the re-timed columns existed), by name
     only. Nothing is computed that the rows do not hold. `mix_of(row)`: the mix cell (default the
-    `mix` column)."""
+    `mix` column); `direction`: whose peers are listed."""
     mix_of = mix_of or (lambda r: str(r["mix"]))
     recorded, unrecorded = [], []
     for r in rows:
-        peers = [p for p in PEERS if str(r.get(f"{p}_retime_status", "")).strip()]
+        peers = [p for p in peers_for(direction) if str(r.get(f"{p}_retime_status", "")).strip()]
         recorded += [(r, p) for p in peers]
         if not peers and "re-timed" in str(r.get("peers_source", "")):
             unrecorded.append(r)
@@ -255,10 +266,9 @@ def drift_section(rows: list[dict], kinds=(("", "ms"),), mix_of=None) -> list[st
 
 # ---------------------------------------------------------------------------------------- pages
 
-_VS = " vs ".join(LABELS[i] for i in IMPLS)
-FWD_TITLE = f"GDN chunked prefill, forward: {_VS}"
-CP_TITLE = f"GDN chunked prefill, one long sequence (context parallelism): {_VS}"
-BWD_TITLE = f"GDN chunked prefill, backward and training step: {_VS}"
+FWD_TITLE = "GDN chunked prefill, forward: " + " vs ".join(LABELS[i] for i in impls_for("fwd"))
+CP_TITLE = "GDN chunked prefill, one long sequence (context parallelism): " + " vs ".join(LABELS[i] for i in impls_for("fwd"))
+BWD_TITLE = "GDN chunked prefill, backward and training step: " + " vs ".join(LABELS[i] for i in impls_for("bwd"))
 
 
 def markdown(direction: str, rows: list[dict], env: dict, commit: str, meta: dict,
@@ -267,7 +277,7 @@ def markdown(direction: str, rows: list[dict], env: dict, commit: str, meta: dic
     `meta` holds "date" and the "method" lines; the forward's `breakdown_rows` add FLA's breakdown;
     `title` (default the benchmark's)."""
     rows = sorted(rows, key=lambda r: grid_order(r, direction))
-    L = _header(title or (BWD_TITLE if direction == "bwd" else FWD_TITLE), env, commit, meta)
+    L = _header(title or (BWD_TITLE if direction == "bwd" else FWD_TITLE), env, commit, meta, direction)
     L += ["## Geometric-mean speed-ups", ""] + geomean_table(direction, rows)
     if direction == "bwd":
         for field, kind, title in S.SCHEMAS["bwd"].timed:
@@ -279,7 +289,7 @@ def markdown(direction: str, rows: list[dict], env: dict, commit: str, meta: dic
               + "), and the largest relative RMS between two implementations over all of o, final state and "
                 "gradients.", ""]
         L += _gate_table(rows) + [""]
-        L += drift_section(rows, kinds=(("bwd ", "bwd_ms"), ("step ", "step_ms")), mix_of=row_name)
+        L += drift_section(rows, kinds=(("bwd ", "bwd_ms"), ("step ", "step_ms")), mix_of=row_name, direction="bwd")
         return "\n".join(L) + "\n"
     L += ["", "CP rows (marked `CP` below) are the single-sequence few-head rows: the longest sequence holds at "
           "least 3/4 of the tokens and the effective parallelism `par` = h_v x T / max length is below half "
@@ -288,7 +298,7 @@ def markdown(direction: str, rows: list[dict], env: dict, commit: str, meta: dic
           "## Forward, per row", ""]
     L += _table("fwd", rows, "ms", "fwd") + [""]
     errs = []
-    for i in IMPLS:
+    for i in impls_for("fwd"):
         e = [max(num(r.get(f"{i}_err_o")), num(r.get(f"{i}_err_ht"))) for r in rows if is_ok(r, i)]
         e = [x for x in e if not math.isnan(x)]
         if e:
@@ -304,12 +314,13 @@ def markdown(direction: str, rows: list[dict], env: dict, commit: str, meta: dic
 
 def _gate_table(rows: list[dict]) -> list[str]:
     pairs = S.SCHEMAS["bwd"].pair_names
-    head = (["heads", "mix", "gate"] + [f"{LABELS[i]} worst" for i in IMPLS]
+    impls = impls_for("bwd")
+    head = (["heads", "mix", "gate"] + [f"{LABELS[i]} worst" for i in impls]
             + [f"{LABELS[a]} ~ {LABELS[b]}" for a, b in pairs])
     L = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
     for r in rows:
         cells = [f"{r['h_qk']}/{r['h_v']}", row_name(r), str(r.get("gate", ""))]
-        for i in IMPLS:
+        for i in impls:
             name, e = worst(parse_errs(r.get(f"{i}_errs", "")), GATE_TOL["bwd"])
             st = str(r.get(f"{i}_status", ""))
             cells.append(f"{name} {e:.1e}" + (" FAIL" if st == "FAIL" else "") if name else "-")
@@ -333,7 +344,7 @@ def cp_section(rows: list[dict], commit: str, page: str, env: dict | None = None
          f"The one-sequence rows of the backward grid, from `{page}` (its method, correctness gate and drift "
          f"section apply; our commit: {commit}). Ours splits the sequence where the backward's plan predicts a "
          "gain (cp='auto'); FlashQLA runs its own intra-card context parallelism (`auto_cp=True`)."
-         + ("" if not env else " Environment: " + ", ".join(f"{f} {env.get(f, '')}" for f in ENV_FIELDS) + "."), ""]
+         + ("" if not env else " Environment: " + ", ".join(f"{f} {env.get(f, '')}" for f in env_fields("bwd")) + "."), ""]
     L += geomean_table("bwd", one)
     for field, kind, title in S.SCHEMAS["bwd"].timed:
         L += ["", f"### {title[0].upper() + title[1:]}", ""] + _table("bwd", one, field, kind)
@@ -383,7 +394,7 @@ def breakdown_markdown(brows: list[dict], rows: list[dict]) -> list[str]:
         L.append(f"- intermediates' HBM round trip (g_cum, A, w, u, h, v_new written and read back): "
                  f"{inter / MB:.1f} MB = {rt_ms:.3f} ms at {COPY_TBPS:.1f} TB/s"
                  + (f" ({100 * rt_ms / fla_ms:.0f}% of FLA's forward)" if fla_ms > 0 else ""))
-        for i in IMPLS:
+        for i in impls_for("fwd"):
             if i == "fla":
                 continue
             L.append(f"- {LABELS[i]} (whole forward): " + (f"{num(whole[f'{i}_ms']):.3f} ms" if is_ok(whole, i) else cell_ms(whole, i) if whole else "-"))
@@ -458,7 +469,7 @@ def method_lines(opts, impls: dict) -> list[str]:
     flop += (f"; TFLOP/s on that count, % of the {G.PEAK_TFLOPS:.0f} TFLOP/s bf16 GEMM rate measured on our H200. "
              "Speed-up = peer ms / our ms.")
     calls = []
-    for name in IMPLS:
+    for name in impls_for(opts.direction):
         impl = impls.get(name)
         if impl is None:
             what = ("not run in the call that wrote this page (--impls); its columns, where filled, come from earlier "
@@ -481,15 +492,15 @@ def commit_label(rows: list[dict], commit: str, also=()) -> str:
     return "; ".join(f"{c} ({n} rows)" for c, n in counts.items() if n)
 
 
-def fill_cached_peers(rows: list[dict], cache: S.PeerCache) -> list[dict]:
+def fill_cached_peers(rows: list[dict], cache: S.PeerCache, peers=peers_for("fwd")) -> list[dict]:
     """Rows whose peer columns are empty (a run with `--impls ours`) get the peers' cached results
     for the same row, and `peers_source` "cached"; rows with a peer result keep theirs. Returns new
-    dicts (the CSV is not rewritten)."""
+    dicts (the CSV is not rewritten). `peers`: the benchmark's peers (`peers_for(direction)`)."""
     out = []
     for r in rows:
         r = dict(r)
         used = False
-        for name in PEERS:
+        for name in peers:
             if any(str(r.get(f"{name}_{f}", "")).strip() for f in ("status",) + cache.impl_fields[:1]):
                 continue
             c = cache.get(name, S.row_key(r))
@@ -515,7 +526,7 @@ def write_pages(direction: str, paths: dict, env: dict, commit: str, meta: dict,
     files written."""
     schema = S.SCHEMAS[direction]
     rows = S.rows_for_commits(S.read_rows(paths["csv"]), env, [commit, *also])
-    rows = fill_cached_peers(rows, S.PeerCache(paths["peers"], env, schema.impl_fields))
+    rows = fill_cached_peers(rows, S.PeerCache(paths["peers"], env, schema.impl_fields), schema.peers)
     paths["md"].parent.mkdir(parents=True, exist_ok=True)
     cp_base = paths["cp_md"] if paths["cp_md"].exists() else paths.get("src_cp_md", paths["cp_md"])
     written = []

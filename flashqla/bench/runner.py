@@ -34,7 +34,7 @@ from flashqla.bench import grid as G
 from flashqla.bench import report as R
 from flashqla.bench import store as S
 from flashqla.bench.config import Options
-from flashqla.bench.impls import ENV_FIELDS, IMPLS, LABELS, PEERS, Impl, plan_sources
+from flashqla.bench.impls import ENV_FIELDS, LABELS, Impl, plan_sources
 from flashqla.bench.inputs import InputFactory, RowInputs
 from flashqla.bench.timing import time_cuda_graph
 
@@ -183,11 +183,11 @@ def _measure_fwd_row(ctx: _Ctx, row, x, row_fields, plan, retimed) -> tuple[dict
     need_ref = any(v == "live" for v in plan.values()) or retimed or ctx.opts.breakdown
     ref = ctx.ref_fn(x) if need_ref else None
     live = {}
-    for name in IMPLS:
+    for name in S.SCHEMAS["fwd"].impls:
         how = plan[name]
         if how == "live" or (how == "cached" and retimed and name in ctx.impls):
             live[name] = measure(ctx.impls[name].fn, x, ref, ctx.tol, ctx.timer, ctx.opts.verbose, ctx.time_fn)
-            if how == "live" and name in PEERS:
+            if how == "live" and name != "ours":
                 ctx.cache.put(name, row_fields, live[name], S.now_utc())
     return live, {}, ref
 
@@ -198,7 +198,8 @@ def _measure_bwd_row(ctx: _Ctx, row, x, row_fields, plan, retimed) -> tuple[dict
     from tqdm import tqdm
 
     opts, impls = ctx.opts, ctx.impls
-    runs = [n for n in IMPLS if plan[n] == "live" or (plan[n] == "cached" and retimed and n in impls)]
+    peers = S.SCHEMAS["bwd"].peers
+    runs = [n for n in S.SCHEMAS["bwd"].impls if plan[n] == "live" or (plan[n] == "cached" and retimed and n in impls)]
     ref, gate = None, ""
     if runs:
         gate = "pairwise"
@@ -220,12 +221,12 @@ def _measure_bwd_row(ctx: _Ctx, row, x, row_fields, plan, retimed) -> tuple[dict
         if res[name]["status"] == "ok":
             res[name].update(time_impl(impls[name], x, saved, ctx.timer, ctx.time_fn, step=opts.step,
                                        verbose=opts.verbose))
-        if name in PEERS and plan[name] == "live":
+        if name in peers and plan[name] == "live":
             ctx.cache.put(name, row_fields, res[name], S.now_utc())
 
     pending = {}
     for name in runs:
-        if (name in PEERS and opts.time_budget is not None
+        if (name in peers and opts.time_budget is not None
                 and time.perf_counter() - ctx.t_start > opts.time_budget):
             # a peer may compile for minutes: leave it to the next run (the row stays not done)
             if plan[name] == "live":
@@ -241,7 +242,7 @@ def _measure_bwd_row(ctx: _Ctx, row, x, row_fields, plan, retimed) -> tuple[dict
                 traceback.print_exc()
             got.pop(name, None)
             res[name] = {"status": "error: " + _short(exc)}
-            if name in PEERS and plan[name] == "live":
+            if name in peers and plan[name] == "live":
                 ctx.cache.put(name, row_fields, res[name], S.now_utc())
             _recover()
             continue
@@ -316,10 +317,12 @@ def run_rows(rows, opts: Options, impls: dict, env: dict, commit: str, device="c
         print(f"resuming: {len(rows) - len(todo)} of {len(rows)} rows already in {paths['csv'].name} for this key")
     cache = S.PeerCache(paths["peers"], env, schema.impl_fields)
     use_cache = opts.peers in ("cached", "auto")
-    live_peers = [p for p in PEERS if impls.get(p) is not None and impls[p].available]
+    peers = schema.peers
+    live_peers = [p for p in peers if impls.get(p) is not None and impls[p].available]
     retime = set()
     if use_cache and opts.retime > 0 and live_peers:
-        retime = set(S.pick_retime([r.key for r in todo if cache.has_row(r.key, live_peers)], opts.retime))
+        retime = set(S.pick_retime([r.key for r in todo if any(cache.get(p, r.key) is not None for p in live_peers)],
+                                   opts.retime))
     meta = {"date": S.now_utc(), "method": R.method_lines(opts, impls)}
     factory = InputFactory(device, max(r.mix.T for r in todo) if todo else 0, seed=opts.seed, grads=direction == "bwd")
     ctx = _Ctx(opts, impls, cache, opts.tolerances, opts.timer, time_fn, ref_fn, t_start)
@@ -335,17 +338,17 @@ def run_rows(rows, opts: Options, impls: dict, env: dict, commit: str, device="c
         bar.set_postfix_str(row_label(direction, row))
         x = factory.get(row)
         row_fields = {"h_qk": row.heads.h_qk, "h_v": row.heads.h_v, "mix": row.mix.label, "T": row.mix.T, "N": row.mix.N}
-        plan = plan_sources(impls, row, opts.peers, cache if use_cache else None)
+        plan = plan_sources(impls, row, opts.peers, cache if use_cache else None, names=schema.impls)
         retimed = row.key in retime
         live, extra, ref = _MEASURE_ROW[direction](ctx, row, x, row_fields, plan, retimed)
 
-        sources = sorted({plan[p] for p in PEERS if plan[p] in ("live", "cached")})
+        sources = sorted({plan[p] for p in peers if plan[p] in ("live", "cached")})
         # the cached peers timed again on this row (one left to the next run by --time-budget is not)
-        retimed_peers = [n for n in PEERS if plan[n] == "cached" and n in live]
+        retimed_peers = [n for n in peers if plan[n] == "cached" and n in live]
         line = {**{f: env[f] for f in ENV_FIELDS}, "commit": commit, **row_fields,
                 **_row_columns(direction, row, sm_count), **extra,
                 "peers_source": "+".join(sources) + (" (re-timed)" if retimed_peers else ""), "date": S.now_utc()}
-        for name in IMPLS:
+        for name in schema.impls:
             how = plan[name]
             if how == "live":
                 r = live.get(name, {"status": "error: not run"})

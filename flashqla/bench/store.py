@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from flashqla.bench import grid as G
-from flashqla.bench.impls import BASE_ENV_FIELDS, ENV_FIELDS, IMPLS, PEERS, gpu_slug
+from flashqla.bench.impls import BASE_ENV_FIELDS, ENV_FIELDS, PEERS, gpu_slug, impls_for
 
 __all__ = [
     "ROW_FIELDS", "Schema", "SCHEMAS", "BREAKDOWN_FIELDS", "NOT_DONE", "DEFERRED", "read_rows", "append_row", "fmt",
@@ -51,12 +51,18 @@ class Schema:
     extra: tuple[str, ...]
     retime_fields: tuple[str, ...]
     timed: tuple[tuple[str, str, str], ...]
+    impls: tuple[str, ...]
     pairs: bool = False
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        """`impls` less ours."""
+        return tuple(i for i in self.impls if i != "ours")
 
     @property
     def pair_names(self) -> tuple[tuple[str, str], ...]:
         """Every pair (a, b) of implementations, a before b, when the schema has pair columns."""
-        return tuple((a, b) for i, a in enumerate(IMPLS) for b in IMPLS[i + 1:]) if self.pairs else ()
+        return tuple((a, b) for i, a in enumerate(self.impls) for b in self.impls[i + 1:]) if self.pairs else ()
 
     @property
     def pair_fields(self) -> tuple[str, ...]:
@@ -66,8 +72,8 @@ class Schema:
     @property
     def result_fields(self) -> tuple[str, ...]:
         return (ENV_FIELDS + ("commit",) + ROW_FIELDS + self.extra
-                + tuple(f"{i}_{f}" for i in IMPLS for f in self.impl_fields) + self.pair_fields
-                + ("peers_source", "date") + tuple(f"{p}_retime_{f}" for p in PEERS for f in self.retime_fields))
+                + tuple(f"{i}_{f}" for i in self.impls for f in self.impl_fields) + self.pair_fields
+                + ("peers_source", "date") + tuple(f"{p}_retime_{f}" for p in self.peers for f in self.retime_fields))
 
     @property
     def peer_fields(self) -> tuple[str, ...]:
@@ -80,12 +86,13 @@ class Schema:
 #: short name and gate ("fp64" or "pairwise"), and the pairwise agreement of the implementations.
 SCHEMAS = {
     "fwd": Schema(impl_fields=("ms", "status", "err_o", "err_ht", "launches", "spread"),
-                  extra=("cp_row", "parallelism"), retime_fields=("ms", "status"), timed=(("ms", "fwd", "forward"),)),
+                  extra=("cp_row", "parallelism"), retime_fields=("ms", "status"), timed=(("ms", "fwd", "forward"),),
+                  impls=impls_for("fwd")),
     "bwd": Schema(impl_fields=("bwd_ms", "step_ms", "status", "err", "errs", "bwd_launches", "bwd_spread",
                                "step_launches", "step_spread"),
                   extra=("name", "parallelism", "gate"), retime_fields=("bwd_ms", "step_ms", "status"),
                   timed=(("bwd_ms", "bwd", "backward"), ("step_ms", "step", "training step (forward + backward)")),
-                  pairs=True),
+                  impls=impls_for("bwd"), pairs=True),
 }
 BREAKDOWN_FIELDS = (ENV_FIELDS + ("commit",) + ROW_FIELDS
                     + ("step", "ms", "inputs_read", "inter_read", "inter_written", "out_written", "note", "date"))

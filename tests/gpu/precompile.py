@@ -54,9 +54,10 @@ def tier_specs() -> list:
     return list(dict.fromkeys(specs))
 
 
-def bench_specs() -> list:
+def bench_specs(backward: bool = True) -> list:
     """The kernels of the benchmark grids: every head configuration, packed and fixed, both value
-    slice widths, the backward's kernels for the backward grid."""
+    slice widths, the backward's kernels for the backward grid (`backward=False`: the forward grid's
+    kernels only)."""
     from flashqla.bench.grid import BWD_HEADS, FWD_HEADS
     from flashqla.ops.gdn.kernels.sm90.registry import op_kernel_specs
 
@@ -67,7 +68,7 @@ def bench_specs() -> list:
         for varlen in (False, True):
             for bv in (64, 128):
                 specs += op_kernel_specs(H, HV, varlen=varlen, block_v=bv, backward=False)
-    for H, HV in bwd_heads:
+    for H, HV in bwd_heads if backward else ():
         for varlen in (False, True):
             for bv in (64, 128):
                 specs += op_kernel_specs(H, HV, varlen=varlen, block_v=bv)
@@ -98,11 +99,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tier", action="store_true", help="the GPU tier's kernels")
     ap.add_argument("--bench", action="store_true", help="the benchmark grids' kernels")
+    ap.add_argument("--fwd-only", action="store_true", help="with --bench: the forward grid's kernels only")
     ap.add_argument("--workers", type=int, default=None, help="worker processes (default: CPU count)")
     ap.add_argument("--pack", metavar="FILE", help="write the cache directory as FILE (tar.xz) afterwards")
     ap.add_argument("--list", action="store_true", help="print the kernel specs and exit")
     args = ap.parse_args(argv)
-    specs = (tier_specs() if args.tier else []) + (bench_specs() if args.bench else [])
+    specs = (tier_specs() if args.tier else []) + (bench_specs(not args.fwd_only) if args.bench else [])
     specs = list(dict.fromkeys(specs))
     if args.list:
         for s in specs:
