@@ -57,6 +57,7 @@ __all__ = [
     "chunk_fwd_h",
     "chunk_fwd_o",
     "chunk_gated_delta_rule_fwd",
+    "chunk_checkpoint_states",
 ]
 
 
@@ -542,3 +543,62 @@ def chunk_gated_delta_rule_fwd(
     h, v_new, final_state = chunk_fwd_h(k, w, u, g_cum, initial_state, output_final_state, **cs)
     o = chunk_fwd_o(q, k, v_new, h, g_cum, scale, **cs)
     return g_cum, o, A, final_state, h, v_new
+
+
+def chunk_checkpoint_states(
+    k: torch.Tensor,
+    v_new: torch.Tensor,
+    h: torch.Tensor,
+    g_cum: torch.Tensor,
+    positions,
+    chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The state after the first p tokens of the packed batch, for every p of `positions`, from the
+    chunked forward's products (no second pass over the sequence).
+
+    p lies in sequence n (bos < p <= eos) and in its chunk c = (p - 1 - bos) // C, which starts at
+    s = bos + c C; with r = p - s tokens of that chunk done and G the chunk-local cumulative gate:
+
+        S_p = exp(G_{r-1}) h[c] + sum_{i < r} exp(G_{r-1} - G_i) k_i v_new_i^T
+
+    which is the chunk-state update `chunk_fwd_h` applies at the chunk's end (r = C), cut after r
+    tokens: exact because v_new_i = u_i - w_i h[c] depends only on the tokens <= i of the chunk (A is
+    lower triangular), so the first r rows of the full chunk's v_new are the r-token chunk's.
+
+    Args:
+        k: [B, T, H, K] (after any L2 norm); v_new: [B, T, HV, V]; h: [B, NT, HV, K, V] chunk-start
+        states; g_cum: [B, T, HV] natural-log chunk-local cumsum (from `chunk_gated_delta_rule_fwd`);
+        positions: ints (a list or a tensor, read on the host), global offsets b * T + t without
+        cu_seqlens, each inside a sequence; chunk_size, cu_seqlens as there.
+
+    Returns: [M, HV, K, V] in the compute dtype. Raises ValueError for a position inside no sequence.
+    """
+    B, T, H, K = k.shape
+    HV, V = v_new.shape[2], v_new.shape[3]
+    C = check_chunk_size(chunk_size)
+    cdt = compute_dtype(k, v_new, h, g_cum)
+    pos = [int(p) for p in (positions.tolist() if isinstance(positions, torch.Tensor) else positions)]
+    bounds = seq_bounds(B, T, cu_seqlens)
+    first_chunk, total = [], 0
+    for n, (b, bos, eos) in enumerate(bounds):
+        first_chunk.append(b * (-(-T // C)) if cu_seqlens is None else total)
+        total += -(-(eos - bos) // C)
+    hc = h.to(cdt).reshape(-1, HV, K, V)
+    group = HV // H
+    out = torch.empty(len(pos), HV, K, V, dtype=cdt, device=k.device)
+    for m, p in enumerate(pos):
+        hit = [n for n, (b, bos, eos) in enumerate(bounds) if b * T + bos < p <= b * T + eos]
+        if not hit:
+            raise ValueError(f"checkpoint position {p} lies inside no sequence")
+        n = hit[0]
+        b, bos, _ = bounds[n]
+        t = p - b * T  # tokens of row b done
+        c = (t - 1 - bos) // C
+        s = bos + c * C
+        kk = k[b, s:t].to(cdt).repeat_interleave(group, dim=1)  # [r, HV, K]
+        vn = v_new[b, s:t].to(cdt)  # [r, HV, V]
+        G = g_cum[b, s:t].to(cdt)  # [r, HV], G[-1] is the last done token's
+        decay = (G[-1:] - G).exp()  # <= 1: differences of a non-increasing cumsum
+        out[m] = G[-1].exp()[:, None, None] * hc[first_chunk[n] + c] + torch.einsum("rhk,rh,rhv->hkv", kk, decay, vn)
+    return out

@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 
 from flashqla.contract import check_gdn_inputs
-from .chunk import G_FLOOR, check_chunk_size, chunk_gated_delta_rule_fwd
+from flashqla.serving import (check_serving_args, from_kv, gather_initial_states, serving_requested,
+                              store_final_states)
+from .chunk import G_FLOOR, check_chunk_size, chunk_checkpoint_states, chunk_gated_delta_rule_fwd
 from .chunk_bwd import chunk_gated_delta_rule_bwd
 from .recurrent import L2NORM_EPS, compute_dtype, l2norm
 
@@ -122,6 +124,13 @@ def chunk_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     *,
     chunk_size: int = 64,
+    state_indices: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    state_layout: str = "kv",
+    checkpoint_positions: torch.Tensor | None = None,
+    checkpoint_states: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ):
     """Gated DeltaNet chunked prefill, reference (plain PyTorch, fp64-capable, differentiable).
 
@@ -150,6 +159,30 @@ def chunk_gated_delta_rule(
             differentiate through it.
         chunk_size: C, a positive int (keyword only; FLA passes it through **kwargs; default 64).
 
+    Serving arguments (keyword only; `flashqla.serving` defines them; the public op
+    `flashqla.chunk_gated_delta_rule` takes the same):
+        state_indices: int32/int64 [N] or None. With it initial_state is a pool [P, HV, K, V]
+            (or [P, HV, V, K]); sequence n starts from row state_indices[n] and, with
+            output_final_state, its final state is written into that row (rounded once to the
+            pool's dtype); the pool is returned as final_state. Negative: a padding sequence (no
+            read, no write).
+        has_initial_state: bool [N] or None; False starts that sequence from zeros.
+        state_layout: "kv" (default) or "vk" for initial_state / the pool, the final state and the
+            checkpoints.
+        checkpoint_positions, checkpoint_states: int [M] sorted global token offsets, each inside a
+            sequence (cu_seqlens[n] < p <= cu_seqlens[n + 1]), and the preallocated [M, HV, K, V]
+            (or [M, HV, V, K]) states written in place with the state after the first p tokens
+            (`reference.gdn.chunk.chunk_checkpoint_states`: from the chunk states, at any token; o
+            is not changed).
+        out: preallocated o [B, T, HV, V] in q's dtype, written in place and returned.
+        batch_invariant: run each sequence as its own call (its own tensors, its own chunked pass),
+            so that its o, final state and checkpoints are bitwise those of a batch holding it alone.
+        Every value is checked here (the reference reads them): an index >= P, two sequences on one
+        pool row, unsorted positions or one outside every sequence raise ValueError.
+        Autograd: o stays differentiable (q, k, v, g, beta and a per-sequence initial_state); a pool
+        (with state_indices), checkpoint_states and out are written in place without autograd, so a
+        pool or checkpoint_states that requires grad, and out= under autograd, raise ValueError.
+
     Returns:
         (o, final_state):
             o: [B, T, HV, V] in q's dtype.
@@ -163,7 +196,8 @@ def chunk_gated_delta_rule(
             before any work: non-tensor or non-float arguments, mismatched dtypes, shapes, devices,
             HV % H != 0, cu_seqlens with B != 1 or bad values, initial_state of the wrong shape,
             a non-real or non-finite scale, a non-bool output_final_state, and a positive or
-            non-finite g. Each message names the argument.
+            non-finite g; `flashqla.serving.check_serving_args` for the serving arguments. Each
+            message names the argument.
         TypeError: use_qk_l2norm_in_kernel not a bool.
         ValueError: chunk_size not a positive int.
         NotImplementedError: (in a later backward) a second derivative through the op: gradients
@@ -176,11 +210,21 @@ def chunk_gated_delta_rule(
     (fla/ops/gated_delta_rule/chunk.py), `chunk_gated_delta_rule_fwd` and `chunk_gated_delta_rule_bwd`;
     research/fla-gdn.md sections 2 and 3.
     """
-    d = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, check_values=True)
+    serving = serving_requested(state_indices, has_initial_state, state_layout, checkpoint_positions,
+                                checkpoint_states, out, batch_invariant)
+    d = check_gdn_inputs(q, k, v, g, beta, scale, None if serving else initial_state, output_final_state, cu_seqlens,
+                         check_values=True)
     if not isinstance(use_qk_l2norm_in_kernel, bool):
         raise TypeError(f"use_qk_l2norm_in_kernel must be a bool, got {type(use_qk_l2norm_in_kernel).__name__}")
     check_chunk_size(chunk_size)
     scale = d.K**-0.5 if scale is None else float(scale)
+    if serving:
+        s = check_serving_args(d, q, initial_state, output_final_state, cu_seqlens, state_indices=state_indices,
+                               has_initial_state=has_initial_state, state_layout=state_layout,
+                               checkpoint_positions=checkpoint_positions, checkpoint_states=checkpoint_states, out=out,
+                               batch_invariant=batch_invariant, check_values=True)
+        return _serve(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                      chunk_size, s, d)
     # one memory layout, so that the rounding (BLAS paths) and the result do not depend on the strides
     # of views (transposes, slices, expanded tensors); autograd carries the gradients back through it
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
@@ -189,3 +233,64 @@ def chunk_gated_delta_rule(
     return ChunkGatedDeltaRuleFunction.apply(
         q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel, chunk_size
     )
+
+
+def _serve(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2, chunk_size, s, d):
+    """The serving path of `chunk_gated_delta_rule` (validated arguments `s`, sizes `d`)."""
+    grad = torch.is_grad_enabled()
+    if grad and s.pool and initial_state.requires_grad:
+        raise ValueError("initial_state is a state pool (state_indices given) that requires grad: pooled states are "
+                         "read and written in place without autograd; pass a per-sequence initial_state to train through it")
+    if grad and s.checkpoint_states is not None and s.checkpoint_states.requires_grad:
+        raise ValueError("checkpoint_states requires grad: checkpoints are written in place without autograd")
+    if grad and s.out is not None and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
+        raise ValueError("out= is not differentiable (o is written in place): call without out under autograd")
+    cdt = compute_dtype(q, k, v, g, beta, None if s.pool else initial_state)
+    h0 = gather_initial_states(initial_state, s, d.N, cdt)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    pos = [] if s.checkpoint_positions is None else s.checkpoint_positions.to("cpu", torch.int64).tolist()
+    if s.batch_invariant:  # each sequence alone: its own tensors, its own chunked pass
+        bounds = [(b, 0, d.T) for b in range(d.B)] if cu_seqlens is None else [
+            (0, a, e) for a, e in zip(cu_seqlens.tolist()[:-1], cu_seqlens.tolist()[1:])]
+        os_, finals, ckpts = [], [], []
+        for n, (b, bos, eos) in enumerate(bounds):
+            sl = [x[b:b + 1, bos:eos] for x in (q, k, v, g, beta)]
+            base = b * d.T + bos
+            mine = [p - base for p in pos if base < p <= base + (eos - bos)]
+            o_n, f_n, c_n = _run(*sl, scale, None if h0 is None else h0[n:n + 1], None, l2, chunk_size, mine, cdt)
+            os_.append(o_n)
+            finals.append(f_n)
+            if c_n is not None:
+                ckpts.append(c_n)
+        o = torch.cat(os_, dim=1) if cu_seqlens is not None else torch.cat(os_, dim=0)
+        final = torch.cat(finals) if finals else torch.zeros(0, d.HV, d.K, d.V, dtype=cdt, device=q.device)
+        ckpt = torch.cat(ckpts) if pos else None
+    else:
+        o, final, ckpt = _run(q, k, v, g, beta, scale, h0, cu_seqlens, l2, chunk_size, pos, cdt)
+    with torch.no_grad():
+        if ckpt is not None:
+            s.checkpoint_states.copy_(from_kv(ckpt, s.state_layout))
+        if s.out is not None:
+            s.out.copy_(o)
+            o = s.out
+    if not output_final_state:
+        return o, None
+    if s.pool:
+        store_final_states(initial_state, final.detach(), s)
+        return o, initial_state
+    return o, from_kv(final, s.state_layout).contiguous()
+
+
+def _run(q, k, v, g, beta, scale, h0, cu_seqlens, l2, chunk_size, positions, cdt):
+    """(o, final state [N, HV, K, V] in cdt, checkpoint states [M, HV, K, V] in cdt or None): the op's
+    autograd Function for o and the final state, and, for checkpoints, the chunked forward's products
+    (recomputed without autograd) cut at each position."""
+    o, final = ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, scale, h0, True, cu_seqlens, l2, chunk_size)
+    if not positions:
+        return o, final, None
+    with torch.no_grad():
+        if l2:
+            q, k, v = l2norm_fwd(q.to(cdt))[0], l2norm_fwd(k.to(cdt))[0], v.to(cdt)
+        g_cum, _, _, _, h, v_new = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, h0, False, cu_seqlens, chunk_size)
+        ckpt = chunk_checkpoint_states(k, v_new, h, g_cum, positions, chunk_size, cu_seqlens)
+    return o, final, ckpt

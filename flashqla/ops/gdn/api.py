@@ -17,6 +17,8 @@ from flashqla.ops.gdn.autograd import GDNEagerFunction, gdn_fwd, gdn_fwd_inferen
 from flashqla.ops.gdn.fwd import forward
 from flashqla.ops.gdn.kernels.sm90._common import compile_count, tl_dtype
 from flashqla.ops.gdn.kernels.sm90.registry import build_kernels, op_kernel_specs
+from flashqla.ops.gdn.serving import serve
+from flashqla.serving import STATE_STORAGE_DTYPES, check_serving_args, serving_requested
 
 __all__ = ["chunk_gated_delta_rule", "warmup"]
 
@@ -35,6 +37,13 @@ def chunk_gated_delta_rule(
     *,
     cp: str | bool | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    state_layout: str = "kv",
+    checkpoint_positions: torch.Tensor | None = None,
+    checkpoint_states: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ):
     """Gated DeltaNet chunked prefill, forward and backward (autograd), FLA's signature and return.
 
@@ -82,6 +91,35 @@ def chunk_gated_delta_rule(
             its type, dtype, device and shape are checked and it is not used (its values are not
             known while tracing). `flashqla.contract.planning_max_seqlen`, `.planning_seqlens`.
 
+    Serving arguments (keyword-only, defined in `flashqla.serving`; the same on
+    `reference.chunk_gated_delta_rule`; run by `flashqla.ops.gdn.serving.serve`, for now in torch
+    around the unchanged kernels):
+        state_indices: int32/int64 [N] on q's device or None. With it initial_state is a pool
+            [P, HV, K, V] ("kv") or [P, HV, V, K] ("vk") in fp32, bf16 or fp16: sequence n starts
+            from row state_indices[n] (gathered, cast to fp32), and with output_final_state its final
+            state is written into that row (rounded once to the pool's dtype); final_state is then
+            the pool itself. A negative index is a padding sequence: no read, no write. No host
+            read: an index >= P is checked only on CPU tensors, on a GPU it is the caller's to avoid
+            (undefined, as in torch's index ops); so are two sequences naming one row.
+        has_initial_state: bool [N] or None (all True); False starts that sequence from zeros.
+        state_layout: "kv" (FLA's, default) or "vk" (vLLM's / SGLang's / FlashInfer's) for the
+            pool or initial_state, the final state and the checkpoints.
+        checkpoint_positions: int32/int64 [M] on q's device, sorted global token offsets into the
+            packed batch (b * T + t without cu_seqlens), each inside a sequence (cu_seqlens[n] <
+            p <= cu_seqlens[n + 1]; checked on CPU tensors only), at any token.
+        checkpoint_states: [M, HV, K, V] (or [M, HV, V, K]) fp32/bf16/fp16, preallocated: row m is
+            written with the state after the first checkpoint_positions[m] tokens. Costs two more
+            forwards on the batch cut at the positions (`flashqla.ops.gdn.serving`); o and the final
+            state are those of the call without checkpoints.
+        out: preallocated o [B, T, HV, V] in q's dtype, written and returned (inference only).
+        batch_invariant: a sequence's o, final state and checkpoints bitwise the same whatever else
+            is in the batch: the plan is cp="off" and the recurrent kernel's value-slice width is
+            fixed (64), so that no launch parameter depends on the batch. Inference only.
+        Autograd: o is differentiable with the serving arguments (a per-sequence initial_state
+        too); a pool or checkpoint_states that requires grad, out= and batch_invariant under
+        autograd raise ValueError. Under torch.compile the serving arguments raise
+        NotImplementedError (eager only, for now).
+
     Supported fast path: K = V = 128, chunk 64, compute capability 9.0 (H100/H200). T, the number of
     sequences and cu_seqlens are run-time values: a new length or sequence mix never recompiles; the
     kernels are compiled once per (H, HV, dtype, beta dtype, cu_seqlens dtype, flags).
@@ -110,16 +148,26 @@ def chunk_gated_delta_rule(
         ValueError: wrong ranks or shapes, HV % H != 0, K or V != 128, cu_seqlens with B != 1 (and
             bad cu_seqlens values when it is a CPU tensor), tensors on different devices;
             cu_seqlens_cpu without cu_seqlens, of another shape, or with bad values.
+        TypeError, ValueError for the serving arguments: `flashqla.serving.check_serving_args`
+            (dtypes, shapes, devices, the layout string; on CPU tensors indices out of range and
+            positions unsorted or outside every sequence), and the autograd refusals above.
         RuntimeError: inputs not on a CUDA device of compute capability 9.0 (raised after the
             argument checks above, before any kernel is built or launched).
 
     Source: FLA `fla.ops.gated_delta_rule.chunk_gated_delta_rule` (signature and semantics);
     algorithm DESIGN.md section 1 and `reference.gdn.fused`.
     """
-    d = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    serving = serving_requested(state_indices, has_initial_state, state_layout, checkpoint_positions,
+                                checkpoint_states, out, batch_invariant)
+    d = check_gdn_inputs(q, k, v, g, beta, scale, None if serving else initial_state, output_final_state, cu_seqlens)
+    if serving:
+        s = check_serving_args(d, q, initial_state, output_final_state, cu_seqlens, state_indices=state_indices,
+                               has_initial_state=has_initial_state, state_layout=state_layout,
+                               checkpoint_positions=checkpoint_positions, checkpoint_states=checkpoint_states, out=out,
+                               batch_invariant=batch_invariant, state_dtypes=STATE_STORAGE_DTYPES)
     seqlens = planning_seqlens(cu_seqlens_cpu, cu_seqlens, d.T)  # read once: both hints
     max_seqlen = max_seqlen_hint(seqlens)
-    check_supported(q, k, v, g, beta, initial_state)
+    check_supported(q, k, v, g, beta, None if serving else initial_state)
     if not isinstance(use_qk_l2norm_in_kernel, bool):
         raise TypeError(f"use_qk_l2norm_in_kernel must be a bool, got {type(use_qk_l2norm_in_kernel).__name__}")
     cp = cp_mode(cp)
@@ -131,6 +179,12 @@ def chunk_gated_delta_rule(
     tensors = (q, k, v, g, beta, initial_state)
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     output_final_state = bool(output_final_state)
+    if serving:
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("the serving arguments (state_indices, has_initial_state, state_layout, checkpoints, "
+                                      "out, batch_invariant) run eagerly for now, not under torch.compile")
+        return serve(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, s, cp=cp,
+                     max_seqlen=max_seqlen, seqlens=seqlens, training=training)
     if torch.compiler.is_compiling():  # opaque custom ops, each planning its own call
         if training:
             o, final_state, _, _ = gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp,
