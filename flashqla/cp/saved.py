@@ -77,8 +77,8 @@ def saved_applies(saved, tables: SegmentTables, total: int, HV: int, cutoff, has
 
 
 def check_products(A, g_cum_log2, cp_saved, q=None, v=None, cu_seqlens=None) -> None:
-    """A and g_cum_log2 both given, or both None with a cp_saved that carries them; ValueError naming
-    the argument otherwise. TypeError naming cp_saved when it is neither None nor a `CPSaved`. With q
+    """A and g_cum_log2 both given, or both None (with a cp_saved that carries them, or without one: the
+    backward then recomputes them, one prepare launch); ValueError naming the argument otherwise. TypeError naming cp_saved when it is neither None nor a `CPSaved`. With q
     and v, given A [HV, S * 64, 64] and g_cum_log2 [HV, S * 64] must have the caller's S =
     `num_slots` of these inputs (a kept forward's `CPSaved.A`, in its segments' layout, has more
     slots): ValueError naming the argument otherwise."""
@@ -89,9 +89,6 @@ def check_products(A, g_cum_log2, cp_saved, q=None, v=None, cu_seqlens=None) -> 
         missing, given = ("A", "g_cum_log2") if A is None else ("g_cum_log2", "A")
         raise ValueError(f"{missing} is None but {given} is not: pass the forward's A and g_cum_log2 together, "
                          "or both None with its cp_saved")
-    if A is None and cp_saved is None:
-        raise ValueError("A is None and cp_saved is None: pass the forward's A and g_cum_log2 "
-                         "(ChunkGDNForward.A, .g_cum_log2), or its cp_saved when they are None")
     if A is not None and q is not None and v is not None:
         B, T, HV = q.shape[0], q.shape[1], v.shape[2]
         N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1

@@ -41,7 +41,8 @@ from flashqla.ops.gdn.bwd import backward, chunk_gated_delta_rule_bwd
 from flashqla.ops.gdn.fwd import forward
 from flashqla.ops.gdn.kernels.sm90._common import num_slots
 
-__all__ = ["gdn_fwd", "gdn_fwd_inference", "gdn_bwd", "num_slots_for", "GDNEagerFunction"]
+__all__ = ["gdn_fwd", "gdn_fwd_inference", "gdn_bwd", "num_slots_for", "keeps_products", "KEEP_ROWS_PER_TOKEN",
+           "GDNEagerFunction"]
 
 _EMPTY_SHAPE = (0,)
 
@@ -64,6 +65,23 @@ def num_slots_for(q: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> int:
     return num_slots(B, T, N, cu_seqlens is not None)
 
 
+#: The most rows of A / g_cum_log2 (chunk slots x 64) the forward keeps for the backward per token of
+#: the batch. Slots pad every sequence to whole chunks of 64, so batches of short sequences have many
+#: more rows than tokens (T = N = 65536 one-token sequences: 64 x); above this the backward recomputes
+#: them instead (one prepare launch, the same values).
+KEEP_ROWS_PER_TOKEN = 2
+
+
+def keeps_products(q: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> bool:
+    """Whether the training forward keeps A and g_cum_log2 for the backward (shapes only): when their
+    rows, `num_slots_for(q, cu_seqlens)` x 64, are at most `KEEP_ROWS_PER_TOKEN` per token (at least
+    one chunk). Otherwise nothing A-sized is kept between the forward and the backward, which then
+    recomputes them; kept memory per token and value head is then at most 2 x (64 x 2 + 4) = 264 B for
+    bf16 / fp16 inputs (132 B per row: a row of A and one of g_cum_log2), whatever the sequence mix."""
+    rows = num_slots_for(q, cu_seqlens) * 64
+    return rows <= KEEP_ROWS_PER_TOKEN * max(q.shape[0] * q.shape[1], 64)
+
+
 @torch.library.custom_op("flashqla::gdn_fwd", mutates_args=())
 def gdn_fwd(
     q: torch.Tensor,
@@ -79,11 +97,15 @@ def gdn_fwd(
     max_seqlen: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward (`flashqla.ops.gdn.fwd.forward`) as a custom op: (o, final_state or an empty [0]
-    tensor, A, g_cum_log2); shapes and dtypes in the module docstring."""
+    tensor, A, g_cum_log2); shapes and dtypes in the module docstring. A and g_cum_log2 are empty [0]
+    tensors when `keeps_products` is False (the backward recomputes them)."""
     _check(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp)
     plan = plan_call(q, v, cu_seqlens, cp, max_seqlen=max_seqlen)
-    f = forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, plan=plan)
+    keep = keeps_products(q, cu_seqlens)
+    f = forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, plan=plan, for_backward=keep)
     final_state = f.final_state if f.final_state is not None else q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
+    if not keep:
+        return f.o, final_state, q.new_empty(_EMPTY_SHAPE), q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
     return f.o, final_state, f.A, f.g_cum_log2
 
 
@@ -95,8 +117,9 @@ def _gdn_fwd_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     S = num_slots_for(q, cu_seqlens)
     o = v.new_empty(v.shape, dtype=q.dtype)
     final_state = q.new_empty((N, HV, K, V) if output_final_state else _EMPTY_SHAPE, dtype=torch.float32)
-    A = q.new_empty((HV, S * 64, 64))
-    g_cum_log2 = q.new_empty((HV, S * 64), dtype=torch.float32)
+    keep = keeps_products(q, cu_seqlens)
+    A = q.new_empty((HV, S * 64, 64) if keep else _EMPTY_SHAPE)
+    g_cum_log2 = q.new_empty((HV, S * 64) if keep else _EMPTY_SHAPE, dtype=torch.float32)
     return o, final_state, A, g_cum_log2
 
 
@@ -149,7 +172,10 @@ def gdn_bwd(
     need_dh0: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`flashqla.ops.gdn.bwd.chunk_gated_delta_rule_bwd` as a custom op: (dq, dk, dv, dg, dbeta, dh0
-    or an empty [0] tensor); shapes and dtypes in the module docstring (FLA's dtypes)."""
+    or an empty [0] tensor); shapes and dtypes in the module docstring (FLA's dtypes). A and
+    g_cum_log2 empty [0] tensors (a forward that did not keep them): recomputed."""
+    if A.dim() == 1 and g_cum_log2.dim() == 1:
+        A = g_cum_log2 = None
     dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
         q, k, v, g, beta, A, g_cum_log2, do.contiguous(), dht, scale, initial_state, cu_seqlens, cp=cp,
         max_seqlen=max_seqlen, need_dh0=need_dh0,
@@ -237,7 +263,8 @@ class GDNEagerFunction(torch.autograd.Function):
         # (activation checkpointing drops and regenerates them, offloading moves them); with them
         # f.A and f.g_cum_log2 are None (A and g_cum_log2 are kept's, in the segments' layout)
         extra = () if kept is None else (kept.S_in, kept.P, kept.U, kept.limit, kept.A, kept.g_cum_log2)
-        ctx.save_for_backward(q, k, v, g, beta, f.A, f.g_cum_log2, initial_state, cu_seqlens, *extra)
+        A, G = (f.A, f.g_cum_log2) if kept is not None or keeps_products(q, cu_seqlens) else (None, None)
+        ctx.save_for_backward(q, k, v, g, beta, A, G, initial_state, cu_seqlens, *extra)
         ctx.scale, ctx.output_final_state, ctx.plan, ctx.backend = scale, output_final_state, plan.backward, backend
         ctx.kept_meta = None if kept is None else kept[:6]  # the CPSaved fields before the tensors
         # the caller's offsets, not through the hooks: whether they are unmodified since this forward

@@ -41,7 +41,9 @@ def chunk_gated_delta_rule_bwd(
             [B, T, HV] (g fp32, beta fp32 or q's dtype); A, g_cum_log2: `ChunkGDNForward.A`,
             `.g_cum_log2` (A [HV, S * 64, 64] in q's dtype, g_cum_log2 [HV, S * 64] fp32, the
             caller's slot layout), or both None with the cp_saved of a forward that kept its states
-            (they travel in it, in its segments' layout); do: [B, T, HV, V] in q's dtype; dht: None
+            (they travel in it, in its segments' layout), or both None without cp_saved: recomputed
+            here (one prepare launch; what the op's autograd does when the forward did not keep them,
+            `flashqla.ops.gdn.autograd.keeps_products`); do: [B, T, HV, V] in q's dtype; dht: None
             or [N, HV, K, V] fp32; scale: the forward's (default K ** -0.5); initial_state: None or
             [N, HV, K, V] fp32 (only decides whether dh0 is returned); cu_seqlens: None or [N + 1].
         cp: context-parallel mode as in the forward (`flashqla.contract.cp_mode`; None reads
@@ -76,8 +78,7 @@ def chunk_gated_delta_rule_bwd(
         head dims and a Hopper GPU); do not of v's shape or not floating point; dht not None or
         [N, HV, K, V] (naming the argument).
         TypeError: cp_saved neither None nor a `CPSaved`; need_dh0 not a bool. ValueError: an unknown
-        cp mode or truncate, a bad segment_len; exactly one of A, g_cum_log2 None (naming it); A None
-        without cp_saved (naming A); A or g_cum_log2 not of these inputs' slot count (naming it);
+        cp mode or truncate, a bad segment_len; exactly one of A, g_cum_log2 None (naming it); A or g_cum_log2 not of these inputs' slot count (naming it);
         A None with a cp_saved kept by a forward of other sizes.
 
     Source: `reference.gdn.fused_bwd.fused_gated_delta_rule_bwd` (records BWD-*).
@@ -123,6 +124,8 @@ def backward(
     # stride-0 one), and initial_state / cu_seqlens are the caller's tensors
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
     dht, initial_state, cu_seqlens = (None if x is None else x.contiguous() for x in (dht, initial_state, cu_seqlens))
+    if A is None and cp_saved is None:  # not kept by the forward (`keeps_products`): recomputed here
+        A, g_cum_log2 = backend.prepare(k, g, beta, cu_seqlens, HV)
     if not plan.split:
         if A is None:  # the kept forward's products, moved from its segments' layout to the caller's
             A, g_cum_log2 = saved_products_in_sequence_slots(cp_saved, cu_seqlens, B, T, HV)
