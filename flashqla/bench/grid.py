@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass
 
 __all__ = [
-    "HeadConfig", "Mix", "Row", "K_DIM", "V_DIM", "CHUNK", "PEAK_TFLOPS", "H200_SMS",
+    "HeadConfig", "Mix", "Row", "K_DIM", "V_DIM", "CHUNK", "PEAK_TFLOPS", "PEAK_TFLOPS_BY_GPU", "peak_tflops", "H200_SMS",
     "FLOP_PER_TOKEN_HEAD", "FWD_HEADS", "FWD_MIXES", "QUICK_ROWS", "CP_GRID_HEADS", "CP_GRID_MIXES",
     "CP_GRID_LONG", "BWD_HEADS", "BWD_TOTALS", "BWD_COUNTS", "BWD_SEED", "BWD_SPLITS", "BWD_QUICK_ROWS",
     "parse_heads", "parse_mix", "parse_bwd_mix", "filter_rows", "fwd_rows", "select_rows", "cp_grid_rows",
@@ -58,6 +58,9 @@ FLOP_PER_TOKEN_HEAD["step"] = FLOP_PER_TOKEN_HEAD["fwd"] + FLOP_PER_TOKEN_HEAD["
 assert FLOP_PER_TOKEN_HEAD == {"fwd": 163_840, "bwd": 491_520, "step": 655_360}
 #: bf16 dense GEMM rate measured on our H200 through torch (8192^3), TFLOP/s.
 PEAK_TFLOPS = 726.0
+#: The measured bf16 GEMM rate per GPU (a word of the GPU's name -> TFLOP/s); a GPU not listed has no
+#: percentage column in the pages (none measured on it yet).
+PEAK_TFLOPS_BY_GPU = {"H200": PEAK_TFLOPS}
 #: Streaming multiprocessors of an H200 SXM (used when no GPU is at hand).
 H200_SMS = 132
 
@@ -355,6 +358,12 @@ def flop(T: int, h_v: int, kind: str = "fwd") -> float:
 def tflops(ms: float, T: int, h_v: int, kind: str = "fwd") -> float:
     """TFLOP/s of a call of `ms` milliseconds (`kind` as in `flop`)."""
     return flop(T, h_v, kind) / (ms * 1e-3) / 1e12
+
+
+def peak_tflops(gpu: str) -> float | None:
+    """The measured bf16 GEMM rate of the GPU named `gpu` (`PEAK_TFLOPS_BY_GPU`), None if unmeasured."""
+    words = str(gpu).upper().replace("-", " ").split()
+    return next((v for k, v in PEAK_TFLOPS_BY_GPU.items() if k in words), None)
 
 
 def pct_of_peak(tf: float, peak: float = PEAK_TFLOPS) -> float:

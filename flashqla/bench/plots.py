@@ -29,7 +29,7 @@ import math
 from pathlib import Path
 
 from flashqla.bench.breakdown import COPY_TBPS, STEP_NAMES
-from flashqla.bench.grid import PEAK_TFLOPS, flop, fwd_min_bytes, tflops
+from flashqla.bench.grid import PEAK_TFLOPS, flop, fwd_min_bytes, peak_tflops, tflops
 from flashqla.bench.impls import COLORS, LABELS, impls_for
 from flashqla.bench.store import SCHEMAS, grid_order, is_cp, is_ok, num, read_rows, row_key, row_name
 
@@ -105,7 +105,9 @@ def plot_fwd(rows: list[dict], path) -> Path | None:
     for ax in list(axes.flat)[len(heads):]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=8)
-    fig.suptitle(f"GDN forward, TFLOP/s on 163,840 FLOP per token-head\n(bf16 GEMM rate {PEAK_TFLOPS:.0f}; * = CP row)",
+    peak = peak_tflops(rows[0].get("gpu", ""))
+    rate = f"bf16 GEMM rate {peak:.0f}; " if peak else ""
+    fig.suptitle(f"GDN forward, TFLOP/s on 163,840 FLOP per token-head\n({rate}* = CP row)",
                  fontsize=10)
     return _save(plt, fig, path)
 
@@ -153,6 +155,8 @@ def plot_bwd(rows: list[dict], path) -> Path | None:
         return None
     fig, axes = plt.subplots(2, len(heads), figsize=(4.6 * len(heads), 7.0), squeeze=False)
     width = 0.8 / len(BWD_IMPLS)
+    peak = peak_tflops(rows[0].get("gpu", ""))
+    rate = f"bf16 GEMM rate {peak:.0f}; " if peak else ""
     for col, h in enumerate(heads):
         rs = [r for r in rows if (int(r["h_qk"]), int(r["h_v"])) == h]
         for row_i, (field, kind, title) in enumerate(SCHEMAS["bwd"].timed):
@@ -169,7 +173,7 @@ def plot_bwd(rows: list[dict], path) -> Path | None:
             ax.grid(axis="y", alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.suptitle("GDN backward (491,520 FLOP per token-head) and training step (655,360), TFLOP/s\n"
-                 f"(bf16 GEMM rate {PEAK_TFLOPS:.0f}; no bar: not timed or failed the gate)", fontsize=10)
+                 f"({rate}no bar: not timed or failed the gate)", fontsize=10)
     return _save(plt, fig, path)
 
 

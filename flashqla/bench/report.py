@@ -120,7 +120,8 @@ def _tf_cell(r: dict, impl: str, field: str, kind: str) -> str:
     if not is_ok(r, impl, field):
         return "-"
     tf = G.tflops(num(r[f"{impl}_{field}"]), int(r["T"]), int(r["h_v"]), kind)
-    return f"{tf:.0f} ({G.pct_of_peak(tf):.1f}%)"
+    peak = G.peak_tflops(r.get("gpu", ""))
+    return f"{tf:.0f}" if peak is None else f"{tf:.0f} ({G.pct_of_peak(tf, peak):.1f}%)"
 
 
 def console_line(direction: str, r: dict) -> str:
@@ -190,8 +191,9 @@ def _table(direction: str, rows: list[dict], field: str, kind: str) -> list[str]
     each implementation's TFLOP/s, the peers' source."""
     lead = _lead_columns(direction)
     impls, peers = impls_for(direction), peers_for(direction)
+    peak = G.peak_tflops(rows[0].get("gpu", "")) if rows else None
     head = ([h for h, _ in lead] + [f"{LABELS[i]} ms" for i in impls] + [f"ours vs {LABELS[p]}" for p in peers]
-            + [f"{LABELS[i]} TFLOP/s" + (f" (% of {G.PEAK_TFLOPS:.0f})" if i == "ours" else "") for i in impls]
+            + [f"{LABELS[i]} TFLOP/s" + (f" (% of {peak:.0f})" if i == "ours" and peak else "") for i in impls]
             + ["peers"])
     L = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
     for r in rows:
@@ -423,10 +425,10 @@ def with_current_peers_method(lines: list[str]) -> list[str]:
     return [PEERS_METHOD if line.startswith("Peers column:") else line for line in lines]
 
 
-def method_lines(opts, impls: dict) -> list[str]:
+def method_lines(opts, impls: dict, gpu: str | None = None) -> list[str]:
     """The Method bullets of a measuring run's pages: timer, inputs, gate, FLOP count, how each
     implementation was called (`impls.Impl.source`, or why not), the peers column. `opts`: the
-    run's `config.Options`."""
+    run's `config.Options`; `gpu`: the GPU's name (its measured GEMM rate, `grid.peak_tflops`)."""
     bwd = opts.direction == "bwd"
     t = DEFAULTS | opts.timer
     tol = opts.tolerances
@@ -466,8 +468,10 @@ def method_lines(opts, impls: dict) -> list[str]:
         gate = (f"Correctness gate before any timing: o and final state against {fp64}; relative RMS <= {tol['o']:g} "
                 f"(o) and {tol['ht']:g} (final state); an implementation above it is marked FAIL and not timed.")
         flop = "FLOP: 163,840 per token and value head (DESIGN.md section 6)"
-    flop += (f"; TFLOP/s on that count, % of the {G.PEAK_TFLOPS:.0f} TFLOP/s bf16 GEMM rate measured on our H200. "
-             "Speed-up = peer ms / our ms.")
+    peak = G.PEAK_TFLOPS if gpu is None else G.peak_tflops(gpu)
+    flop += ((f"; TFLOP/s on that count, % of the {peak:.0f} TFLOP/s bf16 GEMM rate measured on our H200. " if peak else
+              "; TFLOP/s on that count (no bf16 GEMM rate measured on this GPU yet: no percentage). ")
+             + "Speed-up = peer ms / our ms.")
     calls = []
     for name in impls_for(opts.direction):
         impl = impls.get(name)

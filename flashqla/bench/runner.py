@@ -323,7 +323,7 @@ def run_rows(rows, opts: Options, impls: dict, env: dict, commit: str, device="c
     if use_cache and opts.retime > 0 and live_peers:
         retime = set(S.pick_retime([r.key for r in todo if any(cache.get(p, r.key) is not None for p in live_peers)],
                                    opts.retime))
-    meta = {"date": S.now_utc(), "method": R.method_lines(opts, impls)}
+    meta = {"date": S.now_utc(), "method": R.method_lines(opts, impls, env.get("gpu"))}
     factory = InputFactory(device, max(r.mix.T for r in todo) if todo else 0, seed=opts.seed, grads=direction == "bwd")
     ctx = _Ctx(opts, impls, cache, opts.tolerances, opts.timer, time_fn, ref_fn, t_start)
     primary = schema.timed[0][0]  # the time column the drift messages compare
