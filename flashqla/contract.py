@@ -93,6 +93,13 @@ def _check_readable(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name} is on the meta device, which holds no values: its values cannot be checked")
 
 
+def _read_values(check_values: bool, x: torch.Tensor) -> bool:
+    """Whether the value checks read `x`: asked for, or free (a CPU tensor); never while torch.compile
+    or torch.export traces the caller (a traced tensor has no values: reading one is a graph break,
+    an error under fullgraph=True)."""
+    return (check_values or x.device.type == "cpu") and not torch.compiler.is_compiling()
+
+
 def check_cu_seqlens_values(cu_seqlens: torch.Tensor, T: int, name: str = "cu_seqlens") -> None:
     """Checks the values of `cu_seqlens` (reads them: call only where a host read is free or wanted).
 
@@ -242,13 +249,18 @@ def check_gdn_inputs(
         raise ValueError(f"beta must be [B, T, HV] = {(B, T, HV)}, got {tuple(beta.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    # the kind of object first: a numpy array has a `device` too ("cpu"), which is no torch.device
+    if initial_state is not None:
+        _tensor("initial_state", initial_state, 4, "[N, HV, K, V]")
+    if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be None or an int32/int64 tensor [N + 1], got {type(cu_seqlens).__name__}")
     devices = {name: x.device for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta))}
     if initial_state is not None:
-        devices["initial_state"] = getattr(initial_state, "device", None)
+        devices["initial_state"] = initial_state.device
     if cu_seqlens is not None:
-        devices["cu_seqlens"] = getattr(cu_seqlens, "device", None)
+        devices["cu_seqlens"] = cu_seqlens.device
     for name, dev in devices.items():
-        if dev is not None and dev != q.device:
+        if dev != q.device:
             raise ValueError(f"{name} is on {dev} but q is on {q.device}: all tensors must be on one device")
 
     if scale is not None:
@@ -274,17 +286,16 @@ def check_gdn_inputs(
         if B != 1:
             raise ValueError(f"cu_seqlens (packed variable-length input) requires B == 1, got B = {B}")
         N = cu_seqlens.numel() - 1
-        if check_values or cu_seqlens.device.type == "cpu":
+        if _read_values(check_values, cu_seqlens):
             check_cu_seqlens_values(cu_seqlens, T)
 
     if initial_state is not None:
-        _tensor("initial_state", initial_state, 4, "[N, HV, K, V]")
         if tuple(initial_state.shape) != (N, HV, K, V):
             raise ValueError(
                 f"initial_state must be [N, HV, K, V] = {(N, HV, K, V)} (N = number of sequences), "
                 f"got {tuple(initial_state.shape)}"
             )
-    if check_values or g.device.type == "cpu":
+    if _read_values(check_values, g):
         check_gate_values(g)
     return GDNDims(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N)
 
