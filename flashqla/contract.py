@@ -9,11 +9,13 @@ memory (the values of `cu_seqlens`, the sign of `g`) run only where they cost no
 synchronisation: on CPU tensors, or when the caller asks for them (`check_values=True`, which the
 fp64 reference always does).
 
-Positive gates. `g` is a natural-log decay and real models produce `g <= 0` (Qwen3-Next:
-`g = -exp(A_log) * softplus(a + dt_bias)`). `g > 0` is outside the supported domain: with
-`check_values=True` (the reference, and any CPU `g`) it is rejected with a `ValueError`; the GPU op
-does not read `g` back to the host, so on device a positive `g` is the caller's responsibility and the
-result is undefined (it may overflow).
+Gates. `g` is a natural-log decay and real models produce `g <= 0` (Qwen3-Next:
+`g = -exp(A_log) * softplus(a + dt_bias)`). `g > 0` and NaN are outside the supported domain: with
+`check_values=True` (the reference, and any CPU `g`) they are rejected with a `ValueError`; the GPU op
+does not read `g` back to the host, so on device they are the caller's responsibility and the
+result is undefined (it may overflow). Every path clamps g at `G_FLOOR` = -1000 before its chunk-local
+cumsum (`clamp_gates`; why that changes nothing measurable: `G_FLOOR`), so g = -inf is valid
+everywhere and means "forget everything", as any g below the floor does.
 
 User settings (read at each call, never at import):
     FLASHQLA_CP        the default context-parallel mode of a call that passes cp=None (`cp_mode`)
@@ -37,12 +39,14 @@ __all__ = [
     "CP_ENV",
     "EXACT_ENV",
     "FLOAT_DTYPES",
+    "G_FLOOR",
     "SUPPORTED",
     "TRUNCATE_LOG_DECAY",
     "ChunkGDNForward",
     "GDNDims",
     "check_cu_seqlens_values",
     "check_device",
+    "clamp_gates",
     "check_gate_values",
     "check_gdn_inputs",
     "check_seqlens",
@@ -177,13 +181,38 @@ def planning_seqlens(cu_seqlens_cpu, cu_seqlens, T: int) -> tuple[int, ...] | No
     return tuple((cu[1:] - cu[:-1]).tolist())
 
 
+#: The per-token log-decay floor of every path (the reference, the op, the split and cross-rank paths):
+#: g is raised to it before any chunk-local cumsum (`clamp_gates`). Why it changes nothing measurable:
+#: a token's decay is exp(g_t), and exp(G_FLOOR) = exp(-1000) is exactly 0 in fp32 (whose smallest
+#: subnormal is exp(-103.3)) and in fp64 (exp(-744.4)); the kernels' exp2(-1000 / ln 2) = exp2(-1442.7)
+#: likewise. In the chunked form every decay is exp(g_cum_r - g_cum_s) (r >= s, chunk-local sums): a
+#: factor that spans a floored token has exponent <= G_FLOOR (the other terms are <= 0), so it is 0
+#: with or without the floor, as its recurrence factor exp(g_t) is; a factor that does not span it
+#: does not contain it. So g < G_FLOOR already means "forget everything", and g = -inf is accepted
+#: and means the same. What the floor prevents: a finite g far below it (-1e30) absorbing the later
+#: gates of its chunk in the cumsum (g_cum_r - g_cum_s rounds to 0: decay 1 instead of exp(sum g)),
+#: and two fp32 gates of -3e38 summing to -inf, then NaN (-inf - -inf). The one cost: chunk sums
+#: after a floored token carry an offset of about -1000, where fp32's spacing is 2^-13 (6e-5 of a
+#: unit of log-decay), far below the bf16 rounding of the outputs. The gradient dg of a token below
+#: the floor is 0 (the recurrence's too: d exp(g) / dg = exp(g) = 0 there).
+G_FLOOR = -1000.0
+
+
+def clamp_gates(g: torch.Tensor) -> torch.Tensor:
+    """max(g, G_FLOOR) elementwise, without a host sync: the gates the kernels' chunk-local cumsums read
+    (see `G_FLOOR`; -inf becomes G_FLOOR). One elementwise pass over g ([B, T, HV] fp32: 8 bytes per
+    token and value head moved) and a new tensor of g's shape and dtype."""
+    return g.clamp_min(G_FLOOR)
+
+
 def check_gate_values(g: torch.Tensor) -> None:
-    """Raises ValueError when `g` has a positive or non-finite entry (reads `g`: a host sync on GPU),
-    or is on the meta device (no values to read)."""
+    """Raises ValueError when `g` has a positive (+inf included) or NaN entry (reads `g`: a host sync
+    on GPU), or is on the meta device (no values to read). g = -inf is valid: "forget everything"
+    (`G_FLOOR`)."""
     _check_readable("g", g)
     g = g.detach()
-    if not bool(torch.isfinite(g).all()):
-        raise ValueError("g must be finite (natural-log decay per token, g <= 0)")
+    if bool(torch.isnan(g).any()):
+        raise ValueError("g must not be NaN (natural-log decay per token, g <= 0; -inf means forget everything)")
     if bool((g > 0).any()):
         raise ValueError(f"g must be <= 0 (natural-log decay per token); got max(g) = {float(g.max()):.3g}")
 

@@ -85,3 +85,92 @@ def test_torch_compile_on_cpu_tensors_reaches_the_clear_error():
     with pytest.raises(RuntimeError, match="runs on a CUDA device of compute capability 9.0"):
         g(**x)
     torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------------------------------------
+# finding 3: one gate floor
+# ------------------------------------------------------------------------------------------------
+
+from flashqla.contract import G_FLOOR  # noqa: E402
+from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd  # noqa: E402
+from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd  # noqa: E402
+from reference.gdn.cp import ReferenceCPBackend  # noqa: E402
+
+
+class _GateRecorder(ReferenceCPBackend):
+    """The fp64 launch-level stand-in, recording the smallest g each launch is handed; its bwd returns
+    dg = 1 everywhere unless `honest` (a backend, like the sm_90 kernels, that does not know the floor)."""
+
+    def __init__(self, honest=True):
+        super().__init__()
+        self.g_min, self.honest = [], honest
+
+    def prepare(self, k, g, beta, cu_seqlens, HV):
+        self.g_min.append(float(g.min()))
+        return super().prepare(k, g, beta, cu_seqlens, HV)
+
+    def bwd(self, q, k, v, g, beta, *args, **kw):
+        self.g_min.append(float(g.min()))
+        out = super().bwd(q, k, v, g, beta, *args, **kw)
+        return out if self.honest else (out[0], out[1], out[2], torch.ones_like(out[3]), *out[4:])
+
+
+def test_floor_value_changes_no_decay():
+    """The derivation of `flashqla.contract.G_FLOOR`: exp of the floor is exactly 0 in fp32 and fp64
+    (and in base 2 for the kernels), so a factor spanning a floored token is 0 either way."""
+    for dt in (torch.float32, torch.float64):
+        assert float(torch.exp(torch.tensor(G_FLOOR, dtype=dt))) == 0.0
+        assert float(torch.exp2(torch.tensor(G_FLOOR / math.log(2), dtype=dt))) == 0.0
+    assert float(torch.tensor(G_FLOOR, dtype=torch.float32)) == G_FLOOR
+
+
+@pytest.mark.parametrize("cp", ["off", "on"])
+@pytest.mark.parametrize("gate", [-1e30, -3e38, -math.inf])
+def test_op_driver_hands_the_kernels_floored_gates(cp, gate):
+    """Regression: the op's drivers passed g unclamped to the launches; the sm_90 kernels' cumsum then
+    let one g = -1e30 swallow the later gates of its chunk and two -3e38 give -inf, then NaN (the
+    reference floored at -1000, the kernels did not). Every launch now gets g >= G_FLOOR; o equals the
+    recurrence's, and dg of the floored tokens is 0 even from a backend that does not know the floor."""
+    x = _small(T=150, K=64, V=64, seqlens=[70, 80], dtype=torch.float64, seed=3)
+    x["g"][:, 10] = gate
+    x["g"][:, 11] = gate
+    be = _GateRecorder(honest=False)
+    f = chunk_gated_delta_rule_fwd(**x, output_final_state=True, backend=be, cp=cp, segment_len=64 if cp == "on" else None)
+    assert min(be.g_min) >= G_FLOOR, be.g_min
+    o_ref, ht_ref = reference.recurrent_gated_delta_rule(**x, output_final_state=True)
+    assert bool(torch.isfinite(f.o).all())
+    torch.testing.assert_close(f.o, o_ref, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(f.final_state, ht_ref, rtol=1e-9, atol=1e-9)
+    do = torch.randn_like(f.o)
+    grads = chunk_gated_delta_rule_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], f.A, f.g_cum_log2, do,
+                                       initial_state=x["initial_state"], cu_seqlens=x["cu_seqlens"], backend=be, cp="off")
+    assert min(be.g_min) >= G_FLOOR, be.g_min
+    dg = grads[3]
+    assert bool((dg[:, 10:12] == 0).all()), "dg of floored tokens"
+    assert bool((dg[:, 12:] == 1).all()), "dg elsewhere is the backend's"
+
+
+@pytest.mark.parametrize("entry", ["reference", "recurrence", "check"])
+def test_minus_inf_gate_is_forget_everything(entry):
+    """Regression: g = -inf was rejected on CPU ("g must be finite") while the GPU op let it through
+    (NaN in its cumsum). Now it is valid everywhere and means what the floor means: the state is
+    forgotten at that token (the result equals g = G_FLOOR's, finite), and its dg is 0."""
+    x = _small(T=100, seqlens=[60, 40], dtype=torch.float64, seed=4)
+    if entry == "check":
+        x["g"][:, 5] = -math.inf
+        check_gdn_inputs(**x, check_values=True)
+        return
+    fn = reference.chunk_gated_delta_rule if entry == "reference" else reference.recurrent_gated_delta_rule
+    outs = []
+    for gate in (-math.inf, G_FLOOR):
+        y = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+        y["g"][:, 5] = gate
+        y["g"].requires_grad_(True)
+        o, ht = fn(**y, output_final_state=True)
+        (dg,) = torch.autograd.grad((o * o).sum() + ht.sum(), [y["g"]])
+        assert bool(torch.isfinite(o).all()) and bool(torch.isfinite(dg).all())
+        if gate == -math.inf:
+            assert bool((dg[:, 5] == 0).all())
+        outs.append((o.detach(), ht.detach(), torch.cat([dg[:, :5], dg[:, 6:]], 1)))
+    for a, b in zip(outs[0], outs[1]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

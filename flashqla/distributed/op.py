@@ -85,7 +85,7 @@ import torch
 
 from flashqla.distributed.backends import resolve_backend
 from flashqla.distributed.context import CPContext, build_cp_context
-from flashqla.contract import FLOAT_DTYPES, check_gdn_inputs, l2norm
+from flashqla.contract import FLOAT_DTYPES, check_gdn_inputs, clamp_gates, l2norm
 from flashqla.cp.backward import cp_backward_open
 from flashqla.cp.forward import cp_forward_open
 from flashqla.cp.segments import build_segment_tables
@@ -525,6 +525,7 @@ def chunk_gated_delta_rule_cp(
     scale = d.K**-0.5 if scale is None else float(scale)
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
+    g = clamp_gates(g)  # the one gate floor (`flashqla.contract.G_FLOOR`); autograd zeroes dg below it
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()

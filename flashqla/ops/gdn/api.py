@@ -54,8 +54,11 @@ def chunk_gated_delta_rule(
             use_qk_l2norm_in_kernel).
         k: [B, T, H, K], same dtype, keys (L2-normalised likewise).
         v: [B, T, HV, V], same dtype, values; HV % H == 0 (GVA: HV // H value heads share one q/k head).
-        g: [B, T, HV] float32, natural-log decay per token, must be <= 0 (not checked on device: a
-            positive g is outside the supported domain and may overflow).
+        g: [B, T, HV] float32, natural-log decay per token, must be <= 0; -inf is valid ("forget
+            everything"). Clamped at `flashqla.contract.G_FLOOR` = -1000 before the kernels (one
+            elementwise pass over [B, T, HV] fp32, forward and backward; exp(-1000) is 0 in fp32, so
+            the result is unchanged) and dg is 0 below it. A positive or NaN g is outside the domain
+            (see `check_inputs`).
         beta: [B, T, HV] float32 or q's dtype, write strength (sigmoid output, in [0, 1]).
         scale: output scale, default K ** -0.5.
         initial_state: [N, HV, K, V] float32 or None (zeros). N = B, or len(cu_seqlens) - 1.
