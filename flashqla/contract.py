@@ -49,6 +49,7 @@ __all__ = [
     "clamp_gates",
     "check_gate_values",
     "check_gdn_inputs",
+    "check_input_values",
     "check_seqlens",
     "check_supported",
     "cp_mode",
@@ -217,6 +218,26 @@ def check_gate_values(g: torch.Tensor) -> None:
         raise ValueError(f"g must be <= 0 (natural-log decay per token); got max(g) = {float(g.max()):.3g}")
 
 
+def check_input_values(q, k, v, beta, initial_state=None) -> None:
+    """Raises ValueError, naming the argument, when q, k, v, beta or initial_state has a NaN or infinite
+    entry or beta has one outside [0, 1] (reads them: a host sync on GPU); on the meta device (no
+    values to read). The valid domain the op's numerics assume (README "Valid inputs")."""
+    named = [("q", q), ("k", k), ("v", v), ("beta", beta)]
+    if initial_state is not None:
+        named.append(("initial_state", initial_state))
+    for name, x in named:
+        _check_readable(name, x)
+        x = x.detach()
+        bad = ~torch.isfinite(x)
+        if bool(bad.any()):
+            i = tuple(int(j) for j in torch.nonzero(bad)[0])
+            raise ValueError(f"{name} must be finite, got {float(x[i])} at index {i}")
+    b = beta.detach()
+    if bool(((b < 0) | (b > 1)).any()):
+        raise ValueError(f"beta must be in [0, 1] (a write strength, e.g. a sigmoid output), got values in "
+                         f"[{float(b.min()):.4g}, {float(b.max()):.4g}]")
+
+
 def check_gdn_inputs(
     q,
     k,
@@ -241,8 +262,10 @@ def check_gdn_inputs(
         initial_state: None or [N, HV, K, V] floating point.
         output_final_state: bool.
         cu_seqlens: None or a 1-D int32/int64 tensor [N + 1]; requires B == 1.
-        check_values: also read `cu_seqlens` and `g` and check their values (host sync on GPU).
-            The values of a CPU `cu_seqlens` or a CPU `g` are always checked (that costs no sync).
+        check_values: also read the tensors and check their values (host syncs on GPU): the
+            offsets of `cu_seqlens`, g <= 0 and not NaN (-inf allowed), beta in [0, 1], q, k, v,
+            beta and initial_state finite. The values of CPU tensors are always checked (that
+            costs no sync); nothing is read while torch.compile or torch.export traces.
 
     Returns:
         GDNDims(B, T, H, HV, K, V, N).
@@ -252,8 +275,9 @@ def check_gdn_inputs(
             cu_seqlens), or q, k, v dtypes differ, or scale is not a real number.
         ValueError: wrong ranks, mismatched shapes, HV % H != 0, empty head dims, tensors on
             different devices, cu_seqlens with B != 1 / not starting at 0 / decreasing / not ending
-            at T, initial_state of the wrong shape, and (check_values or a CPU g) positive or
-            non-finite g; a value check asked of a meta tensor (it holds no values).
+            at T, initial_state of the wrong shape, and (check_values or CPU tensors) positive or
+            NaN g, beta outside [0, 1], a NaN or infinite entry of q, k, v, beta or initial_state;
+            a value check asked of a meta tensor (it holds no values).
     """
     q = _tensor("q", q, 4, "[B, T, H, K]")
     k = _tensor("k", k, 4, "[B, T, H, K]")
@@ -326,6 +350,8 @@ def check_gdn_inputs(
             )
     if _read_values(check_values, g):
         check_gate_values(g)
+    if _read_values(check_values, q):
+        check_input_values(q, k, v, beta, initial_state)
     return GDNDims(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N)
 
 

@@ -174,3 +174,76 @@ def test_minus_inf_gate_is_forget_everything(entry):
         outs.append((o.detach(), ht.detach(), torch.cat([dg[:, :5], dg[:, 6:]], 1)))
     for a, b in zip(outs[0], outs[1]):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------
+# finding 4: the valid input domain
+# ------------------------------------------------------------------------------------------------
+
+def _bad(name, value):
+    def change(x):
+        t = x[name].clone()
+        t.view(-1)[3] = value
+        return {name: t}
+    return change
+
+
+DOMAIN_CASES = [
+    ("beta", 3.0, r"^beta must be in \[0, 1\]"),
+    ("beta", -0.5, r"^beta must be in \[0, 1\]"),
+    ("beta", math.nan, r"^beta must be finite"),
+    ("q", math.nan, r"^q must be finite"),
+    ("k", math.inf, r"^k must be finite"),
+    ("v", -math.inf, r"^v must be finite"),
+    ("initial_state", math.nan, r"^initial_state must be finite"),
+]
+
+
+@pytest.mark.parametrize("name, value, pattern", DOMAIN_CASES)
+def test_values_outside_the_domain_rejected_on_cpu(name, value, pattern):
+    """Regression: beta = 3 was accepted and blew o up (2e6); NaN or inf in q, k, v, beta or the initial
+    state passed silently. CPU tensors are now checked by the shared checks: the reference, the
+    recurrence, the drivers and the op (before its device error)."""
+    x = _small(dtype=torch.float64)
+    x.update(_bad(name, value)(x))
+    for entry in (reference.chunk_gated_delta_rule, reference.recurrent_gated_delta_rule):
+        with pytest.raises(ValueError, match=pattern):
+            entry(**x)
+    with pytest.raises(ValueError, match=pattern):
+        chunk_gated_delta_rule_fwd(**x, backend=ReferenceCPBackend())
+    y = _kernel_dtypes(_small(K=128, V=128))
+    y.update(_bad(name, value)(y))
+    with pytest.raises(ValueError, match=pattern):
+        flashqla.chunk_gated_delta_rule(**y)
+
+
+def test_domain_edges_accepted():
+    """beta exactly 0 and 1, g exactly 0 and -inf: valid."""
+    x = _small(dtype=torch.float64)
+    x["beta"][:, :5] = 0.0
+    x["beta"][:, 5:10] = 1.0
+    x["g"][:, :3] = 0.0
+    x["g"][:, 3] = -math.inf
+    o, _ = reference.chunk_gated_delta_rule(**x)
+    assert bool(torch.isfinite(o).all())
+
+
+def test_check_inputs_asks_for_the_value_checks(monkeypatch):
+    """`check_inputs=True` makes the op read device values (`check_values=True`: the one switch that
+    also reads GPU tensors); off by default (no host sync); not a bool: a TypeError naming it."""
+    import flashqla.ops.gdn.api as api
+
+    seen = []
+
+    def spy(*args, check_values=False, **kw):
+        seen.append(check_values)
+        return check_gdn_inputs(*args, check_values=check_values, **kw)
+
+    monkeypatch.setattr(api, "check_gdn_inputs", spy)
+    x = _kernel_dtypes(_small(K=128, V=128))
+    for flag in (False, True):
+        with pytest.raises(RuntimeError, match="runs on a CUDA device"):
+            api.chunk_gated_delta_rule(**x, check_inputs=flag)
+    assert seen == [False, True]
+    with pytest.raises(TypeError, match=r"^check_inputs must be a bool"):
+        api.chunk_gated_delta_rule(**x, check_inputs=1)

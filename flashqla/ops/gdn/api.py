@@ -35,6 +35,7 @@ def chunk_gated_delta_rule(
     *,
     cp: str | bool | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    check_inputs: bool = False,
 ):
     """Gated DeltaNet chunked prefill, forward and backward (autograd), FLA's signature and return.
 
@@ -84,6 +85,18 @@ def chunk_gated_delta_rule(
             cu_seqlens (that would need a device read). Under torch.compile / torch.export only
             its type, dtype, device and shape are checked and it is not used (its values are not
             known while tracing). `flashqla.contract.planning_max_seqlen`, `.planning_seqlens`.
+        check_inputs: keyword-only, False (default) or True: also check the values of device
+            tensors before any launch (`flashqla.contract.check_gdn_inputs(check_values=True)`): the
+            offsets of cu_seqlens, g <= 0 and not NaN, beta in [0, 1], q, k, v, beta and
+            initial_state finite. Costs a few reductions and host synchronisations per call (not
+            CUDA-graph capturable); skipped while torch.compile traces. The values of CPU tensors
+            are always checked. Without it, device values outside that domain are not detected:
+            the result is undefined (it may be NaN or overflow), never a crash of the process.
+
+    Valid inputs (the numerics assume them; README "Valid inputs"): g <= 0 (-inf allowed),
+    0 <= beta <= 1, every tensor finite, and k L2-normalised per head (|k| = 1; or
+    use_qk_l2norm_in_kernel), so that each step I - beta k k^T has norm <= 1 and the state stays
+    bounded by its inputs. |k| is not checked: with beta |k|^2 > 2 the state can grow without bound.
 
     Supported fast path: K = V = 128, chunk 64, compute capability 9.0 (H100/H200). T, the number of
     sequences and cu_seqlens are run-time values: a new length or sequence mix never recompiles; the
@@ -107,11 +120,12 @@ def chunk_gated_delta_rule(
         when output_final_state is False.
 
     Raises:
-        TypeError: non-tensor arguments, q/k/v dtypes differ or are not bf16/fp16, g not float32,
+        TypeError: check_inputs not a bool, non-tensor arguments, q/k/v dtypes differ or are not bf16/fp16, g not float32,
             beta not float32 or q's dtype, initial_state not float32, cu_seqlens not int32/int64,
             cu_seqlens_cpu not a dense int32/int64 CPU tensor.
-        ValueError: wrong ranks or shapes, HV % H != 0, K or V != 128, cu_seqlens with B != 1 (and
-            bad cu_seqlens values when it is a CPU tensor), tensors on different devices;
+        ValueError: wrong ranks or shapes, HV % H != 0, K or V != 128, cu_seqlens with B != 1,
+            tensors on different devices; values outside the valid inputs (bad cu_seqlens offsets,
+            g > 0 or NaN, beta outside [0, 1], NaN or inf) in CPU tensors, or with check_inputs;
             cu_seqlens_cpu without cu_seqlens, of another shape, or with bad values.
         RuntimeError: inputs not on a CUDA device of compute capability 9.0 (raised after the
             argument checks above, before any kernel is built or launched).
@@ -119,7 +133,10 @@ def chunk_gated_delta_rule(
     Source: FLA `fla.ops.gated_delta_rule.chunk_gated_delta_rule` (signature and semantics);
     algorithm DESIGN.md section 1 and `reference.gdn.fused`.
     """
-    d = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    if not isinstance(check_inputs, bool):
+        raise TypeError(f"check_inputs must be a bool, got {type(check_inputs).__name__}")
+    d = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                         check_values=check_inputs)
     seqlens = planning_seqlens(cu_seqlens_cpu, cu_seqlens, d.T)  # read once: both hints
     max_seqlen = max_seqlen_hint(seqlens)
     check_supported(q, k, v, g, beta, initial_state)
