@@ -247,3 +247,43 @@ def test_check_inputs_asks_for_the_value_checks(monkeypatch):
     assert seen == [False, True]
     with pytest.raises(TypeError, match=r"^check_inputs must be a bool"):
         api.chunk_gated_delta_rule(**x, check_inputs=1)
+
+
+def test_missing_nvcc_is_a_clear_error_at_once(monkeypatch):
+    """Regression: without nvcc the first call lowered for minutes, then failed with a raw "No such file
+    or directory". compile_kernel now looks for nvcc first and says what to install."""
+    import time
+
+    from flashqla.ops.gdn.kernels.sm90 import _common
+
+    monkeypatch.setattr(_common, "_nvcc_found", False)
+    monkeypatch.setattr(_common, "find_nvcc", lambda: None)
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"needs the CUDA toolkit's nvcc.*Install the CUDA toolkit"):
+        _common.compile_kernel(object(), "gdn_test_build")
+    assert time.perf_counter() - t0 < 1.0
+    monkeypatch.undo()  # the real lookup, with a CUDA_HOME that holds no nvcc
+    monkeypatch.setattr(_common, "_nvcc_found", False)
+    monkeypatch.setenv("CUDA_HOME", "/nonexistent/cuda")
+    assert _common.find_nvcc() is None
+    with pytest.raises(RuntimeError, match=r"\$CUDA_HOME = '/nonexistent/cuda' has no bin/nvcc"):
+        _common.require_nvcc()
+
+
+def test_zero_buffers_are_never_shared_between_streams(monkeypatch):
+    """Regression (FlashInfer #4476's bug class): `Sm90Backend.zeros` cached its buffers by (shape, dtype,
+    device) only, so two streams got the same scratch buffer and an evicted one was freed with no
+    `record_stream` while the other stream could still read it. The key now holds the current stream:
+    each stream gets its own buffer, and a buffer is freed only by the stream it was made on."""
+    from flashqla.ops.gdn import backend as be_mod
+
+    assert be_mod.current_stream_id(torch.device("cpu")) is None
+    stream = {"id": 1}
+    monkeypatch.setattr(be_mod, "current_stream_id", lambda device: stream["id"])
+    be = be_mod.Sm90Backend()
+    a = be.zeros((1, 4, 2, 8), torch.float32, "cpu")
+    assert be.zeros((1, 4, 2, 8), torch.float32, "cpu") is a  # cached on one stream
+    stream["id"] = 2
+    b = be.zeros((1, 4, 2, 8), torch.float32, "cpu")
+    assert b is not a and b.data_ptr() != a.data_ptr()
+    assert all(key[-1] in (1, 2) for key in be._zeros), list(be._zeros)
