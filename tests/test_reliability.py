@@ -287,3 +287,87 @@ def test_zero_buffers_are_never_shared_between_streams(monkeypatch):
     b = be.zeros((1, 4, 2, 8), torch.float32, "cpu")
     assert b is not a and b.data_ptr() != a.data_ptr()
     assert all(key[-1] in (1, 2) for key in be._zeros), list(be._zeros)
+
+
+# ------------------------------------------------------------------------------------------------
+# finding 1: ranks that disagree fail fast, with one error on every rank
+# ------------------------------------------------------------------------------------------------
+
+def _disagreeing_rank(rank: int, case: str):
+    """One rank's call of a disagreement case (W = 2, fp64 reference backend); returns (kind, message)."""
+    from flashqla.distributed import build_cp_context, chunk_gated_delta_rule_cp
+
+    HV = 4 if (case == "HV" and rank == 1) else 2
+    x = make_gdn_inputs(B=1, T=100, H=1, HV=HV, K=16, V=16, seqlens=[40, 60], seed=5)
+    cu = x["cu_seqlens"] if not (case == "cu_seqlens" and rank == 1) else torch.tensor([0, 70, 100])
+    lo, hi = 50 * rank, 50 * (rank + 1)
+    local = {n: x[n][:, lo:hi].clone() for n in ("q", "k", "v", "g", "beta")}
+    if case == "beta" and rank == 1:
+        local["beta"][0, 3, 0] = 3.0
+    grad = not (case == "backward" and rank == 0)
+    for t in local.values():
+        t.requires_grad_(grad)
+    kw = dict(backend=reference.chunk_gated_delta_rule, initial_state=x["initial_state"])
+    if case in ("cu_seqlens", "ok"):
+        kw["cu_seqlens"] = cu  # the op builds the shard table (no second collective)
+    else:
+        kw["cp_context"] = build_cp_context(cu)
+    try:
+        o, _ = chunk_gated_delta_rule_cp(*(local[n] for n in ("q", "k", "v", "g", "beta")), **kw)
+        if grad:
+            o.sum().backward()
+        return ("ok", "")
+    except Exception as exc:  # noqa: BLE001 - the test compares what each rank raised
+        return (type(exc).__name__, str(exc) + " | " + " | ".join(getattr(exc, "__notes__", [])))
+
+
+DISAGREEMENTS = ("cu_seqlens", "HV", "beta", "backward", "ok")
+
+
+def _disagreement_worker(rank: int, init_file: str, out_dir: str) -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        torch.save({case: _disagreeing_rank(rank, case) for case in DISAGREEMENTS}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_that_disagree_fail_fast_with_one_error(tmp_path):
+    """Regression: flashqla.distributed never compared the ranks. Different global cu_seqlens: rank 1's
+    o off by 0.50 relative, nothing raised; HV differing: the other rank died with SIGABRT (gloo size
+    mismatch); one rank's input rejected, or one rank not running the backward: the others blocked
+    until the group's timeout. Now one all-gather of a fingerprint comes before the first collective,
+    and every rank raises, naming the argument and the ranks, within seconds (the whole spawn, five
+    cases on two ranks, must end well inside the 30 s group timeout)."""
+    import os
+    import time
+
+    import torch.multiprocessing as mp
+
+    t0 = time.perf_counter()
+    mp.spawn(_disagreement_worker, args=(os.path.join(tmp_path, "init"), str(tmp_path)), nprocs=2, join=True)
+    elapsed = time.perf_counter() - t0
+    ranks = [torch.load(os.path.join(tmp_path, f"rank{r}.pt")) for r in range(2)]
+    expect = {
+        "cu_seqlens": (r"disagree on cu_seqlens", ("ValueError", "ValueError")),
+        "HV": (r"disagree on HV \(v.shape\[2\]\): ranks \[0\] have 2; ranks \[1\] have 4", ("ValueError", "ValueError")),
+        "beta": (r"arguments of rank\(s\) \[1\] were rejected \(rank 1: beta\)", ("ValueError", "ValueError")),
+        "backward": (r"ranks \[1\] will run the backward, ranks \[0\] will not", ("ValueError", "ValueError")),
+    }
+    import re
+
+    for case, (pattern, kinds) in expect.items():
+        for r in range(2):
+            kind, msg = ranks[r][case]
+            assert kind == kinds[r], (case, r, kind, msg)
+            assert re.search(pattern, msg), (case, r, msg)
+    assert "beta must be in [0, 1]" in ranks[1]["beta"][1]  # the rejecting rank raises its own error
+    assert ranks[0]["ok"] == ranks[1]["ok"] == ("ok", ""), [r["ok"] for r in ranks]
+    assert elapsed < 25, f"{elapsed:.1f} s: a rank waited for the group timeout"
