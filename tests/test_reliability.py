@@ -371,3 +371,45 @@ def test_ranks_that_disagree_fail_fast_with_one_error(tmp_path):
     assert "beta must be in [0, 1]" in ranks[1]["beta"][1]  # the rejecting rank raises its own error
     assert ranks[0]["ok"] == ranks[1]["ok"] == ("ok", ""), [r["ok"] for r in ranks]
     assert elapsed < 25, f"{elapsed:.1f} s: a rank waited for the group timeout"
+
+
+# ------------------------------------------------------------------------------------------------
+# finding 2 (CPU-visible part): offsets ending before T
+# ------------------------------------------------------------------------------------------------
+
+def test_cpu_offsets_ending_before_T_rejected():
+    """cu_seqlens[-1] < T on CPU offsets: a clear error naming cu_seqlens on every entry point (it was
+    already so; kept by this test)."""
+    x = _small(dtype=torch.float64)
+    x["cu_seqlens"] = torch.tensor([0, 15, 30])
+    for entry in (reference.chunk_gated_delta_rule, lambda **y: chunk_gated_delta_rule_fwd(**y, backend=ReferenceCPBackend())):
+        with pytest.raises(ValueError, match=r"^cu_seqlens must end at T = 40"):
+            entry(**x)
+    y = _kernel_dtypes(_small(K=128, V=128))
+    y["cu_seqlens"] = torch.tensor([0, 15, 30])
+    with pytest.raises(ValueError, match=r"^cu_seqlens must end at T = 40"):
+        flashqla.chunk_gated_delta_rule(**y)
+
+
+@pytest.mark.parametrize("launcher", ["chunk_recurrent_fwd", "chunk_recurrent_dual"])
+def test_packed_output_tail_is_never_stale_memory(monkeypatch, launcher):
+    """Regression: the recurrent launchers allocated o with torch.empty_like, and no CTA writes the rows
+    past a device cu_seqlens[-1] < T: those rows were whatever the allocator held. Here the kernel is
+    a stand-in that writes nothing and fresh memory is poisoned with NaN: o must come back zero."""
+    from flashqla.ops.gdn.kernels.sm90 import recurrent
+
+    monkeypatch.setattr(recurrent, "build_recurrent_kernel", lambda *a, **kw: (lambda *args: None))
+    monkeypatch.setattr(recurrent, "recurrent_kernel_args", lambda *a, **kw: ())
+    real_empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda x, **kw: real_empty_like(x, **kw).fill_(math.nan))
+    T, HV, K = 40, 2, 128
+    q = torch.zeros(1, T, 1, K, dtype=torch.bfloat16)
+    v = torch.zeros(1, T, HV, K, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 15, 30], dtype=torch.int32)  # ends before T, as a device tensor might
+    A, G = torch.zeros(HV, 64 * 2, 64, dtype=torch.bfloat16), torch.zeros(HV, 64 * 2)
+    if launcher == "chunk_recurrent_fwd":
+        o, _ = recurrent.chunk_recurrent_fwd(q, q, v, A, G, 1.0, None, False, cu, block_v=64)
+    else:
+        limit = torch.zeros(2, HV, dtype=torch.int32)
+        o = recurrent.chunk_recurrent_dual(q, q, v, A, G, 1.0, None, limit, cu, block_v=64)[0]
+    assert bool((o[:, 30:] == 0).all()), "the tail past cu_seqlens[-1]"

@@ -68,7 +68,7 @@ def chunk_gated_delta_rule(
             non-decreasing, ending at T; empty sequences are allowed. Read on device only (no host
             synchronisation; its values are checked only when it is a CPU tensor). Should a device
             cu_seqlens end before T, the tokens past cu_seqlens[-1] belong to no sequence: their
-            outputs are left unwritten and their gradients are zero.
+            outputs and gradients are zero (o is allocated zero-filled for packed input).
         use_qk_l2norm_in_kernel: L2-normalise q and k per head first (x * rsqrt(sum x^2 + 1e-6), in
             fp32, rounded back to the input dtype; two extra launches).
         cp: keyword-only, intra-device context parallelism for long sequences with few value heads:
