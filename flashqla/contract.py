@@ -9,11 +9,13 @@ memory (the values of `cu_seqlens`, the sign of `g`) run only where they cost no
 synchronisation: on CPU tensors, or when the caller asks for them (`check_values=True`, which the
 fp64 reference always does).
 
-Positive gates. `g` is a natural-log decay and real models produce `g <= 0` (Qwen3-Next:
-`g = -exp(A_log) * softplus(a + dt_bias)`). `g > 0` is outside the supported domain: with
-`check_values=True` (the reference, and any CPU `g`) it is rejected with a `ValueError`; the GPU op
-does not read `g` back to the host, so on device a positive `g` is the caller's responsibility and the
-result is undefined (it may overflow).
+Gates. `g` is a natural-log decay and real models produce `g <= 0` (Qwen3-Next:
+`g = -exp(A_log) * softplus(a + dt_bias)`). `g > 0` and NaN are outside the supported domain: with
+`check_values=True` (the reference, and any CPU `g`) they are rejected with a `ValueError`; the GPU op
+does not read `g` back to the host, so on device they are the caller's responsibility and the
+result is undefined (it may overflow). Every path clamps g at `G_FLOOR` = -1000 before its chunk-local
+cumsum (`clamp_gates`; why that changes nothing measurable: `G_FLOOR`), so g = -inf is valid
+everywhere and means "forget everything", as any g below the floor does.
 
 User settings (read at each call, never at import):
     FLASHQLA_CP        the default context-parallel mode of a call that passes cp=None (`cp_mode`)
@@ -37,14 +39,17 @@ __all__ = [
     "CP_ENV",
     "EXACT_ENV",
     "FLOAT_DTYPES",
+    "G_FLOOR",
     "SUPPORTED",
     "TRUNCATE_LOG_DECAY",
     "ChunkGDNForward",
     "GDNDims",
     "check_cu_seqlens_values",
     "check_device",
+    "clamp_gates",
     "check_gate_values",
     "check_gdn_inputs",
+    "check_input_values",
     "check_seqlens",
     "check_supported",
     "cp_mode",
@@ -91,6 +96,13 @@ def _tensor(name: str, x, ndim: int, shape_doc: str) -> torch.Tensor:
 def _check_readable(name: str, x: torch.Tensor) -> None:
     if x.device.type == "meta":
         raise ValueError(f"{name} is on the meta device, which holds no values: its values cannot be checked")
+
+
+def _read_values(check_values: bool, x: torch.Tensor) -> bool:
+    """Whether the value checks read `x`: asked for, or free (a CPU tensor); never while torch.compile
+    or torch.export traces the caller (a traced tensor has no values: reading one is a graph break,
+    an error under fullgraph=True)."""
+    return (check_values or x.device.type == "cpu") and not torch.compiler.is_compiling()
 
 
 def check_cu_seqlens_values(cu_seqlens: torch.Tensor, T: int, name: str = "cu_seqlens") -> None:
@@ -170,15 +182,60 @@ def planning_seqlens(cu_seqlens_cpu, cu_seqlens, T: int) -> tuple[int, ...] | No
     return tuple((cu[1:] - cu[:-1]).tolist())
 
 
+#: The per-token log-decay floor of every path (the reference, the op, the split and cross-rank paths):
+#: g is raised to it before any chunk-local cumsum (`clamp_gates`). Why it changes nothing measurable:
+#: a token's decay is exp(g_t), and exp(G_FLOOR) = exp(-1000) is exactly 0 in fp32 (whose smallest
+#: subnormal is exp(-103.3)) and in fp64 (exp(-744.4)); the kernels' exp2(-1000 / ln 2) = exp2(-1442.7)
+#: likewise. In the chunked form every decay is exp(g_cum_r - g_cum_s) (r >= s, chunk-local sums): a
+#: factor that spans a floored token has exponent <= G_FLOOR (the other terms are <= 0), so it is 0
+#: with or without the floor, as its recurrence factor exp(g_t) is; a factor that does not span it
+#: does not contain it. So g < G_FLOOR already means "forget everything", and g = -inf is accepted
+#: and means the same. What the floor prevents: a finite g far below it (-1e30) absorbing the later
+#: gates of its chunk in the cumsum (g_cum_r - g_cum_s rounds to 0: decay 1 instead of exp(sum g)),
+#: and two fp32 gates of -3e38 summing to -inf, then NaN (-inf - -inf). The one cost: chunk sums
+#: after a floored token carry an offset of about -1000, where fp32's spacing is 2^-13 (6e-5 of a
+#: unit of log-decay), far below the bf16 rounding of the outputs. The gradient dg of a token below
+#: the floor is 0 (the recurrence's too: d exp(g) / dg = exp(g) = 0 there).
+G_FLOOR = -1000.0
+
+
+def clamp_gates(g: torch.Tensor) -> torch.Tensor:
+    """max(g, G_FLOOR) elementwise, without a host sync: the gates the kernels' chunk-local cumsums read
+    (see `G_FLOOR`; -inf becomes G_FLOOR). One elementwise pass over g ([B, T, HV] fp32: 8 bytes per
+    token and value head moved) and a new tensor of g's shape and dtype."""
+    return g.clamp_min(G_FLOOR)
+
+
 def check_gate_values(g: torch.Tensor) -> None:
-    """Raises ValueError when `g` has a positive or non-finite entry (reads `g`: a host sync on GPU),
-    or is on the meta device (no values to read)."""
+    """Raises ValueError when `g` has a positive (+inf included) or NaN entry (reads `g`: a host sync
+    on GPU), or is on the meta device (no values to read). g = -inf is valid: "forget everything"
+    (`G_FLOOR`)."""
     _check_readable("g", g)
     g = g.detach()
-    if not bool(torch.isfinite(g).all()):
-        raise ValueError("g must be finite (natural-log decay per token, g <= 0)")
+    if bool(torch.isnan(g).any()):
+        raise ValueError("g must not be NaN (natural-log decay per token, g <= 0; -inf means forget everything)")
     if bool((g > 0).any()):
         raise ValueError(f"g must be <= 0 (natural-log decay per token); got max(g) = {float(g.max()):.3g}")
+
+
+def check_input_values(q, k, v, beta, initial_state=None) -> None:
+    """Raises ValueError, naming the argument, when q, k, v, beta or initial_state has a NaN or infinite
+    entry or beta has one outside [0, 1] (reads them: a host sync on GPU); on the meta device (no
+    values to read). The valid domain the op's numerics assume (README "Valid inputs")."""
+    named = [("q", q), ("k", k), ("v", v), ("beta", beta)]
+    if initial_state is not None:
+        named.append(("initial_state", initial_state))
+    for name, x in named:
+        _check_readable(name, x)
+        x = x.detach()
+        bad = ~torch.isfinite(x)
+        if bool(bad.any()):
+            i = tuple(int(j) for j in torch.nonzero(bad)[0])
+            raise ValueError(f"{name} must be finite, got {float(x[i])} at index {i}")
+    b = beta.detach()
+    if bool(((b < 0) | (b > 1)).any()):
+        raise ValueError(f"beta must be in [0, 1] (a write strength, e.g. a sigmoid output), got values in "
+                         f"[{float(b.min()):.4g}, {float(b.max()):.4g}]")
 
 
 def check_gdn_inputs(
@@ -205,8 +262,10 @@ def check_gdn_inputs(
         initial_state: None or [N, HV, K, V] floating point.
         output_final_state: bool.
         cu_seqlens: None or a 1-D int32/int64 tensor [N + 1]; requires B == 1.
-        check_values: also read `cu_seqlens` and `g` and check their values (host sync on GPU).
-            The values of a CPU `cu_seqlens` or a CPU `g` are always checked (that costs no sync).
+        check_values: also read the tensors and check their values (host syncs on GPU): the
+            offsets of `cu_seqlens`, g <= 0 and not NaN (-inf allowed), beta in [0, 1], q, k, v,
+            beta and initial_state finite. The values of CPU tensors are always checked (that
+            costs no sync); nothing is read while torch.compile or torch.export traces.
 
     Returns:
         GDNDims(B, T, H, HV, K, V, N).
@@ -216,8 +275,9 @@ def check_gdn_inputs(
             cu_seqlens), or q, k, v dtypes differ, or scale is not a real number.
         ValueError: wrong ranks, mismatched shapes, HV % H != 0, empty head dims, tensors on
             different devices, cu_seqlens with B != 1 / not starting at 0 / decreasing / not ending
-            at T, initial_state of the wrong shape, and (check_values or a CPU g) positive or
-            non-finite g; a value check asked of a meta tensor (it holds no values).
+            at T, initial_state of the wrong shape, and (check_values or CPU tensors) positive or
+            NaN g, beta outside [0, 1], a NaN or infinite entry of q, k, v, beta or initial_state;
+            a value check asked of a meta tensor (it holds no values).
     """
     q = _tensor("q", q, 4, "[B, T, H, K]")
     k = _tensor("k", k, 4, "[B, T, H, K]")
@@ -242,13 +302,18 @@ def check_gdn_inputs(
         raise ValueError(f"beta must be [B, T, HV] = {(B, T, HV)}, got {tuple(beta.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    # the kind of object first: a numpy array has a `device` too ("cpu"), which is no torch.device
+    if initial_state is not None:
+        _tensor("initial_state", initial_state, 4, "[N, HV, K, V]")
+    if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be None or an int32/int64 tensor [N + 1], got {type(cu_seqlens).__name__}")
     devices = {name: x.device for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta))}
     if initial_state is not None:
-        devices["initial_state"] = getattr(initial_state, "device", None)
+        devices["initial_state"] = initial_state.device
     if cu_seqlens is not None:
-        devices["cu_seqlens"] = getattr(cu_seqlens, "device", None)
+        devices["cu_seqlens"] = cu_seqlens.device
     for name, dev in devices.items():
-        if dev is not None and dev != q.device:
+        if dev != q.device:
             raise ValueError(f"{name} is on {dev} but q is on {q.device}: all tensors must be on one device")
 
     if scale is not None:
@@ -274,18 +339,19 @@ def check_gdn_inputs(
         if B != 1:
             raise ValueError(f"cu_seqlens (packed variable-length input) requires B == 1, got B = {B}")
         N = cu_seqlens.numel() - 1
-        if check_values or cu_seqlens.device.type == "cpu":
+        if _read_values(check_values, cu_seqlens):
             check_cu_seqlens_values(cu_seqlens, T)
 
     if initial_state is not None:
-        _tensor("initial_state", initial_state, 4, "[N, HV, K, V]")
         if tuple(initial_state.shape) != (N, HV, K, V):
             raise ValueError(
                 f"initial_state must be [N, HV, K, V] = {(N, HV, K, V)} (N = number of sequences), "
                 f"got {tuple(initial_state.shape)}"
             )
-    if check_values or g.device.type == "cpu":
+    if _read_values(check_values, g):
         check_gate_values(g)
+    if _read_values(check_values, q):
+        check_input_values(q, k, v, beta, initial_state)
     return GDNDims(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N)
 
 

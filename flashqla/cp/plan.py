@@ -104,6 +104,7 @@ from __future__ import annotations
 import collections
 import functools
 import heapq
+import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -478,9 +479,25 @@ def _segment_lengths(l_top: int, dense: int = DENSE_QUANTA, ratio: float = LENGT
 def plan_cp(HV: int, N: int, T: int, V: int = 128, sm_count: int = DEFAULT_SM_COUNT, *, seqlens=None, **flags) -> CPPlan:
     """Whether and how to split: `_plan_cp` (its docstring: arguments, returns, errors), cached on the
     arguments, with `seqlens` taken as any sequence of ints (made a tuple here)."""
+    HV, N, T, V, sm_count = (_int_arg(x, name) for x, name in ((HV, "HV"), (N, "N"), (T, "T"), (V, "V"),
+                                                                 (sm_count, "sm_count")))
+    if flags.get("max_seqlen") is not None:
+        flags["max_seqlen"] = _int_arg(flags["max_seqlen"], "max_seqlen")
     if seqlens is not None:  # checked here, not in the cached function: 4096.0 == 4096 as a cache key
         seqlens = check_seqlens(seqlens, N, T)
     return _plan_cp(HV, N, T, V, sm_count, seqlens=seqlens, **flags)
+
+
+def _int_arg(value, name: str) -> int:
+    """value as a Python int (numpy and torch integers too); ValueError naming `name` for anything else
+    (bools, floats such as 4096.0 or NaN, strings). The sign is checked by `_plan_cp`."""
+    try:
+        out = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        out = None
+    if out is None:
+        raise ValueError(f"plan_cp: {name} must be an int, got {value!r}")
+    return out
 
 
 @functools.lru_cache(maxsize=1024)

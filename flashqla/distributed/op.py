@@ -79,13 +79,14 @@ simulated single-device form is `reference.gdn.cp`, the intra-device passes `fla
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
 
 from flashqla.distributed.backends import resolve_backend
-from flashqla.distributed.context import CPContext, build_cp_context
-from flashqla.contract import FLOAT_DTYPES, check_gdn_inputs, l2norm
+from flashqla.distributed.context import CPContext, _as_offsets, _process_group, build_cp_context
+from flashqla.contract import FLOAT_DTYPES, check_gdn_inputs, check_input_values, clamp_gates, l2norm
 from flashqla.cp.backward import cp_backward_open
 from flashqla.cp.forward import cp_forward_open
 from flashqla.cp.segments import build_segment_tables
@@ -418,6 +419,137 @@ class _CPFunction(torch.autograd.Function):
         return dq, dk, dv, dg, dbeta, dh0, None
 
 
+def _check_local(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                 cp_context, group, backend):
+    """The checks of one rank's arguments that need no collective: (dims, backend, global offsets
+    or None). Raises TypeError / ValueError / RuntimeError naming the argument."""
+    if cp_context is not None:
+        if not isinstance(cp_context, CPContext):
+            raise TypeError(f"cp_context must be a CPContext from build_cp_context, got {type(cp_context).__name__}")
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens must be None when cp_context is given (the context holds the global offsets)")
+        if group is not None:
+            raise ValueError("give cp_context or group, not both (the context holds its group)")
+    d = check_gdn_inputs(q, k, v, g, beta, scale, None, output_final_state, None)
+    if d.B != 1:
+        raise ValueError(f"q: context parallelism takes one packed batch row, B == 1 (pack sequences with cu_seqlens), got B = {d.B}")
+    if not isinstance(use_qk_l2norm_in_kernel, bool):
+        raise TypeError(f"use_qk_l2norm_in_kernel must be a bool, got {type(use_qk_l2norm_in_kernel).__name__}")
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor) or initial_state.dtype not in FLOAT_DTYPES:
+            raise TypeError("initial_state must be None or a floating-point tensor [N, HV, K, V] (global N)")
+        if initial_state.device != q.device:
+            raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}: all tensors must be on one device")
+        if initial_state.device.type == "cpu":
+            check_input_values(q[:, :0], k[:, :0], v[:, :0], beta[:, :0], initial_state)
+    cu = None if cp_context is not None or cu_seqlens is None else _as_offsets(cu_seqlens)
+    N = cp_context.N if cp_context is not None else (1 if cu is None else len(cu) - 1)
+    if initial_state is not None and tuple(initial_state.shape) != (N, d.HV, d.K, d.V):
+        raise ValueError(
+            f"initial_state must be the global [N, HV, K, V] = {(N, d.HV, d.K, d.V)} (N = sequences of the whole "
+            f"batch), got {tuple(initial_state.shape)}"
+        )
+    if cp_context is not None:
+        ctx = cp_context
+        if d.T != ctx.local_len:
+            raise ValueError(
+                f"q holds T = {d.T} tokens but this rank's shard (rank {ctx.rank} of {ctx.world_size}) is tokens "
+                f"[{ctx.start}, {ctx.end}) of the global batch ({ctx.local_len} tokens; shard_lens {list(ctx.shard_lens)})"
+            )
+    be = resolve_backend(backend, q)
+    be.check(q, k, v, g, beta, initial_state)
+    if cp_context is not None and cp_context.group is None and cp_context.world_size > 1:
+        raise RuntimeError("cp_context was built without a process group (rank=, world_size=): it cannot run across ranks")
+    return d, be, cu
+
+
+#: What the ranks must agree on, in the order of the fingerprint (after "ok", the argument code,
+#: "will run backward", "local_len"): name in the error, how to read it.
+_FIELDS = ("cu_seqlens (the global offsets)", "the shard table (shard_lens)", "H (q.shape[2])", "K (q.shape[3])",
+           "HV (v.shape[2])", "V (v.shape[3])", "q's dtype", "g's dtype", "beta's dtype",
+           "initial_state (None, or its dtype and shape)", "output_final_state", "use_qk_l2norm_in_kernel", "scale")
+#: The arguments a rank's rejected input is reported by (the first word of its error, else "an argument").
+_ARGS = ("an argument", "q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state", "cu_seqlens",
+         "use_qk_l2norm_in_kernel", "cp_context", "group", "backend")
+
+
+def _digest(value) -> int:
+    """A 62-bit digest of `value`'s repr, the same in every process (unlike hash() of a str)."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 2
+
+
+def _dtype_code(dt) -> int:
+    return FLOAT_DTYPES.index(dt) + 1 if dt in FLOAT_DTYPES else 0
+
+
+def _agree(q, v, g, beta, scale, initial_state, output_final_state, use_l2, cp_context, cu, d, requires_grad, error,
+           group_info):
+    """Before the call's first collective: one all-gather of a small int64 fingerprint per rank ("my
+    checks passed", which argument failed, "I will run the backward", my shard length, a digest of
+    the global cu_seqlens and of the shard table, the head counts and dims, the dtypes, the flags and
+    the scale). Raises on every rank, naming the argument and the ranks, when a rank's checks failed
+    (that rank re-raises its own error, with a note) or the ranks disagree; returns the shard lengths
+    of every rank (a context-free call's shard table)."""
+    if error is not None and group_info is None:
+        raise error
+    group, rank, W = group_info
+    if W == 1 or group is None:
+        if error is not None:
+            raise error
+        return (int(q.shape[1]) if isinstance(q, torch.Tensor) and q.dim() > 1 else 0,)
+    import torch.distributed as dist
+
+    ok = error is None
+    arg = 0
+    if not ok:
+        first = str(error).split(" ", 1)[0].rstrip(":,")
+        arg = _ARGS.index(first) if first in _ARGS else 0
+    ctx = cp_context if isinstance(cp_context, CPContext) else None
+    if ok:
+        offsets = ctx.cu_seqlens if ctx is not None else (cu if cu is not None else "one sequence")
+        fields = [_digest(offsets), _digest(ctx.shard_lens) if ctx is not None else 0, d.H, d.K, d.HV, d.V,
+                  _dtype_code(q.dtype), _dtype_code(g.dtype), _dtype_code(beta.dtype),
+                  -1 if initial_state is None else _digest((str(initial_state.dtype), tuple(initial_state.shape))),
+                  int(bool(output_final_state)),
+                  int(use_l2), _digest(None if scale is None else float(scale))]
+        local_len = d.T
+    else:
+        fields, local_len = [0] * len(_FIELDS), 0
+    mine = torch.tensor([int(ok), arg, int(requires_grad), local_len, *fields], dtype=torch.int64)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    mine = mine.to(device)
+    every = torch.empty(W * mine.numel(), dtype=torch.int64, device=device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(every, mine, group=group)
+    table = every.view(W, -1).cpu().tolist()
+    bad = [r for r in range(W) if not table[r][0]]
+    if bad:
+        what = ", ".join(f"rank {r}: {_ARGS[table[r][1]]}" for r in bad)
+        msg = (f"chunk_gated_delta_rule_cp: the arguments of rank(s) {bad} were rejected ({what}); every rank of the "
+               "group stops here")
+        if error is not None:
+            error.add_note(msg)
+            raise error
+        raise ValueError(msg + " (see that rank's error)")
+    for i, name in enumerate(("will run the backward (a grad-requiring input under grad mode)",) + _FIELDS):
+        col = [table[r][2 if i == 0 else 3 + i] for r in range(W)]
+        if len(set(col)) > 1:
+            groups = {}
+            for r, c in enumerate(col):
+                groups.setdefault(c, []).append(r)
+            if i == 0:
+                detail = f"ranks {groups.get(1, [])} will run the backward, ranks {groups.get(0, [])} will not"
+                raise ValueError(f"chunk_gated_delta_rule_cp: the ranks disagree on whether they will run the backward: "
+                                 f"{detail}; the backward is a collective, so every rank must backpropagate through "
+                                 "the op or none (pass inputs that require grad on every rank, or run every rank "
+                                 "under torch.no_grad())")
+            shown = "; ".join(f"ranks {rs}" + ("" if name.split(" ")[0] in ("cu_seqlens", "the", "scale", "initial_state") else
+                                                f" have {c}") for c, rs in groups.items())
+            raise ValueError(f"chunk_gated_delta_rule_cp: the ranks disagree on {name}: {shown} (every rank must pass "
+                             "the same global cu_seqlens, shard table, head counts, head dims, dtypes and flags)")
+    return tuple(int(table[r][3]) for r in range(W))
+
+
 def chunk_gated_delta_rule_cp(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -444,6 +576,20 @@ def chunk_gated_delta_rule_cp(
     rank of the group must call it with the same global cu_seqlens and shapes, and must
     backpropagate through it (its backward runs a collective).
 
+    Agreement (on more than one rank): before its first collective a call all-gathers one small
+    int64 fingerprint per rank (whether its argument checks passed and which argument failed,
+    whether it will run the backward, its shard length, digests of the global cu_seqlens, the
+    shard table, initial_state's dtype and shape and the scale, H, K, HV, V, the dtypes and the
+    flags). A rank whose checks failed raises its own error, with a note naming the ranks; every
+    other rank raises ValueError naming the ranks and the argument; ranks that disagree all raise
+    ValueError naming the field and which ranks have which value. So no rank computes on
+    mismatched plans and none waits for the group's timeout. "Will run the backward" is grad mode
+    with an input that requires grad: ranks that differ there fail at the forward. A rank that
+    takes the grad path and then does not backpropagate through o (an exception, a loss without o)
+    still leaves the others waiting in the backward's collective until the group's timeout
+    (`init_process_group(timeout=...)`): that cannot be seen at the forward. Without cp_context
+    the fingerprint carries the shard lengths (no separate gather of them).
+
     Args (FLA's layout; each rank passes ITS OWN SHARD, tokens [start, end) of the global batch):
         q, k: [1, T_r, H, K]; v: [1, T_r, HV, V]; g: [1, T_r, HV] natural-log decay (<= 0);
             beta: [1, T_r, HV]. T_r = this rank's shard length (may be 0). Dtypes as the backend
@@ -457,8 +603,8 @@ def chunk_gated_delta_rule_cp(
         use_qk_l2norm_in_kernel: L2-normalise q and k per head first (x * rsqrt(sum x^2 + 1e-6),
             differentiable torch ops).
         cp_context: a `build_cp_context` plan (reuse it across calls and layers). Without it the op
-            builds one from cu_seqlens and group with local_len = T_r, which all-gathers the ranks'
-            shard lengths (one small collective and a host synchronisation per call).
+            builds one from cu_seqlens and group with this rank's T_r, taking the ranks' shard
+            lengths from the fingerprint's all-gather (see Agreement).
         group: the process group (default: the world) when cp_context is None.
         backend: per-rank compute (`flashqla.distributed.backends.resolve_backend`): None (the
             sm_90 kernels for CUDA inputs, with their own intra-device context parallelism in
@@ -476,7 +622,7 @@ def chunk_gated_delta_rule_cp(
         over the ranks is the full gradient (as data parallelism sums a replicated parameter's).
 
     Raises:
-        TypeError, ValueError: `flashqla.contract.check_gdn_inputs` on the local tensors; B != 1
+        TypeError, ValueError: (on every rank, see Agreement) `flashqla.contract.check_gdn_inputs` on the local tensors; B != 1
             (q); T_r != the context's shard length (q); initial_state not [N, HV, K, V] with the
             global N; cu_seqlens given with cp_context; cp_context and group both given; cu_seqlens
             or shard lengths invalid (`build_cp_context`); backend unknown or None on a non-CUDA
@@ -488,43 +634,32 @@ def chunk_gated_delta_rule_cp(
     all-gather, merge; its `build_cp_context` / `cp_context=` API shape); algorithm here by derivation
     records CP-1..CP-3 and BWD-dSin.
     """
-    if cp_context is not None:
-        if not isinstance(cp_context, CPContext):
-            raise TypeError(f"cp_context must be a CPContext from build_cp_context, got {type(cp_context).__name__}")
-        if cu_seqlens is not None:
-            raise ValueError("cu_seqlens must be None when cp_context is given (the context holds the global offsets)")
-        if group is not None:
-            raise ValueError("give cp_context or group, not both (the context holds its group)")
-    d = check_gdn_inputs(q, k, v, g, beta, scale, None, output_final_state, None)
-    if d.B != 1:
-        raise ValueError(f"q: context parallelism takes one packed batch row, B == 1 (pack sequences with cu_seqlens), got B = {d.B}")
-    if not isinstance(use_qk_l2norm_in_kernel, bool):
-        raise TypeError(f"use_qk_l2norm_in_kernel must be a bool, got {type(use_qk_l2norm_in_kernel).__name__}")
-    if initial_state is not None:
-        if not isinstance(initial_state, torch.Tensor) or initial_state.dtype not in FLOAT_DTYPES:
-            raise TypeError("initial_state must be None or a floating-point tensor [N, HV, K, V] (global N)")
-        if initial_state.device != q.device:
-            raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}: all tensors must be on one device")
+    requires_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, g, beta, initial_state))
+    error, d, be, cu, group_info = None, None, None, None, None
+    try:  # every local check; a failure is published to the other ranks before it is raised
+        d, be, cu = _check_local(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                 use_qk_l2norm_in_kernel, cp_context, group, backend)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        error = exc
+    if isinstance(cp_context, CPContext):
+        group_info = (cp_context.group, cp_context.rank, cp_context.world_size)
+    elif cp_context is None:
+        try:
+            group_info = _process_group(group)
+        except (RuntimeError, ValueError):  # no group to tell: this rank's own error first
+            if error is not None:
+                raise error from None
+            raise
+    lens = _agree(q, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cp_context, cu, d,
+                  requires_grad, error, group_info)
     if cp_context is None:
-        cp_context = build_cp_context(cu_seqlens, group, local_len=d.T, device=q.device)
+        cp_context = build_cp_context(cu, group_info[0], shard_lens=lens)
     ctx = cp_context
-    if d.T != ctx.local_len:
-        raise ValueError(
-            f"q holds T = {d.T} tokens but this rank's shard (rank {ctx.rank} of {ctx.world_size}) is tokens "
-            f"[{ctx.start}, {ctx.end}) of the global batch ({ctx.local_len} tokens; shard_lens {list(ctx.shard_lens)})"
-        )
-    if initial_state is not None and tuple(initial_state.shape) != (ctx.N, d.HV, d.K, d.V):
-        raise ValueError(
-            f"initial_state must be the global [N, HV, K, V] = {(ctx.N, d.HV, d.K, d.V)} (N = sequences of the whole "
-            f"batch), got {tuple(initial_state.shape)}"
-        )
-    be = resolve_backend(backend, q)
-    be.check(q, k, v, g, beta, initial_state)
-    if ctx.group is None and ctx.world_size > 1:
-        raise RuntimeError("cp_context was built without a process group (rank=, world_size=): it cannot run across ranks")
     scale = d.K**-0.5 if scale is None else float(scale)
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
+    g = clamp_gates(g)  # the one gate floor (`flashqla.contract.G_FLOOR`); autograd zeroes dg below it
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashqla.contract import G_FLOOR as CONTRACT_G_FLOOR
 from flashqla.contract import check_gdn_inputs
 from .recurrent import compute_dtype, seq_bounds
 
@@ -61,11 +62,12 @@ __all__ = [
 ]
 
 
-#: Per-token log-decay floor applied before any chunk-local cumsum. exp(G_FLOOR) == 0 exactly in fp64
-#: and fp32 (fp64 underflows below about -745.1), so a token's decay is the same with or without it.
-#: Without it a finite g absorbs the gates after it in its chunk (g = -1e30: g_cum_r - g_cum_s == 0,
-#: decay 1 instead of exp(sum g)) or overflows the cumsum (two fp32 tokens of -3e38: -inf, then NaN).
-G_FLOOR = -1000.0
+#: Per-token log-decay floor applied before any chunk-local cumsum: the op's (`flashqla.contract.G_FLOOR`,
+#: where the reason is derived). exp(G_FLOOR) == 0 exactly in fp64 and fp32, so a token's decay is
+#: the same with or without it. Without it a finite g absorbs the gates after it in its chunk
+#: (g = -1e30: g_cum_r - g_cum_s == 0, decay 1 instead of exp(sum g)) or overflows the cumsum (two
+#: fp32 tokens of -3e38: -inf, then NaN). g = -inf is floored too: "forget everything".
+G_FLOOR = CONTRACT_G_FLOOR
 
 
 def floor_gates(g: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ def chunk_gated_delta_rule(
     *,
     cp: str | bool | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    check_inputs: bool = False,
     state_indices: torch.Tensor | None = None,
     has_initial_state: torch.Tensor | None = None,
     state_layout: str = "kv",
@@ -63,8 +64,11 @@ def chunk_gated_delta_rule(
             use_qk_l2norm_in_kernel).
         k: [B, T, H, K], same dtype, keys (L2-normalised likewise).
         v: [B, T, HV, V], same dtype, values; HV % H == 0 (GVA: HV // H value heads share one q/k head).
-        g: [B, T, HV] float32, natural-log decay per token, must be <= 0 (not checked on device: a
-            positive g is outside the supported domain and may overflow).
+        g: [B, T, HV] float32, natural-log decay per token, must be <= 0; -inf is valid ("forget
+            everything"). Clamped at `flashqla.contract.G_FLOOR` = -1000 before the kernels (one
+            elementwise pass over [B, T, HV] fp32, forward and backward; exp(-1000) is 0 in fp32, so
+            the result is unchanged) and dg is 0 below it. A positive or NaN g is outside the domain
+            (see `check_inputs`).
         beta: [B, T, HV] float32 or q's dtype, write strength (sigmoid output, in [0, 1]).
         scale: output scale, default K ** -0.5.
         initial_state: [N, HV, K, V] float32 or None (zeros). N = B, or len(cu_seqlens) - 1.
@@ -73,7 +77,7 @@ def chunk_gated_delta_rule(
             non-decreasing, ending at T; empty sequences are allowed. Read on device only (no host
             synchronisation; its values are checked only when it is a CPU tensor). Should a device
             cu_seqlens end before T, the tokens past cu_seqlens[-1] belong to no sequence: their
-            outputs are left unwritten and their gradients are zero.
+            outputs and gradients are zero (o is allocated zero-filled for packed input).
         use_qk_l2norm_in_kernel: L2-normalise q and k per head first (x * rsqrt(sum x^2 + 1e-6), in
             fp32, rounded back to the input dtype; two extra launches).
         cp: keyword-only, intra-device context parallelism for long sequences with few value heads:
@@ -90,6 +94,18 @@ def chunk_gated_delta_rule(
             cu_seqlens (that would need a device read). Under torch.compile / torch.export only
             its type, dtype, device and shape are checked and it is not used (its values are not
             known while tracing). `flashqla.contract.planning_max_seqlen`, `.planning_seqlens`.
+        check_inputs: keyword-only, False (default) or True: also check the values of device
+            tensors before any launch (`flashqla.contract.check_gdn_inputs(check_values=True)`): the
+            offsets of cu_seqlens, g <= 0 and not NaN, beta in [0, 1], q, k, v, beta and
+            initial_state finite. Costs a few reductions and host synchronisations per call (not
+            CUDA-graph capturable); skipped while torch.compile traces. The values of CPU tensors
+            are always checked. Without it, device values outside that domain are not detected:
+            the result is undefined (it may be NaN or overflow), never a crash of the process.
+
+    Valid inputs (the numerics assume them; README "Valid inputs"): g <= 0 (-inf allowed),
+    0 <= beta <= 1, every tensor finite, and k L2-normalised per head (|k| = 1; or
+    use_qk_l2norm_in_kernel), so that each step I - beta k k^T has norm <= 1 and the state stays
+    bounded by its inputs. |k| is not checked: with beta |k|^2 > 2 the state can grow without bound.
 
     Serving arguments (keyword-only, defined in `flashqla.serving`; the same on
     `reference.chunk_gated_delta_rule`; run by `flashqla.ops.gdn.serving.serve`, for now in torch
@@ -142,11 +158,12 @@ def chunk_gated_delta_rule(
         when output_final_state is False.
 
     Raises:
-        TypeError: non-tensor arguments, q/k/v dtypes differ or are not bf16/fp16, g not float32,
+        TypeError: check_inputs not a bool, non-tensor arguments, q/k/v dtypes differ or are not bf16/fp16, g not float32,
             beta not float32 or q's dtype, initial_state not float32, cu_seqlens not int32/int64,
             cu_seqlens_cpu not a dense int32/int64 CPU tensor.
-        ValueError: wrong ranks or shapes, HV % H != 0, K or V != 128, cu_seqlens with B != 1 (and
-            bad cu_seqlens values when it is a CPU tensor), tensors on different devices;
+        ValueError: wrong ranks or shapes, HV % H != 0, K or V != 128, cu_seqlens with B != 1,
+            tensors on different devices; values outside the valid inputs (bad cu_seqlens offsets,
+            g > 0 or NaN, beta outside [0, 1], NaN or inf) in CPU tensors, or with check_inputs;
             cu_seqlens_cpu without cu_seqlens, of another shape, or with bad values.
         TypeError, ValueError for the serving arguments: `flashqla.serving.check_serving_args`
             (dtypes, shapes, devices, the layout string; on CPU tensors indices out of range and
@@ -157,9 +174,12 @@ def chunk_gated_delta_rule(
     Source: FLA `fla.ops.gated_delta_rule.chunk_gated_delta_rule` (signature and semantics);
     algorithm DESIGN.md section 1 and `reference.gdn.fused`.
     """
+    if not isinstance(check_inputs, bool):
+        raise TypeError(f"check_inputs must be a bool, got {type(check_inputs).__name__}")
     serving = serving_requested(state_indices, has_initial_state, state_layout, checkpoint_positions,
                                 checkpoint_states, out, batch_invariant)
-    d = check_gdn_inputs(q, k, v, g, beta, scale, None if serving else initial_state, output_final_state, cu_seqlens)
+    d = check_gdn_inputs(q, k, v, g, beta, scale, None if serving else initial_state, output_final_state, cu_seqlens,
+                         check_values=check_inputs)
     if serving:
         s = check_serving_args(d, q, initial_state, output_final_state, cu_seqlens, state_indices=state_indices,
                                has_initial_state=has_initial_state, state_layout=state_layout,

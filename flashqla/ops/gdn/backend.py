@@ -23,7 +23,7 @@ from flashqla.ops.gdn.kernels.sm90.recurrent import chunk_recurrent_dual, chunk_
 from flashqla.ops.gdn.kernels.sm90.states_bwd import chunk_states_bwd
 from flashqla.ops.gdn.kernels.sm90.states_bwd_fp16 import chunk_states_bwd_fp16
 
-__all__ = ["Backend", "Sm90Backend", "default_backend"]
+__all__ = ["Backend", "Sm90Backend", "current_stream_id", "default_backend"]
 
 
 class Backend(Protocol):
@@ -62,7 +62,7 @@ class Backend(Protocol):
 class Sm90Backend:
     """`Backend` on the sm_90 kernels. Compiles the kernels of a configuration concurrently on first use
     (`registry.build_once`). `zeros` keeps the last few zero value tensors it made (the transition
-    pass reads v = 0; a [1, T, HV, K] buffer per shape)."""
+    pass reads v = 0; a [1, T, HV, K] buffer per shape and stream)."""
 
     name = "sm90"
     state_dtype = torch.float32
@@ -141,7 +141,11 @@ class Sm90Backend:
         return dq, dk, dv, dg, dbeta.to(beta.dtype), (dS0 if initial_state is not None else None)
 
     def zeros(self, shape, dtype, device):
-        key = (tuple(shape), dtype, str(device))
+        """A zero tensor the launches only read, cached per (shape, dtype, device, current stream): a
+        buffer is used and evicted (freed) on the stream it was made on only, so the caching allocator
+        never hands its memory to another stream while a launch there may still read it (no
+        `record_stream` needed; FlashInfer #4476 was this bug)."""
+        key = (tuple(shape), dtype, str(device), current_stream_id(device))
         z = self._zeros.pop(key, None)
         if z is None:
             z = torch.zeros(shape, dtype=dtype, device=device)
@@ -149,6 +153,15 @@ class Sm90Backend:
         while len(self._zeros) > self.ZERO_CACHE:
             self._zeros.pop(next(iter(self._zeros)))
         return z
+
+
+def current_stream_id(device):
+    """The CUDA stream current on `device` (its handle, an int), or None off CUDA: the part of a scratch
+    buffer's cache key that keeps two streams from sharing it."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 _DEFAULT = None

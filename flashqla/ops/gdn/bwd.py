@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from flashqla.contract import check_device, check_gdn_inputs, check_supported, cp_mode, resolve_truncate
+from flashqla.contract import G_FLOOR, check_device, check_gdn_inputs, check_supported, clamp_gates, cp_mode, resolve_truncate
 from flashqla.cp.backward import cp_backward
 from flashqla.cp.forward import flat
 from flashqla.cp.plan import CPPlan, plan_for
@@ -111,7 +111,19 @@ def backward(
     block_v: int | None = None, sm_count: int | None = None, backend=None, plan: CPPlan | None = None,
 ):
     """`chunk_gated_delta_rule_bwd` on inputs and products a forward of this package made (the op's
-    autograd): its arguments and returns, without its checks (truncate is still resolved)."""
+    autograd): its arguments and returns, without its checks (truncate is still resolved). The launches
+    get g clamped at `flashqla.contract.G_FLOOR` (as the forward's) and dg is 0 where g < G_FLOOR
+    (two elementwise passes over [B, T, HV])."""
+    dq, dk, dv, dg, dbeta, dh0 = _backward(q, k, v, clamp_gates(g), beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens,
+                                           cp=cp, max_seqlen=max_seqlen, seqlens=seqlens, cp_saved=cp_saved,
+                                           need_dh0=need_dh0, segment_len=segment_len, truncate=truncate,
+                                           block_v=block_v, sm_count=sm_count, backend=backend, plan=plan)
+    dg = torch.where(g < G_FLOOR, torch.zeros((), dtype=dg.dtype, device=dg.device), dg)
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+def _backward(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens, *, cp, max_seqlen, seqlens,
+              cp_saved, need_dh0, segment_len, truncate, block_v, sm_count, backend, plan):
     cutoff = resolve_truncate(truncate)  # checked on every path, split or not
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     backend = default_backend() if backend is None else backend

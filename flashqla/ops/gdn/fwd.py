@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from flashqla.contract import (CHUNK, ChunkGDNForward, check_device, check_gdn_inputs, check_supported, l2norm, positive_int,
+from flashqla.contract import (CHUNK, ChunkGDNForward, check_device, clamp_gates, check_gdn_inputs, check_supported, l2norm, positive_int,
                                resolve_truncate)
 from flashqla.cp.forward import CORRECTIONS, cp_forward, flat
 from flashqla.cp.plan import CallPlan, plan_call
@@ -127,9 +127,11 @@ def forward(q, k, v, g, beta, scale: float, initial_state, output_final_state: b
             correction: str = "gemm", truncate=None, poison_outputs: bool = False, return_info: bool = False):
     """Runs `plan` (`flashqla.cp.plan.plan_call`) on validated inputs (q and k after any L2 norm; scale
     a float): the arguments and returns of `chunk_gated_delta_rule_fwd`, without its checks. With
-    `plan.keep` the forward keeps its split states (`ChunkGDNForward.cp_saved`)."""
+    `plan.keep` the forward keeps its split states (`ChunkGDNForward.cp_saved`). g is clamped at
+    `flashqla.contract.G_FLOOR` first (`clamp_gates`: one elementwise pass over [B, T, HV] fp32)."""
     backend = default_backend() if backend is None else backend
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+    g = clamp_gates(g).contiguous()  # the one gate floor of every path (`flashqla.contract.G_FLOOR`)
     initial_state = None if initial_state is None else initial_state.contiguous()
     cu_seqlens = None if cu_seqlens is None else cu_seqlens.contiguous()
     B, T, HV, V = v.shape

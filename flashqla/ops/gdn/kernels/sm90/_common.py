@@ -39,6 +39,8 @@ __all__ = [
     "PASS_CONFIGS",
     "compile_count",
     "compile_kernel",
+    "find_nvcc",
+    "require_nvcc",
     "ptxas_report",
     "num_slots",
     "slot_index",
@@ -92,10 +94,50 @@ def compile_count() -> int:
     return _compiles
 
 
+def find_nvcc() -> str | None:
+    """The CUDA toolkit's nvcc that TileLang will compile with, or None: $CUDA_HOME/bin/nvcc (or
+    $CUDA_PATH's), else `nvcc` on the PATH, else /usr/local/cuda/bin/nvcc (TileLang's own order,
+    `tilelang.env`; read at each call)."""
+    import shutil
+
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(var)
+        if home:
+            path = os.path.join(home, "bin", "nvcc")
+            return path if os.path.isfile(path) else None
+    path = shutil.which("nvcc")
+    if path:
+        return path
+    path = "/usr/local/cuda/bin/nvcc"
+    return path if os.path.isfile(path) else None
+
+
+_nvcc_found = False
+
+
+def require_nvcc() -> None:
+    """Raises RuntimeError at once, saying what to install, when `find_nvcc` finds no nvcc (TileLang
+    would fail only after minutes of lowering, with a raw "No such file or directory"). Passes
+    without a look once an nvcc has been found in this process."""
+    global _nvcc_found
+    if _nvcc_found:
+        return
+    if find_nvcc() is None:
+        where = next((f"${v} = {os.environ[v]!r} has no bin/nvcc" for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)),
+                     "no nvcc on the PATH, no $CUDA_HOME, no /usr/local/cuda")
+        raise RuntimeError(
+            f"flashqla compiles its sm_90 kernels with TileLang, which needs the CUDA toolkit's nvcc (12.8 or newer), "
+            f"and none was found ({where}). Install the CUDA toolkit (e.g. the cuda-toolkit-12-8 package, or "
+            "`pip install nvidia-cuda-nvcc` >= 13) and put its bin/ on the PATH or set CUDA_HOME to its root.")
+    _nvcc_found = True
+
+
 def compile_kernel(prim_func, name: str):
     """Compiles a TileLang PrimFunc for sm_90a and counts the compile; `name` (the build's key, e.g.
-    "gdn_prepare_fwd_H2_HV4_...") is added to the note of an error the compile raises."""
+    "gdn_prepare_fwd_H2_HV4_...") is added to the note of an error the compile raises. Raises
+    RuntimeError before any TileLang work when no nvcc is found (`require_nvcc`)."""
     global _compiles
+    require_nvcc()
     import tilelang
 
     try:

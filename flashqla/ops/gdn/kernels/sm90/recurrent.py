@@ -424,14 +424,16 @@ def chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale: float, initial_state, out
         o, final_state: optional preallocated outputs of the shapes below (tests poison them).
 
     Returns:
-        o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] fp32 or None.
+        o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] fp32 or None. With cu_seqlens and no
+        `o` given, o is allocated zero-filled (one memset of o): the rows of tokens past
+        cu_seqlens[-1] (device offsets that end before T, which no CTA writes) read as zeros.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     varlen = cu_seqlens is not None
     N = cu_seqlens.numel() - 1 if varlen else B
-    if o is None:
-        o = torch.empty_like(v)
+    if o is None:  # packed: zeros, so that rows past a device cu_seqlens[-1] < T are never stale memory
+        o = torch.zeros_like(v) if varlen else torch.empty_like(v)
     else:
         _check_out(o, v)
     ht = None
@@ -485,7 +487,10 @@ def chunk_recurrent_dual(q, k, v, A, g_cum_log2, scale: float, initial_state, li
     N = cu_seqlens.numel() - 1 if varlen else B
     if tuple(limit.shape) != (N, HV) or limit.dtype != torch.int32:
         raise ValueError(f"limit must be int32 of shape {(N, HV)}, got {limit.dtype} {tuple(limit.shape)}")
-    o = torch.empty_like(v) if o is None else _check_out(o, v)
+    if o is None:  # packed: zeros, as `chunk_recurrent_fwd`'s
+        o = torch.zeros_like(v) if varlen else torch.empty_like(v)
+    else:
+        _check_out(o, v)
     U = torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
     Q = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
     P = torch.empty(N, HV, K, K, dtype=torch.float32, device=q.device)
