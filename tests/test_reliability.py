@@ -413,3 +413,35 @@ def test_packed_output_tail_is_never_stale_memory(monkeypatch, launcher):
         limit = torch.zeros(2, HV, dtype=torch.int32)
         o = recurrent.chunk_recurrent_dual(q, q, v, A, G, 1.0, None, limit, cu, block_v=64)[0]
     assert bool((o[:, 30:] == 0).all()), "the tail past cu_seqlens[-1]"
+
+
+def test_o_is_zero_filled_only_when_the_offsets_may_end_before_T(monkeypatch):
+    """The zero fill of packed o (one memset of o, `test_packed_output_tail_is_never_stale_memory`)
+    is paid only where a tail can exist: device offsets without a host length hint. Offsets known to
+    end at T (none, CPU offsets, or a host hint, all checked to sum to T: `CallPlan.ends_at_T`) get o
+    allocated uninitialised by the driver."""
+    from flashqla.cp.plan import plan_call
+    from flashqla.ops.gdn import fwd as fwd_mod
+    from reference.gdn.cp import ReferenceCPBackend
+
+    q = torch.zeros(1, 70, 1, 64)
+    v = torch.zeros(1, 70, 2, 64)
+    cu = torch.tensor([0, 30, 70], dtype=torch.int32)
+    assert plan_call(q, v, None, "off").ends_at_T and plan_call(q, v, cu, "off").ends_at_T
+    seen = []
+    backend = ReferenceCPBackend()
+    real = backend.recurrent
+
+    def recurrent(*a, o=None, **kw):
+        seen.append(o)
+        return real(*a, o=o, **kw)
+
+    monkeypatch.setattr(backend, "recurrent", recurrent)
+    from flashqla.testing import make_gdn_inputs
+
+    x = make_gdn_inputs(B=1, T=70, H=1, HV=2, K=64, V=64, seqlens=[30, 40], seed=1)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 64 ** -0.5, None, False, x["cu_seqlens"])
+    fwd_mod.forward(*args, plan=plan_call(x["q"], x["v"], x["cu_seqlens"], "off"), backend=backend)
+    fwd_mod.forward(*args, plan=plan_call(x["q"], x["v"], x["cu_seqlens"], "off")._replace(ends_at_T=False),
+                    backend=backend)
+    assert seen[0] is not None and seen[1] is None  # preallocated uninitialised / left to the launcher's zero fill

@@ -710,11 +710,14 @@ class CallPlan(NamedTuple):
     """What one call of the op runs: `forward`, the forward's `CPPlan` (for a training forward that
     keeps its split states: the backward's plan, so that the backward can reuse them), and
     `backward`, the backward's plan (None for a call that will run no backward). `keep`: the forward
-    splits as the backward will and keeps its segments' states (`flashqla.cp.saved.CPSaved`)."""
+    splits as the backward will and keeps its segments' states (`flashqla.cp.saved.CPSaved`).
+    `ends_at_T`: the offsets are known to end at T (no cu_seqlens, CPU offsets, or a host length hint,
+    all checked to sum to T), so no token lies past cu_seqlens[-1] and o needs no zero fill."""
 
     forward: CPPlan
     backward: CPPlan | None = None
     keep: bool = False
+    ends_at_T: bool = False
 
 
 def plan_call(q, v, cu_seqlens=None, cp=None, *, training: bool = False, keep_states: bool = False,
@@ -732,12 +735,13 @@ def plan_call(q, v, cu_seqlens=None, cp=None, *, training: bool = False, keep_st
         N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         seqlens = check_seqlens(seqlens, N, q.shape[0] * q.shape[1])
     flags = dict(sm_count_override=sm_count_override, force=mode == "on", disable=mode == "off", max_seqlen=max_seqlen)
+    ends = cu_seqlens is None or seqlens is not None or cu_seqlens.device.type == "cpu"
     bwd = plan_for(q, v, cu_seqlens, exact=True, backward=True, seqlens=seqlens, **flags) if training else None
     keep = keep_states and bwd is not None and bwd.split and segment_len is None and gate_chunks is None
     if keep:
-        return CallPlan(bwd, bwd, True)
+        return CallPlan(bwd, bwd, True, ends)
     fwd = plan_for(q, v, cu_seqlens, exact=gate_chunks is None, segment_len=segment_len, gate_chunks=gate_chunks, **flags)
-    return CallPlan(fwd, bwd, False)
+    return CallPlan(fwd, bwd, False, ends)
 
 
 def cp_splits(q, v, cu_seqlens=None, cp=None, *, segment_len=None, gate_chunks=None, max_seqlen=None,

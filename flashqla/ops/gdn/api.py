@@ -77,7 +77,9 @@ def chunk_gated_delta_rule(
             non-decreasing, ending at T; empty sequences are allowed. Read on device only (no host
             synchronisation; its values are checked only when it is a CPU tensor). Should a device
             cu_seqlens end before T, the tokens past cu_seqlens[-1] belong to no sequence: their
-            outputs and gradients are zero (o is allocated zero-filled for packed input).
+            outputs and gradients are zero (o is then allocated zero-filled: one memset of o on
+            calls with device offsets and no cu_seqlens_cpu, the only ones where such a tail can
+            exist; pass cu_seqlens_cpu to skip it).
         use_qk_l2norm_in_kernel: L2-normalise q and k per head first (x * rsqrt(sum x^2 + 1e-6), in
             fp32, rounded back to the input dtype; two extra launches).
         cp: keyword-only, intra-device context parallelism for long sequences with few value heads:

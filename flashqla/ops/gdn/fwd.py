@@ -139,7 +139,7 @@ def forward(q, k, v, g, beta, scale: float, initial_state, output_final_state: b
     p = plan.forward
     if not p.split:
         out = _unsplit(backend, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, block_v,
-                       poison_outputs, N)
+                       poison_outputs, N, plan.ends_at_T)
         return (out, None) if return_info else out
     cutoff = resolve_truncate(truncate)
     BV = block_v or p.BV
@@ -162,9 +162,12 @@ def forward(q, k, v, g, beta, scale: float, initial_state, output_final_state: b
     return (out, info._replace(plan=p)) if return_info else out
 
 
-def _unsplit(backend, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, block_v, poison, N):
+def _unsplit(backend, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, block_v, poison, N,
+             ends_at_T: bool = False):
     """The two launches of the unsplit forward through the backend; with `poison`, into outputs filled
-    with NaN first (A, g_cum_log2, o and the final state on the sm_90 backend, o elsewhere)."""
+    with NaN first (A, g_cum_log2, o and the final state on the sm_90 backend, o elsewhere). With
+    `ends_at_T` (`CallPlan.ends_at_T`) o is allocated uninitialised: every row belongs to a sequence;
+    otherwise the launcher zero-fills packed o (device offsets might end before T)."""
     B, T, HV, V = v.shape
     if hasattr(backend, "warm") and B * T > 0 and N > 0:
         block_v = block_v or pick_block_v(N, HV, V)
@@ -179,6 +182,8 @@ def _unsplit(backend, q, k, v, g, beta, scale, initial_state, output_final_state
                        g_cum_log2=torch.full((HV, S * CHUNK), nan, dtype=torch.float32, device=k.device))
             if output_final_state:
                 rec["final_state"] = torch.full((N, HV, q.shape[-1], V), nan, dtype=torch.float32, device=k.device)
+    elif ends_at_T and cu_seqlens is not None:
+        rec["o"] = torch.empty_like(v)
     A, G2 = backend.prepare(k, g, beta, cu_seqlens, HV, **pre)
     h0 = None if initial_state is None else initial_state.to(backend.state_dtype)
     o, final = backend.recurrent(q, k, v, A, G2, scale, h0, output_final_state, cu_seqlens, block_v, **rec)
