@@ -59,6 +59,7 @@ __all__ = [
     "serving_requested",
     "store_final_states",
     "to_kv",
+    "write_back",
 ]
 
 #: The state layouts: "kv" = FLA's [.., K, V]; "vk" = [.., V, K] (vLLM, SGLang, FlashInfer).
@@ -278,6 +279,26 @@ def store_final_states(pool: torch.Tensor, final_kv: torch.Tensor, s: ServingArg
     target = torch.where(valid, idx, fallback_row)
     src = torch.where(valid[:, None, None, None], src, fallback[None])
     pool.index_copy_(0, target, src)
+
+
+def write_back(o, final_kv, checkpoints_kv, s: "ServingArgs", initial_state, output_final_state: bool):
+    """The serving call's outputs, written where its arguments say (the reference op's and the public
+    op's shared last step): checkpoints_kv [M, HV, K, V] (or None) into `s.checkpoint_states` in its
+    layout, o into `s.out` when given, and the final states [N, HV, K, V] into the pool's rows
+    (`store_final_states`) when `s.pool`. Returns the call's (o, final_state): the pool itself with
+    state_indices, else the final states in `s.state_layout` (None without output_final_state)."""
+    with torch.no_grad():
+        if checkpoints_kv is not None:
+            s.checkpoint_states.copy_(from_kv(checkpoints_kv, s.state_layout))
+        if s.out is not None:
+            s.out.copy_(o)
+            o = s.out
+    if not output_final_state:
+        return o, None
+    if s.pool:
+        store_final_states(initial_state, final_kv.detach(), s)
+        return o, initial_state
+    return o, from_kv(final_kv, s.state_layout).contiguous()
 
 
 def checkpoint_pieces(cu_seqlens: torch.Tensor, positions: torch.Tensor):

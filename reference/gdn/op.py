@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from flashqla.contract import check_gdn_inputs
-from flashqla.serving import (check_serving_args, from_kv, gather_initial_states, serving_requested,
-                              store_final_states)
+from flashqla.serving import check_serving_args, gather_initial_states, serving_requested, write_back
 from .chunk import G_FLOOR, check_chunk_size, chunk_checkpoint_states, chunk_gated_delta_rule_fwd
 from .chunk_bwd import chunk_gated_delta_rule_bwd
 from .recurrent import L2NORM_EPS, compute_dtype, l2norm
@@ -267,18 +266,7 @@ def _serve(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlen
         ckpt = torch.cat(ckpts) if pos else None
     else:
         o, final, ckpt = _run(q, k, v, g, beta, scale, h0, cu_seqlens, l2, chunk_size, pos, cdt)
-    with torch.no_grad():
-        if ckpt is not None:
-            s.checkpoint_states.copy_(from_kv(ckpt, s.state_layout))
-        if s.out is not None:
-            s.out.copy_(o)
-            o = s.out
-    if not output_final_state:
-        return o, None
-    if s.pool:
-        store_final_states(initial_state, final.detach(), s)
-        return o, initial_state
-    return o, from_kv(final, s.state_layout).contiguous()
+    return write_back(o, final, ckpt, s, initial_state, output_final_state)
 
 
 def _run(q, k, v, g, beta, scale, h0, cu_seqlens, l2, chunk_size, positions, cdt):

@@ -39,8 +39,7 @@ import torch
 from flashqla.cp.plan import plan_call
 from flashqla.ops.gdn.autograd import GDNEagerFunction
 from flashqla.ops.gdn.fwd import forward
-from flashqla.serving import (ServingArgs, checkpoint_pieces, from_kv, gather_initial_states, scan_pieces,
-                              store_final_states)
+from flashqla.serving import ServingArgs, checkpoint_pieces, gather_initial_states, scan_pieces, write_back
 
 __all__ = ["serve", "BATCH_INVARIANT_BLOCK_V"]
 
@@ -80,20 +79,12 @@ def serve(q, k, v, g, beta, scale: float, initial_state, output_final_state: boo
         f = forward(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, plan=plan, backend=backend,
                     for_backward=False, block_v=block_v)
         o, final = f.o, f.final_state
-    with torch.no_grad():
-        if s.checkpoint_positions is not None:
+    ckpt = None
+    if s.checkpoint_positions is not None:
+        with torch.no_grad():
             ckpt = checkpoint_states(q, k, v, g, beta, scale, h0, cu_seqlens, s.checkpoint_positions, mode=mode,
                                      block_v=block_v, backend=backend)
-            s.checkpoint_states.copy_(from_kv(ckpt, s.state_layout))
-        if s.out is not None:
-            s.out.copy_(o)
-            o = s.out
-    if not output_final_state:
-        return o, None
-    if s.pool:
-        store_final_states(initial_state, final.detach(), s)
-        return o, initial_state
-    return o, from_kv(final, s.state_layout).contiguous()
+    return write_back(o, final, ckpt, s, initial_state, output_final_state)
 
 
 def checkpoint_states(q, k, v, g, beta, scale: float, h0, cu_seqlens, positions, *, mode: str = "auto",
