@@ -359,7 +359,7 @@ def _gated_layout(tab: SegmentTables, Mc: int, m: int, S_slots: int):
 def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens,
                tables: SegmentTables, *, block_v: int, gate_chunks: int | None = None, correction: str = "gemm",
                poison_outputs: bool = False, want_info: bool = True, static_key=None, truncate=False,
-               keep_for_backward: bool = False):
+               keep_for_backward: bool = False, ends_at_T: bool = False):
     """The CP forward over the planner's segment tables (the steps in the module docstring).
 
     Args:
@@ -379,6 +379,8 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
             the same segments can use (`cp_backward(saved=...)`), as the info's `saved` field (the
             info is then built even without want_info). static_key: a hashable key of the static facts when the tables depend on
             shapes alone (fixed-length input): the index tensors are then built once per key.
+            ends_at_T: the offsets are known to end at T (`CallPlan.ends_at_T`): o is allocated
+            uninitialised (every token is written by the run) instead of the launcher's zero fill.
     Returns:
         (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] in backend.state_dtype or None,
         A, g_cum_log2 (slot layout of tables.cu_seqlens), CPInfo with plan=None, or None).
@@ -409,7 +411,7 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
     h0 = None if initial_state is None else initial_state.to(sd)
     if h0 is not None and N > 0:
         h0_run = _run_states(h0, tab)
-    o_buf = torch.full_like(vf, float("nan")) if poison_outputs else None
+    o_buf = torch.full_like(vf, float("nan")) if poison_outputs else (torch.empty_like(vf) if ends_at_T else None)
 
     info = None
     if gate_chunks is None:

@@ -150,7 +150,8 @@ def forward(q, k, v, g, beta, scale: float, initial_state, output_final_state: b
     o, final, A, G2, info = cp_forward(backend, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                        tables, block_v=BV, gate_chunks=gate_chunks, correction=correction,
                                        poison_outputs=poison_outputs, want_info=return_info, static_key=static_key,
-                                       truncate=False if cutoff is None else cutoff, keep_for_backward=plan.keep)
+                                       truncate=False if cutoff is None else cutoff, keep_for_backward=plan.keep,
+                                       ends_at_T=plan.ends_at_T)
     if plan.keep:  # the products travel in the CPSaved, in the segments' layout (what the backward reads)
         A, G2 = None, None
     elif for_backward:
