@@ -44,6 +44,7 @@ __all__ = [
     "TRUNCATE_LOG_DECAY",
     "ChunkGDNForward",
     "GDNDims",
+    "as_index",
     "check_cu_seqlens_values",
     "check_device",
     "clamp_gates",
@@ -523,15 +524,23 @@ def check_seqlens(seqlens, N: int, T: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def as_index(value) -> int | None:
+    """value as a Python int when it is an integer (int, numpy or torch integers), else None (bools,
+    floats such as 4096.0 or NaN, strings, None)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def positive_int(value, name: str, multiple: int):
     """None, or value as a positive int multiple of `multiple` (numpy / torch integers too); ValueError
     naming `name` otherwise (bools, floats, strings)."""
     if value is None:
         return None
-    try:
-        out = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        out = None
+    out = as_index(value)
     if out is None or out <= 0 or out % multiple:
         raise ValueError(f"{name} must be None or a positive multiple of {multiple}, got {value!r}")
     return out

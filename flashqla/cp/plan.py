@@ -104,13 +104,12 @@ from __future__ import annotations
 import collections
 import functools
 import heapq
-import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from flashqla.contract import CHUNK, check_seqlens, cp_mode, positive_int
+from flashqla.contract import CHUNK, as_index, check_seqlens, cp_mode, positive_int
 from flashqla.cp.segments import num_segment_slots
 from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
 
@@ -491,10 +490,7 @@ def plan_cp(HV: int, N: int, T: int, V: int = 128, sm_count: int = DEFAULT_SM_CO
 def _int_arg(value, name: str) -> int:
     """value as a Python int (numpy and torch integers too); ValueError naming `name` for anything else
     (bools, floats such as 4096.0 or NaN, strings). The sign is checked by `_plan_cp`."""
-    try:
-        out = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        out = None
+    out = as_index(value)
     if out is None:
         raise ValueError(f"plan_cp: {name} must be an int, got {value!r}")
     return out

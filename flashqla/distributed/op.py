@@ -588,7 +588,8 @@ def chunk_gated_delta_rule_cp(
     takes the grad path and then does not backpropagate through o (an exception, a loss without o)
     still leaves the others waiting in the backward's collective until the group's timeout
     (`init_process_group(timeout=...)`): that cannot be seen at the forward. Without cp_context
-    the fingerprint carries the shard lengths (no separate gather of them).
+    the fingerprint carries the shard lengths (no separate gather of them). Cost per call: that
+    all-gather and a host synchronisation (the fingerprints are compared on the host).
 
     Args (FLA's layout; each rank passes ITS OWN SHARD, tokens [start, end) of the global batch):
         q, k: [1, T_r, H, K]; v: [1, T_r, HV, V]; g: [1, T_r, HV] natural-log decay (<= 0);

@@ -186,7 +186,8 @@ def chunk_gated_delta_rule(
         s = check_serving_args(d, q, initial_state, output_final_state, cu_seqlens, state_indices=state_indices,
                                has_initial_state=has_initial_state, state_layout=state_layout,
                                checkpoint_positions=checkpoint_positions, checkpoint_states=checkpoint_states, out=out,
-                               batch_invariant=batch_invariant, state_dtypes=STATE_STORAGE_DTYPES)
+                               batch_invariant=batch_invariant, check_values=check_inputs,
+                               state_dtypes=STATE_STORAGE_DTYPES)
     seqlens = planning_seqlens(cu_seqlens_cpu, cu_seqlens, d.T)  # read once: both hints
     max_seqlen = max_seqlen_hint(seqlens)
     check_supported(q, k, v, g, beta, None if serving else initial_state)

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from flashqla.contract import G_FLOOR, check_device, check_gdn_inputs, check_supported, clamp_gates, cp_mode, resolve_truncate
+from flashqla.contract import (G_FLOOR, check_device, check_gdn_inputs, check_supported, clamp_gates, cp_mode,
+                               resolve_truncate)
 from flashqla.cp.backward import cp_backward
 from flashqla.cp.forward import flat
 from flashqla.cp.plan import CPPlan, plan_for
@@ -78,7 +79,8 @@ def chunk_gated_delta_rule_bwd(
         head dims and a Hopper GPU); do not of v's shape or not floating point; dht not None or
         [N, HV, K, V] (naming the argument).
         TypeError: cp_saved neither None nor a `CPSaved`; need_dh0 not a bool. ValueError: an unknown
-        cp mode or truncate, a bad segment_len; exactly one of A, g_cum_log2 None (naming it); A or g_cum_log2 not of these inputs' slot count (naming it);
+        cp mode or truncate, a bad segment_len; exactly one of A, g_cum_log2 None (naming it); A or
+        g_cum_log2 not of these inputs' slot count (naming it);
         A None with a cp_saved kept by a forward of other sizes.
 
     Source: `reference.gdn.fused_bwd.fused_gated_delta_rule_bwd` (records BWD-*).
@@ -114,8 +116,8 @@ def backward(
     autograd): its arguments and returns, without its checks (truncate is still resolved). The launches
     get g clamped at `flashqla.contract.G_FLOOR` (as the forward's) and dg is 0 where g < G_FLOOR
     (two elementwise passes over [B, T, HV])."""
-    dq, dk, dv, dg, dbeta, dh0 = _backward(q, k, v, clamp_gates(g), beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens,
-                                           cp=cp, max_seqlen=max_seqlen, seqlens=seqlens, cp_saved=cp_saved,
+    dq, dk, dv, dg, dbeta, dh0 = _backward(q, k, v, clamp_gates(g), beta, A, g_cum_log2, do, dht, scale, initial_state,
+                                           cu_seqlens, cp=cp, max_seqlen=max_seqlen, seqlens=seqlens, cp_saved=cp_saved,
                                            need_dh0=need_dh0, segment_len=segment_len, truncate=truncate,
                                            block_v=block_v, sm_count=sm_count, backend=backend, plan=plan)
     dg = torch.where(g < G_FLOOR, torch.zeros((), dtype=dg.dtype, device=dg.device), dg)

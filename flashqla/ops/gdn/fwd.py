@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from flashqla.contract import (CHUNK, ChunkGDNForward, check_device, clamp_gates, check_gdn_inputs, check_supported, l2norm, positive_int,
-                               resolve_truncate)
+from flashqla.contract import (CHUNK, ChunkGDNForward, check_device, check_gdn_inputs, check_supported, clamp_gates,
+                               l2norm, positive_int, resolve_truncate)
 from flashqla.cp.forward import CORRECTIONS, cp_forward, flat
 from flashqla.cp.plan import CallPlan, plan_call
 from flashqla.cp.segments import segment_slots_to_sequence_slots, split_tables
