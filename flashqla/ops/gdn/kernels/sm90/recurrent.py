@@ -55,7 +55,8 @@ import torch
 
 from flashqla.ops.gdn.kernels.sm90._common import CHUNK, SM_COUNT, compile_kernel, placeholder, sequence_span, tl_dtype
 
-__all__ = ["build_recurrent_kernel", "chunk_recurrent_dual", "chunk_recurrent_fwd", "pick_block_v", "recurrent_kernel_args"]
+__all__ = ["build_recurrent_kernel", "build_recurrent_serving_kernel", "checkpoint_tables", "chunk_recurrent_dual", "chunk_recurrent_fwd", "chunk_recurrent_serving",
+           "pick_block_v", "recurrent_kernel_args", "recurrent_serving_args", "serving_state_rows"]
 
 #: The value slice widths of the role-split kernel. At BV = 64 one chain warpgroup holds S^T's 64
 #: value rows; at BV = 128 two chain warpgroups hold 64 rows each (every chain product is one wgmma
@@ -664,6 +665,14 @@ def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str,
     return compile_kernel(_recurrent_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, dual, BV), name)
 
 
+def build_recurrent_serving_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str, seq_dtype: str, varlen: bool,
+                                   state_dtype: str = "float32", state_layout: str = "kv", checkpoints: bool = False):
+    """`build_recurrent_kernel(..., indexed=True, state_dtype=, state_layout=, checkpoints=)` with every
+    key entry positional (the registry's kind "recurrent_serving")."""
+    return build_recurrent_kernel(H, HV, K, V, BV, dtype, seq_dtype, varlen, indexed=True, state_dtype=state_dtype,
+                                  state_layout=state_layout, checkpoints=checkpoints)
+
+
 #: Relative chunk-step time per CTA (one CTA an SM) by value slice width, as measured on the H200
 #: (benchmarks/journal/forward.md); only their ratio is used (`pick_block_v`).
 ROLES_STEP_US = {64: 1.67, 128: 2.78}
@@ -803,3 +812,113 @@ def chunk_recurrent_dual(q, k, v, A, g_cum_log2, scale: float, initial_state, li
     kernel = build_recurrent_kernel(*recurrent_kernel_args(q, v, cu_seqlens, block_v, dual=True))
     kernel(q, k, v, A, g_cum_log2, h0, cu, float(scale), int(use_h0), 1, o, Q, U, P, limit.contiguous())
     return o, Q, U, P
+
+
+def serving_state_rows(N: int, state_indices, has_initial_state, device) -> tuple:
+    """(state_read, state_write) int32 [N] for the serving build, on the device without a host read:
+    the rows sequence n reads and writes (state_indices, or n without a pool); state_read is -1
+    where has_initial_state[n] is False (the sequence starts from zeros; its row is still written)."""
+    idx = (torch.arange(N, dtype=torch.int32, device=device) if state_indices is None
+           else state_indices.to(torch.int32).contiguous())
+    read = idx if has_initial_state is None else torch.where(has_initial_state, idx, torch.full_like(idx, -1))
+    return read.contiguous(), idx
+
+
+def checkpoint_tables(positions, cu_seqlens, B: int, T: int) -> tuple:
+    """(ck_slots [S + 1] int32, ck_j [M] int32) for the serving build's checkpoints, on the device
+    without a host read (S = `num_slots`): checkpoint m (positions sorted, each inside a sequence n,
+    cu_seqlens[n] < p <= cu_seqlens[n + 1], b * T + t without cu_seqlens) ends ck_j[m] in 1..64
+    tokens into chunk c = (p - 1 - bos) // 64 of its sequence, held by chunk slot slot0(n) + c; the
+    checkpoints of slot s are [ck_slots[s], ck_slots[s + 1]). Positions outside every sequence are
+    the caller's error (checked on CPU by `flashqla.serving.check_serving_args`)."""
+    from flashqla.ops.gdn.kernels.sm90._common import num_slots
+
+    dev = positions.device
+    varlen = cu_seqlens is not None
+    N = cu_seqlens.shape[0] - 1 if varlen else B
+    ar = torch.arange(N, dtype=torch.int64, device=dev)
+    if varlen:
+        cu = cu_seqlens.to(torch.int64)
+        slot0 = cu[:-1] // CHUNK + ar
+    else:
+        cu = torch.arange(B + 1, dtype=torch.int64, device=dev) * T
+        slot0 = ar * ((T + CHUNK - 1) // CHUNK)
+    pos = positions.to(torch.int64).contiguous()
+    n = torch.searchsorted(cu[1:].contiguous(), pos, side="left").clamp(max=max(N - 1, 0))
+    bos = cu[n]
+    c = (pos - 1 - bos).clamp(min=0) // CHUNK
+    slot = slot0[n] + c
+    j = (pos - bos - c * CHUNK).to(torch.int32)
+    S = num_slots(B, T, N, varlen)
+    ck_slots = torch.searchsorted(slot, torch.arange(S + 1, dtype=torch.int64, device=dev), side="left")
+    return ck_slots.to(torch.int32), j.contiguous()
+
+
+def recurrent_serving_args(q, v, cu_seqlens, state_dtype: torch.dtype, state_layout: str, checkpoints: bool,
+                           block_v=None) -> tuple:
+    """(args, kwargs) of the serving build (`build_recurrent_kernel(*args, indexed=True, ...)`) a
+    `chunk_recurrent_serving` launch with these inputs uses."""
+    key = recurrent_kernel_args(q, v, cu_seqlens, block_v)
+    return key, dict(indexed=True, state_dtype=tl_dtype(state_dtype), state_layout=state_layout,
+                     checkpoints=bool(checkpoints))
+
+
+def chunk_recurrent_serving(q, k, v, A, g_cum_log2, scale: float, initial_state, final_state, state_read, state_write,
+                            cu_seqlens, *, state_layout: str = "kv", checkpoint_positions=None, checkpoint_states=None,
+                            block_v=None, o=None):
+    """Launches the recurrent kernel's serving build (arguments validated by the caller;
+    `flashqla.ops.gdn.serving`): o, and the final states and checkpoints written in place in their
+    layout and storage dtype (one rounding, at the store). No host read.
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, HV, V] (bf16 or fp16, contiguous); A, g_cum_log2: `chunk_prepare_fwd`.
+        scale: output scale.
+        initial_state: [P, HV, K, V] ("kv") or [P, HV, V, K] ("vk") in fp32/bf16/fp16, contiguous, or
+            None (every sequence starts from zeros). Sequence n starts from row state_read[n] (zeros
+            where it is negative).
+        final_state: like initial_state (it may be the same tensor: a pool updated in place) or None
+            (no final state stored). Sequence n's final state goes to row state_write[n] (none where
+            negative).
+        state_read, state_write: int32 [N] contiguous (`serving_state_rows`).
+        cu_seqlens: [N + 1] int32/int64 or None.
+        state_layout: "kv" or "vk", of every state tensor.
+        checkpoint_positions: int32/int64 [M] sorted global positions (each inside a sequence) or None;
+        checkpoint_states: [M, HV, ...] in the states' layout and dtype, written in place (record CF-4).
+        block_v: value slice width (None: `pick_block_v`). o: optional preallocated output.
+
+    Returns: o [B, T, HV, V]. Raises ValueError when the state tensors do not share one storage dtype
+    or are not contiguous.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
+    o = torch.empty_like(v) if o is None else _check_out(o, v)
+    states = {n: x for n, x in (("initial_state", initial_state), ("final_state", final_state),
+                                ("checkpoint_states", checkpoint_states)) if x is not None}
+    dtypes = {x.dtype for x in states.values()}
+    if len(dtypes) > 1:
+        raise ValueError(f"the serving build stores one state dtype: got {', '.join(f'{n} {x.dtype}' for n, x in states.items())}")
+    for name, x in states.items():
+        if not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous for the serving build")
+    sdtype = dtypes.pop() if dtypes else torch.float32
+    tail = (K, V) if state_layout == "kv" else (V, K)
+    if N == 0 or T == 0:
+        raise ValueError("chunk_recurrent_serving needs at least one sequence and one token (the caller handles T == 0)")
+    ckpt = checkpoint_positions is not None and checkpoint_positions.numel() > 0
+    args, kw = recurrent_serving_args(q, v, cu_seqlens, sdtype, state_layout, ckpt, block_v)
+    kernel = build_recurrent_kernel(*args, **kw)
+    dev = q.device
+    h0 = initial_state if initial_state is not None else placeholder((1, HV, *tail), sdtype, dev)
+    ht = final_state if final_state is not None else placeholder((1, HV, *tail), sdtype, dev)
+    cu = cu_seqlens if cu_seqlens is not None else placeholder((1,), torch.int32, dev)
+    if ckpt:
+        ck_slots, ck_j = checkpoint_tables(checkpoint_positions, cu_seqlens, B, T)
+        cks = checkpoint_states
+    else:
+        ck_slots = placeholder((2,), torch.int32, dev).zero_()  # not read without checkpoints
+        ck_j = placeholder((1,), torch.int32, dev)
+        cks = placeholder((1, HV, *tail), sdtype, dev)
+    kernel(q, k, v, A, g_cum_log2, h0, cu, float(scale), int(initial_state is not None), int(final_state is not None), o,
+           ht, state_read, state_write, ck_slots, ck_j, cks)
+    return o
