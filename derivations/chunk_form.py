@@ -8,6 +8,15 @@ section 2.2):
     O = scale (D Q S + (Q K^T * Gamma_causal) v_new)
     S' = gamma_C S + K^T diag(r) v_new
 
+CF-4 (checkpoints at any token): the state after the first j tokens of the chunk (1 <= j <= C) is the
+end-state formula of CF-2 on those j tokens, read from the WHOLE chunk's v_new:
+
+    S_j = gamma_{j-1} S + K_j^T diag(m_j) v_new_j,   m_j,i = exp(g_cum_{j-1} - g_cum_i) (i < j)
+
+with K_j, v_new_j the first j rows: v_new is causal (A is lower triangular), so its first j rows do not
+depend on the tokens after j. The kernels store checkpoints with it from the chunk's own products
+(`flashqla.ops.gdn.kernels.sm90.recurrent`, twin `reference.gdn.chunk.chunk_checkpoint_states`).
+
 General proofs (every C, K, V): induction on the chunk length C. Base C = 1 (one token: every C x C
 quantity is 1 x 1, A = 1). Step C -> C + 1: the chunk of C + 1 tokens is the chunk of C tokens and one
 more token, as block matrices split C + 1 (`derivations._symbolic.Ext`); the new row of the gated L is
@@ -124,4 +133,78 @@ CF_3 = register(Identity(
     twins=("reference.gdn.fused.recurrent_deltas", "reference.gdn.chunk.chunk_fwd_h"),
     source="research/fla-gdn.md 2.2 step 5",
     general=lambda: _induction("v_new"),
+))
+
+
+# ------------------------------------------------------------------------------------------------
+# CF-4: checkpoints inside a chunk
+# ------------------------------------------------------------------------------------------------
+
+
+def checkpoint_form(pre, S, v_new_rows):
+    """The state after the tokens of ``pre`` (the first j tokens of a chunk: gamma_C = gamma_{j-1},
+    K_j, diag(r) = diag(exp(g_cum_{j-1} - g_cum_i))), from ``v_new_rows`` = the first j rows of the
+    whole chunk's v_new: gamma_{j-1} S + K_j^T diag(r_j) v_new_rows. One code for the concrete check
+    (`_Prefix`) and the general proof (a `GChunk` inside an `Ext`)."""
+    return pre.gamma_C * S + pre.k.T * pre.Dr * v_new_rows
+
+
+class _Prefix:
+    """The first j tokens of a concrete `Chunk`, with the attributes `checkpoint_form` reads."""
+
+    def __init__(self, ch: Chunk, j: int):
+        self.gamma_C = ch.gamma[j - 1]
+        self.k = ch.k[:j, :]
+        self.Dr = sp.diag(*[ch.Gam(j - 1, i) for i in range(j)])
+
+
+def _checkpoints(C, K, V, form=checkpoint_form):
+    ch, S0 = Chunk(C, K, V), mat("s", K, V)
+    _, _, states = ch.recurrence(S0)
+    v_new = ch.chunk_form(S0)["v_new"]
+    lhs = tuple(states[j] for j in range(1, C + 1))
+    rhs = tuple(form(_Prefix(ch, j), S0, v_new[:j, :]) for j in range(1, C + 1))
+    return lhs, rhs
+
+
+def _checkpoint_proof(form=checkpoint_form) -> Proof:
+    """CF-4 for every C, K, V and checkpoint j: induction on the number m of tokens the chunk holds after
+    the checkpoint (the chunk has j + m tokens)."""
+    ch = GChunk()
+    ext = Ext(ch)
+    S = sym("S", Ksym, Vsym)
+    S_C = sym("S_C", Ksym, Vsym)  # the recurrence's state after the first C tokens
+    cf_C = chunk_form(ch, S)
+    cf_E = chunk_form(ext, S)
+    top = cf_E["v_new"].grid[0][0]  # the first C rows of the (C + 1)-token chunk's v_new
+    state = rules_from(S_C, cf_C["S_end"], "CF-2", transpose=False)
+    rules = ch.rules("gated")
+    return Proof(
+        claim="for every C >= 1, K, V, entering state S and 1 <= j <= C: gamma_{j-1} S + K_j^T diag(r_j) "
+              "v_new[:j] (the first j rows of the whole chunk's v_new) is the recurrence's state after j tokens",
+        method="induction on the number m of tokens after the checkpoint: base m = 0 is CF-2 on the first j "
+               "tokens; step m -> m + 1: appending one token to a chunk leaves the first rows of its v_new "
+               "unchanged (the gated inverse extends as [[Ag, 0], [-l Ag, 1]] [L-blockinv]), so the first j "
+               "rows of the longer chunk's v_new are the j-token chunk's",
+        uses=CF_LEMMAS + ("CF-2",),
+        steps=[
+            Eq("base: m = 0, the checkpoint at the chunk's end is CF-2's end state", form(ch, S, cf_C["v_new"]), S_C, state),
+            *ext.inverse_steps("gated"),
+            Eq("step: the first C rows of the (C + 1)-token chunk's v_new are the C-token chunk's v_new", top, cf_C["v_new"],
+               rules),
+            Eq("step: the checkpoint after C tokens read from the (C + 1)-token chunk's v_new is S_C", form(ch, S, top), S_C,
+               rules + state),
+        ],
+    )
+
+
+CF_4 = register(Identity(
+    id="CF-4",
+    statement="a checkpoint after the first j tokens of a chunk is the masked end-state update with the whole chunk's v_new",
+    latex=r"S_j = \gamma_{j-1} S + K_{:j}^\top \operatorname{diag}(e^{g_{j-1} - g_i})_{i<j}\, (U - W S)_{:j}",
+    build=_checkpoints,
+    sizes=((3, 2, 2), (4, 2, 1), (5, 1, 1)),
+    twins=("reference.gdn.recurrent.recurrent_gated_delta_rule", "reference.gdn.chunk.chunk_checkpoint_states"),
+    source="issue 43 (serving checkpoints at any token); research/fla-gdn.md 2.2",
+    general=lambda: _checkpoint_proof(),
 ))

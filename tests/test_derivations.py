@@ -259,6 +259,12 @@ def test_broken_output_mask_fails_both():
     assert "step" in why
 
 
+def test_broken_checkpoint_fails_both():
+    # CF-4 without the decay of the entering state (gamma_{j-1} S -> S)
+    form = lambda pre, S, v_new_rows: S + pre.k.T * pre.Dr * v_new_rows  # noqa: E731
+    _both_fail(chunk_form._checkpoints(3, 2, 2, form=form), chunk_form._checkpoint_proof(form=form))
+
+
 def test_broken_regate_mask_fails_both():
     # RW-1 with the strict decay mask: the re-gated inverse loses its unit diagonal
     form = lambda ch: rewrites.regated_form(ch, -1)  # noqa: E731

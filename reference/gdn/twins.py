@@ -212,6 +212,41 @@ def _cf3(s, lhs_fn, rhs_fn):
     return [TwinPair("v_new", u, v_new)]
 
 
+def checkpoint_positions_for(B: int, T: int, cu) -> list[int]:
+    """The checkpoint positions the CF-4 twins test: tokens 1, 63, 64, 65 and the last of every
+    sequence (those inside it), as global offsets into the packed batch (b * T + t without cu)."""
+    bounds = ([(int(cu[n]), int(cu[n + 1])) for n in range(cu.numel() - 1)] if cu is not None
+              else [(b * T, (b + 1) * T) for b in range(B)])
+    out = []
+    for bos, eos in bounds:
+        out += sorted({bos + j for j in (1, 63, 64, 65, eos - bos) if 1 <= j <= eos - bos})
+    return out
+
+
+@_driver("CF-4")
+def _cf4(s, lhs_fn, rhs_fn):
+    x = s.x
+    B, T = x["q"].shape[:2]
+    pos = checkpoint_positions_for(B, T, s.cu)
+    # left: the recurrence run on each checkpoint's prefix of its sequence (a packed batch of prefixes)
+    bounds = ([(0, int(s.cu[n]), int(s.cu[n + 1])) for n in range(s.cu.numel() - 1)] if s.cu is not None
+              else [(b, 0, T) for b in range(B)])
+    rows, h0, lens = {n: [] for n in ("q", "k", "v", "g", "beta")}, [], [0]
+    for p in pos:
+        n = next(i for i, (b, bos, eos) in enumerate(bounds) if b * T + bos < p <= b * T + eos)
+        b, bos, _ = bounds[n]
+        for name in rows:
+            rows[name].append(x[name][b, bos : p - b * T])
+        if x.get("initial_state") is not None:
+            h0.append(x["initial_state"][n])
+        lens.append(lens[-1] + p - b * T - bos)
+    packed = {name: torch.cat(r)[None] for name, r in rows.items()}
+    _, S_rec = lhs_fn(**packed, scale=s.scale, initial_state=torch.stack(h0) if h0 else None, output_final_state=True,
+                      cu_seqlens=torch.tensor(lens, dtype=torch.int64))
+    g_cum, _, _, _, h, v_new = s.fla_fwd
+    return [TwinPair("checkpoint_states", S_rec, rhs_fn(x["k"], v_new, h, g_cum, pos, s.C, s.cu))]
+
+
 # ---- WY: the WY/UT representation and the blockwise inverse -------------------------------------
 
 

@@ -2,7 +2,19 @@
 `flashqla.serving`): state pools by index, the "vk" layout, bf16/fp16 state storage, checkpoints at
 any token, `out=`, `batch_invariant`.
 
-For now this is done in torch around the existing kernels, whose generated sources are unchanged:
+The kernel path (inference on the sm_90 kernels, an unsplit plan, at least one token and sequence,
+and the state tensors in one storage dtype: the pool and checkpoint_states, or a per-sequence
+initial_state, the fp32 final states and checkpoint_states): the prepare kernel, then the recurrent
+kernel's serving build (`recurrent.chunk_recurrent_serving`, key `recurrent_serving_args`), which reads
+pool rows by index (zeros where the index is negative or has_initial_state is False) in the pool's
+layout and dtype, writes the final states into their rows (none for a negative index) rounded once at
+the store, stores the checkpoints in-kernel from each chunk's own products (record CF-4; o does not
+depend on them) and writes o into `out` when it is contiguous. No gather, scatter, transpose, cast or
+second launch; the per-call tables (rows, checkpoint slots) are a few small device ops, no host read.
+
+The torch path (everything else: training, the split / context-parallel plan, other backends such
+as the CPU tests' reference stand-in, T == 0, a pool of 0 rows, mixed state dtypes) runs the unchanged
+kernels with torch around them:
 
 - pooled / masked / transposed initial states: a gather (`index_select`), a `torch.where` and a
   transpose into a contiguous fp32 `[N, HV, K, V]`, which the recurrent kernel reads as its
@@ -16,14 +28,13 @@ For now this is done in torch around the existing kernels, whose generated sourc
   pieces of each sequence. No host read; about two extra forwards and O((N + M) log(N + M)) K x K
   products. The main call, and so o and the final state, is not changed by checkpoints.
 - out=: o is copied into it (one extra copy).
-- batch_invariant: the plan is cp="off" (no context-parallel split, which depends on the batch) and
-  the value-slice width is fixed at 64 (the recurrent kernel otherwise picks it from N * HV);
-  every launch then computes a (sequence, value head, value slice) from that sequence's tokens
-  only. Inference only (a call under autograd with batch_invariant raises).
 
-Later, on the GPU: the recurrent kernel reading and writing pool rows by index (in its state's
-dtype and layout) and storing checkpoints in-kernel at any token, which removes the gather/scatter,
-the transposes and the two checkpoint forwards.
+batch_invariant (both paths): the plan is cp="off" (no context-parallel split, which depends on the
+batch) and the value-slice width is fixed at 64 (the recurrent kernel otherwise picks it from N * HV);
+every launch then computes a (sequence, value head, value slice) from that sequence's tokens only.
+Inference only (a call under autograd with batch_invariant raises).
+
+`serve(..., path=...)` records which path ran in `LAST_PATH` (for the GPU tests).
 
 Public designs followed (not copied): vLLM's GDN layer (`vllm/model_executor/models/qwen3_next.py`,
 `Qwen3NextGatedDeltaNet._forward_core`: gather `ssm_state[indices]`, zero rows without an initial
@@ -41,7 +52,10 @@ from flashqla.ops.gdn.autograd import GDNEagerFunction
 from flashqla.ops.gdn.fwd import forward
 from flashqla.serving import ServingArgs, checkpoint_pieces, gather_initial_states, scan_pieces, write_back
 
-__all__ = ["serve", "BATCH_INVARIANT_BLOCK_V"]
+__all__ = ["serve", "kernel_path_applies", "BATCH_INVARIANT_BLOCK_V", "LAST_PATH"]
+
+#: The path the last `serve` call took: "kernel" (the serving build) or "torch" (for tests and tools).
+LAST_PATH = {"path": None}
 
 #: The recurrent kernel's value-slice width under batch_invariant (fixed, not picked from N * HV).
 BATCH_INVARIANT_BLOCK_V = 64
@@ -68,11 +82,16 @@ def serve(q, k, v, g, beta, scale: float, initial_state, output_final_state: boo
         raise ValueError("checkpoint_states requires grad: checkpoints are written in place without autograd")
     B, T, HV, V = v.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    h0 = gather_initial_states(initial_state, s, N, torch.float32)
     mode = "off" if s.batch_invariant else cp
     block_v = BATCH_INVARIANT_BLOCK_V if s.batch_invariant else None
     plan = plan_call(q, v, cu_seqlens, mode, training=training, keep_states=training, max_seqlen=max_seqlen,
                      seqlens=seqlens)
+    if kernel_path_applies(q, v, initial_state, output_final_state, cu_seqlens, s, plan, training=training,
+                           backend=backend):
+        LAST_PATH["path"] = "kernel"
+        return _serve_kernel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, s, block_v)
+    LAST_PATH["path"] = "torch"
+    h0 = gather_initial_states(initial_state, s, N, torch.float32)
     if training:
         o, final = GDNEagerFunction.apply(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, plan)
     else:
@@ -85,6 +104,77 @@ def serve(q, k, v, g, beta, scale: float, initial_state, output_final_state: boo
             ckpt = checkpoint_states(q, k, v, g, beta, scale, h0, cu_seqlens, s.checkpoint_positions, mode=mode,
                                      block_v=block_v, backend=backend)
     return write_back(o, final, ckpt, s, initial_state, output_final_state)
+
+
+def _state_tensors(initial_state, output_final_state: bool, s: ServingArgs) -> list:
+    """The state tensors the serving build would read or write (their dtypes must agree)."""
+    out = [initial_state] if initial_state is not None else []
+    if output_final_state and not s.pool:
+        out.append(None)  # the fp32 final states the op returns
+    if s.checkpoint_states is not None:
+        out.append(s.checkpoint_states)
+    return out
+
+
+def kernel_path_applies(q, v, initial_state, output_final_state: bool, cu_seqlens, s: ServingArgs, plan, *,
+                        training: bool = False, backend=None) -> bool:
+    """Whether the call runs on the recurrent kernel's serving build (module docstring): inference, the
+    sm_90 kernels (backend None or an Sm90Backend) on a CUDA device, an unsplit plan, at least one
+    token and one sequence, a pool with rows, and every state tensor in one storage dtype and
+    contiguous."""
+    from flashqla.ops.gdn.backend import Sm90Backend
+
+    if training or not (backend is None or isinstance(backend, Sm90Backend)) or q.device.type != "cuda":
+        return False
+    if plan.forward.split or q.shape[0] * q.shape[1] == 0:
+        return False
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if N == 0 or (s.pool and s.pool_rows == 0):
+        return False
+    tensors = _state_tensors(initial_state, output_final_state, s)
+    dtypes = {torch.float32 if x is None else x.dtype for x in tensors}
+    return len(dtypes) <= 1 and all(x is None or x.is_contiguous() for x in tensors)
+
+
+def _serve_kernel(q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens, s: ServingArgs,
+                  block_v):
+    """The kernel path (module docstring): prepare, then the serving build of the recurrent kernel."""
+    from flashqla.ops.gdn.backend import default_backend
+    from flashqla.ops.gdn.kernels.sm90 import registry
+    from flashqla.ops.gdn.kernels.sm90.prepare import prepare_kernel_args
+    from flashqla.ops.gdn.kernels.sm90.recurrent import (chunk_recurrent_serving, recurrent_serving_args,
+                                                         serving_state_rows)
+
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    cu_seqlens = None if cu_seqlens is None else cu_seqlens.contiguous()
+    tensors = [x for x in _state_tensors(initial_state, output_final_state, s) if x is not None]
+    sdtype = tensors[0].dtype if tensors else torch.float32
+    ckpt = s.checkpoint_positions is not None and s.checkpoint_positions.numel() > 0
+    args, kw = recurrent_serving_args(q, v, cu_seqlens, sdtype, s.state_layout, ckpt, block_v)
+    specs = [("prepare", prepare_kernel_args(k, beta, cu_seqlens, HV)),
+             ("recurrent_serving", args + (kw["state_dtype"], kw["state_layout"], kw["checkpoints"]))]
+    registry.build_once(tuple(specs), specs)
+    A, G2 = default_backend().prepare(k, g, beta, cu_seqlens, HV)
+    dev = q.device
+    if s.pool:
+        read, write = serving_state_rows(N, s.state_indices, s.has_initial_state, dev)
+        final = initial_state if output_final_state else None
+    else:
+        read, write = serving_state_rows(N, None, s.has_initial_state, dev)
+        tail = (K, V) if s.state_layout == "kv" else (V, K)
+        final = torch.empty(N, HV, *tail, dtype=torch.float32, device=dev) if output_final_state else None
+    out = s.out
+    direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0
+    o = chunk_recurrent_serving(q, k, v, A, G2, scale, initial_state, final, read, write, cu_seqlens,
+                                state_layout=s.state_layout, checkpoint_positions=s.checkpoint_positions,
+                                checkpoint_states=s.checkpoint_states, block_v=block_v, o=out if direct else None)
+    if out is not None and not direct:
+        out.copy_(o)
+        o = out
+    return o, final
 
 
 def checkpoint_states(q, k, v, g, beta, scale: float, h0, cu_seqlens, positions, *, mode: str = "auto",

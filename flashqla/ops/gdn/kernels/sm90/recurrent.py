@@ -55,7 +55,8 @@ import torch
 
 from flashqla.ops.gdn.kernels.sm90._common import CHUNK, SM_COUNT, compile_kernel, placeholder, sequence_span, tl_dtype
 
-__all__ = ["build_recurrent_kernel", "chunk_recurrent_dual", "chunk_recurrent_fwd", "pick_block_v", "recurrent_kernel_args"]
+__all__ = ["build_recurrent_kernel", "build_recurrent_serving_kernel", "checkpoint_tables", "chunk_recurrent_dual", "chunk_recurrent_fwd", "chunk_recurrent_serving",
+           "pick_block_v", "recurrent_kernel_args", "recurrent_serving_args", "serving_state_rows"]
 
 #: The value slice widths of the role-split kernel. At BV = 64 one chain warpgroup holds S^T's 64
 #: value rows; at BV = 128 two chain warpgroups hold 64 rows each (every chain product is one wgmma
@@ -350,24 +351,326 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
     return gdn_recurrent_roles_fwd
 
 
+#: The storage dtypes of states a serving build reads and writes (TileLang names), and the layouts.
+SERVING_STATE_DTYPES = ("float32", "bfloat16", "float16")
+SERVING_LAYOUTS = ("kv", "vk")
+
+
+def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: str, varlen: bool, BV: int,
+                       state_dtype: str, state_layout: str, checkpoints: bool):
+    """The role-split kernel's serving build (`build_recurrent_kernel` with indexed=True): the plain
+    kernel's arithmetic (o and every state bitwise those of the plain build with an fp32 kv state), with
+    the states addressed by index, in a layout and storage dtype, and checkpoints stored in-kernel.
+
+    - initial states: sequence n starts from h0[state_read[n]] (layout `state_layout`, dtype
+      `state_dtype`, widened to fp32 at the load), or from zeros when use_h0 == 0 or state_read[n] < 0;
+    - final states: with store_ht, ht[state_write[n]] = S (rounded once to `state_dtype` at the store,
+      in `state_layout`); nothing is written when state_write[n] < 0. h0 and ht may be one tensor (a
+      state pool updated in place: each CTA reads and writes only its own row's value slice);
+    - checkpoints (record CF-4, twin `reference.gdn.chunk.chunk_checkpoint_states`): for chunk slot
+      `slot`, the checkpoints m in [ck_slots[slot], ck_slots[slot + 1]) end j = ck_j[m] (1..64) tokens
+      into the chunk; the chain computes S_m^T = gamma_{j-1} S^T + (vn^T diag(m_j)) K with
+      m_j,i = exp2(gc_{j-1} - gc_i) for i < j (else 0), a masked copy of the chunk's own state update
+      (one wgmma on the chunk's vn^T and k tile), into a separate accumulator, and stores it to
+      ckpt[m] in `state_layout` / `state_dtype`. The chunk's state and vn^T are not changed by it: in a
+      chunk with checkpoints the chain scales S by gamma_C after them instead of during U = S K^T (the
+      same products), so o and the states do not depend on the checkpoints.
+    """
+    import tilelang.language as T
+    from tilelang.layout import make_swizzled_layout
+
+    C = CHUNK
+    if BV not in ROLES_WIDTHS or V % BV:
+        raise ValueError(f"the role-split kernel is built for BV in {ROLES_WIDTHS} dividing V, got BV={BV}, V={V}")
+    G = HV // H
+    NV = V // BV
+    acc = "float32"
+    sdt = state_dtype
+    vk = state_layout == "vk"
+    sa, sb = (V, K) if vk else (K, V)
+    nreg = NREG[BV]
+    n_chain = BV // 64
+    CH = 128 * n_chain
+    threads = roles_threads(BV)
+    chain_kw = {"policy": T.GemmWarpPolicy.FullRow} if n_chain > 1 else {}
+    KH = min(K, 64)  # checkpoint columns per wgmma (registers: S^T and half a checkpoint live at BV = 128)
+
+    B = T.dynamic("B")
+    Tn = T.dynamic("T")
+    R = T.dynamic("R")
+    Np1 = T.dynamic("Np1")
+    N0 = T.dynamic("N0")
+    N1 = T.dynamic("N1")
+    NI = T.dynamic("NI")  # rows of state_read / state_write (N)
+    NSL = T.dynamic("NSL")  # chunk slots + 1 (ck_slots)
+    MP = T.dynamic("MP")  # checkpoints (1 when there are none: a placeholder)
+    nseq = (Np1 - 1) if varlen else B
+    ncta = NV * HV * nseq
+
+    @T.macro
+    def load_state(st, src, row, hv, v0):
+        for i, j in T.Parallel(BV, K):
+            if vk:
+                st[i, j] = T.cast(src[row, hv, v0 + i, j], acc)
+            else:
+                st[i, j] = T.cast(src[row, hv, j, v0 + i], acc)
+
+    @T.macro
+    def store_state(dst, row, hv, v0, st, k0):
+        for i, j in T.Parallel(BV, st.shape[1]):
+            if vk:
+                dst[row, hv, v0 + i, k0 + j] = T.cast(st[i, j], sdt)
+            else:
+                dst[row, hv, k0 + j, v0 + i] = T.cast(st[i, j], sdt)
+
+    @T.prim_func
+    def gdn_recurrent_serving_fwd(
+        q: T.Tensor((B, Tn, H, K), dtype),
+        k: T.Tensor((B, Tn, H, K), dtype),
+        v: T.Tensor((B, Tn, HV, V), dtype),
+        A: T.Tensor((HV, R, C), dtype),
+        g_cum_log2: T.Tensor((HV, R), "float32"),
+        h0: T.Tensor((N0, HV, sa, sb), sdt),
+        cu_seqlens: T.Tensor((Np1,), seq_dtype),
+        scale: T.float32,
+        use_h0: T.int32,
+        store_ht: T.int32,
+        o: T.Tensor((B, Tn, HV, V), dtype),
+        ht: T.Tensor((N1, HV, sa, sb), sdt),
+        state_read: T.Tensor((NI,), "int32"),
+        state_write: T.Tensor((NI,), "int32"),
+        ck_slots: T.Tensor((NSL,), "int32"),
+        ck_j: T.Tensor((MP,), "int32"),
+        ckpt: T.Tensor((MP, HV, sa, sb), sdt),
+    ):
+        with T.Kernel(ncta, threads=threads) as (bx,):
+            iv = bx % NV
+            hv = (bx // NV) % HV
+            n = bx // (NV * HV)
+            bos, seqlen, bidx, slot0, nchunks = sequence_span(n, cu_seqlens, Tn, varlen)
+            hk = hv // G
+            v0 = iv * BV
+            tx = T.get_thread_binding()
+
+            q_s = T.alloc_shared((2, C, K), dtype)
+            k_s = T.alloc_shared((2, C, K), dtype)
+            v_s = T.alloc_shared((2, C, BV), dtype)
+            a_s = T.alloc_shared((2, C, C), dtype)
+            gc_s = T.alloc_shared((2, C), acc)
+            sb_s = T.alloc_shared((2, BV, K), dtype)
+            nv_s = T.alloc_shared((2, BV, C), dtype)
+            o_s = T.alloc_shared((C, BV), dtype)
+            T.annotate_layout({v_s: make_swizzled_layout(v_s), o_s: make_swizzled_layout(o_s)})
+
+            full = T.alloc_barrier(arrive_count=[32, 32])
+            empty = T.alloc_barrier(arrive_count=[CH + 128, CH + 128])
+            s_full = T.alloc_barrier(arrive_count=[CH, CH])
+            s_empty = T.alloc_barrier(arrive_count=[128, 128])
+            n_full = T.alloc_barrier(arrive_count=[CH, CH])
+            n_empty = T.alloc_barrier(arrive_count=[128, 128])
+
+            if tx < CH:
+                # ------------------------------------------------------------------ chain
+                T.set_max_nreg(nreg["chain"], 1)
+                st = T.alloc_fragment((BV, K), acc)
+                st_b = T.alloc_fragment((BV, K), dtype)
+                ut = T.alloc_fragment((BV, C), acc)
+                nvt = T.alloc_fragment((BV, C), acc)
+                wt_b = T.alloc_fragment((BV, C), dtype)
+                nvt_b = T.alloc_fragment((BV, C), dtype)
+                vpt_b = T.alloc_fragment((BV, C), dtype)
+                gam_f = T.alloc_fragment((C,), acc)
+                r_f = T.alloc_fragment((C,), acc)
+                gcl = T.alloc_local((1,), acc)
+                if checkpoints:
+                    ck = T.alloc_fragment((BV, KH), acc)  # one half of the checkpoint's columns
+                    mvt_b = T.alloc_fragment((BV, C), dtype)
+                    gj = T.alloc_local((1,), acc)
+                    jj = T.alloc_var("int32")
+                if use_h0 != 0 and state_read[n] >= 0:
+                    load_state(st, h0, state_read[n], hv, v0)
+                else:
+                    T.clear(st)
+                for c in T.serial(nchunks):
+                    s = c % 2
+                    ph = (c // 2) % 2
+                    T.barrier_wait(full[s], ph)
+                    T.copy(st, st_b)
+                    # U^T = S^T K^T
+                    T.wgmma_gemm(st_b, k_s[s, :, :], ut, transpose_B=True, clear_accum=True, **chain_kw)
+                    T.barrier_wait(s_empty[s], 1 - ph)
+                    T.copy(st_b, sb_s[s, :, :])
+                    T.fence_proxy_async()
+                    T.barrier_arrive(s_full[s])
+                    for j in T.Parallel(C):
+                        gam_f[j] = T.exp2(gc_s[s, j])
+                        r_f[j] = T.exp2(T.min(gc_s[s, C - 1] - gc_s[s, j], T.float32(0)))
+                    gcl[0] = T.exp2(gc_s[s, C - 1])
+                    if not checkpoints:
+                        for i, j in T.Parallel(BV, K):
+                            st[i, j] = st[i, j] * gcl[0]
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(ut, num_regs=BV * C // CH)
+                    # W^T = V^T - U^T diag(gamma)
+                    for i, j in T.Parallel(BV, C):
+                        wt_b[i, j] = T.cast(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j], dtype)
+                    # vn^T = W^T A_beta^T
+                    T.wgmma_gemm(wt_b, a_s[s, :, :], nvt, transpose_B=True, clear_accum=True, **chain_kw)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(nvt, num_regs=BV * C // CH)
+                    for i, j in T.Parallel(BV, C):
+                        nvt_b[i, j] = T.cast(nvt[i, j], dtype)
+                        vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j], dtype)
+                    if checkpoints:
+                        # publish vn^T first (the output role does not wait for the checkpoints)
+                        T.barrier_wait(n_empty[s], 1 - ph)
+                        T.copy(nvt_b, nv_s[s, :, :])
+                        T.fence_proxy_async()
+                        T.barrier_arrive(n_full[s])
+                        # the checkpoints ending in this chunk (CF-4), from the unscaled S^T
+                        for m in T.serial(ck_slots[slot0 + c], ck_slots[slot0 + c + 1]):
+                            jj = ck_j[m]
+                            gj[0] = gc_s[s, jj - 1]
+                            for i, t in T.Parallel(BV, C):
+                                mvt_b[i, t] = T.cast(
+                                    T.if_then_else(t < jj, T.cast(nv_s[s, i, t], acc)
+                                                   * T.exp2(T.min(gj[0] - gc_s[s, t], T.float32(0))), T.float32(0)),
+                                    dtype)
+                            for h in T.unroll(K // KH):
+                                for i, j in T.Parallel(BV, KH):
+                                    ck[i, j] = st[i, h * KH + j] * T.exp2(gj[0])
+                                T.wgmma_gemm(mvt_b, k_s[s, :, h * KH : (h + 1) * KH], ck, **chain_kw)
+                                T.wait_wgmma(0)
+                                T.warpgroup_fence_operand(ck, num_regs=BV * KH // CH)
+                                store_state(ckpt, m, hv, v0, ck, h * KH)
+                        for i, j in T.Parallel(BV, K):
+                            st[i, j] = st[i, j] * gcl[0]
+                        # S^T = gamma_C S^T + (vn^T diag(r)) K
+                        T.wgmma_gemm(vpt_b, k_s[s, :, :], st, **chain_kw)
+                    else:
+                        T.wgmma_gemm(vpt_b, k_s[s, :, :], st, **chain_kw)
+                        T.barrier_wait(n_empty[s], 1 - ph)
+                        T.copy(nvt_b, nv_s[s, :, :])
+                        T.fence_proxy_async()
+                        T.barrier_arrive(n_full[s])
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(st, num_regs=BV * K // CH)
+                    T.barrier_arrive(empty[s])
+                if store_ht != 0 and state_write[n] >= 0:
+                    store_state(ht, state_write[n], hv, v0, st, 0)
+            elif tx < CH + 128:
+                # ------------------------------------------------------------------ output
+                T.set_max_nreg(nreg["output"], 1)
+                p_f = T.alloc_fragment((C, C), acc)
+                pg_b = T.alloc_fragment((C, C), dtype)
+                of = T.alloc_fragment((C, BV), acc)
+                gr_f = T.alloc_fragment((C,), acc)
+                for c in T.serial(nchunks):
+                    s = c % 2
+                    ph = (c // 2) % 2
+                    t0 = bos + c * C
+                    T.barrier_wait(full[s], ph)
+                    T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
+                    T.barrier_wait(s_full[s], ph)
+                    T.wgmma_gemm(q_s[s, :, :], sb_s[s, :, :], of, transpose_B=True, clear_accum=True)
+                    for t in T.Parallel(C):
+                        gr_f[t] = scale * T.exp2(gc_s[s, t])
+                    T.wait_wgmma(1)
+                    T.warpgroup_fence_operand(p_f, num_regs=C * C // 128)
+                    for t, j in T.Parallel(C, C):
+                        pg_b[t, j] = T.cast(
+                            T.if_then_else(
+                                t >= j,
+                                scale * p_f[t, j] * T.exp2(T.if_then_else(t >= j, gc_s[s, t] - gc_s[s, j], T.float32(0))),
+                                T.float32(0),
+                            ),
+                            dtype,
+                        )
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(of, num_regs=C * BV // 128)
+                    T.barrier_arrive(s_empty[s])
+                    for t, i in T.Parallel(C, BV):
+                        of[t, i] = of[t, i] * gr_f[t]
+                    T.barrier_wait(n_full[s], ph)
+                    T.wgmma_gemm(pg_b, nv_s[s, :, :], of, transpose_B=True)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(of, num_regs=C * BV // 128)
+                    T.barrier_arrive(n_empty[s])
+                    T.barrier_arrive(empty[s])
+                    nvalid = T.min(seqlen - c * C, C)
+                    for t, i in T.Parallel(C, BV):
+                        o_s[t, i] = T.cast(of[t, i], dtype)
+                    for t, i in T.Parallel(C, BV):
+                        if t < nvalid:
+                            o[bidx, t0 + t, hv, v0 + i] = o_s[t, i]
+            else:
+                # ------------------------------------------------------------------ producer
+                T.set_max_nreg(nreg["producer"], 0)
+                if tx < CH + 128 + 32:
+                    for c in T.serial(nchunks):
+                        s = c % 2
+                        ph = (c // 2) % 2
+                        t0 = bos + c * C
+                        row0 = (slot0 + c) * C
+                        T.barrier_wait(empty[s], 1 - ph)
+                        T.tma_copy(q[bidx, t0 : t0 + C, hk, 0:K], q_s[s, :, :], barrier=full[s])
+                        T.tma_copy(k[bidx, t0 : t0 + C, hk, 0:K], k_s[s, :, :], barrier=full[s])
+                        T.tma_copy(v[bidx, t0 : t0 + C, hv, v0 : v0 + BV], v_s[s, :, :], barrier=full[s])
+                        T.tma_copy(A[hv, row0 : row0 + C, 0:C], a_s[s, :, :], barrier=full[s])
+                        T.tma_copy(g_cum_log2[hv, row0 : row0 + C], gc_s[s, :], barrier=full[s])
+                        T.barrier_arrive(full[s])
+
+    return gdn_recurrent_serving_fwd
+
+
 @functools.lru_cache(maxsize=None)
 def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str, seq_dtype: str, varlen: bool,
-                           dual: bool = False):
+                           dual: bool = False, *, indexed: bool = False, state_dtype: str = "float32",
+                           state_layout: str = "kv", checkpoints: bool = False):
     """Compiled recurrent kernel for one static configuration (cached).
 
     Static key: head counts, head dims, the value slice width BV (64 or 128), the input dtype,
     cu_seqlens' dtype, whether input is packed (varlen) and whether it is the split path's dual launch
     (run and transition in one grid, `chunk_recurrent_dual`; K == V). T, B, the number of sequences,
     the scale, the initial/final-state switches and the transition limits are run-time values.
-    Raises ValueError for another BV, or dual with K != V.
+
+    Serving options (keyword-only; `recurrent_serving_args` gives the key of a call): indexed=True
+    builds the serving kernel (`chunk_recurrent_serving`: states read and written by row index, in
+    `state_layout` "kv" ([.., K, V]) or "vk" ([.., V, K]) and `state_dtype` "float32" / "bfloat16" /
+    "float16"; with `checkpoints`, the states after any token stored in-kernel, record CF-4). The
+    default options build the plain kernel, whose generated source is unchanged by their existence.
+
+    Raises ValueError for another BV, dual with K != V, dual with indexed, serving options without
+    indexed, or an unknown state dtype or layout.
     """
     if V % BV or BV not in ROLES_WIDTHS:
         raise ValueError(f"value slice width BV must be 64 or 128 and divide V = {V}, got {BV}")
     if dual and K != V:
         raise ValueError(f"the dual launch needs K == V, got K={K}, V={V}")
+    if state_dtype not in SERVING_STATE_DTYPES:
+        raise ValueError(f"state_dtype must be one of {SERVING_STATE_DTYPES}, got {state_dtype!r}")
+    if state_layout not in SERVING_LAYOUTS:
+        raise ValueError(f"state_layout must be one of {SERVING_LAYOUTS}, got {state_layout!r}")
+    if not indexed:
+        if state_dtype != "float32" or state_layout != "kv" or checkpoints:
+            raise ValueError("state_dtype, state_layout and checkpoints are options of the serving build: pass indexed=True")
+    elif dual:
+        raise ValueError("the dual launch (split path) has no serving build: indexed must be False with dual")
     name = (f"gdn_recurrent_fwd_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{seq_dtype}_{int(varlen)}_BV{BV}"
             + ("_dual" if dual else ""))
+    if indexed:
+        name += f"_serving_{state_dtype}_{state_layout}" + ("_ckpt" if checkpoints else "")
+        return compile_kernel(_serving_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, BV, state_dtype, state_layout,
+                                                 checkpoints), name)
     return compile_kernel(_recurrent_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, dual, BV), name)
+
+
+def build_recurrent_serving_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str, seq_dtype: str, varlen: bool,
+                                   state_dtype: str = "float32", state_layout: str = "kv", checkpoints: bool = False):
+    """`build_recurrent_kernel(..., indexed=True, state_dtype=, state_layout=, checkpoints=)` with every
+    key entry positional (the registry's kind "recurrent_serving")."""
+    return build_recurrent_kernel(H, HV, K, V, BV, dtype, seq_dtype, varlen, indexed=True, state_dtype=state_dtype,
+                                  state_layout=state_layout, checkpoints=checkpoints)
 
 
 #: Relative chunk-step time per CTA (one CTA an SM) by value slice width, as measured on the H200
@@ -509,3 +812,113 @@ def chunk_recurrent_dual(q, k, v, A, g_cum_log2, scale: float, initial_state, li
     kernel = build_recurrent_kernel(*recurrent_kernel_args(q, v, cu_seqlens, block_v, dual=True))
     kernel(q, k, v, A, g_cum_log2, h0, cu, float(scale), int(use_h0), 1, o, Q, U, P, limit.contiguous())
     return o, Q, U, P
+
+
+def serving_state_rows(N: int, state_indices, has_initial_state, device) -> tuple:
+    """(state_read, state_write) int32 [N] for the serving build, on the device without a host read:
+    the rows sequence n reads and writes (state_indices, or n without a pool); state_read is -1
+    where has_initial_state[n] is False (the sequence starts from zeros; its row is still written)."""
+    idx = (torch.arange(N, dtype=torch.int32, device=device) if state_indices is None
+           else state_indices.to(torch.int32).contiguous())
+    read = idx if has_initial_state is None else torch.where(has_initial_state, idx, torch.full_like(idx, -1))
+    return read.contiguous(), idx
+
+
+def checkpoint_tables(positions, cu_seqlens, B: int, T: int) -> tuple:
+    """(ck_slots [S + 1] int32, ck_j [M] int32) for the serving build's checkpoints, on the device
+    without a host read (S = `num_slots`): checkpoint m (positions sorted, each inside a sequence n,
+    cu_seqlens[n] < p <= cu_seqlens[n + 1], b * T + t without cu_seqlens) ends ck_j[m] in 1..64
+    tokens into chunk c = (p - 1 - bos) // 64 of its sequence, held by chunk slot slot0(n) + c; the
+    checkpoints of slot s are [ck_slots[s], ck_slots[s + 1]). Positions outside every sequence are
+    the caller's error (checked on CPU by `flashqla.serving.check_serving_args`)."""
+    from flashqla.ops.gdn.kernels.sm90._common import num_slots
+
+    dev = positions.device
+    varlen = cu_seqlens is not None
+    N = cu_seqlens.shape[0] - 1 if varlen else B
+    ar = torch.arange(N, dtype=torch.int64, device=dev)
+    if varlen:
+        cu = cu_seqlens.to(torch.int64)
+        slot0 = cu[:-1] // CHUNK + ar
+    else:
+        cu = torch.arange(B + 1, dtype=torch.int64, device=dev) * T
+        slot0 = ar * ((T + CHUNK - 1) // CHUNK)
+    pos = positions.to(torch.int64).contiguous()
+    n = torch.searchsorted(cu[1:].contiguous(), pos, side="left").clamp(max=max(N - 1, 0))
+    bos = cu[n]
+    c = (pos - 1 - bos).clamp(min=0) // CHUNK
+    slot = slot0[n] + c
+    j = (pos - bos - c * CHUNK).to(torch.int32)
+    S = num_slots(B, T, N, varlen)
+    ck_slots = torch.searchsorted(slot, torch.arange(S + 1, dtype=torch.int64, device=dev), side="left")
+    return ck_slots.to(torch.int32), j.contiguous()
+
+
+def recurrent_serving_args(q, v, cu_seqlens, state_dtype: torch.dtype, state_layout: str, checkpoints: bool,
+                           block_v=None) -> tuple:
+    """(args, kwargs) of the serving build (`build_recurrent_kernel(*args, indexed=True, ...)`) a
+    `chunk_recurrent_serving` launch with these inputs uses."""
+    key = recurrent_kernel_args(q, v, cu_seqlens, block_v)
+    return key, dict(indexed=True, state_dtype=tl_dtype(state_dtype), state_layout=state_layout,
+                     checkpoints=bool(checkpoints))
+
+
+def chunk_recurrent_serving(q, k, v, A, g_cum_log2, scale: float, initial_state, final_state, state_read, state_write,
+                            cu_seqlens, *, state_layout: str = "kv", checkpoint_positions=None, checkpoint_states=None,
+                            block_v=None, o=None):
+    """Launches the recurrent kernel's serving build (arguments validated by the caller;
+    `flashqla.ops.gdn.serving`): o, and the final states and checkpoints written in place in their
+    layout and storage dtype (one rounding, at the store). No host read.
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, HV, V] (bf16 or fp16, contiguous); A, g_cum_log2: `chunk_prepare_fwd`.
+        scale: output scale.
+        initial_state: [P, HV, K, V] ("kv") or [P, HV, V, K] ("vk") in fp32/bf16/fp16, contiguous, or
+            None (every sequence starts from zeros). Sequence n starts from row state_read[n] (zeros
+            where it is negative).
+        final_state: like initial_state (it may be the same tensor: a pool updated in place) or None
+            (no final state stored). Sequence n's final state goes to row state_write[n] (none where
+            negative).
+        state_read, state_write: int32 [N] contiguous (`serving_state_rows`).
+        cu_seqlens: [N + 1] int32/int64 or None.
+        state_layout: "kv" or "vk", of every state tensor.
+        checkpoint_positions: int32/int64 [M] sorted global positions (each inside a sequence) or None;
+        checkpoint_states: [M, HV, ...] in the states' layout and dtype, written in place (record CF-4).
+        block_v: value slice width (None: `pick_block_v`). o: optional preallocated output.
+
+    Returns: o [B, T, HV, V]. Raises ValueError when the state tensors do not share one storage dtype
+    or are not contiguous.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
+    o = torch.empty_like(v) if o is None else _check_out(o, v)
+    states = {n: x for n, x in (("initial_state", initial_state), ("final_state", final_state),
+                                ("checkpoint_states", checkpoint_states)) if x is not None}
+    dtypes = {x.dtype for x in states.values()}
+    if len(dtypes) > 1:
+        raise ValueError(f"the serving build stores one state dtype: got {', '.join(f'{n} {x.dtype}' for n, x in states.items())}")
+    for name, x in states.items():
+        if not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous for the serving build")
+    sdtype = dtypes.pop() if dtypes else torch.float32
+    tail = (K, V) if state_layout == "kv" else (V, K)
+    if N == 0 or T == 0:
+        raise ValueError("chunk_recurrent_serving needs at least one sequence and one token (the caller handles T == 0)")
+    ckpt = checkpoint_positions is not None and checkpoint_positions.numel() > 0
+    args, kw = recurrent_serving_args(q, v, cu_seqlens, sdtype, state_layout, ckpt, block_v)
+    kernel = build_recurrent_kernel(*args, **kw)
+    dev = q.device
+    h0 = initial_state if initial_state is not None else placeholder((1, HV, *tail), sdtype, dev)
+    ht = final_state if final_state is not None else placeholder((1, HV, *tail), sdtype, dev)
+    cu = cu_seqlens if cu_seqlens is not None else placeholder((1,), torch.int32, dev)
+    if ckpt:
+        ck_slots, ck_j = checkpoint_tables(checkpoint_positions, cu_seqlens, B, T)
+        cks = checkpoint_states
+    else:
+        ck_slots = placeholder((2,), torch.int32, dev).zero_()  # not read without checkpoints
+        ck_j = placeholder((1,), torch.int32, dev)
+        cks = placeholder((1, HV, *tail), sdtype, dev)
+    kernel(q, k, v, A, g_cum_log2, h0, cu, float(scale), int(initial_state is not None), int(final_state is not None), o,
+           ht, state_read, state_write, ck_slots, ck_j, cks)
+    return o

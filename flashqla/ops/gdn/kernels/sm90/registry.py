@@ -6,6 +6,8 @@ A kernel spec is (kind, args): `build(kind, args)` calls the kind's builder with
 key). Kinds and builders:
     "prepare"          prepare.build_prepare_kernel
     "recurrent"        recurrent.build_recurrent_kernel
+    "recurrent_serving" recurrent.build_recurrent_serving_kernel (the serving build: pools by index,
+                       state layout and dtype, checkpoints; `serving_kernel_specs`, not in warmup's list)
     "states_bwd"       states_bwd.build_states_kernel
     "chunk_bwd"        chunk_bwd.build_chunk_bwd_kernel
     "states_bwd_fp16"  states_bwd_fp16.build_states_fp16_kernel
@@ -30,7 +32,8 @@ import importlib
 from flashqla.ops.gdn.kernels.sm90.cp_scan import scan_choice
 from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
 
-__all__ = ["BUILDERS", "build", "build_kernels", "build_once", "main_bwd_applies", "op_kernel_specs", "precompile"]
+__all__ = ["BUILDERS", "build", "build_kernels", "build_once", "main_bwd_applies", "op_kernel_specs", "precompile",
+           "serving_kernel_specs"]
 
 _PKG = "flashqla.ops.gdn.kernels.sm90"
 
@@ -38,6 +41,7 @@ _PKG = "flashqla.ops.gdn.kernels.sm90"
 BUILDERS = {
     "prepare": ("prepare", "build_prepare_kernel"),
     "recurrent": ("recurrent", "build_recurrent_kernel"),
+    "recurrent_serving": ("recurrent", "build_recurrent_serving_kernel"),
     "states_bwd": ("states_bwd", "build_states_kernel"),
     "chunk_bwd": ("chunk_bwd", "build_chunk_bwd_kernel"),
     "states_bwd_fp16": ("states_bwd_fp16", "build_states_fp16_kernel"),
@@ -203,3 +207,18 @@ def op_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype:
         offsets = [(seq_dtype, varlen)] + ([(seq_dtype if varlen else "int32", True)] if K == V else [])
         specs += [("prepare", (H, HV, K, dtype, beta_dtype, sd, vl, 1)) for sd, vl in dict.fromkeys(offsets)]
     return specs
+
+
+def serving_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype: str = "bfloat16",
+                         seq_dtype: str = "int32", block_v: int | None = None, K: int = 128, V: int = 128,
+                         state_dtypes=("float32", "bfloat16"), state_layouts=("kv", "vk"),
+                         checkpoints=(False, True)) -> list:
+    """The serving builds of the recurrent kernel (kind "recurrent_serving",
+    `recurrent.build_recurrent_serving_kernel`) a serving call of these heads may launch, for every
+    combination of the given state dtypes, layouts and checkpoint switches (the prepare kernel is
+    `op_kernel_specs`'). Kept out of `op_kernel_specs` (warmup's list and the recorded sources) so
+    that a plain call builds nothing more. Pure Python."""
+    BV = block_v or pick_block_v(N, HV, V)
+    seq = seq_dtype if varlen else "int32"
+    return [("recurrent_serving", (H, HV, K, V, BV, dtype, seq, varlen, sd, lay, ck))
+            for sd in state_dtypes for lay in state_layouts for ck in checkpoints]

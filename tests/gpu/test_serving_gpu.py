@@ -1,0 +1,233 @@
+"""GPU tier: the serving contract on the recurrent kernel's serving build (`flashqla.ops.gdn.serving`,
+kernel path), every feature against the fp64 token recurrence per quantity: o, the final pool rows,
+the checkpoint states. State pools by index (padding sequences, has_initial_state), the "vk" layout,
+bf16 / fp16 state storage (its error printed beside fp32's), checkpoints at tokens 1, 63, 64, 65 and
+the last of a sequence (record CF-4), varlen with empty and 1-token sequences, a g == 0 head and a
+strong-decay head (`make_gdn_inputs(special_heads=True)`). Also: the kernel path is the one taken (no
+gather of the pool: `LAST_PATH`, and `index_select` is never called), o is bitwise the same with and
+without checkpoints, untouched pool rows keep their bytes.
+
+Run on the GPU machine: `pytest -m gpu tests/gpu/test_serving_gpu.py -s`. Skips without a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashqla.testing import BUDGETS, make_gdn_inputs, rel_rms
+
+pytestmark = pytest.mark.gpu
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+if not HOPPER:
+    pytest.skip("needs a CUDA GPU of compute capability 9.0 (Hopper)", allow_module_level=True)
+
+import flashqla  # noqa: E402
+from flashqla.ops.gdn import serving as op_serving  # noqa: E402
+from reference.gdn.recurrent import recurrent_gated_delta_rule  # noqa: E402
+
+DEV = "cuda"
+#: relative RMS budgets: fp32 storage as the plain forward's; bf16 / fp16 storage add one rounding
+#: of every stored state (bf16 unit roundoff 2^-8, about 2.3e-3 relative RMS for a uniform error)
+BUDGET = {torch.float32: BUDGETS["sm90_fwd_bf16"]["ht"], torch.bfloat16: 1.5e-2, torch.float16: 1.2e-2}
+
+
+def _positions(cu: list) -> list:
+    """Checkpoint positions: tokens 1, 63, 64, 65 and the last of every non-empty sequence."""
+    out = []
+    for bos, eos in zip(cu[:-1], cu[1:]):
+        out += sorted({bos + j for j in (1, 63, 64, 65, eos - bos) if 1 <= j <= eos - bos})
+    return out
+
+
+def _case(lengths, HV=4, H=2, seed=0):
+    """Packed inputs on the device (bf16 q, k, v; fp32 g, beta) with a g == 0 head and a strong-decay
+    head, their fp64 copies, cu_seqlens, and per-sequence fp32 initial states."""
+    T = sum(lengths)
+    x = make_gdn_inputs(B=1, T=T, H=H, HV=HV, seqlens=list(lengths), special_heads=True, seed=seed)
+    xd = {n: (x[n].to(DEV, torch.bfloat16) if n in ("q", "k", "v") else x[n].to(DEV, torch.float32))
+          for n in ("q", "k", "v", "g", "beta")}
+    x64 = {n: t.detach().cpu().double() for n, t in xd.items()}
+    cu = x["cu_seqlens"].to(DEV, torch.int32)
+    return xd, x64, cu, x["initial_state"].float()
+
+
+def _truth(x64, cu_list, h0_kv, positions):
+    """fp64 token recurrence: o, the final states [N, HV, K, V] and the states after each position
+    (the recurrence run on each position's prefix of its sequence)."""
+    cu = torch.tensor(cu_list, dtype=torch.int64)
+    o, ht = recurrent_gated_delta_rule(**x64, scale=x64["q"].shape[-1] ** -0.5, initial_state=h0_kv,
+                                       output_final_state=True, cu_seqlens=cu)
+    ck = []
+    for p in positions:
+        n = max(i for i in range(len(cu_list) - 1) if cu_list[i] < p <= cu_list[i + 1])
+        bos = cu_list[n]
+        pre = {k: t[:, bos:p] for k, t in x64.items()}
+        _, s = recurrent_gated_delta_rule(**pre, scale=x64["q"].shape[-1] ** -0.5, initial_state=h0_kv[n : n + 1],
+                                          output_final_state=True)
+        ck.append(s[0])
+    return o, ht, (torch.stack(ck) if ck else None)
+
+
+def _kv(x, layout):
+    return x if layout == "kv" else x.transpose(-1, -2)
+
+
+def _run(xd, cu, pool, idx, has, layout, positions, ckpt_dtype, **kw):
+    """One pooled call through the public op (no autograd); returns (o, checkpoint_states, path)."""
+    M = len(positions)
+    tail = pool.shape[2:]
+    pos = torch.tensor(positions, dtype=torch.int64, device=DEV) if positions is not None else None
+    cks = torch.full((M, pool.shape[1], *tail), float("nan"), dtype=ckpt_dtype, device=DEV) if positions is not None else None
+    with torch.no_grad():
+        o, ret = flashqla.chunk_gated_delta_rule(**xd, initial_state=pool, output_final_state=True, cu_seqlens=cu,
+                                                 state_indices=idx, has_initial_state=has, state_layout=layout,
+                                                 checkpoint_positions=pos, checkpoint_states=cks, cp="off", **kw)
+    torch.cuda.synchronize()
+    assert ret is pool, "with state_indices the op returns the pool itself"
+    return o, cks, op_serving.LAST_PATH["path"]
+
+
+LENGTHS = {
+    "mixed": [130, 1, 0, 64, 300, 65],
+    "long": [1000, 63],
+}
+
+
+@pytest.mark.parametrize("case", list(LENGTHS))
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("sdtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("block_v", [64, 128])
+def test_pool_layout_dtype_checkpoints(case, layout, sdtype, block_v, monkeypatch):
+    """o, the written pool rows and the checkpoints against the fp64 recurrence; a padding sequence
+    (index -1) neither reads nor writes; has_initial_state False starts from zeros and still writes;
+    rows named by no sequence keep their bytes; every checkpoint element is written."""
+    lengths = LENGTHS[case]
+    N = len(lengths)
+    xd, x64, cu, h0 = _case(lengths, seed=len(lengths) + block_v)
+    HV, K, V = h0.shape[1], h0.shape[2], h0.shape[3]
+    P = N + 3
+    rows = torch.randperm(P, generator=torch.Generator().manual_seed(1))[:N]
+    idx = rows.clone()
+    idx[1] = -1  # a padding sequence
+    has = torch.ones(N, dtype=torch.bool)
+    has[-1] = False  # starts from zeros, still written
+    pool_kv = torch.randn(P, HV, K, V, generator=torch.Generator().manual_seed(2)) * 0.1
+    pool_kv[rows] = h0
+    pool = _kv(pool_kv, layout).contiguous().to(DEV, sdtype)
+    before = pool.clone()
+    # the start states the recurrence sees: the stored (rounded) rows, zeros for padding / no initial state
+    start = _kv(pool.cpu().double(), layout).clone()[rows.clamp(min=0)]
+    start[(idx < 0) | ~has] = 0
+    cu_list = cu.tolist()
+    positions = _positions(cu_list)
+    o_ref, ht_ref, ck_ref = _truth(x64, cu_list, start, positions)
+
+    def no_gather(*a, **k):
+        raise AssertionError("the pool was gathered (index_select): the torch path ran")
+
+    monkeypatch.setattr(torch.Tensor, "index_select", no_gather)
+    import flashqla.ops.gdn.kernels.sm90.recurrent as rec
+    monkeypatch.setattr(rec, "pick_block_v", lambda *a, **k: block_v)
+    o, cks, path = _run(xd, cu, pool, idx.to(DEV), has.to(DEV), layout, positions, sdtype)
+    monkeypatch.undo()
+    assert path == "kernel", f"the serving call took the {path} path"
+    assert torch.isfinite(o.float()).all() and torch.isfinite(cks.float()).all(), "unwritten (NaN) elements"
+    real = (idx >= 0).nonzero().flatten()
+    got_ht = _kv(pool.cpu().double(), layout)[idx[real]]
+    errs = {"o": rel_rms(o, o_ref), "ht": rel_rms(got_ht, ht_ref[real]), "checkpoints": rel_rms(_kv(cks.cpu().double(), layout), ck_ref)}
+    print(f"[{case} {layout} {sdtype} BV={block_v}] errors vs fp64: {errs}")
+    assert errs["o"] <= BUDGETS["sm90_fwd_bf16"]["o"], f"o: {errs['o']:.3e}"
+    assert errs["ht"] <= BUDGET[sdtype], f"final pool rows ({sdtype}): {errs['ht']:.3e} > {BUDGET[sdtype]:.1e}"
+    assert errs["checkpoints"] <= BUDGET[sdtype], f"checkpoints ({sdtype}): {errs['checkpoints']:.3e} > {BUDGET[sdtype]:.1e}"
+    untouched = torch.ones(P, dtype=torch.bool)
+    untouched[idx[real]] = False
+    assert torch.equal(pool[untouched.to(DEV)], before[untouched.to(DEV)]), "a row no sequence names was written"
+    # the checkpoint at a sequence's last token is its final state (the same rounding)
+    last = [positions.index(e) for b, e in zip(cu_list[:-1], cu_list[1:]) if e > b]
+    seqs = [n for n in range(N) if cu_list[n + 1] > cu_list[n]]
+    for m, n in zip(last, seqs):
+        if idx[n] >= 0:
+            err = rel_rms(cks[m].double(), pool[idx[n]].double())
+            assert err <= 1e-2, f"checkpoint at the end of sequence {n} differs from its final row: {err:.2e}"
+
+
+@pytest.mark.parametrize("sdtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_bf16_error_beside_fp32(sdtype):
+    """Prints the checkpoint and final-state errors of bf16 storage beside fp32's on one input (the
+    storage rounding is the only difference: the arithmetic is fp32 in both)."""
+    lengths = [700, 129]
+    xd, x64, cu, h0 = _case(lengths, seed=3)
+    cu_list = cu.tolist()
+    positions = _positions(cu_list)
+    o_ref, ht_ref, ck_ref = _truth(x64, cu_list, h0.double().to(sdtype).double(), positions)
+    pool = h0.to(DEV, sdtype).contiguous()
+    idx = torch.arange(len(lengths), device=DEV)
+    o, cks, path = _run(xd, cu, pool, idx, None, "kv", positions, sdtype)
+    assert path == "kernel"
+    e = {"o": rel_rms(o, o_ref), "ht": rel_rms(pool.double().cpu(), ht_ref), "checkpoints": rel_rms(cks.double().cpu(), ck_ref)}
+    print(f"storage {sdtype}: {e}")
+    assert e["ht"] <= BUDGET[sdtype] and e["checkpoints"] <= BUDGET[sdtype], e
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_o_bitwise_with_and_without_checkpoints(layout):
+    """o (and the final pool rows) are bitwise the same with and without checkpoints, and the same as
+    the plain call's o on the same start states (fp32 kv pool)."""
+    lengths = [300, 64, 1, 517]
+    xd, _, cu, h0 = _case(lengths, seed=5)
+    pool0 = _kv(h0, layout).contiguous().to(DEV)
+    idx = torch.arange(len(lengths), device=DEV)
+    positions = _positions(cu.tolist())
+    pa = pool0.clone()
+    o_a, _, path_a = _run(xd, cu, pa, idx, None, layout, None, torch.float32)
+    pb = pool0.clone()
+    o_b, _, path_b = _run(xd, cu, pb, idx, None, layout, positions, torch.float32)
+    assert path_a == path_b == "kernel"
+    assert torch.equal(o_a, o_b), "o changed with checkpoints"
+    assert torch.equal(pa, pb), "the final states changed with checkpoints"
+    with torch.no_grad():
+        o_plain, ht_plain = flashqla.chunk_gated_delta_rule(**xd, initial_state=h0.to(DEV), output_final_state=True,
+                                                            cu_seqlens=cu, cp="off")
+    assert torch.equal(o_plain, o_a), "the serving build's o differs from the plain call's"
+    assert torch.equal(_kv(ht_plain, layout), pa), "the serving build's final states differ from the plain call's"
+
+
+def test_out_and_fixed_length_batch():
+    """out= is written in place (the kernel writes it directly) on a fixed-length batch with
+    checkpoints at global offsets b * T + t."""
+    B, T = 2, 200
+    x = make_gdn_inputs(B=B, T=T, H=2, HV=4, special_heads=True, seed=9)
+    xd = {n: (x[n].to(DEV, torch.bfloat16) if n in ("q", "k", "v") else x[n].to(DEV, torch.float32))
+          for n in ("q", "k", "v", "g", "beta")}
+    x64 = {n: t.cpu().double() for n, t in xd.items()}
+    h0 = x["initial_state"].float()
+    positions = [1, 63, 64, 65, 200, 201, 264, 400]
+    flat = {n: t.reshape(1, B * T, *t.shape[2:]) for n, t in x64.items()}
+    o_ref, ht_ref, ck_ref = _truth(flat, [0, T, 2 * T], h0.double(), positions)
+    out = torch.full_like(xd["v"], float("nan"))
+    cks = torch.full((len(positions), 4, 128, 128), float("nan"), device=DEV)
+    with torch.no_grad():
+        o, ht = flashqla.chunk_gated_delta_rule(**xd, initial_state=h0.to(DEV), output_final_state=True, out=out,
+                                                checkpoint_positions=torch.tensor(positions, device=DEV),
+                                                checkpoint_states=cks, cp="off")
+    assert op_serving.LAST_PATH["path"] == "kernel"
+    assert o is out
+    e = {"o": rel_rms(o.reshape(1, B * T, 4, 128), o_ref), "ht": rel_rms(ht, ht_ref), "checkpoints": rel_rms(cks, ck_ref)}
+    print(e)
+    assert max(e.values()) <= BUDGETS["sm90_fwd_bf16"]["o"], e
+
+
+def test_mixed_dtypes_fall_back_to_torch():
+    """A bf16 pool with fp32 checkpoint_states is outside the serving build (one storage dtype): the
+    torch path runs, with the same results up to the storage rounding."""
+    lengths = [130, 70]
+    xd, x64, cu, h0 = _case(lengths, seed=4)
+    pool = h0.to(DEV, torch.bfloat16)
+    idx = torch.arange(2, device=DEV)
+    positions = _positions(cu.tolist())
+    o_ref, _, ck_ref = _truth(x64, cu.tolist(), pool.double().cpu(), positions)
+    o, cks, path = _run(xd, cu, pool, idx, None, "kv", positions, torch.float32)
+    assert path == "torch"
+    assert rel_rms(cks.double().cpu(), ck_ref) <= BUDGETS["sm90_fwd_bf16"]["ht"]
