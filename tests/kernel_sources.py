@@ -7,6 +7,7 @@ the committed record `tests/data/kernel_sources.json`.
 
     python tests/kernel_sources.py --check [-j 2]     # compare with the record (exit 1 on a change)
     python tests/kernel_sources.py --write [-j 2]     # rewrite the record (after a deliberate change)
+    python tests/kernel_sources.py --write --configs NAME[,NAME]   # rewrite those configurations only
 
 `tests/test_kernel_sources.py` checks one build of each kind of one configuration in the CPU tier, and
 every build of every configuration under the `compile_all` marker.
@@ -144,10 +145,14 @@ def main(argv=None) -> int:
         return 0
     names = a.configs.split(",")
     got = collect(names, a.jobs)
-    if a.write:
+    if a.write:  # the configurations not named keep their recorded digests
         RECORD.parent.mkdir(parents=True, exist_ok=True)
-        RECORD.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
-        print(f"wrote {RECORD}: {sum(map(len, got.values()))} builds in {len(got)} configurations")
+        record = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+        record = {n: r for n, r in record.items() if n in CONFIGS}
+        record.update(got)
+        RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {RECORD}: {sum(map(len, got.values()))} builds in {len(got)} configurations "
+              f"({len(record)} recorded)")
         return 0
     bad = compare(got, json.loads(RECORD.read_text()))
     print("\n".join(bad) or f"identical: {sum(map(len, got.values()))} builds in {len(got)} configurations")

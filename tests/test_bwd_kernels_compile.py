@@ -20,13 +20,14 @@ SMEM_LIMIT = 232448
 @needs_nvcc
 @pytest.mark.parametrize(
     "H,HV,K,dtype,seq_dtype,varlen",
-    [(2, 4, 128, "bfloat16", "int32", True), pytest.param(1, 2, 64, "float16", "int64", False, marks=_all)],
-    ids=["bf16-K128-varlen", "fp16-K64-fixed"],
+    [(2, 4, 128, "bfloat16", "int32", True), (2, 4, 128, "float16", "int32", True),
+     pytest.param(1, 2, 64, "float16", "int64", False, marks=_all)],
+    ids=["bf16-K128-varlen", "fp16-K128-varlen", "fp16-K64-fixed"],
 )
 def test_states_kernel_compiles(H, HV, K, dtype, seq_dtype, varlen):
     """Pass 1: 512 threads, the chain's two warpgroups take registers from the producer (setmaxnreg),
-    k / v / A / gates by TMA, h stored by TMA from a shared tile, within Hopper's shared memory, no
-    spills."""
+    k / v / A / gates by TMA, h stored by TMA from a shared tile in the inputs' dtype (fp16 inputs:
+    fp16 h, the op's path), within Hopper's shared memory, no spills."""
     from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
     from flashqla.ops.gdn.kernels.sm90.states_bwd import NREG, build_states_kernel
 
@@ -42,32 +43,15 @@ def test_states_kernel_compiles(H, HV, K, dtype, seq_dtype, varlen):
     # hung the kernel on the H200)
     assert "tl_shuffle_elect<1>" not in src and "tl_shuffle_elect<32>" in src
     assert ("order[" in src) == varlen
+    # every 16-bit tile, h's (sb_s, TMA-stored) included, in the inputs' dtype: fp16 inputs store fp16 h
+    c_type, other = {"bfloat16": ("bfloat16_t", "half_t"), "float16": ("half_t", "bfloat16_t")}[dtype]
+    assert f"{c_type} st_b[" in src and other not in src
     r = ptxas_report(kernel)
     assert r["dynamic_smem"] + r["static_smem"] <= SMEM_LIMIT and r["spill_stores"] == 0, r
     with pytest.raises(ValueError, match="states kernel needs"):
         build_states_kernel(H, HV, K, 64, dtype, seq_dtype, varlen)
-
-
-@needs_nvcc
-@pytest.mark.parametrize(
-    "h_dtype,seq_dtype,varlen", [("bfloat16", "int32", True), pytest.param("float32", "int32", False, marks=_all)],
-    ids=["h-bf16-varlen", "h-fp32-fixed"]
-)
-def test_states_fp16_kernel_compiles(h_dtype, seq_dtype, varlen):
-    """Pass 1's fallback for fp16 inputs (h stored in bf16 on the op's path)."""
-    from flashqla.ops.gdn.kernels.sm90.states_bwd_fp16 import build_states_fp16_kernel
-
-    src = build_states_fp16_kernel(2, 4, 128, 128, "float16", h_dtype, seq_dtype, varlen).get_kernel_source()
-    assert "wgmma" in src and "exp2" in src
-    # packed batches: the sequence of a CTA comes from the launch order when one is given
-    assert ("order[" in src) == varlen
-
-
-def test_states_fp16_kernel_rejects_h_dtype():
-    from flashqla.ops.gdn.kernels.sm90.states_bwd_fp16 import build_states_fp16_kernel
-
-    with pytest.raises(ValueError, match="h_dtype"):
-        build_states_fp16_kernel(2, 4, 128, 128, "float16", "int32", "int32", False)
+    with pytest.raises(ValueError, match="states kernel needs"):
+        build_states_kernel(H, HV, K, 128, "float32", seq_dtype, varlen)
 
 
 @needs_nvcc
@@ -96,14 +80,73 @@ def test_registry_knows_every_kind():
         assert callable(getattr(importlib.import_module(f"flashqla.ops.gdn.kernels.sm90.{module}"), name)), kind
 
 
-def test_main_bwd_applies_to_bf16_only():
-    """The backward runs the main pass-1 / pass-2 kernels for bf16 with K = V = 128; fp16 inputs (whose
-    h is stored in bf16) run the fallbacks."""
-    from flashqla.ops.gdn.kernels.sm90.registry import main_bwd_applies
+@pytest.mark.parametrize("dtype,beta_dtype", [("bfloat16", "float32"), ("float16", "float32"), ("float16", "float16")])
+def test_bwd_specs_are_the_main_kernels_for_both_dtypes(dtype, beta_dtype):
+    """bf16 and fp16 inputs run the same pass-1 / pass-2 kernels (`states_bwd`, `chunk_bwd`, h in q's
+    dtype): the backward's list names them with the inputs' dtype and nothing else for passes 1 and 2."""
+    from flashqla.ops.gdn.kernels.sm90 import registry
 
-    assert main_bwd_applies(128, 128, "bfloat16")
-    assert not main_bwd_applies(128, 128, "float16")
-    assert not main_bwd_applies(64, 128, "bfloat16") and not main_bwd_applies(128, 64, "bfloat16")
+    specs = registry.bwd_specs(2, 4, 128, 128, dtype, beta_dtype, "int64", True)
+    assert specs == [("states_bwd", (2, 4, 128, 128, dtype, "int64", True)),
+                     ("chunk_bwd", (2, 4, 128, 128, dtype, beta_dtype, "int64", True, True)),
+                     ("chunk_bwd", (2, 4, 128, 128, dtype, beta_dtype, "int64", True, False)),
+                     ("dg_cumsum", (4, "int64", True))]
+    assert set(registry.BUILDERS) >= {"states_bwd", "chunk_bwd"}
+    assert not any("fp16" in kind for kind in registry.BUILDERS), "a per-dtype kernel kind is back"
+
+
+def test_chunk_fused_bwd_checks_h_dtype():
+    """Pass 2 takes h in q's dtype only (what pass 1 stores): another dtype raises before any launch."""
+    from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_fused_bwd
+
+    q = torch.zeros(1, 64, 1, 128, dtype=torch.float16)
+    v = torch.zeros(1, 64, 2, 128, dtype=torch.float16)
+    beta, g = torch.zeros(1, 64, 2), torch.zeros(2, 64)
+    A = torch.zeros(2, 64, 64, dtype=torch.float16)
+    h = torch.zeros(2, 128, 128, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="h must be in q's dtype"):
+        chunk_fused_bwd(q, q, v, beta, A, g, h, v, None, 0.1, None)
+
+
+@pytest.mark.parametrize("dtype,beta_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                                              (torch.float16, torch.float16)], ids=["bf16", "fp16", "fp16-beta16"])
+def test_backward_launches_the_main_kernels_for_both_dtypes(dtype, beta_dtype, monkeypatch):
+    """`Sm90Backend.bwd` (the unsplit backward, the split one's per-segment launches too) runs pass 1
+    on `states_bwd` and pass 2 on `chunk_bwd` for bf16 and fp16 inputs alike, built for the inputs'
+    dtype, h handed from pass 1 to pass 2 in that dtype; the builds it requests are those kernels'.
+    The builders are replaced by recorders (no TileLang, no GPU)."""
+    from flashqla.ops.gdn import backend as be
+    from flashqla.ops.gdn.kernels.sm90 import chunk_bwd, registry, states_bwd
+
+    calls, requested = [], []
+    monkeypatch.setattr(registry, "build_once", lambda key, specs: requested.extend(specs))
+
+    def recorder(kind):
+        def builder(*key):
+            return lambda *args: calls.append((kind, key, [a for a in args if isinstance(a, torch.Tensor)]))
+        return builder
+
+    monkeypatch.setattr(states_bwd, "build_states_kernel", recorder("states_bwd"))
+    monkeypatch.setattr(chunk_bwd, "build_chunk_bwd_kernel", recorder("chunk_bwd"))
+    monkeypatch.setattr(be, "chunk_finish_bwd", lambda dG, dq_hv, dk_hv, cu, H, dt: (dq_hv, dk_hv, dG))
+    T, H, HV = 130, 2, 4
+    cu = torch.tensor([0, 70, 130], dtype=torch.int32)
+    S = T // 64 + 2
+    q = torch.zeros(1, T, H, 128, dtype=dtype)
+    v = torch.zeros(1, T, HV, 128, dtype=dtype)
+    g, beta = torch.zeros(1, T, HV), torch.zeros(1, T, HV, dtype=beta_dtype)
+    A, gc = torch.zeros(HV, S * 64, 64, dtype=dtype), torch.zeros(HV, S * 64)
+    h0 = torch.zeros(2, HV, 128, 128)
+    be.Sm90Backend().bwd(q, q, v, g, beta, A, gc, v, None, 0.1, h0, cu)
+    dt, bdt = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype], str(beta_dtype).split(".")[1]
+    assert [c[0] for c in calls] == ["states_bwd", "chunk_bwd"]
+    (_, skey, sargs), (_, ckey, cargs) = calls
+    assert skey == (H, HV, 128, 128, dt, "int32", True)
+    assert ckey == (H, HV, 128, 128, dt, bdt, "int32", True, True)
+    h = sargs[-1]  # pass 1's output, pass 2's seventh tensor
+    assert h.dtype == dtype and h.shape == (S * HV, 128, 128) and cargs[6] is h
+    assert {k for k, _ in requested} == {"states_bwd", "chunk_bwd", "dg_cumsum", "gva_reduce"}
+    assert ("states_bwd", skey) in requested and ("chunk_bwd", ckey) in requested
 
 
 def test_custom_ops_fake_shapes_on_meta():
@@ -170,17 +213,13 @@ def test_op_kernel_specs_match_the_launch_keys(varlen, dtype):
     for bv in (64, 128):
         assert ("recurrent", recurrent_kernel_args(q, v, pcu, bv, dual=True)) in listed
     # passes 1 and 2 on the input's offsets and (split path) on the segments' packed offsets, for a call
-    # returning dh0 and for one that does not; fp16 on the fallbacks, h stored in bf16
+    # returning dh0 and for one that does not; bf16 and fp16 alike (h in q's dtype)
     for offsets in (cu, pcu):
         sd = "int32" if offsets is None else tl_dtype(offsets.dtype)
-        if dtype == torch.bfloat16:
-            assert ("states_bwd", states_kernel_args(q, v, offsets)) in listed
-            for dh0 in (True, False):
-                assert ("chunk_bwd", chunk_bwd_kernel_args(q, v, beta, offsets, dh0)) in listed
-        else:
-            assert ("states_bwd_fp16", (2, 4, 128, 128, dt, "bfloat16", sd, offsets is not None)) in listed
-            assert ("chunk_bwd_fp16", (2, 4, 128, 128, dt, "bfloat16", "float32", sd, offsets is not None)) in listed
-            assert not any(k in ("states_bwd", "chunk_bwd") for k, _ in listed)
+        assert ("states_bwd", states_kernel_args(q, v, offsets)) in listed
+        assert states_kernel_args(q, v, offsets)[4] == dt
+        for dh0 in (True, False):
+            assert ("chunk_bwd", chunk_bwd_kernel_args(q, v, beta, offsets, dh0)) in listed
         assert ("dg_cumsum", (4, sd, offsets is not None)) in listed
     assert specs["gva_reduce"] == (2, 4, 128, dt)
     assert ("gva_reduce", (4, 4, 128, dt)) in op_kernel_specs(4, 4, N=N, varlen=varlen, dtype=dt)
@@ -233,20 +272,24 @@ CHUNK_BWD_SPILL_BUDGET = 256
 
 
 @needs_nvcc
-@pytest.mark.parametrize("varlen,dh0", [(True, True), pytest.param(True, False, marks=_all),
-                                        pytest.param(False, True, marks=_all), pytest.param(False, False, marks=_all)],
-                         ids=["packed-dh0", "packed", "fixed-dh0", "fixed"])
-def test_chunk_bwd_kernel_compiles(varlen, dh0):
+@pytest.mark.parametrize("dtype,beta_dtype,seq_dtype,varlen,dh0", [
+    ("bfloat16", "float32", "int32", True, True), pytest.param("bfloat16", "float32", "int32", True, False, marks=_all),
+    pytest.param("bfloat16", "float32", "int32", False, True, marks=_all),
+    pytest.param("bfloat16", "float32", "int32", False, False, marks=_all),
+    ("float16", "float32", "int32", True, True), pytest.param("float16", "float16", "int64", False, True, marks=_all),
+], ids=["packed-dh0", "packed", "fixed-dh0", "fixed", "fp16-packed-dh0", "fp16-beta16-i64-fixed-dh0"])
+def test_chunk_bwd_kernel_compiles(dtype, beta_dtype, seq_dtype, varlen, dh0):
     """Pass 2 lowers and compiles for sm_90a: 512 threads, the producer gives back registers
     (setmaxnreg dec 24) and the three roles take them (packed builds K 176 / A 152, fixed-length ones
     184 / 144), the four counts summing to the launch's 4 x 128; every tile by TMA after the first
-    (masked) chunk; within Hopper's shared memory; no wgmma serialisation; spills within budget; the
-    rows of no sequence zeroed in-kernel for packed input; dq and dk per value head in fp32."""
+    (masked) chunk, h included (in q's dtype: bf16 and fp16 inputs run this kernel); within Hopper's
+    shared memory; no wgmma serialisation; spills within budget; the rows of no sequence zeroed
+    in-kernel for packed input; dq and dk per value head in fp32."""
     from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
     from flashqla.ops.gdn.kernels.sm90.chunk_bwd import NREG_BY_VARLEN, build_chunk_bwd_kernel
 
     NREG = NREG_BY_VARLEN[varlen]
-    kernel = build_chunk_bwd_kernel(1, 2, 128, 128, "bfloat16", "float32", "int32", varlen, dh0)
+    kernel = build_chunk_bwd_kernel(1, 2, 128, 128, dtype, beta_dtype, seq_dtype, varlen, dh0)
     src = kernel.get_kernel_source()
     assert "gdn_chunk_bwd_v5" in src and "__launch_bounds__(512, 1)" in src
     assert sum(NREG.values()) == 512 and NREG["P"] == 24
@@ -300,56 +343,3 @@ def test_chunk_bwd_options():
     assert first < s_arrive and "g_s[" in lo[first:s_arrive]
     assert "g_s[" not in lo[s_arrive:lo.index(q_w, first + 1)]
     assert plain.rindex(e_g, 0, plain.index(q_w)) > plain.rindex("g_s[", 0, plain.index(q_w))
-
-
-# ----------------------------------------------------------------------------------------------
-# pass 2's fallback for fp16 inputs (`chunk_bwd_fp16.py`)
-# ----------------------------------------------------------------------------------------------
-
-#: spill bytes allowed for the fallback (ptxas, sm_90a, this test's H = 1, HV = 2 builds; fp16 q/k/v with
-#: h in bf16 loads h through the consumers, as an h in another dtype than q's must): a budget, not a target
-FP16_SPILL_BUDGET = {"fp16-hbf16-varlen": 320, "fp16-hbf16-beta16-fixed": 320}
-
-
-@needs_nvcc
-@pytest.mark.parametrize(
-    "beta_dtype,seq_dtype,varlen",
-    [("float32", "int32", True), pytest.param("float16", "int64", False, marks=_all)],
-    ids=["fp16-hbf16-varlen", "fp16-hbf16-beta16-fixed"],
-)
-def test_chunk_bwd_fp16_kernel_compiles(beta_dtype, seq_dtype, varlen, request):
-    """The fallback lowers and compiles for sm_90a: TMA loads by a producer warpgroup (setmaxnreg 24 /
-    240), wgmma issued without an implicit wait, within Hopper's shared memory, no wgmma serialisation
-    (C751x), spills within budget; the tiles the consumers zero past a sequence end are written only
-    after their TMA loads were waited for; each term shared by two sums formed once."""
-    from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
-    from flashqla.ops.gdn.kernels.sm90.chunk_bwd_fp16 import build_chunk_bwd_fp16_kernel
-
-    kernel = build_chunk_bwd_fp16_kernel(1, 2, 128, 128, "float16", "bfloat16", beta_dtype, seq_dtype, varlen)
-    src = kernel.get_kernel_source()
-    assert "tma_load" in src and "wgmma" in src and "exp2" in src
-    assert "warpgroup_reg_dealloc<24>" in src and "warpgroup_reg_alloc<240>" in src
-    assert "h_desc" not in src, "h in another dtype than q's is loaded and rounded by the consumers"
-    assert src.count("wait_wgmma<") >= 15, "the products should be issued asynchronously and waited explicitly"
-    assert "AllReduce" in src and "run_batch" in src
-    # the pipeliner waits for a tile's TMA before the first statement that reads it and does not count
-    # the consumers' zeroing of rows past a sequence end as a use: each zeroing must follow a wait
-    consumer = src[src.index("warpgroup_reg_alloc<240>"):]
-    first_mask = consumer.index("if (nvalid < 64)")
-    assert consumer[:first_mask].count(".wait(") >= 3, "rows zeroed before the q / k tiles arrived"
-    # the consumers are threads 128-383: a statement guarded by `threadIdx.x < 256` runs in the first
-    # consumer warpgroup only (TileLang 0.1.15 emitted that guard for a fully replicated reducer's
-    # per-thread init, so the second warpgroup's partials of dG's chunk-end scalars were never cleared)
-    assert "threadIdx.x) < 256)" not in consumer, "per-thread state initialised by one consumer warpgroup only"
-    if varlen:
-        # the last sequence's CTA zeroes the rows past cu_seqlens[-1], the first one's those before cu_seqlens[0]
-        assert "(Np1 - 2)" in src and "cu_seqlens[0]" in src, "rows of no sequence must be zeroed in-kernel"
-    # dG's rows and columns of dL * L and of Z, and the r-terms with their chunk-end total, each formed
-    # once (written as two updates, the product came twice, with two swizzled reads of k, Kg or Pg)
-    reads = {tile: src.count(f"((half_t*)({tile}") + src.count(f"((half_t*){tile})") for tile in ("k_s", "kg_s", "pg_s")}
-    assert reads["k_s"] <= 13 and reads["kg_s"] <= 5 and reads["pg_s"] <= 6, reads
-    r = ptxas_report(kernel)
-    log = _ptxas_log(kernel)
-    assert "C751" not in log, "ptxas serialised wgmma: " + log
-    assert r["dynamic_smem"] is not None and r["dynamic_smem"] + r["static_smem"] <= SMEM_LIMIT
-    assert r["spill_stores"] <= FP16_SPILL_BUDGET[request.node.callspec.id], r

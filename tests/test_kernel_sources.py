@@ -2,7 +2,8 @@
 a change to Python code around the kernels (a move, a rename, a removed variant) that changes what a
 kernel compiles to fails here, on the CPU, without a GPU. Lowering needs TileLang only (no nvcc).
 
-After a deliberate kernel change, rewrite the record: `python tests/kernel_sources.py --write`."""
+After a deliberate kernel change, rewrite the record: `python tests/kernel_sources.py --write` (with
+`--configs NAME[,NAME]` only those configurations)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,15 @@ def test_compare_names_what_changed():
     bad = ks.compare({"c": [["k", "aa"], ["k", "cc"]]}, rec)
     assert len(bad) == 1 and "cc" in bad[0] and "bb" in bad[0]
     assert "not in the record" in ks.compare({"d": []}, rec)[0]
+
+
+def test_write_keeps_the_configurations_not_named(tmp_path, monkeypatch):
+    """`--write --configs NAME` rewrites NAME's digests only; the other configurations keep theirs."""
+    rec = tmp_path / "record.json"
+    rec.write_text(json.dumps({name: [["k", "aa"]] for name in ks.CONFIGS}))
+    monkeypatch.setattr(ks, "RECORD", rec)
+    monkeypatch.setattr(ks, "collect", lambda names, jobs=2: {n: [["k", "bb"]] for n in names})
+    first, second = list(ks.CONFIGS)[:2]
+    assert ks.main(["--write", "--configs", first]) == 0
+    got = json.loads(rec.read_text())
+    assert set(got) == set(ks.CONFIGS) and got[first] == [["k", "bb"]] and got[second] == [["k", "aa"]]

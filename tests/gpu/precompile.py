@@ -37,13 +37,14 @@ def tier_specs() -> list:
         for N in (1, 2, 3, 5, 6):
             for varlen in (False, True):
                 specs += op_kernel_specs(H, HV, N=N, varlen=varlen)
-    for H, HV in ((4, 4), (2, 4), (1, 2)):
+    for H, HV in ((4, 4), (2, 4), (1, 2), (1, 4)):
         specs += op_kernel_specs(H, HV, N=2, beta_dtype="bfloat16")
         for varlen in (False, True):
             specs += op_kernel_specs(H, HV, varlen=varlen, dtype="float16", beta_dtype="float16", seq_dtype="int64")
             specs += op_kernel_specs(H, HV, varlen=varlen, seq_dtype="int64")
-    # pass 1 of the fp16 inputs on bf16 ones (test_bwd_gpu.py's test_pass1_states_match_reference)
-    specs.append(("states_bwd_fp16", (1, 2, 128, 128, "bfloat16", "bfloat16", "int32", True)))
+            # fp16 with fp32 beta (test_bwd_gpu.py's test_fp16, test_autograd_gpu.py, test_edge_gpu.py)
+            for sd in ("int32", "int64"):
+                specs += op_kernel_specs(H, HV, varlen=varlen, dtype="float16", seq_dtype=sd)
     for varlen in (False, True):  # flashqla.warmup(2, 4, varlen=...): both widths (test_fwd_gpu's no-recompile test)
         for bv in (64, 128):
             specs += op_kernel_specs(2, 4, varlen=varlen, block_v=bv)

@@ -51,32 +51,40 @@ def _loss_grads(fn, x, cu, w_o, w_h, l2norm, device, dtype):
     return loss.detach(), o.detach(), ht.detach(), grads
 
 
-def _check(seed, l2norm=False, **kw):
+def _check(seed, l2norm=False, dtype=torch.bfloat16, **kw):
+    """Loss gradients of the op on q, k, v in dtype (bf16 or fp16) against the fp64 reference op's on
+    the same rounded values; returns the relative RMS errors."""
     x = make_gdn_inputs(K=128, V=128, seed=seed, **kw)
     if l2norm:  # unnormalised q, k: the op normalises them
         x["q"] = x["q"] * 3.0
         x["k"] = x["k"] * 0.5
-    for n in ("q", "k", "v"):  # the kernels read bf16: the reference starts from the same values
-        x[n] = x[n].to(torch.bfloat16).double()
+    for n in ("q", "k", "v"):  # the kernels read dtype: the reference starts from the same values
+        x[n] = x[n].to(dtype).double()
     gen = torch.Generator().manual_seed(seed + 7)
     w_o = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64)
     N = x["v"].shape[0] if x["cu_seqlens"] is None else x["cu_seqlens"].numel() - 1
     w_h = torch.randn(N, x["v"].shape[2], 128, 128, generator=gen, dtype=torch.float64)
     cu = x["cu_seqlens"]
     _, o_ref, ht_ref, g_ref = _loss_grads(reference.chunk_gated_delta_rule, x, cu, w_o, w_h, l2norm, "cpu", torch.float64)
-    _, o, ht, g = _loss_grads(flashqla.chunk_gated_delta_rule, x, cu, w_o, w_h, l2norm, "cuda", torch.bfloat16)
+    _, o, ht, g = _loss_grads(flashqla.chunk_gated_delta_rule, x, cu, w_o, w_h, l2norm, "cuda", dtype)
     errs = {"o": rel_rms(o, o_ref), "ht": rel_rms(ht, ht_ref)}
     errs.update({n: rel_rms(g[n], g_ref[n]) for n in g_ref})
     print(f"autograd errors vs fp64: {errs}")
     assert set(g) == set(g_ref)
     for n, e in errs.items():
         assert e <= BUDGET[n], f"{n}: {e:.3e} > {BUDGET[n]:.0e}"
-    assert g["g"].dtype == torch.float32 and g["beta"].dtype == torch.float32 and g["q"].dtype == torch.bfloat16
+    assert g["g"].dtype == torch.float32 and g["beta"].dtype == torch.float32 and g["q"].dtype == dtype
     return errs
 
 
 def test_autograd_fixed_length_with_states():
     _check(seed=11, B=2, T=300, H=2, HV=4, initial_state=True)
+
+
+def test_autograd_fp16_packed_with_states():
+    """fp16 q, k, v through the public op's autograd: the backward on the same kernels as bf16
+    (`states_bwd` with fp16 h, `chunk_bwd`), packed sequences, GVA 2, initial states."""
+    _check(seed=45, dtype=torch.float16, B=1, T=457, H=2, HV=4, seqlens=[200, 1, 64, 192], initial_state=True)
 
 
 def test_autograd_varlen_l2norm():

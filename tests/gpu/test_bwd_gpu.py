@@ -53,16 +53,20 @@ SWEEP_LENGTHS = (63, 64, 65, 4096)
 SWEEP_SEEDS = 5
 
 
-def _inputs(seed=0, **kw):
+def _inputs(seed=0, dtype=torch.bfloat16, beta_dtype=torch.float32, cu_dtype=None, **kw):
+    """Device inputs: q, k, v, do in dtype (bf16 or fp16), beta in beta_dtype, g and states fp32,
+    cu_seqlens as made (int64) or in cu_dtype."""
     x = add_cotangents(make_gdn_inputs(K=128, V=128, seed=seed, **kw), seed + 1)
     xd = {}
     for n, t in x.items():
         if t is None:
             xd[n] = None
         elif n in ("q", "k", "v", "do"):
-            xd[n] = t.to(DEV, torch.bfloat16)
+            xd[n] = t.to(DEV, dtype)
+        elif n == "beta":
+            xd[n] = t.to(DEV, beta_dtype)
         elif n == "cu_seqlens":
-            xd[n] = t.to(DEV)
+            xd[n] = t.to(DEV, cu_dtype or t.dtype)
         else:
             xd[n] = t.to(DEV, torch.float32)
     return xd
@@ -180,6 +184,30 @@ def test_lengths(T):
     _check(_inputs(seed=T, B=1, T=T, H=2, HV=4))
 
 
+#: fp16 cases: (B, T or seqlens, H, HV, beta dtype, cu_seqlens dtype)
+FP16_CASES = {
+    "fixed-gva2": (2, 700, 2, 4, torch.float32, None),
+    "long-gva4": (1, 4096, 1, 4, torch.float32, None),
+    "varlen-i64-beta16": (1, [5, 63, 1, 64, 130, 1000], 2, 4, torch.float16, torch.int64),
+    "varlen-i32-gva1": (1, [300, 65, 1], 4, 4, torch.float32, torch.int32),
+}
+
+
+@pytest.mark.parametrize("case", list(FP16_CASES))
+def test_fp16(case):
+    """fp16 q, k, v, do (beta fp32 or fp16) through the same three passes as bf16 (`states_bwd` with h
+    in fp16, `chunk_bwd`, `finish_bwd`): every gradient against the fp64 reference on the rounded
+    inputs, held to the budgets and to FLA's error on the same inputs case by case (`_check`: x
+    FLA_MARGIN + FLA_FLOOR; dg x DG_CASE_MARGIN), with an initial state and dht."""
+    B, T, H, HV, beta_dtype, cu_dtype = FP16_CASES[case]
+    lens = T if isinstance(T, list) else None
+    xd = _inputs(seed=45 + len(case), dtype=torch.float16, beta_dtype=beta_dtype, cu_dtype=cu_dtype, B=B,
+                 T=sum(lens) if lens else T, H=H, HV=HV, seqlens=lens)
+    errs, ours, _ = _check(xd)
+    assert ours["dq"].dtype == ours["dk"].dtype == ours["dv"].dtype == torch.float16
+    assert ours["dbeta"].dtype == beta_dtype and ours["dh0"] is not None
+
+
 @pytest.mark.parametrize("H,HV", [(4, 4), (2, 4), (1, 4)], ids=["gva1", "gva2", "gva4"])
 def test_gva_batched(H, HV):
     _check(_inputs(seed=HV + H, B=2, T=700, H=H, HV=HV))
@@ -239,19 +267,17 @@ def test_two_call_state_handoff():
     assert rel_rms(g1["dh0"], ref["dh0"]) <= BUDGET["dh0"]
 
 
-@pytest.mark.parametrize("kernel", ["states_bwd", "states_bwd_fp16"])
-def test_pass1_states_match_reference(kernel):
-    """Pass 1's stored states h (bf16) against the fp64 recompute from the kernels' own A and
-    g_cum_log2: the main kernel (`states_bwd`) and the fp16 inputs' one (`states_bwd_fp16`, run here
-    on the same bf16 inputs)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_pass1_states_match_reference(dtype):
+    """Pass 1's stored states h (in the inputs' dtype: bf16, or fp16 for fp16 inputs) against the fp64
+    recompute from the kernels' own A and g_cum_log2."""
     from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd
     from flashqla.ops.gdn.kernels.sm90.states_bwd import chunk_states_bwd
-    from flashqla.ops.gdn.kernels.sm90.states_bwd_fp16 import chunk_states_bwd_fp16
 
-    states = chunk_states_bwd if kernel == "states_bwd" else chunk_states_bwd_fp16
-    xd = _inputs(seed=6, B=1, T=330, H=1, HV=2, seqlens=[130, 0, 1, 64, 135])
+    xd = _inputs(seed=6, dtype=dtype, B=1, T=330, H=1, HV=2, seqlens=[130, 0, 1, 64, 135])
     f = chunk_gated_delta_rule_fwd(xd["q"], xd["k"], xd["v"], xd["g"], xd["beta"], None, xd["initial_state"], True, xd["cu_seqlens"])
-    h = states(f.k, xd["v"], f.A, f.g_cum_log2, xd["initial_state"], xd["cu_seqlens"])
+    h = chunk_states_bwd(f.k, xd["v"], f.A, f.g_cum_log2, xd["initial_state"], xd["cu_seqlens"])
+    assert h.dtype == dtype
     x = {n: _cpu64(t) for n, t in xd.items()}
     lay = prepare_chunk_layout(1, 330, x["cu_seqlens"], 64)
     HV = 2

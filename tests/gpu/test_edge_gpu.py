@@ -592,8 +592,9 @@ def test_beta_exactly_zero_and_one(mode):
 
 def test_fp16_large_initial_state_tiny_dht():
     """fp16 q, k, v with an initial state of scale 3e3 (o, dq, dk up to ~1e4: inside fp16's range with
-    a factor 5 to spare; the fp16 copies of the state inside the kernels too) and dht = 1e-30: no inf,
-    no NaN, every quantity within budget."""
+    a factor 5 to spare; the fp16 copies of the state inside the kernels too, the backward's stored
+    chunk-start states h included: fp16 inputs run `states_bwd` / `chunk_bwd` with h in fp16) and
+    dht = 1e-30: no inf, no NaN, every quantity within budget."""
     c = _case(seed=1000, B=2, T=100, dtype=torch.float16, state_scale=3e3)
     c["dht"] = torch.full_like(c["dht"], 1e-30)
     got, ref = _check("fp16, |h0| ~ 3e3, dht = 1e-30", _round(c))

@@ -16,12 +16,10 @@ import torch
 from flashqla.ops.gdn.kernels.sm90 import registry
 from flashqla.ops.gdn.kernels.sm90._common import tl_dtype
 from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_fused_bwd
-from flashqla.ops.gdn.kernels.sm90.chunk_bwd_fp16 import chunk_fused_bwd_fp16
 from flashqla.ops.gdn.kernels.sm90.finish_bwd import chunk_finish_bwd
 from flashqla.ops.gdn.kernels.sm90.prepare import chunk_prepare_fwd, prepare_kernel_args
 from flashqla.ops.gdn.kernels.sm90.recurrent import chunk_recurrent_dual, chunk_recurrent_fwd, recurrent_kernel_args
 from flashqla.ops.gdn.kernels.sm90.states_bwd import chunk_states_bwd
-from flashqla.ops.gdn.kernels.sm90.states_bwd_fp16 import chunk_states_bwd_fp16
 
 __all__ = ["Backend", "Sm90Backend", "current_stream_id", "default_backend"]
 
@@ -109,34 +107,26 @@ class Sm90Backend:
         registry.build_once(("bwd", tuple(specs)), specs)
 
     def bwd(self, q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu_seqlens, order=None, dh0=None):
-        """The unsplit backward's launches (three passes; `flashqla.ops.gdn.bwd`): pass 1 (the states),
-        pass 2 (every per-chunk gradient) and pass 3 (dG's reverse cumsum, the GVA sum of dq and dk),
-        on the main kernels for bf16 inputs and their fp16 fallbacks otherwise
-        (`registry.main_bwd_applies`). order: the sequences' launch order or None. dht: None, a
-        tensor, or a callable returning one, called once the states pass (which does not read dht)
-        is launched: the split backward computes the segments' terminal gradients on a side stream
-        meanwhile. dh0: whether the caller uses the returned state gradients (None: when
-        initial_state is given); pass 2's build follows it. Returns (dq, dk, dv, dg, dbeta, dh0 or
-        None without initial_state), FLA's dtypes (dg fp32, dbeta in beta's dtype)."""
+        """The unsplit backward's launches (three passes; `flashqla.ops.gdn.bwd`): pass 1 (the states,
+        `states_bwd`), pass 2 (every per-chunk gradient, `chunk_bwd`) and pass 3 (dG's reverse cumsum,
+        the GVA sum of dq and dk), for bf16 and fp16 inputs alike (h stored in q's dtype). order: the
+        sequences' launch order or None. dht: None, a tensor, or a callable returning one, called once
+        the states pass (which does not read dht) is launched: the split backward computes the
+        segments' terminal gradients on a side stream meanwhile. dh0: whether the caller uses the
+        returned state gradients (None: when initial_state is given); pass 2's build follows it.
+        Returns (dq, dk, dv, dg, dbeta, dh0 or None without initial_state), FLA's dtypes (dg fp32,
+        dbeta in beta's dtype)."""
         join = dht if callable(dht) else None
-        main = registry.main_bwd_applies(q.shape[3], v.shape[3], tl_dtype(q.dtype))
         try:
             dh0 = initial_state is not None if dh0 is None else bool(dh0)
             self._build_bwd(q, v, beta, cu_seqlens, dh0)
             q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
-            if main:
-                h = chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, order=order)
-            else:
-                h = chunk_states_bwd_fp16(k, v, A, g_cum_log2, initial_state, cu_seqlens)
+            h = chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, order=order)
         finally:  # joined even when a launch above raises (a capture must not end with an open fork)
             if join is not None:
                 dht = join()
-        if main:
-            dq_hv, dk_hv, dv, dbeta, dG, dS0 = chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale,
-                                                               cu_seqlens, order=order, dh0=dh0)
-        else:
-            dq_hv, dk_hv, dv, dbeta, dG, dS0 = chunk_fused_bwd_fp16(q, k, v, beta, A, g_cum_log2, h, do, dht, scale,
-                                                                    cu_seqlens)
+        dq_hv, dk_hv, dv, dbeta, dG, dS0 = chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens,
+                                                           order=order, dh0=dh0)
         dq, dk, dg = chunk_finish_bwd(dG, dq_hv, dk_hv, cu_seqlens, q.shape[2], q.dtype)
         return dq, dk, dv, dg, dbeta.to(beta.dtype), (dS0 if initial_state is not None else None)
 

@@ -4,11 +4,11 @@ forward's products, unsplit (three passes, four launches) or split over segments
 
 Unsplit launches (kernels in `flashqla.ops.gdn.kernels.sm90`; reference `reference.gdn.fused_bwd`):
     1. states_bwd.chunk_states_bwd  h, the chunk-start states, recomputed from the forward's
-                                     A diag(beta) and g_cum_log2 (stored in bf16)
+                                     A diag(beta) and g_cum_log2 (stored in q's dtype, bf16 or fp16)
     2. chunk_bwd.chunk_fused_bwd    per (sequence, value head), chunks in reverse: dS in registers,
                                      dq/dk per value head, dv, dbeta, dG per slot row, dh0
     3. finish_bwd.chunk_finish_bwd  reverse chunk-local cumsum of dG -> dg; GVA sum of dq, dk
-(3 is two small kernels; fp16 inputs run passes 1 and 2 on `states_bwd_fp16` / `chunk_bwd_fp16`.)
+(3 is two small kernels.) bf16 and fp16 inputs run the same kernels, h in q's dtype.
 No host synchronisation: every size comes from shapes.
 """
 

@@ -7,10 +7,9 @@ Forward (two launches):
                         `chunk_recurrent_dual`: the split path's run and transitions in one launch
 
 Backward (three passes, four launches; `flashqla.ops.gdn.bwd`):
-    states_bwd.py       `chunk_states_bwd`:    the chunk-start states h, recomputed and stored
+    states_bwd.py       `chunk_states_bwd`:    the chunk-start states h, recomputed and stored (q's dtype)
     chunk_bwd.py        `chunk_fused_bwd`:     every per-chunk gradient, chunks in reverse, dS on chip
     finish_bwd.py       `chunk_finish_bwd`:    reverse chunk-local cumsum of dG, GVA sum of dq and dk
-    states_bwd_fp16.py, chunk_bwd_fp16.py:     passes 1 and 2 for fp16 inputs (h stored in bf16)
     launch_order.py     `launch_order`:        the sequences longest first, one launch
 
 Context parallelism (`flashqla.cp`):

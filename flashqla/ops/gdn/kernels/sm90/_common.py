@@ -363,13 +363,13 @@ def locate_slot(slot, cu_seqlens, Tn, Np1, varlen: bool):
 
 
 # --------------------------------------------------------------------------------------------
-# launches shared by a kernel and its fp16 fallback (same arguments, same outputs)
+# the backward's pass-1 and pass-2 launches
 # --------------------------------------------------------------------------------------------
 
 
 def launch_states(build, k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype: torch.dtype, order=None):
-    """Launches a backward pass-1 kernel (`states_bwd`, `states_bwd_fp16`): h [S * HV, K, V] in
-    h_dtype, allocated uninitialised (rows of unused slots are not written). build() returns the
+    """Launches the backward's pass-1 kernel (`states_bwd`): h [S * HV, K, V] in h_dtype (q's),
+    allocated uninitialised (rows of unused slots are not written). build() returns the
     compiled kernel; the other arguments as `states_bwd.chunk_states_bwd`."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
@@ -385,14 +385,12 @@ def launch_states(build, k, v, A, g_cum_log2, initial_state, cu_seqlens, h_dtype
     return h
 
 
-def launch_pass2(build, q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, ordered: bool = False,
-                 order=None):
-    """Launches a backward pass-2 kernel whose CTAs write every row of their outputs (`chunk_bwd`,
-    `chunk_bwd_fp16`): dq_hv, dk_hv (fp32), dv, dbeta and dh0 allocated uninitialised, dG zeroed; with
-    no CTA to run (no slot, token or sequence), zeros and dh0 = dht. build() returns the compiled
-    kernel. Arguments and results as `chunk_bwd.chunk_fused_bwd`; ordered: the kernel takes the
-    launch-order arguments (`chunk_bwd`), filled from order (`launch_order.launch_order`'s result,
-    None for token order)."""
+def launch_pass2(build, q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, order=None):
+    """Launches the backward's pass-2 kernel (`chunk_bwd`), whose CTAs write every row of their
+    outputs: dq_hv, dk_hv (fp32), dv, dbeta and dh0 allocated uninitialised, dG zeroed; with no CTA to
+    run (no slot, token or sequence), zeros and dh0 = dht. build() returns the compiled kernel.
+    Arguments and results as `chunk_bwd.chunk_fused_bwd`; order: `launch_order.launch_order`'s
+    result, or None for token order (the kernel's launch-order arguments)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     varlen = cu_seqlens is not None
@@ -413,7 +411,6 @@ def launch_pass2(build, q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, 
         return dq_hv, dk_hv, dv, dbeta, dG, dh0
     dht_arg = dht if dht is not None else torch.empty(1, HV, K, V, dtype=torch.float32, device=dev)
     cu = cu_seqlens if varlen else dummy_cu_seqlens(dev)
-    extra = order_args(order, dev) if ordered else ()
-    build()(q, k, v, beta, A, g_cum_log2, h, do, dht_arg, cu, *extra, float(scale), int(dht is not None),
+    build()(q, k, v, beta, A, g_cum_log2, h, do, dht_arg, cu, *order_args(order, dev), float(scale), int(dht is not None),
             dq_hv, dk_hv, dv, dbeta, dG, dh0)
     return dq_hv, dk_hv, dv, dbeta, dG, dh0

@@ -20,7 +20,7 @@ from g_cum_log2 by exp2 (RW-4; every exponent a difference <= 0, masked before e
 
 Roles:
 
-    S  (threads   0-127) dS [K, V] fp32 in registers: D's bf16 copy, <S0, D>, gamma_C dS,
+    S  (threads   0-127) dS [K, V] fp32 in registers: D's copy in q's dtype, <S0, D>, gamma_C dS,
                          + Q^T (scale diag(gamma) dO), + K^T (-diag(gamma) dv); dh0; the chunk's dG row
                          and dbeta from the roles' partial sums
     K  (threads 128-255) dv_new = diag(r) K D + Pg^T dO; dv = A_beta^T dv_new (+ the exact diagonal);
@@ -45,8 +45,9 @@ only one that may be partial) is loaded by every thread with rows past the end z
 roles split; the producer loads the earlier, full chunks by TMA.
 
 Resources: the whole 232,448 B of shared memory (several results reuse dead tiles, listed at the
-tiles), setmaxnreg per role (`NREG_BY_VARLEN`). Covers K = V = 128 with h in q's dtype, i.e. bf16
-inputs on the op's path (fp16 inputs take `chunk_bwd_fp16`).
+tiles), setmaxnreg per role (`NREG_BY_VARLEN`). Covers K = V = 128, bf16 and fp16 inputs: h (pass 1,
+`states_bwd`) and every operand tile (D, Pg, Kg, A, W, v_new, dv_new, ...) in q's dtype, accumulation
+in fp32 (an fp16 build has the same tiles, bytes and schedule as the bf16 one).
 """
 
 import functools
@@ -71,7 +72,7 @@ NREG_BY_VARLEN = {True: {"S": 160, "K": 176, "A": 152, "P": 24}, False: {"S": 16
 #:      v_new D^T and sums its dG rows and the r-terms in one pass; issues (diag(beta) dLk)^T K and
 #:      (scale M Gamma)^T Q together;
 #: "g": (with "a") K's (scale M Gamma) K runs while dq's dG rows sum.
-#: "l": S forms Q^T (scale diag(gamma) dO) from the bf16 pair hi + lo of the scaled dO (hi its bf16
+#: "l": S forms Q^T (scale diag(gamma) dO) from the pair hi + lo of the scaled dO in q's dtype (hi its
 #:      rounding, lo the rounding of the remainder), two products into dS over the same tile, instead of
 #:      hi alone: the state gradient's only product whose operand is rounded from a computed value that
 #:      FLA keeps in fp32 (its dhu kernel: q diag(gamma) in fp32, a tf32 product).
@@ -277,7 +278,7 @@ def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype
                         T.barrier_wait(f_kq, pprev)
                     T.gemm(q_s, w_s, dS, transpose_A=True)
                     if dog_lo:
-                        # the remainder of the scaled dO after its bf16 rounding, over the same tile;
+                        # the remainder of the scaled dO after its rounding to q's dtype, over the same tile;
                         # it reads g_s again, so S frees g_s (e_g: the producer loads the next chunk's
                         # g there) only after it
                         for t, d in T.Parallel(C, V):
@@ -670,8 +671,9 @@ def _chunk_bwd_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype
 @functools.lru_cache(maxsize=None)
 def build_chunk_bwd_kernel(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
                            dh0: bool = True):
-    """Compiled pass-2 kernel (cached). Static key: head counts, head dims (K = V = 128), q's dtype (of
-    the stored h too), beta's dtype, cu_seqlens' dtype, packed or not, and whether the call returns
+    """Compiled pass-2 kernel (cached). Static key: head counts, head dims (K = V = 128), q's dtype
+    ("bfloat16" or "float16"; of the stored h too), beta's dtype (fp32 or q's), cu_seqlens' dtype,
+    packed or not, and whether the call returns
     dh0 (the build options, `build_options`)."""
     opts = build_options(varlen, dh0)
     func = _chunk_bwd_prim_func(H, HV, K, V, dtype, beta_dtype, seq_dtype, bool(varlen), opts)
@@ -687,14 +689,18 @@ def chunk_bwd_kernel_args(q, v, beta, cu_seqlens, dh0: bool = True) -> tuple:
 
 
 def chunk_fused_bwd(q, k, v, beta, A, g_cum_log2, h, do, dht, scale: float, cu_seqlens, order=None, dh0: bool = True):
-    """Launches pass 2. Arguments: the forward's inputs (contiguous), its A and g_cum_log2, h from
-    pass 1 (in q's dtype), do [B, T, HV, V], dht None or [N, HV, K, V] fp32; order: the sequences'
+    """Launches pass 2. Arguments: the forward's inputs (contiguous; q, k, v, do bf16 or fp16, beta
+    fp32 or q's dtype), its A and g_cum_log2, h from pass 1 (`states_bwd.chunk_states_bwd`, in q's
+    dtype), do [B, T, HV, V], dht None or [N, HV, K, V] fp32; order: the sequences'
     launch order (`launch_order.launch_order`) or None (token order; the same results); dh0: whether
     the caller uses the dh0 it returns (the build with `DH0_OPTS`, the more precise state gradient;
     without it dh0 is still written).
 
     Returns (dq_hv [B, T, HV, K] fp32, dk_hv [B, T, HV, K] fp32, dv [B, T, HV, V] v's dtype,
-    dbeta [B, T, HV] fp32, dG [HV, S * 64] fp32, dh0 [N, HV, K, V] fp32)."""
+    dbeta [B, T, HV] fp32, dG [HV, S * 64] fp32, dh0 [N, HV, K, V] fp32). Raises TypeError when h is
+    not in q's dtype."""
+    if h.dtype != q.dtype:
+        raise TypeError(f"h must be in q's dtype {q.dtype} (pass 1, `states_bwd`, stores it so), got {h.dtype}")
     key = chunk_bwd_kernel_args(q, v, beta, cu_seqlens, dh0)
     return launch_pass2(lambda: build_chunk_bwd_kernel(*key), q, k, v, beta, A, g_cum_log2, h, do, dht, scale, cu_seqlens,
-                        ordered=True, order=order)
+                        order=order)

@@ -8,10 +8,9 @@ key). Kinds and builders:
     "recurrent"        recurrent.build_recurrent_kernel
     "recurrent_serving" recurrent.build_recurrent_serving_kernel (the serving build: pools by index,
                        state layout and dtype, checkpoints; `serving_kernel_specs`, not in warmup's list)
+    "ckpt_tables"      ckpt_tables.build_checkpoint_tables_kernel (the serving build's checkpoint tables)
     "states_bwd"       states_bwd.build_states_kernel
     "chunk_bwd"        chunk_bwd.build_chunk_bwd_kernel
-    "states_bwd_fp16"  states_bwd_fp16.build_states_fp16_kernel
-    "chunk_bwd_fp16"   chunk_bwd_fp16.build_chunk_bwd_fp16_kernel
     "dg_cumsum"        finish_bwd.build_dg_cumsum_kernel
     "gva_reduce"       finish_bwd.build_gva_reduce_kernel
     "cp_scan"          cp_scan.build_cp_scan_kernel
@@ -32,7 +31,7 @@ import importlib
 from flashqla.ops.gdn.kernels.sm90.cp_scan import scan_choice
 from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
 
-__all__ = ["BUILDERS", "build", "build_kernels", "build_once", "main_bwd_applies", "op_kernel_specs", "precompile",
+__all__ = ["BUILDERS", "build", "build_kernels", "build_once", "op_kernel_specs", "precompile",
            "serving_kernel_specs"]
 
 _PKG = "flashqla.ops.gdn.kernels.sm90"
@@ -42,10 +41,9 @@ BUILDERS = {
     "prepare": ("prepare", "build_prepare_kernel"),
     "recurrent": ("recurrent", "build_recurrent_kernel"),
     "recurrent_serving": ("recurrent", "build_recurrent_serving_kernel"),
+    "ckpt_tables": ("ckpt_tables", "build_checkpoint_tables_kernel"),
     "states_bwd": ("states_bwd", "build_states_kernel"),
     "chunk_bwd": ("chunk_bwd", "build_chunk_bwd_kernel"),
-    "states_bwd_fp16": ("states_bwd_fp16", "build_states_fp16_kernel"),
-    "chunk_bwd_fp16": ("chunk_bwd_fp16", "build_chunk_bwd_fp16_kernel"),
     "dg_cumsum": ("finish_bwd", "build_dg_cumsum_kernel"),
     "gva_reduce": ("finish_bwd", "build_gva_reduce_kernel"),
     "cp_scan": ("cp_scan", "build_cp_scan_kernel"),
@@ -112,13 +110,6 @@ def build_once(key, specs) -> None:
     _BUILT.add(key)
 
 
-def main_bwd_applies(K: int, V: int, dtype: str) -> bool:
-    """Whether the backward runs on the main pass-1 and pass-2 kernels (`states_bwd`, `chunk_bwd`:
-    K = V = 128, bf16 inputs, h stored in bf16); else on their fp16 fallbacks (`states_bwd_fp16`,
-    `chunk_bwd_fp16`, h stored in bf16)."""
-    return K == 128 and V == 128 and dtype == "bfloat16"
-
-
 def _few_sequence_scan(HV: int, K: int, V: int, reverse: bool) -> tuple:
     """The `build_cp_scan_kernel` arguments of the scan a cut call over few sequences launches
     (`cp_scan.scan_choice`)."""
@@ -128,16 +119,12 @@ def _few_sequence_scan(HV: int, K: int, V: int, reverse: bool) -> tuple:
 
 def bwd_specs(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
               dh0: bool | None = None) -> list:
-    """Passes 1 and 2 and the dG cumsum of the backward on offsets (seq_dtype, varlen): the main
-    kernels or their fp16 fallbacks (`main_bwd_applies`); pass 2 for a call returning dh0 (True), not
+    """Passes 1 and 2 and the dG cumsum of the backward on offsets (seq_dtype, varlen), bf16 and fp16
+    inputs alike (h stored in q's dtype, `states_bwd`); pass 2 for a call returning dh0 (True), not
     (False), or both (None)."""
-    if main_bwd_applies(K, V, dtype):
-        specs = [("states_bwd", (H, HV, K, V, dtype, seq_dtype, varlen))]
-        specs += [("chunk_bwd", (H, HV, K, V, dtype, beta_dtype, seq_dtype, varlen, d))
-                  for d in ((True, False) if dh0 is None else (bool(dh0),))]
-    else:
-        specs = [("states_bwd_fp16", (H, HV, K, V, dtype, "bfloat16", seq_dtype, varlen)),
-                 ("chunk_bwd_fp16", (H, HV, K, V, dtype, "bfloat16", beta_dtype, seq_dtype, varlen))]
+    specs = [("states_bwd", (H, HV, K, V, dtype, seq_dtype, varlen))]
+    specs += [("chunk_bwd", (H, HV, K, V, dtype, beta_dtype, seq_dtype, varlen, d))
+              for d in ((True, False) if dh0 is None else (bool(dh0),))]
     return specs + [("dg_cumsum", (HV, seq_dtype, varlen))]
 
 
@@ -220,5 +207,8 @@ def serving_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, d
     that a plain call builds nothing more. Pure Python."""
     BV = block_v or pick_block_v(N, HV, V)
     seq = seq_dtype if varlen else "int32"
-    return [("recurrent_serving", (H, HV, K, V, BV, dtype, seq, varlen, sd, lay, ck))
-            for sd in state_dtypes for lay in state_layouts for ck in checkpoints]
+    specs = [("recurrent_serving", (H, HV, K, V, BV, dtype, seq, varlen, sd, lay, ck))
+             for sd in state_dtypes for lay in state_layouts for ck in checkpoints]
+    if any(checkpoints):  # the checkpoint tables, for either dtype of the positions
+        specs += [("ckpt_tables", (seq, pd, varlen)) for pd in ("int32", "int64")]
+    return specs
