@@ -11,6 +11,7 @@
     python -m flashqla.bench --list                # the selected rows (no GPU needed)
     python -m flashqla.bench --report-only         # rebuild the pages from the CSVs into benchmarks/out/
     python -m flashqla.bench --bwd [--quick] ...   # the backward grid: backward alone and training step
+    python -m flashqla.bench --serving             # pooled states + checkpoints vs plain, ours and FlashInfer
 
 A measuring run needs a CUDA GPU (without one it exits 2): per row the fp64 result, then for each
 implementation the correctness gate and, if it passes, the CUDA-graph timing (`flashqla.bench.runner`).
@@ -103,7 +104,15 @@ def parse_args(argv=None) -> Options:
                    help="token-heads per batch of value heads of the fp64 result (default 2^20 with --bwd, ~32 GB; "
                         "2^21 forward, ~23 GB)")
     b.add_argument("--no-step", action="store_true", help="time the backward only, not the training step")
+    sv = p.add_argument_group("serving (--serving)")
+    sv.add_argument("--serving", action="store_true",
+                    help="the serving contract's cost: a state pool (vk) with 4 checkpoints per sequence against the "
+                         "plain call, ours and FlashInfer (`flashqla.bench.serving`; rows: --heads/--mixes/--quick, "
+                         "else its own selection); writes <gpu>-serving.csv and .md")
+    sv.add_argument("--state-dtype", choices=("fp32", "bf16", "fp16"), default="bf16", help="the pool's dtype")
     a = p.parse_args(argv)
+    if a.serving and (a.bwd or a.cp_grid or a.breakdown or a.report_only):
+        p.error("--serving runs alone (not with --bwd, --cp-grid, --breakdown or --report-only)")
     return Options(
         bwd=a.bwd, quick=a.quick, cp_grid=a.cp_grid, heads=tuple(a.heads or ()), mixes=tuple(a.mixes or ()),
         peers=a.peers, retime=a.retime, impls=tuple(n.strip() for n in str(a.impls).split(",") if n.strip()),
@@ -112,7 +121,8 @@ def parse_args(argv=None) -> Options:
         max_launches=a.max_launches, seed=a.seed, results_dir=a.results_dir, out_dir=a.out_dir, prefix=a.prefix,
         commit=a.commit, plot=not a.no_plot, list_only=a.list, report_only=a.report_only,
         also_commits=tuple(c.strip() for c in (a.also_commits or "").split(",") if c.strip()), verbose=a.verbose,
-        ref=a.ref, ref_limit=a.ref_limit, ref_batch=a.ref_batch, step=not a.no_step,
+        ref=a.ref, ref_limit=a.ref_limit, ref_batch=a.ref_batch, step=not a.no_step, serving=a.serving,
+        state_dtype=a.state_dtype,
     )
 
 
@@ -179,7 +189,12 @@ def main(argv=None) -> int:
         print("error: --breakdown is for the forward benchmark", file=sys.stderr)
         return 2
     try:
-        rows = G.rows_for(direction, opts.heads, opts.mixes, opts.quick, opts.cp_grid)
+        if opts.serving:
+            from flashqla.bench.serving import serving_rows
+
+            rows = serving_rows(opts.heads, opts.mixes, opts.quick)
+        else:
+            rows = G.rows_for(direction, opts.heads, opts.mixes, opts.quick, opts.cp_grid)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -205,6 +220,11 @@ def main(argv=None) -> int:
 
     from flashqla.bench.impls import collect_env, load_impls
     from flashqla.bench.runner import run_rows
+
+    if opts.serving:
+        from flashqla.bench.serving import run_serving
+
+        return run_serving(rows, opts, collect_env(), our_commit(opts.commit), opts.state_dtype)
 
     impls = load_impls(selected_impls(opts), direction, cp=opts.cp)
     env = collect_env()

@@ -66,6 +66,8 @@ class Options:
     ref_limit: int = 0
     ref_batch: int | None = None
     step: bool = True
+    serving: bool = False
+    state_dtype: str = "bf16"
 
     @property
     def direction(self) -> str:

@@ -52,7 +52,38 @@ def tier_specs() -> list:
     specs += op_kernel_specs(16, 32, varlen=True, block_v=128)
     specs += op_kernel_specs(4, 16, varlen=True, seq_dtype="int64")  # test_cp_kernels_gpu.py's dual-launch cases
     specs += op_kernel_specs(4, 16, varlen=True)
-    return list(dict.fromkeys(specs))
+    return list(dict.fromkeys(specs + serving_tier_specs() + fused_tier_specs()))
+
+
+def serving_tier_specs() -> list:
+    """The serving builds (and the plain kernels beside them) of tests/gpu/test_serving_gpu.py."""
+    from flashqla.ops.gdn.kernels.sm90.registry import op_kernel_specs, serving_kernel_specs
+
+    every = ("float32", "bfloat16", "float16")
+    specs = []
+    for bv in (64, 128):  # test_pool_layout_dtype_checkpoints: 6 sequences, both widths forced
+        specs += serving_kernel_specs(2, 4, N=6, varlen=True, block_v=bv, state_dtypes=every, checkpoints=(True,))
+    specs += serving_kernel_specs(2, 4, N=4, varlen=True, state_dtypes=("float32",), checkpoints=(False, True))
+    specs += serving_kernel_specs(2, 4, N=2, varlen=True, state_dtypes=("float32", "bfloat16"), state_layouts=("kv",),
+                                  checkpoints=(True,))
+    specs += serving_kernel_specs(2, 4, N=2, varlen=False, state_dtypes=("float32",), state_layouts=("kv",),
+                                  checkpoints=(True,))
+    for N in (2, 4, 6):
+        specs += op_kernel_specs(2, 4, N=N, varlen=True, backward=False)
+    return specs + op_kernel_specs(2, 4, N=2, varlen=False, backward=False)
+
+
+def fused_tier_specs() -> list:
+    """The fused forward's builds (and the two-launch path's at BV = 64) of tests/gpu/test_fused_gpu.py."""
+    from flashqla.ops.gdn.kernels.sm90.registry import op_kernel_specs
+
+    specs = []
+    for varlen in (False, True):
+        for dt, bt in (("bfloat16", "float32"), ("float16", "float16")):
+            specs.append(("fused", (2, 4, 128, 128, 64, dt, bt, "int32", varlen)))
+            specs += op_kernel_specs(2, 4, varlen=varlen, dtype=dt, beta_dtype=bt, block_v=64, backward=False)
+    specs.append(("fused", (1, 4, 128, 128, 64, "bfloat16", "float32", "int32", False)))
+    return specs + op_kernel_specs(1, 4, block_v=64, backward=False)
 
 
 def bench_specs(backward: bool = True) -> list:
@@ -74,6 +105,23 @@ def bench_specs(backward: bool = True) -> list:
             for bv in (64, 128):
                 specs += op_kernel_specs(H, HV, varlen=varlen, block_v=bv)
     return list(dict.fromkeys(specs))
+
+
+def serving_bench_specs() -> list:
+    """The serving builds of `python -m flashqla.bench --serving`'s default rows (bf16 "vk" pool,
+    checkpoints), at every width their sequence counts pick."""
+    from flashqla.bench.grid import parse_heads
+    from flashqla.bench.serving import SERVING_ROWS
+    from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
+    from flashqla.ops.gdn.kernels.sm90.registry import serving_kernel_specs
+
+    specs = []
+    for h in dict.fromkeys(h for h, _ in SERVING_ROWS):
+        hc = parse_heads(h)
+        for bv in sorted({pick_block_v(N, hc.h_v, 128) for N in (1, 2, 4, 8)}):
+            specs += serving_kernel_specs(hc.h_qk, hc.h_v, varlen=True, block_v=bv, state_dtypes=("bfloat16",),
+                                          state_layouts=("vk",), checkpoints=(True,))
+    return specs
 
 
 def pack(cache_dir: str, out: str, limit_mb: float = 24.0) -> None:
@@ -100,12 +148,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tier", action="store_true", help="the GPU tier's kernels")
     ap.add_argument("--bench", action="store_true", help="the benchmark grids' kernels")
+    ap.add_argument("--serving", action="store_true", help="the serving benchmark's builds (`flashqla.bench --serving`)")
     ap.add_argument("--fwd-only", action="store_true", help="with --bench: the forward grid's kernels only")
     ap.add_argument("--workers", type=int, default=None, help="worker processes (default: CPU count)")
     ap.add_argument("--pack", metavar="FILE", help="write the cache directory as FILE (tar.xz) afterwards")
     ap.add_argument("--list", action="store_true", help="print the kernel specs and exit")
     args = ap.parse_args(argv)
     specs = (tier_specs() if args.tier else []) + (bench_specs(not args.fwd_only) if args.bench else [])
+    specs += serving_bench_specs() if args.serving else []
     specs = list(dict.fromkeys(specs))
     if args.list:
         for s in specs:

@@ -1,0 +1,66 @@
+"""`python -m flashqla.bench --serving` without a GPU: the checkpoint positions it gives ours and
+FlashInfer, the row selection, the command line, and the page built from CSV rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashqla.bench import serving as SV
+from flashqla.bench.__main__ import main, parse_args
+
+
+def test_quarter_positions_lie_inside_their_sequences():
+    lengths = [5, 0, 3, 8192, 1]
+    pos = SV.positions_quarter(lengths)
+    cu = [0, 5, 5, 8, 8200, 8201]
+    assert pos == sorted(pos) and len(set(pos)) == len(pos)
+    for p in pos:
+        assert any(cu[n] < p <= cu[n + 1] for n in range(len(lengths))), p
+    # 4 per sequence of at least 4 tokens, the last one at its end; fewer (deduplicated) below
+    assert [p for p in pos if 8 < p <= 8200] == [8 + 2048, 8 + 4096, 8 + 6144, 8200]
+    assert [p for p in pos if p <= 5] == [2, 3, 4, 5]
+    assert [p for p in pos if 5 < p <= 8] == [6, 7, 8]
+    assert pos[-1] == 8201
+
+
+def test_flashinfer_period_and_positions():
+    assert SV.fi_every_n([8192] * 4) == 2048
+    assert SV.fi_every_n([28672, 4096]) == 7168
+    assert SV.fi_every_n([100]) == 64  # at least one chunk
+    assert SV.fi_every_n([1000]) == 192  # 250 rounded down to a multiple of 64
+    # equal sequences of a multiple of 256 tokens: the same positions as the quarter points
+    assert SV.positions_every([8192] * 4, 2048) == SV.positions_quarter([8192] * 4)
+    assert SV.positions_every([28672, 4096], 7168) == [7168, 14336, 21504, 28672]
+    assert SV.positions_every([300, 0, 1000], 256) == [256, 556, 812, 1068]
+
+
+def test_rows_and_command_line():
+    assert len(SV.serving_rows()) == len(SV.SERVING_ROWS)
+    assert [r.label for r in SV.serving_rows(heads=("16/32",), mixes=("8192x4",))] == ["16/32 8192x4"]
+    o = parse_args(["--serving", "--state-dtype", "fp32", "--quick"])
+    assert o.serving and o.state_dtype == "fp32" and o.quick
+    with pytest.raises(SystemExit):
+        parse_args(["--serving", "--bwd"])
+    assert main(["--serving", "--list"]) == 0
+
+
+def _row(h, m, plain, serv, fi_p, fi_s, path="kernel", status="ok", **kw):
+    r = {"gpu": "NVIDIA H100 80GB HBM3", "commit": "abc", "h_qk": str(h[0]), "h_v": str(h[1]), "mix": m, "N": "4",
+         "state_dtype": "bfloat16", "ckpt_ours": "16", "ckpt_fi": "16", "path": path, "plain_ms": str(plain),
+         "serving_ms": str(serv), "serving_fi_ms": str(serv), "fi_plain_ms": str(fi_p), "fi_serving_ms": str(fi_s),
+         "err_o": "0", "err_ckpt_fi": "3e-3", "status": status, "date": "2026-12-05T00:00:00Z"}
+    r.update(kw)
+    return r
+
+
+def test_page_summary_counts_the_goal_and_the_peer():
+    rows = [_row((16, 32), "8192x4", 1.0, 1.02, 0.8, 0.9), _row((2, 8), "1x32768", 2.0, 3.0, 2.2, 2.4, path="torch"),
+            _row((16, 64), "1024x8", 1.0, 1.0, 1.0, 1.0, status="gate failed: err_o 1e-2")]
+    md = "\n".join(SV.serving_markdown(rows, {"gpu": "NVIDIA H100 80GB HBM3", "flashinfer": "0.7.2.post1"}, "abc"))
+    assert "| our commit | abc |" in md and "NVIDIA H100 80GB HBM3" in md
+    assert "1 of 2 within the 3% goal" in md  # +2% and +50%
+    assert "rows on the kernel path: 1" in md
+    assert "over 2 rows" in md and "rows not timed: 1" in md
+    assert "| 16/32 | 8192x4 | 1.000 | 1.020 | +2.0% | kernel |" in md
+    # FlashInfer's serving time over ours at the same checkpoints: 0.9 / 1.02 and 2.4 / 3.0
+    assert "| 0.88x |" in md and "| 0.80x |" in md and "geometric mean 0.84x over 2 rows" in md
