@@ -40,6 +40,8 @@ __all__ = [
     "EXACT_ENV",
     "FLOAT_DTYPES",
     "G_FLOOR",
+    "assert_offsets_async",
+    "offsets_check_applies",
     "SUPPORTED",
     "TRUNCATE_LOG_DECAY",
     "ChunkGDNForward",
@@ -123,6 +125,35 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, T: int, name: str = "cu_se
         )
     if int(cu[-1]) != T:
         raise ValueError(f"{name} must end at T = {T} (the packed token count), got {name}[-1] = {int(cu[-1])}")
+
+
+def offsets_check_applies(check_offsets, cu_seqlens) -> bool:
+    """Whether the op runs `assert_offsets_async` on `cu_seqlens`: `check_offsets` True, or None (the
+    default) with device offsets outside CUDA-graph capture and torch.compile tracing (CPU offsets are
+    read and checked anyway). Raises TypeError unless `check_offsets` is None or a bool."""
+    if check_offsets is not None and not isinstance(check_offsets, bool):
+        raise TypeError(f"check_offsets must be None or a bool, got {type(check_offsets).__name__}")
+    if cu_seqlens is None or check_offsets is False or cu_seqlens.device.type == "cpu":
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    if check_offsets is None and cu_seqlens.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    return True
+
+
+def assert_offsets_async(cu_seqlens: torch.Tensor, T: int) -> None:
+    """Checks the offsets on their device without a host synchronisation: an asynchronous assert
+    (`torch._assert_async`) that `cu_seqlens[0] == 0`, the entries are non-decreasing and
+    `cu_seqlens[-1] == T` (`check_cu_seqlens_values`' rule). Seven small launches on the caller's stream (a few microseconds of host time
+    each, README "Valid inputs"). A violation is a device-side assert at the next synchronisation: on
+    a CUDA device the context is then unusable (CUDA's rule for device asserts), so a caller that must
+    survive bad offsets checks them on the host instead (`check_inputs=True`, which names the entry).
+    On a CPU tensor it raises RuntimeError at once."""
+    cu = cu_seqlens.detach()
+    steps = torch.diff(cu)  # cu[1:] - cu[:-1]
+    ok = (steps.min() >= 0) & (cu[0] == 0) & (cu[-1] == int(T)) if steps.numel() else (cu[0] == 0) & (int(T) == 0)
+    torch._assert_async(ok, "flashqla: cu_seqlens must start at 0, be non-decreasing and end at T")
 
 
 def planning_max_seqlen(cu_seqlens_cpu, cu_seqlens, T: int) -> int | None:

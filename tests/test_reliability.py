@@ -445,3 +445,45 @@ def test_o_is_zero_filled_only_when_the_offsets_may_end_before_T(monkeypatch):
     fwd_mod.forward(*args, plan=plan_call(x["q"], x["v"], x["cu_seqlens"], "off")._replace(ends_at_T=False),
                     backend=backend)
     assert seen[0] is not None and seen[1] is None  # preallocated uninitialised / left to the launcher's zero fill
+
+
+# ------------------------------------------------------------------ finding 2: device offsets checked without a sync
+
+
+@pytest.mark.parametrize("cu,T", [([0, 5, 3, 10], 10), ([1, 3, 10], 10), ([0, 3, 12], 10), ([0, 3, 8], 10),
+                                  ([0, -2, 10], 10)])
+def test_async_offsets_check_rejects_bad_offsets(cu, T):
+    """`assert_offsets_async` (what the op enqueues on device offsets) fails on decreasing offsets, a
+    start other than 0, and an end other than T; on a CPU tensor the assert raises at once."""
+    from flashqla.contract import assert_offsets_async
+
+    with pytest.raises(RuntimeError, match="cu_seqlens must start at 0"):
+        assert_offsets_async(torch.tensor(cu, dtype=torch.int32), T)
+
+
+@pytest.mark.parametrize("cu,T", [([0, 3, 3, 10], 10), ([0, 0, 0], 0), ([0, 10], 10)])
+def test_async_offsets_check_accepts_valid_offsets(cu, T):
+    from flashqla.contract import assert_offsets_async
+
+    assert_offsets_async(torch.tensor(cu, dtype=torch.int64), T)
+
+
+def test_offsets_check_applies_where_documented():
+    """On by default for device offsets, off for CPU ones (their values are read anyway), off when asked;
+    a non-bool is a TypeError naming check_offsets."""
+    from flashqla.contract import offsets_check_applies
+
+    meta = torch.zeros(3, dtype=torch.int32, device="meta")
+    assert offsets_check_applies(None, meta) and offsets_check_applies(True, meta)
+    assert not offsets_check_applies(False, meta)
+    assert not offsets_check_applies(None, torch.zeros(3, dtype=torch.int32))
+    assert not offsets_check_applies(None, None)
+    with pytest.raises(TypeError, match="check_offsets"):
+        offsets_check_applies("yes", meta)
+
+
+def test_op_rejects_a_bad_check_offsets_before_anything_else():
+    x = make_gdn_inputs(B=1, T=16, H=1, HV=1, seqlens=[10, 6], seed=0)
+    with pytest.raises(TypeError, match="check_offsets"):
+        flashqla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=x["cu_seqlens"],
+                                        check_offsets=1)

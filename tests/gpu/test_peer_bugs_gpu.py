@@ -145,3 +145,57 @@ def test_two_streams_are_bitwise_one_stream():
         for r, got in enumerate(results[i]):
             bad = [n for n in alone[i] if not torch.equal(got[n], alone[i][n])]
             assert not bad, f"batch {i}, round {r}: {bad} differ from the single-stream run"
+
+
+# ------------------------------------------------------------------ device offsets checked without a sync (issue 44, finding 2)
+
+_BAD_OFFSETS_SCRIPT = r"""
+import sys, torch, flashqla
+from flashqla.testing import make_gdn_inputs
+x = make_gdn_inputs(B=1, T=256, H=2, HV=4, seqlens=[100, 156], seed=0)
+d = {n: x[n].to("cuda", torch.bfloat16 if n in ("q", "k", "v") else torch.float32) for n in ("q", "k", "v", "g", "beta")}
+cu = torch.tensor(eval(sys.argv[1]), dtype=torch.int32, device="cuda")
+o, _ = flashqla.chunk_gated_delta_rule(**d, cu_seqlens=cu, cp=sys.argv[2])
+torch.cuda.synchronize()
+print("finished", float(o.float().abs().max()))
+"""
+
+
+@pytest.mark.parametrize("cu,cp", [("[0, 156, 100, 256]", "off"), ("[0, 100, 300]", "off"), ("[8, 100, 256]", "off"),
+                                   ("[0, 156, 100, 256]", "on")], ids=["decreasing", "past-T", "not-from-0", "decreasing-cp-on"])
+def test_bad_device_offsets_end_in_a_device_assert(cu, cp):
+    """Device offsets that decrease, pass T or do not start at 0: the default asynchronous check ends the
+    process's CUDA work with a device-side assert (run in a subprocess: the context is unusable after it),
+    never out-of-bounds writes reported as something else or a result."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _BAD_OFFSETS_SCRIPT, cu, cp], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "CUDA_LAUNCH_BLOCKING": "0"})
+    assert r.returncode != 0 and "finished" not in r.stdout, r.stdout[-500:]
+    assert "device-side assert" in r.stderr, r.stderr[-800:]
+
+
+def test_offsets_check_leaves_results_and_graph_capture_alone():
+    """The default check changes no output bit, and a CUDA-graph capture of the op (check skipped while
+    capturing) replays to the same o."""
+    x = make_gdn_inputs(B=1, T=300, H=2, HV=4, seqlens=[100, 0, 200], seed=1)
+    d = {n: x[n].to(DEV, torch.bfloat16 if n in ("q", "k", "v") else torch.float32) for n in ("q", "k", "v", "g", "beta")}
+    cu = x["cu_seqlens"].to(DEV, torch.int32)
+    with torch.no_grad():
+        o_on, _ = flashqla.chunk_gated_delta_rule(**d, cu_seqlens=cu, cp="off")
+        o_off, _ = flashqla.chunk_gated_delta_rule(**d, cu_seqlens=cu, cp="off", check_offsets=False)
+        torch.cuda.synchronize()
+        assert torch.equal(o_on, o_off)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            flashqla.chunk_gated_delta_rule(**d, cu_seqlens=cu, cp="off")
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o_g, _ = flashqla.chunk_gated_delta_rule(**d, cu_seqlens=cu, cp="off")
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(o_g, o_on)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from flashqla.contract import (SUPPORTED, check_device, check_gdn_inputs, check_supported, cp_mode, l2norm,
-                               max_seqlen_hint, planning_seqlens, resolve_truncate)
+from flashqla.contract import (SUPPORTED, assert_offsets_async, check_device, check_gdn_inputs, check_supported, cp_mode,
+                               l2norm, max_seqlen_hint, offsets_check_applies, planning_seqlens, resolve_truncate)
 from flashqla.cp.plan import plan_call
 from flashqla.ops.gdn.autograd import GDNEagerFunction, gdn_fwd, gdn_fwd_inference
 from flashqla.ops.gdn.fwd import forward
@@ -38,6 +38,7 @@ def chunk_gated_delta_rule(
     cp: str | bool | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     check_inputs: bool = False,
+    check_offsets: bool | None = None,
     state_indices: torch.Tensor | None = None,
     has_initial_state: torch.Tensor | None = None,
     state_layout: str = "kv",
@@ -103,6 +104,15 @@ def chunk_gated_delta_rule(
             CUDA-graph capturable); skipped while torch.compile traces. The values of CPU tensors
             are always checked. Without it, device values outside that domain are not detected:
             the result is undefined (it may be NaN or overflow), never a crash of the process.
+        check_offsets: keyword-only, None (default), True or False: check device `cu_seqlens`
+            without a host synchronisation (`flashqla.contract.assert_offsets_async`: starts at 0,
+            non-decreasing, ends at T), by an asynchronous device assert enqueued before the
+            kernels. None: on outside CUDA-graph capture and torch.compile tracing; True: also
+            while a graph is captured; False: off. Costs seven small launches (about 25 us of host
+            time per call, README "Valid inputs"). Bad offsets then end in CUDA's "device-side
+            assert triggered" at the next synchronisation, which leaves the CUDA context unusable;
+            `check_inputs=True` reports them as a ValueError naming the entry instead (host sync).
+            Without either check, offsets that decrease or pass T give out-of-bounds accesses.
 
     Valid inputs (the numerics assume them; README "Valid inputs"): g <= 0 (-inf allowed),
     0 <= beta <= 1, every tensor finite, and k L2-normalised per head (|k| = 1; or
@@ -160,7 +170,7 @@ def chunk_gated_delta_rule(
         when output_final_state is False.
 
     Raises:
-        TypeError: check_inputs not a bool, non-tensor arguments, q/k/v dtypes differ or are not bf16/fp16, g not float32,
+        TypeError: check_inputs not a bool, check_offsets not None or a bool, non-tensor arguments, q/k/v dtypes differ or are not bf16/fp16, g not float32,
             beta not float32 or q's dtype, initial_state not float32, cu_seqlens not int32/int64,
             cu_seqlens_cpu not a dense int32/int64 CPU tensor.
         ValueError: wrong ranks or shapes, HV % H != 0, K or V != 128, cu_seqlens with B != 1,
@@ -182,6 +192,8 @@ def chunk_gated_delta_rule(
                                 checkpoint_states, out, batch_invariant)
     d = check_gdn_inputs(q, k, v, g, beta, scale, None if serving else initial_state, output_final_state, cu_seqlens,
                          check_values=check_inputs)
+    if offsets_check_applies(check_offsets, cu_seqlens) and not check_inputs:  # check_inputs read them already
+        assert_offsets_async(cu_seqlens, d.T)
     if serving:
         s = check_serving_args(d, q, initial_state, output_final_state, cu_seqlens, state_indices=state_indices,
                                has_initial_state=has_initial_state, state_layout=state_layout,
