@@ -106,7 +106,7 @@ def chunk_gated_delta_rule(
             the result is undefined (it may be NaN or overflow), never a crash of the process.
         check_offsets: keyword-only, None (default), True or False: check device `cu_seqlens`
             without a host synchronisation (`flashqla.contract.assert_offsets_async`: starts at 0,
-            non-decreasing, ends at T), by an asynchronous device assert enqueued before the
+            non-decreasing, ends at most at T), by an asynchronous device assert enqueued before the
             kernels. None: on outside CUDA-graph capture and torch.compile tracing; True: also
             while a graph is captured; False: off. Costs seven small launches (about 25 us of host
             time per call, README "Valid inputs"). Bad offsets then end in CUDA's "device-side
