@@ -469,17 +469,18 @@ def test_async_offsets_check_accepts_valid_offsets(cu, T):
 
 
 def test_offsets_check_applies_where_documented():
-    """On by default for device offsets, off for CPU ones (their values are read anyway), off when asked;
-    a non-bool is a TypeError naming check_offsets."""
+    """Off by default, on when asked for device offsets, never for CPU ones (their values are read
+    anyway); a non-bool is a TypeError naming check_offsets."""
     from flashqla.contract import offsets_check_applies
 
     meta = torch.zeros(3, dtype=torch.int32, device="meta")
-    assert offsets_check_applies(None, meta) and offsets_check_applies(True, meta)
+    assert offsets_check_applies(True, meta)
     assert not offsets_check_applies(False, meta)
-    assert not offsets_check_applies(None, torch.zeros(3, dtype=torch.int32))
-    assert not offsets_check_applies(None, None)
-    with pytest.raises(TypeError, match="check_offsets"):
-        offsets_check_applies("yes", meta)
+    assert not offsets_check_applies(True, torch.zeros(3, dtype=torch.int32))
+    assert not offsets_check_applies(True, None)
+    for bad in (None, 1, "yes"):
+        with pytest.raises(TypeError, match="check_offsets"):
+            offsets_check_applies(bad, meta)
 
 
 def test_op_rejects_a_bad_check_offsets_before_anything_else():

@@ -155,7 +155,7 @@ from flashqla.testing import make_gdn_inputs
 x = make_gdn_inputs(B=1, T=256, H=2, HV=4, seqlens=[100, 156], seed=0)
 d = {n: x[n].to("cuda", torch.bfloat16 if n in ("q", "k", "v") else torch.float32) for n in ("q", "k", "v", "g", "beta")}
 cu = torch.tensor(eval(sys.argv[1]), dtype=torch.int32, device="cuda")
-o, _ = flashqla.chunk_gated_delta_rule(**d, cu_seqlens=cu, cp=sys.argv[2])
+o, _ = flashqla.chunk_gated_delta_rule(**d, cu_seqlens=cu, cp=sys.argv[2], check_offsets=True)
 torch.cuda.synchronize()
 print("finished", float(o.float().abs().max()))
 """
@@ -164,9 +164,9 @@ print("finished", float(o.float().abs().max()))
 @pytest.mark.parametrize("cu,cp", [("[0, 156, 100, 256]", "off"), ("[0, 100, 300]", "off"), ("[8, 100, 256]", "off"),
                                    ("[0, 156, 100, 256]", "on")], ids=["decreasing", "past-T", "not-from-0", "decreasing-cp-on"])
 def test_bad_device_offsets_end_in_a_device_assert(cu, cp):
-    """Device offsets that decrease, pass T or do not start at 0: the default asynchronous check ends the
-    process's CUDA work with a device-side assert (run in a subprocess: the context is unusable after it),
-    never out-of-bounds writes reported as something else or a result."""
+    """Device offsets that decrease, pass T or do not start at 0, with check_offsets=True: the asynchronous
+    check ends the process's CUDA work with a device-side assert naming cu_seqlens (run in a subprocess: the
+    context is unusable after it), never a result."""
     import os
     import subprocess
     import sys
@@ -174,28 +174,28 @@ def test_bad_device_offsets_end_in_a_device_assert(cu, cp):
     r = subprocess.run([sys.executable, "-c", _BAD_OFFSETS_SCRIPT, cu, cp], capture_output=True, text=True,
                        timeout=300, env={**os.environ, "CUDA_LAUNCH_BLOCKING": "0"})
     assert r.returncode != 0 and "finished" not in r.stdout, r.stdout[-500:]
-    assert "device-side assert" in r.stderr, r.stderr[-800:]
+    assert "flashqla: cu_seqlens must start at 0" in r.stderr, r.stderr[-800:]
 
 
 def test_offsets_check_leaves_results_and_graph_capture_alone():
-    """The default check changes no output bit, and a CUDA-graph capture of the op (check skipped while
-    capturing) replays to the same o."""
+    """check_offsets=True changes no output bit, and a CUDA-graph capture of the op with it replays to
+    the same o."""
     x = make_gdn_inputs(B=1, T=300, H=2, HV=4, seqlens=[100, 0, 200], seed=1)
     d = {n: x[n].to(DEV, torch.bfloat16 if n in ("q", "k", "v") else torch.float32) for n in ("q", "k", "v", "g", "beta")}
     cu = x["cu_seqlens"].to(DEV, torch.int32)
     with torch.no_grad():
-        o_on, _ = flashqla.chunk_gated_delta_rule(**d, cu_seqlens=cu, cp="off")
-        o_off, _ = flashqla.chunk_gated_delta_rule(**d, cu_seqlens=cu, cp="off", check_offsets=False)
+        o_on, _ = flashqla.chunk_gated_delta_rule(**d, cu_seqlens=cu, cp="off", check_offsets=True)
+        o_off, _ = flashqla.chunk_gated_delta_rule(**d, cu_seqlens=cu, cp="off")
         torch.cuda.synchronize()
         assert torch.equal(o_on, o_off)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            flashqla.chunk_gated_delta_rule(**d, cu_seqlens=cu, cp="off")
+            flashqla.chunk_gated_delta_rule(**d, cu_seqlens=cu, cp="off", check_offsets=True)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            o_g, _ = flashqla.chunk_gated_delta_rule(**d, cu_seqlens=cu, cp="off")
+            o_g, _ = flashqla.chunk_gated_delta_rule(**d, cu_seqlens=cu, cp="off", check_offsets=True)
         graph.replay()
         torch.cuda.synchronize()
     assert torch.equal(o_g, o_on)

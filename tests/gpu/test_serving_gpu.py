@@ -76,7 +76,7 @@ def _kv(x, layout):
 
 def _run(xd, cu, pool, idx, has, layout, positions, ckpt_dtype, **kw):
     """One pooled call through the public op (no autograd); returns (o, checkpoint_states, path)."""
-    M = len(positions)
+    M = 0 if positions is None else len(positions)
     tail = pool.shape[2:]
     pos = torch.tensor(positions, dtype=torch.int64, device=DEV) if positions is not None else None
     cks = torch.full((M, pool.shape[1], *tail), float("nan"), dtype=ckpt_dtype, device=DEV) if positions is not None else None
