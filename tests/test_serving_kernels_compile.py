@@ -98,3 +98,16 @@ def test_serving_build_compiles_without_spills(BV, state_dtype, layout, ckpt):
     r = ptxas_report(kernel)
     print(r)
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"register spills: {r}"
+
+
+@pytest.mark.skipif(not HAVE_NVCC, reason="compiling for sm_90a needs nvcc (the CUDA toolkit) on PATH")
+@pytest.mark.parametrize("seq,pos,varlen", [("int32", "int64", True), ("int64", "int32", True), ("int32", "int64", False)])
+def test_checkpoint_tables_kernel_compiles(seq, pos, varlen):
+    """The one-launch table kernel (`ckpt_tables`) lowers and compiles for sm_90a for each key; its
+    source has the two binary searches (slot -> sequence, slot -> checkpoints before it) when packed,
+    and no shared memory. (Its values against `recurrent.checkpoint_tables`: tests/gpu/test_serving_gpu.py.)"""
+    from flashqla.ops.gdn.kernels.sm90.ckpt_tables import build_checkpoint_tables_kernel
+
+    src = build_checkpoint_tables_kernel(seq, pos, varlen).get_kernel_source()
+    assert "gdn_checkpoint_tables" in src and "__shared__" not in src
+    assert src.count("for (int") >= (3 if varlen else 1)

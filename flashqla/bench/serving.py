@@ -262,7 +262,7 @@ def serving_markdown(rows: list[dict], env: dict, commit: str) -> list[str]:
         "Produced by `python -m flashqla.bench --serving` (`flashqla.bench.serving`); CUDA graphs, median of replays, "
         "after the gates.",
         "plain: ours with per-sequence fp32 states [N, HV, K, V]; serving: ours with a pool [2N, HV, V, K] in "
-        f"{rows[0].get('state_dtype', '') if rows else ''} (shuffled rows, `state_indices`, written in place) and "
+        f"{next((r['state_dtype'] for r in rows if r.get('state_dtype')), '')} (shuffled rows, `state_indices`, written in place) and "
         "4 checkpoints per sequence at its quarter points; @FI: ours at FlashInfer's checkpoint positions.",
         "FlashInfer: `chunk_gated_delta_rule(use_cp=\"auto\")`, plain as in the forward benchmark; serving with the "
         "same pool (`state_indices`, `output_state` = pool) and `checkpoint_every_n_tokens` = n (the largest multiple "

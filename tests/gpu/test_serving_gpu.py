@@ -231,3 +231,32 @@ def test_mixed_dtypes_fall_back_to_torch():
     o, cks, path = _run(xd, cu, pool, idx, None, "kv", positions, torch.float32)
     assert path == "torch"
     assert rel_rms(cks.double().cpu(), ck_ref) <= BUDGETS["sm90_fwd_bf16"]["ht"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_checkpoint_table_kernel_matches_its_torch_definition(seed):
+    """`ckpt_tables.checkpoint_tables_device` (one launch) gives the values of `recurrent.checkpoint_tables`
+    (the torch definition) on random packed batches with empty and short sequences, positions at
+    chunk edges, int32 and int64 positions, and on fixed-length batches."""
+    from flashqla.ops.gdn.kernels.sm90.ckpt_tables import checkpoint_tables_device
+    from flashqla.ops.gdn.kernels.sm90.recurrent import checkpoint_tables
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 300, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+    lengths[0] = max(lengths[0], 1)
+    cu = [0]
+    for L in lengths:
+        cu.append(cu[-1] + L)
+    pos = sorted({b + j for b, e in zip(cu[:-1], cu[1:]) for j in (1, 63, 64, 65, 128, e - b, int(torch.randint(1, 300, (1,), generator=g)))
+                  if 1 <= j <= e - b})
+    for pdt in (torch.int32, torch.int64):
+        for cdt in (torch.int32, torch.int64):
+            p = torch.tensor(pos, dtype=pdt, device=DEV)
+            c = torch.tensor(cu, dtype=cdt, device=DEV)
+            want = checkpoint_tables(p, c, 1, cu[-1])
+            got = checkpoint_tables_device(p, c, 1, cu[-1])
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (lengths, pdt, cdt)
+    B, T = 3, 130
+    p = torch.tensor([1, 64, 65, 130, 131, 200, 390], dtype=torch.int64, device=DEV)
+    want, got = checkpoint_tables(p, None, B, T), checkpoint_tables_device(p, None, B, T)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -156,6 +156,10 @@ def _serve_kernel(q, k, v, g, beta, scale: float, initial_state, output_final_st
     args, kw = recurrent_serving_args(q, v, cu_seqlens, sdtype, s.state_layout, ckpt, block_v)
     specs = [("prepare", prepare_kernel_args(k, beta, cu_seqlens, HV)),
              ("recurrent_serving", args + (kw["state_dtype"], kw["state_layout"], kw["checkpoints"]))]
+    if ckpt:  # the checkpoint tables' launch (`ckpt_tables`)
+        seq = "int64" if cu_seqlens is not None and cu_seqlens.dtype == torch.int64 else "int32"
+        pos = "int64" if s.checkpoint_positions.dtype == torch.int64 else "int32"
+        specs.append(("ckpt_tables", (seq, pos, cu_seqlens is not None)))
     registry.build_once(tuple(specs), specs)
     A, G2 = default_backend().prepare(k, g, beta, cu_seqlens, HV)
     dev = q.device

@@ -825,8 +825,9 @@ def serving_state_rows(N: int, state_indices, has_initial_state, device) -> tupl
 
 
 def checkpoint_tables(positions, cu_seqlens, B: int, T: int) -> tuple:
-    """(ck_slots [S + 1] int32, ck_j [M] int32) for the serving build's checkpoints, on the device
-    without a host read (S = `num_slots`): checkpoint m (positions sorted, each inside a sequence n,
+    """(ck_slots [S + 1] int32, ck_j [M] int32) for the serving build's checkpoints, in torch on any
+    device without a host read (the definition; the launches use its one-launch kernel
+    `ckpt_tables.checkpoint_tables_device`, tested against it) (S = `num_slots`): checkpoint m (positions sorted, each inside a sequence n,
     cu_seqlens[n] < p <= cu_seqlens[n + 1], b * T + t without cu_seqlens) ends ck_j[m] in 1..64
     tokens into chunk c = (p - 1 - bos) // 64 of its sequence, held by chunk slot slot0(n) + c; the
     checkpoints of slot s are [ck_slots[s], ck_slots[s + 1]). Positions outside every sequence are
@@ -889,6 +890,8 @@ def chunk_recurrent_serving(q, k, v, A, g_cum_log2, scale: float, initial_state,
     Returns: o [B, T, HV, V]. Raises ValueError when the state tensors do not share one storage dtype
     or are not contiguous.
     """
+    from flashqla.ops.gdn.kernels.sm90.ckpt_tables import checkpoint_tables_device
+
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
@@ -913,7 +916,7 @@ def chunk_recurrent_serving(q, k, v, A, g_cum_log2, scale: float, initial_state,
     ht = final_state if final_state is not None else placeholder((1, HV, *tail), sdtype, dev)
     cu = cu_seqlens if cu_seqlens is not None else placeholder((1,), torch.int32, dev)
     if ckpt:
-        ck_slots, ck_j = checkpoint_tables(checkpoint_positions, cu_seqlens, B, T)
+        ck_slots, ck_j = checkpoint_tables_device(checkpoint_positions, cu_seqlens, B, T)  # one launch
         cks = checkpoint_states
     else:
         ck_slots = placeholder((2,), torch.int32, dev).zero_()  # not read without checkpoints
