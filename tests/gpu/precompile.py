@@ -52,7 +52,7 @@ def tier_specs() -> list:
     specs += op_kernel_specs(16, 32, varlen=True, block_v=128)
     specs += op_kernel_specs(4, 16, varlen=True, seq_dtype="int64")  # test_cp_kernels_gpu.py's dual-launch cases
     specs += op_kernel_specs(4, 16, varlen=True)
-    return list(dict.fromkeys(specs + serving_tier_specs() + fused_tier_specs()))
+    return list(dict.fromkeys(specs + serving_tier_specs()))
 
 
 def serving_tier_specs() -> list:
@@ -71,19 +71,6 @@ def serving_tier_specs() -> list:
     for N in (2, 4, 6):
         specs += op_kernel_specs(2, 4, N=N, varlen=True, backward=False)
     return specs + op_kernel_specs(2, 4, N=2, varlen=False, backward=False)
-
-
-def fused_tier_specs() -> list:
-    """The fused forward's builds (and the two-launch path's at BV = 64) of tests/gpu/test_fused_gpu.py."""
-    from flashqla.ops.gdn.kernels.sm90.registry import op_kernel_specs
-
-    specs = []
-    for varlen in (False, True):
-        for dt, bt in (("bfloat16", "float32"), ("float16", "float16")):
-            specs.append(("fused", (2, 4, 128, 128, 64, dt, bt, "int32", varlen)))
-            specs += op_kernel_specs(2, 4, varlen=varlen, dtype=dt, beta_dtype=bt, block_v=64, backward=False)
-    specs.append(("fused", (1, 4, 128, 128, 64, "bfloat16", "float32", "int32", False)))
-    return specs + op_kernel_specs(1, 4, block_v=64, backward=False)
 
 
 def bench_specs(backward: bool = True) -> list:
