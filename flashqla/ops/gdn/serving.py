@@ -141,6 +141,7 @@ def _serve_kernel(q, k, v, g, beta, scale: float, initial_state, output_final_st
     """The kernel path (module docstring): prepare, then the serving build of the recurrent kernel."""
     from flashqla.ops.gdn.backend import default_backend
     from flashqla.ops.gdn.kernels.sm90 import registry
+    from flashqla.ops.gdn.kernels.sm90.ckpt_tables import checkpoint_tables_device
     from flashqla.ops.gdn.kernels.sm90.prepare import prepare_kernel_args
     from flashqla.ops.gdn.kernels.sm90.recurrent import (chunk_recurrent_serving, recurrent_serving_args,
                                                          serving_state_rows)
@@ -172,9 +173,11 @@ def _serve_kernel(q, k, v, g, beta, scale: float, initial_state, output_final_st
         final = torch.empty(N, HV, *tail, dtype=torch.float32, device=dev) if output_final_state else None
     out = s.out
     direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0
+    tables = checkpoint_tables_device(s.checkpoint_positions, cu_seqlens, B, T) if ckpt else None  # one launch
     o = chunk_recurrent_serving(q, k, v, A, G2, scale, initial_state, final, read, write, cu_seqlens,
                                 state_layout=s.state_layout, checkpoint_positions=s.checkpoint_positions,
-                                checkpoint_states=s.checkpoint_states, block_v=block_v, o=out if direct else None)
+                                checkpoint_states=s.checkpoint_states, block_v=block_v, o=out if direct else None,
+                                tables=tables)
     if out is not None and not direct:
         out.copy_(o)
         o = out

@@ -866,7 +866,7 @@ def recurrent_serving_args(q, v, cu_seqlens, state_dtype: torch.dtype, state_lay
 
 def chunk_recurrent_serving(q, k, v, A, g_cum_log2, scale: float, initial_state, final_state, state_read, state_write,
                             cu_seqlens, *, state_layout: str = "kv", checkpoint_positions=None, checkpoint_states=None,
-                            block_v=None, o=None):
+                            block_v=None, o=None, tables=None):
     """Launches the recurrent kernel's serving build (arguments validated by the caller;
     `flashqla.ops.gdn.serving`): o, and the final states and checkpoints written in place in their
     layout and storage dtype (one rounding, at the store). No host read.
@@ -886,12 +886,12 @@ def chunk_recurrent_serving(q, k, v, A, g_cum_log2, scale: float, initial_state,
         checkpoint_positions: int32/int64 [M] sorted global positions (each inside a sequence) or None;
         checkpoint_states: [M, HV, ...] in the states' layout and dtype, written in place (record CF-4).
         block_v: value slice width (None: `pick_block_v`). o: optional preallocated output.
+        tables: the checkpoint tables (ck_slots, ck_j) of `checkpoint_tables` when the caller made
+            them (`ckpt_tables.checkpoint_tables_device`: one launch); None: `checkpoint_tables`' torch ops.
 
     Returns: o [B, T, HV, V]. Raises ValueError when the state tensors do not share one storage dtype
     or are not contiguous.
     """
-    from flashqla.ops.gdn.kernels.sm90.ckpt_tables import checkpoint_tables_device
-
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
@@ -916,7 +916,7 @@ def chunk_recurrent_serving(q, k, v, A, g_cum_log2, scale: float, initial_state,
     ht = final_state if final_state is not None else placeholder((1, HV, *tail), sdtype, dev)
     cu = cu_seqlens if cu_seqlens is not None else placeholder((1,), torch.int32, dev)
     if ckpt:
-        ck_slots, ck_j = checkpoint_tables_device(checkpoint_positions, cu_seqlens, B, T)  # one launch
+        ck_slots, ck_j = tables if tables is not None else checkpoint_tables(checkpoint_positions, cu_seqlens, B, T)
         cks = checkpoint_states
     else:
         ck_slots = placeholder((2,), torch.int32, dev).zero_()  # not read without checkpoints
