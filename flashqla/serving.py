@@ -273,11 +273,14 @@ def store_final_states(pool: torch.Tensor, final_kv: torch.Tensor, s: ServingArg
     idx = s.state_indices.to(torch.int64)
     valid = idx >= 0
     src = from_kv(final_kv, s.state_layout).to(pool.dtype)
-    j = torch.argmax(idx)  # a device scalar: the sequence with the largest index
-    fallback_row = idx[j].clamp(min=0)
-    fallback = torch.where(idx[j] >= 0, src[j], pool[fallback_row])
+    # the sequence with the largest index, as a 1-element index tensor: indexing with a 0-d device
+    # tensor (idx[j]) would read it on the host, a synchronisation that breaks CUDA-graph capture
+    j = torch.argmax(idx).reshape(1)
+    top = idx.index_select(0, j)  # [1]
+    fallback_row = top.clamp(min=0)
+    fallback = torch.where((top >= 0)[:, None, None, None], src.index_select(0, j), pool.index_select(0, fallback_row))
     target = torch.where(valid, idx, fallback_row)
-    src = torch.where(valid[:, None, None, None], src, fallback[None])
+    src = torch.where(valid[:, None, None, None], src, fallback)
     pool.index_copy_(0, target, src)
 
 

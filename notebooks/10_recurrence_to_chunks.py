@@ -15,11 +15,12 @@
 # $$A = \big(I + \operatorname{tril}_{-1}(B (K K^\top \odot \Gamma))\big)^{-1},\quad W = A B D K,\quad U = A B V,\quad \tilde V = U - W S,$$
 # $$O = \text{scale}\,\big(D Q S + (Q K^\top \odot \Gamma)\, \tilde V\big),\qquad S' = \gamma_C S + K^\top \operatorname{diag}(r)\, \tilde V .$$
 #
-# Three records of `derivations/chunk_form.py` say that this is the recurrence, exactly: the outputs
-# (CF-1), the chunk-end state (CF-2), and the meaning of $\tilde V$ (CF-3). This notebook renders each,
+# Four records of `derivations/chunk_form.py` say that this is the recurrence, exactly: the outputs
+# (CF-1), the chunk-end state (CF-2), the meaning of $\tilde V$ (CF-3), and the state after any token
+# inside a chunk, from the chunk's own products (CF-4, the serving checkpoints). This notebook renders each,
 # proves it with SymPy, and runs its two numeric twins in `reference/` against each other in fp64.
 #
-# reviewed: 2026-11-29 · records CF-1, CF-2, CF-3 · `reference.gdn.recurrent`, `reference.gdn.chunk`,
+# reviewed: 2026-12-05 · records CF-1, CF-2, CF-3, CF-4 · `reference.gdn.recurrent`, `reference.gdn.chunk`,
 # `reference.gdn.fused.recurrent_deltas`, `reference.gdn.twins`
 
 # %%
@@ -44,7 +45,7 @@ K = V = 16 if SIZE == "small" else 128
 FIG = notebook_figure_dir()
 CF = [r.id for r in derivations.registry() if r.id.startswith("CF-")]
 print(f"size: {SIZE}, K = V = {K}; records: {', '.join(CF)}")
-assert CF == ["CF-1", "CF-2", "CF-3"]
+assert CF == ["CF-1", "CF-2", "CF-3", "CF-4"]
 
 # %% [markdown]
 # ## The records, rendered
@@ -141,7 +142,7 @@ assert max(err_rec) <= 32 * U32 and max(err_chk) <= 32 * U32
 
 # %% [markdown]
 # ## Conclusions (asserted above)
-# - CF-1, CF-2, CF-3 are proved by SymPy; their tiny instances expand to zero.
+# - CF-1, CF-2, CF-3, CF-4 are proved by SymPy; their tiny instances expand to zero.
 # - Their twins agree to $\le 10^{-12}$ relative RMS in fp64 at $C = 64$, varlen, grouped heads.
 # - In fp32 both forms stay at the level of rounding: the chunk form within a factor 3 of the token
 #   loop's error overall (about 1.8 at K = 16, below 1 at K = 128) and no token worse than $32u$,
