@@ -355,3 +355,52 @@ def test_autograd_policy(op_on_cpu, which):
                                                     output_final_state=True, cu_seqlens=cu)
     (o_r.sum() + f_r.sum()).backward()
     assert rel_rms(h0.grad.transpose(-1, -2), h0r.grad) < 1e-6
+
+
+# ------------------------------------------------------------------ no host read on the device-side helpers
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every aten op that reads a tensor value on the host (`.item()`, `int(t)`, indexing with
+    a 0-d tensor: `aten._local_scalar_dense`; on a GPU each is a synchronisation, which breaks CUDA-graph
+    capture), also on CPU tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default or "nonzero" in str(func):
+            import traceback
+
+            self.reads.append((str(func), "".join(traceback.format_stack(limit=6)[:-1])))
+        return func(*args, **(kwargs or {}))
+
+
+def test_serving_helpers_read_no_value_on_the_host():
+    """The torch steps of a serving call that runs on the device (the pool's gather and write-back, the
+    checkpoint pieces and their scan, the checkpoint tables, the row tables) issue no host read of a
+    tensor value: a regression test for `store_final_states`' idx[j] with a device j (it broke graph
+    capture on the split path)."""
+    from flashqla.ops.gdn.kernels.sm90.recurrent import checkpoint_tables, serving_state_rows
+    from flashqla.serving import (ServingArgs, checkpoint_pieces, gather_initial_states, scan_pieces,
+                                  store_final_states)
+
+    N, HV, K, V, P = 3, 2, 4, 4, 6
+    idx = torch.tensor([4, -1, 1])
+    has = torch.tensor([True, True, False])
+    pos = torch.tensor([3, 64, 65, 130, 200])
+    cu = torch.tensor([0, 130, 130, 200])
+    s = ServingArgs(state_indices=idx, has_initial_state=has, state_layout="vk", checkpoint_positions=pos,
+                    checkpoint_states=None, out=None, batch_invariant=False, pool=True, pool_rows=P)
+    pool = torch.randn(P, HV, V, K)
+    with _HostReads() as mode:
+        h0 = gather_initial_states(pool, s, N, torch.float32)
+        store_final_states(pool, torch.randn(N, HV, K, V), s)
+        pieces_cu, first, seq, ends = checkpoint_pieces(cu, pos)
+        L = pieces_cu.shape[0] - 1
+        scan_pieces(torch.randn(L, HV, K, K), torch.randn(L, HV, K, V), first)
+        checkpoint_tables(pos, cu, 1, 200)
+        serving_state_rows(N, idx, has, "cpu")
+    assert h0.shape == (N, HV, K, V)
+    assert not mode.reads, "host reads:\n" + "\n".join(f"{f}\n{st}" for f, st in mode.reads)
