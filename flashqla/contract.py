@@ -128,8 +128,9 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, T: int, name: str = "cu_se
 
 
 def offsets_check_applies(check_offsets, cu_seqlens) -> bool:
-    """Whether the op runs `assert_offsets_async` on `cu_seqlens`: `check_offsets` True and device
-    offsets, outside torch.compile tracing (CPU offsets are read and checked anyway). Raises TypeError
+    """Whether `assert_offsets_async` applies to `cu_seqlens`: `check_offsets` True and device offsets,
+    outside torch.compile tracing (CPU offsets are read and checked anyway; the op also skips it with
+    check_inputs=True, whose host check reads them). Raises TypeError
     unless `check_offsets` is a bool."""
     if not isinstance(check_offsets, bool):
         raise TypeError(f"check_offsets must be a bool, got {type(check_offsets).__name__}")
@@ -142,7 +143,7 @@ def assert_offsets_async(cu_seqlens: torch.Tensor, T: int) -> None:
     (`torch._assert_async`) that `cu_seqlens[0] == 0`, the entries are non-decreasing and
     `cu_seqlens[-1] <= T`: the bounds that keep every kernel access inside q, k, v and o (the packed
     tokens after `cu_seqlens[-1]` belong to no sequence: their o and gradients are zero; the host
-    check `check_cu_seqlens_values` also wants the end at T). Seven small launches on the caller's stream, host
+    check `check_cu_seqlens_values` also wants the end at T). Eight small launches on the caller's stream, host
     time: 24-212 us per call measured on an H100 (eager; README "Valid inputs"). A violation is a
     device-side assert ("Assertion `flashqla: cu_seqlens must start at 0, ...` failed" on stderr) at
     the next synchronisation: on a CUDA device the context is then unusable (CUDA's rule for device

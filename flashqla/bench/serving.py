@@ -15,7 +15,8 @@ strong-decay head, fp32 beta, packed int32 offsets), five calls, each CUDA-graph
   (`impls._flashinfer_forward`);
 - `fi_serving`: FlashInfer with the same pool (`state_indices`, `output_state` = the pool) and its
   checkpoints: every `n` tokens, n = the largest multiple of 64 not above a quarter of the longest
-  sequence (so that sequence gets 4; `checkpoint_every_n_tokens` must be a multiple of 64), with
+  sequence, at least 64 (so that sequence gets about 4: exactly 4 when a quarter of it is a multiple
+  of 64; `checkpoint_every_n_tokens` must be a multiple of 64), with
   `checkpoint_cu_starts` from the lengths.
 
 Gates before timing (relative RMS): ours `serving` o against `plain` on the pool's (rounded) start

@@ -260,3 +260,27 @@ def test_checkpoint_table_kernel_matches_its_torch_definition(seed):
     p = torch.tensor([1, 64, 65, 130, 131, 200, 390], dtype=torch.int64, device=DEV)
     want, got = checkpoint_tables(p, None, B, T), checkpoint_tables_device(p, None, B, T)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_kernel_path_gate_floor_and_packed_tail():
+    """The kernel path clamps g at the gate floor like every other path (a g = -inf token gives finite
+    results equal to the plain call's), and with device offsets ending before T (no host hint) the tail
+    of o is zeros, also in a preallocated out= that held garbage."""
+    lengths = [100, 70]
+    xd, _, cu, h0 = _case(lengths, seed=11)
+    xd["g"][0, 5, :] = float("-inf")
+    T = sum(lengths)
+    pad = {n: torch.cat([t, t[:, :28]], dim=1) for n, t in xd.items()}  # 28 packed tokens of no sequence
+    pool = h0.to(DEV).contiguous()
+    idx = torch.arange(2, device=DEV)
+    out = torch.full_like(pad["v"], float("nan"))
+    with torch.no_grad():
+        o, _ = flashqla.chunk_gated_delta_rule(**pad, initial_state=pool.clone(), output_final_state=True, cu_seqlens=cu,
+                                               state_indices=idx, out=out, cp="off")
+        assert op_serving.LAST_PATH["path"] == "kernel"
+        o_plain, _ = flashqla.chunk_gated_delta_rule(**xd, initial_state=h0.to(DEV), output_final_state=True,
+                                                     cu_seqlens=cu, cp="off")
+    torch.cuda.synchronize()
+    assert torch.isfinite(o.float()).all()
+    assert torch.equal(o[:, T:], torch.zeros_like(o[:, T:])), "the packed tail of o is not zero"
+    assert torch.equal(o[:, :T], o_plain), "the kernel path differs from the plain call with a -inf gate"

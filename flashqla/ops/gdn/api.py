@@ -107,7 +107,7 @@ def chunk_gated_delta_rule(
         check_offsets: keyword-only, False (default) or True: check device `cu_seqlens` without a
             host synchronisation (`flashqla.contract.assert_offsets_async`: starts at 0,
             non-decreasing, ends at most at T) by an asynchronous device assert enqueued before the
-            kernels (CUDA-graph capturable; skipped while torch.compile traces). Costs seven small
+            kernels (CUDA-graph capturable; skipped while torch.compile traces). Costs eight small
             launches: 24-212 us of host time per eager call on an H100 (up to 1.7x on a 256-token
             call, which is why it is off by default). Bad offsets then end in a device-side assert
             naming cu_seqlens at the next synchronisation, which leaves the CUDA context unusable;

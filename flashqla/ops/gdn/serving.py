@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import torch
 
+from flashqla.contract import clamp_gates
 from flashqla.cp.plan import plan_call
 from flashqla.ops.gdn.autograd import GDNEagerFunction
 from flashqla.ops.gdn.fwd import forward
@@ -89,7 +90,8 @@ def serve(q, k, v, g, beta, scale: float, initial_state, output_final_state: boo
     if kernel_path_applies(q, v, initial_state, output_final_state, cu_seqlens, s, plan, training=training,
                            backend=backend):
         LAST_PATH["path"] = "kernel"
-        return _serve_kernel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, s, block_v)
+        return _serve_kernel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, s, block_v,
+                             ends_at_T=plan.ends_at_T)
     LAST_PATH["path"] = "torch"
     h0 = gather_initial_states(initial_state, s, N, torch.float32)
     if training:
@@ -137,8 +139,10 @@ def kernel_path_applies(q, v, initial_state, output_final_state: bool, cu_seqlen
 
 
 def _serve_kernel(q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens, s: ServingArgs,
-                  block_v):
-    """The kernel path (module docstring): prepare, then the serving build of the recurrent kernel."""
+                  block_v, *, ends_at_T: bool = True):
+    """The kernel path (module docstring): the gate floor, prepare, then the serving build of the
+    recurrent kernel. ends_at_T False (device offsets with no host hint): o starts zeroed, so that the
+    packed tokens after cu_seqlens[-1] (no CTA writes them) read 0, as on every other path."""
     from flashqla.ops.gdn.backend import default_backend
     from flashqla.ops.gdn.kernels.sm90 import registry
     from flashqla.ops.gdn.kernels.sm90.ckpt_tables import checkpoint_tables_device
@@ -146,6 +150,7 @@ def _serve_kernel(q, k, v, g, beta, scale: float, initial_state, output_final_st
     from flashqla.ops.gdn.kernels.sm90.recurrent import (chunk_recurrent_serving, recurrent_serving_args,
                                                          serving_state_rows)
 
+    g = clamp_gates(g)  # the one gate floor of every path (`flashqla.contract.G_FLOOR`)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     B, T, HV, V = v.shape
     K = q.shape[-1]
@@ -173,10 +178,14 @@ def _serve_kernel(q, k, v, g, beta, scale: float, initial_state, output_final_st
         final = torch.empty(N, HV, *tail, dtype=torch.float32, device=dev) if output_final_state else None
     out = s.out
     direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0
+    zero_tail = cu_seqlens is not None and not ends_at_T
+    if direct and zero_tail:
+        out.zero_()
+    o_buf = out if direct else (torch.zeros_like(v) if zero_tail else None)
     tables = checkpoint_tables_device(s.checkpoint_positions, cu_seqlens, B, T) if ckpt else None  # one launch
     o = chunk_recurrent_serving(q, k, v, A, G2, scale, initial_state, final, read, write, cu_seqlens,
                                 state_layout=s.state_layout, checkpoint_positions=s.checkpoint_positions,
-                                checkpoint_states=s.checkpoint_states, block_v=block_v, o=out if direct else None,
+                                checkpoint_states=s.checkpoint_states, block_v=block_v, o=o_buf,
                                 tables=tables)
     if out is not None and not direct:
         out.copy_(o)

@@ -885,7 +885,8 @@ def chunk_recurrent_serving(q, k, v, A, g_cum_log2, scale: float, initial_state,
         state_layout: "kv" or "vk", of every state tensor.
         checkpoint_positions: int32/int64 [M] sorted global positions (each inside a sequence) or None;
         checkpoint_states: [M, HV, ...] in the states' layout and dtype, written in place (record CF-4).
-        block_v: value slice width (None: `pick_block_v`). o: optional preallocated output.
+        block_v: value slice width (None: `pick_block_v`). o: optional preallocated output (the
+            packed tokens after cu_seqlens[-1] are written by no CTA: the caller zeroes them).
         tables: the checkpoint tables (ck_slots, ck_j) of `checkpoint_tables` when the caller made
             them (`ckpt_tables.checkpoint_tables_device`: one launch); None: `checkpoint_tables`' torch ops.
 
