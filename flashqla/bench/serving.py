@@ -32,6 +32,7 @@ the issue's goal being <= 3%; FlashInfer's serving time over ours at the same ch
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 from pathlib import Path
 
 from flashqla.bench import grid as G
@@ -113,7 +114,7 @@ def _one_row(row, x, timer: dict, state_dtype, fi_op) -> dict:
     p4 = positions_quarter(lengths)
     n_fi = fi_every_n(lengths)
     pfi = positions_every(lengths, n_fi)
-    cs = torch.tensor([0] + list(_cumsum([L // n_fi for L in lengths])), dtype=torch.int32, device=dev)
+    cs = torch.tensor([0] + list(accumulate(L // n_fi for L in lengths)), dtype=torch.int32, device=dev)
     r = {"h_qk": row.heads.h_qk, "h_v": HV, "mix": row.mix.label, "T": row.mix.T, "N": N,
          "state_dtype": str(state_dtype).replace("torch.", ""), "every_n": n_fi, "ckpt_ours": len(p4),
          "ckpt_fi": len(pfi)}
@@ -140,7 +141,7 @@ def _one_row(row, x, timer: dict, state_dtype, fi_op) -> dict:
         ours_serving(pb, posfi, cb)
         r["path_fi"] = op_serving.LAST_PATH["path"]
         r["err_o"] = _rel(o_serv, o_plain)
-        ends = [(p4.index(e), n) for n, (L, e) in enumerate(zip(lengths, _cumsum(lengths))) if L > 0]
+        ends = [(p4.index(e), n) for n, (L, e) in enumerate(zip(lengths, accumulate(lengths))) if L > 0]
         r["err_ckpt_end"] = max((_rel(ca[m].float(), pa[rows[n]].float()) for m, n in ends), default=0.0)
         a = flashinfer_inputs(x) if fi_op is not None else None
         if a is not None:
@@ -187,14 +188,6 @@ def _one_row(row, x, timer: dict, state_dtype, fi_op) -> dict:
         r["serving_fi_ms"] = r["serving_ms"]
     r["status"] = "ok"
     return r
-
-
-def _cumsum(xs):
-    out, s = [], 0
-    for v in xs:
-        s += v
-        out.append(s)
-    return out
 
 
 def run_serving(rows, opts, env: dict, commit: str, state_dtype: str = "bf16") -> int:

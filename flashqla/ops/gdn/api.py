@@ -108,8 +108,7 @@ def chunk_gated_delta_rule(
             host synchronisation (`flashqla.contract.assert_offsets_async`: starts at 0,
             non-decreasing, ends at most at T) by an asynchronous device assert enqueued before the
             kernels (CUDA-graph capturable; skipped while torch.compile traces). Costs eight small
-            launches: 24-212 us of host time per eager call on an H100 (up to 1.7x on a 256-token
-            call, which is why it is off by default). Bad offsets then end in a device-side assert
+            launches of host time per eager call (README "Valid inputs"; why it is off by default). Bad offsets then end in a device-side assert
             naming cu_seqlens at the next synchronisation, which leaves the CUDA context unusable;
             `check_inputs=True` reports them as a ValueError naming the entry instead (host sync).
             Without either check, offsets that decrease or pass T give out-of-bounds accesses.

@@ -4,9 +4,8 @@ The serving build (`recurrent.build_recurrent_serving_kernel`, record CF-4) stor
 it processes the chunk that holds position p_m: for chunk slot s, the checkpoints m in
 [ck_slots[s], ck_slots[s + 1]) end ck_j[m] (1..64) tokens into that chunk. `recurrent.checkpoint_tables`
 defines both tables with about twenty small torch ops (searchsorted, gathers, arithmetic); in a CUDA
-graph each costs a launch gap, about 45 us in all on an H200, which was most of the serving call's
-overhead over the plain call. `checkpoint_tables_device` computes the same tables (same values, int32)
-with one TileLang launch.
+graph each costs a launch gap (benchmarks/journal/serving.md). `checkpoint_tables_device` computes
+the same tables (same values, int32) with one TileLang launch.
 
 No host synchronisation: sizes come from shapes (M positions, S = `_common.num_slots` slots), every
 size is a run-time argument (a new batch never recompiles). Compile key: the dtypes of cu_seqlens
