@@ -111,6 +111,24 @@ def serving_bench_specs() -> list:
     return specs
 
 
+def sanitize_specs() -> list:
+    """The kernels of benchmarks/experiments/sanitize.py: its cases at 1 q/k and 2 value heads (plain,
+    split, fixed-length and packed, bf16 and fp16, int32 and int64 offsets, both value slice widths,
+    the serving build with checkpoints) and its --long case at 2/8 heads."""
+    from flashqla.ops.gdn.kernels.sm90.registry import op_kernel_specs, serving_kernel_specs
+
+    specs = []
+    for N in (1, 2, 3, 4, 5, 40):
+        for varlen in (False, True):
+            for dtype, seqs in (("bfloat16", ("int32", "int64")), ("float16", ("int32",))):
+                for sd in seqs:
+                    specs += op_kernel_specs(1, 2, N=N, varlen=varlen, dtype=dtype, seq_dtype=sd)
+    specs += serving_kernel_specs(1, 2, N=5, varlen=True, state_dtypes=("bfloat16",), state_layouts=("vk",),
+                                  checkpoints=(True,))
+    specs += op_kernel_specs(2, 8, N=1)
+    return list(dict.fromkeys(specs))
+
+
 def pack(cache_dir: str, out: str, limit_mb: float = 24.0) -> None:
     """tar.xz of the whole cache directory (TileLang keeps the host wrappers under
     `<version>/linux-x86_64/kernels/` and the cubins under `<version>/cuda-binaries/`: both are needed).
@@ -136,6 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tier", action="store_true", help="the GPU tier's kernels")
     ap.add_argument("--bench", action="store_true", help="the benchmark grids' kernels")
     ap.add_argument("--serving", action="store_true", help="the serving benchmark's builds (`flashqla.bench --serving`)")
+    ap.add_argument("--sanitize", action="store_true", help="benchmarks/experiments/sanitize.py's kernels")
     ap.add_argument("--fwd-only", action="store_true", help="with --bench: the forward grid's kernels only")
     ap.add_argument("--workers", type=int, default=None, help="worker processes (default: CPU count)")
     ap.add_argument("--pack", metavar="FILE", help="write the cache directory as FILE (tar.xz) afterwards")
@@ -143,6 +162,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     specs = (tier_specs() if args.tier else []) + (bench_specs(not args.fwd_only) if args.bench else [])
     specs += serving_bench_specs() if args.serving else []
+    specs += sanitize_specs() if args.sanitize else []
     specs = list(dict.fromkeys(specs))
     if args.list:
         for s in specs:

@@ -7,9 +7,11 @@
 #   FILE: test files under tests/gpu (default: fwd, bwd, autograd, cp, cp_kernels, qwen3_next)
 #   PRECOMPILE=0 skips the precompile step; BOX=<seconds> sets each file's time box (default 150).
 #   SANITIZE=1 adds a last stage: benchmarks/experiments/sanitize.py (forward + backward on tiny edge
-#   shapes against fp64) once plainly, which builds its kernels, then under compute-sanitizer's
-#   memcheck (every case) and racecheck (--tiny), each with PYTORCH_NO_CUDA_MEMORY_CACHING=1;
-#   SANITIZE=only runs that stage alone. Time boxes: SANITIZE_BOX (plain run, 150 s), MEMCHECK_BOX (240 s), RACECHECK_BOX (240 s);
+#   shapes against fp64, every kernel kind launched) once plainly, which builds its kernels, then under
+#   compute-sanitizer's memcheck (every case) and racecheck (--race: the cases that launch every
+#   kernel kind), each with PYTORCH_NO_CUDA_MEMORY_CACHING=1; SANITIZE_LONG=1 adds the long case
+#   (--long: T = 2^21, cp on) plainly against cp off and then under memcheck.
+#   SANITIZE=only runs that stage alone. Time boxes: SANITIZE_BOX (plain run, 150 s), MEMCHECK_BOX (240 s), RACECHECK_BOX (240 s), LONG_BOX (240 s);
 #   COMPUTE_SANITIZER=<path> if it is not on the PATH. Logs: sanitize.log, sanitize_memcheck.log,
 #   sanitize_racecheck.log (rc 3: the sanitizer reported an error; rc 1: a case failed its check).
 #
@@ -48,15 +50,27 @@ if [ "${SANITIZE:-0}" != 0 ]; then
   if [ ! -x "$SAN" ]; then
     echo "== compute-sanitizer not found (set COMPUTE_SANITIZER=<path>): memcheck and racecheck skipped"
   else
-    for tool in memcheck racecheck; do
-      if [ $tool = memcheck ]; then args=(); box=${MEMCHECK_BOX:-240}; else args=(--tiny); box=${RACECHECK_BOX:-240}; fi
+    stages=(memcheck racecheck)
+    if [ "${SANITIZE_LONG:-0}" = 1 ]; then
+      start=$(date +%s)
+      timeout ${LONG_BOX:-240} python benchmarks/experiments/sanitize.py --long --long-compare 2>&1 | filter > "$OUT/sanitize_long_plain.log"
+      echo "== sanitize.py --long --long-compare (plain): rc ${PIPESTATUS[0]}, $(( $(date +%s) - start )) s: $(verdict "$OUT/sanitize_long_plain.log")"
+      grep -E "FAILED|^long" "$OUT/sanitize_long_plain.log" | cut -c1-240 | head -8
+      stages+=(long)
+    fi
+    for stage in "${stages[@]}"; do
+      case $stage in
+        memcheck) tool=memcheck; args=(); box=${MEMCHECK_BOX:-240};;
+        racecheck) tool=racecheck; args=(--race); box=${RACECHECK_BOX:-240};;
+        long) tool=memcheck; args=(--long); box=${LONG_BOX:-240};;
+      esac
       start=$(date +%s)
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout $box "$SAN" --tool $tool --error-exitcode 3 \
-        python benchmarks/experiments/sanitize.py "${args[@]}" 2>&1 | filter > "$OUT/sanitize_$tool.log"
+        python benchmarks/experiments/sanitize.py "${args[@]}" 2>&1 | filter > "$OUT/sanitize_$stage.log"
       rc=${PIPESTATUS[0]}
-      echo "== compute-sanitizer --tool $tool: rc $rc, $(( $(date +%s) - start )) s: $(grep -E 'SUMMARY' "$OUT/sanitize_$tool.log" | tail -1 | sed 's/^=* *//'); $(verdict "$OUT/sanitize_$tool.log")"
-      grep -E "^=+ +(Invalid|Error|Warning|Program hit|Race|Uninitialized)" "$OUT/sanitize_$tool.log" | cut -c1-240 | head -8
-      grep -E "FAILED" "$OUT/sanitize_$tool.log" | cut -c1-240 | head -4
+      echo "== compute-sanitizer --tool $tool ${args[*]}: rc $rc, $(( $(date +%s) - start )) s: $(grep -E 'SUMMARY' "$OUT/sanitize_$stage.log" | tail -1 | sed 's/^=* *//'); $(verdict "$OUT/sanitize_$stage.log")"
+      grep -E "^=+ +(Invalid|Error|Warning|Program hit|Race|Uninitialized)" "$OUT/sanitize_$stage.log" | cut -c1-240 | head -8
+      grep -E "FAILED|never launched" "$OUT/sanitize_$stage.log" | cut -c1-240 | head -4
     done
   fi
 fi
