@@ -96,21 +96,27 @@ CASES = {
     "many short (BV 128)": dict(lengths=[1 + (7 * i) % 9 for i in range(40)]),
     "fp16 cp on": dict(lengths=[200, 0, 600], dtype=torch.float16, cp="on"),
     "serving": dict(lengths=[70, 0, 65, 5, 130], serving=True),
+    "fwd unsplit, bwd split": dict(lengths=[700, 0, 130, 300], functional=("off", "on")),
+    "fwd split kept, bwd unsplit": dict(lengths=[700, 0, 130, 300], functional=("on", "off")),
 }
 #: the one case of --tiny (racecheck)
 TINY = "empty-middle"
 #: --race: small cases that together launch every kernel kind (racecheck)
-RACE = ("empty-middle", "cp on", "cp on, inference", "cp on, fixed length", "many short (BV 128)", "fp16 cp on", "serving")
+RACE = ("empty-middle", "cp on", "cp on, inference", "cp on, fixed length", "many short (BV 128)", "fp16 cp on", "serving",
+        "fwd unsplit, bwd split", "fwd split kept, bwd unsplit")
 #: --long: one long sequence at 2 q/k and 8 value heads, split path (FLA #733, #740)
 LONG = dict(T=2**21, H=2, HV=8)
 
 
 def make_case(seed: int, B: int = 1, T: int | None = None, lengths=None, tail: int = 0, cu_dtype=torch.int32,
               dtype=torch.bfloat16, strong: float | None = None, beta: float | None = None, tiny_dht: bool = False,
-              views: bool = False, cp: str | None = None, grad: bool = True, serving: bool = False, **kw) -> dict:
+              views: bool = False, cp: str | None = None, grad: bool = True, serving: bool = False, functional=None,
+              **kw) -> dict:
     """Host inputs and cotangents (fp64 holding the values the device gets: q, k, v, do rounded to
     `dtype`, the rest to fp32). cp: the op's cp mode (None: its default); grad: through autograd
-    (False: the forward alone, under no_grad); serving: the pooled call of `serving_arguments`."""
+    (False: the forward alone, under no_grad); serving: the pooled call of `serving_arguments`;
+    functional: (forward cp, backward cp) through `chunk_gated_delta_rule_fwd` / `_bwd` instead of
+    autograd (`run_functional`)."""
     seqlens = None
     if lengths is not None:
         seqlens = list(lengths) + ([tail] if tail else [])
@@ -131,6 +137,7 @@ def make_case(seed: int, B: int = 1, T: int | None = None, lengths=None, tail: i
     for n in ("q", "k", "v", "do", "g", "beta", "initial_state", "dht"):
         x[n] = x[n].to(dtype if n in ("q", "k", "v", "do") else torch.float32).to(F64)
     x.update(dtype=dtype, views=views, lengths=lengths, T_valid=T - tail, cp=cp, grad=grad and not serving,
+             functional=functional,
              serving=serving_arguments(x, seed + 2) if serving else None)
     return x
 
@@ -187,6 +194,30 @@ def _serve(op, t: dict, cu, sv: dict, device, state_dtype) -> dict:
     return {"o": o, "pool": pool, "ckpt": cks}
 
 
+def run_functional(dev: dict, cu, cps: tuple) -> dict:
+    """Forward and backward through the functional API with different cp modes: ("off", "on") keeps A
+    and g_cum_log2 in the caller's slots and splits the backward longest first (the relayout to the
+    segments' slots and the launch-order kernel); ("on", "off") keeps the split forward's states and
+    runs the backward unsplit (the relayout back to the caller's slots)."""
+    import dataclasses
+
+    import flashqla
+    from flashqla.cp.plan import plan_for
+
+    f = flashqla.chunk_gated_delta_rule_fwd(dev["q"], dev["k"], dev["v"], dev["g"], dev["beta"],
+                                            initial_state=dev["initial_state"], output_final_state=True, cu_seqlens=cu,
+                                            cp=cps[0], keep_cp_states=cps[0] == "on")
+    kw = {}
+    if cps[1] == "on":
+        plan = plan_for(dev["q"], dev["v"], cu, force=True, exact=True, backward=True)
+        kw["plan"] = dataclasses.replace(plan, longest_first=True)
+    else:
+        kw["cp"] = "off"
+    grads = flashqla.chunk_gated_delta_rule_bwd(f.q, f.k, dev["v"], dev["g"], dev["beta"], f.A, f.g_cum_log2, dev["do"],
+                                                dev["dht"], None, dev["initial_state"], cu, cp_saved=f.cp_saved, **kw)
+    return {"o": f.o, "ht": f.final_state, **dict(zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads))}
+
+
 def run_ours(c: dict) -> dict:
     import flashqla
 
@@ -201,7 +232,9 @@ def run_ours(c: dict) -> dict:
     op = flashqla.chunk_gated_delta_rule
     if c["cp"] is not None:
         op = functools.partial(op, cp=c["cp"])
-    if c["serving"] is not None:
+    if c["functional"] is not None:
+        out = run_functional(dev, cu, c["functional"])
+    elif c["serving"] is not None:
         out = _serve(op, dev, cu, c["serving"], "cuda", torch.bfloat16)
     elif not c["grad"]:
         out = _forward(op, dev, cu, {})
