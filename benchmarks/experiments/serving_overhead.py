@@ -6,7 +6,9 @@ on the GPU and records the table in benchmarks/journal/).
 
     python benchmarks/experiments/serving_overhead.py [--rows 16/32:8192x4,2/8:1x32768] [--state-dtype bf16]
 
-Rows are H/HV:TxN (N sequences of T tokens, packed with cu_seqlens). Timing: CUDA graphs
+Rows are H/HV:TxN (N sequences of T tokens, packed with cu_seqlens). Columns: the plain call, the
+pooled call without checkpoints ("pool"), the pooled call with them ("serving"), and the overheads
+of the latter two over plain. Timing: CUDA graphs
 (`flashqla.bench.timing.time_cuda_graph`), median of replays, after warm-up, on random valid-domain
 inputs. Before timing, each row checks that the serving call took the kernel path and that its o is
 bitwise the plain call's (the checkpoints must not change o). Prints one table.
@@ -70,7 +72,7 @@ def main(argv=None) -> int:
     sdt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[a.state_dtype]
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | state storage {a.state_dtype}, layout vk, "
           f"4 checkpoints / sequence | CUDA graphs, median")
-    print(f"{'H/HV':>7} {'T x N':>10} {'plain ms':>10} {'serving ms':>11} {'overhead':>9}  path")
+    print(f"{'H/HV':>7} {'T x N':>10} {'plain ms':>10} {'pool ms':>9} {'serving ms':>11} {'pool only':>10} {'overhead':>9}  path")
     bad = 0
     for H, HV, T, N in parse_rows(a.rows):
         xd, cu, h0, pool, rows, pos, cks = make(H, HV, T, N, sdt)
@@ -83,6 +85,10 @@ def main(argv=None) -> int:
                                                    state_indices=rows, state_layout="vk", checkpoint_positions=pos,
                                                    checkpoint_states=cks)
 
+        def pool_only():  # the pool without checkpoints: what the checkpoints add is serving - pool_only
+            return flashqla.chunk_gated_delta_rule(**xd, initial_state=pool, output_final_state=True, cu_seqlens=cu,
+                                                   state_indices=rows, state_layout="vk")
+
         with torch.no_grad():
             o_plain, _ = plain()
             pool_copy = pool.clone()
@@ -92,10 +98,12 @@ def main(argv=None) -> int:
             same_o = torch.equal(o_plain, o_serv) if sdt == torch.float32 else None
             t_plain = time_cuda_graph(plain).ms
             t_serv = time_cuda_graph(serving).ms
+            t_pool = time_cuda_graph(pool_only).ms
         over = t_serv / t_plain - 1.0
         note = "" if same_o is not False else "  o differs from the plain call's!"
         bad += same_o is False or path != "kernel"
-        print(f"{H:>3}/{HV:<3} {T:>5} x {N:<3} {t_plain:>10.3f} {t_serv:>11.3f} {100 * over:>8.1f}%  {path}{note}")
+        print(f"{H:>3}/{HV:<3} {T:>5} x {N:<3} {t_plain:>10.3f} {t_pool:>9.3f} {t_serv:>11.3f} "
+              f"{100 * (t_pool / t_plain - 1):>9.1f}% {100 * over:>8.1f}%  {path}{note}")
     return 1 if bad else 0
 
 
