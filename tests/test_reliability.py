@@ -7,7 +7,8 @@ code did before the fix.
 - finding 4: the valid input domain (beta in [0, 1], finite inputs) checked where it costs no sync,
   and with `check_inputs=True`;
 - finding 2: cu_seqlens ending before T on CPU offsets; o's tail never uninitialised memory;
-- finding 1: `flashqla.distributed` ranks that disagree fail fast, with one error on every rank.
+- finding 1: `flashqla.distributed` ranks that disagree fail fast, with one error on every rank; a rank
+  that never backpropagates makes the others fail fast at the backward's check-in.
 """
 
 from __future__ import annotations
@@ -371,6 +372,257 @@ def test_ranks_that_disagree_fail_fast_with_one_error(tmp_path):
     assert "beta must be in [0, 1]" in ranks[1]["beta"][1]  # the rejecting rank raises its own error
     assert ranks[0]["ok"] == ranks[1]["ok"] == ("ok", ""), [r["ok"] for r in ranks]
     assert elapsed < 25, f"{elapsed:.1f} s: a rank waited for the group timeout"
+
+
+# the backward check-in (`flashqla.distributed.op._check_in`): a rank that ran the forward with grad
+# and never backpropagates makes the others raise within backward_timeout instead of hanging. One
+# spawn of 2 gloo ranks (file store) runs every scenario; the tests below read its results.
+# Measured cost (2 gloo ranks on a 2-core CPU machine, torch 2.13, T_r = 64, HV = 2, K = V = 8, fp64
+# reference backend, 1000 backwards each way, interleaved): the median backward took 0.2-0.45 ms
+# longer with backward_timeout=120 than with None (about 9 ms), with the file store (file://) and
+# with the TCP store (tcp://) alike, over 3 runs each. Before the check-in polled the file store
+# itself, the file store's own wait (it sleeps 10 ms between looks) cost 7.8 ms per backward.
+
+CHECKIN_T, CHECKIN_ITERS = 60, 5
+
+
+def _checkin_inputs(i: int) -> dict:
+    """Iteration i's global inputs of a two-layer chain (layer 2's v is layer 1's o) and loss weights."""
+    x1 = make_gdn_inputs(B=1, T=CHECKIN_T, H=1, HV=2, K=8, V=8, seqlens=[25, 35], initial_state=False, seed=100 + i)
+    x2 = make_gdn_inputs(B=1, T=CHECKIN_T, H=1, HV=2, K=8, V=8, seqlens=[25, 35], initial_state=False, seed=200 + i)
+    w = torch.randn(x1["v"].shape, generator=torch.Generator().manual_seed(300 + i), dtype=torch.float64)
+    leaves = {f"{n}1": x1[n] for n in ("q", "k", "v", "g", "beta")}
+    leaves.update({f"{n}2": x2[n] for n in ("q", "k", "g", "beta")})
+    return dict(leaves=leaves, cu=x1["cu_seqlens"], w=w)
+
+
+def _chain(leaves: dict, op, w, **kw):
+    """loss = sum(w * o2), o2 = op(q2, k2, o1, g2, beta2), o1 = op(q1, k1, v1, g1, beta1)."""
+    o1, _ = op(leaves["q1"], leaves["k1"], leaves["v1"], leaves["g1"], leaves["beta1"], **kw)
+    o2, _ = op(leaves["q2"], leaves["k2"], o1, leaves["g2"], leaves["beta2"], **kw)
+    return (o2 * w).sum()
+
+
+class _CountingStore:
+    """A store proxy counting the calls made through it."""
+
+    def __init__(self, store):
+        self.store, self.calls = store, 0
+
+    def __getattr__(self, name):
+        attr = getattr(self.store, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+def _checkin_rank(rank: int) -> dict:
+    """Every scenario on one rank of 2 (inside an initialised gloo group); returns what the tests check."""
+    import time
+
+    import torch.distributed as dist
+
+    from flashqla.distributed import build_cp_context, chunk_gated_delta_rule_cp
+    from flashqla.distributed import op as cp_op
+
+    world = dist.group.WORLD
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"flashqla/cp/{dist.distributed_c10d._get_process_group_name(world)}/"
+    record = cp_op._group_calls(world)
+    lo, hi = 30 * rank, 30 * (rank + 1)
+    out = dict(grads=[], present=[], num_keys=[])
+
+    def step(i, **kw):
+        x = _checkin_inputs(i)
+        ctx = build_cp_context(x["cu"])
+        leaves = {n: t[:, lo:hi].clone().requires_grad_(True) for n, t in x["leaves"].items()}
+        loss = _chain(leaves, chunk_gated_delta_rule_cp, x["w"][:, lo:hi], cp_context=ctx,
+                      backend=reference.chunk_gated_delta_rule, **kw)
+        loss.backward()
+        return {n: t.grad for n, t in leaves.items()}
+
+    def keys(call):
+        return [f"{prefix}{call}.0/{s}" for s in range(2)] + [f"{prefix}{call}.0/decision"]
+
+    # (2) training steps: two calls per step, their backwards in reverse order (call 2i + 1, then 2i)
+    base = record.calls
+    for i in range(CHECKIN_ITERS):
+        out["grads"].append(step(i))
+        dist.barrier()  # both ranks done with step i
+        out["present"].append([[store.check([k]) for k in keys(base + c)] for c in range(2 * i + 2)])
+        out["num_keys"].append(store.num_keys())
+        dist.barrier()
+
+    # (3) backward_timeout=None: no store call; a number: store calls; None on one rank only: the forward fails
+    counting = record.store = _CountingStore(record.store)
+    try:
+        step(0, backward_timeout=None)
+        out["calls_none"] = counting.calls
+        step(0, backward_timeout=30)
+        out["calls_30"] = counting.calls - out["calls_none"]
+    finally:
+        record.store = counting.store
+    try:
+        step(0, backward_timeout=None if rank == 0 else 5.0)
+        out["mixed"] = ("ok", "")
+    except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
+        out["mixed"] = (type(exc).__name__, str(exc))
+
+    # (1) rank 1 runs the forward with grad and never backpropagates; rank 0 backpropagates
+    x = _checkin_inputs(0)
+    ctx = build_cp_context(x["cu"])
+    leaves = {n: t[:, lo:hi].clone().requires_grad_(True) for n, t in x["leaves"].items()}
+    skipped = record.calls
+    loss = _chain(leaves, chunk_gated_delta_rule_cp, x["w"][:, lo:hi], cp_context=ctx,
+                  backend=reference.chunk_gated_delta_rule, backward_timeout=2)
+    if rank == 0:
+        t0 = time.perf_counter()
+        try:
+            loss.backward()
+            out["skip"] = ("ok", "", time.perf_counter() - t0)
+        except Exception as exc:  # noqa: BLE001
+            out["skip"] = (type(exc).__name__, str(exc), time.perf_counter() - t0)
+    del loss
+    dist.barrier()  # rank 1 waits here (the group's timeout is 30 s) until rank 0 has raised
+
+    # a rank that checks in after another has given up raises too (it must not enter the collective)
+    leaves = {n: t[:, lo:hi].clone().requires_grad_(True) for n, t in x["leaves"].items()}
+    loss = _chain(leaves, chunk_gated_delta_rule_cp, x["w"][:, lo:hi], cp_context=ctx,
+                  backend=reference.chunk_gated_delta_rule, backward_timeout=0.5 if rank == 0 else 60)
+    if rank == 1:
+        time.sleep(2.5)  # past rank 0's timeout (the file store's wait ends up to 1 s late)
+    t0 = time.perf_counter()
+    try:
+        loss.backward()
+        out["late"] = ("ok", "", time.perf_counter() - t0)
+    except Exception as exc:  # noqa: BLE001
+        out["late"] = (type(exc).__name__, str(exc), time.perf_counter() - t0)
+    del loss
+    dist.barrier()
+
+    # and the group goes on: a normal step after both failures, the failed calls' keys then deleted
+    out["after"] = step(1)
+    dist.barrier()
+    out["after_present"] = [store.check([k]) for c in range(skipped, skipped + 6) for k in keys(c)]
+    return out
+
+
+def _checkin_worker(rank: int, init_file: str, out_dir: str) -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        torch.save(_checkin_rank(rank), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+_CHECKIN: list = []
+
+
+def _checkin_results() -> list:
+    """The two ranks' results of `_checkin_rank`, from one spawn (a failed spawn is not retried)."""
+    if not _CHECKIN:
+        import os
+        import tempfile
+
+        import torch.multiprocessing as mp
+
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                mp.spawn(_checkin_worker, args=(os.path.join(tmp, "init"), tmp), nprocs=2, join=True)
+                _CHECKIN.append([torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)])
+            except Exception as exc:  # noqa: BLE001 - every test of the spawn reports it
+                _CHECKIN.append(exc)
+    if isinstance(_CHECKIN[0], Exception):
+        raise RuntimeError("the check-in spawn failed") from _CHECKIN[0]
+    return _CHECKIN[0]
+
+
+def test_rank_that_never_backpropagates_makes_the_others_fail_fast():
+    """Regression: a rank that ran the forward with grad and never backpropagated (here rank 1, which
+    only waits at a barrier) left rank 0 blocked in the backward's all-gather until the group's
+    timeout (30 s here; 30 min by default). Now rank 0 raises RuntimeError naming rank 1, the call
+    and the timeout after backward_timeout = 2 s (the file store's wait ends up to 1 s late). A rank
+    that checks in after another has given up raises too, instead of entering the collective alone."""
+    import re
+
+    r0, r1 = _checkin_results()
+    kind, msg, elapsed = r0["skip"]
+    assert kind == "RuntimeError", (kind, msg)
+    assert re.search(r"rank\(s\) \[1\] did not reach it within backward_timeout=2 s", msg), msg
+    assert "never backpropagated through o" in msg and "backward_timeout=None" in msg, msg
+    assert re.search(r"backward of call \d+ \(counting from 0 .*\) on process group .0.", msg), msg
+    assert 2.0 <= elapsed < 10, f"{elapsed:.1f} s (timeout 2 s, group timeout 30 s)"
+    kind0, msg0, _ = r0["late"]
+    kind1, msg1, elapsed1 = r1["late"]
+    assert kind0 == kind1 == "RuntimeError", (r0["late"], r1["late"])
+    assert "rank(s) [1] did not reach it within backward_timeout=0.5 s" in msg0, msg0
+    assert "reached it after rank 0 had stopped waiting" in msg1, msg1
+    assert elapsed1 < 5, f"the late rank took {elapsed1:.1f} s to raise"
+
+
+def test_backward_checkin_keeps_training_right_and_the_store_bounded():
+    """Five steps of a two-layer chain (layer 2's v is layer 1's o; the backwards run in reverse call
+    order) on 2 ranks: the gradients match the single-process reference op on the whole batch, and
+    after every step the store holds only the keys of the step's last check-in (call 2i: both ranks'
+    keys and its decision), every earlier call's keys deleted. After the two failed check-ins (above)
+    a normal step still runs, and deletes their keys."""
+    from flashqla.testing import rel_rms
+
+    ranks = _checkin_results()
+    for i in range(CHECKIN_ITERS):
+        x = _checkin_inputs(i)
+        leaves = {n: t.clone().requires_grad_(True) for n, t in x["leaves"].items()}
+        _chain(leaves, reference.chunk_gated_delta_rule, x["w"], cu_seqlens=x["cu"]).backward()
+        step = [r["grads"][i] for r in ranks]
+        for n, t in leaves.items():
+            got = torch.cat([s[n] for s in step], dim=1)
+            assert rel_rms(got, t.grad) <= 1e-12, (i, n, rel_rms(got, t.grad))
+        if i == 1:
+            after = [r["after"] for r in ranks]
+            for n, t in leaves.items():
+                assert rel_rms(torch.cat([s[n] for s in after], dim=1), t.grad) <= 1e-12, n
+        for r in ranks:
+            present = r["present"][i]
+            expect = [[c == 2 * i] * 3 for c in range(2 * i + 2)]
+            assert present == expect, (i, present)
+    assert len(set(ranks[0]["num_keys"][1:])) == 1, ranks[0]["num_keys"]
+    for r in ranks:  # the keys of the failed check-ins deleted; of the last step, its first call's kept
+        assert r["after_present"] == [False] * 12 + [True] * 3 + [False] * 3, r["after_present"]
+
+
+def test_backward_timeout_none_makes_no_checkin():
+    """backward_timeout=None: the backward makes no store call (a counting store proxy sees none, and
+    does see the check-in's calls with backward_timeout=30); None on one rank and a number on the
+    other fails at the forward on both ranks (the check-in would wait for a rank that never checks in)."""
+    for r in _checkin_results():
+        assert r["calls_none"] == 0, r["calls_none"]
+        assert r["calls_30"] >= 2 * 3, r["calls_30"]  # two calls: set, wait, compare_set each (and deletes)
+        kind, msg = r["mixed"]
+        assert kind == "ValueError" and "disagree on backward_timeout: ranks [0] pass None" in msg, r["mixed"]
+
+
+@pytest.mark.parametrize("value, exc", [(0, ValueError), (-1.0, ValueError), (math.nan, ValueError), (math.inf, ValueError),
+                                        (1e10, ValueError), ("5", TypeError), (True, TypeError)])
+def test_bad_backward_timeout_rejected_naming_it(value, exc):
+    """backward_timeout must be None or a number of seconds in (0, 1e9]: anything else raises before any
+    collective, naming the argument (on several ranks the fingerprint publishes it as the others' error)."""
+    from flashqla.distributed import build_cp_context, chunk_gated_delta_rule_cp
+
+    x = make_gdn_inputs(B=1, T=50, H=1, HV=2, K=8, V=8, initial_state=False)
+    ctx = build_cp_context(torch.tensor([0, 100]), rank=0, world_size=2)
+    with pytest.raises(exc, match=r"^backward_timeout must be"):
+        chunk_gated_delta_rule_cp(*(x[n] for n in ("q", "k", "v", "g", "beta")), cp_context=ctx,
+                                  backend=reference.chunk_gated_delta_rule, backward_timeout=value)
 
 
 # ------------------------------------------------------------------------------------------------

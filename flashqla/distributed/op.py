@@ -32,7 +32,8 @@ treated as an "open" sequence (its entering state S_in is known only after the e
     2. E, D            E_j = sum_t U_t do_t^T per corrected segment (GEMMs); the gradient reaching
                        S_in, D = sum_j A_j^T E_j + P_piece^T dht_0 over piece 0's segments (BWD-dSin;
                        dht_0 the final-state gradient when piece 0 ends its sequence here, else 0)
-    3. all-gather      D, one buffer [HV, K, V] per rank
+    3. all-gather      D, one buffer [HV, K, V] per rank (after the backward check-in: the op's
+                       docstring)
     4. reverse scan    X = the gradient of the state leaving the last piece: from the rank holding
                        the sequence's last token, X <- D_r + P_r^T X over the ranks in between
     5. backward        the reverse segment scan with terminal gradients (X on a continuing last
@@ -56,7 +57,7 @@ not split, an empty shard):
     1. D               if piece 0 continues, without a backward pass: o_t = o0_t + S_in^T U_t and
                        end state P_0 S_in + E_0, so D = sum_t U_t do_t^T + P_0^T dht_0 (BWD-dSin with
                        one segment); U recomputed by the transition run, P_0 kept from the forward
-    2. all-gather      D; 3. reverse scan X as above
+    2. all-gather      D (after the check-in); 3. reverse scan X as above
     4. local backward  ONE backward over all pieces with their true entering states (S_in for piece
                        0), the cotangent do, and dht = the final-state gradient on pieces that end
                        their sequence here, X on a last piece that continues
@@ -79,7 +80,13 @@ simulated single-device form is `reference.gdn.cp`, the intra-device passes `fla
 
 from __future__ import annotations
 
+import datetime
 import hashlib
+import math
+import numbers
+import threading
+import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -137,6 +144,206 @@ class _Run:
     output_final_state: bool
     state_dtype: torch.dtype
     shape: tuple = ()  # (HV, K, V)
+    checkin: _CheckIn | None = None  # the backward's check-in (None: none, see `_register_call`)
+
+
+# ------------------------------------------------------------------------------------------------
+# the backward check-in: a bounded rendezvous through the store before the backward's collective
+# ------------------------------------------------------------------------------------------------
+
+#: The largest backward_timeout accepted, in seconds (None is the way to wait without a bound).
+_MAX_BACKWARD_TIMEOUT = 1e9
+#: A file store's wait polls its file every 10 ms; on one, the check-in first polls it itself, every
+#: 0.1 ms, for this many seconds (the ranks mostly arrive within that of each other).
+_FILE_STORE_POLL_S = 0.005
+
+
+def _check_backward_timeout(t):
+    """backward_timeout as a float, or None. Raises TypeError / ValueError naming it."""
+    if t is None:
+        return None
+    if isinstance(t, bool) or not isinstance(t, numbers.Real):
+        raise TypeError(f"backward_timeout must be None or a number of seconds, got {type(t).__name__}")
+    t = float(t)
+    if not (math.isfinite(t) and 0 < t <= _MAX_BACKWARD_TIMEOUT):
+        raise ValueError(f"backward_timeout must be None or a number of seconds in (0, {_MAX_BACKWARD_TIMEOUT:g}], "
+                         f"got {t!r}")
+    return t
+
+
+def _checkin_store(group):
+    """(store, key prefix, the group's global ranks, whether the store is a file store) of the
+    check-in on `group`, or (None, None, None, False) when they cannot be had (a group that
+    torch.distributed does not know, a torch without these helpers): then the backward makes no
+    check-in. The store is torch.distributed's default store, which every group of the world shares
+    (c10d builds each group's own store as a prefix of it); the prefix holds the group's name, which
+    c10d makes the same on every rank and unique among the world's groups."""
+    if group is None:
+        return None, None, None, False
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        store = c10d._get_default_store()
+        ranks = tuple(int(r) for r in dist.get_process_group_ranks(group))
+        name = c10d._get_process_group_name(group)
+    except (AttributeError, ImportError, KeyError, RuntimeError, ValueError):
+        return None, None, None, False
+    base = store
+    while isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
+    return store, f"flashqla/cp/{name}/", ranks, isinstance(base, dist.FileStore)
+
+
+class _GroupCalls:
+    """This process's record of one process group: `calls`, the number of calls so far that will run
+    the backward (the next call's number; the same on every rank, since every rank makes the same
+    calls in the same order, which the fingerprint checks call by call), the check-in store
+    (`_checkin_store`; None: no check-in) and `pending`, this rank's check-in keys still in the
+    store, oldest first (`_check_in` deletes them)."""
+
+    def __init__(self, group):
+        self.lock = threading.Lock()
+        self.calls = 0
+        self.pending = []
+        self.store, self.prefix, self.ranks, self.file_store = _checkin_store(group)
+
+
+#: process group -> its `_GroupCalls` (weak: a destroyed group's record goes with it).
+_GROUPS = weakref.WeakKeyDictionary()
+_GROUPS_LOCK = threading.Lock()
+
+
+def _group_calls(group) -> _GroupCalls:
+    with _GROUPS_LOCK:
+        try:
+            calls = _GROUPS.get(group)
+            if calls is None:
+                calls = _GROUPS[group] = _GroupCalls(group)
+        except TypeError:  # a group object that takes no weak reference: no record, no check-in
+            return _GroupCalls(None)
+    return calls
+
+
+@dataclass(eq=False)
+class _CheckIn:
+    """One call's backward check-in: its group record, its call number, this rank and the group's size,
+    the timeout in seconds, and how many backwards of the call this rank has begun (retain_graph)."""
+
+    group: _GroupCalls
+    call: int
+    rank: int
+    world_size: int
+    timeout: float
+    attempts: int = 0
+
+
+def _register_call(ctx: CPContext, requires_grad: bool, timeout) -> _CheckIn | None:
+    """Number a call that will run the backward on more than one rank (every such call counts, whatever
+    backward_timeout, so that the numbers stay the same on every rank); its check-in, or None (no
+    backward, one rank, backward_timeout None, or no store)."""
+    if not requires_grad or ctx.world_size == 1 or ctx.group is None:
+        return None
+    calls = _group_calls(ctx.group)
+    with calls.lock:
+        call = calls.calls
+        calls.calls += 1
+    if timeout is None or calls.store is None:
+        return None
+    return _CheckIn(calls, call, ctx.rank, ctx.world_size, timeout)
+
+
+def _check_in(ci: _CheckIn) -> None:
+    """The check-in of one backward, before its collective. Returns when every rank of the group has
+    checked in; raises RuntimeError on every rank that checked in when one rank has not within the
+    timeout, so that no rank of the group enters this backward's collective.
+
+    Keys, under the group's prefix, for backward `a` (0, then 1, ... with retain_graph) of call `c`:
+    "c.a/<rank>" (set by each rank as it arrives) and "c.a/decision" (written once, by compare_set,
+    by the first rank to decide: "go", or "abort <rank> <timeout> <missing ranks>").
+
+    1. set my key; wait (bounded) for every rank's key (a file store: polled every 0.1 ms for the
+       first 5 ms, then its own wait).
+    2. The wait returned: decide "go". It timed out: the ranks whose key is missing; none (they came
+       just after the timeout): "go"; else "abort ...".
+    3. compare_set the decision (it sets only if no rank has decided yet) and follow the value it
+       returns, whoever wrote it: go on, or raise.
+    So the ranks never split: "go" is written only once every key is there (every rank has arrived
+    and will read the decision), and a rank that arrives after another has written "abort" reads it
+    and raises too; a rank that never arrives raises nothing here (it is elsewhere).
+
+    Clean-up (the store does not grow): after reading "go" for backward X, this rank deletes every key
+    it set at earlier check-ins (group rank 0 also their decision keys); X's keys stay until its next
+    "go". Safe: "go" for X means every rank has set its key of X, which a rank does at its check-in
+    for X, after its check-ins for all earlier backwards are over (each waits, decides and reads in
+    order), so no rank reads an earlier key again. The ranks run the backwards in one order (the
+    backward's collectives need that already). Each call's number is fixed at its forward, so this
+    holds whatever order the backwards take (reverse layer order, as a model's backward does). Left in
+    the store: W keys and one decision per group, plus the decision of an aborted check-in that group
+    rank 0 never reached."""
+    calls, r, W = ci.group, ci.rank, ci.world_size
+    store = calls.store
+    base = f"{calls.prefix}{ci.call}.{ci.attempts}/"
+    ci.attempts += 1
+    keys = [f"{base}{s}" for s in range(W)]
+    decision = base + "decision"
+    store.set(keys[r], b"1")
+    with calls.lock:
+        calls.pending.append(keys[r])
+        if r == 0:
+            calls.pending.append(decision)
+    arrived, start = False, time.perf_counter()
+    if calls.file_store:  # its wait sleeps 10 ms between looks: poll faster first
+        poll = min(_FILE_STORE_POLL_S, ci.timeout)
+        while not (arrived := store.check(keys)) and time.perf_counter() - start < poll:
+            time.sleep(1e-4)
+    try:
+        if not arrived:
+            left = max(ci.timeout - (time.perf_counter() - start), 1e-3)
+            store.wait(keys, datetime.timedelta(seconds=left))
+        missing = []
+    except RuntimeError:  # the timeout (c10d's DistStoreError, or the FileStore's RuntimeError)
+        missing = [s for s in range(W) if not store.check([keys[s]])]
+    mine = "go" if not missing else f"abort {r} {ci.timeout!r} {','.join(map(str, missing))}"
+    verdict = store.compare_set(decision, "", mine)
+    verdict = verdict.decode() if isinstance(verdict, bytes) else str(verdict)
+    if verdict == "go":
+        with calls.lock:
+            i = calls.pending.index(keys[r])
+            old = calls.pending[:i]
+            del calls.pending[:i]
+        for key in old:
+            store.delete_key(key)
+        return
+    raise RuntimeError(_abort_message(ci, verdict))
+
+
+def _abort_message(ci: _CheckIn, verdict: str) -> str:
+    _, setter, timeout, missing = verdict.split(" ", 3)
+    setter, missing = int(setter), [int(s) for s in missing.split(",")]
+    calls, r = ci.group, ci.rank
+    where = f"call {ci.call} (counting from 0 this process's calls with grad on the group)"
+    where += f", backward {ci.attempts} of it" if ci.attempts > 1 else ""
+    glob = ""
+    if calls.ranks is not None and calls.ranks != tuple(range(ci.world_size)):
+        glob = f" (global ranks {[calls.ranks[s] for s in missing]})"
+    whose = "this rank's" if setter == r else f"rank {setter}'s"
+    late = (f" This rank reached it after rank {setter} had stopped waiting." if r in missing and setter != r else "")
+    return (f"chunk_gated_delta_rule_cp: the backward of {where} on process group {calls.prefix.split('/')[2]!r}: "
+            f"rank(s) {missing}{glob} did not reach it within backward_timeout={float(timeout):g} s ({whose}), "
+            f"so rank {r} stops here and no rank of the group enters this backward's collective.{late} Likely "
+            "cause: those ranks ran the forward with grad and never backpropagated through o: an exception on "
+            "that rank or a loss that does not use o. Every rank must backpropagate through every call it made "
+            "with grad (or make the call under torch.no_grad()). If a rank can be later than that, pass a "
+            "larger backward_timeout= (seconds), or backward_timeout=None to wait for the process group's "
+            "timeout instead.")
+
+
+def _backward_all_gather(D: torch.Tensor, run: _Run) -> torch.Tensor:
+    """The backward's all-gather of D, after the check-in (`_check_in`) when the call has one."""
+    if run.checkin is not None:
+        _check_in(run.checkin)
+    return _all_gather(D, run.ctx)
 
 
 def _entering_states(run: _Run, h0, S_in, device):
@@ -307,7 +514,7 @@ def _cp_backward_segments(run: _Run, keep, q, k, v, g, beta, h0, do, dfinal):
     dht = _terminal_grads(run, dfinal, dev)
 
     def exchange(D):
-        dS = _all_gather(D if D is not None else torch.zeros(HV, K, V, dtype=sdt, device=dev), ctx)
+        dS = _backward_all_gather(D if D is not None else torch.zeros(HV, K, V, dtype=sdt, device=dev), run)
         return _scan_leaving_grad(dS, keep["P_between"], ctx) if ctx.last_continues else None
 
     *grads, dh0_loc = cp_backward_open(run.backend.cp_backend, q, k, v, g, beta, do, dht, run.scale, keep["saved"],
@@ -361,7 +568,7 @@ def _cp_backward(run: _Run, keep, q, k, v, g, beta, h0, do, dfinal):
         return _cp_backward_segments(run, keep, q, k, v, g, beta, h0, do, dfinal)
     dht = _terminal_grads(run, dfinal, dev) if n else None
     D = _entering_grad(run, keep, q, k, g, beta, do, dht) if ctx.first_continues else torch.zeros(HV, K, V, dtype=sdt, device=dev)
-    dS = _all_gather(D, ctx)  # [W, HV, K, V]
+    dS = _backward_all_gather(D, run)  # [W, HV, K, V]
     if ctx.last_continues:
         dht[-1] = _scan_leaving_grad(dS, keep["P_between"], ctx)
 
@@ -420,7 +627,7 @@ class _CPFunction(torch.autograd.Function):
 
 
 def _check_local(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-                 cp_context, group, backend):
+                 cp_context, group, backend, backward_timeout):
     """The checks of one rank's arguments that need no collective: (dims, backend, global offsets
     or None). Raises TypeError / ValueError / RuntimeError naming the argument."""
     if cp_context is not None:
@@ -431,6 +638,7 @@ def _check_local(q, k, v, g, beta, scale, initial_state, output_final_state, cu_
         if group is not None:
             raise ValueError("give cp_context or group, not both (the context holds its group)")
     d = check_gdn_inputs(q, k, v, g, beta, scale, None, output_final_state, None)
+    _check_backward_timeout(backward_timeout)
     if d.B != 1:
         raise ValueError(f"q: context parallelism takes one packed batch row, B == 1 (pack sequences with cu_seqlens), got B = {d.B}")
     if not isinstance(use_qk_l2norm_in_kernel, bool):
@@ -467,10 +675,11 @@ def _check_local(q, k, v, g, beta, scale, initial_state, output_final_state, cu_
 #: "will run backward", "local_len"): name in the error, how to read it.
 _FIELDS = ("cu_seqlens (the global offsets)", "the shard table (shard_lens)", "H (q.shape[2])", "K (q.shape[3])",
            "HV (v.shape[2])", "V (v.shape[3])", "q's dtype", "g's dtype", "beta's dtype",
-           "initial_state (None, or its dtype and shape)", "output_final_state", "use_qk_l2norm_in_kernel", "scale")
+           "initial_state (None, or its dtype and shape)", "output_final_state", "use_qk_l2norm_in_kernel", "scale",
+           "backward_timeout (None on some ranks, a number on others)")
 #: The arguments a rank's rejected input is reported by (the first word of its error, else "an argument").
 _ARGS = ("an argument", "q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state", "cu_seqlens",
-         "use_qk_l2norm_in_kernel", "cp_context", "group", "backend")
+         "use_qk_l2norm_in_kernel", "cp_context", "group", "backend", "backward_timeout")
 
 
 def _digest(value) -> int:
@@ -483,13 +692,14 @@ def _dtype_code(dt) -> int:
 
 
 def _agree(q, v, g, beta, scale, initial_state, output_final_state, use_l2, cp_context, cu, d, requires_grad, error,
-           group_info):
+           group_info, checks_in=False):
     """Before the call's first collective: one all-gather of a small int64 fingerprint per rank ("my
     checks passed", which argument failed, "I will run the backward", my shard length, a digest of
-    the global cu_seqlens and of the shard table, the head counts and dims, the dtypes, the flags and
-    the scale). Raises on every rank, naming the argument and the ranks, when a rank's checks failed
-    (that rank re-raises its own error, with a note) or the ranks disagree; returns the shard lengths
-    of every rank (a context-free call's shard table)."""
+    the global cu_seqlens and of the shard table, the head counts and dims, the dtypes, the flags, the
+    scale and whether the backward will check in, `checks_in`). Raises on every rank, naming the
+    argument and the ranks, when a rank's checks failed (that rank re-raises its own error, with a
+    note) or the ranks disagree; returns the shard lengths of every rank (a context-free call's shard
+    table)."""
     if error is not None and group_info is None:
         raise error
     group, rank, W = group_info
@@ -511,7 +721,7 @@ def _agree(q, v, g, beta, scale, initial_state, output_final_state, use_l2, cp_c
                   _dtype_code(q.dtype), _dtype_code(g.dtype), _dtype_code(beta.dtype),
                   -1 if initial_state is None else _digest((str(initial_state.dtype), tuple(initial_state.shape))),
                   int(bool(output_final_state)),
-                  int(use_l2), _digest(None if scale is None else float(scale))]
+                  int(use_l2), _digest(None if scale is None else float(scale)), int(bool(checks_in))]
         local_len = d.T
     else:
         fields, local_len = [0] * len(_FIELDS), 0
@@ -543,6 +753,11 @@ def _agree(q, v, g, beta, scale, initial_state, output_final_state, use_l2, cp_c
                                  f"{detail}; the backward is a collective, so every rank must backpropagate through "
                                  "the op or none (pass inputs that require grad on every rank, or run every rank "
                                  "under torch.no_grad())")
+            if name.startswith("backward_timeout"):
+                raise ValueError(f"chunk_gated_delta_rule_cp: the ranks disagree on backward_timeout: ranks "
+                                 f"{groups.get(0, [])} pass None (no backward check-in), ranks {groups.get(1, [])} a "
+                                 "number of seconds; the check-in waits for every rank, so backward_timeout must be "
+                                 "None on every rank or on none (the numbers may differ)")
             shown = "; ".join(f"ranks {rs}" + ("" if name.split(" ")[0] in ("cu_seqlens", "the", "scale", "initial_state") else
                                                 f" have {c}") for c, rs in groups.items())
             raise ValueError(f"chunk_gated_delta_rule_cp: the ranks disagree on {name}: {shown} (every rank must pass "
@@ -565,6 +780,7 @@ def chunk_gated_delta_rule_cp(
     cp_context: CPContext | None = None,
     group=None,
     backend=None,
+    backward_timeout: float | None = 120.0,
 ):
     """Gated DeltaNet chunked prefill with the tokens of one packed batch sharded across the ranks of a
     torch.distributed process group (context parallelism), forward and backward (autograd).
@@ -579,17 +795,34 @@ def chunk_gated_delta_rule_cp(
     Agreement (on more than one rank): before its first collective a call all-gathers one small
     int64 fingerprint per rank (whether its argument checks passed and which argument failed,
     whether it will run the backward, its shard length, digests of the global cu_seqlens, the
-    shard table, initial_state's dtype and shape and the scale, H, K, HV, V, the dtypes and the
-    flags). A rank whose checks failed raises its own error, with a note naming the ranks; every
-    other rank raises ValueError naming the ranks and the argument; ranks that disagree all raise
-    ValueError naming the field and which ranks have which value. So no rank computes on
-    mismatched plans and none waits for the group's timeout. "Will run the backward" is grad mode
-    with an input that requires grad: ranks that differ there fail at the forward. A rank that
-    takes the grad path and then does not backpropagate through o (an exception, a loss without o)
-    still leaves the others waiting in the backward's collective until the group's timeout
-    (`init_process_group(timeout=...)`): that cannot be seen at the forward. Without cp_context
-    the fingerprint carries the shard lengths (no separate gather of them). Cost per call: that
-    all-gather and a host synchronisation (the fingerprints are compared on the host).
+    shard table, initial_state's dtype and shape and the scale, H, K, HV, V, the dtypes, the flags
+    and whether backward_timeout is None). A rank whose checks failed raises its own error, with a
+    note naming the ranks; every other rank raises ValueError naming the ranks and the argument;
+    ranks that disagree all raise ValueError naming the field and which ranks have which value. So
+    no rank computes on mismatched plans and none waits for the group's timeout. "Will run the
+    backward" is grad mode with an input that requires grad: ranks that differ there fail at the
+    forward. Without cp_context the fingerprint carries the shard lengths (no separate gather of
+    them). Cost per call: that all-gather and a host synchronisation (the fingerprints are compared
+    on the host).
+
+    Backward check-in (on more than one rank, backward_timeout not None): a rank that takes the grad
+    path and then never backpropagates through o (an exception, a loss without o) cannot be seen at
+    the forward. So every call that will run the backward gets a number, the same on every rank
+    (the count of such calls on the group in this process), and its backward, before its
+    collective, checks in through torch.distributed's default store (on the host, whatever the
+    backend, gloo or NCCL): the rank sets its key for the call, waits at most backward_timeout
+    seconds for every rank's key, then reads the call's decision, which the first rank to decide
+    writes once ("go" only when every rank has checked in). When a rank has not checked in in time,
+    every rank that has raises RuntimeError naming the missing ranks, the call and the timeout, and
+    no rank enters that backward's collective; a rank that checks in later reads the decision and
+    raises too. A rank deletes its keys of a call at its next successful check-in, so the store
+    holds about W + 1 keys per group. Cost per backward: four store round trips (set, wait,
+    compare-and-set, delete of the rank's previous key; group rank 0 also deletes the previous
+    decision), the wait a host-side rendezvous of the ranks (on a file store, `init_method="file://"`,
+    a poll of the file every 0.1 ms for up to 5 ms before the store's own wait).
+    backward_timeout=None: no check-in, and a rank that does not backpropagate leaves the others in
+    the backward's collective until the group's timeout (`init_process_group(timeout=...)`), as does
+    a group torch.distributed cannot name (no store, no ranks: no check-in).
 
     Args (FLA's layout; each rank passes ITS OWN SHARD, tokens [start, end) of the global batch):
         q, k: [1, T_r, H, K]; v: [1, T_r, HV, V]; g: [1, T_r, HV] natural-log decay (<= 0);
@@ -612,6 +845,9 @@ def chunk_gated_delta_rule_cp(
             mode $FLASHQLA_CP, default "auto"), "kernels" (the same), a backend object such as
             `KernelBackend(cp="off" | "auto" | "on")`, or any op with FLA's signature and autograd
             (for instance reference.chunk_gated_delta_rule on CPU).
+        backward_timeout: seconds, a number in (0, 1e9], that the backward waits at its check-in
+            for the other ranks (see Backward check-in), or None: no check-in. The ranks may pass
+            different numbers, but None on every rank or on none (the fingerprint checks it).
 
     Returns:
         (o, final_state): o [1, T_r, HV, V] in q's dtype, this rank's tokens. final_state: None
@@ -627,9 +863,11 @@ def chunk_gated_delta_rule_cp(
             (q); T_r != the context's shard length (q); initial_state not [N, HV, K, V] with the
             global N; cu_seqlens given with cp_context; cp_context and group both given; cu_seqlens
             or shard lengths invalid (`build_cp_context`); backend unknown or None on a non-CUDA
-            device; the backend's own checks (dtypes, head dims).
+            device; the backend's own checks (dtypes, head dims); backward_timeout not None or a
+            number in (0, 1e9] (TypeError for a non-number).
         RuntimeError: torch.distributed not initialized (no cp_context), a context without a process
-            group on more than one rank, the kernels' device check.
+            group on more than one rank, the kernels' device check. In the backward: a rank of the
+            group not at the check-in within backward_timeout (see Backward check-in).
 
     Source: FLA's context parallelism (`fla.ops.cp`: per-rank transition and zero-start state,
     all-gather, merge; its `build_cp_context` / `cp_context=` API shape); algorithm here by derivation
@@ -640,7 +878,7 @@ def chunk_gated_delta_rule_cp(
     error, d, be, cu, group_info = None, None, None, None, None
     try:  # every local check; a failure is published to the other ranks before it is raised
         d, be, cu = _check_local(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                 use_qk_l2norm_in_kernel, cp_context, group, backend)
+                                 use_qk_l2norm_in_kernel, cp_context, group, backend, backward_timeout)
     except (TypeError, ValueError, RuntimeError) as exc:
         error = exc
     if isinstance(cp_context, CPContext):
@@ -653,7 +891,7 @@ def chunk_gated_delta_rule_cp(
                 raise error from None
             raise
     lens = _agree(q, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cp_context, cu, d,
-                  requires_grad, error, group_info)
+                  requires_grad, error, group_info, requires_grad and backward_timeout is not None)
     if cp_context is None:
         cp_context = build_cp_context(cu, group_info[0], shard_lens=lens)
     ctx = cp_context
@@ -664,6 +902,8 @@ def chunk_gated_delta_rule_cp(
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    run = _Run(ctx, be, scale, bool(output_final_state), be.state_dtype(q, g, beta, initial_state), (d.HV, d.K, d.V))
+    checkin = _register_call(ctx, requires_grad, _check_backward_timeout(backward_timeout))
+    run = _Run(ctx, be, scale, bool(output_final_state), be.state_dtype(q, g, beta, initial_state), (d.HV, d.K, d.V),
+               checkin)
     o, final = _CPFunction.apply(q, k, v, g, beta, initial_state, run)
     return o, (final if output_final_state else None)
