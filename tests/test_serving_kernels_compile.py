@@ -28,7 +28,8 @@ def test_serving_options_are_checked():
 
 def test_serving_build_lowers():
     """The serving build with bf16 vk states and checkpoints lowers for sm_90a: states are read and
-    written through the row tables, the checkpoint product is a wgmma over half the columns."""
+    written through the row tables, the checkpoint product is a wgmma over half the columns, and a
+    chunk without checkpoints takes the plain build's order (a run-time branch on its table range)."""
     tilelang = pytest.importorskip("tilelang")
     from tilelang import tvm
 
@@ -40,7 +41,10 @@ def test_serving_build_lowers():
     assert "gdn_recurrent_serving_fwd" in src
     for name in ("state_read", "state_write", "ck_slots", "ck_j", "ckpt"):
         assert name in src, f"{name} is not used by the serving build"
-    assert src.count("wgmma_rs<") == 4 + 1, "chain: U, vn, S update, the checkpoint half; output: O += Pg vn"
+    # chain: U, vn, the checkpoint half, the S update in each order (chunks with checkpoints publish vn
+    # first; chunks without run the plain build's order); output: O += Pg vn
+    assert src.count("wgmma_rs<") == 5 + 1, "chain: U, vn, checkpoint half, S update x 2; output: O += Pg vn"
+    assert "if (m_hi <= m_lo)" in src, "chunks without a checkpoint should take the plain order at run time"
     assert "64, 64, 16, false, true" in src, "the checkpoint's wgmma should be 64 columns (half of K) wide"
 
 

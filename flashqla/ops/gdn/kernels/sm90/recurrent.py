@@ -373,8 +373,10 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
       m_j,i = exp2(gc_{j-1} - gc_i) for i < j (else 0), a masked copy of the chunk's own state update
       (one wgmma on the chunk's vn^T and k tile), into a separate accumulator, and stores it to
       ckpt[m] in `state_layout` / `state_dtype`. The chunk's state and vn^T are not changed by it: in a
-      chunk with checkpoints the chain scales S by gamma_C after them instead of during U = S K^T (the
-      same products), so o and the states do not depend on the checkpoints.
+      chunk with checkpoints the chain publishes vn^T first and scales S by gamma_C after them instead
+      of during U = S K^T (the same products), so o and the states do not depend on the checkpoints;
+      a chunk without checkpoints (an empty [ck_slots[slot], ck_slots[slot + 1]), read at run time)
+      runs the plain build's order.
     """
     import tilelang.language as T
     from tilelang.layout import make_swizzled_layout
@@ -487,6 +489,8 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                     mvt_b = T.alloc_fragment((BV, C), dtype)
                     gj = T.alloc_local((1,), acc)
                     jj = T.alloc_var("int32")
+                    m_lo = T.alloc_var("int32")  # this chunk's checkpoints: [m_lo, m_hi)
+                    m_hi = T.alloc_var("int32")
                 if use_h0 != 0 and state_read[n] >= 0:
                     load_state(st, h0, state_read[n], hv, v0)
                 else:
@@ -506,7 +510,14 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                         gam_f[j] = T.exp2(gc_s[s, j])
                         r_f[j] = T.exp2(T.min(gc_s[s, C - 1] - gc_s[s, j], T.float32(0)))
                     gcl[0] = T.exp2(gc_s[s, C - 1])
-                    if not checkpoints:
+                    if checkpoints:
+                        # this chunk's checkpoints (none: the plain build's order below)
+                        m_lo = ck_slots[slot0 + c]
+                        m_hi = ck_slots[slot0 + c + 1]
+                        if m_hi <= m_lo:
+                            for i, j in T.Parallel(BV, K):
+                                st[i, j] = st[i, j] * gcl[0]
+                    else:
                         for i, j in T.Parallel(BV, K):
                             st[i, j] = st[i, j] * gcl[0]
                     T.wait_wgmma(0)
@@ -521,14 +532,14 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                     for i, j in T.Parallel(BV, C):
                         nvt_b[i, j] = T.cast(nvt[i, j], dtype)
                         vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j], dtype)
-                    if checkpoints:
+                    if checkpoints and m_hi > m_lo:
                         # publish vn^T first (the output role does not wait for the checkpoints)
                         T.barrier_wait(n_empty[s], 1 - ph)
                         T.copy(nvt_b, nv_s[s, :, :])
                         T.fence_proxy_async()
                         T.barrier_arrive(n_full[s])
                         # the checkpoints ending in this chunk (CF-4), from the unscaled S^T
-                        for m in T.serial(ck_slots[slot0 + c], ck_slots[slot0 + c + 1]):
+                        for m in T.serial(m_lo, m_hi):
                             jj = ck_j[m]
                             gj[0] = gc_s[s, jj - 1]
                             for i, t in T.Parallel(BV, C):
