@@ -290,6 +290,50 @@ def test_zero_buffers_are_never_shared_between_streams(monkeypatch):
     assert all(key[-1] in (1, 2) for key in be._zeros), list(be._zeros)
 
 
+def test_layout_cache_entries_are_recorded_on_every_stream_that_uses_them(monkeypatch):
+    """Regression (finding 6, FlashInfer #4476's bug class): the split path's cache of shape-determined
+    index tensors (`flashqla.cp.segments.memo_layout`) handed one entry to every stream and freed an
+    evicted entry with no `record_stream`, so its memory could be reused while another stream still
+    read it. Now each stream that gets an entry is recorded on its tensors once (the allocation's own
+    stream too, where record_stream is a no-op), and eviction forgets the streams with the entry."""
+    from flashqla.cp import segments as seg
+
+    class Stream:
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+    class FakeCudaTensor:
+        device = "cuda:0"
+
+        def __init__(self):
+            self.recorded = []
+
+        def record_stream(self, stream):
+            self.recorded.append(stream.cuda_stream)
+
+    assert seg._tensors_of((torch.zeros(2), [torch.ones(1)])) == []  # CPU entries: nothing to record
+    current = {"s": Stream(11)}
+    made = []
+
+    def build():
+        made.append((FakeCudaTensor(), FakeCudaTensor()))
+        return made[-1]
+
+    monkeypatch.setattr(seg, "_current_stream", lambda device: current["s"])
+    monkeypatch.setattr(seg, "_tensors_of", lambda value: list(value) if isinstance(value, tuple) else [])
+    monkeypatch.setattr(seg, "_LAYOUTS", {})
+    monkeypatch.setattr(seg, "_LAYOUT_STREAMS", {})
+    a = seg.memo_layout(("k", 1), build)
+    assert seg.memo_layout(("k", 1), build) is a and len(made) == 1  # a hit, on the same stream
+    assert [t.recorded for t in a] == [[11], [11]]  # recorded once per stream, not per call
+    current["s"] = Stream(22)
+    assert seg.memo_layout(("k", 1), build) is a
+    assert [t.recorded for t in a] == [[11, 22], [11, 22]]
+    for i in range(seg._LAYOUT_CACHE):  # evict ("k", 1)
+        seg.memo_layout(("other", i), build)
+    assert ("k", 1) not in seg._LAYOUTS and ("k", 1) not in seg._LAYOUT_STREAMS
+
+
 # ------------------------------------------------------------------------------------------------
 # finding 1: ranks that disagree fail fast, with one error on every rank
 # ------------------------------------------------------------------------------------------------

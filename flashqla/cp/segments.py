@@ -38,6 +38,7 @@ call, in one kernel launch on sm_90 (`segment_tables_device`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass, replace
@@ -241,18 +242,56 @@ def with_extra_row(x: torch.Tensor, fill) -> torch.Tensor:
 #: Index tensors of a segmentation that depends on shapes alone (fixed-length input), kept per key.
 _LAYOUTS: dict = {}
 _LAYOUT_CACHE = 32
+#: key -> the CUDA streams (handles) its entry has been handed out on (`_mark_stream`)
+_LAYOUT_STREAMS: dict = {}
+
+
+def _tensors_of(value) -> list:
+    """The CUDA tensors in a cached entry (a tensor, a tuple / list of them, or a dataclass of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_cuda else []
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors_of(v)]
+    if dataclasses.is_dataclass(value):
+        return [t for f in dataclasses.fields(value) for t in _tensors_of(getattr(value, f.name))]
+    return []
+
+
+def _current_stream(device):
+    return torch.cuda.current_stream(device)
+
+
+def _mark_stream(key, hit) -> None:
+    """Once per (entry, stream): `record_stream` on the entry's CUDA tensors for the current stream, so
+    that when the entry is evicted and freed, the caching allocator does not hand its memory out again
+    before the work of every stream that used it is done (FlashInfer #4476 was this bug class). The
+    entry's own allocation stream needs nothing (record_stream is then a no-op)."""
+    tensors = _tensors_of(hit)
+    if not tensors:
+        return
+    stream = _current_stream(tensors[0].device)
+    seen = _LAYOUT_STREAMS.setdefault(key, set())
+    if stream.cuda_stream in seen:
+        return
+    seen.add(stream.cuda_stream)
+    for t in tensors:
+        t.record_stream(stream)
 
 
 def memo_layout(key, fn):
-    """fn() once per key (None: no caching). Only shape-determined products are keyed."""
+    """fn() once per key (None: no caching). Only shape-determined products are keyed; they are read
+    only, so streams may share an entry (`_mark_stream` keeps an evicted one alive for them)."""
     if key is None:
         return fn()
     hit = _LAYOUTS.pop(key, None)
     if hit is None:
         hit = fn()
     _LAYOUTS[key] = hit
+    _mark_stream(key, hit)
     while len(_LAYOUTS) > _LAYOUT_CACHE:
-        _LAYOUTS.pop(next(iter(_LAYOUTS)))
+        old = next(iter(_LAYOUTS))
+        _LAYOUTS.pop(old)
+        _LAYOUT_STREAMS.pop(old, None)
     return hit
 
 
