@@ -404,3 +404,85 @@ def test_serving_helpers_read_no_value_on_the_host():
         serving_state_rows(N, idx, has, "cpu")
     assert h0.shape == (N, HV, K, V)
     assert not mode.reads, "host reads:\n" + "\n".join(f"{f}\n{st}" for f, st in mode.reads)
+
+
+def test_split_plan_checkpoints_from_the_segments(op_on_cpu):
+    """An inference call whose plan splits takes its checkpoints from the split forward's segment
+    entering states (`segment_checkpoint_states`: one extra forward over the checkpoints' pieces, at
+    most one segment each) instead of the pieces-and-scan method's two forwards. Checkpoints at a
+    sequence's first token, on a segment's last token (p = 512 = L), one token into the second
+    segment (its scanned entering state), at sequence ends and deep in later segments, a padding
+    sequence beside them; o, pool rows and checkpoints against the fp64 recurrence."""
+    from flashqla.ops.gdn import serving as serving_mod
+
+    seqlens = [1300, 0, 70, 700, 2000]
+    cu = [0, 1300, 1300, 1370, 2070, 4070]
+    indices, has = [3, 0, -1, 1, 4], [True, True, True, False, True]
+    positions = [1, 512, 513, 1300, 1970, 2071, 3095]
+    x = make_gdn_inputs(B=1, T=sum(seqlens), H=1, HV=2, K=64, V=64, seqlens=seqlens, seed=7)
+    pool = torch.randn(6, 2, 64, 64, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
+    pool_s = pool.float().clone()
+    ck = torch.full((len(positions), 2, 64, 64), float("nan"), dtype=torch.float32)
+    o, ret = op_on_cpu(q, k, v, g, beta, initial_state=pool_s, output_final_state=True,
+                       cu_seqlens=torch.tensor(cu, dtype=torch.int32), state_indices=torch.tensor(indices),
+                       has_initial_state=torch.tensor(has), checkpoint_positions=torch.tensor(positions),
+                       checkpoint_states=ck, cp="on")
+    assert serving_mod.LAST_PATH["checkpoints"] == "segments"
+    o_ref = torch.zeros_like(v)
+    h0s, ck_ref = [], []
+    for n in range(len(seqlens)):
+        a, e = cu[n], cu[n + 1]
+        h0 = pool[indices[n]] if indices[n] >= 0 and has[n] else torch.zeros(2, 64, 64, dtype=torch.float64)
+        h0s.append(h0)
+        sl = [t[:, a:e] for t in (q, k, v, g, beta)]
+        o_ref[:, a:e], f = reference.recurrent_gated_delta_rule(*sl, initial_state=h0[None], output_final_state=True)
+        if indices[n] >= 0 and e > a:
+            assert rel_rms(ret[indices[n]].double(), f[0]) < 1e-5, f"final state of sequence {n}"
+    for m, p in enumerate(positions):
+        n = next(i for i in range(len(seqlens)) if cu[i] < p <= cu[i + 1])
+        sl = [t[:, cu[n]:p] for t in (q, k, v, g, beta)]
+        ck_ref.append(reference.recurrent_gated_delta_rule(*sl, initial_state=h0s[n][None], output_final_state=True)[1][0])
+    errs = [rel_rms(ck[m].double(), ck_ref[m]) for m in range(len(positions))]
+    print("split-plan checkpoints vs fp64:", " ".join(f"{e:.1e}" for e in errs), f"o {rel_rms(o, o_ref):.1e}")
+    assert rel_rms(o, o_ref) < 1e-5
+    assert max(errs) < 1e-5, errs
+
+
+def test_split_plan_checkpoints_fall_back_when_pieces_would_cost_more(op_on_cpu):
+    """More checkpoints than the batch has segments' worth of tokens (M * L > B * T): the
+    pieces-and-scan method, with the same results."""
+    from flashqla.ops.gdn import serving as serving_mod
+
+    x = make_gdn_inputs(B=1, T=1100, H=1, HV=2, K=64, V=64, seqlens=[1100], seed=9)
+    positions = torch.tensor([1, 100, 511, 512, 513, 1100])
+    ck = torch.zeros(6, 2, 64, 64)
+    op_on_cpu(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"].float(),
+              output_final_state=True, cu_seqlens=torch.tensor([0, 1100]), checkpoint_positions=positions,
+              checkpoint_states=ck, cp="on")
+    assert serving_mod.LAST_PATH["checkpoints"] == "pieces"
+    h0 = x["initial_state"]
+    for m, p in enumerate(positions.tolist()):
+        sl = [x[n][:, :p] for n in ("q", "k", "v", "g", "beta")]
+        _, want = reference.recurrent_gated_delta_rule(*sl, initial_state=h0, output_final_state=True)
+        assert rel_rms(ck[m].double(), want[0]) < 1e-5, p
+
+
+def test_split_plan_checkpoints_fixed_length_batch(op_on_cpu):
+    """The segment method on a fixed-length batch (no cu_seqlens: positions are b * T + t over the
+    flattened rows, the segment tables' token offsets likewise)."""
+    from flashqla.ops.gdn import serving as serving_mod
+
+    B, T = 2, 1300
+    x = make_gdn_inputs(B=B, T=T, H=1, HV=2, K=64, V=64, seed=3)
+    positions = [513, 1300, 1301, 2000]
+    ck = torch.zeros(len(positions), 2, 64, 64)
+    op_on_cpu(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"].float(),
+              output_final_state=True, checkpoint_positions=torch.tensor(positions), checkpoint_states=ck, cp="on")
+    assert serving_mod.LAST_PATH["checkpoints"] == "segments"
+    for m, p in enumerate(positions):
+        b, t = divmod(p - 1, T)
+        sl = [x[n][b:b + 1, :t + 1] for n in ("q", "k", "v", "g", "beta")]
+        _, want = reference.recurrent_gated_delta_rule(*sl, initial_state=x["initial_state"][b:b + 1],
+                                                       output_final_state=True)
+        assert rel_rms(ck[m].double(), want[0]) < 1e-5, p

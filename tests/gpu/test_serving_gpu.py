@@ -284,3 +284,46 @@ def test_kernel_path_gate_floor_and_packed_tail():
     assert torch.isfinite(o.float()).all()
     assert torch.equal(o[:, T:], torch.zeros_like(o[:, T:])), "the packed tail of o is not zero"
     assert torch.equal(o[:, :T], o_plain), "the kernel path differs from the plain call with a -inf gate"
+
+
+def test_split_plan_checkpoints_from_the_segments():
+    """A serving call whose plan splits (cp="on", one long and two shorter sequences, a vk bf16 pool)
+    takes its checkpoints from the split forward's segment entering states (one more forward over the
+    checkpoints' pieces): checkpoints, o and pool rows against the fp64 recurrence, and a CUDA graph of
+    the call replays to the same checkpoints (no host read)."""
+    lengths = [3000, 70, 1000]
+    xd, x64, cu, h0 = _case(lengths, HV=4, H=2, seed=21)
+    cu_list = [0, 3000, 3070, 4070]
+    positions = [1, 511, 512, 513, 2000, 3000, 3070, 3071 + 600]
+    pool = torch.zeros(6, 4, 128, 128, dtype=torch.bfloat16, device=DEV)
+    idx = torch.tensor([4, 0, 2], device=DEV)
+    pool[idx] = h0.to(DEV).transpose(-1, -2).to(torch.bfloat16)
+    h0_kv = pool[idx].transpose(-1, -2).double().cpu()  # the rounded states the call starts from
+    pos = torch.tensor(positions, device=DEV)
+    cks = torch.full((len(positions), 4, 128, 128), float("nan"), dtype=torch.bfloat16, device=DEV)
+
+    def call(p):
+        return flashqla.chunk_gated_delta_rule(**xd, initial_state=p, output_final_state=True, cu_seqlens=cu,
+                                               state_indices=idx, state_layout="vk", checkpoint_positions=pos,
+                                               checkpoint_states=cks, cp="on")
+
+    with torch.no_grad():
+        o, _ = call(pool_run := pool.clone())
+    torch.cuda.synchronize()
+    assert op_serving.LAST_PATH == {"path": "torch", "checkpoints": "segments"}, op_serving.LAST_PATH
+    o_ref, ht_ref, ck_ref = _truth(x64, cu_list, h0_kv, positions)
+    e_o = rel_rms(o.double().cpu(), o_ref)
+    e_pool = rel_rms(pool_run[idx].transpose(-1, -2).double().cpu(), ht_ref)
+    e_ck = rel_rms(cks.transpose(-1, -2).double().cpu(), ck_ref)
+    print(f"split plan, vk bf16 pool: o {e_o:.2e}, pool rows {e_pool:.2e}, checkpoints {e_ck:.2e}")
+    assert e_o < BUDGETS["sm90_fwd_bf16"]["o"] and e_pool < 1e-2 and e_ck < 1e-2
+    first = cks.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad():
+        call(pool.clone())  # warm-up on this stream
+        cks.fill_(float("nan"))
+        with torch.cuda.graph(graph):
+            call(pool_graph := pool.clone())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(cks, first), "the captured call's checkpoints differ from the eager call's"

@@ -20,7 +20,10 @@ kernels with torch around them:
   transpose into a contiguous fp32 `[N, HV, K, V]`, which the recurrent kernel reads as its
   initial_state; the final states come back fp32 and are transposed, rounded once to the pool's
   dtype and scattered into the pool (`index_copy_`, no host read: `flashqla.serving.store_final_states`).
-- checkpoints: the batch is cut at the sequence starts and at the positions (`checkpoint_pieces`,
+- checkpoints, on a split inference plan (`segment_checkpoints_apply`: M pieces of at most L tokens
+  hold no more than the batch): from the split forward's segment entering states, one more forward
+  over each checkpoint's piece of its segment (`segment_checkpoint_states`).
+- checkpoints, otherwise: the batch is cut at the sequence starts and at the positions (`checkpoint_pieces`,
   a device sort), and two more forwards run on those pieces: one from each piece's own start (the
   sequence's initial state on its first piece, zeros elsewhere) gives R_j, one with v = 0 from the
   identity gives the transition P_j [K, K] of each piece (the recurrence is linear in its state:
@@ -34,7 +37,8 @@ batch) and the value-slice width is fixed at 64 (the recurrent kernel otherwise 
 every launch then computes a (sequence, value head, value slice) from that sequence's tokens only.
 Inference only (a call under autograd with batch_invariant raises).
 
-`serve(..., path=...)` records which path ran in `LAST_PATH` (for the GPU tests).
+`serve` records which path ran in `LAST_PATH` ("path": "kernel" or "torch"; on the torch path with
+checkpoints, "checkpoints": "segments" or "pieces"), for the tests.
 
 Public designs followed (not copied): vLLM's GDN layer (`vllm/model_executor/models/qwen3_next.py`,
 `Qwen3NextGatedDeltaNet._forward_core`: gather `ssm_state[indices]`, zero rows without an initial
@@ -56,7 +60,7 @@ from flashqla.serving import ServingArgs, checkpoint_pieces, gather_initial_stat
 __all__ = ["serve", "kernel_path_applies", "BATCH_INVARIANT_BLOCK_V", "LAST_PATH"]
 
 #: The path the last `serve` call took: "kernel" (the serving build) or "torch" (for tests and tools).
-LAST_PATH = {"path": None}
+LAST_PATH = {"path": None, "checkpoints": None}
 
 #: The recurrent kernel's value-slice width under batch_invariant (fixed, not picked from N * HV).
 BATCH_INVARIANT_BLOCK_V = 64
@@ -90,22 +94,101 @@ def serve(q, k, v, g, beta, scale: float, initial_state, output_final_state: boo
     if kernel_path_applies(q, v, initial_state, output_final_state, cu_seqlens, s, plan, training=training,
                            backend=backend):
         LAST_PATH["path"] = "kernel"
+        LAST_PATH["checkpoints"] = None
         return _serve_kernel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, s, block_v,
                              ends_at_T=plan.ends_at_T)
     LAST_PATH["path"] = "torch"
+    LAST_PATH["checkpoints"] = None
     h0 = gather_initial_states(initial_state, s, N, torch.float32)
+    info = None
     if training:
         o, final = GDNEagerFunction.apply(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, plan)
     else:
+        seg = s.checkpoint_positions is not None and segment_checkpoints_apply(plan, s.checkpoint_positions, q)
         f = forward(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, plan=plan, backend=backend,
-                    for_backward=False, block_v=block_v)
+                    for_backward=False, block_v=block_v, return_info=seg)
+        if seg:
+            f, info = f
         o, final = f.o, f.final_state
     ckpt = None
     if s.checkpoint_positions is not None:
         with torch.no_grad():
-            ckpt = checkpoint_states(q, k, v, g, beta, scale, h0, cu_seqlens, s.checkpoint_positions, mode=mode,
-                                     block_v=block_v, backend=backend)
+            if info is not None and info.mode == "exact":
+                LAST_PATH["checkpoints"] = "segments"
+                ckpt = segment_checkpoint_states(q, k, v, g, beta, scale, h0, s.checkpoint_positions, info.tables,
+                                                 info.S_in, block_v=block_v, backend=backend)
+            else:
+                LAST_PATH["checkpoints"] = "pieces"
+                ckpt = checkpoint_states(q, k, v, g, beta, scale, h0, cu_seqlens, s.checkpoint_positions, mode=mode,
+                                         block_v=block_v, backend=backend)
     return write_back(o, final, ckpt, s, initial_state, output_final_state)
+
+
+def segment_checkpoints_apply(plan, positions, q) -> bool:
+    """Whether an inference call on a split plan takes its checkpoints from the split forward's segment
+    entering states (`segment_checkpoint_states`): the forward splits, and the M checkpoints' pieces
+    (at most one segment, L tokens, each) hold no more tokens than the batch (M * L <= B * T), so that
+    the extra forward costs less than the pieces-and-scan method's two. Shapes only, no host read."""
+    p = plan.forward
+    if not p.split or p.segment_len is None:
+        return False
+    M = positions.shape[0]
+    return 0 < M and M * p.segment_len <= q.shape[0] * q.shape[1]
+
+
+def segment_checkpoint_states(q, k, v, g, beta, scale: float, h0, positions, tables, S_in, *, block_v=None,
+                              backend=None) -> torch.Tensor:
+    """The state after the first p tokens for every p of `positions` ([M], sorted global offsets, each
+    inside a sequence), [M, HV, K, V] in the backend's state dtype, from a split forward's segments.
+
+    The split forward (`flashqla.cp.forward.cp_forward`, exact mode) knows each segment's entering
+    state: h0 of its sequence for a first segment, the scanned S_in for the others (`CPInfo.S_in`,
+    zeros on first segments). Token p - 1 lies in the segment j with start_j <= p - 1 < end_j, so the
+    checkpoint is that entering state carried through the tokens [start_j, p): at most L of them. One
+    more forward runs all M pieces as a fixed-length batch of M rows of L tokens, each row its
+    piece's tokens followed by padding tokens with k = v = 0, g = 0 and beta = 0, which leave the
+    state unchanged (S <- exp(0) (I - 0) S + 0), from the entering states; its final states are the
+    checkpoints. No host read; about M * L tokens of prepare and recurrent work in one wave of
+    M * HV walks (not split). Exact as the split forward's entering states are (its transitions' cut,
+    `flashqla.contract.resolve_truncate`, included).
+
+    q, k: [B, T, H, K] (after any L2 norm); v: [B, T, HV, V]; g, beta: [B, T, HV]; h0: [N, HV, K, V] or
+    None (zeros); tables: the forward's `SegmentTables` (token offsets over the B * T flattened tokens);
+    S_in: [M_slots, HV, K, V] (`CPInfo.S_in`)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    L = tables.segment_len
+    dev = q.device
+    pos = positions.to(device=dev, dtype=torch.int64)
+    M = pos.shape[0]
+    # the segment holding token p - 1: the first slot whose end is past it (ends are non-decreasing in
+    # slot order; inert slots have start == end)
+    j = torch.searchsorted(tables.end.contiguous(), pos - 1, right=True).clamp(max=tables.M - 1)
+    start = tables.start.index_select(0, j)
+    first = tables.first.index_select(0, j)
+    seq = tables.seq.index_select(0, j)
+    if h0 is None:
+        entering = torch.where(first[:, None, None, None], torch.zeros((), dtype=S_in.dtype, device=dev),
+                               S_in.index_select(0, j))
+    else:
+        entering = torch.where(first[:, None, None, None], h0.to(S_in.dtype).index_select(0, seq.clamp(min=0)),
+                               S_in.index_select(0, j))
+    # piece m: tokens start_m .. p_m - 1, then padding up to L
+    offs = torch.arange(L, dtype=torch.int64, device=dev)
+    tok = start[:, None] + offs[None, :]  # [M, L]
+    real = tok < pos[:, None]
+    tok = torch.where(real, tok, torch.zeros((), dtype=tok.dtype, device=dev)).reshape(-1)
+
+    def take(x):
+        flat = x.reshape(B * T, *x.shape[2:]).index_select(0, tok).view(M, L, *x.shape[2:])
+        keep = real.view(M, L, *([1] * (x.dim() - 2)))
+        return torch.where(keep, flat, torch.zeros((), dtype=x.dtype, device=dev))
+
+    qp, kp, vp, gp, bp = (take(x) for x in (q, k, v, g, beta))
+    plan = plan_call(qp, vp, None, "off")
+    f = forward(qp, kp, vp, gp, bp, scale, entering.contiguous(), True, None, plan=plan, backend=backend,
+                for_backward=False, block_v=block_v)
+    return f.final_state
 
 
 def _state_tensors(initial_state, output_final_state: bool, s: ServingArgs) -> list:
