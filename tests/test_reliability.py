@@ -13,6 +13,7 @@ code did before the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -323,6 +324,8 @@ def test_layout_cache_entries_are_recorded_on_every_stream_that_uses_them(monkey
     monkeypatch.setattr(seg, "_tensors_of", lambda value: list(value) if isinstance(value, tuple) else [])
     monkeypatch.setattr(seg, "_LAYOUTS", {})
     monkeypatch.setattr(seg, "_LAYOUT_STREAMS", {})
+    monkeypatch.setattr(seg, "_LAYOUT_PINNED", set())
+    monkeypatch.setattr(seg, "_capturing", lambda: False)
     a = seg.memo_layout(("k", 1), build)
     assert seg.memo_layout(("k", 1), build) is a and len(made) == 1  # a hit, on the same stream
     assert [t.recorded for t in a] == [[11], [11]]  # recorded once per stream, not per call
@@ -332,6 +335,29 @@ def test_layout_cache_entries_are_recorded_on_every_stream_that_uses_them(monkey
     for i in range(seg._LAYOUT_CACHE):  # evict ("k", 1)
         seg.memo_layout(("other", i), build)
     assert ("k", 1) not in seg._LAYOUTS and ("k", 1) not in seg._LAYOUT_STREAMS
+    # an entry handed out during a CUDA graph capture is never evicted (the graph replays its addresses)
+    monkeypatch.setattr(seg, "_capturing", lambda: True)
+    g = seg.memo_layout(("graph", 0), build)
+    monkeypatch.setattr(seg, "_capturing", lambda: False)
+    for i in range(2 * seg._LAYOUT_CACHE):
+        seg.memo_layout(("more", i), build)
+    assert seg._LAYOUTS.get(("graph", 0)) is g
+    assert len(seg._LAYOUTS) == seg._LAYOUT_CACHE + 1
+
+
+def test_layout_cache_finds_the_tensors_of_every_entry_shape(monkeypatch):
+    """`_tensors_of` walks tensors, tuples, lists, dicts (the gated mode's layout) and dataclasses (the
+    `SegmentTables` of a fixed-length split), skipping other values (CPU tensors stand in for CUDA ones)."""
+    from flashqla.cp import segments as seg
+
+    monkeypatch.setattr(seg, "_is_cuda", lambda t: True)
+    a, b, c, d = (torch.zeros(1) for _ in range(4))
+    tables = seg.build_segment_tables(torch.tensor([0, 100, 300]), 128, T=300)
+    found = seg._tensors_of(({"x": a, "y": [b, 3]}, c, "name", None, (d,)))
+    assert [id(t) for t in found] == [id(a), id(b), id(c), id(d)]
+    got = seg._tensors_of(tables)
+    want = [getattr(tables, f.name) for f in dataclasses.fields(tables) if isinstance(getattr(tables, f.name), torch.Tensor)]
+    assert len(got) == len(want) >= 10 and all(x is y for x, y in zip(got, want))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -353,7 +379,12 @@ def _disagreeing_rank(rank: int, case: str):
     for t in local.values():
         t.requires_grad_(grad)
     kw = dict(backend=reference.chunk_gated_delta_rule, initial_state=x["initial_state"])
-    if case in ("cu_seqlens", "ok"):
+    if case == "calls" and rank == 1:  # as if this rank had counted a call the other never did
+        from flashqla.distributed import op as cp_op
+
+        for record in list(cp_op._GROUPS.values()):
+            record.calls += 1
+    if case in ("cu_seqlens", "ok", "calls"):
         kw["cu_seqlens"] = cu  # the op builds the shard table (no second collective)
     else:
         kw["cp_context"] = build_cp_context(cu)
@@ -366,7 +397,7 @@ def _disagreeing_rank(rank: int, case: str):
         return (type(exc).__name__, str(exc) + " | " + " | ".join(getattr(exc, "__notes__", [])))
 
 
-DISAGREEMENTS = ("cu_seqlens", "HV", "beta", "backward", "ok")
+DISAGREEMENTS = ("cu_seqlens", "HV", "beta", "backward", "ok", "calls")
 
 
 def _disagreement_worker(rank: int, init_file: str, out_dir: str) -> None:
@@ -389,8 +420,10 @@ def test_ranks_that_disagree_fail_fast_with_one_error(tmp_path):
     o off by 0.50 relative, nothing raised; HV differing: the other rank died with SIGABRT (gloo size
     mismatch); one rank's input rejected, or one rank not running the backward: the others blocked
     until the group's timeout. Now one all-gather of a fingerprint comes before the first collective,
-    and every rank raises, naming the argument and the ranks, within seconds (the whole spawn, five
-    cases on two ranks, must end well inside the 30 s group timeout)."""
+    and every rank raises, naming the argument and the ranks, within seconds (the whole spawn, six
+    cases on two ranks, must end well inside the 30 s group timeout). The fingerprint also carries the
+    group's count of calls that ran a backward (the check-ins' numbering): a rank whose count differs
+    fails at the forward instead of every later backward check-in aborting."""
     import os
     import time
 
@@ -405,6 +438,9 @@ def test_ranks_that_disagree_fail_fast_with_one_error(tmp_path):
         "HV": (r"disagree on HV \(v.shape\[2\]\): ranks \[0\] have 2; ranks \[1\] have 4", ("ValueError", "ValueError")),
         "beta": (r"arguments of rank\(s\) \[1\] were rejected \(rank 1: beta\)", ("ValueError", "ValueError")),
         "backward": (r"ranks \[1\] will run the backward, ranks \[0\] will not", ("ValueError", "ValueError")),
+        # after "ok" (one call with a backward on both ranks), rank 1 counts one more
+        "calls": (r"disagree on calls on this group that ran a backward so far.*ranks \[0\] have 1; ranks \[1\] have 2",
+                  ("ValueError", "ValueError")),
     }
     import re
 

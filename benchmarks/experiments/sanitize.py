@@ -35,9 +35,10 @@ final-state gradient; o, the final state and dq, dk, dv, dg, dbeta, dh0 against 
 tests/gpu/test_autograd_gpu.py), every result finite, an all-zero reference matched exactly, empty
 sequences' final states and dh0 exactly their initial states and dht, gradients of a packed tail past
 cu_seqlens[-1] exactly zero. Forward-only cases (no autograd: the inference path) check o and the
-final state; the serving case (a bf16 "vk" pool by `state_indices` with a padding sequence and a
-row without prior state, checkpoints at tokens 1, 63, 64, 65 and a sequence's last token) checks o,
-the pool rows written, the rows left alone (bitwise) and the checkpoints against the fp64 reference
+final state; the serving cases (a bf16 "vk" pool by `state_indices` with a padding sequence and a
+row without prior state, checkpoints at tokens 1, 63, 64, 65 and a sequence's last token; unsplit on
+the serving build, and split with cp="on", whose checkpoints come from the segments) check o, the
+pool rows written, the rows left alone (bitwise) and the checkpoints against the fp64 reference
 given the same arguments.
 
 Writes no file: prints one row per case (errors per quantity) and a verdict. Exit status: 0 when
@@ -96,6 +97,7 @@ CASES = {
     "many short (BV 128)": dict(lengths=[1 + (7 * i) % 9 for i in range(40)]),
     "fp16 cp on": dict(lengths=[200, 0, 600], dtype=torch.float16, cp="on"),
     "serving": dict(lengths=[70, 0, 65, 5, 130], serving=True),
+    "serving cp on": dict(lengths=[2000, 0, 65, 5, 4100], serving=True, cp="on"),
     "fwd unsplit, bwd split": dict(lengths=[700, 0, 130, 300], functional=("off", "on")),
     "fwd split kept, bwd unsplit": dict(lengths=[700, 0, 130, 300], functional=("on", "off")),
 }
@@ -235,7 +237,10 @@ def run_ours(c: dict) -> dict:
     if c["functional"] is not None:
         out = run_functional(dev, cu, c["functional"])
     elif c["serving"] is not None:
+        from flashqla.ops.gdn import serving as op_serving
+
         out = _serve(op, dev, cu, c["serving"], "cuda", torch.bfloat16)
+        print(f"  serving path: {op_serving.LAST_PATH}", flush=True)
     elif not c["grad"]:
         out = _forward(op, dev, cu, {})
     else:

@@ -242,35 +242,53 @@ def with_extra_row(x: torch.Tensor, fill) -> torch.Tensor:
 #: Index tensors of a segmentation that depends on shapes alone (fixed-length input), kept per key.
 _LAYOUTS: dict = {}
 _LAYOUT_CACHE = 32
-#: key -> the CUDA streams (handles) its entry has been handed out on (`_mark_stream`)
+#: key -> (the entry's CUDA tensors, the CUDA streams (handles) it has been handed out on): `_mark_stream`
 _LAYOUT_STREAMS: dict = {}
+#: keys handed out while a CUDA graph was being captured: never evicted (the graph keeps their addresses)
+_LAYOUT_PINNED: set = set()
 
 
 def _tensors_of(value) -> list:
-    """The CUDA tensors in a cached entry (a tensor, a tuple / list of them, or a dataclass of them)."""
+    """The CUDA tensors in a cached entry (a tensor, or a tuple / list / dict / dataclass of them)."""
     if isinstance(value, torch.Tensor):
-        return [value] if value.is_cuda else []
+        return [value] if _is_cuda(value) else []
     if isinstance(value, (tuple, list)):
         return [t for v in value for t in _tensors_of(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_of(v)]
     if dataclasses.is_dataclass(value):
         return [t for f in dataclasses.fields(value) for t in _tensors_of(getattr(value, f.name))]
     return []
+
+
+def _is_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda
 
 
 def _current_stream(device):
     return torch.cuda.current_stream(device)
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _mark_stream(key, hit) -> None:
     """Once per (entry, stream): `record_stream` on the entry's CUDA tensors for the current stream, so
     that when the entry is evicted and freed, the caching allocator does not hand its memory out again
     before the work of every stream that used it is done (FlashInfer #4476 was this bug class). The
-    entry's own allocation stream needs nothing (record_stream is then a no-op)."""
-    tensors = _tensors_of(hit)
+    entry's own allocation stream needs nothing (record_stream is then a no-op). An entry handed out
+    during a CUDA graph capture is pinned: the graph replays its addresses later, so it is never
+    evicted."""
+    rec = _LAYOUT_STREAMS.get(key)
+    if rec is None:
+        rec = _LAYOUT_STREAMS[key] = (_tensors_of(hit), set())
+    tensors, seen = rec
     if not tensors:
         return
+    if key not in _LAYOUT_PINNED and _capturing():
+        _LAYOUT_PINNED.add(key)
     stream = _current_stream(tensors[0].device)
-    seen = _LAYOUT_STREAMS.setdefault(key, set())
     if stream.cuda_stream in seen:
         return
     seen.add(stream.cuda_stream)
@@ -280,7 +298,8 @@ def _mark_stream(key, hit) -> None:
 
 def memo_layout(key, fn):
     """fn() once per key (None: no caching). Only shape-determined products are keyed; they are read
-    only, so streams may share an entry (`_mark_stream` keeps an evicted one alive for them)."""
+    only, so streams may share an entry (`_mark_stream`). At most _LAYOUT_CACHE entries besides those a
+    CUDA graph capture used (pinned), least recently used evicted first."""
     if key is None:
         return fn()
     hit = _LAYOUTS.pop(key, None)
@@ -288,8 +307,8 @@ def memo_layout(key, fn):
         hit = fn()
     _LAYOUTS[key] = hit
     _mark_stream(key, hit)
-    while len(_LAYOUTS) > _LAYOUT_CACHE:
-        old = next(iter(_LAYOUTS))
+    while len(_LAYOUTS) - len(_LAYOUT_PINNED) > _LAYOUT_CACHE:
+        old = next(k for k in _LAYOUTS if k not in _LAYOUT_PINNED)
         _LAYOUTS.pop(old)
         _LAYOUT_STREAMS.pop(old, None)
     return hit

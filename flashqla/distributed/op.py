@@ -676,7 +676,9 @@ def _check_local(q, k, v, g, beta, scale, initial_state, output_final_state, cu_
 _FIELDS = ("cu_seqlens (the global offsets)", "the shard table (shard_lens)", "H (q.shape[2])", "K (q.shape[3])",
            "HV (v.shape[2])", "V (v.shape[3])", "q's dtype", "g's dtype", "beta's dtype",
            "initial_state (None, or its dtype and shape)", "output_final_state", "use_qk_l2norm_in_kernel", "scale",
-           "backward_timeout (None on some ranks, a number on others)")
+           "backward_timeout (None on some ranks, a number on others)",
+           "calls on this group that ran a backward so far (a rank that failed a call after the others had "
+           "counted it)")
 #: The arguments a rank's rejected input is reported by (the first word of its error, else "an argument").
 _ARGS = ("an argument", "q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state", "cu_seqlens",
          "use_qk_l2norm_in_kernel", "cp_context", "group", "backend", "backward_timeout")
@@ -696,7 +698,8 @@ def _agree(q, v, g, beta, scale, initial_state, output_final_state, use_l2, cp_c
     """Before the call's first collective: one all-gather of a small int64 fingerprint per rank ("my
     checks passed", which argument failed, "I will run the backward", my shard length, a digest of
     the global cu_seqlens and of the shard table, the head counts and dims, the dtypes, the flags, the
-    scale and whether the backward will check in, `checks_in`). Raises on every rank, naming the
+    scale, whether the backward will check in, `checks_in`, and the group's count of calls that ran a
+    backward, which numbers the check-ins). Raises on every rank, naming the
     argument and the ranks, when a rank's checks failed (that rank re-raises its own error, with a
     note) or the ranks disagree; returns the shard lengths of every rank (a context-free call's shard
     table)."""
@@ -721,7 +724,8 @@ def _agree(q, v, g, beta, scale, initial_state, output_final_state, use_l2, cp_c
                   _dtype_code(q.dtype), _dtype_code(g.dtype), _dtype_code(beta.dtype),
                   -1 if initial_state is None else _digest((str(initial_state.dtype), tuple(initial_state.shape))),
                   int(bool(output_final_state)),
-                  int(use_l2), _digest(None if scale is None else float(scale)), int(bool(checks_in))]
+                  int(use_l2), _digest(None if scale is None else float(scale)), int(bool(checks_in)),
+                  _group_calls(group).calls]
         local_len = d.T
     else:
         fields, local_len = [0] * len(_FIELDS), 0
@@ -795,8 +799,9 @@ def chunk_gated_delta_rule_cp(
     Agreement (on more than one rank): before its first collective a call all-gathers one small
     int64 fingerprint per rank (whether its argument checks passed and which argument failed,
     whether it will run the backward, its shard length, digests of the global cu_seqlens, the
-    shard table, initial_state's dtype and shape and the scale, H, K, HV, V, the dtypes, the flags
-    and whether backward_timeout is None). A rank whose checks failed raises its own error, with a
+    shard table, initial_state's dtype and shape and the scale, H, K, HV, V, the dtypes, the flags,
+    whether backward_timeout is None, and the group's count of calls that ran a backward, which
+    numbers the backward check-ins). A rank whose checks failed raises its own error, with a
     note naming the ranks; every other rank raises ValueError naming the ranks and the argument;
     ranks that disagree all raise ValueError naming the field and which ranks have which value. So
     no rank computes on mismatched plans and none waits for the group's timeout. "Will run the

@@ -291,9 +291,9 @@ def test_split_plan_checkpoints_from_the_segments():
     takes its checkpoints from the split forward's segment entering states (one more forward over the
     checkpoints' pieces): checkpoints, o and pool rows against the fp64 recurrence, and a CUDA graph of
     the call replays to the same checkpoints (no host read)."""
-    lengths = [3000, 70, 1000]
+    lengths = [3000, 70, 1100]  # 4170 tokens: 8 checkpoints x L = 512 fit (segment_checkpoints_apply)
     xd, x64, cu, h0 = _case(lengths, HV=4, H=2, seed=21)
-    cu_list = [0, 3000, 3070, 4070]
+    cu_list = [0, 3000, 3070, 4170]
     positions = [1, 511, 512, 513, 2000, 3000, 3070, 3071 + 600]
     pool = torch.zeros(6, 4, 128, 128, dtype=torch.bfloat16, device=DEV)
     idx = torch.tensor([4, 0, 2], device=DEV)
@@ -301,6 +301,10 @@ def test_split_plan_checkpoints_from_the_segments():
     h0_kv = pool[idx].transpose(-1, -2).double().cpu()  # the rounded states the call starts from
     pos = torch.tensor(positions, device=DEV)
     cks = torch.full((len(positions), 4, 128, 128), float("nan"), dtype=torch.bfloat16, device=DEV)
+    from flashqla.cp.plan import plan_call
+
+    assert op_serving.segment_checkpoints_apply(plan_call(xd["q"], xd["v"], cu, "on"), pos, xd["q"]), \
+        "the case no longer takes the segment method (the plan's L changed?): adjust lengths or positions"
 
     def call(p):
         return flashqla.chunk_gated_delta_rule(**xd, initial_state=p, output_final_state=True, cu_seqlens=cu,
