@@ -429,7 +429,7 @@ def check_device(q) -> None:
     if q.device.type != "cuda":
         raise RuntimeError(f"chunk_gated_delta_rule runs on a CUDA device of compute capability 9.0 (Hopper); the "
                            f"inputs are on {q.device}. On the CPU use flashqla.reference.chunk_gated_delta_rule (`reference` in a "
-                           "checkout; the same signature, any dtype, fp64 included)")
+                           "checkout; FLA's signature and the serving arguments, any dtype, fp64 included)")
     cap = torch.cuda.get_device_capability(q.device)
     if tuple(cap) != SUPPORTED["compute_capability"]:
         raise RuntimeError(
