@@ -80,7 +80,6 @@ simulated single-device form is `reference.gdn.cp`, the intra-device passes `fla
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import math
 import numbers
@@ -153,9 +152,12 @@ class _Run:
 
 #: The largest backward_timeout accepted, in seconds (None is the way to wait without a bound).
 _MAX_BACKWARD_TIMEOUT = 1e9
-#: A file store's wait polls its file every 10 ms; on one, the check-in first polls it itself, every
-#: 0.1 ms, for this many seconds (the ranks mostly arrive within that of each other).
-_FILE_STORE_POLL_S = 0.005
+#: The check-in's pauses between two looks at the store, in seconds: _CHECKIN_PAUSE_S for the first
+#: _CHECKIN_FAST_S (ranks mostly arrive within a millisecond of each other), then doubling up to
+#: _CHECKIN_MAX_PAUSE_S.
+_CHECKIN_PAUSE_S = 1e-4
+_CHECKIN_FAST_S = 0.005
+_CHECKIN_MAX_PAUSE_S = 0.01
 
 
 def _check_backward_timeout(t):
@@ -172,14 +174,14 @@ def _check_backward_timeout(t):
 
 
 def _checkin_store(group):
-    """(store, key prefix, the group's global ranks, whether the store is a file store) of the
-    check-in on `group`, or (None, None, None, False) when they cannot be had (a group that
+    """(store, key prefix, the group's global ranks) of the check-in on `group`, or
+    (None, None, None) when they cannot be had (a group that
     torch.distributed does not know, a torch without these helpers): then the backward makes no
     check-in. The store is torch.distributed's default store, which every group of the world shares
     (c10d builds each group's own store as a prefix of it); the prefix holds the group's name, which
     c10d makes the same on every rank and unique among the world's groups."""
     if group is None:
-        return None, None, None, False
+        return None, None, None
     try:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
@@ -188,11 +190,8 @@ def _checkin_store(group):
         ranks = tuple(int(r) for r in dist.get_process_group_ranks(group))
         name = c10d._get_process_group_name(group)
     except (AttributeError, ImportError, KeyError, RuntimeError, ValueError):
-        return None, None, None, False
-    base = store
-    while isinstance(base, dist.PrefixStore):
-        base = base.underlying_store
-    return store, f"flashqla/cp/{name}/", ranks, isinstance(base, dist.FileStore)
+        return None, None, None
+    return store, f"flashqla/cp/{name}/", ranks
 
 
 class _GroupCalls:
@@ -206,7 +205,7 @@ class _GroupCalls:
         self.lock = threading.Lock()
         self.calls = 0
         self.pending = []
-        self.store, self.prefix, self.ranks, self.file_store = _checkin_store(group)
+        self.store, self.prefix, self.ranks = _checkin_store(group)
 
 
 #: process group -> its `_GroupCalls` (weak: a destroyed group's record goes with it).
@@ -262,8 +261,8 @@ def _check_in(ci: _CheckIn) -> None:
     "c.a/<rank>" (set by each rank as it arrives) and "c.a/decision" (written once, by compare_set,
     by the first rank to decide: "go", or "abort <rank> <timeout> <missing ranks>").
 
-    1. set my key; wait (bounded) for every rank's key (a file store: polled every 0.1 ms for the
-       first 5 ms, then its own wait).
+    1. set my key; wait (bounded) for every rank's key, polling the store with `check` (0.1 ms pauses
+       for the first 5 ms, then doubling to 10 ms).
     2. The wait returned: decide "go". It timed out: the ranks whose key is missing; none (they came
        just after the timeout): "go"; else "abort ...".
     3. compare_set the decision (it sets only if no rank has decided yet) and follow the value it
@@ -292,18 +291,18 @@ def _check_in(ci: _CheckIn) -> None:
         calls.pending.append(keys[r])
         if r == 0:
             calls.pending.append(decision)
-    arrived, start = False, time.perf_counter()
-    if calls.file_store:  # its wait sleeps 10 ms between looks: poll faster first
-        poll = min(_FILE_STORE_POLL_S, ci.timeout)
-        while not (arrived := store.check(keys)) and time.perf_counter() - start < poll:
-            time.sleep(1e-4)
-    try:
-        if not arrived:
-            left = max(ci.timeout - (time.perf_counter() - start), 1e-3)
-            store.wait(keys, datetime.timedelta(seconds=left))
-        missing = []
-    except RuntimeError:  # the timeout (c10d's DistStoreError, or the FileStore's RuntimeError)
-        missing = [s for s in range(W) if not store.check([keys[s]])]
+    # poll with `check` (one short request each; 0.1 ms pauses for 5 ms, then doubling to 10 ms): a store's own
+    # wait would hold a TCP client's lock for the whole wait (other users of the default store on this
+    # rank would wait too), sleep 10 ms between looks on a file store, and a c10d wait cut into slices
+    # logs a warning per slice
+    start, pause = time.perf_counter(), _CHECKIN_PAUSE_S
+    arrived = store.check(keys)
+    while not arrived and (waited := time.perf_counter() - start) < ci.timeout:
+        time.sleep(pause)
+        if waited > _CHECKIN_FAST_S:
+            pause = min(2 * pause, _CHECKIN_MAX_PAUSE_S)
+        arrived = store.check(keys)
+    missing = [] if arrived else [s for s in range(W) if not store.check([keys[s]])]
     mine = "go" if not missing else f"abort {r} {ci.timeout!r} {','.join(map(str, missing))}"
     verdict = store.compare_set(decision, "", mine)
     verdict = verdict.decode() if isinstance(verdict, bytes) else str(verdict)
