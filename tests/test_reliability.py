@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import numpy as np
 import pytest
@@ -468,6 +469,16 @@ def test_ranks_that_disagree_fail_fast_with_one_error(tmp_path):
 CHECKIN_T, CHECKIN_ITERS = 60, 5
 
 
+def _timed_backward(loss) -> tuple:
+    """(exception type name or "ok", message, seconds) of loss.backward()."""
+    t0 = time.perf_counter()
+    try:
+        loss.backward()
+        return ("ok", "", time.perf_counter() - t0)
+    except Exception as exc:  # noqa: BLE001 - the tests compare what each rank raised
+        return (type(exc).__name__, str(exc), time.perf_counter() - t0)
+
+
 def _checkin_inputs(i: int) -> dict:
     """Iteration i's global inputs of a two-layer chain (layer 2's v is layer 1's o) and loss weights."""
     x1 = make_gdn_inputs(B=1, T=CHECKIN_T, H=1, HV=2, K=8, V=8, seqlens=[25, 35], initial_state=False, seed=100 + i)
@@ -561,12 +572,7 @@ def _checkin_rank(rank: int) -> dict:
     loss = _chain(leaves, chunk_gated_delta_rule_cp, x["w"][:, lo:hi], cp_context=ctx,
                   backend=reference.chunk_gated_delta_rule, backward_timeout=2)
     if rank == 0:
-        t0 = time.perf_counter()
-        try:
-            loss.backward()
-            out["skip"] = ("ok", "", time.perf_counter() - t0)
-        except Exception as exc:  # noqa: BLE001
-            out["skip"] = (type(exc).__name__, str(exc), time.perf_counter() - t0)
+        out["skip"] = _timed_backward(loss)
     del loss
     dist.barrier()  # rank 1 waits here (the group's timeout is 30 s) until rank 0 has raised
 
@@ -575,13 +581,8 @@ def _checkin_rank(rank: int) -> dict:
     loss = _chain(leaves, chunk_gated_delta_rule_cp, x["w"][:, lo:hi], cp_context=ctx,
                   backend=reference.chunk_gated_delta_rule, backward_timeout=0.5 if rank == 0 else 60)
     if rank == 1:
-        time.sleep(2.5)  # past rank 0's timeout (the file store's wait ends up to 1 s late)
-    t0 = time.perf_counter()
-    try:
-        loss.backward()
-        out["late"] = ("ok", "", time.perf_counter() - t0)
-    except Exception as exc:  # noqa: BLE001
-        out["late"] = (type(exc).__name__, str(exc), time.perf_counter() - t0)
+        time.sleep(2.5)  # well past rank 0's timeout
+    out["late"] = _timed_backward(loss)
     del loss
     dist.barrier()
 
@@ -633,7 +634,7 @@ def test_rank_that_never_backpropagates_makes_the_others_fail_fast():
     """Regression: a rank that ran the forward with grad and never backpropagated (here rank 1, which
     only waits at a barrier) left rank 0 blocked in the backward's all-gather until the group's
     timeout (30 s here; 30 min by default). Now rank 0 raises RuntimeError naming rank 1, the call
-    and the timeout after backward_timeout = 2 s (the file store's wait ends up to 1 s late). A rank
+    and the timeout after backward_timeout = 2 s. A rank
     that checks in after another has given up raises too, instead of entering the collective alone."""
     import re
 

@@ -269,8 +269,8 @@ def _current_stream(device):
     return torch.cuda.current_stream(device)
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+def _capturing() -> bool:  # asked only for entries holding CUDA tensors
+    return torch.cuda.is_current_stream_capturing()
 
 
 def _mark_stream(key, hit) -> None:

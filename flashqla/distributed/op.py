@@ -293,8 +293,8 @@ def _check_in(ci: _CheckIn) -> None:
             calls.pending.append(decision)
     # poll with `check` (one short request each; 0.1 ms pauses for 5 ms, then doubling to 10 ms): a store's own
     # wait would hold a TCP client's lock for the whole wait (other users of the default store on this
-    # rank would wait too), sleep 10 ms between looks on a file store, and a c10d wait cut into slices
-    # logs a warning per slice
+    # rank would wait too), a file store's wait sleeps 10 ms between looks, and a c10d wait cut into
+    # slices logs a warning per slice
     start, pause = time.perf_counter(), _CHECKIN_PAUSE_S
     arrived = store.check(keys)
     while not arrived and (waited := time.perf_counter() - start) < ci.timeout:
@@ -820,10 +820,10 @@ def chunk_gated_delta_rule_cp(
     every rank that has raises RuntimeError naming the missing ranks, the call and the timeout, and
     no rank enters that backward's collective; a rank that checks in later reads the decision and
     raises too. A rank deletes its keys of a call at its next successful check-in, so the store
-    holds about W + 1 keys per group. Cost per backward: four store round trips (set, wait,
-    compare-and-set, delete of the rank's previous key; group rank 0 also deletes the previous
-    decision), the wait a host-side rendezvous of the ranks (on a file store, `init_method="file://"`,
-    a poll of the file every 0.1 ms for up to 5 ms before the store's own wait).
+    holds about W + 1 keys per group. Cost per backward: a few store round trips (set, the polls of
+    the wait, compare-and-set, delete of the rank's previous key; group rank 0 also deletes the
+    previous decision), the wait a host-side rendezvous of the ranks (`check` every 0.1 ms for 5 ms,
+    then at pauses doubling to 10 ms).
     backward_timeout=None: no check-in, and a rank that does not backpropagate leaves the others in
     the backward's collective until the group's timeout (`init_process_group(timeout=...)`), as does
     a group torch.distributed cannot name (no store, no ranks: no check-in).
