@@ -29,7 +29,9 @@ def test_serving_options_are_checked():
 def test_serving_build_lowers():
     """The serving build with bf16 vk states and checkpoints lowers for sm_90a: states are read and
     written through the row tables, the checkpoint product is a wgmma over half the columns, and a
-    chunk without checkpoints takes the plain build's order (a run-time branch on its table range)."""
+    chunk without a checkpoint ending before its last token takes the plain build's order (a run-time
+    branch on its table range and the first checkpoint's token), and a checkpoint at a chunk's last token
+    is stored from the updated state."""
     tilelang = pytest.importorskip("tilelang")
     from tilelang import tvm
 
@@ -44,7 +46,9 @@ def test_serving_build_lowers():
     # chain: U, vn, the checkpoint half, the S update in each order (chunks with checkpoints publish vn
     # first; chunks without run the plain build's order); output: O += Pg vn
     assert src.count("wgmma_rs<") == 5 + 1, "chain: U, vn, checkpoint half, S update x 2; output: O += Pg vn"
-    assert "if (m_hi <= m_lo)" in src, "chunks without a checkpoint should take the plain order at run time"
+    assert "if (mid == 0)" in src and "if (mid != 0)" in src, \
+        "chunks without a checkpoint inside them should take the plain order at run time"
+    assert src.count("ck_j[") >= 3, "ck_j read for the order, the inside checkpoints and the chunk-end ones"
     assert "64, 64, 16, false, true" in src, "the checkpoint's wgmma should be 64 columns (half of K) wide"
 
 

@@ -373,10 +373,12 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
       m_j,i = exp2(gc_{j-1} - gc_i) for i < j (else 0), a masked copy of the chunk's own state update
       (one wgmma on the chunk's vn^T and k tile), into a separate accumulator, and stores it to
       ckpt[m] in `state_layout` / `state_dtype`. The chunk's state and vn^T are not changed by it: in a
-      chunk with checkpoints the chain publishes vn^T first and scales S by gamma_C after them instead
-      of during U = S K^T (the same products), so o and the states do not depend on the checkpoints;
-      a chunk without checkpoints (an empty [ck_slots[slot], ck_slots[slot + 1]), read at run time)
-      runs the plain build's order.
+      chunk with such checkpoints the chain publishes vn^T first and scales S by gamma_C after them
+      instead of during U = S K^T (the same products), so o and the states do not depend on the
+      checkpoints. A checkpoint at the chunk's last token (j = 64) is the chunk's end state: it is
+      stored from S after the chunk's update, with no extra product; a chunk with no checkpoint
+      ending before its last token (read at run time from ck_slots and ck_j) runs the plain build's
+      order.
     """
     import tilelang.language as T
     from tilelang.layout import make_swizzled_layout
@@ -491,6 +493,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                     jj = T.alloc_var("int32")
                     m_lo = T.alloc_var("int32")  # this chunk's checkpoints: [m_lo, m_hi)
                     m_hi = T.alloc_var("int32")
+                    mid = T.alloc_var("int32")  # 1: one of them ends before the chunk's last token
                 if use_h0 != 0 and state_read[n] >= 0:
                     load_state(st, h0, state_read[n], hv, v0)
                 else:
@@ -511,10 +514,17 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                         r_f[j] = T.exp2(T.min(gc_s[s, C - 1] - gc_s[s, j], T.float32(0)))
                     gcl[0] = T.exp2(gc_s[s, C - 1])
                     if checkpoints:
-                        # this chunk's checkpoints (none: the plain build's order below)
+                        # this chunk's checkpoints, sorted by position: one ending inside the chunk
+                        # (j < C) takes the checkpoint order below; none, or only checkpoints at the
+                        # chunk's last token (j == C: the chunk's end state itself, stored after the
+                        # update), the plain build's order
                         m_lo = ck_slots[slot0 + c]
                         m_hi = ck_slots[slot0 + c + 1]
-                        if m_hi <= m_lo:
+                        mid = 0
+                        if m_hi > m_lo:
+                            if ck_j[m_lo] < C:
+                                mid = 1
+                        if mid == 0:
                             for i, j in T.Parallel(BV, K):
                                 st[i, j] = st[i, j] * gcl[0]
                     else:
@@ -532,28 +542,29 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                     for i, j in T.Parallel(BV, C):
                         nvt_b[i, j] = T.cast(nvt[i, j], dtype)
                         vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j], dtype)
-                    if checkpoints and m_hi > m_lo:
+                    if checkpoints and mid != 0:
                         # publish vn^T first (the output role does not wait for the checkpoints)
                         T.barrier_wait(n_empty[s], 1 - ph)
                         T.copy(nvt_b, nv_s[s, :, :])
                         T.fence_proxy_async()
                         T.barrier_arrive(n_full[s])
-                        # the checkpoints ending in this chunk (CF-4), from the unscaled S^T
+                        # the checkpoints ending inside this chunk (CF-4), from the unscaled S^T
                         for m in T.serial(m_lo, m_hi):
                             jj = ck_j[m]
-                            gj[0] = gc_s[s, jj - 1]
-                            for i, t in T.Parallel(BV, C):
-                                mvt_b[i, t] = T.cast(
-                                    T.if_then_else(t < jj, T.cast(nv_s[s, i, t], acc)
-                                                   * T.exp2(T.min(gj[0] - gc_s[s, t], T.float32(0))), T.float32(0)),
-                                    dtype)
-                            for h in T.unroll(K // KH):
-                                for i, j in T.Parallel(BV, KH):
-                                    ck[i, j] = st[i, h * KH + j] * T.exp2(gj[0])
-                                T.wgmma_gemm(mvt_b, k_s[s, :, h * KH : (h + 1) * KH], ck, **chain_kw)
-                                T.wait_wgmma(0)
-                                T.warpgroup_fence_operand(ck, num_regs=BV * KH // CH)
-                                store_state(ckpt, m, hv, v0, ck, h * KH)
+                            if jj < C:
+                                gj[0] = gc_s[s, jj - 1]
+                                for i, t in T.Parallel(BV, C):
+                                    mvt_b[i, t] = T.cast(
+                                        T.if_then_else(t < jj, T.cast(nv_s[s, i, t], acc)
+                                                       * T.exp2(T.min(gj[0] - gc_s[s, t], T.float32(0))), T.float32(0)),
+                                        dtype)
+                                for h in T.unroll(K // KH):
+                                    for i, j in T.Parallel(BV, KH):
+                                        ck[i, j] = st[i, h * KH + j] * T.exp2(gj[0])
+                                    T.wgmma_gemm(mvt_b, k_s[s, :, h * KH : (h + 1) * KH], ck, **chain_kw)
+                                    T.wait_wgmma(0)
+                                    T.warpgroup_fence_operand(ck, num_regs=BV * KH // CH)
+                                    store_state(ckpt, m, hv, v0, ck, h * KH)
                         for i, j in T.Parallel(BV, K):
                             st[i, j] = st[i, j] * gcl[0]
                         # S^T = gamma_C S^T + (vn^T diag(r)) K
@@ -566,6 +577,11 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                         T.barrier_arrive(n_full[s])
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(st, num_regs=BV * K // CH)
+                    if checkpoints:
+                        # checkpoints at the chunk's last token: its end state, just computed
+                        for m in T.serial(m_lo, m_hi):
+                            if ck_j[m] == C:
+                                store_state(ckpt, m, hv, v0, st, 0)
                     T.barrier_arrive(empty[s])
                 if store_ht != 0 and state_write[n] >= 0:
                     store_state(ht, state_write[n], hv, v0, st, 0)
