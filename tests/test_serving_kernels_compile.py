@@ -30,8 +30,8 @@ def test_serving_build_lowers():
     """The serving build with bf16 vk states and checkpoints lowers for sm_90a: states are read and
     written through the row tables, the checkpoint product is a wgmma over half the columns, and a
     chunk without a checkpoint ending before its last token takes the plain build's order (a run-time
-    branch on its table range and the first checkpoint's token), and a checkpoint at a chunk's last token
-    is stored from the updated state."""
+    branch on its table range), a checkpoint at a chunk's last token is stored from the updated state,
+    and the table reads are the producer's (handed to the chain in shared memory)."""
     tilelang = pytest.importorskip("tilelang")
     from tilelang import tvm
 
@@ -48,7 +48,12 @@ def test_serving_build_lowers():
     assert src.count("wgmma_rs<") == 5 + 1, "chain: U, vn, checkpoint half, S update x 2; output: O += Pg vn"
     assert "if (mid == 0)" in src and "if (mid != 0)" in src, \
         "chunks without a checkpoint inside them should take the plain order at run time"
-    assert src.count("ck_j[") >= 3, "ck_j read for the order, the inside checkpoints and the chunk-end ones"
+    assert src.count("ck_j[") == 2, "ck_j read by the producer (the chunk-end suffix) and for the inside checkpoints"
+    producer = src[src.index("tl::tma_load(q_desc"):]
+    assert "ck_slots[" in producer and "ck_slots[" not in src[:src.index("tl::tma_load(q_desc")], \
+        "the chunk's checkpoint range should be read by the producer only, off the chain's path"
+    assert "ck_s)[" in producer and "ck_s)[" in src[:src.index("tl::tma_load(q_desc")], \
+        "the range should reach the chain through shared memory"
     assert "64, 64, 16, false, true" in src, "the checkpoint's wgmma should be 64 columns (half of K) wide"
 
 

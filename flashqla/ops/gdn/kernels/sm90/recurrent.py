@@ -377,8 +377,10 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
       instead of during U = S K^T (the same products), so o and the states do not depend on the
       checkpoints. A checkpoint at the chunk's last token (j = 64) is the chunk's end state: it is
       stored from S after the chunk's update, with no extra product; a chunk with no checkpoint
-      ending before its last token (read at run time from ck_slots and ck_j) runs the plain build's
-      order.
+      ending before its last token runs the plain build's order. The producer warp reads each chunk's
+      range from ck_slots and ck_j while the chunk's loads are in flight and hands it to the chain in
+      shared memory under the chunk's barrier ([lo, end) inside the chunk, [end, hi) at its last
+      token), so no table read sits on the chain's serial path.
     """
     import tilelang.language as T
     from tilelang.layout import make_swizzled_layout
@@ -464,6 +466,10 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
             sb_s = T.alloc_shared((2, BV, K), dtype)
             nv_s = T.alloc_shared((2, BV, C), dtype)
             o_s = T.alloc_shared((C, BV), dtype)
+            if checkpoints:
+                # each chunk's checkpoint range, read by the producer one chunk ahead (under full[s]):
+                # [lo, end) end inside the chunk, [end, hi) at its last token (sorted: a suffix)
+                ck_s = T.alloc_shared((2, 4), "int32")
             T.annotate_layout({v_s: make_swizzled_layout(v_s), o_s: make_swizzled_layout(o_s)})
 
             full = T.alloc_barrier(arrive_count=[32, 32])
@@ -493,6 +499,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                     jj = T.alloc_var("int32")
                     m_lo = T.alloc_var("int32")  # this chunk's checkpoints: [m_lo, m_hi)
                     m_hi = T.alloc_var("int32")
+                    m_end = T.alloc_var("int32")  # [m_end, m_hi): at the chunk's last token
                     mid = T.alloc_var("int32")  # 1: one of them ends before the chunk's last token
                 if use_h0 != 0 and state_read[n] >= 0:
                     load_state(st, h0, state_read[n], hv, v0)
@@ -518,12 +525,10 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                         # (j < C) takes the checkpoint order below; none, or only checkpoints at the
                         # chunk's last token (j == C: the chunk's end state itself, stored after the
                         # update), the plain build's order
-                        m_lo = ck_slots[slot0 + c]
-                        m_hi = ck_slots[slot0 + c + 1]
-                        mid = 0
-                        if m_hi > m_lo:
-                            if ck_j[m_lo] < C:
-                                mid = 1
+                        m_lo = ck_s[s, 0]
+                        m_end = ck_s[s, 1]
+                        m_hi = ck_s[s, 2]
+                        mid = T.if_then_else(m_end > m_lo, 1, 0)
                         if mid == 0:
                             for i, j in T.Parallel(BV, K):
                                 st[i, j] = st[i, j] * gcl[0]
@@ -549,7 +554,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                         T.fence_proxy_async()
                         T.barrier_arrive(n_full[s])
                         # the checkpoints ending inside this chunk (CF-4), from the unscaled S^T
-                        for m in T.serial(m_lo, m_hi):
+                        for m in T.serial(m_lo, m_end):
                             jj = ck_j[m]
                             if jj < C:
                                 gj[0] = gc_s[s, jj - 1]
@@ -579,9 +584,8 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                     T.warpgroup_fence_operand(st, num_regs=BV * K // CH)
                     if checkpoints:
                         # checkpoints at the chunk's last token: its end state, just computed
-                        for m in T.serial(m_lo, m_hi):
-                            if ck_j[m] == C:
-                                store_state(ckpt, m, hv, v0, st, 0)
+                        for m in T.serial(m_end, m_hi):
+                            store_state(ckpt, m, hv, v0, st, 0)
                     T.barrier_arrive(empty[s])
                 if store_ht != 0 and state_write[n] >= 0:
                     store_state(ht, state_write[n], hv, v0, st, 0)
@@ -633,6 +637,11 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
             else:
                 # ------------------------------------------------------------------ producer
                 T.set_max_nreg(nreg["producer"], 0)
+                if checkpoints:
+                    p_lo = T.alloc_var("int32")
+                    p_hi = T.alloc_var("int32")
+                    p_end = T.alloc_var("int32")
+                    p_done = T.alloc_var("int32")
                 if tx < CH + 128 + 32:
                     for c in T.serial(nchunks):
                         s = c % 2
@@ -645,6 +654,23 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                         T.tma_copy(v[bidx, t0 : t0 + C, hv, v0 : v0 + BV], v_s[s, :, :], barrier=full[s])
                         T.tma_copy(A[hv, row0 : row0 + C, 0:C], a_s[s, :, :], barrier=full[s])
                         T.tma_copy(g_cum_log2[hv, row0 : row0 + C], gc_s[s, :], barrier=full[s])
+                        if checkpoints:
+                            # the chunk's checkpoint range off the chain's path: the table reads run
+                            # here, while the chunk's loads are in flight, two chunks ahead of the chain
+                            p_lo = ck_slots[slot0 + c]
+                            p_hi = ck_slots[slot0 + c + 1]
+                            p_end = p_hi
+                            p_done = 0
+                            for _ in T.serial(p_hi - p_lo):
+                                if p_done == 0:
+                                    if ck_j[p_end - 1] == C:
+                                        p_end = p_end - 1
+                                    else:
+                                        p_done = 1
+                            if tx == CH + 128:
+                                ck_s[s, 0] = p_lo
+                                ck_s[s, 1] = p_end
+                                ck_s[s, 2] = p_hi
                         T.barrier_arrive(full[s])
 
     return gdn_recurrent_serving_fwd
