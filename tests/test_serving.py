@@ -379,10 +379,9 @@ class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
 
 def test_serving_helpers_read_no_value_on_the_host():
     """The torch steps of a serving call that runs on the device (the pool's gather and write-back, the
-    checkpoint pieces and their scan, the checkpoint tables, the row tables) issue no host read of a
+    checkpoint pieces and their scan) issue no host read of a
     tensor value: a regression test for `store_final_states`' idx[j] with a device j (it broke graph
     capture on the split path)."""
-    from flashqla.ops.gdn.kernels.sm90.recurrent import checkpoint_tables, serving_state_rows
     from flashqla.serving import (ServingArgs, checkpoint_pieces, gather_initial_states, scan_pieces,
                                   store_final_states)
 
@@ -400,8 +399,6 @@ def test_serving_helpers_read_no_value_on_the_host():
         pieces_cu, first, seq, ends = checkpoint_pieces(cu, pos)
         L = pieces_cu.shape[0] - 1
         scan_pieces(torch.randn(L, HV, K, K), torch.randn(L, HV, K, V), first)
-        checkpoint_tables(pos, cu, 1, 200)
-        serving_state_rows(N, idx, has, "cpu")
     assert h0.shape == (N, HV, K, V)
     assert not mode.reads, "host reads:\n" + "\n".join(f"{f}\n{st}" for f, st in mode.reads)
 

@@ -1,9 +1,8 @@
 """Question: where does the serving call's checkpoint cost go (issue 43, goal <= 3% over the plain
-call)? Splits `serving_overhead.py`'s rows into launches, each timed alone by CUDA-graph replay
-(median): the prepare kernel, the checkpoint-table launch (`ckpt_tables`), the recurrent kernel's
-serving build without checkpoints and with k chunk-aligned checkpoints per sequence (tables made
-beforehand, so the kernel alone), for k in --ks. The slope over k is the cost of one checkpoint's
-store; the step from no checkpoints to k = 1 is the checkpoint build's fixed cost.
+call)? Splits `serving_overhead.py`'s rows into its two launches, each timed alone by CUDA-graph
+replay (median): the prepare kernel, and the recurrent kernel's serving build without checkpoints
+and with k chunk-aligned checkpoints per sequence, for k in --ks. The slope over k is the cost of
+one checkpoint's store; the step from no checkpoints to k = 1 is the checkpoint build's fixed cost.
 
     python benchmarks/experiments/serving_parts.py [--rows 2/8:1024x8,16/64:1024x8] [--ks 1,2,4,8,16]
 
@@ -35,32 +34,26 @@ def main(argv=None) -> int:
     from flashqla.bench.timing import time_cuda_graph
     from flashqla.contract import clamp_gates
     from flashqla.ops.gdn.backend import default_backend
-    from flashqla.ops.gdn.kernels.sm90.ckpt_tables import checkpoint_tables_device
-    from flashqla.ops.gdn.kernels.sm90.recurrent import chunk_recurrent_serving, serving_state_rows
+    from flashqla.ops.gdn.kernels.sm90.recurrent import chunk_recurrent_serving
 
     ks = [int(x) for x in a.ks.split(",")]
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | bf16 vk pool | CUDA graphs, median, us")
-    head = f"{'H/HV':>7} {'T x N':>10} {'prepare':>8} {'tables':>7} {'rows':>6} {'kern 0':>7}" + "".join(
+    head = f"{'H/HV':>7} {'T x N':>10} {'prepare':>8} {'kern 0':>7}" + "".join(
         f" {'k=' + str(k):>7}" for k in ks) + f" {'us/ckpt':>8}"
     print(head)
     for H, HV, T, N in parse_rows(a.rows):
-        xd, cu, h0, pool, rows, pos4, _ = make(H, HV, T, N, torch.bfloat16)
+        xd, cu, h0, pool, rows, _, _ = make(H, HV, T, N, torch.bfloat16)
         q, k, v, g, beta = (xd[n].contiguous() for n in ("q", "k", "v", "g", "beta"))
         g = clamp_gates(g)
-        B = 1
-        Tt = T * N
         be = default_backend()
         A, G2 = be.prepare(k, g, beta, cu, HV)
-        read, write = serving_state_rows(N, rows, None, q.device)
         scale = q.shape[-1] ** -0.5
         t_prep = time_cuda_graph(lambda: be.prepare(k, g, beta, cu, HV)).ms * 1e3
-        t_rows = time_cuda_graph(lambda: serving_state_rows(N, rows, None, q.device)).ms * 1e3
-        t_tab = time_cuda_graph(lambda: checkpoint_tables_device(pos4, cu, B, Tt)).ms * 1e3
         o = torch.empty_like(v)
 
-        def kern(pos=None, cks=None, tables=None):
-            return chunk_recurrent_serving(q, k, v, A, G2, scale, pool, pool, read, write, cu, state_layout="vk",
-                                           checkpoint_positions=pos, checkpoint_states=cks, o=o, tables=tables)
+        def kern(pos=None, cks=None):
+            return chunk_recurrent_serving(q, k, v, A, G2, scale, pool, pool, rows, None, cu, state_layout="vk",
+                                           checkpoint_positions=pos, checkpoint_states=cks, o=o)
 
         t0 = time_cuda_graph(lambda: kern()).ms * 1e3
         tk = []
@@ -70,10 +63,9 @@ def main(argv=None) -> int:
             offs = offs[offs <= T]
             pos = (cu[:-1].long()[:, None] + offs[None]).reshape(-1).contiguous()
             cks = torch.empty(pos.numel(), HV, v.shape[-1], k.shape[-1], device=q.device, dtype=torch.bfloat16)
-            tab = checkpoint_tables_device(pos, cu, B, Tt)
-            tk.append(time_cuda_graph(lambda: kern(pos, cks, tab)).ms * 1e3)
+            tk.append(time_cuda_graph(lambda: kern(pos, cks)).ms * 1e3)
         slope = (tk[-1] - tk[0]) / (ks[-1] - ks[0]) if len(ks) > 1 else float("nan")
-        print(f"{H:>3}/{HV:<3} {T:>5} x {N:<3} {t_prep:>8.1f} {t_tab:>7.1f} {t_rows:>6.1f} {t0:>7.1f}"
+        print(f"{H:>3}/{HV:<3} {T:>5} x {N:<3} {t_prep:>8.1f} {t0:>7.1f}"
               + "".join(f" {x:>7.1f}" for x in tk) + f" {slope:>8.2f}")
     return 0
 

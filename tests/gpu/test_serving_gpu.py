@@ -233,33 +233,83 @@ def test_mixed_dtypes_fall_back_to_torch():
     assert rel_rms(cks.double().cpu(), ck_ref) <= BUDGETS["sm90_fwd_bf16"]["ht"]
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_checkpoint_table_kernel_matches_its_torch_definition(seed):
-    """`ckpt_tables.checkpoint_tables_device` (one launch) gives the values of `recurrent.checkpoint_tables`
-    (the torch definition) on random packed batches with empty and short sequences, positions at
-    chunk edges, int32 and int64 positions, and on fixed-length batches."""
-    from flashqla.ops.gdn.kernels.sm90.ckpt_tables import checkpoint_tables_device
-    from flashqla.ops.gdn.kernels.sm90.recurrent import checkpoint_tables
+def _states_after_every_token(x64, bounds, h0_kv):
+    """fp64 recurrence, token by token: {global position p: the state after the first p tokens of its
+    sequence} for every p inside a sequence, bounds the sequences' (bos, eos)."""
+    scale = x64["q"].shape[-1] ** -0.5
+    out = {}
+    for n, (bos, eos) in enumerate(bounds):
+        s = h0_kv[n : n + 1]
+        for t in range(bos, eos):
+            tok = {k: v[:, t : t + 1] for k, v in x64.items()}
+            _, s = recurrent_gated_delta_rule(**tok, scale=scale, initial_state=s, output_final_state=True)
+            out[t + 1] = s[0]
+    return out
 
+
+@pytest.mark.parametrize("seed", range(4))
+def test_checkpoint_ranges_found_in_kernel(seed):
+    """The serving build finds each chunk's checkpoints from the positions themselves (the producer
+    warp's 32-wide search and ballots, no table launch): many positions (M > 32, so the first-checkpoint
+    search takes several rounds), every token of one chunk (64 in one chunk: several ballot rounds),
+    one position repeated 40 times, empty and 1-token sequences, int32 and int64 positions and
+    indices, has_initial_state, packed and fixed-length batches. Every checkpoint against the fp64
+    recurrence (fp32 storage), the repeats bitwise equal."""
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, 300, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
-    lengths[0] = max(lengths[0], 1)
-    cu = [0]
-    for L in lengths:
-        cu.append(cu[-1] + L)
-    pos = sorted({b + j for b, e in zip(cu[:-1], cu[1:]) for j in (1, 63, 64, 65, 128, e - b, int(torch.randint(1, 300, (1,), generator=g)))
-                  if 1 <= j <= e - b})
-    for pdt in (torch.int32, torch.int64):
-        for cdt in (torch.int32, torch.int64):
-            p = torch.tensor(pos, dtype=pdt, device=DEV)
-            c = torch.tensor(cu, dtype=cdt, device=DEV)
-            want = checkpoint_tables(p, c, 1, cu[-1])
-            got = checkpoint_tables_device(p, c, 1, cu[-1])
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (lengths, pdt, cdt)
-    B, T = 3, 130
-    p = torch.tensor([1, 64, 65, 130, 131, 200, 390], dtype=torch.int64, device=DEV)
-    want, got = checkpoint_tables(p, None, B, T), checkpoint_tables_device(p, None, B, T)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    packed = seed % 2 == 0
+    if packed:
+        lengths = torch.randint(0, 260, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist()
+        lengths[0], lengths[1] = 200, 1
+        B, T = 1, sum(lengths)
+        bounds = []
+        for L in lengths:
+            b = bounds[-1][1] if bounds else 0
+            bounds.append((b, b + L))
+    else:
+        B, T = 3, 150
+        bounds = [(b * T, (b + 1) * T) for b in range(B)]
+    N = len(bounds)
+    HV, H = 2, 1
+    x = make_gdn_inputs(B=B, T=T, H=H, HV=HV, seqlens=[e - b for b, e in bounds] if packed else None,
+                        special_heads=True, seed=seed)
+    xd = {n: (x[n].to(DEV, torch.bfloat16) if n in ("q", "k", "v") else x[n].to(DEV, torch.float32))
+          for n in ("q", "k", "v", "g", "beta")}
+    x64 = {n: t.detach().cpu().double().reshape(1, B * T, *t.shape[2:]) for n, t in xd.items()}
+    cu = x["cu_seqlens"].to(DEV, torch.int32) if packed else None
+    h0 = x["initial_state"].float()
+    has = torch.ones(N, dtype=torch.bool)
+    has[-1] = False
+    start = h0.double().clone()
+    start[~has] = 0
+    truth = _states_after_every_token(x64, bounds, start)
+    b0, e0 = bounds[0]
+    pos = list(range(b0 + 65, b0 + 129))  # every token of the first sequence's second chunk
+    pos += [b0 + 1] * 40  # one position repeated
+    pos += [b + int(j) for b, e in bounds for j in torch.randint(1, max(e - b, 1) + 1, (6,), generator=g) if 1 <= j <= e - b]
+    pos += [e for b, e in bounds if e > b]
+    pos = sorted(pos)
+    P = N + 2
+    rows = torch.randperm(P, generator=g)[:N]
+    for pdt, idt in ((torch.int64, torch.int32), (torch.int32, torch.int64)):
+        pool = torch.zeros(P, HV, 128, 128, device=DEV)
+        pool[rows.to(DEV)] = h0.to(DEV)
+        p = torch.tensor(pos, dtype=pdt, device=DEV)
+        cks = torch.full((len(pos), HV, 128, 128), float("nan"), device=DEV)
+        with torch.no_grad():
+            flashqla.chunk_gated_delta_rule(**xd, initial_state=pool, output_final_state=True, cu_seqlens=cu,
+                                            state_indices=rows.to(DEV, idt), has_initial_state=has.to(DEV),
+                                            checkpoint_positions=p, checkpoint_states=cks, cp="off")
+        torch.cuda.synchronize()
+        assert op_serving.LAST_PATH["path"] == "kernel"
+        assert torch.isfinite(cks).all(), f"unwritten checkpoints ({pdt}, {idt})"
+        want = torch.stack([truth[q] for q in pos])
+        err = rel_rms(cks.cpu().double(), want)
+        print(f"[seed {seed} {'packed' if packed else 'fixed'} M={len(pos)} {pdt} {idt}] checkpoints vs fp64: {err:.2e}")
+        assert err <= BUDGET[torch.float32], f"checkpoints: {err:.3e}"
+        worst = max(rel_rms(cks[m].cpu().double(), truth[q]) for m, q in enumerate(pos))
+        assert worst <= 3 * BUDGET[torch.float32], f"the worst single checkpoint: {worst:.3e}"
+        reps = [m for m, q in enumerate(pos) if q == b0 + 1]
+        assert all(torch.equal(cks[m], cks[reps[0]]) for m in reps), "repeated positions differ"
 
 
 def test_kernel_path_gate_floor_and_packed_tail():

@@ -10,7 +10,8 @@ pool rows by index (zeros where the index is negative or has_initial_state is Fa
 layout and dtype, writes the final states into their rows (none for a negative index) rounded once at
 the store, stores the checkpoints in-kernel from each chunk's own products (record CF-4; o does not
 depend on them) and writes o into `out` when it is contiguous. No gather, scatter, transpose, cast or
-second launch; the per-call tables (rows, checkpoint slots) are a few small device ops, no host read.
+second launch: the kernel reads the indices, has_initial_state and the positions as given (no table
+launch, no host read), so the call is the plain call's two launches.
 
 The torch path (everything else: training, the split / context-parallel plan, other backends such
 as the CPU tests' reference stand-in, T == 0, a pool of 0 rows, mixed state dtypes) runs the unchanged
@@ -228,10 +229,8 @@ def _serve_kernel(q, k, v, g, beta, scale: float, initial_state, output_final_st
     packed tokens after cu_seqlens[-1] (no CTA writes them) read 0, as on every other path."""
     from flashqla.ops.gdn.backend import default_backend
     from flashqla.ops.gdn.kernels.sm90 import registry
-    from flashqla.ops.gdn.kernels.sm90.ckpt_tables import checkpoint_tables_device
     from flashqla.ops.gdn.kernels.sm90.prepare import prepare_kernel_args
-    from flashqla.ops.gdn.kernels.sm90.recurrent import (chunk_recurrent_serving, recurrent_serving_args,
-                                                         serving_state_rows)
+    from flashqla.ops.gdn.kernels.sm90.recurrent import chunk_recurrent_serving, recurrent_serving_args
 
     g = clamp_gates(g)  # the one gate floor of every path (`flashqla.contract.G_FLOOR`)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
@@ -245,18 +244,12 @@ def _serve_kernel(q, k, v, g, beta, scale: float, initial_state, output_final_st
     args, kw = recurrent_serving_args(q, v, cu_seqlens, sdtype, s.state_layout, ckpt, block_v)
     specs = [("prepare", prepare_kernel_args(k, beta, cu_seqlens, HV)),
              ("recurrent_serving", args + (kw["state_dtype"], kw["state_layout"], kw["checkpoints"]))]
-    if ckpt:  # the checkpoint tables' launch (`ckpt_tables`)
-        seq = "int64" if cu_seqlens is not None and cu_seqlens.dtype == torch.int64 else "int32"
-        pos = "int64" if s.checkpoint_positions.dtype == torch.int64 else "int32"
-        specs.append(("ckpt_tables", (seq, pos, cu_seqlens is not None)))
     registry.build_once(tuple(specs), specs)
     A, G2 = default_backend().prepare(k, g, beta, cu_seqlens, HV)
     dev = q.device
     if s.pool:
-        read, write = serving_state_rows(N, s.state_indices, s.has_initial_state, dev)
         final = initial_state if output_final_state else None
     else:
-        read, write = serving_state_rows(N, None, s.has_initial_state, dev)
         tail = (K, V) if s.state_layout == "kv" else (V, K)
         final = torch.empty(N, HV, *tail, dtype=torch.float32, device=dev) if output_final_state else None
     out = s.out
@@ -265,11 +258,10 @@ def _serve_kernel(q, k, v, g, beta, scale: float, initial_state, output_final_st
     if direct and zero_tail:
         out.zero_()
     o_buf = out if direct else (torch.zeros_like(v) if zero_tail else None)
-    tables = checkpoint_tables_device(s.checkpoint_positions, cu_seqlens, B, T) if ckpt else None  # one launch
-    o = chunk_recurrent_serving(q, k, v, A, G2, scale, initial_state, final, read, write, cu_seqlens,
-                                state_layout=s.state_layout, checkpoint_positions=s.checkpoint_positions,
-                                checkpoint_states=s.checkpoint_states, block_v=block_v, o=o_buf,
-                                tables=tables)
+    o = chunk_recurrent_serving(q, k, v, A, G2, scale, initial_state, final, s.state_indices if s.pool else None,
+                                s.has_initial_state, cu_seqlens, state_layout=s.state_layout,
+                                checkpoint_positions=s.checkpoint_positions, checkpoint_states=s.checkpoint_states,
+                                block_v=block_v, o=o_buf)
     if out is not None and not direct:
         out.copy_(o)
         o = out

@@ -55,8 +55,8 @@ import torch
 
 from flashqla.ops.gdn.kernels.sm90._common import CHUNK, SM_COUNT, compile_kernel, placeholder, sequence_span, tl_dtype
 
-__all__ = ["build_recurrent_kernel", "build_recurrent_serving_kernel", "checkpoint_tables", "chunk_recurrent_dual", "chunk_recurrent_fwd", "chunk_recurrent_serving",
-           "pick_block_v", "recurrent_kernel_args", "recurrent_serving_args", "serving_state_rows"]
+__all__ = ["build_recurrent_kernel", "build_recurrent_serving_kernel", "chunk_recurrent_dual", "chunk_recurrent_fwd", "chunk_recurrent_serving",
+           "pick_block_v", "recurrent_kernel_args", "recurrent_serving_args"]
 
 #: The value slice widths of the role-split kernel. At BV = 64 one chain warpgroup holds S^T's 64
 #: value rows; at BV = 128 two chain warpgroups hold 64 rows each (every chain product is one wgmma
@@ -362,25 +362,31 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
     kernel's arithmetic (o and every state bitwise those of the plain build with an fp32 kv state), with
     the states addressed by index, in a layout and storage dtype, and checkpoints stored in-kernel.
 
-    - initial states: sequence n starts from h0[state_read[n]] (layout `state_layout`, dtype
-      `state_dtype`, widened to fp32 at the load), or from zeros when use_h0 == 0 or state_read[n] < 0;
-    - final states: with store_ht, ht[state_write[n]] = S (rounded once to `state_dtype` at the store,
-      in `state_layout`); nothing is written when state_write[n] < 0. h0 and ht may be one tensor (a
-      state pool updated in place: each CTA reads and writes only its own row's value slice);
-    - checkpoints (record CF-4, twin `reference.gdn.chunk.chunk_checkpoint_states`): for chunk slot
-      `slot`, the checkpoints m in [ck_slots[slot], ck_slots[slot + 1]) end j = ck_j[m] (1..64) tokens
-      into the chunk; the chain computes S_m^T = gamma_{j-1} S^T + (vn^T diag(m_j)) K with
+    - state rows: sequence n's row is rows[n * rows_stride] (rows_stride 0: row n; 2: the low word of
+      an int64 index), read only where use_has == 0 or has_init[n] != 0; a negative row is neither
+      read nor written;
+    - initial states: sequence n starts from h0[row] (layout `state_layout`, dtype `state_dtype`,
+      widened to fp32 at the load), or from zeros when use_h0 == 0 or the row is not read;
+    - final states: with store_ht, ht[row] = S (rounded once to `state_dtype` at the store, in
+      `state_layout`). h0 and ht may be one tensor (a state pool updated in place: each CTA reads and
+      writes only its own row's value slice);
+    - checkpoints (record CF-4, twin `reference.gdn.chunk.chunk_checkpoint_states`): checkpoint m,
+      at global position p_m = positions[m * pos_stride] (sorted, each inside a sequence), is stored
+      by the chunk that holds token p_m - 1, j = p_m - (the chunk's first global token) in 1..64 tokens
+      in; the chain computes S_m^T = gamma_{j-1} S^T + (vn^T diag(m_j)) K with
       m_j,i = exp2(gc_{j-1} - gc_i) for i < j (else 0), a masked copy of the chunk's own state update
       (one wgmma on the chunk's vn^T and k tile), into a separate accumulator, and stores it to
       ckpt[m] in `state_layout` / `state_dtype`. The chunk's state and vn^T are not changed by it: in a
       chunk with such checkpoints the chain publishes vn^T first and scales S by gamma_C after them
       instead of during U = S K^T (the same products), so o and the states do not depend on the
-      checkpoints. A checkpoint at the chunk's last token (j = 64) is the chunk's end state: it is
+      checkpoints. A checkpoint at a full chunk's last token (j = 64) is the chunk's end state: it is
       stored from S after the chunk's update, with no extra product; a chunk with no checkpoint
-      ending before its last token runs the plain build's order. The producer warp reads each chunk's
-      range from ck_slots and ck_j while the chunk's loads are in flight and hands it to the chain in
-      shared memory under the chunk's barrier ([lo, end) inside the chunk, [end, hi) at its last
-      token), so no table read sits on the chain's serial path.
+      ending before its last token runs the plain build's order. The producer warp finds each
+      chunk's range from the positions (the sequence's first checkpoint by a 32-wide search of the
+      sorted positions, then 32 positions per warp-wide read and ballot) while the chunk's loads are
+      in flight, and hands it to the chain in shared memory under the chunk's barrier ([lo, end)
+      inside the chunk, [end, hi) at its last token): no table launch, no table read on the chain's
+      serial path.
     """
     import tilelang.language as T
     from tilelang.layout import make_swizzled_layout
@@ -407,9 +413,10 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
     Np1 = T.dynamic("Np1")
     N0 = T.dynamic("N0")
     N1 = T.dynamic("N1")
-    NI = T.dynamic("NI")  # rows of state_read / state_write (N)
-    NSL = T.dynamic("NSL")  # chunk slots + 1 (ck_slots)
-    MP = T.dynamic("MP")  # checkpoints (1 when there are none: a placeholder)
+    NI = T.dynamic("NI")  # int32 words of the state indices (N or 2N; 1 without a pool: a placeholder)
+    NH = T.dynamic("NH")  # has_initial_state's bytes (N; 1 without it: a placeholder)
+    MP = T.dynamic("MP")  # int32 words of the checkpoint positions (M or 2M; 1 without checkpoints)
+    MC = T.dynamic("MC")  # checkpoint rows (M; 1 without checkpoints)
     nseq = (Np1 - 1) if varlen else B
     ncta = NV * HV * nseq
 
@@ -443,11 +450,14 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
         store_ht: T.int32,
         o: T.Tensor((B, Tn, HV, V), dtype),
         ht: T.Tensor((N1, HV, sa, sb), sdt),
-        state_read: T.Tensor((NI,), "int32"),
-        state_write: T.Tensor((NI,), "int32"),
-        ck_slots: T.Tensor((NSL,), "int32"),
-        ck_j: T.Tensor((MP,), "int32"),
-        ckpt: T.Tensor((MP, HV, sa, sb), sdt),
+        rows: T.Tensor((NI,), "int32"),
+        rows_stride: T.int32,
+        has_init: T.Tensor((NH,), "uint8"),
+        use_has: T.int32,
+        positions: T.Tensor((MP,), "int32"),
+        pos_stride: T.int32,
+        n_ckpt: T.int32,
+        ckpt: T.Tensor((MC, HV, sa, sb), sdt),
     ):
         with T.Kernel(ncta, threads=threads) as (bx,):
             iv = bx % NV
@@ -501,8 +511,17 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                     m_hi = T.alloc_var("int32")
                     m_end = T.alloc_var("int32")  # [m_end, m_hi): at the chunk's last token
                     mid = T.alloc_var("int32")  # 1: one of them ends before the chunk's last token
-                if use_h0 != 0 and state_read[n] >= 0:
-                    load_state(st, h0, state_read[n], hv, v0)
+                row = T.alloc_var("int32")  # the sequence's state row (read and written)
+                row_in = T.alloc_var("int32")  # the row read: -1 where has_initial_state is False
+                row = n
+                if rows_stride != 0:
+                    row = rows[n * rows_stride]  # an int64 index's low word (indices below 2^31)
+                row_in = row
+                if use_has != 0:
+                    if has_init[n] == 0:
+                        row_in = -1
+                if use_h0 != 0 and row_in >= 0:
+                    load_state(st, h0, row_in, hv, v0)
                 else:
                     T.clear(st)
                 for c in T.serial(nchunks):
@@ -555,7 +574,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                         T.barrier_arrive(n_full[s])
                         # the checkpoints ending inside this chunk (CF-4), from the unscaled S^T
                         for m in T.serial(m_lo, m_end):
-                            jj = ck_j[m]
+                            jj = positions[m * pos_stride] - (bidx * Tn + bos + c * C)
                             if jj < C:
                                 gj[0] = gc_s[s, jj - 1]
                                 for i, t in T.Parallel(BV, C):
@@ -587,8 +606,8 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                         for m in T.serial(m_end, m_hi):
                             store_state(ckpt, m, hv, v0, st, 0)
                     T.barrier_arrive(empty[s])
-                if store_ht != 0 and state_write[n] >= 0:
-                    store_state(ht, state_write[n], hv, v0, st, 0)
+                if store_ht != 0 and row >= 0:
+                    store_state(ht, row, hv, v0, st, 0)
             elif tx < CH + 128:
                 # ------------------------------------------------------------------ output
                 T.set_max_nreg(nreg["output"], 1)
@@ -638,10 +657,39 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                 # ------------------------------------------------------------------ producer
                 T.set_max_nreg(nreg["producer"], 0)
                 if checkpoints:
+                    lane = tx - (CH + 128)
+                    g0 = bidx * Tn + bos  # the sequence's first token, as a global position
                     p_lo = T.alloc_var("int32")
                     p_hi = T.alloc_var("int32")
                     p_end = T.alloc_var("int32")
-                    p_done = T.alloc_var("int32")
+                    p_run = T.alloc_var("int32")  # checkpoints before the next chunk's range
+                    p_step = T.alloc_var("int32")
+                    p_idx = T.alloc_var("int32")
+                    p_val = T.alloc_var("int32")
+                    p_le = T.alloc_var("int32")
+                    p_lt = T.alloc_var("int32")
+                    p_more = T.alloc_var("int32")
+                if checkpoints and tx < CH + 128 + 32:
+                    # the sequence's first checkpoint (positions sorted): #{m : p_m <= g0}, counted by
+                    # the warp 32 samples at a time, narrowing [p_lo, p_hi) by 32 per round
+                    p_lo = 0
+                    p_hi = n_ckpt
+                    while p_hi - p_lo > 32:
+                        p_step = (p_hi - p_lo + 31) // 32
+                        p_idx = p_lo + (lane + 1) * p_step - 1
+                        p_val = 0
+                        if p_idx < p_hi:
+                            if positions[p_idx * pos_stride] <= g0:
+                                p_val = 1
+                        p_le = T.cast(T.popcount(T.ballot(p_val)), "int32")
+                        p_lo = p_lo + p_le * p_step
+                        p_hi = T.min(p_lo + p_step, p_hi)
+                    p_idx = p_lo + lane
+                    p_val = 0
+                    if p_idx < p_hi:
+                        if positions[p_idx * pos_stride] <= g0:
+                            p_val = 1
+                    p_run = p_lo + T.cast(T.popcount(T.ballot(p_val)), "int32")
                 if tx < CH + 128 + 32:
                     for c in T.serial(nchunks):
                         s = c % 2
@@ -655,18 +703,31 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                         T.tma_copy(A[hv, row0 : row0 + C, 0:C], a_s[s, :, :], barrier=full[s])
                         T.tma_copy(g_cum_log2[hv, row0 : row0 + C], gc_s[s, :], barrier=full[s])
                         if checkpoints:
-                            # the chunk's checkpoint range off the chain's path: the table reads run
-                            # here, while the chunk's loads are in flight, two chunks ahead of the chain
-                            p_lo = ck_slots[slot0 + c]
-                            p_hi = ck_slots[slot0 + c + 1]
-                            p_end = p_hi
-                            p_done = 0
-                            for _ in T.serial(p_hi - p_lo):
-                                if p_done == 0:
-                                    if ck_j[p_end - 1] == C:
-                                        p_end = p_end - 1
-                                    else:
-                                        p_done = 1
+                            # the chunk's checkpoint range, off the chain's path (read here while the
+                            # chunk's loads are in flight, two chunks ahead of the chain): those with
+                            # p <= the chunk's end e, 32 positions per warp-wide read; of them, those
+                            # with p < e (all of them in a partial last chunk) end inside the chunk
+                            p_lo = p_run
+                            p_end = p_run
+                            p_more = 1
+                            while p_more != 0:
+                                p_idx = p_run + lane
+                                p_le = 0
+                                p_lt = 0
+                                if p_idx < n_ckpt:
+                                    p_val = positions[p_idx * pos_stride]
+                                    if p_val <= g0 + T.min((c + 1) * C, seqlen):
+                                        p_le = 1
+                                    if p_val < g0 + T.min((c + 1) * C, seqlen):
+                                        p_lt = 1
+                                p_le = T.cast(T.popcount(T.ballot(p_le)), "int32")
+                                p_lt = T.cast(T.popcount(T.ballot(p_lt)), "int32")
+                                p_end = p_end + p_lt
+                                p_run = p_run + p_le
+                                p_more = T.if_then_else(p_le == 32, 1, 0)
+                            p_hi = p_run
+                            if (c + 1) * C > seqlen:
+                                p_end = p_hi
                             if tx == CH + 128:
                                 ck_s[s, 0] = p_lo
                                 ck_s[s, 1] = p_end
@@ -867,47 +928,6 @@ def chunk_recurrent_dual(q, k, v, A, g_cum_log2, scale: float, initial_state, li
     return o, Q, U, P
 
 
-def serving_state_rows(N: int, state_indices, has_initial_state, device) -> tuple:
-    """(state_read, state_write) int32 [N] for the serving build, on the device without a host read:
-    the rows sequence n reads and writes (state_indices, or n without a pool); state_read is -1
-    where has_initial_state[n] is False (the sequence starts from zeros; its row is still written)."""
-    idx = (torch.arange(N, dtype=torch.int32, device=device) if state_indices is None
-           else state_indices.to(torch.int32).contiguous())
-    read = idx if has_initial_state is None else torch.where(has_initial_state, idx, torch.full_like(idx, -1))
-    return read.contiguous(), idx
-
-
-def checkpoint_tables(positions, cu_seqlens, B: int, T: int) -> tuple:
-    """(ck_slots [S + 1] int32, ck_j [M] int32) for the serving build's checkpoints, in torch on any
-    device without a host read (the definition; the launches use its one-launch kernel
-    `ckpt_tables.checkpoint_tables_device`, tested against it) (S = `num_slots`): checkpoint m (positions sorted, each inside a sequence n,
-    cu_seqlens[n] < p <= cu_seqlens[n + 1], b * T + t without cu_seqlens) ends ck_j[m] in 1..64
-    tokens into chunk c = (p - 1 - bos) // 64 of its sequence, held by chunk slot slot0(n) + c; the
-    checkpoints of slot s are [ck_slots[s], ck_slots[s + 1]). Positions outside every sequence are
-    the caller's error (checked on CPU by `flashqla.serving.check_serving_args`)."""
-    from flashqla.ops.gdn.kernels.sm90._common import num_slots
-
-    dev = positions.device
-    varlen = cu_seqlens is not None
-    N = cu_seqlens.shape[0] - 1 if varlen else B
-    ar = torch.arange(N, dtype=torch.int64, device=dev)
-    if varlen:
-        cu = cu_seqlens.to(torch.int64)
-        slot0 = cu[:-1] // CHUNK + ar
-    else:
-        cu = torch.arange(B + 1, dtype=torch.int64, device=dev) * T
-        slot0 = ar * ((T + CHUNK - 1) // CHUNK)
-    pos = positions.to(torch.int64).contiguous()
-    n = torch.searchsorted(cu[1:].contiguous(), pos, side="left").clamp(max=max(N - 1, 0))
-    bos = cu[n]
-    c = (pos - 1 - bos).clamp(min=0) // CHUNK
-    slot = slot0[n] + c
-    j = (pos - bos - c * CHUNK).to(torch.int32)
-    S = num_slots(B, T, N, varlen)
-    ck_slots = torch.searchsorted(slot, torch.arange(S + 1, dtype=torch.int64, device=dev), side="left")
-    return ck_slots.to(torch.int32), j.contiguous()
-
-
 def recurrent_serving_args(q, v, cu_seqlens, state_dtype: torch.dtype, state_layout: str, checkpoints: bool,
                            block_v=None) -> tuple:
     """(args, kwargs) of the serving build (`build_recurrent_kernel(*args, indexed=True, ...)`) a
@@ -917,31 +937,40 @@ def recurrent_serving_args(q, v, cu_seqlens, state_dtype: torch.dtype, state_lay
                      checkpoints=bool(checkpoints))
 
 
-def chunk_recurrent_serving(q, k, v, A, g_cum_log2, scale: float, initial_state, final_state, state_read, state_write,
-                            cu_seqlens, *, state_layout: str = "kv", checkpoint_positions=None, checkpoint_states=None,
-                            block_v=None, o=None, tables=None):
+def _int32_words(x: torch.Tensor) -> tuple:
+    """(int32 tensor, stride) of an int32 / int64 index vector without a copy where it is contiguous:
+    an int64 vector is read through its low words (entry n at word stride * n; exact for values in
+    [-2^31, 2^31), which covers every pool row, -1 and every position of a batch below 2^31 tokens)."""
+    x = x.contiguous()
+    if x.dtype == torch.int64:
+        return x.view(torch.int32), 2
+    return x, 1
+
+
+def chunk_recurrent_serving(q, k, v, A, g_cum_log2, scale: float, initial_state, final_state, state_indices,
+                            has_initial_state, cu_seqlens, *, state_layout: str = "kv", checkpoint_positions=None,
+                            checkpoint_states=None, block_v=None, o=None):
     """Launches the recurrent kernel's serving build (arguments validated by the caller;
     `flashqla.ops.gdn.serving`): o, and the final states and checkpoints written in place in their
-    layout and storage dtype (one rounding, at the store). No host read.
+    layout and storage dtype (one rounding, at the store). One launch, no host read, no table
+    launch: the kernel reads the indices, has_initial_state and the positions as they are.
 
     Args:
         q, k: [B, T, H, K]; v: [B, T, HV, V] (bf16 or fp16, contiguous); A, g_cum_log2: `chunk_prepare_fwd`.
         scale: output scale.
         initial_state: [P, HV, K, V] ("kv") or [P, HV, V, K] ("vk") in fp32/bf16/fp16, contiguous, or
-            None (every sequence starts from zeros). Sequence n starts from row state_read[n] (zeros
-            where it is negative).
+            None (every sequence starts from zeros).
         final_state: like initial_state (it may be the same tensor: a pool updated in place) or None
-            (no final state stored). Sequence n's final state goes to row state_write[n] (none where
-            negative).
-        state_read, state_write: int32 [N] contiguous (`serving_state_rows`).
+            (no final state stored).
+        state_indices: int32/int64 [N] or None. Sequence n reads and writes row state_indices[n] (row n
+            without it); a negative row is neither read nor written.
+        has_initial_state: bool [N] or None; False: sequence n starts from zeros (its row is still written).
         cu_seqlens: [N + 1] int32/int64 or None.
         state_layout: "kv" or "vk", of every state tensor.
         checkpoint_positions: int32/int64 [M] sorted global positions (each inside a sequence) or None;
         checkpoint_states: [M, HV, ...] in the states' layout and dtype, written in place (record CF-4).
         block_v: value slice width (None: `pick_block_v`). o: optional preallocated output (the
             packed tokens after cu_seqlens[-1] are written by no CTA: the caller zeroes them).
-        tables: the checkpoint tables (ck_slots, ck_j) of `checkpoint_tables` when the caller made
-            them (`ckpt_tables.checkpoint_tables_device`: one launch); None: `checkpoint_tables`' torch ops.
 
     Returns: o [B, T, HV, V]. Raises ValueError when the state tensors do not share one storage dtype
     or are not contiguous.
@@ -969,13 +998,18 @@ def chunk_recurrent_serving(q, k, v, A, g_cum_log2, scale: float, initial_state,
     h0 = initial_state if initial_state is not None else placeholder((1, HV, *tail), sdtype, dev)
     ht = final_state if final_state is not None else placeholder((1, HV, *tail), sdtype, dev)
     cu = cu_seqlens if cu_seqlens is not None else placeholder((1,), torch.int32, dev)
-    if ckpt:
-        ck_slots, ck_j = tables if tables is not None else checkpoint_tables(checkpoint_positions, cu_seqlens, B, T)
-        cks = checkpoint_states
+    if state_indices is not None:
+        rows, rows_stride = _int32_words(state_indices)
     else:
-        ck_slots = placeholder((2,), torch.int32, dev).zero_()  # not read without checkpoints
-        ck_j = placeholder((1,), torch.int32, dev)
+        rows, rows_stride = placeholder((1,), torch.int32, dev), 0
+    has = (has_initial_state.contiguous().view(torch.uint8) if has_initial_state is not None
+           else placeholder((1,), torch.uint8, dev))
+    if ckpt:
+        pos, pos_stride = _int32_words(checkpoint_positions)
+        M, cks = checkpoint_positions.shape[0], checkpoint_states
+    else:
+        pos, pos_stride, M = placeholder((1,), torch.int32, dev), 1, 0
         cks = placeholder((1, HV, *tail), sdtype, dev)
     kernel(q, k, v, A, g_cum_log2, h0, cu, float(scale), int(initial_state is not None), int(final_state is not None), o,
-           ht, state_read, state_write, ck_slots, ck_j, cks)
+           ht, rows, rows_stride, has, int(has_initial_state is not None), pos, pos_stride, M, cks)
     return o

@@ -8,7 +8,6 @@ key). Kinds and builders:
     "recurrent"        recurrent.build_recurrent_kernel
     "recurrent_serving" recurrent.build_recurrent_serving_kernel (the serving build: pools by index,
                        state layout and dtype, checkpoints; `serving_kernel_specs`, not in warmup's list)
-    "ckpt_tables"      ckpt_tables.build_checkpoint_tables_kernel (the serving build's checkpoint tables)
     "states_bwd"       states_bwd.build_states_kernel
     "chunk_bwd"        chunk_bwd.build_chunk_bwd_kernel
     "dg_cumsum"        finish_bwd.build_dg_cumsum_kernel
@@ -41,7 +40,6 @@ BUILDERS = {
     "prepare": ("prepare", "build_prepare_kernel"),
     "recurrent": ("recurrent", "build_recurrent_kernel"),
     "recurrent_serving": ("recurrent", "build_recurrent_serving_kernel"),
-    "ckpt_tables": ("ckpt_tables", "build_checkpoint_tables_kernel"),
     "states_bwd": ("states_bwd", "build_states_kernel"),
     "chunk_bwd": ("chunk_bwd", "build_chunk_bwd_kernel"),
     "dg_cumsum": ("finish_bwd", "build_dg_cumsum_kernel"),
@@ -207,8 +205,5 @@ def serving_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, d
     that a plain call builds nothing more. Pure Python."""
     BV = block_v or pick_block_v(N, HV, V)
     seq = seq_dtype if varlen else "int32"
-    specs = [("recurrent_serving", (H, HV, K, V, BV, dtype, seq, varlen, sd, lay, ck))
-             for sd in state_dtypes for lay in state_layouts for ck in checkpoints]
-    if any(checkpoints):  # the checkpoint tables, for either dtype of the positions
-        specs += [("ckpt_tables", (seq, pd, varlen)) for pd in ("int32", "int64")]
-    return specs
+    return [("recurrent_serving", (H, HV, K, V, BV, dtype, seq, varlen, sd, lay, ck))
+            for sd in state_dtypes for lay in state_layouts for ck in checkpoints]
