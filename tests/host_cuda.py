@@ -1,9 +1,10 @@
 """A kernel's generated CUDA source run on the host, for the CPU tier's checks of small integer kernels
-(tests/test_segment_tables_kernel.py, tests/test_launch_order_kernel.py). Not collected by pytest.
+(tests/test_segment_tables_kernel.py, tests/test_launch_order_kernel.py, the serving build's checkpoint
+ranges in tests/test_serving_kernels_compile.py). Not collected by pytest.
 
 `HostKernel(src, workdir, tag)` strips the includes of TileLang's generated source, puts a prelude in
 front (blockIdx / threadIdx per host thread, `__syncthreads()` as a `std::barrier`, the one dynamic
-shared buffer as a static array, min / max) and a runner behind it, builds a shared library with the
+shared buffer as a static array, min / max, and `__ballot_sync` / `__popcll` for kernels of one warp) and a runner behind it, builds a shared library with the
 host C++ compiler and binds it with ctypes. `launch(grid, tensors, sizes)` runs the launch grid CTA
 after CTA, each CTA as `threads` host threads (the kernel's launch bounds) that meet where the source
 has a barrier, with the arguments a TileLang launch binds: tensors by parameter name (pointers), the
@@ -25,6 +26,7 @@ CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 needs_cxx = pytest.mark.skipif(CXX is None, reason="running the generated source on the host needs a C++ compiler")
 
 _PRELUDE = r"""
+#include <atomic>
 #include <barrier>
 #include <cstdint>
 #include <thread>
@@ -39,6 +41,20 @@ alignas(1024) static unsigned char tl_host_smem[48 * 1024];
 #define __launch_bounds__(...)
 #define __restrict__
 #define __syncthreads() tl_host_bar->arrive_and_wait()
+// warp votes, for kernels of one warp (the CTA's threads are its lanes): every lane's bit, then all
+// lanes read the word before any lane clears it for the next vote
+static std::atomic<unsigned> tl_host_vote{0};
+static inline unsigned __ballot_sync(unsigned, int pred) {
+  tl_host_bar->arrive_and_wait();
+  if (threadIdx.x == 0) tl_host_vote.store(0);
+  tl_host_bar->arrive_and_wait();
+  if (pred) tl_host_vote.fetch_or(1u << (threadIdx.x % 32));
+  tl_host_bar->arrive_and_wait();
+  unsigned bits = tl_host_vote.load();
+  tl_host_bar->arrive_and_wait();
+  return bits;
+}
+static inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
 template <class A, class B> static inline typename std::common_type<A, B>::type min(A a, B b) { return a < b ? a : b; }
 template <class A, class B> static inline typename std::common_type<A, B>::type max(A a, B b) { return a < b ? b : a; }
 """

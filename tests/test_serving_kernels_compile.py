@@ -3,9 +3,9 @@ checkpoints; `flashqla.ops.gdn.kernels.sm90.recurrent`) lowers for sm_90a, its o
 name, and its device tables (rows, checkpoint slots) are right; under `compile_all` every width and
 storage compiles with nvcc without register spills."""
 
-from __future__ import annotations
 
 import shutil
+import tempfile
 
 import pytest
 import torch
@@ -72,3 +72,113 @@ def test_serving_build_compiles_without_spills(BV, state_dtype, layout, ckpt):
     r = ptxas_report(kernel)
     print(r)
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"register spills: {r}"
+
+
+# --------------------------------------------------------------------------------------------
+# the checkpoint ranges (`recurrent.CheckpointRanges`): generated source run on the host
+# --------------------------------------------------------------------------------------------
+
+def _ranges_by_loop(positions, cu):
+    """{chunk slot: (lo, end, hi)} by a host loop (the definition): chunk c of sequence n (slot
+    cu[n] // 64 + n + c) holds the checkpoints with bos + 64 c < p <= e, e = bos + min(64 (c + 1), len),
+    consecutive in the sorted positions; those with p < e, or all of them in a partial last chunk,
+    come first (they end inside the chunk)."""
+    out = {}
+    for n in range(len(cu) - 1):
+        bos, L = cu[n], cu[n + 1] - cu[n]
+        for c in range((L + 63) // 64):
+            e = bos + min(64 * (c + 1), L)
+            ms = [m for m, p in enumerate(positions) if bos + 64 * c < p <= e]
+            lo = sum(1 for p in positions if p <= bos + 64 * c)
+            assert ms == list(range(lo, lo + len(ms)))
+            inside = [m for m in ms if positions[m] < e or 64 * (c + 1) > L]
+            out[cu[n] // 64 + n + c] = (lo, lo + len(inside), lo + len(ms))
+    return out
+
+
+def _ranges_prim_func():
+    """A one-warp-per-sequence kernel that writes `CheckpointRanges`' (lo, end, hi) for every chunk slot:
+    the serving build's range code alone, so that its generated source can run on the host."""
+    import tilelang.language as T
+
+    from flashqla.ops.gdn.kernels.sm90._common import sequence_span
+
+    Np1, MP, NS = T.dynamic("Np1"), T.dynamic("MP"), T.dynamic("NS")
+
+    @T.prim_func
+    def checkpoint_ranges(cu_seqlens: T.Tensor((Np1,), "int32"), positions: T.Tensor((MP,), "int32"),
+                          pos_stride: T.int32, n_ckpt: T.int32, out: T.Tensor((NS, 3), "int32")):
+        with T.Kernel(Np1 - 1, threads=32) as bx:
+            tx = T.get_thread_binding()
+            bos, seqlen, bidx, slot0, nchunks = sequence_span(bx, cu_seqlens, 0, True)
+            ranges = rec.CheckpointRanges(positions, pos_stride, n_ckpt, tx, bos, seqlen)
+            for c in T.serial(nchunks):
+                lo, end, hi = ranges.chunk(c)
+                if tx == 0:
+                    out[slot0 + c, 0] = lo
+                    out[slot0 + c, 1] = end
+                    out[slot0 + c, 2] = hi
+
+    return checkpoint_ranges
+
+
+@pytest.fixture(scope="module")
+def ranges_on_host():
+    pytest.importorskip("tilelang")
+    from tests import host_cuda
+    if host_cuda.CXX is None:
+        pytest.skip("running the generated source on the host needs a C++ compiler")
+    import tilelang
+    from tilelang import tvm
+
+    from flashqla.ops.gdn.kernels.sm90._common import _pass_configs, sm90_target
+
+    with tvm.transform.PassContext(config=_pass_configs()), tvm.target.Target(sm90_target()):
+        src = tilelang.lower(_ranges_prim_func(), target=sm90_target()).kernel_source
+    assert src.count("__ballot_sync(0xFFFFFFFFu") == 4, "the search's two votes and the chunk's two"
+    with tempfile.TemporaryDirectory() as d:
+        yield host_cuda.HostKernel(src, d, "ranges")
+
+
+def _random_case(g):
+    N = int(torch.randint(1, 7, (1,), generator=g))
+    lens = [[0, 1, 63, 64, 65, 128, int(torch.randint(0, 400, (1,), generator=g))][int(torch.randint(0, 7, (1,), generator=g))]
+            for _ in range(N)]
+    cu = [0]
+    for L in lens:
+        cu.append(cu[-1] + L)
+    pos = []
+    for b, e in zip(cu[:-1], cu[1:]):
+        if e == b:
+            continue
+        k = [0, 1, 3, 40, 100][int(torch.randint(0, 5, (1,), generator=g))]
+        pos += torch.randint(b + 1, e + 1, (k,), generator=g).tolist()
+        if torch.rand(1, generator=g) < 0.3:
+            pos += [b + 1] * int(torch.randint(1, 70, (1,), generator=g))  # one position repeated
+        if torch.rand(1, generator=g) < 0.3:
+            pos += list(range(b + 1, min(e, b + 130) + 1))  # every token of two chunks
+    return cu, sorted(pos)
+
+
+@pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
+def test_checkpoint_ranges_source_on_the_host(ranges_on_host, pos_dtype):
+    """`CheckpointRanges` lowered by TileLang and its generated source run on the host (32 host threads
+    as the warp's lanes, the ballots emulated) gives every chunk slot's (lo, end, hi) of the host loop,
+    on random packs with empty, 1-token and chunk-edge lengths, M from 0 to several hundred (several
+    search rounds), a position repeated up to 69 times and every token of two chunks (several ballot
+    rounds per chunk), int32 and int64 positions (the latter read through their low words)."""
+    g = torch.Generator().manual_seed(7 if pos_dtype == torch.int32 else 8)
+    for _ in range(40):
+        cu, pos = _random_case(g)
+        want = _ranges_by_loop(pos, cu)
+        p = torch.tensor(pos if pos else [0], dtype=pos_dtype)
+        words = p.view(torch.int32) if pos_dtype == torch.int64 else p
+        NS = cu[-1] // 64 + len(cu) + 1
+        out = torch.full((NS, 3), -7, dtype=torch.int32)
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        ranges_on_host.launch(len(cu) - 1, dict(cu_seqlens=cu_t, positions=words, out=out),
+                              dict(Np1=len(cu), MP=words.numel(), NS=NS, pos_stride=2 if pos_dtype == torch.int64 else 1,
+                                   n_ckpt=len(pos)))
+        got = {s: tuple(out[s].tolist()) for s in want}
+        assert got == want, (cu, pos[:80])
+

@@ -55,7 +55,7 @@ import torch
 
 from flashqla.ops.gdn.kernels.sm90._common import CHUNK, SM_COUNT, compile_kernel, placeholder, sequence_span, tl_dtype
 
-__all__ = ["build_recurrent_kernel", "build_recurrent_serving_kernel", "chunk_recurrent_dual", "chunk_recurrent_fwd", "chunk_recurrent_serving",
+__all__ = ["CheckpointRanges", "build_recurrent_kernel", "build_recurrent_serving_kernel", "chunk_recurrent_dual", "chunk_recurrent_fwd", "chunk_recurrent_serving",
            "pick_block_v", "recurrent_kernel_args", "recurrent_serving_args"]
 
 #: The value slice widths of the role-split kernel. At BV = 64 one chain warpgroup holds S^T's 64
@@ -354,6 +354,93 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
 #: The storage dtypes of states a serving build reads and writes (TileLang names), and the layouts.
 SERVING_STATE_DTYPES = ("float32", "bfloat16", "float16")
 SERVING_LAYOUTS = ("kv", "vk")
+
+
+class CheckpointRanges:
+    """The serving build's checkpoint ranges, found by one warp from the sorted positions themselves
+    (no table launch; record CF-4's storage). Construct it inside a kernel body, on the warp's 32
+    threads (lane 0..31): it allocates its int32 variables and finds the sequence's first checkpoint,
+    #{m : p_m <= g0}, by a 32-wide search (32 samples per round narrow [lo, hi) 32-fold: ceil(log32 M)
+    rounds of one read per lane and a ballot). `chunk(c)` then emits chunk c's range and returns
+    the variables (lo, end, hi): checkpoints [lo, hi) have lo <= m < hi with g0 + 64 c < p_m <= e,
+    e = g0 + min(64 (c + 1), seqlen); [lo, end) end inside the chunk (p_m < e, or every one of them
+    when the chunk is a sequence's partial last one) and [end, hi) at its last token. Each call reads
+    32 positions per round (one per lane) and counts them by ballot, continuing while all 32 belong
+    to the chunk, and advances a running index, so chunk(c) must be emitted for c = 0, 1, ... in order.
+
+    positions: the int32 words of the positions (entry m at word m * pos_stride: 2 for an int64 tensor
+    read through its low words); n_ckpt: M; g0: the sequence's first token as a global position (the
+    offset into the packed, or flattened fixed-length, batch); seqlen: its length. Python twin:
+    `tests/test_serving_kernels_compile.py::_ranges_by_loop`; the generated source runs on the host in
+    `test_checkpoint_ranges_source_on_the_host`."""
+
+    def __init__(self, positions, pos_stride, n_ckpt, lane, g0, seqlen):
+        import tilelang.language as T
+
+        from flashqla.ops.gdn.kernels.sm90._common import _int32_vars
+
+        self.positions, self.pos_stride, self.n_ckpt, self.lane, self.g0, self.seqlen = (
+            positions, pos_stride, n_ckpt, lane, g0, seqlen)
+        self.v = _int32_vars("p_lo", "p_hi", "p_end", "p_run", "p_step", "p_idx", "p_val", "p_le", "p_lt", "p_more")
+
+        @T.macro
+        def first(p_lo, p_hi, p_end, p_run, p_step, p_idx, p_val, p_le, p_lt, p_more):
+            p_lo = 0
+            p_hi = n_ckpt
+            while p_hi - p_lo > 32:
+                p_step = (p_hi - p_lo + 31) // 32
+                p_idx = p_lo + (lane + 1) * p_step - 1
+                p_val = 0
+                if p_idx < p_hi:
+                    if positions[p_idx * pos_stride] <= g0:
+                        p_val = 1
+                p_le = T.cast(T.popcount(T.ballot(p_val)), "int32")
+                p_lo = p_lo + p_le * p_step
+                p_hi = T.min(p_lo + p_step, p_hi)
+            p_idx = p_lo + lane
+            p_val = 0
+            if p_idx < p_hi:
+                if positions[p_idx * pos_stride] <= g0:
+                    p_val = 1
+            p_run = p_lo + T.cast(T.popcount(T.ballot(p_val)), "int32")
+
+        first(*self.v)
+
+    def chunk(self, c):
+        import tilelang.language as T
+
+        C = CHUNK
+        positions, pos_stride, n_ckpt, lane, g0, seqlen = (
+            self.positions, self.pos_stride, self.n_ckpt, self.lane, self.g0, self.seqlen)
+        e = g0 + T.min((c + 1) * C, seqlen)
+        partial = (c + 1) * C > seqlen
+
+        @T.macro
+        def step(p_lo, p_hi, p_end, p_run, p_step, p_idx, p_val, p_le, p_lt, p_more):
+            p_lo = p_run
+            p_end = p_run
+            p_more = 1
+            while p_more != 0:
+                p_idx = p_run + lane
+                p_le = 0
+                p_lt = 0
+                if p_idx < n_ckpt:
+                    p_val = positions[p_idx * pos_stride]
+                    if p_val <= e:
+                        p_le = 1
+                    if p_val < e:
+                        p_lt = 1
+                p_le = T.cast(T.popcount(T.ballot(p_le)), "int32")
+                p_lt = T.cast(T.popcount(T.ballot(p_lt)), "int32")
+                p_end = p_end + p_lt
+                p_run = p_run + p_le
+                p_more = T.if_then_else(p_le == 32, 1, 0)
+            p_hi = p_run
+            if partial:
+                p_end = p_hi
+
+        step(*self.v)
+        return self.v[0], self.v[2], self.v[1]
 
 
 def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: str, varlen: bool, BV: int,
@@ -656,41 +743,11 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
             else:
                 # ------------------------------------------------------------------ producer
                 T.set_max_nreg(nreg["producer"], 0)
-                if checkpoints:
-                    lane = tx - (CH + 128)
-                    g0 = bidx * Tn + bos  # the sequence's first token, as a global position
-                    p_lo = T.alloc_var("int32")
-                    p_hi = T.alloc_var("int32")
-                    p_end = T.alloc_var("int32")
-                    p_run = T.alloc_var("int32")  # checkpoints before the next chunk's range
-                    p_step = T.alloc_var("int32")
-                    p_idx = T.alloc_var("int32")
-                    p_val = T.alloc_var("int32")
-                    p_le = T.alloc_var("int32")
-                    p_lt = T.alloc_var("int32")
-                    p_more = T.alloc_var("int32")
-                if checkpoints and tx < CH + 128 + 32:
-                    # the sequence's first checkpoint (positions sorted): #{m : p_m <= g0}, counted by
-                    # the warp 32 samples at a time, narrowing [p_lo, p_hi) by 32 per round
-                    p_lo = 0
-                    p_hi = n_ckpt
-                    while p_hi - p_lo > 32:
-                        p_step = (p_hi - p_lo + 31) // 32
-                        p_idx = p_lo + (lane + 1) * p_step - 1
-                        p_val = 0
-                        if p_idx < p_hi:
-                            if positions[p_idx * pos_stride] <= g0:
-                                p_val = 1
-                        p_le = T.cast(T.popcount(T.ballot(p_val)), "int32")
-                        p_lo = p_lo + p_le * p_step
-                        p_hi = T.min(p_lo + p_step, p_hi)
-                    p_idx = p_lo + lane
-                    p_val = 0
-                    if p_idx < p_hi:
-                        if positions[p_idx * pos_stride] <= g0:
-                            p_val = 1
-                    p_run = p_lo + T.cast(T.popcount(T.ballot(p_val)), "int32")
                 if tx < CH + 128 + 32:
+                    if checkpoints:
+                        # the sequence's first checkpoint, then each chunk's range (`CheckpointRanges`)
+                        ranges = CheckpointRanges(positions, pos_stride, n_ckpt, tx - (CH + 128), bidx * Tn + bos,
+                                                  seqlen)
                     for c in T.serial(nchunks):
                         s = c % 2
                         ph = (c // 2) % 2
@@ -704,30 +761,8 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                         T.tma_copy(g_cum_log2[hv, row0 : row0 + C], gc_s[s, :], barrier=full[s])
                         if checkpoints:
                             # the chunk's checkpoint range, off the chain's path (read here while the
-                            # chunk's loads are in flight, two chunks ahead of the chain): those with
-                            # p <= the chunk's end e, 32 positions per warp-wide read; of them, those
-                            # with p < e (all of them in a partial last chunk) end inside the chunk
-                            p_lo = p_run
-                            p_end = p_run
-                            p_more = 1
-                            while p_more != 0:
-                                p_idx = p_run + lane
-                                p_le = 0
-                                p_lt = 0
-                                if p_idx < n_ckpt:
-                                    p_val = positions[p_idx * pos_stride]
-                                    if p_val <= g0 + T.min((c + 1) * C, seqlen):
-                                        p_le = 1
-                                    if p_val < g0 + T.min((c + 1) * C, seqlen):
-                                        p_lt = 1
-                                p_le = T.cast(T.popcount(T.ballot(p_le)), "int32")
-                                p_lt = T.cast(T.popcount(T.ballot(p_lt)), "int32")
-                                p_end = p_end + p_lt
-                                p_run = p_run + p_le
-                                p_more = T.if_then_else(p_le == 32, 1, 0)
-                            p_hi = p_run
-                            if (c + 1) * C > seqlen:
-                                p_end = p_hi
+                            # chunk's loads are in flight, two chunks ahead of the chain)
+                            p_lo, p_end, p_hi = ranges.chunk(c)
                             if tx == CH + 128:
                                 ck_s[s, 0] = p_lo
                                 ck_s[s, 1] = p_end
