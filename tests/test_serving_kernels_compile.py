@@ -96,9 +96,11 @@ def _ranges_by_loop(positions, cu):
     return out
 
 
-def _ranges_prim_func():
+def _ranges_prim_func(varlen: bool):
     """A one-warp-per-sequence kernel that writes `CheckpointRanges`' (lo, end, hi) for every chunk slot:
-    the serving build's range code alone, so that its generated source can run on the host."""
+    the serving build's range code alone, so that its generated source can run on the host. Packed
+    (cu_seqlens) or fixed-length (B sequences of Tn tokens, global offset b * Tn: the serving build's
+    g0 = bidx * T + bos)."""
     import tilelang.language as T
 
     from flashqla.ops.gdn.kernels.sm90._common import sequence_span
@@ -107,11 +109,12 @@ def _ranges_prim_func():
 
     @T.prim_func
     def checkpoint_ranges(cu_seqlens: T.Tensor((Np1,), "int32"), positions: T.Tensor((MP,), "int32"),
-                          pos_stride: T.int32, n_ckpt: T.int32, out: T.Tensor((NS, 3), "int32")):
-        with T.Kernel(Np1 - 1, threads=32) as bx:
+                          pos_stride: T.int32, n_ckpt: T.int32, nseq: T.int32, Tn: T.int32,
+                          out: T.Tensor((NS, 3), "int32")):
+        with T.Kernel(nseq, threads=32) as bx:
             tx = T.get_thread_binding()
-            bos, seqlen, bidx, slot0, nchunks = sequence_span(bx, cu_seqlens, 0, True)
-            ranges = rec.CheckpointRanges(positions, pos_stride, n_ckpt, tx, bos, seqlen)
+            bos, seqlen, bidx, slot0, nchunks = sequence_span(bx, cu_seqlens, Tn, varlen)
+            ranges = rec.CheckpointRanges(positions, pos_stride, n_ckpt, tx, bidx * Tn + bos, seqlen)
             for c in T.serial(nchunks):
                 lo, end, hi = ranges.chunk(c)
                 if tx == 0:
@@ -133,11 +136,14 @@ def ranges_on_host():
 
     from flashqla.ops.gdn.kernels.sm90._common import _pass_configs, sm90_target
 
-    with tvm.transform.PassContext(config=_pass_configs()), tvm.target.Target(sm90_target()):
-        src = tilelang.lower(_ranges_prim_func(), target=sm90_target()).kernel_source
-    assert src.count("__ballot_sync(0xFFFFFFFFu") == 4, "the search's two votes and the chunk's two"
+    kernels = {}
     with tempfile.TemporaryDirectory() as d:
-        yield host_cuda.HostKernel(src, d, "ranges")
+        for varlen in (True, False):
+            with tvm.transform.PassContext(config=_pass_configs()), tvm.target.Target(sm90_target()):
+                src = tilelang.lower(_ranges_prim_func(varlen), target=sm90_target()).kernel_source
+            assert src.count("__ballot_sync(0xFFFFFFFFu") == 4, "the search's two votes and the chunk's two"
+            kernels[varlen] = host_cuda.HostKernel(src, d, f"ranges{int(varlen)}")
+        yield kernels
 
 
 def _random_case(g):
@@ -160,25 +166,37 @@ def _random_case(g):
     return cu, sorted(pos)
 
 
+def _run_ranges(kernel, cu, pos, pos_dtype, nseq, Tn, NS):
+    p = torch.tensor(pos if pos else [0], dtype=pos_dtype)
+    words = p.view(torch.int32) if pos_dtype == torch.int64 else p
+    out = torch.full((NS, 3), -7, dtype=torch.int32)
+    kernel.launch(nseq, dict(cu_seqlens=torch.tensor(cu, dtype=torch.int32), positions=words, out=out),
+                  dict(Np1=len(cu), MP=words.numel(), NS=NS, pos_stride=2 if pos_dtype == torch.int64 else 1,
+                       n_ckpt=len(pos), nseq=nseq, Tn=Tn))
+    return out
+
+
 @pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
 def test_checkpoint_ranges_source_on_the_host(ranges_on_host, pos_dtype):
     """`CheckpointRanges` lowered by TileLang and its generated source run on the host (32 host threads
     as the warp's lanes, the ballots emulated) gives every chunk slot's (lo, end, hi) of the host loop,
     on random packs with empty, 1-token and chunk-edge lengths, M from 0 to several hundred (several
     search rounds), a position repeated up to 69 times and every token of two chunks (several ballot
-    rounds per chunk), int32 and int64 positions (the latter read through their low words)."""
+    rounds per chunk), int32 and int64 positions (the latter read through their low words); and on
+    fixed-length batches (global offsets b * T), one with M > 1024 (three search rounds)."""
     g = torch.Generator().manual_seed(7 if pos_dtype == torch.int32 else 8)
     for _ in range(40):
         cu, pos = _random_case(g)
+        out = _run_ranges(ranges_on_host[True], cu, pos, pos_dtype, len(cu) - 1, 0, cu[-1] // 64 + len(cu) + 1)
         want = _ranges_by_loop(pos, cu)
-        p = torch.tensor(pos if pos else [0], dtype=pos_dtype)
-        words = p.view(torch.int32) if pos_dtype == torch.int64 else p
-        NS = cu[-1] // 64 + len(cu) + 1
-        out = torch.full((NS, 3), -7, dtype=torch.int32)
-        cu_t = torch.tensor(cu, dtype=torch.int32)
-        ranges_on_host.launch(len(cu) - 1, dict(cu_seqlens=cu_t, positions=words, out=out),
-                              dict(Np1=len(cu), MP=words.numel(), NS=NS, pos_stride=2 if pos_dtype == torch.int64 else 1,
-                                   n_ckpt=len(pos)))
-        got = {s: tuple(out[s].tolist()) for s in want}
-        assert got == want, (cu, pos[:80])
+        assert {s: tuple(out[s].tolist()) for s in want} == want, (cu, pos[:80])
+    for B, Tn, extra in ((3, 150, 0), (4, 64, 0), (2, 300, 1500)):
+        cu = [b * Tn for b in range(B + 1)]
+        pos = sorted(torch.randint(1, B * Tn + 1, (int(torch.randint(0, 200, (1,), generator=g)),), generator=g).tolist()
+                     + [Tn + 1] * extra)
+        out = _run_ranges(ranges_on_host[False], [0], pos, pos_dtype, B, Tn, B * -(-Tn // 64))
+        # fixed length: sequence b's chunk c sits in slot b * ceil(Tn / 64) + c
+        want = {b * -(-Tn // 64) + c: r for (s, r), (b, c) in zip(sorted(_ranges_by_loop(pos, cu).items()),
+                                                                  [(b, c) for b in range(B) for c in range(-(-Tn // 64))])}
+        assert {s: tuple(out[s].tolist()) for s in want} == want, (B, Tn, pos[:80])
 

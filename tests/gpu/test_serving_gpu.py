@@ -250,16 +250,16 @@ def _states_after_every_token(x64, bounds, h0_kv):
 @pytest.mark.parametrize("seed", range(4))
 def test_checkpoint_ranges_found_in_kernel(seed):
     """The serving build finds each chunk's checkpoints from the positions themselves (the producer
-    warp's 32-wide search and ballots, no table launch): many positions (M > 32, so the first-checkpoint
-    search takes several rounds), every token of one chunk (64 in one chunk: several ballot rounds),
-    one position repeated 40 times, empty and 1-token sequences, int32 and int64 positions and
-    indices, has_initial_state, packed and fixed-length batches. Every checkpoint against the fp64
-    recurrence (fp32 storage), the repeats bitwise equal."""
+    warp's 32-wide search and ballots, no table launch): M > 1024 (three search rounds), every token of
+    one chunk (64 in one chunk: several ballot rounds), one position repeated 1000 times, an empty
+    and a 1-token sequence, int32 and int64 positions and indices (a padding sequence by -1, and by
+    -2^32 in int64: no read, no write), has_initial_state, packed and fixed-length batches. Every
+    checkpoint against the fp64 recurrence (fp32 storage); every element written."""
     g = torch.Generator().manual_seed(seed)
     packed = seed % 2 == 0
     if packed:
         lengths = torch.randint(0, 260, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist()
-        lengths[0], lengths[1] = 200, 1
+        lengths[0], lengths[1], lengths[2] = 200, 1, 0
         B, T = 1, sum(lengths)
         bounds = []
         for L in lengths:
@@ -279,12 +279,15 @@ def test_checkpoint_ranges_found_in_kernel(seed):
     h0 = x["initial_state"].float()
     has = torch.ones(N, dtype=torch.bool)
     has[-1] = False
+    pad = N - 2 if N > 2 else None  # a padding sequence: starts from zeros, its row untouched
     start = h0.double().clone()
     start[~has] = 0
+    if pad is not None:
+        start[pad] = 0
     truth = _states_after_every_token(x64, bounds, start)
     b0, e0 = bounds[0]
     pos = list(range(b0 + 65, b0 + 129))  # every token of the first sequence's second chunk
-    pos += [b0 + 1] * 40  # one position repeated
+    pos += [b0 + 1] * 1000  # one position repeated: M > 1024
     pos += [b + int(j) for b, e in bounds for j in torch.randint(1, max(e - b, 1) + 1, (6,), generator=g) if 1 <= j <= e - b]
     pos += [e for b, e in bounds if e > b]
     pos = sorted(pos)
@@ -294,10 +297,14 @@ def test_checkpoint_ranges_found_in_kernel(seed):
         pool = torch.zeros(P, HV, 128, 128, device=DEV)
         pool[rows.to(DEV)] = h0.to(DEV)
         p = torch.tensor(pos, dtype=pdt, device=DEV)
+        idx = rows.to(idt, copy=True)
+        if pad is not None:
+            idx[pad] = -(2**32) if idt == torch.int64 else -1
+        before = pool.clone()
         cks = torch.full((len(pos), HV, 128, 128), float("nan"), device=DEV)
         with torch.no_grad():
             flashqla.chunk_gated_delta_rule(**xd, initial_state=pool, output_final_state=True, cu_seqlens=cu,
-                                            state_indices=rows.to(DEV, idt), has_initial_state=has.to(DEV),
+                                            state_indices=idx.to(DEV), has_initial_state=has.to(DEV),
                                             checkpoint_positions=p, checkpoint_states=cks, cp="off")
         torch.cuda.synchronize()
         assert op_serving.LAST_PATH["path"] == "kernel"
@@ -308,8 +315,8 @@ def test_checkpoint_ranges_found_in_kernel(seed):
         assert err <= BUDGET[torch.float32], f"checkpoints: {err:.3e}"
         worst = max(rel_rms(cks[m].cpu().double(), truth[q]) for m, q in enumerate(pos))
         assert worst <= 3 * BUDGET[torch.float32], f"the worst single checkpoint: {worst:.3e}"
-        reps = [m for m, q in enumerate(pos) if q == b0 + 1]
-        assert all(torch.equal(cks[m], cks[reps[0]]) for m in reps), "repeated positions differ"
+        if pad is not None:
+            assert torch.equal(pool[rows[pad]], before[rows[pad]]), "the padding sequence's row was written"
 
 
 def test_kernel_path_gate_floor_and_packed_tail():

@@ -450,8 +450,8 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
     the states addressed by index, in a layout and storage dtype, and checkpoints stored in-kernel.
 
     - state rows: sequence n's row is rows[n * rows_stride] (rows_stride 0: row n; 2: the low word of
-      an int64 index), read only where use_has == 0 or has_init[n] != 0; a negative row is neither
-      read nor written;
+      an int64 index, -1 unless its high word is 0), read only where use_has == 0 or has_init[n] != 0;
+      a negative row is neither read nor written;
     - initial states: sequence n starts from h0[row] (layout `state_layout`, dtype `state_dtype`,
       widened to fp32 at the load), or from zeros when use_h0 == 0 or the row is not read;
     - final states: with store_ht, ht[row] = S (rounded once to `state_dtype` at the store, in
@@ -602,7 +602,10 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                 row_in = T.alloc_var("int32")  # the row read: -1 where has_initial_state is False
                 row = n
                 if rows_stride != 0:
-                    row = rows[n * rows_stride]  # an int64 index's low word (indices below 2^31)
+                    row = rows[n * rows_stride]  # an int64 index's low word
+                    if rows_stride == 2:
+                        if rows[n * 2 + 1] != 0:
+                            row = -1  # negative, or past 2^31 (no pool has such a row): nothing read or written
                 row_in = row
                 if use_has != 0:
                     if has_init[n] == 0:
@@ -662,7 +665,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                         # the checkpoints ending inside this chunk (CF-4), from the unscaled S^T
                         for m in T.serial(m_lo, m_end):
                             jj = positions[m * pos_stride] - (bidx * Tn + bos + c * C)
-                            if jj < C:
+                            if jj >= 1 and jj < C:  # (jj outside 1..63 only for unsorted positions)
                                 gj[0] = gc_s[s, jj - 1]
                                 for i, t in T.Parallel(BV, C):
                                     mvt_b[i, t] = T.cast(
@@ -974,8 +977,10 @@ def recurrent_serving_args(q, v, cu_seqlens, state_dtype: torch.dtype, state_lay
 
 def _int32_words(x: torch.Tensor) -> tuple:
     """(int32 tensor, stride) of an int32 / int64 index vector without a copy where it is contiguous:
-    an int64 vector is read through its low words (entry n at word stride * n; exact for values in
-    [-2^31, 2^31), which covers every pool row, -1 and every position of a batch below 2^31 tokens)."""
+    an int64 vector is read through its words (entry n: low word at 2n, high word at 2n + 1). The
+    kernel takes a state index as a row only when its high word is 0 (else no read or write, as for
+    -1) and a position by its low word (exact below 2^31, every position of a batch below 2^31 tokens;
+    positions are sorted and inside a sequence by the caller's contract)."""
     x = x.contiguous()
     if x.dtype == torch.int64:
         return x.view(torch.int32), 2
