@@ -26,34 +26,6 @@ from flashqla.testing import rel_rms
 PREFIX, NEW = 70, 3
 
 
-class PooledPrefill:
-    """The layer's call convention (`qwen3_next.adapt_fla_op`'s) on the reference op with a state
-    pool: each prefill starts from pool row `slot` (zeros unless `resume`), writes its final state
-    there, optionally saves checkpoints; transformers' cache gets the row back (kv layout) for its
-    decoding steps."""
-
-    def __init__(self, pool):
-        self.pool, self.calls = pool, []
-        self.slot, self.resume, self.positions, self.checkpoints = 0, False, None, None
-
-    def __call__(self, query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-                 use_qk_l2norm_in_kernel=False, **kwargs):
-        assert query.shape[0] == 1, "one request per call here"
-        T = query.shape[1]
-        self.calls.append(T)
-        ck = {}
-        if self.positions is not None:
-            ck = dict(checkpoint_positions=torch.tensor(self.positions), checkpoint_states=self.checkpoints)
-            self.positions = None  # the first prefill of the request only
-        o, pool = reference.chunk_gated_delta_rule(
-            query, key, value, g, beta, initial_state=self.pool, output_final_state=True,
-            cu_seqlens=torch.tensor([0, T]), use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            state_indices=torch.tensor([self.slot]), has_initial_state=torch.tensor([self.resume]),
-            state_layout="vk", **ck)
-        self.resume = True  # a later prefill of this request continues from its row
-        return o, pool[self.slot:self.slot + 1].transpose(-1, -2).clone()
-
-
 def test_pooled_prefill_with_checkpoint_and_prefix_resume():
     config = qn.tiny_qwen3_next_config(layer_types=("linear_attention", "full_attention"))
     model = qn.build_model(config, seed=2, dtype=torch.float64)
@@ -70,7 +42,7 @@ def test_pooled_prefill_with_checkpoint_and_prefix_resume():
     seq2_t, logits2_t = torch_generate(prompt2)  # 107 tokens
 
     pool = torch.full((4, HV, V, K), float("nan"), dtype=torch.float64)  # rows are written before they are read
-    impl = PooledPrefill(pool)
+    impl = qn.PooledPrefill(reference.chunk_gated_delta_rule, pool)
     checkpoints = torch.full((1, HV, V, K), float("nan"), dtype=torch.float64)
     # request 1: slot 1, a checkpoint after the 70th prompt token
     impl.slot, impl.resume, impl.positions, impl.checkpoints = 1, False, [PREFIX], checkpoints

@@ -127,6 +127,7 @@ __all__ = [
     "keep_float64",
     "loss_and_grads",
     "prefill_and_decode",
+    "PooledPrefill",
     "gdn_layers",
 ]
 
@@ -971,3 +972,43 @@ def prefill_and_decode(
             pad_token_id=0,
         )
     return out.sequences, torch.stack(out.logits)
+
+
+class PooledPrefill:
+    """The GDN layer's prefill call (`adapt_fla_op`'s convention) on an op that keeps states in a pool,
+    as a serving engine does: each call starts from pool row `slot` (zeros unless `resume`), writes its
+    final state back into that row and, on the request's first call, saves checkpoints. transformers'
+    cache gets the row back as `[1, HV, K, V]` for its decoding steps.
+
+    Args:
+        op: `flashqla.chunk_gated_delta_rule` or `reference.chunk_gated_delta_rule` (or a wrapper of
+            either with their signature).
+        pool: `[P, HV, V, K]` ("vk") state pool on the model's device, any state dtype the op takes.
+        state_dtype: dtype of the state handed to transformers' cache (None: the pool's, copied).
+
+    Set between requests: `slot` (int row), `resume` (bool), `positions` (list of global positions,
+    or None) and `checkpoints` (`[M, HV, V, K]` in the pool's dtype). `calls` lists each call's T.
+    One request per call (batch 1); raises AssertionError otherwise."""
+
+    def __init__(self, op: Callable, pool: torch.Tensor, *, state_dtype: torch.dtype | None = None):
+        self.op, self.pool, self.state_dtype, self.calls = op, pool, state_dtype, []
+        self.slot, self.resume, self.positions, self.checkpoints = 0, False, None, None
+
+    def __call__(self, query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False, **kwargs):
+        assert query.shape[0] == 1, "one request per call here"
+        dev, T = query.device, query.shape[1]
+        self.calls.append(T)
+        ck = {}
+        if self.positions is not None:
+            ck = dict(checkpoint_positions=torch.tensor(self.positions, device=dev), checkpoint_states=self.checkpoints)
+            self.positions = None  # the first prefill of the request only
+        o, pool = self.op(
+            query, key, value, g, beta, initial_state=self.pool, output_final_state=True,
+            cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=dev),
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_indices=torch.tensor([self.slot], device=dev),
+            has_initial_state=torch.tensor([self.resume], device=dev), state_layout="vk", **ck)
+        self.resume = True  # a later prefill of this request continues from its row
+        state = pool[self.slot:self.slot + 1].transpose(-1, -2)
+        return o, state.clone() if self.state_dtype is None else state.to(self.state_dtype)
+

@@ -218,37 +218,6 @@ def test_final_state_feeds_decoding(spy):
     assert compared >= 1  # step 0 (logits straight from the prefill's cached state) is always compared
 
 
-class PooledPrefill:
-    """The layer's call convention on `flashqla.chunk_gated_delta_rule` with a bf16 "vk" state pool (as
-    the engines keep it): a prefill starts from pool row `slot` (zeros unless `resume`), writes its final
-    state there and may save checkpoints; transformers' cache gets the row back as fp32 kv (what the
-    plain op returns)."""
-
-    def __init__(self, pool):
-        self.pool, self.calls, self.paths = pool, [], []
-        self.slot, self.resume, self.positions, self.checkpoints = 0, False, None, None
-
-    def __call__(self, query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-                 use_qk_l2norm_in_kernel=False, **kwargs):
-        from flashqla.ops.gdn import serving as op_serving
-
-        assert query.shape[0] == 1, "one request per call here"
-        T = query.shape[1]
-        self.calls.append(T)
-        ck = {}
-        if self.positions is not None:
-            ck = dict(checkpoint_positions=torch.tensor(self.positions, device=DEV), checkpoint_states=self.checkpoints)
-            self.positions = None  # the first prefill of the request only
-        o, pool = flashqla.chunk_gated_delta_rule(
-            query, key, value, g, beta, initial_state=self.pool, output_final_state=True,
-            cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=DEV),
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_indices=torch.tensor([self.slot], device=DEV),
-            has_initial_state=torch.tensor([self.resume], device=DEV), state_layout="vk", **ck)
-        self.paths.append(op_serving.LAST_PATH["path"])
-        self.resume = True
-        return o, pool[self.slot:self.slot + 1].transpose(-1, -2).float()
-
-
 def test_pooled_prefill_with_checkpoint_and_prefix_resume():
     """A serving engine's use, end to end on the kernels: greedy generate() of a bf16 Qwen3-Next (one GDN
     and one attention layer) with every GDN prefill through a bf16 "vk" pool, a checkpoint after the
@@ -268,7 +237,16 @@ def test_pooled_prefill_with_checkpoint_and_prefix_resume():
     seq2_t, logits2_t = qn.prefill_and_decode(model, prompt2, qn.torch_chunk_path(), new_tokens=new)
 
     pool = torch.full((4, HV, V, K), float("nan"), dtype=torch.bfloat16, device=DEV)
-    impl = PooledPrefill(pool)
+    paths = []
+
+    def op(*args, **kwargs):  # the op, recording which serving path each call took
+        from flashqla.ops.gdn import serving as op_serving
+
+        out = flashqla.chunk_gated_delta_rule(*args, **kwargs)
+        paths.append(op_serving.LAST_PATH["path"])
+        return out
+
+    impl = qn.PooledPrefill(op, pool, state_dtype=torch.float32)  # the cache takes fp32 kv, as the plain op returns
     checkpoints = torch.full((1, HV, V, K), float("nan"), dtype=torch.bfloat16, device=DEV)
     impl.slot, impl.resume, impl.positions, impl.checkpoints = 1, False, [prefix], checkpoints
     seq1, logits1 = qn.prefill_and_decode(model, prompt1, impl, new_tokens=new)
@@ -287,7 +265,7 @@ def test_pooled_prefill_with_checkpoint_and_prefix_resume():
                              use_cache=True, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     seq2, logits2 = out.sequences, torch.stack(out.logits)
     assert impl.calls == [100, prefix, 37], impl.calls
-    assert set(impl.paths) == {"kernel"}, impl.paths
+    assert set(paths) == {"kernel"}, paths
     for name, (seq, logits, seq_t, logits_t, T0) in {"request 1": (seq1, logits1, seq1_t, logits1_t, 100),
                                                      "request 2 (resumed)": (seq2, logits2, seq2_t, logits2_t, 107)}.items():
         errs = [rel_rms(logits[s], logits_t[s]) for s in range(new)]
