@@ -74,6 +74,24 @@ def op_on_cpu(monkeypatch):
     return flashqla.chunk_gated_delta_rule
 
 
+class _NoSplitCheckpoints(ReferenceCPBackend):
+    """The reference backend without `recurrent_dual_checkpoints`: a backend on which the split path
+    falls back to the segment or pieces method for checkpoints."""
+
+    recurrent_dual_checkpoints = None
+
+
+@pytest.fixture(params=["split", "segments"])
+def split_op(request, monkeypatch):
+    """The public op on CPU as `op_on_cpu`, with the reference backend ("split": checkpoints inside the
+    split forward) or one without `recurrent_dual_checkpoints` ("segments"); returns (op, method)."""
+    be = ReferenceCPBackend() if request.param == "split" else _NoSplitCheckpoints()
+    monkeypatch.setattr(backend_mod, "_DEFAULT", be)
+    monkeypatch.setattr(api, "check_device", lambda q: None)
+    monkeypatch.setattr(api, "check_supported", lambda *a: None)
+    return flashqla.chunk_gated_delta_rule, request.param
+
+
 def _call(op, x, pool, layout, *, state_dtype, positions=POSITIONS, **kw):
     cu = torch.tensor(CU, dtype=torch.int32)
     pool_s = _layout(pool, layout).to(state_dtype).contiguous().clone()
@@ -403,15 +421,19 @@ def test_serving_helpers_read_no_value_on_the_host():
     assert not mode.reads, "host reads:\n" + "\n".join(f"{f}\n{st}" for f, st in mode.reads)
 
 
-def test_split_plan_checkpoints_from_the_segments(op_on_cpu):
-    """An inference call whose plan splits takes its checkpoints from the split forward's segment
-    entering states (`segment_checkpoint_states`: one extra forward over the checkpoints' pieces, at
-    most one segment each) instead of the pieces-and-scan method's two forwards. Checkpoints at a
-    sequence's first token, on a segment's last token (p = 512 = L), one token into the second
-    segment (its scanned entering state), at sequence ends and deep in later segments, a padding
-    sequence beside them; o, pool rows and checkpoints against the fp64 recurrence."""
+def test_split_plan_checkpoints(split_op):
+    """An inference call whose plan splits takes its checkpoints inside the split forward ("split":
+    the run's and the transitions' states at the positions, combined with the segments' entering
+    states after the scan, `cp_forward(checkpoint_positions=)`) or, on a backend without that launch,
+    from the split forward's segment entering states ("segments": `segment_checkpoint_states`, one
+    extra forward over the checkpoints' pieces). Checkpoints at a sequence's first token, on a
+    segment's last token (p = 512 = L), one token into the second segment (its scanned entering
+    state), at sequence ends and deep in later segments, a padding sequence beside them; a g == 0
+    head and a strong-decay head (whose transitions the gate-driven cut shortens); o, pool rows and
+    checkpoints against the fp64 recurrence."""
     from flashqla.ops.gdn import serving as serving_mod
 
+    op_on_cpu, method = split_op
     seqlens = [1300, 0, 70, 700, 2000]
     cu = [0, 1300, 1300, 1370, 2070, 4070]
     indices, has = [3, 0, -1, 1, 4], [True, True, True, False, True]
@@ -425,7 +447,7 @@ def test_split_plan_checkpoints_from_the_segments(op_on_cpu):
                        cu_seqlens=torch.tensor(cu, dtype=torch.int32), state_indices=torch.tensor(indices),
                        has_initial_state=torch.tensor(has), checkpoint_positions=torch.tensor(positions),
                        checkpoint_states=ck, cp="on")
-    assert serving_mod.LAST_PATH["checkpoints"] == "segments"
+    assert serving_mod.LAST_PATH["checkpoints"] == method
     o_ref = torch.zeros_like(v)
     h0s, ck_ref = [], []
     for n in range(len(seqlens)):
@@ -441,23 +463,24 @@ def test_split_plan_checkpoints_from_the_segments(op_on_cpu):
         sl = [t[:, cu[n]:p] for t in (q, k, v, g, beta)]
         ck_ref.append(reference.recurrent_gated_delta_rule(*sl, initial_state=h0s[n][None], output_final_state=True)[1][0])
     errs = [rel_rms(ck[m].double(), ck_ref[m]) for m in range(len(positions))]
-    print("split-plan checkpoints vs fp64:", " ".join(f"{e:.1e}" for e in errs), f"o {rel_rms(o, o_ref):.1e}")
+    print(f"split-plan checkpoints ({method}) vs fp64:", " ".join(f"{e:.1e}" for e in errs), f"o {rel_rms(o, o_ref):.1e}")
     assert rel_rms(o, o_ref) < 1e-5
     assert max(errs) < 1e-5, errs
 
 
-def test_split_plan_checkpoints_fall_back_when_pieces_would_cost_more(op_on_cpu):
-    """More checkpoints than the batch has segments' worth of tokens (M * L > B * T): the
-    pieces-and-scan method, with the same results."""
+def test_split_plan_checkpoints_fall_back_when_pieces_would_cost_more(split_op):
+    """More checkpoints than the batch has segments' worth of tokens (M * L > B * T): inside the split
+    forward where the backend can, else the pieces-and-scan method, with the same results."""
     from flashqla.ops.gdn import serving as serving_mod
 
+    op_on_cpu, method = split_op
     x = make_gdn_inputs(B=1, T=1100, H=1, HV=2, K=64, V=64, seqlens=[1100], seed=9)
     positions = torch.tensor([1, 100, 511, 512, 513, 1100])
     ck = torch.zeros(6, 2, 64, 64)
     op_on_cpu(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"].float(),
               output_final_state=True, cu_seqlens=torch.tensor([0, 1100]), checkpoint_positions=positions,
               checkpoint_states=ck, cp="on")
-    assert serving_mod.LAST_PATH["checkpoints"] == "pieces"
+    assert serving_mod.LAST_PATH["checkpoints"] == ("split" if method == "split" else "pieces")
     h0 = x["initial_state"]
     for m, p in enumerate(positions.tolist()):
         sl = [x[n][:, :p] for n in ("q", "k", "v", "g", "beta")]
@@ -465,18 +488,19 @@ def test_split_plan_checkpoints_fall_back_when_pieces_would_cost_more(op_on_cpu)
         assert rel_rms(ck[m].double(), want[0]) < 1e-5, p
 
 
-def test_split_plan_checkpoints_fixed_length_batch(op_on_cpu):
-    """The segment method on a fixed-length batch (no cu_seqlens: positions are b * T + t over the
-    flattened rows, the segment tables' token offsets likewise)."""
+def test_split_plan_checkpoints_fixed_length_batch(split_op):
+    """The split and segment methods on a fixed-length batch (no cu_seqlens: positions are b * T + t
+    over the flattened rows, the segment tables' token offsets likewise)."""
     from flashqla.ops.gdn import serving as serving_mod
 
+    op_on_cpu, method = split_op
     B, T = 2, 1300
     x = make_gdn_inputs(B=B, T=T, H=1, HV=2, K=64, V=64, seed=3)
     positions = [513, 1300, 1301, 2000]
     ck = torch.zeros(len(positions), 2, 64, 64)
     op_on_cpu(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"].float(),
               output_final_state=True, checkpoint_positions=torch.tensor(positions), checkpoint_states=ck, cp="on")
-    assert serving_mod.LAST_PATH["checkpoints"] == "segments"
+    assert serving_mod.LAST_PATH["checkpoints"] == method
     for m, p in enumerate(positions):
         b, t = divmod(p - 1, T)
         sl = [x[n][b:b + 1, :t + 1] for n in ("q", "k", "v", "g", "beta")]

@@ -123,6 +123,8 @@ class CPInfo(NamedTuple):
     slot's transition walked (0 on slots not corrected; fewer than the slot has where the gate-driven
     cut applied, `transition_limits`). saved: the `CPSaved` of `cp_forward(keep_for_backward=True)`,
     else None (the info `cp_forward` builds for that alone, without want_info, leaves S_in None).
+    checkpoints: [M_ckpt, HV, K, V] in the backend's state dtype, the states at
+    `cp_forward(checkpoint_positions=...)`, else None.
     """
 
     plan: object
@@ -136,6 +138,7 @@ class CPInfo(NamedTuple):
     gate_ok: torch.Tensor | None
     transition_chunks: torch.Tensor | None = None
     saved: CPSaved | None = None
+    checkpoints: torch.Tensor | None = None
 
 
 def flat(x: torch.Tensor) -> torch.Tensor:
@@ -303,7 +306,7 @@ def _keep_rows(tab: SegmentTables, limit: torch.Tensor, total: int) -> torch.Ten
 
 
 def _run_and_transition(backend, qf, kf, vf, A, G2, scale, h0_run, limit, tab: SegmentTables, pcu, block_v, o_buf,
-                        truncated: bool):
+                        truncated: bool, positions=None):
     """Exact mode's steps 1 and 2 with each slot's transition walking `limit` chunks: (o, Q, U, P).
 
     On the sm_90 kernels one launch (`Sm90Backend.recurrent_dual`); elsewhere the run and a full
@@ -311,9 +314,25 @@ def _run_and_transition(backend, qf, kf, vf, A, G2, scale, h0_run, limit, tab: S
     (what the dual launch computes; U rows it does not write are never read by the correction
     kernels). Where U goes to a torch consumer instead and a limit may cut, its unwritten rows are set
     to 0 here (without a cut the dual launch writes every row of every corrected slot, the only rows
-    the torch consumers read)."""
+    the torch consumers read).
+
+    With checkpoint `positions` ([M] global offsets, sorted, each inside a sequence) the backend's
+    `recurrent_dual_checkpoints` runs instead (one launch on sm_90) and (o, Q, U, P, CQ, CP) is
+    returned: CQ [M, HV, K, V] the run's states there, CP [M, HV, K, K] the transitions' (0 past a
+    limit); ValueError when the backend has none."""
     total = qf.shape[1]
     HV, K = G2.shape[0], kf.shape[3]
+    if positions is not None:
+        dual_ck = getattr(backend, "recurrent_dual_checkpoints", None)
+        out = None if dual_ck is None else dual_ck(qf, kf, vf, A, G2, scale, h0_run, limit, pcu, positions, block_v,
+                                                     o_buf)
+        if out is None:
+            raise ValueError(f"checkpoint_positions on the split path need a backend with recurrent_dual_checkpoints "
+                             f"(K == V on the sm_90 kernels); {getattr(backend, 'name', backend)!r} has none here")
+        o, Q, U, P, CQ, CP = out
+        if truncated and not _token_kernels_apply(o, U):
+            U = torch.where(_keep_rows(tab, limit, total)[None, :, :, None], U, U.new_zeros(()))
+        return o, Q, U, P, CQ, CP
     dual = getattr(backend, "recurrent_dual", None)
     out = None if dual is None else dual(qf, kf, vf, A, G2, scale, h0_run, limit, pcu, block_v, o_buf)
     if out is not None:
@@ -359,7 +378,7 @@ def _gated_layout(tab: SegmentTables, Mc: int, m: int, S_slots: int):
 def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens,
                tables: SegmentTables, *, block_v: int, gate_chunks: int | None = None, correction: str = "gemm",
                poison_outputs: bool = False, want_info: bool = True, static_key=None, truncate=False,
-               keep_for_backward: bool = False, ends_at_T: bool = False):
+               keep_for_backward: bool = False, ends_at_T: bool = False, checkpoint_positions=None):
     """The CP forward over the planner's segment tables (the steps in the module docstring).
 
     Args:
@@ -381,12 +400,23 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
             shapes alone (fixed-length input): the index tensors are then built once per key.
             ends_at_T: the offsets are known to end at T (`CallPlan.ends_at_T`): o is allocated
             uninitialised (every token is written by the run) instead of the launcher's zero fill.
+            checkpoint_positions: None or int32/int64 [M] on the device, sorted global offsets into
+            the B * T flattened tokens, each inside a sequence (exact mode only; the backend's
+            `recurrent_dual_checkpoints`): the state after the first p tokens for each p, returned as
+            the info's `checkpoints` (the info is then built even without want_info). Segment j
+            holding token p - 1 gives it as CQ + CP S_in(j) (records CP-1, CF-4: the run's state
+            there plus the transition's applied to the entering state; one batched GEMM after the
+            scan), with no pass beyond the run and transition launch; o and the final states
+            are those of the call without checkpoints.
     Returns:
         (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] in backend.state_dtype or None,
         A, g_cum_log2 (slot layout of tables.cu_seqlens), CPInfo with plan=None, or None).
     Raises:
-        ValueError: unknown correction, gate_chunks < 1.
+        ValueError: unknown correction, gate_chunks < 1, checkpoint_positions with gate_chunks or
+            with a backend that has no `recurrent_dual_checkpoints`.
     """
+    if checkpoint_positions is not None and gate_chunks is not None:
+        raise ValueError("checkpoint_positions need exact mode (gate_chunks None)")
     if correction not in CORRECTIONS:
         raise ValueError(f"correction must be one of {CORRECTIONS}, got {correction!r}")
     if gate_chunks is not None and int(gate_chunks) < 1:
@@ -419,8 +449,9 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
         # have decayed past the cutoff, then 3. scan
         cutoff = resolve_truncate(truncate)
         limit = transition_limits(G2, tab, cutoff)
-        o, Q, U, P = _run_and_transition(backend, qf, kf, vf, A, G2, scale, h0_run, limit, tab, pcu, block_v, o_buf,
-                                         cutoff is not None)
+        ck = _run_and_transition(backend, qf, kf, vf, A, G2, scale, h0_run, limit, tab, pcu, block_v, o_buf,
+                                 cutoff is not None, checkpoint_positions)
+        o, Q, U, P = ck[:4]
         # (the scan skips the products the cut dropped; exact transitions have none to skip)
         S_in, final = scan_segment_states(P, Q, tab, T, h0, first_from_h0=True, limit=_cut(limit, cutoff))
         # 4. correction
@@ -435,11 +466,12 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
             Ug = U.view(total, HV, K).index_select(0, tok.reshape(-1)).view(Mc, L, HV, K)
             Sx = torch.where(mask(tab.need_correction), S_in, S_in.new_zeros(())).to(o.dtype)
             _correct_gathered(o, Ug, with_extra_row(Sx, 0)[sel], tok, valid)
-        if want_info or keep_for_backward:  # (the masked copy only when the info is wanted)
+        ckpt = None if checkpoint_positions is None else _checkpoints(ck[4], ck[5], S_in, tab, checkpoint_positions)
+        if want_info or keep_for_backward or ckpt is not None:  # (the masked copy only when the info is wanted)
             S_c = torch.where(mask(tab.need_correction), S_in, S_in.new_zeros(())) if want_info else None
             saved = (CPSaved(L, cutoff, total, N, h0 is not None, cu_key(cu_seqlens), S_in, P, U, limit, A, G2)
                      if keep_for_backward else None)
-            info = CPInfo(None, tab, "exact", S_c, P, Q, None, None, None, limit, saved)
+            info = CPInfo(None, tab, "exact", S_c, P, Q, None, None, None, limit, saved, ckpt)
     else:
         o, Q = _recurrent(backend, qf, kf, vf, A, G2, scale, h0_run, True, pcu, block_v, o_buf)
         m = min(int(gate_chunks), L // CHUNK)  # a segment has at most L / 64 chunks
@@ -485,6 +517,18 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
     if not output_final_state:
         final = None
     return o, final, A, G2, info
+
+
+def _checkpoints(CQ, CP, S_in, tab: SegmentTables, positions) -> torch.Tensor:
+    """The states at `positions` from the run's (CQ [M, HV, K, V]) and the transitions' (CP [M, HV, K, K])
+    states there and the segments' entering states S_in [slots, HV, K, V] (scan output): CQ + CP S_in(j),
+    j the slot holding token p - 1 (the first slot whose end is past it; ends are non-decreasing in slot
+    order). First segments have CP = 0 (their run starts from h0). One batched GEMM; no host read."""
+    M, HV, K, V = CQ.shape
+    pos = positions.to(device=CQ.device, dtype=torch.int64)
+    j = torch.searchsorted(tab.end.contiguous(), pos - 1, right=True).clamp(max=max(tab.M - 1, 0))
+    S_e = S_in.index_select(0, j).to(CQ.dtype)
+    return torch.baddbmm(CQ.reshape(M * HV, K, V), CP.reshape(M * HV, K, K), S_e.reshape(M * HV, K, V)).view(M, HV, K, V)
 
 
 def _correct_one_sequence_head(o, Uc, S_sel, total: int, L: int, W: int) -> None:

@@ -364,7 +364,7 @@ def entering_state_grad(q, k, g, beta, do, dht=None, scale=None, cu_seqlens=None
 
 
 def recurrent_from_slots(q, k, v, A_beta, g_cum_log2, scale: float, initial_state=None, cu_seqlens=None,
-                         chunk_size: int = 64):
+                         chunk_size: int = 64, positions=None):
     """What the sm_90 recurrent kernel computes, from the prepare kernel's slot-major products.
 
     Per chunk (RW-2, CF-1..CF-3, RW-4; `flashqla/ops/gdn/kernels/sm90/recurrent.py`):
@@ -376,8 +376,13 @@ def recurrent_from_slots(q, k, v, A_beta, g_cum_log2, scale: float, initial_stat
         g_cum_log2: [HV, S * C] in the slot layout of `cu_seqlens` (`reference.gdn.fused_bwd.
         forward_slot_products`); scale: float; initial_state: None or [N, HV, K, V'];
         cu_seqlens: None or [N + 1] offsets (read on the host); chunk_size: C.
+        positions: None or ints (a list or tensor, read on the host): global offsets b * T + t, each
+            inside a sequence; the state after token p - 1 of its sequence is then also returned, cut
+            from its chunk's update after r = p - (the chunk's first token) tokens (record CF-4):
+            S_p = gamma_{r-1} S + K_{<r}^T diag(exp2(g_{r-1} - g_i)) v_new_{<r}.
     Returns:
-        (o [B, T, HV, V'], final_state [N, HV, K, V']) in the compute dtype.
+        (o [B, T, HV, V'], final_state [N, HV, K, V']) in the compute dtype, and with positions the
+        checkpoint states [M, HV, K, V'].
     """
     HV, Vw, K = v.shape[2], v.shape[3], k.shape[3]
     cdt = compute_dtype(q, k, v, A_beta, g_cum_log2, initial_state)
@@ -385,8 +390,18 @@ def recurrent_from_slots(q, k, v, A_beta, g_cum_log2, scale: float, initial_stat
     S = torch.zeros(lay.N, HV, K, Vw, dtype=cdt, device=q.device)
     if initial_state is not None:
         S = initial_state.to(cdt).clone()
+    pos = None if positions is None else [int(p) for p in (positions.tolist() if torch.is_tensor(positions) else positions)]
+    ck = None if pos is None else torch.zeros(len(pos), HV, K, Vw, dtype=cdt, device=q.device)
     if lay.NC == 0:
-        return torch.zeros(v.shape, dtype=cdt, device=q.device), S
+        o0 = torch.zeros(v.shape, dtype=cdt, device=q.device)
+        return (o0, S) if pos is None else (o0, S, ck)
+    starts = lay.index[:, 0].tolist()  # first global token of each chunk
+    at = {}  # chunk -> [(m, r)]
+    for m, p in enumerate(pos or ()):
+        c = next((c for c, (s0, ln) in enumerate(zip(starts, lay.length.tolist())) if s0 < p <= s0 + ln), None)
+        if c is None:
+            raise ValueError(f"checkpoint position {p} is inside no sequence")
+        at.setdefault(c, []).append((m, p - starts[c]))
     Ab = slots_to_chunks(A_beta, lay, cu_seqlens).to(cdt)
     G2 = slots_to_chunks(g_cum_log2, lay, cu_seqlens).to(cdt)
     qc, kc, vc = to_chunks(q, lay, HV, cdt), to_chunks(k, lay, HV, cdt), to_chunks(v, lay, dtype=cdt)
@@ -398,8 +413,14 @@ def recurrent_from_slots(q, k, v, A_beta, g_cum_log2, scale: float, initial_stat
         S0 = S[sq]
         vn = Ab[ids] @ (vc[ids] - gamma[ids][..., None] * (kc[ids] @ S0))
         o = o.index_copy(0, ids, scale * gamma[ids][..., None] * (qc[ids] @ S0) + Pg[ids] @ vn)
+        for i, c in enumerate(ids.tolist()):
+            for m, rr in at.get(c, ()):
+                g_last = G2[c, :, rr - 1]  # [HV]
+                w = torch.exp2(g_last[:, None] - G2[c, :, :rr])  # [HV, rr]
+                ck[m] = (torch.exp2(g_last)[:, None, None] * S0[i]
+                         + kc[c, :, :rr].transpose(-1, -2) @ (w[..., None] * vn[i, :, :rr]))
         S = S.index_copy(0, sq, gamma_C[ids][..., None, None] * S0 + kc[ids].transpose(-1, -2) @ (r[ids][..., None] * vn))
-    return from_chunks(o, lay), S
+    return (from_chunks(o, lay), S) if pos is None else (from_chunks(o, lay), S, ck)
 
 
 class ReferenceCPBackend:
@@ -436,6 +457,38 @@ class ReferenceCPBackend:
         del order, dh0  # the kernels' launch order and build choice; here sequences are independent, fp64
         self.launches.append(("bwd", q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1))
         return fused_gated_delta_rule_bwd(q, k, v, beta, A, g_cum_log2, scale, initial_state, do, dht, cu_seqlens, g=g)
+
+    def recurrent_dual_checkpoints(self, q, k, v, A, g_cum_log2, scale, initial_state, limit, cu_seqlens, positions,
+                                   block_v=None, o=None):
+        """What `Sm90Backend.recurrent_dual_checkpoints` computes, in the compute dtype: the run (from
+        initial_state) and the transitions (from I where limit > 0, else 0, with v = 0, walked
+        limit[n, hv] chunks) over the pseudo sequences of cu_seqlens, with each one's states at
+        `positions`: (o, Q, U, P, CQ, CP). Past a transition's limit U's rows, P and CP are 0."""
+        self.launches.append(("recurrent_dual_checkpoints", q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1))
+        B, T, H, K = q.shape
+        HV = v.shape[2]
+        out, Q, CQ = recurrent_from_slots(q, k, v, A, g_cum_log2, scale, initial_state, cu_seqlens, positions=positions)
+        sd = self.state_dtype
+        N = Q.shape[0]
+        eye = torch.eye(K, dtype=sd, device=q.device)
+        lim = limit.to(torch.int64)
+        h0_tr = torch.where((lim > 0)[:, :, None, None], eye, torch.zeros((), dtype=sd, device=q.device))
+        U, P, CP = recurrent_from_slots(q, k, torch.zeros(B, T, HV, K, dtype=v.dtype, device=q.device), A, g_cum_log2,
+                                        scale, h0_tr, cu_seqlens, positions=positions)
+        bounds = seq_bounds(B, T, cu_seqlens)
+        nchunks = torch.tensor([-(-(e - s) // 64) for _, s, e in bounds], dtype=torch.int64, device=q.device)
+        P = torch.where((lim < nchunks[:, None])[:, :, None, None], torch.zeros((), dtype=P.dtype, device=q.device), P)
+        # token rows and checkpoints past each limit: 0 (the kernel does not walk there)
+        keep_t = torch.zeros(B * T, HV, dtype=torch.bool, device=q.device)
+        for n, (b, s, e) in enumerate(bounds):
+            for hv in range(HV):
+                keep_t[b * T + s:b * T + min(e, s + 64 * int(lim[n, hv])), hv] = True
+        U = torch.where(keep_t.view(B, T, HV, 1), U, torch.zeros((), dtype=U.dtype, device=q.device))
+        pos = [int(p) for p in (positions.tolist() if torch.is_tensor(positions) else positions)]
+        for m, p in enumerate(pos):
+            CP[m] = torch.where(keep_t[p - 1][:, None, None], CP[m], torch.zeros((), dtype=CP.dtype, device=q.device))
+        out = out.to(v.dtype) if o is None else o.copy_(out)
+        return out, Q.to(sd), U.to(q.dtype), P.to(sd), CQ.to(sd), CP.to(sd)
 
     def zeros(self, shape, dtype, device):
         return torch.zeros(shape, dtype=dtype, device=device)

@@ -18,7 +18,8 @@ from flashqla.ops.gdn.kernels.sm90._common import tl_dtype
 from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_fused_bwd
 from flashqla.ops.gdn.kernels.sm90.finish_bwd import chunk_finish_bwd
 from flashqla.ops.gdn.kernels.sm90.prepare import chunk_prepare_fwd, prepare_kernel_args
-from flashqla.ops.gdn.kernels.sm90.recurrent import chunk_recurrent_dual, chunk_recurrent_fwd, recurrent_kernel_args
+from flashqla.ops.gdn.kernels.sm90.recurrent import (chunk_recurrent_dual, chunk_recurrent_dual_checkpoints, chunk_recurrent_fwd,
+                                                      recurrent_kernel_args)
 from flashqla.ops.gdn.kernels.sm90.states_bwd import chunk_states_bwd
 
 __all__ = ["Backend", "Sm90Backend", "current_stream_id", "default_backend"]
@@ -41,9 +42,12 @@ class Backend(Protocol):
         order; the same results); dh0: whether the caller uses the returned dh0 (None: when
         initial_state is given), a hint a backend may ignore.
     Optional: recurrent_dual(q, k, v, A, g_cum_log2, scale, initial_state, limit, cu_seqlens, block_v, o)
-    -> (o, Q, U, P) or None (the split path's run and transitions in one launch); warm(k, beta, q, v,
-    cu_seqlens, HV, block_v, dual=False) (compile ahead of the launches); deferred_dht (bwd takes dht
-    as a callable, called once the states pass is launched).
+    -> (o, Q, U, P) or None (the split path's run and transitions in one launch);
+    recurrent_dual_checkpoints(..., cu_seqlens, positions, block_v, o) -> (o, Q, U, P, CQ, CP) or None
+    (the same with the run's and the transitions' states at the checkpoint positions: the split
+    path's checkpoints, `flashqla.cp.forward.cp_forward`); warm(k, beta, q, v, cu_seqlens, HV,
+    block_v, dual=False, checkpoints=False) (compile ahead of the launches); deferred_dht (bwd takes
+    dht as a callable, called once the states pass is launched).
     """
 
     state_dtype: torch.dtype
@@ -71,11 +75,13 @@ class Sm90Backend:
     def __init__(self):
         self._zeros: dict = {}
 
-    def warm(self, k, beta, q, v, cu_seqlens, HV: int, block_v, dual: bool = False) -> None:
+    def warm(self, k, beta, q, v, cu_seqlens, HV: int, block_v, dual: bool = False, checkpoints: bool = False) -> None:
         """Builds the prepare kernel and the recurrent kernel a call will launch (the dual launch's when
-        `dual`) concurrently, once per key."""
+        `dual`; its checkpoint build, `recurrent_dual_checkpoints`, with `checkpoints` too) concurrently,
+        once per key."""
+        rec = recurrent_kernel_args(q, v, cu_seqlens, block_v, dual=dual)
         specs = [("prepare", prepare_kernel_args(k, beta, cu_seqlens, HV)),
-                 ("recurrent", recurrent_kernel_args(q, v, cu_seqlens, block_v, dual=dual))]
+                 ("recurrent_serving", rec + ("float32", "kv", True, True)) if dual and checkpoints else ("recurrent", rec)]
         registry.build_once(tuple(specs), specs)
 
     def prepare(self, k, g, beta, cu_seqlens, HV: int, A=None, g_cum_log2=None):
@@ -94,6 +100,16 @@ class Sm90Backend:
         if q.shape[-1] != v.shape[-1]:
             return None
         return chunk_recurrent_dual(q, k, v, A, g_cum_log2, scale, initial_state, limit, cu_seqlens, block_v=block_v, o=o)
+
+    def recurrent_dual_checkpoints(self, q, k, v, A, g_cum_log2, scale, initial_state, limit, cu_seqlens, positions,
+                                   block_v=None, o=None):
+        """`recurrent_dual` that also stores the run's and the transition's states at `positions` (one
+        launch, `chunk_recurrent_dual_checkpoints`): (o, Q, U, P, CQ, CP); None when it does not apply
+        (K != V)."""
+        if q.shape[-1] != v.shape[-1]:
+            return None
+        return chunk_recurrent_dual_checkpoints(q, k, v, A, g_cum_log2, scale, initial_state, limit, cu_seqlens,
+                                                positions, block_v=block_v, o=o)
 
     def _build_bwd(self, q, v, beta, cu_seqlens, dh0: bool) -> None:
         """First use of a backward configuration: passes 1-3 on these offsets, compiled concurrently."""

@@ -124,11 +124,19 @@ def chunk_gated_delta_rule_fwd(
 
 def forward(q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens, *, plan: CallPlan,
             backend=None, for_backward: bool = True, block_v: int | None = None, gate_chunks: int | None = None,
-            correction: str = "gemm", truncate=None, poison_outputs: bool = False, return_info: bool = False):
+            correction: str = "gemm", truncate=None, poison_outputs: bool = False, return_info: bool = False,
+            checkpoint_positions=None):
     """Runs `plan` (`flashqla.cp.plan.plan_call`) on validated inputs (q and k after any L2 norm; scale
     a float): the arguments and returns of `chunk_gated_delta_rule_fwd`, without its checks. With
     `plan.keep` the forward keeps its split states (`ChunkGDNForward.cp_saved`). g is clamped at
-    `flashqla.contract.G_FLOOR` first (`clamp_gates`: one elementwise pass over [B, T, HV] fp32)."""
+    `flashqla.contract.G_FLOOR` first (`clamp_gates`: one elementwise pass over [B, T, HV] fp32).
+
+    checkpoint_positions (split plans in exact mode only; validated by the caller: sorted global
+    offsets, each inside a sequence): the states after those tokens come back as the info's
+    `checkpoints` (`cp_forward`; return_info must be True). ValueError on an unsplit plan, with
+    gate_chunks, or without return_info."""
+    if checkpoint_positions is not None and (not plan.forward.split or gate_chunks is not None or not return_info):
+        raise ValueError("checkpoint_positions: a split plan in exact mode, with return_info=True")
     backend = default_backend() if backend is None else backend
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
     g = clamp_gates(g).contiguous()  # the one gate floor of every path (`flashqla.contract.G_FLOOR`)
@@ -146,12 +154,13 @@ def forward(q, k, v, g, beta, scale: float, initial_state, output_final_state: b
     tables, static_key = split_tables(cu_seqlens, p.segment_len, B, T, q.device)
     if hasattr(backend, "warm"):
         backend.warm(flat(k), flat(beta), flat(q), flat(v), tables.cu_seqlens, HV, BV,
-                     dual=gate_chunks is None and correction != "rerun" and q.shape[-1] == V)
+                     dual=gate_chunks is None and (correction != "rerun" or checkpoint_positions is not None)
+                     and q.shape[-1] == V, checkpoints=checkpoint_positions is not None)
     o, final, A, G2, info = cp_forward(backend, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                        tables, block_v=BV, gate_chunks=gate_chunks, correction=correction,
                                        poison_outputs=poison_outputs, want_info=return_info, static_key=static_key,
                                        truncate=False if cutoff is None else cutoff, keep_for_backward=plan.keep,
-                                       ends_at_T=plan.ends_at_T)
+                                       ends_at_T=plan.ends_at_T, checkpoint_positions=checkpoint_positions)
     if plan.keep:  # the products travel in the CPSaved, in the segments' layout (what the backward reads)
         A, G2 = None, None
     elif for_backward:

@@ -21,9 +21,16 @@ kernels with torch around them:
   transpose into a contiguous fp32 `[N, HV, K, V]`, which the recurrent kernel reads as its
   initial_state; the final states come back fp32 and are transposed, rounded once to the pool's
   dtype and scattered into the pool (`index_copy_`, no host read: `flashqla.serving.store_final_states`).
-- checkpoints, on a split inference plan (`segment_checkpoints_apply`: M pieces of at most L tokens
-  hold no more than the batch): from the split forward's segment entering states, one more forward
-  over each checkpoint's piece of its segment (`segment_checkpoint_states`).
+- checkpoints, on a split inference plan (`split_checkpoints_apply`: K == V and a backend with
+  `recurrent_dual_checkpoints`, the sm_90 kernels included): inside the split forward. Its run and
+  transition launch also stores, at each position, the run's state (from the segment's start) and
+  the transition's (the product of the per-token maps since the segment's start), and after the
+  scan one batched GEMM gives checkpoint = run state + transition state x the segment's entering
+  state (records CP-1, CF-4; `flashqla.cp.forward.cp_forward`). No extra forward, no gather of the
+  tokens.
+- checkpoints, on a split inference plan otherwise (`segment_checkpoints_apply`: M pieces of at most
+  L tokens hold no more than the batch): from the split forward's segment entering states, one more
+  forward over each checkpoint's piece of its segment (`segment_checkpoint_states`).
 - checkpoints, otherwise: the batch is cut at the sequence starts and at the positions (`checkpoint_pieces`,
   a device sort), and two more forwards run on those pieces: one from each piece's own start (the
   sequence's initial state on its first piece, zeros elsewhere) gives R_j, one with v = 0 from the
@@ -39,7 +46,7 @@ every launch then computes a (sequence, value head, value slice) from that seque
 Inference only (a call under autograd with batch_invariant raises).
 
 `serve` records which path ran in `LAST_PATH` ("path": "kernel" or "torch"; on the torch path with
-checkpoints, "checkpoints": "segments" or "pieces"), for the tests.
+checkpoints, "checkpoints": "split", "segments" or "pieces"), for the tests.
 
 Public designs followed (not copied): vLLM's GDN layer (`vllm/model_executor/models/qwen3_next.py`,
 `Qwen3NextGatedDeltaNet._forward_core`: gather `ssm_state[indices]`, zero rows without an initial
@@ -105,14 +112,21 @@ def serve(q, k, v, g, beta, scale: float, initial_state, output_final_state: boo
     if training:
         o, final = GDNEagerFunction.apply(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, plan)
     else:
-        seg = s.checkpoint_positions is not None and segment_checkpoints_apply(plan, s.checkpoint_positions, q)
+        split = s.checkpoint_positions is not None and split_checkpoints_apply(plan, s.checkpoint_positions, q, v,
+                                                                                backend)
+        seg = (not split and s.checkpoint_positions is not None
+               and segment_checkpoints_apply(plan, s.checkpoint_positions, q))
         f = forward(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, plan=plan, backend=backend,
-                    for_backward=False, block_v=block_v, return_info=seg)
-        if seg:
+                    for_backward=False, block_v=block_v, return_info=seg or split,
+                    checkpoint_positions=s.checkpoint_positions if split else None)
+        if seg or split:
             f, info = f
         o, final = f.o, f.final_state
     ckpt = None
-    if s.checkpoint_positions is not None:
+    if split:
+        LAST_PATH["checkpoints"] = "split"
+        ckpt = info.checkpoints
+    elif s.checkpoint_positions is not None:
         with torch.no_grad():
             if info is not None and info.mode == "exact":
                 LAST_PATH["checkpoints"] = "segments"
@@ -123,6 +137,20 @@ def serve(q, k, v, g, beta, scale: float, initial_state, output_final_state: boo
                 ckpt = checkpoint_states(q, k, v, g, beta, scale, h0, cu_seqlens, s.checkpoint_positions, mode=mode,
                                          block_v=block_v, backend=backend)
     return write_back(o, final, ckpt, s, initial_state, output_final_state)
+
+
+def split_checkpoints_apply(plan, positions, q, v, backend) -> bool:
+    """Whether an inference call on a split plan takes its checkpoints inside the split forward
+    (`flashqla.cp.forward.cp_forward(checkpoint_positions=...)`: the run and transition launch stores
+    the run's and the transitions' states at the positions, one batched GEMM after the scan combines
+    them with the segments' entering states; no extra forward): the plan splits, at least one
+    position, K == V, and a backend with `recurrent_dual_checkpoints` (the sm_90 kernels, the
+    reference). Shapes only, no host read."""
+    from flashqla.ops.gdn.backend import default_backend
+
+    be = default_backend() if backend is None else backend
+    return (plan.forward.split and positions.shape[0] > 0 and q.shape[-1] == v.shape[-1]
+            and getattr(be, "recurrent_dual_checkpoints", None) is not None)
 
 
 def segment_checkpoints_apply(plan, positions, q) -> bool:

@@ -55,7 +55,8 @@ import torch
 
 from flashqla.ops.gdn.kernels.sm90._common import CHUNK, SM_COUNT, compile_kernel, placeholder, sequence_span, tl_dtype
 
-__all__ = ["CheckpointRanges", "build_recurrent_kernel", "build_recurrent_serving_kernel", "chunk_recurrent_dual", "chunk_recurrent_fwd", "chunk_recurrent_serving",
+__all__ = ["CheckpointRanges", "build_recurrent_kernel", "build_recurrent_serving_kernel", "chunk_recurrent_dual",
+           "chunk_recurrent_dual_checkpoints", "chunk_recurrent_fwd", "chunk_recurrent_serving",
            "pick_block_v", "recurrent_kernel_args", "recurrent_serving_args"]
 
 #: The value slice widths of the role-split kernel. At BV = 64 one chain warpgroup holds S^T's 64
@@ -444,7 +445,7 @@ class CheckpointRanges:
 
 
 def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: str, varlen: bool, BV: int,
-                       state_dtype: str, state_layout: str, checkpoints: bool):
+                       state_dtype: str, state_layout: str, checkpoints: bool, dual: bool = False):
     """The role-split kernel's serving build (`build_recurrent_kernel` with indexed=True): the plain
     kernel's arithmetic (o and every state bitwise those of the plain build with an fp32 kv state), with
     the states addressed by index, in a layout and storage dtype, and checkpoints stored in-kernel.
@@ -474,6 +475,11 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
       in flight, and hands it to the chain in shared memory under the chunk's barrier ([lo, end)
       inside the chunk, [end, hi) at its last token): no table launch, no table read on the chain's
       serial path.
+    - dual (the split path's run and transition launch with checkpoints, `chunk_recurrent_dual_checkpoints`;
+      K == V): the plain dual launch's grid of transition CTAs then run CTAs (`_recurrent_prim_func`
+      with dual), both storing checkpoints: run CTAs into ckpt (the state at p from the segment's run
+      start), transition CTAs into ckp (the segment's transition from its start to p, walked from I
+      with v = 0; a checkpoint past the transition's limit is not stored). Rows are n (rows_stride 0).
     """
     import tilelang.language as T
     from tilelang.layout import make_swizzled_layout
@@ -504,6 +510,11 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
     NH = T.dynamic("NH")  # has_initial_state's bytes (N; 1 without it: a placeholder)
     MP = T.dynamic("MP")  # int32 words of the checkpoint positions (M or 2M; 1 without checkpoints)
     MC = T.dynamic("MC")  # checkpoint rows (M; 1 without checkpoints)
+    NP = T.dynamic("NP")  # rows of pt and limit (dual: N)
+    u_shape = (B, Tn, HV, K) if dual else (1,)
+    pt_shape = (NP, HV, K, K) if dual else (1,)
+    lim_shape = (NP, HV) if dual else (1,)
+    ckp_shape = (MC, HV, K, K) if dual else (1,)
     nseq = (Np1 - 1) if varlen else B
     ncta = NV * HV * nseq
 
@@ -545,12 +556,30 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
         pos_stride: T.int32,
         n_ckpt: T.int32,
         ckpt: T.Tensor((MC, HV, sa, sb), sdt),
+        u: T.Tensor(u_shape, dtype),
+        pt: T.Tensor(pt_shape, "float32"),
+        limit: T.Tensor(lim_shape, "int32"),
+        ckp: T.Tensor(ckp_shape, sdt),
     ):
-        with T.Kernel(ncta, threads=threads) as (bx,):
-            iv = bx % NV
-            hv = (bx // NV) % HV
-            n = bx // (NV * HV)
+        with T.Kernel(ncta * (2 if dual else 1), threads=threads) as (bx,):
+            if dual:
+                tr = bx < ncta  # transition CTA (first half)
+                b1 = T.if_then_else(tr, bx, bx - ncta)
+            else:
+                b1 = bx
+            iv = b1 % NV
+            hv = (b1 // NV) % HV
+            n = b1 // (NV * HV)
             bos, seqlen, bidx, slot0, nchunks = sequence_span(n, cu_seqlens, Tn, varlen)
+            if dual:
+                nloop = T.alloc_var("int32")
+                lim = T.alloc_var("int32")
+                nloop = nchunks
+                lim = 0
+                if tr:
+                    lim = limit[n, hv]
+                    nloop = T.min(nchunks, lim)
+            nwalk = nloop if dual else nchunks
             hk = hv // G
             v0 = iv * BV
             tx = T.get_thread_binding()
@@ -610,11 +639,20 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                 if use_has != 0:
                     if has_init[n] == 0:
                         row_in = -1
-                if use_h0 != 0 and row_in >= 0:
+                if dual:
+                    if tr:  # the transition walks from I (from 0 where the slot is not corrected)
+                        for i, j in T.Parallel(BV, K):
+                            st[i, j] = T.if_then_else(v0 + i == j, T.if_then_else(lim > 0, T.float32(1), T.float32(0)),
+                                                      T.float32(0))
+                    elif use_h0 != 0 and row_in >= 0:
+                        load_state(st, h0, row_in, hv, v0)
+                    else:
+                        T.clear(st)
+                elif use_h0 != 0 and row_in >= 0:
                     load_state(st, h0, row_in, hv, v0)
                 else:
                     T.clear(st)
-                for c in T.serial(nchunks):
+                for c in T.serial(nwalk):
                     s = c % 2
                     ph = (c // 2) % 2
                     T.barrier_wait(full[s], ph)
@@ -647,8 +685,13 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(ut, num_regs=BV * C // CH)
                     # W^T = V^T - U^T diag(gamma)
-                    for i, j in T.Parallel(BV, C):
-                        wt_b[i, j] = T.cast(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j], dtype)
+                    if dual:  # transition CTAs: v = 0
+                        for i, j in T.Parallel(BV, C):
+                            wt_b[i, j] = T.cast(
+                                T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j], dtype)
+                    else:
+                        for i, j in T.Parallel(BV, C):
+                            wt_b[i, j] = T.cast(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j], dtype)
                     # vn^T = W^T A_beta^T
                     T.wgmma_gemm(wt_b, a_s[s, :, :], nvt, transpose_B=True, clear_accum=True, **chain_kw)
                     T.wait_wgmma(0)
@@ -678,7 +721,13 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                                     T.wgmma_gemm(mvt_b, k_s[s, :, h * KH : (h + 1) * KH], ck, **chain_kw)
                                     T.wait_wgmma(0)
                                     T.warpgroup_fence_operand(ck, num_regs=BV * KH // CH)
-                                    store_state(ckpt, m, hv, v0, ck, h * KH)
+                                    if dual:
+                                        if tr:
+                                            store_state(ckp, m, hv, v0, ck, h * KH)
+                                        else:
+                                            store_state(ckpt, m, hv, v0, ck, h * KH)
+                                    else:
+                                        store_state(ckpt, m, hv, v0, ck, h * KH)
                         for i, j in T.Parallel(BV, K):
                             st[i, j] = st[i, j] * gcl[0]
                         # S^T = gamma_C S^T + (vn^T diag(r)) K
@@ -694,9 +743,21 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                     if checkpoints:
                         # checkpoints at the chunk's last token: its end state, just computed
                         for m in T.serial(m_end, m_hi):
-                            store_state(ckpt, m, hv, v0, st, 0)
+                            if dual:
+                                if tr:
+                                    store_state(ckp, m, hv, v0, st, 0)
+                                else:
+                                    store_state(ckpt, m, hv, v0, st, 0)
+                            else:
+                                store_state(ckpt, m, hv, v0, st, 0)
                     T.barrier_arrive(empty[s])
-                if store_ht != 0 and row >= 0:
+                if dual:
+                    if tr:  # the transition P, or 0 where it was cut short
+                        for i, j in T.Parallel(BV, K):
+                            pt[n, hv, j, v0 + i] = T.if_then_else(nloop == nchunks, st[i, j], T.float32(0))
+                    elif store_ht != 0 and row >= 0:
+                        store_state(ht, row, hv, v0, st, 0)
+                elif store_ht != 0 and row >= 0:
                     store_state(ht, row, hv, v0, st, 0)
             elif tx < CH + 128:
                 # ------------------------------------------------------------------ output
@@ -705,7 +766,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                 pg_b = T.alloc_fragment((C, C), dtype)
                 of = T.alloc_fragment((C, BV), acc)
                 gr_f = T.alloc_fragment((C,), acc)
-                for c in T.serial(nchunks):
+                for c in T.serial(nwalk):
                     s = c % 2
                     ph = (c // 2) % 2
                     t0 = bos + c * C
@@ -740,9 +801,19 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                     nvalid = T.min(seqlen - c * C, C)
                     for t, i in T.Parallel(C, BV):
                         o_s[t, i] = T.cast(of[t, i], dtype)
-                    for t, i in T.Parallel(C, BV):
-                        if t < nvalid:
-                            o[bidx, t0 + t, hv, v0 + i] = o_s[t, i]
+                    if dual:
+                        if tr:
+                            for t, i in T.Parallel(C, BV):
+                                if t < nvalid:
+                                    u[bidx, t0 + t, hv, v0 + i] = o_s[t, i]
+                        else:
+                            for t, i in T.Parallel(C, BV):
+                                if t < nvalid:
+                                    o[bidx, t0 + t, hv, v0 + i] = o_s[t, i]
+                    else:
+                        for t, i in T.Parallel(C, BV):
+                            if t < nvalid:
+                                o[bidx, t0 + t, hv, v0 + i] = o_s[t, i]
             else:
                 # ------------------------------------------------------------------ producer
                 T.set_max_nreg(nreg["producer"], 0)
@@ -751,7 +822,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                         # the sequence's first checkpoint, then each chunk's range (`CheckpointRanges`)
                         ranges = CheckpointRanges(positions, pos_stride, n_ckpt, tx - (CH + 128), bidx * Tn + bos,
                                                   seqlen)
-                    for c in T.serial(nchunks):
+                    for c in T.serial(nwalk):
                         s = c % 2
                         ph = (c // 2) % 2
                         t0 = bos + c * C
@@ -792,8 +863,11 @@ def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str,
     "float16"; with `checkpoints`, the states after any token stored in-kernel, record CF-4). The
     default options build the plain kernel, whose generated source is unchanged by their existence.
 
-    Raises ValueError for another BV, dual with K != V, dual with indexed, serving options without
-    indexed, or an unknown state dtype or layout.
+    dual with indexed (`chunk_recurrent_dual_checkpoints`): the split path's dual launch storing the
+    run's and the transition's checkpoints; only with checkpoints, state_dtype "float32" and "kv".
+
+    Raises ValueError for another BV, dual with K != V, dual with indexed other than that, serving
+    options without indexed, or an unknown state dtype or layout.
     """
     if V % BV or BV not in ROLES_WIDTHS:
         raise ValueError(f"value slice width BV must be 64 or 128 and divide V = {V}, got {BV}")
@@ -806,23 +880,25 @@ def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str,
     if not indexed:
         if state_dtype != "float32" or state_layout != "kv" or checkpoints:
             raise ValueError("state_dtype, state_layout and checkpoints are options of the serving build: pass indexed=True")
-    elif dual:
-        raise ValueError("the dual launch (split path) has no serving build: indexed must be False with dual")
+    elif dual and not (checkpoints and state_dtype == "float32" and state_layout == "kv"):
+        raise ValueError("the dual launch's serving build stores checkpoints in fp32 'kv' states only: pass "
+                         "checkpoints=True, state_dtype='float32', state_layout='kv' with dual and indexed")
     name = (f"gdn_recurrent_fwd_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{seq_dtype}_{int(varlen)}_BV{BV}"
             + ("_dual" if dual else ""))
     if indexed:
         name += f"_serving_{state_dtype}_{state_layout}" + ("_ckpt" if checkpoints else "")
         return compile_kernel(_serving_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, BV, state_dtype, state_layout,
-                                                 checkpoints), name)
+                                                 checkpoints, dual), name)
     return compile_kernel(_recurrent_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, dual, BV), name)
 
 
 def build_recurrent_serving_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str, seq_dtype: str, varlen: bool,
-                                   state_dtype: str = "float32", state_layout: str = "kv", checkpoints: bool = False):
-    """`build_recurrent_kernel(..., indexed=True, state_dtype=, state_layout=, checkpoints=)` with every
-    key entry positional (the registry's kind "recurrent_serving")."""
-    return build_recurrent_kernel(H, HV, K, V, BV, dtype, seq_dtype, varlen, indexed=True, state_dtype=state_dtype,
-                                  state_layout=state_layout, checkpoints=checkpoints)
+                                   state_dtype: str = "float32", state_layout: str = "kv", checkpoints: bool = False,
+                                   dual: bool = False):
+    """`build_recurrent_kernel(..., dual, indexed=True, state_dtype=, state_layout=, checkpoints=)` with
+    every key entry positional (the registry's kind "recurrent_serving")."""
+    return build_recurrent_kernel(H, HV, K, V, BV, dtype, seq_dtype, varlen, dual, indexed=True,
+                                  state_dtype=state_dtype, state_layout=state_layout, checkpoints=checkpoints)
 
 
 #: Relative chunk-step time per CTA (one CTA an SM) by value slice width, as measured on the H200
@@ -1050,6 +1126,57 @@ def chunk_recurrent_serving(q, k, v, A, g_cum_log2, scale: float, initial_state,
     else:
         pos, pos_stride, M = placeholder((1,), torch.int32, dev), 1, 0
         cks = placeholder((1, HV, *tail), sdtype, dev)
+    one = placeholder((1,), torch.int32, dev)
     kernel(q, k, v, A, g_cum_log2, h0, cu, float(scale), int(initial_state is not None), int(final_state is not None), o,
-           ht, rows, rows_stride, has, int(has_initial_state is not None), pos, pos_stride, M, cks)
+           ht, rows, rows_stride, has, int(has_initial_state is not None), pos, pos_stride, M, cks,
+           placeholder((1,), q.dtype, dev), placeholder((1,), torch.float32, dev), one, placeholder((1,), sdtype, dev))
     return o
+
+
+def chunk_recurrent_dual_checkpoints(q, k, v, A, g_cum_log2, scale: float, initial_state, limit, cu_seqlens, positions,
+                                     block_v=None, o=None):
+    """`chunk_recurrent_dual` that also stores, for every checkpoint position, the run's state and the
+    transition's state there (one launch: the serving build with dual; the split path with checkpoints,
+    `flashqla.cp.forward.cp_forward`; arguments validated by the caller).
+
+    Position p (a global token offset, sorted, each inside one of the launch's pseudo sequences, the
+    segment j with start_j < p <= end_j) gives CQ[m] = the run's state after the tokens [start_j, p)
+    (from initial_state[j], zeros without it) and CP[m] = the product of the per-token transitions over
+    the same tokens (the transition walked from I with v = 0), or 0 where that transition is not walked
+    that far (limit[j, hv] chunks: 0 on uncorrected slots, or the gate-driven cut). The state after p
+    tokens of the real sequence is then CQ[m] + CP[m] S_in(j) (records CP-1, CF-4), S_in(j) the
+    segment's entering state.
+
+    Args: as `chunk_recurrent_dual`, plus positions: int32/int64 [M] (M >= 1).
+    Returns: (o, Q, U, P, CQ [M, HV, K, V] fp32, CP [M, HV, K, K] fp32).
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if V != K:
+        raise ValueError(f"the dual launch needs K == V, got K={K}, V={V}")
+    varlen = cu_seqlens is not None
+    N = cu_seqlens.numel() - 1 if varlen else B
+    M = positions.shape[0]
+    if tuple(limit.shape) != (N, HV) or limit.dtype != torch.int32:
+        raise ValueError(f"limit must be int32 of shape {(N, HV)}, got {limit.dtype} {tuple(limit.shape)}")
+    if N == 0 or T == 0 or M == 0:
+        raise ValueError("chunk_recurrent_dual_checkpoints needs a sequence, a token and a checkpoint")
+    dev = q.device
+    if o is None:
+        o = torch.zeros_like(v) if varlen else torch.empty_like(v)
+    else:
+        _check_out(o, v)
+    U = torch.empty(B, T, HV, K, dtype=q.dtype, device=dev)
+    Q = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
+    P = torch.empty(N, HV, K, K, dtype=torch.float32, device=dev)
+    CQ = torch.empty(M, HV, K, V, dtype=torch.float32, device=dev)  # every run CTA walks its whole segment
+    CP = torch.zeros(M, HV, K, K, dtype=torch.float32, device=dev)  # not stored past a limit
+    use_h0 = initial_state is not None
+    h0 = initial_state if use_h0 else placeholder((1, HV, K, V), torch.float32, dev)
+    cu = cu_seqlens if varlen else placeholder((1,), torch.int32, dev)
+    kernel = build_recurrent_kernel(*recurrent_kernel_args(q, v, cu_seqlens, block_v, dual=True), indexed=True,
+                                    state_dtype="float32", state_layout="kv", checkpoints=True)
+    pos, pos_stride = _int32_words(positions)
+    kernel(q, k, v, A, g_cum_log2, h0, cu, float(scale), int(use_h0), 1, o, Q, placeholder((1,), torch.int32, dev), 0,
+           placeholder((1,), torch.uint8, dev), 0, pos, pos_stride, M, CQ, U, P, limit.contiguous(), CP)
+    return o, Q, U, P, CQ, CP
