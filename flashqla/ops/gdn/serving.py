@@ -109,6 +109,7 @@ def serve(q, k, v, g, beta, scale: float, initial_state, output_final_state: boo
     LAST_PATH["checkpoints"] = None
     h0 = gather_initial_states(initial_state, s, N, torch.float32)
     info = None
+    split = False
     if training:
         o, final = GDNEagerFunction.apply(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, plan)
     else:
