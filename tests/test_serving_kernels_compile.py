@@ -24,6 +24,31 @@ def test_serving_options_are_checked():
         rec.build_recurrent_kernel(2, 4, 128, 128, 64, "bfloat16", "int32", True, indexed=True, state_layout="kvv")
     with pytest.raises(ValueError, match="dual"):
         rec.build_recurrent_kernel(2, 4, 128, 128, 64, "bfloat16", "int32", True, True, indexed=True)
+    with pytest.raises(ValueError, match="dual"):  # the split path's checkpoint build: fp32 kv only
+        rec.build_recurrent_kernel(2, 4, 128, 128, 64, "bfloat16", "int32", True, True, indexed=True,
+                                   state_dtype="bfloat16", checkpoints=True)
+    with pytest.raises(ValueError, match="dual"):
+        rec.build_recurrent_kernel(2, 4, 128, 128, 64, "bfloat16", "int32", True, True, indexed=True,
+                                   state_layout="vk", checkpoints=True)
+    with pytest.raises(ValueError, match="K == V"):
+        rec.build_recurrent_kernel(2, 4, 128, 64, 64, "bfloat16", "int32", True, True, indexed=True, checkpoints=True)
+
+
+def test_split_checkpoint_build_lowers():
+    """The split path's dual launch with checkpoints (`chunk_recurrent_dual_checkpoints`) lowers for
+    sm_90a: a grid of transition then run CTAs, the transitions' checkpoints into ckp and U, the
+    run's into ckpt and o, P cut where the walk stopped short."""
+    tilelang = pytest.importorskip("tilelang")
+    from tilelang import tvm
+
+    from flashqla.ops.gdn.kernels.sm90._common import _pass_configs, sm90_target
+
+    f = rec._serving_prim_func(2, 4, 128, 128, "bfloat16", "int32", True, 128, "float32", "kv", True, True)
+    with tvm.transform.PassContext(config=_pass_configs()), tvm.target.Target(sm90_target()):
+        src = tilelang.lower(f, target=sm90_target()).kernel_source
+    for name in ("ckp[", "ckpt[", "limit[", "pt[", "(u + ", "(o + "):  # (o and U by 16-byte vector stores)
+        assert name in src, f"{name} is not used by the split checkpoint build"
+    assert "positions[" in src and "__ballot_sync" in src, "the ranges should come from the positions"
 
 
 def test_serving_build_lowers():
@@ -69,6 +94,19 @@ def test_serving_build_compiles_without_spills(BV, state_dtype, layout, ckpt):
 
     kernel = rec.build_recurrent_kernel(2, 4, 128, 128, BV, "bfloat16", "int32", True, indexed=True,
                                         state_dtype=state_dtype, state_layout=layout, checkpoints=ckpt)
+    r = ptxas_report(kernel)
+    print(r)
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"register spills: {r}"
+
+
+@pytest.mark.compile_all
+@pytest.mark.skipif(not HAVE_NVCC, reason="compiling for sm_90a needs nvcc (the CUDA toolkit) on PATH")
+@pytest.mark.parametrize("BV", [64, 128])
+def test_split_checkpoint_build_compiles_without_spills(BV):
+    from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
+
+    kernel = rec.build_recurrent_kernel(2, 8, 128, 128, BV, "bfloat16", "int32", True, True, indexed=True,
+                                        checkpoints=True)
     r = ptxas_report(kernel)
     print(r)
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"register spills: {r}"

@@ -63,7 +63,8 @@ def serving_tier_specs() -> list:
     specs = []
     for bv in (64, 128):  # test_pool_layout_dtype_checkpoints: 6 sequences, both widths forced
         specs += serving_kernel_specs(2, 4, N=6, varlen=True, block_v=bv, state_dtypes=every, checkpoints=(True,))
-    specs += serving_kernel_specs(2, 4, N=4, varlen=True, state_dtypes=("float32",), checkpoints=(False, True))
+    specs += serving_kernel_specs(2, 4, N=4, varlen=True, state_dtypes=("float32",), checkpoints=(False, True),
+                                  split=True)  # test_split_plan_checkpoints (split)
     specs += serving_kernel_specs(2, 4, N=2, varlen=True, state_dtypes=("float32", "bfloat16"), state_layouts=("kv",),
                                   checkpoints=(True,))
     specs += serving_kernel_specs(2, 4, N=2, varlen=False, state_dtypes=("float32",), state_layouts=("kv",),
@@ -107,7 +108,7 @@ def serving_bench_specs() -> list:
         hc = parse_heads(h)
         for bv in sorted({pick_block_v(N, hc.h_v, 128) for N in (1, 2, 4, 8)}):
             specs += serving_kernel_specs(hc.h_qk, hc.h_v, varlen=True, block_v=bv, state_dtypes=("bfloat16",),
-                                          state_layouts=("vk",), checkpoints=(True,))
+                                          state_layouts=("vk",), checkpoints=(True,), split=True)
     return specs
 
 

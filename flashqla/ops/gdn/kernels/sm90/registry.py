@@ -197,13 +197,19 @@ def op_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype:
 def serving_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype: str = "bfloat16",
                          seq_dtype: str = "int32", block_v: int | None = None, K: int = 128, V: int = 128,
                          state_dtypes=("float32", "bfloat16"), state_layouts=("kv", "vk"),
-                         checkpoints=(False, True)) -> list:
+                         checkpoints=(False, True), split: bool = False) -> list:
     """The serving builds of the recurrent kernel (kind "recurrent_serving",
     `recurrent.build_recurrent_serving_kernel`) a serving call of these heads may launch, for every
     combination of the given state dtypes, layouts and checkpoint switches (the prepare kernel is
-    `op_kernel_specs`'). Kept out of `op_kernel_specs` (warmup's list and the recorded sources) so
-    that a plain call builds nothing more. Pure Python."""
+    `op_kernel_specs`'). With `split` (K == V), also the split path's dual launch with checkpoints
+    (`recurrent.chunk_recurrent_dual_checkpoints`, fp32 "kv", on the segments' packed offsets) at
+    both value slice widths. Kept out of `op_kernel_specs` (warmup's list and the recorded sources)
+    so that a plain call builds nothing more. Pure Python."""
     BV = block_v or pick_block_v(N, HV, V)
     seq = seq_dtype if varlen else "int32"
-    return [("recurrent_serving", (H, HV, K, V, BV, dtype, seq, varlen, sd, lay, ck))
-            for sd in state_dtypes for lay in state_layouts for ck in checkpoints]
+    specs = [("recurrent_serving", (H, HV, K, V, BV, dtype, seq, varlen, sd, lay, ck))
+             for sd in state_dtypes for lay in state_layouts for ck in checkpoints]
+    if split and K == V:
+        specs += [("recurrent_serving", (H, HV, K, V, bv, dtype, seq, True, "float32", "kv", True, True))
+                  for bv in (64, 128)]
+    return specs
