@@ -896,8 +896,9 @@ def build_recurrent_serving_kernel(H: int, HV: int, K: int, V: int, BV: int, dty
                                    state_dtype: str = "float32", state_layout: str = "kv", checkpoints: bool = False,
                                    dual: bool = False):
     """`build_recurrent_kernel(..., dual, indexed=True, state_dtype=, state_layout=, checkpoints=)` with
-    every key entry positional (the registry's kind "recurrent_serving")."""
-    return build_recurrent_kernel(H, HV, K, V, BV, dtype, seq_dtype, varlen, dual, indexed=True,
+    every key entry positional (the registry's kind "recurrent_serving"). Called as the launchers call
+    it (dual passed only when True), so that both hit one `functools.lru_cache` entry."""
+    return build_recurrent_kernel(H, HV, K, V, BV, dtype, seq_dtype, varlen, *((True,) if dual else ()), indexed=True,
                                   state_dtype=state_dtype, state_layout=state_layout, checkpoints=checkpoints)
 
 
