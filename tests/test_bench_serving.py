@@ -60,6 +60,7 @@ def test_page_summary_counts_the_goal_and_the_peer():
     assert "| our commit | abc |" in md and "NVIDIA H100 80GB HBM3" in md
     assert "1 of 2 within the 3% goal" in md  # +2% and +50%
     assert "rows on the kernel path: 1" in md
+    assert "rows on the torch path (the split plan): 1, geometric mean +50.0%" in md
     assert "over 2 rows" in md and "rows not timed: 1" in md
     assert "| 16/32 | 8192x4 | 1.000 | 1.020 | +2.0% | kernel |" in md
     # FlashInfer's serving time over ours at the same checkpoints: 0.9 / 1.02 and 2.4 / 3.0

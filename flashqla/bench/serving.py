@@ -95,6 +95,11 @@ def _rel(a, b) -> float:
     return float(rel_rms(a, b))
 
 
+def _path(last: dict) -> str:
+    """The serving path a call took, as the page names it: "kernel", or "torch/<checkpoint method>"."""
+    return last["path"] + (f"/{last['checkpoints']}" if last.get("checkpoints") else "")
+
+
 def _one_row(row, x, timer: dict, state_dtype, fi_op) -> dict:
     import torch
 
@@ -136,10 +141,10 @@ def _one_row(row, x, timer: dict, state_dtype, fi_op) -> dict:
         o_plain, _ = ours_plain(h0_r)
         pa, ca = pool0.clone(), torch.empty(len(p4), *ck_shape, device=dev, dtype=state_dtype)
         o_serv, _ = ours_serving(pa, pos4, ca)
-        r["path"] = op_serving.LAST_PATH["path"]
+        r["path"] = _path(op_serving.LAST_PATH)
         pb, cb = pool0.clone(), torch.empty(len(pfi), *ck_shape, device=dev, dtype=state_dtype)
         ours_serving(pb, posfi, cb)
-        r["path_fi"] = op_serving.LAST_PATH["path"]
+        r["path_fi"] = _path(op_serving.LAST_PATH)
         r["err_o"] = _rel(o_serv, o_plain)
         ends = [(p4.index(e), n) for n, (L, e) in enumerate(zip(lengths, accumulate(lengths))) if L > 0]
         r["err_ckpt_end"] = max((_rel(ca[m].float(), pa[rows[n]].float()) for m, n in ends), default=0.0)
@@ -262,7 +267,9 @@ def serving_markdown(rows: list[dict], env: dict, commit: str) -> list[str]:
         "same pool (`state_indices`, `output_state` = pool) and `checkpoint_every_n_tokens` = n (the largest multiple "
         "of 64 not above a quarter of the longest sequence; FlashInfer's period must be a multiple of 64).",
         "path: which of our serving paths ran (kernel: the recurrent kernel's serving build, one launch with the "
-        "checkpoints; torch: the split plan, with the pool gathered and the checkpoints by extra forwards).",
+        "checkpoints; torch/split: the split plan, the pool gathered and written back by torch ops around the split "
+        "forward, whose run and transition launch stores each checkpoint's two parts, combined by one GEMM after the "
+        "scan; torch/segments or torch/pieces: the checkpoints by extra forwards).",
     )]
     ok = [r for r in rows if r.get("status") == "ok"]
     over = [_f(r, "serving_ms") / _f(r, "plain_ms") for r in ok]
@@ -275,6 +282,10 @@ def serving_markdown(rows: list[dict], env: dict, commit: str) -> list[str]:
     if kern:
         L.append(f"- rows on the kernel path: {len(kern)}, geometric mean {100 * (geomean(kern) - 1):+.1f}% "
                  f"(worst {100 * (max(kern) - 1):+.1f}%)")
+    other = [_f(r, "serving_ms") / _f(r, "plain_ms") for r in ok if r.get("path") != "kernel"]
+    if other:
+        L.append(f"- rows on the torch path (the split plan): {len(other)}, geometric mean "
+                 f"{100 * (geomean(other) - 1):+.1f}% (worst {100 * (max(other) - 1):+.1f}%)")
     if vs_fi:
         L.append(f"- FlashInfer serving / ours at the same checkpoints: geometric mean {geomean(vs_fi):.2f}x over "
                  f"{len(vs_fi)} rows (min {min(vs_fi):.2f}x, max {max(vs_fi):.2f}x; above 1: ours faster)")
