@@ -133,7 +133,8 @@ def forward(q, k, v, g, beta, scale: float, initial_state, output_final_state: b
 
     checkpoint_positions (split plans in exact mode only; validated by the caller: sorted global
     offsets, each inside a sequence): the states after those tokens come back as the info's
-    `checkpoints` (`cp_forward`; return_info must be True). ValueError on an unsplit plan, with
+    `checkpoints` (`cp_forward`; return_info must be True; that info's S_in is then None: its masked
+    copy is not made). ValueError on an unsplit plan, with
     gate_chunks, or without return_info."""
     if checkpoint_positions is not None and (not plan.forward.split or gate_chunks is not None or not return_info):
         raise ValueError("checkpoint_positions: a split plan in exact mode, with return_info=True")
@@ -158,7 +159,7 @@ def forward(q, k, v, g, beta, scale: float, initial_state, output_final_state: b
                      and q.shape[-1] == V, checkpoints=checkpoint_positions is not None)
     o, final, A, G2, info = cp_forward(backend, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                        tables, block_v=BV, gate_chunks=gate_chunks, correction=correction,
-                                       poison_outputs=poison_outputs, want_info=return_info, static_key=static_key,
+                                       poison_outputs=poison_outputs, want_info=return_info and checkpoint_positions is None, static_key=static_key,
                                        truncate=False if cutoff is None else cutoff, keep_for_backward=plan.keep,
                                        ends_at_T=plan.ends_at_T, checkpoint_positions=checkpoint_positions)
     if plan.keep:  # the products travel in the CPSaved, in the segments' layout (what the backward reads)
