@@ -81,7 +81,7 @@ class Sm90Backend:
         once per key."""
         rec = recurrent_kernel_args(q, v, cu_seqlens, block_v, dual=dual)
         specs = [("prepare", prepare_kernel_args(k, beta, cu_seqlens, HV)),
-                 ("recurrent_serving", rec + ("float32", "kv", True, True)) if dual and checkpoints else ("recurrent", rec)]
+                 ("recurrent_serving", rec[:8] + ("float32", "kv", True, True)) if dual and checkpoints else ("recurrent", rec)]
         registry.build_once(tuple(specs), specs)
 
     def prepare(self, k, g, beta, cu_seqlens, HV: int, A=None, g_cum_log2=None):
