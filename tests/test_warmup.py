@@ -148,3 +148,31 @@ def test_seqlens_dtype_is_checked_without_varlen(recorded):
     flashqla.warmup(2, 4, varlen=False, seqlens_dtype=torch.int32)
     flashqla.warmup(2, 4, varlen=False, seqlens_dtype=torch.int64)
     assert recorded[0] == recorded[1] and "int64" not in str(recorded[1])
+
+
+def test_split_checkpoint_warm_spec_binds_to_its_builder(monkeypatch):
+    """`Sm90Backend.warm(dual=True, checkpoints=True)` names the split path's checkpoint build with
+    arguments its registry builder accepts and that build the same key the launcher uses (a spec of
+    the wrong length raised TypeError only on the GPU)."""
+    import inspect
+
+    from flashqla.cp.forward import flat
+    from flashqla.ops.gdn.backend import Sm90Backend
+    from flashqla.ops.gdn.kernels.sm90 import recurrent as rec
+    from flashqla.ops.gdn.kernels.sm90 import registry
+
+    recorded = []
+    monkeypatch.setattr(registry, "build_once", lambda key, specs: recorded.append(list(specs)))
+    q = torch.zeros(1, 2048, 2, 128, dtype=torch.bfloat16)
+    v = torch.zeros(1, 2048, 8, 128, dtype=torch.bfloat16)
+    beta = torch.zeros(1, 2048, 8)
+    pcu = torch.tensor([0, 512, 1024, 1536, 2048], dtype=torch.int32)
+    for bv in (64, 128):
+        Sm90Backend().warm(flat(q), flat(beta), flat(q), flat(v), pcu, 8, bv, dual=True, checkpoints=True)
+    specs = [s for call in recorded for s in call if s[0] == "recurrent_serving"]
+    assert len(specs) == 2
+    for kind, args in specs:
+        module, name = registry.BUILDERS[kind]
+        bound = inspect.signature(getattr(rec, name)).bind(*args)
+        assert bound.arguments["dual"] is True and bound.arguments["checkpoints"] is True
+        assert args[:8] == rec.recurrent_kernel_args(q, v, pcu, args[4])
