@@ -322,6 +322,7 @@ def _run_and_transition(backend, qf, kf, vf, A, G2, scale, h0_run, limit, tab: S
     limit); ValueError when the backend has none."""
     total = qf.shape[1]
     HV, K = G2.shape[0], kf.shape[3]
+    extra = ()
     if positions is not None:
         dual_ck = getattr(backend, "recurrent_dual_checkpoints", None)
         out = None if dual_ck is None else dual_ck(qf, kf, vf, A, G2, scale, h0_run, limit, pcu, positions, block_v,
@@ -329,17 +330,15 @@ def _run_and_transition(backend, qf, kf, vf, A, G2, scale, h0_run, limit, tab: S
         if out is None:
             raise ValueError(f"checkpoint_positions on the split path need a backend with recurrent_dual_checkpoints "
                              f"(K == V on the sm_90 kernels); {getattr(backend, 'name', backend)!r} has none here")
-        o, Q, U, P, CQ, CP = out
-        if truncated and not _token_kernels_apply(o, U):
-            U = torch.where(_keep_rows(tab, limit, total)[None, :, :, None], U, U.new_zeros(()))
-        return o, Q, U, P, CQ, CP
-    dual = getattr(backend, "recurrent_dual", None)
-    out = None if dual is None else dual(qf, kf, vf, A, G2, scale, h0_run, limit, pcu, block_v, o_buf)
+        out, extra = out[:4], out[4:]
+    else:
+        dual = getattr(backend, "recurrent_dual", None)
+        out = None if dual is None else dual(qf, kf, vf, A, G2, scale, h0_run, limit, pcu, block_v, o_buf)
     if out is not None:
         o, Q, U, P = out
         if truncated and not _token_kernels_apply(o, U):
             U = torch.where(_keep_rows(tab, limit, total)[None, :, :, None], U, U.new_zeros(()))
-        return o, Q, U, P
+        return (o, Q, U, P) + tuple(extra)
     o, Q = _recurrent(backend, qf, kf, vf, A, G2, scale, h0_run, True, pcu, block_v, o_buf)
     sd = backend.state_dtype
     eye = torch.eye(K, dtype=sd, device=qf.device)
