@@ -64,6 +64,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cp", default="off", choices=("off", "auto", "on"))
     ap.add_argument("--calls", type=int, default=1)
     ap.add_argument("--inference", action="store_true", help="for_backward=False (the public op without gradients)")
+    ap.add_argument("--impl", default="ours", choices=("ours", "flashinfer"),
+                    help="flashinfer: `flashinfer.gdn_prefill.chunk_gated_delta_rule` on the same inputs in its "
+                         "layout (use_cp from --cp: off -> False, on -> True, auto -> \"auto\"); ncu -k regex:. then")
     a = ap.parse_args(argv)
     from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd
 
@@ -75,6 +78,20 @@ def main(argv=None) -> int:
     def call():
         return chunk_gated_delta_rule_fwd(**x, output_final_state=True, cp=a.cp, for_backward=not a.inference,
                                           max_seqlen=longest)
+
+    if a.impl == "flashinfer":
+        from flashinfer.gdn_prefill import chunk_gated_delta_rule as fi_op
+
+        use_cp = {"off": False, "on": True, "auto": "auto"}[a.cp]
+        fq, fk, fv = x["q"][0], x["k"][0], x["v"][0]
+        alpha = x["g"][0].float().exp().contiguous()
+        fb = x["beta"][0].float().contiguous()
+        h0 = x["initial_state"].transpose(-1, -2).contiguous()
+        ht = torch.empty_like(h0)
+
+        def call():  # noqa: F811
+            return fi_op(fq, fk, fv, alpha, fb, scale=x.get("scale"), initial_state=h0, output_final_state=True,
+                         cu_seqlens=x["cu_seqlens"], output_state=ht, use_cp=use_cp, max_seqlen=max(lengths))
 
     ms = profiled(call, a.calls)
     print(f"{a.row} cp={a.cp}: {a.calls} call(s), {ms:.3f} ms wall (profiled)")

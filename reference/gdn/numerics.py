@@ -16,6 +16,8 @@ bound. The notebooks plot these; the functions return plain numbers and tensors.
     truncation_errors       CP warm-up: measured state / output error against the CP-4 / CP-5 bounds
     truncation_sweep        the same over gate strengths
     segment_contraction     ||P||_2 of each segment's state map against exp(summed log-decay)
+    forward_rounding_model  the chunked forward in fp64 with a rounding at each named point (ours / FLA's)
+    forward_rounding_errors o's and the final state's error of that model under named configurations
 
 Errors are relative RMS (`flashqla.testing.rel_rms`), computed in fp64. Shapes follow
 `reference.gdn.fused` (chunk tensors [..., C, K]) and FLA (input dicts as `flashqla.testing.make_gdn_inputs`).
@@ -56,6 +58,10 @@ __all__ = [
     "truncation_errors",
     "truncation_sweep",
     "segment_contraction",
+    "FWD_ROUNDING_POINTS",
+    "kernel_roundings",
+    "forward_rounding_model",
+    "forward_rounding_errors",
 ]
 
 #: Unit roundoff u = 2^-p (p = stored mantissa bits + 1) of the dtypes studied.
@@ -435,3 +441,146 @@ def segment_contraction(x: dict, segment_len: int, chunk_size: int = 64) -> list
             rows.append(dict(segment=j, head=hv, G=float(G[hv]), P_norm=float(norms[j, hv]), exp_G=math.exp(float(G[hv]))))
     return rows
 
+
+
+# ----------------------------------------------------------------------------------------------
+# The forward kernels' roundings, point by point
+# ----------------------------------------------------------------------------------------------
+
+#: The points where a chunked forward rounds an intermediate to a storage or operand dtype, by
+#: structure. "ours" (the sm_90 prepare + recurrent kernels, `reference.gdn.fused`): A_beta = A diag(beta)
+#: as stored by the prepare kernel; S, the state's copy read by K S and Q S; W = V - diag(gamma) K S, the
+#: A_beta product's operand; v_new, read by the output product; v_new_r = diag(r) v_new, read by the state
+#: update; P = scale (Q K^T * Gamma) causal, the output product's operand; o, the stored output. "fla"
+#: (FLA's chunk_fwd pipeline, `reference.gdn.chunk`): A stored; k_beta = diag(beta gamma) K and
+#: v_beta = diag(beta) V, the operands of w = A k_beta and u = A v_beta, both stored; h, the stored
+#: chunk-start state read by w h and Q h; v_new = u - w h stored; v_new_r; P = Q K^T * Gamma; o.
+FWD_ROUNDING_POINTS = {
+    "ours": ("A_beta", "S", "W", "v_new", "v_new_r", "P", "o"),
+    "fla": ("A", "k_beta", "v_beta", "w", "u", "h", "v_new", "v_new_r", "P", "o"),
+}
+
+
+def kernel_roundings(structure: str = "ours", dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Every rounding point of `structure` in `dtype`: what the kernels do with bf16 (or fp16) inputs."""
+    return {p: dtype for p in FWD_ROUNDING_POINTS[structure]}
+
+
+def _rnd(x: torch.Tensor, dt) -> torch.Tensor:
+    """x (fp64) rounded to dt (a torch dtype or "tf32") and held in fp64; dt None: unchanged."""
+    if dt is None:
+        return x
+    if dt == "tf32":
+        return round_tf32(x).double()
+    return x.to(dt).double()
+
+
+def forward_rounding_model(x: dict, roundings: dict | None = None, structure: str = "ours",
+                           chunk_size: int = 64) -> dict:
+    """The chunked forward in fp64 with a rounding at each named point (`FWD_ROUNDING_POINTS`): a model
+    of what the kernels' storage and operand dtypes cost o and the final state.
+
+    Every product accumulates exactly (fp64; the kernels accumulate in fp32, whose error is ~2^16 times
+    smaller than a bf16 rounding), the inverse (I + L)^-1 is exact (the prepare kernel's tf32 products
+    are ~2^-11 relative, below A_beta's own rounding), and the gates are exact. With no rounding the
+    result equals the token recurrence to fp64 accuracy (CF-1..CF-3, RW-2).
+
+    Args:
+        x: inputs (`flashqla.testing.make_gdn_inputs`, fixed length: no cu_seqlens): q, k [B, T, H, K],
+            v [B, T, HV, V], g, beta [B, T, HV], optional initial_state [B, HV, K, V] and scale. Used in
+            fp64 as given (round them first, `round_inputs`, to model bf16 inputs).
+        roundings: {point: dtype, "tf32" or None}; points left out are exact. None: no rounding.
+        structure: "ours" or "fla" (the order of products; see `FWD_ROUNDING_POINTS`).
+        chunk_size: C; T must be a multiple of it.
+
+    Returns:
+        dict(o [B, T, HV, V], final_state [B, HV, K, V]) in fp64.
+
+    Raises:
+        ValueError: unknown structure or point, packed input, or T not a multiple of chunk_size.
+    """
+    if structure not in FWD_ROUNDING_POINTS:
+        raise ValueError(f"structure must be one of {tuple(FWD_ROUNDING_POINTS)}, got {structure!r}")
+    rd = dict(roundings or {})
+    bad = set(rd) - set(FWD_ROUNDING_POINTS[structure])
+    if bad:
+        raise ValueError(f"unknown rounding points for {structure!r}: {sorted(bad)}; "
+                         f"known: {FWD_ROUNDING_POINTS[structure]}")
+    if x.get("cu_seqlens") is not None:
+        raise ValueError("forward_rounding_model takes fixed-length input (cu_seqlens None)")
+    q, k, v = (x[n].double() for n in ("q", "k", "v"))
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    C = chunk_size
+    if T % C:
+        raise ValueError(f"T = {T} must be a multiple of chunk_size = {C}")
+    G = HV // H
+    NC = T // C
+    scale = x.get("scale") or K ** -0.5
+    r = lambda t, p: _rnd(t, rd.get(p))  # noqa: E731
+
+    def chunks(t, d):  # [B, T, HV, d] -> [B, HV, NC, C, d]
+        return t.reshape(B, NC, C, HV, d).permute(0, 3, 1, 2, 4)
+
+    qc = chunks(q.repeat_interleave(G, dim=2), K)
+    kc = chunks(k.repeat_interleave(G, dim=2), K)
+    vc = chunks(v, V)
+    gc = x["g"].double().reshape(B, NC, C, HV).permute(0, 3, 1, 2).cumsum(-1)  # [B, HV, NC, C]
+    bc = x["beta"].double().reshape(B, NC, C, HV).permute(0, 3, 1, 2)
+    gamma, gamma_C, rr = fused.gate_vectors(gc)
+    Gam = fused.decay_mask(gc)  # i >= j
+    L = torch.tril(bc[..., None] * (kc @ kc.transpose(-1, -2)) * Gam, -1)
+    eye = torch.eye(C, dtype=torch.float64)
+    A = torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)
+    QK = (qc @ kc.transpose(-1, -2)) * Gam
+    if structure == "ours":
+        A_beta = r(A * bc[..., None, :], "A_beta")
+        P = r(scale * QK, "P")
+    else:
+        A_r = r(A, "A")
+        w = r(A_r @ r((bc * gamma)[..., None] * kc, "k_beta"), "w")
+        u = r(A_r @ r(bc[..., None] * vc, "v_beta"), "u")
+        P = r(QK, "P")
+    S = torch.zeros(B, HV, K, V, dtype=torch.float64)
+    if x.get("initial_state") is not None:
+        S = x["initial_state"].double().clone()
+    o = torch.empty(B, HV, NC, C, V, dtype=torch.float64)
+    for c in range(NC):
+        kk, qq, gm, rc = kc[:, :, c], qc[:, :, c], gamma[:, :, c, :, None], rr[:, :, c, :, None]
+        if structure == "ours":
+            Sb = r(S, "S")
+            W = r(vc[:, :, c] - gm * (kk @ Sb), "W")
+            vn = A_beta[:, :, c] @ W
+            O = scale * gm * (qq @ Sb) + P[:, :, c] @ r(vn, "v_new")
+        else:
+            Sb = r(S, "h")
+            vn = u[:, :, c] - w[:, :, c] @ Sb
+            O = scale * (gm * (qq @ Sb) + P[:, :, c] @ r(vn, "v_new"))
+        o[:, :, c] = r(O, "o")
+        S = gamma_C[:, :, c, None, None] * S + kk.transpose(-1, -2) @ r(rc * vn, "v_new_r")
+    return dict(o=o.permute(0, 2, 3, 1, 4).reshape(B, T, HV, V), final_state=S)
+
+
+def forward_rounding_errors(x: dict, configs: dict, in_dtype: torch.dtype = torch.bfloat16,
+                            chunk_size: int = 64) -> list[dict]:
+    """o's and the final state's relative RMS error of `forward_rounding_model` under each named
+    configuration, against the fp64 token recurrence on the same rounded inputs (`round_inputs` to
+    `in_dtype`): the arithmetic's error, as the GPU tier measures it. Also per value head (o_head,
+    final_head: lists), so that the g == 0 and strong-decay heads of `make_gdn_inputs` show apart.
+
+    configs: {name: (structure, roundings)}. Returns one dict per configuration: config, structure,
+    o, final_state, o_head, final_head."""
+    from .recurrent import recurrent_gated_delta_rule
+
+    xr = to_fp64(round_inputs(x, in_dtype))
+    o_t, s_t = recurrent_gated_delta_rule(xr["q"], xr["k"], xr["v"], xr["g"], xr["beta"], scale=xr.get("scale"),
+                                          initial_state=xr.get("initial_state"), output_final_state=True)
+    HV = o_t.shape[2]
+    rows = []
+    for name, (structure, rnd) in configs.items():
+        m = forward_rounding_model(xr, rnd, structure, chunk_size)
+        rows.append(dict(config=name, structure=structure, o=rel_rms(m["o"], o_t),
+                         final_state=rel_rms(m["final_state"], s_t),
+                         o_head=[rel_rms(m["o"][:, :, h], o_t[:, :, h]) for h in range(HV)],
+                         final_head=[rel_rms(m["final_state"][:, h], s_t[:, h]) for h in range(HV)]))
+    return rows
