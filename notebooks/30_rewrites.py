@@ -264,6 +264,29 @@ assert ratio_mask > 2  # a real, reported cost ...
 assert max(r["rhs"] for r in rw4 if r["quantity"] == "Gamma") <= 64 * 2**-24 * 192  # ... bounded by |G|max u
 
 # %% [markdown]
+# ## The kernels' operand roundings
+# Above, the arithmetic is fp32 and only the inputs are rounded. The kernels also round intermediates to
+# bf16 where they store them or feed them to the tensor cores. `numerics.forward_rounding_model` runs the
+# chunked forward in fp64 with a rounding at each named point: ours (A_beta as stored, the state's copy
+# S, W = V - diag(gamma) K S, v_new, diag(r) v_new, P, the stored o) or FLA's (A, the two beta-scaled
+# operands, w, u, h, v_new, diag(r) v_new, P, o). Against the fp64 recurrence on the same bf16 inputs:
+
+# %%
+bf, fp = torch.bfloat16, torch.float16
+cfg = {"FLA, all bf16": ("fla", numerics.kernel_roundings("fla")),
+       "ours, all bf16": ("ours", numerics.kernel_roundings("ours")),
+       "ours, A_beta and W fp16": ("ours", {**numerics.kernel_roundings("ours"), "A_beta": fp, "W": fp}),
+       "only the stored o (floor)": ("ours", {"o": bf})}
+xr = make_gdn_inputs(B=2, T=256, H=2, HV=4, seed=0)
+rr = {r["config"]: r for r in numerics.forward_rounding_errors(xr, cfg)}
+for name, r in rr.items():
+    print(f"{name:28s} o {r['o']:.2e} ({r['o'] / rr['FLA, all bf16']['o']:.2f}x FLA)  "
+          f"final state {r['final_state']:.2e} ({r['final_state'] / rr['FLA, all bf16']['final_state']:.2f}x)")
+assert 0.9 < rr["ours, all bf16"]["o"] / rr["FLA, all bf16"]["o"] < 1.1
+assert rr["ours, A_beta and W fp16"]["o"] < 0.9 * rr["FLA, all bf16"]["o"]
+assert rr["only the stored o (floor)"]["o"] < 0.6 * rr["FLA, all bf16"]["o"]
+
+# %% [markdown]
 # ## Conclusions (asserted above)
 # - RW-1 .. RW-6 are proved by SymPy, entry by entry at small sizes and for every size by their general
 #   proofs (RW-1's walked through above), and their fp64 twins agree to $\le 10^{-12}$.
@@ -278,3 +301,7 @@ assert max(r["rhs"] for r in rw4 if r["quantity"] == "Gamma") <= 64 * 2**-24 * 1
 #   the decay mask itself under strong decay (the rounding of $G/\ln 2$ grows with $|G|$), up to about 8
 #   times on o: real, and invisible next to bf16. FLA's own kernels use the
 #   same base-2 cumsum, so against FLA's kernels this is no cost at all.
+# - With the kernels' bf16 operands, ours and FLA's product orders have the same error (within 10%);
+#   the stored o alone is under 0.6x of it. The A_beta product in fp16 (A_beta and W) brings o below
+#   0.9x FLA's (`benchmarks/journal/accuracy.md`, "Where the forward's error comes from", has the table
+#   over every point).
