@@ -12,6 +12,7 @@
     python -m flashqla.bench --report-only         # rebuild the pages from the CSVs into benchmarks/out/
     python -m flashqla.bench --bwd [--quick] ...   # the backward grid: backward alone and training step
     python -m flashqla.bench --serving             # pooled states + checkpoints vs plain, ours and FlashInfer
+    python -m flashqla.bench --multigpu [--gpus 1,2,4,8]  # CP across GPUs, strong/weak scaling, vs FLA KCP, FlashQLA CP
 
 A measuring run needs a CUDA GPU (without one it exits 2): per row the fp64 result, then for each
 implementation the correctness gate and, if it passes, the CUDA-graph timing (`flashqla.bench.runner`).
@@ -183,6 +184,11 @@ def list_lines(direction: str, rows) -> list[str]:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--multigpu" in argv:  # its own flags (`flashqla.bench.multigpu`)
+        from flashqla.bench.multigpu import main as multigpu_main
+
+        return multigpu_main(argv, commit_of=lambda explicit, mode: commit_with_cp(our_commit(explicit), mode))
     opts = parse_args(argv)
     direction = opts.direction
     if opts.bwd and opts.breakdown:

@@ -23,7 +23,7 @@ if ROOT not in sys.path:
 
 #: (H, HV) of the GPU tier's tests
 TIER_HEADS = ((1, 2), (1, 4), (2, 2), (2, 4), (4, 4), (2, 8))
-#: (H, HV) whose backward the 2-GPU benchmark runs besides the backward grid's (benchmarks/experiments/multigpu_bench.py)
+#: (H, HV) whose backward the multi-GPU benchmark runs besides the backward grid's (`python -m flashqla.bench --multigpu`)
 EXTRA_BWD_HEADS = ((2, 8),)
 
 
