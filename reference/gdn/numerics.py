@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from flashqla.testing import rel_rms
-from . import chunk, cp, fused, twins
+from . import chunk, cp, fused, fused_bwd, twins
 from .chunk import prepare_chunk_layout
 from .recurrent import recurrent_gated_delta_rule
 
@@ -468,11 +468,7 @@ def kernel_roundings(structure: str = "ours", dtype: torch.dtype = torch.bfloat1
 
 def _rnd(x: torch.Tensor, dt) -> torch.Tensor:
     """x (fp64) rounded to dt (a torch dtype or "tf32") and held in fp64; dt None: unchanged."""
-    if dt is None:
-        return x
-    if dt == "tf32":
-        return round_tf32(x).double()
-    return x.to(dt).double()
+    return round_tf32(x).double() if dt == "tf32" else fused_bwd._round(x, dt)
 
 
 def forward_rounding_model(x: dict, roundings: dict | None = None, structure: str = "ours",
@@ -529,9 +525,7 @@ def forward_rounding_model(x: dict, roundings: dict | None = None, structure: st
     bc = x["beta"].double().reshape(B, NC, C, HV).permute(0, 3, 1, 2)
     gamma, gamma_C, rr = fused.gate_vectors(gc)
     Gam = fused.decay_mask(gc)  # i >= j
-    L = torch.tril(bc[..., None] * (kc @ kc.transpose(-1, -2)) * Gam, -1)
-    eye = torch.eye(C, dtype=torch.float64)
-    A = torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)
+    A = fused.solve_tril_blocks(kkt_matrix(kc, bc, gc), _block(C))  # (I + L)^-1, exact in fp64
     QK = (qc @ kc.transpose(-1, -2)) * Gam
     if structure == "ours":
         A_beta = r(A * bc[..., None, :], "A_beta")
@@ -570,8 +564,6 @@ def forward_rounding_errors(x: dict, configs: dict, in_dtype: torch.dtype = torc
 
     configs: {name: (structure, roundings)}. Returns one dict per configuration: config, structure,
     o, final_state, o_head, final_head."""
-    from .recurrent import recurrent_gated_delta_rule
-
     xr = to_fp64(round_inputs(x, in_dtype))
     o_t, s_t = recurrent_gated_delta_rule(xr["q"], xr["k"], xr["v"], xr["g"], xr["beta"], scale=xr.get("scale"),
                                           initial_state=xr.get("initial_state"), output_final_state=True)
