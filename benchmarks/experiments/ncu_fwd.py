@@ -80,18 +80,23 @@ def main(argv=None) -> int:
                                           max_seqlen=longest)
 
     if a.impl == "flashinfer":
+        import types
+
         from flashinfer.gdn_prefill import chunk_gated_delta_rule as fi_op
 
+        from flashqla.bench.impls import flashinfer_inputs
+
+        # the benchmark's mapping to FlashInfer's layout (alpha = exp(g), state [N, HV, V, K])
+        fa = flashinfer_inputs(types.SimpleNamespace(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"],
+                                                     h0=x["initial_state"], cu_seqlens=x["cu_seqlens"],
+                                                     lengths=lengths, scale=x["q"].shape[-1] ** -0.5))
         use_cp = {"off": False, "on": True, "auto": "auto"}[a.cp]
-        fq, fk, fv = x["q"][0], x["k"][0], x["v"][0]
-        alpha = x["g"][0].float().exp().contiguous()
-        fb = x["beta"][0].float().contiguous()
-        h0 = x["initial_state"].transpose(-1, -2).contiguous()
-        ht = torch.empty_like(h0)
+        ht = torch.empty_like(fa["initial_state"])
 
         def call():  # noqa: F811
-            return fi_op(fq, fk, fv, alpha, fb, scale=x.get("scale"), initial_state=h0, output_final_state=True,
-                         cu_seqlens=x["cu_seqlens"], output_state=ht, use_cp=use_cp, max_seqlen=max(lengths))
+            return fi_op(fa["q"], fa["k"], fa["v"], fa["g"], fa["beta"], scale=fa["scale"],
+                         initial_state=fa["initial_state"], output_final_state=True, cu_seqlens=fa["cu_seqlens"],
+                         output_state=ht, use_cp=use_cp, max_seqlen=fa["max_seqlen"])
 
     ms = profiled(call, a.calls)
     print(f"{a.row} cp={a.cp}: {a.calls} call(s), {ms:.3f} ms wall (profiled)")
