@@ -65,6 +65,8 @@ def test_kernel_roundings_match_fla_and_fp16_operands_beat_it(x):
 def test_bad_arguments_name_themselves(x):
     with pytest.raises(ValueError, match="structure"):
         nm.forward_rounding_model(x, None, "flashinfer")
+    with pytest.raises(ValueError, match="structure"):
+        nm.kernel_roundings("flashinfer")
     with pytest.raises(ValueError, match="unknown rounding points.*'w'"):
         nm.forward_rounding_model(x, {"w": torch.bfloat16}, "ours")
     with pytest.raises(ValueError, match="multiple of chunk_size"):

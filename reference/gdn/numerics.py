@@ -462,7 +462,10 @@ FWD_ROUNDING_POINTS = {
 
 
 def kernel_roundings(structure: str = "ours", dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Every rounding point of `structure` in `dtype`: what the kernels do with bf16 (or fp16) inputs."""
+    """Every rounding point of `structure` ("ours" or "fla") in `dtype`: what the kernels do with bf16
+    (or fp16) inputs. Raises ValueError for another structure."""
+    if structure not in FWD_ROUNDING_POINTS:
+        raise ValueError(f"structure must be one of {tuple(FWD_ROUNDING_POINTS)}, got {structure!r}")
     return {p: dtype for p in FWD_ROUNDING_POINTS[structure]}
 
 
