@@ -69,6 +69,8 @@ def test_bad_arguments_name_themselves(x):
         nm.kernel_roundings("flashinfer")
     with pytest.raises(ValueError, match="unknown rounding points.*'w'"):
         nm.forward_rounding_model(x, {"w": torch.bfloat16}, "ours")
+    with pytest.raises(ValueError, match="torch dtype, 'tf32' or None"):
+        nm.forward_rounding_model(x, {"o": "fp16"})
     with pytest.raises(ValueError, match="multiple of chunk_size"):
         nm.forward_rounding_model({**x, **{n: x[n][:, :100] for n in ("q", "k", "v", "g", "beta")}})
     with pytest.raises(ValueError, match="cu_seqlens"):

@@ -496,7 +496,8 @@ def forward_rounding_model(x: dict, roundings: dict | None = None, structure: st
         dict(o [B, T, HV, V], final_state [B, HV, K, V]) in fp64.
 
     Raises:
-        ValueError: unknown structure or point, packed input, or T not a multiple of chunk_size.
+        ValueError: unknown structure or point, a rounding that is not a dtype / "tf32" / None, packed
+            input, or T not a multiple of chunk_size.
     """
     if structure not in FWD_ROUNDING_POINTS:
         raise ValueError(f"structure must be one of {tuple(FWD_ROUNDING_POINTS)}, got {structure!r}")
@@ -505,6 +506,9 @@ def forward_rounding_model(x: dict, roundings: dict | None = None, structure: st
     if bad:
         raise ValueError(f"unknown rounding points for {structure!r}: {sorted(bad)}; "
                          f"known: {FWD_ROUNDING_POINTS[structure]}")
+    bad_dt = {p: d for p, d in rd.items() if not (d is None or d == "tf32" or isinstance(d, torch.dtype))}
+    if bad_dt:
+        raise ValueError(f"roundings take a torch dtype, 'tf32' or None per point, got {bad_dt}")
     if x.get("cu_seqlens") is not None:
         raise ValueError("forward_rounding_model takes fixed-length input (cu_seqlens None)")
     q, k, v = (x[n].double() for n in ("q", "k", "v"))
