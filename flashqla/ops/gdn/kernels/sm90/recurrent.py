@@ -88,7 +88,7 @@ def reg_budget(BV: int) -> int:
 
 
 def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: str, varlen: bool,
-                         dual: bool = False, BV: int = ROLES_BV):
+                         dual: bool = False, BV: int = ROLES_BV, op_dtype: str | None = None):
     """The TileLang kernel at value slice width BV (64 or 128; arguments as `build_recurrent_kernel`).
 
     dual (K == V): the split path's run and transition launch in one grid of 2 x NV x HV x N CTAs
@@ -100,13 +100,23 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
     come first so that long ones (heads whose gates do not decay) start in the first wave.
 
     The output role writes o (u in transition CTAs) through a 128-byte-swizzled shared tile with
-    16-byte vector stores, one row check per 8 values."""
+    16-byte vector stores, one row check per 8 values.
+
+    op_dtype (experiment, issue 42's accuracy study; None: the input dtype, the shipped build): the
+    dtype of A_beta (as the prepare kernel stored it: `build_prepare_kernel(a_dtype=)`) and of the
+    operands of the two products that read it or its result, W^T (vn^T = W^T A_beta^T) and Pg, vn^T
+    (O += Pg vn). "float16" keeps 3 more mantissa bits than bf16 there (o 0.73x FLA's error in the
+    CPU rounding model, `reference.gdn.numerics.forward_rounding_model`); W^T is clamped to
+    +-65504 before its conversion (finite for any input; wrong where |W| exceeds fp16's range)."""
     import tilelang.language as T
     from tilelang.layout import make_swizzled_layout
 
     C = CHUNK
     if BV not in ROLES_WIDTHS:
         raise ValueError(f"the role-split kernel is built for BV in {ROLES_WIDTHS}, got {BV}")
+    odt = op_dtype or dtype
+    if odt != dtype and dual:
+        raise ValueError("op_dtype is an option of the plain (non-dual) build")
     G = HV // H
     NV = V // BV
     acc = "float32"
@@ -141,7 +151,7 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
         q: T.Tensor((B, Tn, H, K), dtype),
         k: T.Tensor((B, Tn, H, K), dtype),
         v: T.Tensor((B, Tn, HV, V), dtype),
-        A: T.Tensor((HV, R, C), dtype),
+        A: T.Tensor((HV, R, C), odt),
         g_cum_log2: T.Tensor((HV, R), "float32"),
         h0: T.Tensor((N0, HV, K, V), "float32"),
         cu_seqlens: T.Tensor((Np1,), seq_dtype),
@@ -179,10 +189,10 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
             q_s = T.alloc_shared((2, C, K), dtype)
             k_s = T.alloc_shared((2, C, K), dtype)
             v_s = T.alloc_shared((2, C, BV), dtype)
-            a_s = T.alloc_shared((2, C, C), dtype)
+            a_s = T.alloc_shared((2, C, C), odt)
             gc_s = T.alloc_shared((2, C), acc)
             sb_s = T.alloc_shared((2, BV, K), dtype)  # bf16 S^T of chunk c (chain -> output)
-            nv_s = T.alloc_shared((2, BV, C), dtype)  # vn^T of chunk c (chain -> output)
+            nv_s = T.alloc_shared((2, BV, C), odt)  # vn^T of chunk c (chain -> output)
             o_s = T.alloc_shared((C, BV), dtype)  # O of this chunk in o's dtype (output role)
             T.annotate_layout({v_s: make_swizzled_layout(v_s), o_s: make_swizzled_layout(o_s)})
 
@@ -200,8 +210,8 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
                 st_b = T.alloc_fragment((BV, K), dtype)
                 ut = T.alloc_fragment((BV, C), acc)
                 nvt = T.alloc_fragment((BV, C), acc)
-                wt_b = T.alloc_fragment((BV, C), dtype)
-                nvt_b = T.alloc_fragment((BV, C), dtype)
+                wt_b = T.alloc_fragment((BV, C), odt)
+                nvt_b = T.alloc_fragment((BV, C), odt)
                 vpt_b = T.alloc_fragment((BV, C), dtype)
                 gam_f = T.alloc_fragment((C,), acc)
                 r_f = T.alloc_fragment((C,), acc)
@@ -245,15 +255,19 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
                         for i, j in T.Parallel(BV, C):
                             wt_b[i, j] = T.cast(
                                 T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j], dtype)
-                    else:
+                    elif odt == dtype:
                         for i, j in T.Parallel(BV, C):
                             wt_b[i, j] = T.cast(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j], dtype)
+                    else:
+                        for i, j in T.Parallel(BV, C):
+                            wt_b[i, j] = T.cast(T.max(T.min(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j],
+                                                            T.float32(65504)), T.float32(-65504)), odt)
                     # vn^T = W^T A_beta^T
                     T.wgmma_gemm(wt_b, a_s[s, :, :], nvt, transpose_B=True, clear_accum=True, **chain_kw)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(nvt, num_regs=BV * C // CH)
                     for i, j in T.Parallel(BV, C):
-                        nvt_b[i, j] = T.cast(nvt[i, j], dtype)
+                        nvt_b[i, j] = T.cast(nvt[i, j], odt)
                         vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j], dtype)
                     # S^T = gamma_C S^T + (vn^T diag(r)) K; meanwhile publish vn^T
                     T.wgmma_gemm(vpt_b, k_s[s, :, :], st, **chain_kw)
@@ -278,7 +292,7 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
                 # ------------------------------------------------------------------ output
                 T.set_max_nreg(nreg["output"], 1)
                 p_f = T.alloc_fragment((C, C), acc)
-                pg_b = T.alloc_fragment((C, C), dtype)
+                pg_b = T.alloc_fragment((C, C), odt)
                 of = T.alloc_fragment((C, BV), acc)
                 gr_f = T.alloc_fragment((C,), acc)
                 for c in T.serial(nloop if dual else nchunks):
@@ -302,7 +316,7 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
                                 scale * p_f[t, j] * T.exp2(T.if_then_else(t >= j, gc_s[s, t] - gc_s[s, j], T.float32(0))),
                                 T.float32(0),
                             ),
-                            dtype,
+                            odt,
                         )
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(of, num_regs=C * BV // 128)
@@ -849,7 +863,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
 @functools.lru_cache(maxsize=None)
 def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str, seq_dtype: str, varlen: bool,
                            dual: bool = False, *, indexed: bool = False, state_dtype: str = "float32",
-                           state_layout: str = "kv", checkpoints: bool = False):
+                           state_layout: str = "kv", checkpoints: bool = False, op_dtype: str | None = None):
     """Compiled recurrent kernel for one static configuration (cached).
 
     Static key: head counts, head dims, the value slice width BV (64 or 128), the input dtype,
@@ -862,6 +876,9 @@ def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str,
     `state_layout` "kv" ([.., K, V]) or "vk" ([.., V, K]) and `state_dtype` "float32" / "bfloat16" /
     "float16"; with `checkpoints`, the states after any token stored in-kernel, record CF-4). The
     default options build the plain kernel, whose generated source is unchanged by their existence.
+
+    op_dtype (experiment; plain build only): the dtype of A_beta and of the products that read it
+    (`_recurrent_prim_func`); None or the input dtype: the shipped build.
 
     dual with indexed (`chunk_recurrent_dual_checkpoints`): the split path's dual launch storing the
     run's and the transition's checkpoints; only with checkpoints, state_dtype "float32" and "kv".
@@ -889,6 +906,11 @@ def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str,
         name += f"_serving_{state_dtype}_{state_layout}" + ("_ckpt" if checkpoints else "")
         return compile_kernel(_serving_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, BV, state_dtype, state_layout,
                                                  checkpoints, dual), name)
+    if op_dtype is not None and op_dtype != dtype:
+        if indexed:
+            raise ValueError("op_dtype is an option of the plain build (not the serving build)")
+        name += f"_op{op_dtype}"
+        return compile_kernel(_recurrent_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, dual, BV, op_dtype), name)
     return compile_kernel(_recurrent_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, dual, BV), name)
 
 
