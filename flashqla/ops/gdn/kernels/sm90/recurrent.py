@@ -115,8 +115,6 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
     if BV not in ROLES_WIDTHS:
         raise ValueError(f"the role-split kernel is built for BV in {ROLES_WIDTHS}, got {BV}")
     odt = op_dtype or dtype
-    if odt != dtype and dual:
-        raise ValueError("op_dtype is an option of the plain (non-dual) build")
     G = HV // H
     NV = V // BV
     acc = "float32"
@@ -251,10 +249,14 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(ut, num_regs=BV * C // CH)
                     # W^T = V^T - U^T diag(gamma)
-                    if dual:  # transition CTAs: v = 0
+                    if dual and odt == dtype:  # transition CTAs: v = 0
                         for i, j in T.Parallel(BV, C):
                             wt_b[i, j] = T.cast(
                                 T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j], dtype)
+                    elif dual:
+                        for i, j in T.Parallel(BV, C):
+                            wt_b[i, j] = T.cast(T.max(T.min(T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc))
+                                                            - ut[i, j] * gam_f[j], T.float32(65504)), T.float32(-65504)), odt)
                     elif odt == dtype:
                         for i, j in T.Parallel(BV, C):
                             wt_b[i, j] = T.cast(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j], dtype)
@@ -459,7 +461,8 @@ class CheckpointRanges:
 
 
 def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: str, varlen: bool, BV: int,
-                       state_dtype: str, state_layout: str, checkpoints: bool, dual: bool = False):
+                       state_dtype: str, state_layout: str, checkpoints: bool, dual: bool = False,
+                       op_dtype: str | None = None):
     """The role-split kernel's serving build (`build_recurrent_kernel` with indexed=True): the plain
     kernel's arithmetic (o and every state bitwise those of the plain build with an fp32 kv state), with
     the states addressed by index, in a layout and storage dtype, and checkpoints stored in-kernel.
@@ -494,6 +497,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
       with dual), both storing checkpoints: run CTAs into ckpt (the state at p from the segment's run
       start), transition CTAs into ckp (the segment's transition from its start to p, walked from I
       with v = 0; a checkpoint past the transition's limit is not stored). Rows are n (rows_stride 0).
+    - op_dtype (experiment; None: the input dtype): the A_beta product's dtype, as `_recurrent_prim_func`'s.
     """
     import tilelang.language as T
     from tilelang.layout import make_swizzled_layout
@@ -504,6 +508,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
     G = HV // H
     NV = V // BV
     acc = "float32"
+    odt = op_dtype or dtype
     sdt = state_dtype
     vk = state_layout == "vk"
     sa, sb = (V, K) if vk else (K, V)
@@ -532,6 +537,10 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
     nseq = (Np1 - 1) if varlen else B
     ncta = NV * HV * nseq
 
+    def w_cast(x):
+        """W^T's operand conversion: to the input dtype, or (op_dtype) clamped to fp16's range first."""
+        return T.cast(x, dtype) if odt == dtype else T.cast(T.max(T.min(x, T.float32(65504)), T.float32(-65504)), odt)
+
     @T.macro
     def load_state(st, src, row, hv, v0):
         for i, j in T.Parallel(BV, K):
@@ -553,7 +562,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
         q: T.Tensor((B, Tn, H, K), dtype),
         k: T.Tensor((B, Tn, H, K), dtype),
         v: T.Tensor((B, Tn, HV, V), dtype),
-        A: T.Tensor((HV, R, C), dtype),
+        A: T.Tensor((HV, R, C), odt),
         g_cum_log2: T.Tensor((HV, R), "float32"),
         h0: T.Tensor((N0, HV, sa, sb), sdt),
         cu_seqlens: T.Tensor((Np1,), seq_dtype),
@@ -601,10 +610,10 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
             q_s = T.alloc_shared((2, C, K), dtype)
             k_s = T.alloc_shared((2, C, K), dtype)
             v_s = T.alloc_shared((2, C, BV), dtype)
-            a_s = T.alloc_shared((2, C, C), dtype)
+            a_s = T.alloc_shared((2, C, C), odt)
             gc_s = T.alloc_shared((2, C), acc)
             sb_s = T.alloc_shared((2, BV, K), dtype)
-            nv_s = T.alloc_shared((2, BV, C), dtype)
+            nv_s = T.alloc_shared((2, BV, C), odt)
             o_s = T.alloc_shared((C, BV), dtype)
             if checkpoints:
                 # each chunk's checkpoint range, read by the producer one chunk ahead (under full[s]):
@@ -626,8 +635,8 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                 st_b = T.alloc_fragment((BV, K), dtype)
                 ut = T.alloc_fragment((BV, C), acc)
                 nvt = T.alloc_fragment((BV, C), acc)
-                wt_b = T.alloc_fragment((BV, C), dtype)
-                nvt_b = T.alloc_fragment((BV, C), dtype)
+                wt_b = T.alloc_fragment((BV, C), odt)
+                nvt_b = T.alloc_fragment((BV, C), odt)
                 vpt_b = T.alloc_fragment((BV, C), dtype)
                 gam_f = T.alloc_fragment((C,), acc)
                 r_f = T.alloc_fragment((C,), acc)
@@ -701,17 +710,17 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                     # W^T = V^T - U^T diag(gamma)
                     if dual:  # transition CTAs: v = 0
                         for i, j in T.Parallel(BV, C):
-                            wt_b[i, j] = T.cast(
-                                T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j], dtype)
+                            wt_b[i, j] = w_cast(
+                                T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j])
                     else:
                         for i, j in T.Parallel(BV, C):
-                            wt_b[i, j] = T.cast(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j], dtype)
+                            wt_b[i, j] = w_cast(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j])
                     # vn^T = W^T A_beta^T
                     T.wgmma_gemm(wt_b, a_s[s, :, :], nvt, transpose_B=True, clear_accum=True, **chain_kw)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(nvt, num_regs=BV * C // CH)
                     for i, j in T.Parallel(BV, C):
-                        nvt_b[i, j] = T.cast(nvt[i, j], dtype)
+                        nvt_b[i, j] = T.cast(nvt[i, j], odt)
                         vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j], dtype)
                     if checkpoints and mid != 0:
                         # publish vn^T first (the output role does not wait for the checkpoints)
@@ -777,7 +786,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                 # ------------------------------------------------------------------ output
                 T.set_max_nreg(nreg["output"], 1)
                 p_f = T.alloc_fragment((C, C), acc)
-                pg_b = T.alloc_fragment((C, C), dtype)
+                pg_b = T.alloc_fragment((C, C), odt)
                 of = T.alloc_fragment((C, BV), acc)
                 gr_f = T.alloc_fragment((C,), acc)
                 for c in T.serial(nwalk):
@@ -799,7 +808,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                                 scale * p_f[t, j] * T.exp2(T.if_then_else(t >= j, gc_s[s, t] - gc_s[s, j], T.float32(0))),
                                 T.float32(0),
                             ),
-                            dtype,
+                            odt,
                         )
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(of, num_regs=C * BV // 128)
@@ -877,8 +886,8 @@ def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str,
     "float16"; with `checkpoints`, the states after any token stored in-kernel, record CF-4). The
     default options build the plain kernel, whose generated source is unchanged by their existence.
 
-    op_dtype (experiment; plain build only): the dtype of A_beta and of the products that read it
-    (`_recurrent_prim_func`); None or the input dtype: the shipped build.
+    op_dtype (experiment): the dtype of A_beta and of the products that read it (`_recurrent_prim_func`,
+    `_serving_prim_func`), in every build; None or the input dtype: the shipped build.
 
     dual with indexed (`chunk_recurrent_dual_checkpoints`): the split path's dual launch storing the
     run's and the transition's checkpoints; only with checkpoints, state_dtype "float32" and "kv".
@@ -902,15 +911,17 @@ def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str,
                          "checkpoints=True, state_dtype='float32', state_layout='kv' with dual and indexed")
     name = (f"gdn_recurrent_fwd_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{seq_dtype}_{int(varlen)}_BV{BV}"
             + ("_dual" if dual else ""))
+    op = op_dtype is not None and op_dtype != dtype
     if indexed:
         name += f"_serving_{state_dtype}_{state_layout}" + ("_ckpt" if checkpoints else "")
+        if op:
+            return compile_kernel(_serving_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, BV, state_dtype, state_layout,
+                                                     checkpoints, dual, op_dtype), name + f"_op{op_dtype}")
         return compile_kernel(_serving_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, BV, state_dtype, state_layout,
                                                  checkpoints, dual), name)
-    if op_dtype is not None and op_dtype != dtype:
-        if indexed:
-            raise ValueError("op_dtype is an option of the plain build (not the serving build)")
-        name += f"_op{op_dtype}"
-        return compile_kernel(_recurrent_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, dual, BV, op_dtype), name)
+    if op:
+        return compile_kernel(_recurrent_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, dual, BV, op_dtype),
+                              name + f"_op{op_dtype}")
     return compile_kernel(_recurrent_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, dual, BV), name)
 
 
