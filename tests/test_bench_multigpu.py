@@ -84,6 +84,9 @@ def test_command_line():
         M.parse_args(["--impls", "ours,flashinfer"])
     with pytest.raises(SystemExit):
         M.parse_args(["--gpus", "1,3", "--configs", "2/8 1x1024"])
+    for bad in (["--iters", "0"], ["--comm-iters", "0"], ["--warmup", "-1"], ["--gate-tokens", "0"], ["--tol", "0"]):
+        with pytest.raises(SystemExit):  # every rank would fail alike, one respawn per row
+            M.parse_args(["--configs", "2/8 1x1024", *bad])
     assert bench_main(["--multigpu", "--list", "--gpus", "1,2", "--configs", "2/8 1x1024"]) == 0
     if not torch.cuda.is_available():  # a measuring run needs CUDA; the early branch reaches the module
         assert bench_main(["--multigpu", "--gpus", "1,2", "--configs", "2/8 1x1024"]) == 2
@@ -262,6 +265,9 @@ def test_peer_adapters_raise_import_error_without_the_peers():
             pytest.skip(f"{name} is installed here")
         with pytest.raises(ImportError, match=f"{what} .* is not installed"):
             adapter(2, 8, 4096, 2, None, M.Setup())
+    if importlib.util.find_spec("flash_qla") is None:  # the gate's forced-split instance takes the same path
+        with pytest.raises(ImportError, match="FlashQLA .* is not installed"):
+            M.flash_qla_cp(2, 8, 4096, 2, None, M.Setup(), force_intra=True)
     assert os.environ.get("FLA_FLASH_QLA") == had  # nothing set for a peer that is not there
     with pytest.raises(RuntimeError, match="need CUDA"):  # ours' kernels on a CPU setup
         M.ours_cp(2, 8, 4096, 2, None, _setup())
@@ -282,6 +288,41 @@ def test_shard_inputs_are_slices_of_one_global_draw():
     assert bool(((beta > 0) & (beta < 1)).all())
     bf = M.make_inputs(2, 4, 0, 64, device="cpu", K=8, V=8)
     assert bf["q"].dtype == bf["v"].dtype == bf["do"].dtype == torch.bfloat16 and bf["g"].dtype == torch.float32
+
+
+def test_gate_instances_per_implementation(monkeypatch, tmp_path):
+    """Ours is gated with its split forced (unless --cp off), FlashQLA with its defaults and with its
+    intra-card split forced (whichever path a timed row takes is gated), FLA as timed; the largest
+    error per quantity over the instances is kept."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    def fake(name):
+        def adapter(H, HV, T, W, group, setup, **kw):
+            calls.append((name, T, W, kw))
+            return name
+        return adapter
+
+    for n in M.IMPLS:
+        monkeypatch.setitem(M.ADAPTERS, n, fake(n))
+    p = M.Point(2, 8, 4096, 2)
+    R = SimpleNamespace(W=2, group=None, setup=_setup(cp="auto"))
+    assert M._gate_ops("flash_qla", p, 256, R) == ["flash_qla", "flash_qla"]
+    assert calls == [("flash_qla", 256, 2, {}), ("flash_qla", 256, 2, {"force_intra": True})]
+    calls.clear()
+    assert M._gate_ops("ours", p, 256, R) == ["ours"] and calls == [("ours", 256, 2, {"cp": "on"})]
+    calls.clear()
+    R.setup = _setup(cp="off")
+    assert M._gate_ops("ours", p, 256, R) == ["ours"] and calls == [("ours", 256, 2, {"cp": "off"})]
+    calls.clear()
+    assert M._gate_ops("fla", p, 256, R) == ["fla"] and calls == [("fla", 256, 2, {})]
+    assert M._merge_errs([{"o": 1e-3, "dg": 5e-3}, {"o": 2e-3, "dg": 1e-3, "ht": 1e-3}]) == {
+        "o": 2e-3, "ht": 1e-3, "dg": 5e-3}
+    job = SimpleNamespace(work_dir=str(tmp_path))  # markers are written whole: no temporary file stays
+    M._marker(job, "fail-0.json", {"status": "out of memory"})
+    assert [f.name for f in tmp_path.iterdir()] == ["fail-0.json"]
+    assert json.loads((tmp_path / "fail-0.json").read_text()) == {"status": "out of memory"}
 
 
 def test_gate_tolerances_and_decision():
@@ -309,8 +350,18 @@ def test_ranks_end_to_end_on_cpu(tmp_path):
     assert env["gpu"] == "cpu (gloo)" and set(env) == set(M.ENV_FIELDS)
     csv = tmp_path / "cpu-gloo-multigpu.csv"
     pts = M.select_points(["1/2 1x256"], "2", "strong")
-    out = M.run(pts, ("ours", "fla"), setup, env, "c1", csv, available=2, log=lambda s: None)
+    left, logs = [], []
+
+    def torn_down(job):  # the real ranks, then a crash at teardown, after every row was written
+        M._spawn(job)
+        left.append({f.name for f in Path(job.work_dir).iterdir()})
+        raise RuntimeError("process 1 terminated with signal SIGSEGV")
+
+    out = M.run(pts, ("ours", "fla"), setup, env, "c1", csv, available=2, spawn=torn_down, log=logs.append)
     assert out["deferred"] == [] and out["measured"] == 2
+    # rank 0 removed its current-row marker once every rank was done: the crash marks no row
+    assert len(left) == 1 and "current.json" not in left[0] and not any(n.startswith("fail-") for n in left[0])
+    assert any("failed outside any row" in line for line in logs) and len(S.read_rows(csv)) == 2
     rows = {r["impl"]: r for r in S.read_rows(csv)}
     ours, fla = rows["ours"], rows["fla"]
     assert fla["impl"] == "fla" and fla["status"].startswith("n/a: ImportError: FLA")

@@ -41,7 +41,10 @@ every gradient 1e-2, dg 3e-2 (`--tol` changes the 1e-2). The per-rank errors are
 row keeps the largest per quantity. An implementation that fails is recorded "gate failed" with its
 errors and not timed. Ours is gated with its intra-device split forced (cp "on": `KernelBackend(cp="on")`,
 or `flashqla.chunk_gated_delta_rule(cp="on")` at W = 1) unless `--cp` is "off", so that the small
-instance takes the split path the long rows take (at the gate's size "auto" may not split).
+instance takes the split path the long rows take (at the gate's size "auto" may not split). FlashQLA
+is gated twice on the same instance, with its defaults and with its intra-card split forced
+(`force_intra_cp=True`), the larger error per quantity kept: a timed row takes whichever path its
+auto_cp picks, and at the gate's size that may not be the long rows' one.
 
 Timing (per row, every rank; wall clock around synchronised launches, not CUDA graphs: the ops run
 collectives and host-side checks): `--warmup` untimed calls, then `--iters` iterations, each after
@@ -79,7 +82,8 @@ the ranks agree on it). A row whose inputs, outputs and gradients alone exceed a
 timing; out of memory included) can leave the other ranks inside a collective, so that rank writes a
 marker and exits; the spawn ends
 the others, the parent records the row ("out of memory", or "error: ...") and respawns for the rest
-(an error in a gate marks that implementation's remaining rows of the same heads and W).
+(an error in a gate marks that implementation's remaining rows of the same heads and W); a failure
+after every rank has finished its rows (teardown) marks no row.
 
 Resuming. Rows go to `<results-dir>/<gpu>-multigpu.csv` one line each as measured (`store.append_row`),
 keyed by the environment (GPU, driver, CUDA, torch, NCCL, triton, tilelang, fla, flash_qla), our
@@ -111,10 +115,27 @@ The peers' calling patterns (read from their sources, confirmed on no GPU):
     FlashQLA 0.1.3 ctx = `flash_qla.ops.gated_delta_rule.chunk.cp.build_cp_context(cu_seqlens_global,
                   enable_inter=True, enable_intra=True, group=group, num_v_heads=HV, chunk_size=64,
                   is_train=...)` (T a multiple of W; is_train must match the step, so a forward-only
-                  and a training context), then `flash_qla.chunk_gated_delta_rule(q_r, ...,
-                  output_final_state=..., cp_context=ctx)`; the last rank's final state is the
-                  sequence's. Its fused backward gets TileLang's `tl.disable_buffer_init_check`
-                  (`impls.patch_flash_qla_bwd`).
+                  and a training context; the gate's second instance adds force_intra_cp=True),
+                  then `flash_qla.chunk_gated_delta_rule(q_r, ..., output_final_state=...,
+                  cp_context=ctx)`; the last rank's final state is the sequence's. Its fused
+                  backward gets TileLang's `tl.disable_buffer_init_check` (`impls.patch_flash_qla_bwd`).
+
+Unverified (read from the code only; check on the first multi-GPU run):
+    - a rank that raises (or hits a CUDA error) while the others wait in a collective: that the spawn
+      ends within seconds (mp.spawn terminates the others once the failing rank has run
+      destroy_process_group and exited), not after `Setup.pg_timeout_s` (600 s, a whole call);
+    - a clean spawn's teardown (barrier, destroy_process_group) returns; a crash there is logged as
+      "failed outside any row" and marks no row;
+    - the ranks' first gate JIT-compiles the CP op's kernels in W processes at once into TileLang's
+      disk cache: no corrupt cache entry, and no rank later than the op's 120 s backward check-in;
+    - ours' backward check-in polls torch.distributed's default store, a FileStore here (file://
+      rendezvous): its share of ours' step (one row again with backward_timeout=None to compare);
+    - FlashQLA: whether its timed contexts split (`is_intra`) on each row; whether its inter+intra
+      backward (`aggregate_card_state`, hopper/cp_fwd.py, not covered by `patch_flash_qla_bwd`)
+      compiles without `tl.disable_buffer_init_check`; that its forced split passes the gate;
+    - FLA: its backward's `chunk_bwd_dqkwg` raises on Hopper with Triton >= 3.4 and < 3.7.1 unless its
+      TileLang `common` backend takes the call (`impls.fla_bwd_dispatch`): check which one ran;
+    - the parent's CUDA context and precompiled kernels on GPU 0 beside rank 0 (its peak and OOM rows).
 """
 
 from __future__ import annotations
@@ -548,15 +569,18 @@ def fla_kcp(H: int, HV: int, T: int, world_size: int, group, setup: Setup) -> Ra
                   gather=_collective_gather(group, world_size))
 
 
-def flash_qla_cp(H: int, HV: int, T: int, world_size: int, group, setup: Setup) -> RankOp:
+def flash_qla_cp(H: int, HV: int, T: int, world_size: int, group, setup: Setup, *,
+                 force_intra: bool = False) -> RankOp:
     """FlashQLA 0.1.3 on this rank: W = 1 its public `flash_qla.chunk_gated_delta_rule` with its
     defaults (auto_cp: its intra-card CP); W > 1 the same with `cp_context=build_cp_context(
     cu_seqlens_global, enable_inter=True, enable_intra=True, group=group, num_v_heads=HV,
     chunk_size=64, is_train=...)` (`flash_qla.ops.gated_delta_rule.chunk.cp`), one context for
     forward-only calls and one for training steps (its intra split must be decided the same way in
-    a step's forward and backward). `tl.disable_buffer_init_check` is added to its backward kernels
-    first (`impls.patch_flash_qla_bwd`). Raises ImportError when FlashQLA is not installed,
-    RuntimeError when it cannot run the row (not CUDA, dtype, head dims, T not a multiple of W)."""
+    a step's forward and backward). `force_intra` (the gate's second instance): its intra-card split
+    forced (`force_intra_cp=True`, to the public op at W = 1, to `build_cp_context` at W > 1).
+    `tl.disable_buffer_init_check` is added to its backward kernels first
+    (`impls.patch_flash_qla_bwd`). Raises ImportError when FlashQLA is not installed, RuntimeError
+    when it cannot run the row (not CUDA, dtype, head dims, T not a multiple of W)."""
     _import_peer("flash_qla", "FlashQLA")
     _peer_checks("FlashQLA", T, world_size, setup)
     if setup.head_dim != 128:
@@ -572,11 +596,13 @@ def flash_qla_cp(H: int, HV: int, T: int, world_size: int, group, setup: Setup) 
     dev = torch.device("cuda", torch.cuda.current_device())
     cu = _cu(T, dev)
     note = f"`tl.disable_buffer_init_check` on {', '.join(patched) or 'no kernel (modules not found)'}"
+    force = bool(force_intra)
     if world_size == 1:
         def call(q, k, v, g, beta, output_final_state=False):
-            return op(q, k, v, g, beta, output_final_state=output_final_state, cu_seqlens=cu)
+            return op(q, k, v, g, beta, output_final_state=output_final_state, cu_seqlens=cu, force_intra_cp=force)
 
-        return RankOp("flash_qla", call, f"`flash_qla.chunk_gated_delta_rule(cu_seqlens=[0, T])` (auto_cp); {note}",
+        how = "force_intra_cp=True" if force else "auto_cp"
+        return RankOp("flash_qla", call, f"`flash_qla.chunk_gated_delta_rule(cu_seqlens=[0, T])` ({how}); {note}",
                       returns_final=True)
     from flash_qla.ops.gated_delta_rule.chunk import CHUNK_SIZE
     from flash_qla.ops.gated_delta_rule.chunk.cp import build_cp_context
@@ -586,7 +612,7 @@ def flash_qla_cp(H: int, HV: int, T: int, world_size: int, group, setup: Setup) 
     def context(train: bool):
         if train not in ctxs:
             ctxs[train] = build_cp_context(cu, enable_inter=True, enable_intra=True, group=group, num_v_heads=HV,
-                                           chunk_size=CHUNK_SIZE, is_train=train)
+                                           chunk_size=CHUNK_SIZE, is_train=train, force_intra_cp=force)
         return ctxs[train]
 
     def call(q, k, v, g, beta, output_final_state=False):
@@ -596,8 +622,8 @@ def flash_qla_cp(H: int, HV: int, T: int, world_size: int, group, setup: Setup) 
     K = V = setup.head_dim
     nbytes = HV * K * (V + K) * 4  # packed h [HV, K, V] and M [HV, K, K], fp32, viewed as bytes
     return RankOp("flash_qla", call, "`flash_qla.chunk_gated_delta_rule(cp_context=build_cp_context(cu_seqlens, "
-                  "enable_inter=True, enable_intra=True, group=group, num_v_heads=HV, chunk_size=64, is_train=...))`; "
-                  + note, returns_final=True,
+                  "enable_inter=True, enable_intra=True, group=group, num_v_heads=HV, chunk_size=64, is_train=..."
+                  + (", force_intra_cp=True" if force else "") + "))`; " + note, returns_final=True,
                   gathers=(("fwd", (nbytes,), torch.uint8), ("bwd", (nbytes,), torch.uint8)),
                   gather=_collective_gather(group, world_size))
 
@@ -829,8 +855,12 @@ def _write(R: _Rank, job: Job, row: dict) -> None:
 
 
 def _marker(job: Job, name: str, payload: dict) -> None:
+    """Writes a marker file whole (a temporary file, then os.replace): a rank terminated mid-write
+    leaves the previous marker or none, never half a JSON for the parent to read."""
     p = Path(job.work_dir) / name
-    p.write_text(json.dumps(payload))
+    tmp = p.with_name(f".{name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, p)
 
 
 def _failure_status(exc: BaseException) -> str:
@@ -892,9 +922,9 @@ def run_rank(rank: int, job: Job) -> None:
             try:
                 if gref is None:
                     gref = gate_reference(p.h_qk, p.h_v, R)
-                gop = _gate_op(impl, p, gref["T"], R)
-                errs = _merge_errs(R.objects(gate_errors(gop, gref)))
-                del gop
+                gops = _gate_ops(impl, p, gref["T"], R)
+                errs = _merge_errs(R.objects(_merge_errs([gate_errors(g, gref) for g in gops])))
+                del gops
             except Exception as exc:
                 fail(p, impl, "gate", exc)
                 raise
@@ -942,12 +972,18 @@ def run_rank(rank: int, job: Job) -> None:
             torch.cuda.empty_cache()
 
 
-def _gate_op(impl: str, p: Point, Tg: int, R: _Rank) -> RankOp:
-    """The implementation on the gate's instance: ours with its split forced (cp "on") unless --cp is
-    "off", so that the small instance takes the long rows' split path."""
+def _gate_ops(impl: str, p: Point, Tg: int, R: _Rank) -> list[RankOp]:
+    """The implementation on the gate's instance, each of these calls gated (the largest error per
+    quantity kept): ours with its split forced (cp "on") unless --cp is "off", so that the small
+    instance takes the long rows' split path; FlashQLA with its defaults (at the gate's size its
+    auto_cp may not split) and again with its intra-card split forced, so that whichever path a
+    timed row takes has been gated; FLA as timed."""
+    args = (p.h_qk, p.h_v, Tg, R.W, R.group, R.setup)
     if impl == "ours":
-        return ours_cp(p.h_qk, p.h_v, Tg, R.W, R.group, R.setup, cp="off" if R.setup.cp == "off" else "on")
-    return ADAPTERS[impl](p.h_qk, p.h_v, Tg, R.W, R.group, R.setup)
+        return [ADAPTERS[impl](*args, cp="off" if R.setup.cp == "off" else "on")]
+    if impl == "flash_qla":
+        return [ADAPTERS[impl](*args), ADAPTERS[impl](*args, force_intra=True)]
+    return [ADAPTERS[impl](*args)]
 
 
 def _worker(rank: int, job: Job) -> None:
@@ -963,6 +999,8 @@ def _worker(rank: int, job: Job) -> None:
     try:
         run_rank(rank, job)
         dist.barrier()
+        if rank == 0:  # every rank is past its last row: a failure from here on (teardown) is no row's
+            (Path(job.work_dir) / "current.json").unlink(missing_ok=True)
     finally:
         dist.destroy_process_group()
 
@@ -1002,8 +1040,9 @@ def _spawn(job: Job) -> None:
 
 
 def _crash_rows(job: Job, exc: BaseException) -> list[dict]:
-    """The rows a failed spawn leaves: the failing rank's marker (or rank 0's current row) with its
-    status; an error in a gate also marks that implementation's other points of the same heads."""
+    """The rows a failed spawn leaves: the failing rank's marker (or rank 0's current row, which rank 0
+    removes once every rank is past its last row) with its status; an error in a gate also marks that
+    implementation's other points of the same heads."""
     wd = Path(job.work_dir)
     fails = [json.loads(p.read_text()) for p in sorted(wd.glob("fail-*.json"))]
     cur = json.loads((wd / "current.json").read_text()) if (wd / "current.json").exists() else None
@@ -1468,6 +1507,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--list", action="store_true", help="print the selected rows and exit")
     p.add_argument("--report-only", action="store_true", help="rebuild the page from the CSV and exit")
     a = p.parse_args(argv)
+    for flag, least in (("iters", 1), ("warmup", 0), ("comm_iters", 1), ("gate_tokens", 1)):
+        if getattr(a, flag) < least:  # the ranks would all fail the same way, one respawn per row
+            p.error(f"--{flag.replace('_', '-')} must be >= {least}, got {getattr(a, flag)}")
+    if not a.tol > 0:
+        p.error(f"--tol must be > 0, got {a.tol}")
     a.impls = tuple(n.strip() for n in str(a.impls).split(",") if n.strip())
     bad = [n for n in a.impls if n not in IMPLS]
     if bad:
