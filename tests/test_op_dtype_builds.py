@@ -1,6 +1,7 @@
 """The A_beta product in fp16 (issue 42's accuracy experiment, branch issue42fp16): the prepare
 kernel's `a_dtype` and the recurrent kernel's `op_dtype` build options compile for sm_90a without
-spills, with the shipped builds' registers and shared memory, in the plain, dual and serving builds.
+spills, with the shipped builds' registers (and shared memory, plus the plain build's row scales),
+in the plain, dual and serving builds.
 Their default builds' generated sources are the recorded ones (tests/test_kernel_sources.py)."""
 
 from __future__ import annotations
@@ -36,4 +37,6 @@ def test_fp16_a_beta_product_builds_spill_free(kw):
     rep = ptxas_report(R.build_recurrent_kernel(2, 8, 128, 128, 64, "bfloat16", "int32", True, dual, op_dtype="float16",
                                                 **kw))
     assert rep["spill_stores"] == rep["spill_loads"] == 0
-    assert (rep["registers"], rep["dynamic_smem"]) == (base["registers"], base["dynamic_smem"])
+    assert rep["registers"] == base["registers"]
+    # the plain build shares vn^T's row scales with the output role: 2 stages x BV fp32
+    assert base["dynamic_smem"] <= rep["dynamic_smem"] <= base["dynamic_smem"] + 2 * 64 * 4

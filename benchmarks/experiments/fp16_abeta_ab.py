@@ -3,7 +3,7 @@ product in fp16 (A diag(beta) stored in fp16 by the prepare kernel, W^T and the 
 Pg, vn^T in fp16; `build_prepare_kernel(a_dtype=)`, `build_recurrent_kernel(op_dtype=)`) lower the
 forward's error against fp64 as the CPU rounding model predicts (o 0.73x, final state 0.64x of the
 all-bf16 kernels; `benchmarks/journal/accuracy.md`), at the same speed? And what happens where |v|
-is large (fp16's range; W^T is clamped to +-65504)?
+is large (fp16's range: the plain build scales each row of W^T by a power of two first)?
 
 Per row, the unsplit forward (prepare + recurrent, the block width the op picks) in both builds on
 the same bf16 inputs (`_gpu.gen_inputs`, value head 0 with g == 0 and the last with g = -30, an

@@ -106,8 +106,11 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
     dtype of A_beta (as the prepare kernel stored it: `build_prepare_kernel(a_dtype=)`) and of the
     operands of the two products that read it or its result, W^T (vn^T = W^T A_beta^T) and Pg, vn^T
     (O += Pg vn). "float16" keeps 3 more mantissa bits than bf16 there (o 0.73x FLA's error in the
-    CPU rounding model, `reference.gdn.numerics.forward_rounding_model`); W^T is clamped to
-    +-65504 before its conversion (finite for any input; wrong where |W| exceeds fp16's range)."""
+    CPU rounding model, `reference.gdn.numerics.forward_rounding_model`). fp16's range: each row i
+    of W^T (one value row, 64 tokens) is scaled by a power of two s_i that puts its largest magnitude
+    in [2^7, 2^8) (s_i within 2^-30 .. 2^30), so that vn^T's rows (|A_beta| <= 1 on unit keys) stay
+    below 2^15; the state update takes vn^T / s_i (exact), and the output role scales O's column i
+    by s_i before O += Pg vn and back after (s_i shared through `sc_s` with vn^T)."""
     import tilelang.language as T
     from tilelang.layout import make_swizzled_layout
 
@@ -115,6 +118,7 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
     if BV not in ROLES_WIDTHS:
         raise ValueError(f"the role-split kernel is built for BV in {ROLES_WIDTHS}, got {BV}")
     odt = op_dtype or dtype
+    scaled = odt != dtype  # fp16 operands of the A_beta and output products, rows scaled by powers of two
     G = HV // H
     NV = V // BV
     acc = "float32"
@@ -191,6 +195,8 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
             gc_s = T.alloc_shared((2, C), acc)
             sb_s = T.alloc_shared((2, BV, K), dtype)  # bf16 S^T of chunk c (chain -> output)
             nv_s = T.alloc_shared((2, BV, C), odt)  # vn^T of chunk c (chain -> output)
+            if scaled:
+                sc_s = T.alloc_shared((2, BV), acc)  # vn^T's row scales of chunk c (chain -> output, with nv_s)
             o_s = T.alloc_shared((C, BV), dtype)  # O of this chunk in o's dtype (output role)
             T.annotate_layout({v_s: make_swizzled_layout(v_s), o_s: make_swizzled_layout(o_s)})
 
@@ -214,6 +220,9 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
                 gam_f = T.alloc_fragment((C,), acc)
                 r_f = T.alloc_fragment((C,), acc)
                 gcl = T.alloc_local((1,), acc)
+                if scaled:
+                    wmax = T.alloc_fragment((BV,), acc)
+                    wsc = T.alloc_fragment((BV,), acc)
                 if dual:
                     if tr:
                         for i, j in T.Parallel(BV, K):
@@ -249,32 +258,47 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(ut, num_regs=BV * C // CH)
                     # W^T = V^T - U^T diag(gamma)
-                    if dual and odt == dtype:  # transition CTAs: v = 0
+                    if scaled:
+                        # W^T in fp32 in U^T's registers, each row scaled by a power of two that puts its
+                        # largest magnitude in [2^7, 2^8) (2^-30 .. 2^30): fp16's range for any |v|
+                        if dual:
+                            for i, j in T.Parallel(BV, C):
+                                ut[i, j] = T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j]
+                        else:
+                            for i, j in T.Parallel(BV, C):
+                                ut[i, j] = T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j]
+                        T.reduce_absmax(ut, wmax, dim=1)
+                        for i in T.Parallel(BV):
+                            wsc[i] = T.exp2(T.max(T.min(T.float32(8) - T.floor(T.log2(T.max(wmax[i], T.float32(1e-30))))
+                                                        - T.float32(1), T.float32(30)), T.float32(-30)))
+                        for i, j in T.Parallel(BV, C):
+                            wt_b[i, j] = T.cast(ut[i, j] * wsc[i], odt)
+                    elif dual:  # transition CTAs: v = 0
                         for i, j in T.Parallel(BV, C):
                             wt_b[i, j] = T.cast(
                                 T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j], dtype)
-                    elif dual:
-                        for i, j in T.Parallel(BV, C):
-                            wt_b[i, j] = T.cast(T.max(T.min(T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc))
-                                                            - ut[i, j] * gam_f[j], T.float32(65504)), T.float32(-65504)), odt)
-                    elif odt == dtype:
-                        for i, j in T.Parallel(BV, C):
-                            wt_b[i, j] = T.cast(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j], dtype)
                     else:
                         for i, j in T.Parallel(BV, C):
-                            wt_b[i, j] = T.cast(T.max(T.min(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j],
-                                                            T.float32(65504)), T.float32(-65504)), odt)
+                            wt_b[i, j] = T.cast(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j], dtype)
                     # vn^T = W^T A_beta^T
                     T.wgmma_gemm(wt_b, a_s[s, :, :], nvt, transpose_B=True, clear_accum=True, **chain_kw)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(nvt, num_regs=BV * C // CH)
-                    for i, j in T.Parallel(BV, C):
-                        nvt_b[i, j] = T.cast(nvt[i, j], odt)
-                        vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j], dtype)
+                    if scaled:
+                        for i, j in T.Parallel(BV, C):
+                            nvt_b[i, j] = T.cast(nvt[i, j], odt)  # scaled rows (|.| < 2^15: |A_beta| <= 1)
+                            vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j] / wsc[i], dtype)
+                    else:
+                        for i, j in T.Parallel(BV, C):
+                            nvt_b[i, j] = T.cast(nvt[i, j], odt)
+                            vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j], dtype)
                     # S^T = gamma_C S^T + (vn^T diag(r)) K; meanwhile publish vn^T
                     T.wgmma_gemm(vpt_b, k_s[s, :, :], st, **chain_kw)
                     T.barrier_wait(n_empty[s], 1 - ph)
                     T.copy(nvt_b, nv_s[s, :, :])
+                    if scaled:
+                        for i in T.Parallel(BV):
+                            sc_s[s, i] = wsc[i]
                     T.fence_proxy_async()
                     T.barrier_arrive(n_full[s])
                     T.wait_wgmma(0)
@@ -323,13 +347,24 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(of, num_regs=C * BV // 128)
                     T.barrier_arrive(s_empty[s])
-                    for t, i in T.Parallel(C, BV):
-                        of[t, i] = of[t, i] * gr_f[t]
-                    # O += Pg vn
-                    T.barrier_wait(n_full[s], ph)
-                    T.wgmma_gemm(pg_b, nv_s[s, :, :], of, transpose_B=True)
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(of, num_regs=C * BV // 128)
+                    if scaled:
+                        # O += Pg vn with vn^T's rows scaled: O's columns scaled alike around the product
+                        T.barrier_wait(n_full[s], ph)
+                        for t, i in T.Parallel(C, BV):
+                            of[t, i] = of[t, i] * gr_f[t] * sc_s[s, i]
+                        T.wgmma_gemm(pg_b, nv_s[s, :, :], of, transpose_B=True)
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(of, num_regs=C * BV // 128)
+                        for t, i in T.Parallel(C, BV):
+                            of[t, i] = of[t, i] / sc_s[s, i]
+                    else:
+                        for t, i in T.Parallel(C, BV):
+                            of[t, i] = of[t, i] * gr_f[t]
+                        # O += Pg vn
+                        T.barrier_wait(n_full[s], ph)
+                        T.wgmma_gemm(pg_b, nv_s[s, :, :], of, transpose_B=True)
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(of, num_regs=C * BV // 128)
                     T.barrier_arrive(n_empty[s])
                     T.barrier_arrive(empty[s])
                     nvalid = T.min(seqlen - c * C, C)
