@@ -165,7 +165,7 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
 
 
 def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
-                       heads_per_cta: int | None = None):
+                       heads_per_cta: int | None = None, a_dtype: str | None = None):
     """The TileLang kernel for one static configuration (arguments as `build_prepare_kernel`).
 
     The L tile's gates are read once per value head into register fragments (g at the rows and at
@@ -174,7 +174,12 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
 
     heads_per_cta: the value heads one CTA takes, a divisor of G = HV / H (None: G, one CTA per chunk
     slot and q/k head, K K^T formed once for its G value heads). 1: one CTA per chunk slot and value
-    head (K K^T formed G times, by G times as many CTAs, each G times shorter; `pick_heads_per_cta`)."""
+    head (K K^T formed G times, by G times as many CTAs, each G times shorter; `pick_heads_per_cta`).
+
+    a_dtype (experiment, issue 42's accuracy study; None: k's dtype, the shipped build): the dtype A
+    diag(beta) is stored in ("float16": 3 more mantissa bits than bf16; its entries stay within
+    [-1, 1] on unit keys with beta in (0, 1], `benchmarks/journal/accuracy.md`), staged through a
+    view of the k tile in that dtype (the same bytes)."""
     import tilelang.language as T
     from tilelang.layout import make_linear_layout
 
@@ -185,6 +190,7 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
     BS = BLOCK
     HB = HALF
     acc = "float32"
+    adt = a_dtype or dtype
     B = T.dynamic("B")
     Tn = T.dynamic("T")
     R = T.dynamic("R")  # slot rows = slots * 64
@@ -215,7 +221,7 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
         g: T.Tensor((B, Tn, HV), "float32"),
         beta: T.Tensor((B, Tn, HV), beta_dtype),
         cu_seqlens: T.Tensor((Np1,), seq_dtype),
-        A: T.Tensor((HV, R, C), dtype),
+        A: T.Tensor((HV, R, C), adt),
         g_cum_log2: T.Tensor((HV, R), "float32"),
     ):
         with T.Kernel(R // C, HV // P, threads=128) as (slot, hk):  # slots on x (up to 2^31 - 1)
@@ -271,9 +277,9 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
                     ka_s[t, s] = T.cast(0, dtype)
 
                 for j in T.serial(P):
-                    value_head_stages(T, j=j, G=P, hk=hk, nvalid=nvalid, row0=row0, A=A, dtype=dtype, gemm_nt=gemm_nt, kk_f=kk_f,
+                    value_head_stages(T, j=j, G=P, hk=hk, nvalid=nvalid, row0=row0, A=A, dtype=adt, gemm_nt=gemm_nt, kk_f=kk_f,
                                       gc_s=gc_s, b_s=b_s, g_row=g_row, g_col=g_col, b_row=b_row, ld_s=ld_s, lbt_s=lbt_s,
-                                      l2t_s=l2t_s, d2t_s=d2t_s, b0t_s=b0t_s, dm_s=dm_s, y_s=y_s, zt=zt_s, stage=ka_s, y_f=y_f,
+                                      l2t_s=l2t_s, d2t_s=d2t_s, b0t_s=b0t_s, dm_s=dm_s, y_s=y_s, zt=zt_s, stage=ka_s if adt == dtype else T.view(ka_s, dtype=adt), y_f=y_f,
                                       w_f=w_f, z_f=z_f, o_f=o_f, xcol=xcol)
                 T.tma_store_wait(0)
 
@@ -284,7 +290,7 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
 
 
 def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
-                         heads_per_cta: int | None = None):
+                         heads_per_cta: int | None = None, *, a_dtype: str | None = None):
     """Compiled prepare kernel for one static configuration (cached).
 
     Static key: head counts H, HV; head dim K (>= 64); dtype of k (and of the stored A); beta's dtype;
@@ -297,14 +303,17 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
         heads_per_cta = None
     if heads_per_cta not in (None, 1):
         raise ValueError(f"heads_per_cta must be None, 1 or HV // H = {HV // H}, got {heads_per_cta!r}")
+    if a_dtype is not None and a_dtype != dtype:
+        return _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta, a_dtype)
     return _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta)
 
 
 @functools.lru_cache(maxsize=None)
-def _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta):
-    func = _prepare_prim_func(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta=heads_per_cta)
+def _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta, a_dtype=None):
+    func = _prepare_prim_func(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta=heads_per_cta,
+                              a_dtype=a_dtype)
     return compile_kernel(func, f"gdn_prepare_fwd_H{H}_HV{HV}_K{K}_{dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}"
-                          + ("_one_head" if heads_per_cta == 1 else ""))
+                          + ("_one_head" if heads_per_cta == 1 else "") + (f"_A{a_dtype}" if a_dtype else ""))
 
 
 #: `pick_heads_per_cta` takes one value head a CTA while the grid of one CTA per chunk slot and q/k

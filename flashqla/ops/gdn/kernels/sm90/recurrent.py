@@ -88,7 +88,7 @@ def reg_budget(BV: int) -> int:
 
 
 def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: str, varlen: bool,
-                         dual: bool = False, BV: int = ROLES_BV):
+                         dual: bool = False, BV: int = ROLES_BV, op_dtype: str | None = None):
     """The TileLang kernel at value slice width BV (64 or 128; arguments as `build_recurrent_kernel`).
 
     dual (K == V): the split path's run and transition launch in one grid of 2 x NV x HV x N CTAs
@@ -100,13 +100,25 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
     come first so that long ones (heads whose gates do not decay) start in the first wave.
 
     The output role writes o (u in transition CTAs) through a 128-byte-swizzled shared tile with
-    16-byte vector stores, one row check per 8 values."""
+    16-byte vector stores, one row check per 8 values.
+
+    op_dtype (experiment, issue 42's accuracy study; None: the input dtype, the shipped build): the
+    dtype of A_beta (as the prepare kernel stored it: `build_prepare_kernel(a_dtype=)`) and of the
+    operands of the two products that read it or its result, W^T (vn^T = W^T A_beta^T) and Pg, vn^T
+    (O += Pg vn). "float16" keeps 3 more mantissa bits than bf16 there (o 0.73x FLA's error in the
+    CPU rounding model, `reference.gdn.numerics.forward_rounding_model`). fp16's range: each row i
+    of W^T (one value row, 64 tokens) is scaled by a power of two s_i that puts its largest magnitude
+    in [2^7, 2^8) (s_i within 2^-30 .. 2^30), so that vn^T's rows (|A_beta| <= 1 on unit keys) stay
+    below 2^15; the state update takes vn^T / s_i (exact), and the output role scales O's column i
+    by s_i before O += Pg vn and back after (s_i shared through `sc_s` with vn^T)."""
     import tilelang.language as T
     from tilelang.layout import make_swizzled_layout
 
     C = CHUNK
     if BV not in ROLES_WIDTHS:
         raise ValueError(f"the role-split kernel is built for BV in {ROLES_WIDTHS}, got {BV}")
+    odt = op_dtype or dtype
+    scaled = odt != dtype  # fp16 operands of the A_beta and output products, rows scaled by powers of two
     G = HV // H
     NV = V // BV
     acc = "float32"
@@ -141,7 +153,7 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
         q: T.Tensor((B, Tn, H, K), dtype),
         k: T.Tensor((B, Tn, H, K), dtype),
         v: T.Tensor((B, Tn, HV, V), dtype),
-        A: T.Tensor((HV, R, C), dtype),
+        A: T.Tensor((HV, R, C), odt),
         g_cum_log2: T.Tensor((HV, R), "float32"),
         h0: T.Tensor((N0, HV, K, V), "float32"),
         cu_seqlens: T.Tensor((Np1,), seq_dtype),
@@ -179,10 +191,12 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
             q_s = T.alloc_shared((2, C, K), dtype)
             k_s = T.alloc_shared((2, C, K), dtype)
             v_s = T.alloc_shared((2, C, BV), dtype)
-            a_s = T.alloc_shared((2, C, C), dtype)
+            a_s = T.alloc_shared((2, C, C), odt)
             gc_s = T.alloc_shared((2, C), acc)
             sb_s = T.alloc_shared((2, BV, K), dtype)  # bf16 S^T of chunk c (chain -> output)
-            nv_s = T.alloc_shared((2, BV, C), dtype)  # vn^T of chunk c (chain -> output)
+            nv_s = T.alloc_shared((2, BV, C), odt)  # vn^T of chunk c (chain -> output)
+            if scaled:
+                sc_s = T.alloc_shared((2, BV), acc)  # vn^T's row scales of chunk c (chain -> output, with nv_s)
             o_s = T.alloc_shared((C, BV), dtype)  # O of this chunk in o's dtype (output role)
             T.annotate_layout({v_s: make_swizzled_layout(v_s), o_s: make_swizzled_layout(o_s)})
 
@@ -200,12 +214,15 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
                 st_b = T.alloc_fragment((BV, K), dtype)
                 ut = T.alloc_fragment((BV, C), acc)
                 nvt = T.alloc_fragment((BV, C), acc)
-                wt_b = T.alloc_fragment((BV, C), dtype)
-                nvt_b = T.alloc_fragment((BV, C), dtype)
+                wt_b = T.alloc_fragment((BV, C), odt)
+                nvt_b = T.alloc_fragment((BV, C), odt)
                 vpt_b = T.alloc_fragment((BV, C), dtype)
                 gam_f = T.alloc_fragment((C,), acc)
                 r_f = T.alloc_fragment((C,), acc)
                 gcl = T.alloc_local((1,), acc)
+                if scaled:
+                    wmax = T.alloc_fragment((BV,), acc)
+                    wsc = T.alloc_fragment((BV,), acc)
                 if dual:
                     if tr:
                         for i, j in T.Parallel(BV, K):
@@ -241,7 +258,22 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(ut, num_regs=BV * C // CH)
                     # W^T = V^T - U^T diag(gamma)
-                    if dual:  # transition CTAs: v = 0
+                    if scaled:
+                        # W^T in fp32 in U^T's registers, each row scaled by a power of two that puts its
+                        # largest magnitude in [2^7, 2^8) (2^-30 .. 2^30): fp16's range for any |v|
+                        if dual:
+                            for i, j in T.Parallel(BV, C):
+                                ut[i, j] = T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j]
+                        else:
+                            for i, j in T.Parallel(BV, C):
+                                ut[i, j] = T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j]
+                        T.reduce_absmax(ut, wmax, dim=1)
+                        for i in T.Parallel(BV):
+                            wsc[i] = T.exp2(T.max(T.min(T.float32(8) - T.floor(T.log2(T.max(wmax[i], T.float32(1e-30))))
+                                                        - T.float32(1), T.float32(30)), T.float32(-30)))
+                        for i, j in T.Parallel(BV, C):
+                            wt_b[i, j] = T.cast(ut[i, j] * wsc[i], odt)
+                    elif dual:  # transition CTAs: v = 0
                         for i, j in T.Parallel(BV, C):
                             wt_b[i, j] = T.cast(
                                 T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j], dtype)
@@ -252,13 +284,21 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
                     T.wgmma_gemm(wt_b, a_s[s, :, :], nvt, transpose_B=True, clear_accum=True, **chain_kw)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(nvt, num_regs=BV * C // CH)
-                    for i, j in T.Parallel(BV, C):
-                        nvt_b[i, j] = T.cast(nvt[i, j], dtype)
-                        vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j], dtype)
+                    if scaled:
+                        for i, j in T.Parallel(BV, C):
+                            nvt_b[i, j] = T.cast(nvt[i, j], odt)  # scaled rows (|.| < 2^15: |A_beta| <= 1)
+                            vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j] / wsc[i], dtype)
+                    else:
+                        for i, j in T.Parallel(BV, C):
+                            nvt_b[i, j] = T.cast(nvt[i, j], odt)
+                            vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j], dtype)
                     # S^T = gamma_C S^T + (vn^T diag(r)) K; meanwhile publish vn^T
                     T.wgmma_gemm(vpt_b, k_s[s, :, :], st, **chain_kw)
                     T.barrier_wait(n_empty[s], 1 - ph)
                     T.copy(nvt_b, nv_s[s, :, :])
+                    if scaled:
+                        for i in T.Parallel(BV):
+                            sc_s[s, i] = wsc[i]
                     T.fence_proxy_async()
                     T.barrier_arrive(n_full[s])
                     T.wait_wgmma(0)
@@ -278,7 +318,7 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
                 # ------------------------------------------------------------------ output
                 T.set_max_nreg(nreg["output"], 1)
                 p_f = T.alloc_fragment((C, C), acc)
-                pg_b = T.alloc_fragment((C, C), dtype)
+                pg_b = T.alloc_fragment((C, C), odt)
                 of = T.alloc_fragment((C, BV), acc)
                 gr_f = T.alloc_fragment((C,), acc)
                 for c in T.serial(nloop if dual else nchunks):
@@ -302,18 +342,29 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
                                 scale * p_f[t, j] * T.exp2(T.if_then_else(t >= j, gc_s[s, t] - gc_s[s, j], T.float32(0))),
                                 T.float32(0),
                             ),
-                            dtype,
+                            odt,
                         )
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(of, num_regs=C * BV // 128)
                     T.barrier_arrive(s_empty[s])
-                    for t, i in T.Parallel(C, BV):
-                        of[t, i] = of[t, i] * gr_f[t]
-                    # O += Pg vn
-                    T.barrier_wait(n_full[s], ph)
-                    T.wgmma_gemm(pg_b, nv_s[s, :, :], of, transpose_B=True)
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(of, num_regs=C * BV // 128)
+                    if scaled:
+                        # O += Pg vn with vn^T's rows scaled: O's columns scaled alike around the product
+                        T.barrier_wait(n_full[s], ph)
+                        for t, i in T.Parallel(C, BV):
+                            of[t, i] = of[t, i] * gr_f[t] * sc_s[s, i]
+                        T.wgmma_gemm(pg_b, nv_s[s, :, :], of, transpose_B=True)
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(of, num_regs=C * BV // 128)
+                        for t, i in T.Parallel(C, BV):
+                            of[t, i] = of[t, i] / sc_s[s, i]
+                    else:
+                        for t, i in T.Parallel(C, BV):
+                            of[t, i] = of[t, i] * gr_f[t]
+                        # O += Pg vn
+                        T.barrier_wait(n_full[s], ph)
+                        T.wgmma_gemm(pg_b, nv_s[s, :, :], of, transpose_B=True)
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(of, num_regs=C * BV // 128)
                     T.barrier_arrive(n_empty[s])
                     T.barrier_arrive(empty[s])
                     nvalid = T.min(seqlen - c * C, C)
@@ -445,7 +496,8 @@ class CheckpointRanges:
 
 
 def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: str, varlen: bool, BV: int,
-                       state_dtype: str, state_layout: str, checkpoints: bool, dual: bool = False):
+                       state_dtype: str, state_layout: str, checkpoints: bool, dual: bool = False,
+                       op_dtype: str | None = None):
     """The role-split kernel's serving build (`build_recurrent_kernel` with indexed=True): the plain
     kernel's arithmetic (o and every state bitwise those of the plain build with an fp32 kv state), with
     the states addressed by index, in a layout and storage dtype, and checkpoints stored in-kernel.
@@ -480,6 +532,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
       with dual), both storing checkpoints: run CTAs into ckpt (the state at p from the segment's run
       start), transition CTAs into ckp (the segment's transition from its start to p, walked from I
       with v = 0; a checkpoint past the transition's limit is not stored). Rows are n (rows_stride 0).
+    - op_dtype (experiment; None: the input dtype): the A_beta product's dtype, as `_recurrent_prim_func`'s.
     """
     import tilelang.language as T
     from tilelang.layout import make_swizzled_layout
@@ -490,6 +543,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
     G = HV // H
     NV = V // BV
     acc = "float32"
+    odt = op_dtype or dtype
     sdt = state_dtype
     vk = state_layout == "vk"
     sa, sb = (V, K) if vk else (K, V)
@@ -518,6 +572,10 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
     nseq = (Np1 - 1) if varlen else B
     ncta = NV * HV * nseq
 
+    def w_cast(x):
+        """W^T's operand conversion: to the input dtype, or (op_dtype) clamped to fp16's range first."""
+        return T.cast(x, dtype) if odt == dtype else T.cast(T.max(T.min(x, T.float32(65504)), T.float32(-65504)), odt)
+
     @T.macro
     def load_state(st, src, row, hv, v0):
         for i, j in T.Parallel(BV, K):
@@ -539,7 +597,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
         q: T.Tensor((B, Tn, H, K), dtype),
         k: T.Tensor((B, Tn, H, K), dtype),
         v: T.Tensor((B, Tn, HV, V), dtype),
-        A: T.Tensor((HV, R, C), dtype),
+        A: T.Tensor((HV, R, C), odt),
         g_cum_log2: T.Tensor((HV, R), "float32"),
         h0: T.Tensor((N0, HV, sa, sb), sdt),
         cu_seqlens: T.Tensor((Np1,), seq_dtype),
@@ -587,10 +645,10 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
             q_s = T.alloc_shared((2, C, K), dtype)
             k_s = T.alloc_shared((2, C, K), dtype)
             v_s = T.alloc_shared((2, C, BV), dtype)
-            a_s = T.alloc_shared((2, C, C), dtype)
+            a_s = T.alloc_shared((2, C, C), odt)
             gc_s = T.alloc_shared((2, C), acc)
             sb_s = T.alloc_shared((2, BV, K), dtype)
-            nv_s = T.alloc_shared((2, BV, C), dtype)
+            nv_s = T.alloc_shared((2, BV, C), odt)
             o_s = T.alloc_shared((C, BV), dtype)
             if checkpoints:
                 # each chunk's checkpoint range, read by the producer one chunk ahead (under full[s]):
@@ -612,8 +670,8 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                 st_b = T.alloc_fragment((BV, K), dtype)
                 ut = T.alloc_fragment((BV, C), acc)
                 nvt = T.alloc_fragment((BV, C), acc)
-                wt_b = T.alloc_fragment((BV, C), dtype)
-                nvt_b = T.alloc_fragment((BV, C), dtype)
+                wt_b = T.alloc_fragment((BV, C), odt)
+                nvt_b = T.alloc_fragment((BV, C), odt)
                 vpt_b = T.alloc_fragment((BV, C), dtype)
                 gam_f = T.alloc_fragment((C,), acc)
                 r_f = T.alloc_fragment((C,), acc)
@@ -687,17 +745,17 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                     # W^T = V^T - U^T diag(gamma)
                     if dual:  # transition CTAs: v = 0
                         for i, j in T.Parallel(BV, C):
-                            wt_b[i, j] = T.cast(
-                                T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j], dtype)
+                            wt_b[i, j] = w_cast(
+                                T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j])
                     else:
                         for i, j in T.Parallel(BV, C):
-                            wt_b[i, j] = T.cast(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j], dtype)
+                            wt_b[i, j] = w_cast(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j])
                     # vn^T = W^T A_beta^T
                     T.wgmma_gemm(wt_b, a_s[s, :, :], nvt, transpose_B=True, clear_accum=True, **chain_kw)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(nvt, num_regs=BV * C // CH)
                     for i, j in T.Parallel(BV, C):
-                        nvt_b[i, j] = T.cast(nvt[i, j], dtype)
+                        nvt_b[i, j] = T.cast(nvt[i, j], odt)
                         vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j], dtype)
                     if checkpoints and mid != 0:
                         # publish vn^T first (the output role does not wait for the checkpoints)
@@ -763,7 +821,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                 # ------------------------------------------------------------------ output
                 T.set_max_nreg(nreg["output"], 1)
                 p_f = T.alloc_fragment((C, C), acc)
-                pg_b = T.alloc_fragment((C, C), dtype)
+                pg_b = T.alloc_fragment((C, C), odt)
                 of = T.alloc_fragment((C, BV), acc)
                 gr_f = T.alloc_fragment((C,), acc)
                 for c in T.serial(nwalk):
@@ -785,7 +843,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                                 scale * p_f[t, j] * T.exp2(T.if_then_else(t >= j, gc_s[s, t] - gc_s[s, j], T.float32(0))),
                                 T.float32(0),
                             ),
-                            dtype,
+                            odt,
                         )
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(of, num_regs=C * BV // 128)
@@ -849,7 +907,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
 @functools.lru_cache(maxsize=None)
 def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str, seq_dtype: str, varlen: bool,
                            dual: bool = False, *, indexed: bool = False, state_dtype: str = "float32",
-                           state_layout: str = "kv", checkpoints: bool = False):
+                           state_layout: str = "kv", checkpoints: bool = False, op_dtype: str | None = None):
     """Compiled recurrent kernel for one static configuration (cached).
 
     Static key: head counts, head dims, the value slice width BV (64 or 128), the input dtype,
@@ -862,6 +920,9 @@ def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str,
     `state_layout` "kv" ([.., K, V]) or "vk" ([.., V, K]) and `state_dtype` "float32" / "bfloat16" /
     "float16"; with `checkpoints`, the states after any token stored in-kernel, record CF-4). The
     default options build the plain kernel, whose generated source is unchanged by their existence.
+
+    op_dtype (experiment): the dtype of A_beta and of the products that read it (`_recurrent_prim_func`,
+    `_serving_prim_func`), in every build; None or the input dtype: the shipped build.
 
     dual with indexed (`chunk_recurrent_dual_checkpoints`): the split path's dual launch storing the
     run's and the transition's checkpoints; only with checkpoints, state_dtype "float32" and "kv".
@@ -885,10 +946,17 @@ def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str,
                          "checkpoints=True, state_dtype='float32', state_layout='kv' with dual and indexed")
     name = (f"gdn_recurrent_fwd_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{seq_dtype}_{int(varlen)}_BV{BV}"
             + ("_dual" if dual else ""))
+    op = op_dtype is not None and op_dtype != dtype
     if indexed:
         name += f"_serving_{state_dtype}_{state_layout}" + ("_ckpt" if checkpoints else "")
+        if op:
+            return compile_kernel(_serving_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, BV, state_dtype, state_layout,
+                                                     checkpoints, dual, op_dtype), name + f"_op{op_dtype}")
         return compile_kernel(_serving_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, BV, state_dtype, state_layout,
                                                  checkpoints, dual), name)
+    if op:
+        return compile_kernel(_recurrent_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, dual, BV, op_dtype),
+                              name + f"_op{op_dtype}")
     return compile_kernel(_recurrent_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, dual, BV), name)
 
 

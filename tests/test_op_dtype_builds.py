@@ -1,0 +1,42 @@
+"""The A_beta product in fp16 (issue 42's accuracy experiment, branch issue42fp16): the prepare
+kernel's `a_dtype` and the recurrent kernel's `op_dtype` build options compile for sm_90a without
+spills, with the shipped builds' registers (and shared memory, plus the plain build's row scales),
+in the plain, dual and serving builds.
+Their default builds' generated sources are the recorded ones (tests/test_kernel_sources.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashqla.ops.gdn.kernels.sm90 import prepare as P
+from flashqla.ops.gdn.kernels.sm90 import recurrent as R
+from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
+
+from tests.host_cuda import needs_nvcc
+
+
+@needs_nvcc
+def test_fp16_a_beta_prepare_matches_the_shipped_build():
+    base = ptxas_report(P.build_prepare_kernel(2, 8, 128, "bfloat16", "float32", "int32", True))
+    fp16 = P.build_prepare_kernel(2, 8, 128, "bfloat16", "float32", "int32", True, a_dtype="float16")
+    rep = ptxas_report(fp16)
+    assert rep["spill_stores"] == rep["spill_loads"] == 0
+    assert (rep["registers"], rep["dynamic_smem"]) == (base["registers"], base["dynamic_smem"])
+    src = fp16.get_kernel_source()
+    assert "half_t" in src  # A stored in fp16
+
+
+@needs_nvcc
+@pytest.mark.parametrize("kw", [dict(dual=False), dict(dual=True, indexed=True, state_dtype="float32",
+                                                         state_layout="kv", checkpoints=True)],
+                         ids=["plain", "dual-serving-ckpt"])
+def test_fp16_a_beta_product_builds_spill_free(kw):
+    kw = dict(kw)
+    dual = kw.pop("dual")
+    base = ptxas_report(R.build_recurrent_kernel(2, 8, 128, 128, 64, "bfloat16", "int32", True, dual, **kw))
+    rep = ptxas_report(R.build_recurrent_kernel(2, 8, 128, 128, 64, "bfloat16", "int32", True, dual, op_dtype="float16",
+                                                **kw))
+    assert rep["spill_stores"] == rep["spill_loads"] == 0
+    assert rep["registers"] == base["registers"]
+    # the plain build shares vn^T's row scales with the output role: 2 stages x BV fp32
+    assert base["dynamic_smem"] <= rep["dynamic_smem"] <= base["dynamic_smem"] + 2 * 64 * 4
