@@ -8,7 +8,8 @@ is large (fp16's range: the plain build scales each row of W^T by a power of two
 Per row, the unsplit forward (prepare + recurrent, the block width the op picks) in both builds on
 the same bf16 inputs (`_gpu.gen_inputs`, value head 0 with g == 0 and the last with g = -30, an
 initial state), o and the final state against `reference.chunk_gated_delta_rule` in fp64 on the GPU
-(relative RMS, whole tensors and the two special heads), then the CUDA-graph time of each
+(relative RMS, whole tensors and the two special heads), FLA's public op on the same inputs where
+`fla` is importable (its o and final-state errors, and ours over FLA's), then the CUDA-graph time of each
 (`flashqla.bench.timing.time_cuda_graph`, median); then v scaled by 2^8 and 2^12 (errors and
 finiteness of the fp16 build).
 
@@ -71,8 +72,15 @@ def main(argv=None) -> int:
     from flashqla.testing import rel_rms
 
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__}")
-    print("| row | v scale | build | o err | ht err | o g=0 head | o g=-30 head | ms | o ratio | ht ratio |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    try:
+        os.environ["FLA_FLASH_QLA"] = "0"
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
+    except Exception:  # noqa: BLE001 - FLA is optional here
+        fla_op = None
+    print(f"# FLA: {'not importable' if fla_op is None else 'fla.ops.gated_delta_rule.chunk_gated_delta_rule'}")
+    print("| row | v scale | build | o err | ht err | o g=0 head | o g=-30 head | ms | o / shipped | ht / shipped "
+          "| o / FLA | ht / FLA |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in a.rows.split(","):
         H, HV, lengths = parse_row(row.strip())
         for vs in (1.0, 256.0, 4096.0):
@@ -84,6 +92,16 @@ def main(argv=None) -> int:
                 *(x[n].double() for n in ("q", "k", "v", "g", "beta")), initial_state=x["initial_state"].double(),
                 output_final_state=True, cu_seqlens=x["cu_seqlens"])
             bv = pick_block_v(len(lengths), HV)
+            fla = (float("nan"), float("nan"))
+            if fla_op is not None:
+                with torch.no_grad():
+                    fo, fh = fla_op(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                                    output_final_state=True, cu_seqlens=x["cu_seqlens"])
+                fla = (rel_rms(fo, ref_o), rel_rms(fh, ref_h))
+                print(f"| {row.strip()} | {vs:g} | FLA | {fla[0]:.3e} | {fla[1]:.3e} | "
+                      f"{rel_rms(fo[:, :, 0], ref_o[:, :, 0]):.3e} | {rel_rms(fo[:, :, -1], ref_o[:, :, -1]):.3e} | "
+                      "| | | | |")
+                del fo, fh
             res = {}
             for build in (None, "float16"):
                 call = run_forward(x, build, bv)
@@ -97,7 +115,7 @@ def main(argv=None) -> int:
                 name = "bf16 (shipped)" if build is None else "fp16 A_beta product"
                 fin = "" if r[5] else " NONFINITE"
                 print(f"| {row.strip()} | {vs:g} | {name}{fin} | {r[0]:.3e} | {r[1]:.3e} | {r[2]:.3e} | {r[3]:.3e} | "
-                      f"{r[4]:.4f} | {r[0] / base[0]:.3f} | {r[1] / base[1]:.3f} |")
+                      f"{r[4]:.4f} | {r[0] / base[0]:.3f} | {r[1] / base[1]:.3f} | {r[0] / fla[0]:.3f} | {r[1] / fla[1]:.3f} |")
             del x, ref_o, ref_h
             torch.cuda.empty_cache()
     return 0
