@@ -11,6 +11,7 @@ inverse (I + tril_-1(diag(beta) K K^T))^-1, A_gated FLA's (I + tril_-1(diag(beta
     RW-4  exp(g_cum_i - g_cum_j) = exp2(g_cum_log2_i - g_cum_log2_j),  g_cum_log2 = g_cum / ln 2
     RW-5  S' = gamma_C S + X^T Y,  X = -diag(beta) A_free^T K,  Y = gamma_C K S - diag(r) V
     RW-6  dS = M_c^T dS' + scale (D R)^T dO,  M_c = gamma_C I - T_c,  R = Q - tril_0(Q K^T) A_free diag(beta) K
+    RW-7  v_new = (A_b (W S_d)) S_d^-1,  O + Pg v_new = (O S_d + Pg (A_b (W S_d))) S_d^-1  (S_d invertible diagonal)
 
 General proofs (every C, K, V), at symbolic sizes with the chunk of `derivations._symbolic.GChunk`:
 - RW-1: Gamma * X = D tril_0(X) D^-1 [L-gate] turns the re-gating into D A D^-1, and
@@ -20,6 +21,8 @@ General proofs (every C, K, V), at symbolic sizes with the chunk of `derivations
   diag(r) = gamma_C D^-1 [L-gamma].
 - RW-4: the (i, j) entry with symbolic indices and an arbitrary real g_cum, three cases.
 - RW-6: the loss through the chunk form (CF-1, CF-2), its gradient in S by adjoints [L-adjoint].
+- RW-7: non-commutative reduction with S_d S_d^-1 = I (a diagonal pair); the inference forward's fp16
+  operands scale W's value columns by powers of two (exact in floating point), into fp16's range.
 The right-hand sides are one code for both proofs (`regated_form`, `v_new_form`, `transition_form`,
 `xy_form`, `state_grad_form`); the tests pass broken versions and check that both proofs reject them.
 """
@@ -31,7 +34,7 @@ import sympy as sp
 from . import _nc
 from ._chunk import Chunk, chunk_form, mat, transition
 from ._core import Identity, register
-from ._nc import eye, sym
+from ._nc import diag_pair, eye, sym
 from ._proof import Entry, Eq, Proof, REGIONS
 from ._symbolic import GChunk, Ksym, Vsym
 
@@ -122,6 +125,20 @@ def _state_grad(C, K, V, form=state_grad_form):
     return lhs, form(ch, dO, dSn, scale)
 
 
+def row_scaled_form(Ab, W, O, Pg, Sd, Sinv):
+    """[v_new; O'] with W's columns scaled by Sd: ((A_b (W Sd)) Sd^-1; (O Sd + Pg (A_b (W Sd))) Sd^-1)."""
+    vn_s = Ab * (W * Sd)
+    return vn_s * Sinv, (O * Sd + Pg * vn_s) * Sinv
+
+
+def _row_scaled(C, V, form=row_scaled_form):
+    Ab, W, O, Pg = mat("a", C, C), mat("w", C, V), mat("o", C, V), mat("p", C, C)
+    s = [sp.Symbol(f"s_{i}", positive=True) for i in range(V)]
+    Sd, Sinv = sp.diag(*s), sp.diag(*[1 / x for x in s])
+    vn, o = form(Ab, W, O, Pg, Sd, Sinv)
+    return (Ab * W).col_join(O + Pg * Ab * W), vn.col_join(o)
+
+
 def _hadamard(X, Y):
     return X.multiply_elementwise(Y)
 
@@ -173,6 +190,19 @@ def _general_exp2(to_log2=None) -> Proof:
         claim="for every C, every entry and every real g_cum: the masked exp equals the masked exp2 of g_cum / ln 2",
         method="entry (i, j) with symbolic i, j, C and g_cum an arbitrary real function; cases i > j, i = j, i < j",
         steps=[Entry("exp(G_i - G_j) = 2^(G_i / ln 2 - G_j / ln 2)", lhs - rhs, REGIONS["ij"](i, j, n))],
+    )
+
+
+def _general_row_scaled(form=row_scaled_form) -> Proof:
+    C = sp.Symbol("C", integer=True, positive=True)
+    Ab, W, O, Pg = sym("Ab", C, C), sym("W", C, Vsym), sym("O", C, Vsym), sym("Pg", C, C)
+    Sd, Sinv = diag_pair("Sd", "Sdinv", Vsym)
+    vn, o = form(Ab, W, O, Pg, Sd, Sinv)
+    return Proof(
+        claim="for every C, V and invertible diagonal S_d: the row-scaled products equal v_new = A_b W and O + Pg v_new",
+        method="non-commutative reduction; S_d S_d^-1 = I cancels (a declared inverse pair of diagonal generators)",
+        steps=[Eq("v_new = (A_b (W S_d)) S_d^-1", Ab * W, vn, []),
+               Eq("O + Pg v_new = (O S_d + Pg A_b W S_d) S_d^-1", O + Pg * Ab * W, o, [])],
     )
 
 
@@ -260,4 +290,16 @@ RW_6 = register(Identity(
     twins=("reference.gdn.chunk_bwd.chunk_gated_delta_rule_bwd", "reference.gdn.fused.chunk_state_grad"),
     source="FlashQLA cp_bwd (fused_gdr_dh); research/flashqla-design.md 1.3, 3 R7",
     general=lambda: _general_state_grad(),
+))
+
+RW_7 = register(Identity(
+    id="RW-7",
+    statement="row-scaled fp16 products: v_new = (A_b (W S_d)) S_d^-1, O + Pg v_new = (O S_d + Pg A_b W S_d) S_d^-1",
+    latex=r"A_b W = (A_b (W S_d)) S_d^{-1},\quad O + P_g A_b W = (O S_d + P_g A_b (W S_d)) S_d^{-1}",
+    build=_row_scaled,
+    sizes=((3, 2), (4, 3)),
+    size_names=("C", "V"),
+    twins=("reference.gdn.fused.chunk_v_new_output", "reference.gdn.fused.chunk_v_new_output_row_scaled"),
+    source="the inference forward's fp16 A_beta product (flashqla.ops.gdn.fwd.product_dtype)",
+    general=lambda: _general_row_scaled(),
 ))

@@ -428,3 +428,12 @@ def test_grad_refuses_hidden_matrix_factors():
     F = S * scalar
     with pytest.raises(ValueError, match="scalar made of matrices"):
         _nc.grad([(sym("G", _C, _C), F)], S)
+
+
+def test_unscaled_output_column_fails_both():
+    # RW-7 with O's columns not scaled before the product (the scales applied to Pg v_new' only)
+    def scaled_wrong(Ab, W, O, Pg, Sd, Sinv):
+        vn_s = Ab * (W * Sd)
+        return vn_s * Sinv, (O + Pg * vn_s) * Sinv
+
+    _both_fail(rewrites._row_scaled(3, 2, form=scaled_wrong), rewrites._general_row_scaled(form=scaled_wrong))

@@ -377,7 +377,7 @@ def _gated_layout(tab: SegmentTables, Mc: int, m: int, S_slots: int):
 def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens,
                tables: SegmentTables, *, block_v: int, gate_chunks: int | None = None, correction: str = "gemm",
                poison_outputs: bool = False, want_info: bool = True, static_key=None, truncate=False,
-               keep_for_backward: bool = False, ends_at_T: bool = False, checkpoint_positions=None):
+               keep_for_backward: bool = False, ends_at_T: bool = False, checkpoint_positions=None, a_dtype=None):
     """The CP forward over the planner's segment tables (the steps in the module docstring).
 
     Args:
@@ -407,6 +407,9 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
             there plus the transition's applied to the entering state; one batched GEMM after the
             scan), with no pass beyond the run and transition launch; o and the final states
             are those of the call without checkpoints.
+            a_dtype: A's dtype for the backend's prepare (None: k's; torch.float16: the inference
+            forward's fp16 A_beta product, `flashqla.ops.gdn.fwd.product_dtype`; not with
+            keep_for_backward); every launch that reads A follows it.
     Returns:
         (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] in backend.state_dtype or None,
         A, g_cum_log2 (slot layout of tables.cu_seqlens), CPInfo with plan=None, or None).
@@ -429,7 +432,9 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
     sd = backend.state_dtype
     pcu = tab.cu_seqlens
     qf, kf, vf, gf, bf = (flat(x) for x in (q, k, v, g, beta))
-    A, G2 = backend.prepare(kf, gf, bf, pcu, HV)
+    if a_dtype is not None and keep_for_backward:
+        raise ValueError("a_dtype: the backward reads A in q's dtype; not with keep_for_backward")
+    A, G2 = backend.prepare(kf, gf, bf, pcu, HV, **({} if a_dtype is None else {"a_dtype": a_dtype}))
     key = lambda *parts: None if static_key is None else (static_key, *parts)  # noqa: E731
     mask = lambda b: b[:, None, None, None]  # noqa: E731
     one_sequence = N == 1 and B == 1 and ONE_SEQUENCE_FAST_PATH

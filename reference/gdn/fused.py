@@ -68,6 +68,9 @@ __all__ = [
     "chunk_state_input",
     "chunk_state_update_xy",
     "chunk_output",
+    "chunk_v_new_output",
+    "chunk_v_new_output_row_scaled",
+    "row_scales_pow2",
     "chunk_transition_rank1",
     "chunk_transition_wy",
     "chunk_state_input_rank1",
@@ -305,6 +308,38 @@ def chunk_output(q, k, v_new, h, g_cum, scale: float, *, log2: bool = False) -> 
     gamma, _, _ = gate_vectors(g_cum, log2=log2)
     Pg = scale * decay_mask(g_cum, log2=log2) * (q @ _t(k))
     return scale * gamma[..., None] * (q @ h) + Pg @ v_new
+
+
+def chunk_v_new_output(q, k, v, beta, A_g, g_cum, h, scale: float, *, log2: bool = False):
+    """(v_new, o) of one chunk step: `chunk_v_new` then `chunk_output` (RW-7's left side).
+    Shapes as those two. Returns ([NC, HV, C, V], [NC, HV, C, V])."""
+    v_new = chunk_v_new(k, v, beta, A_g, g_cum, h, log2=log2)
+    return v_new, chunk_output(q, k, v_new, h, g_cum, scale, log2=log2)
+
+
+def row_scales_pow2(W: torch.Tensor, lo: int = 7, span: int = 30) -> torch.Tensor:
+    """The sm_90 recurrent kernel's fp16 operand scales: per value column of W [..., C, V], the power
+    of two 2^e that puts the column's largest magnitude in [2^lo, 2^(lo + 1)), e clamped to
+    [-span, span] (an all-zero column takes 2^span). Returns [..., V], W's dtype."""
+    amax = W.abs().amax(dim=-2).clamp_min(1e-30)
+    e = (lo + 1 - torch.floor(torch.log2(amax)) - 1).clamp(-span, span)
+    return torch.exp2(e)
+
+
+def chunk_v_new_output_row_scaled(q, k, v, beta, A_g, g_cum, h, scale: float, *, log2: bool = False):
+    """(v_new, o) in the inference forward's fp16 A_beta product order (RW-7's right side): W = V - D
+    (K S) with each value column scaled by s = `row_scales_pow2`(W) (diag(s) W^T: a row of the
+    kernel's W^T), v_new' = A_g diag(beta) (W diag(s)), v_new = v_new' diag(s)^-1 (what the state
+    update reads), o = (scale D (Q S) diag(s) + Pg v_new') diag(s)^-1 (the output role's columns
+    scaled around its product). Exact in real arithmetic for any invertible diag(s); with powers of
+    two the scalings are exact in floating point too. Shapes as `chunk_v_new_output`."""
+    gamma, _, _ = gate_vectors(g_cum, log2=log2)
+    W = v - gamma[..., None] * (k @ h)
+    sc = row_scales_pow2(W)[..., None, :]
+    vn_s = A_g @ (beta[..., None] * (W * sc))
+    Pg = scale * decay_mask(g_cum, log2=log2) * (q @ _t(k))
+    o = (scale * gamma[..., None] * (q @ h) * sc + Pg @ vn_s) / sc
+    return vn_s / sc, o
 
 
 # ----------------------------------------------------------------------------------------------

@@ -353,6 +353,15 @@ def _rw5(s, lhs_fn, rhs_fn):
     return _state_chain(s, lhs_fn, "xy")
 
 
+@_driver("RW-7")
+def _rw7(s, lhs_fn, rhs_fn):
+    c = s.chunks
+    A_g = fused.regate(fused.kkt_solve(c["k"], c["beta"]), c["g_cum"])
+    args = (c["q"], c["k"], c["v"], c["beta"], A_g, c["g_cum"], s.h_chunks(), s.scale)
+    (vn, o), (vn_s, o_s) = lhs_fn(*args), rhs_fn(*args)
+    return [TwinPair("v_new", vn, vn_s), TwinPair("o", o, o_s)]
+
+
 @_driver("RW-6")
 def _rw6(s, lhs_fn, rhs_fn):
     # left: FLA's hand-written backward (its dh0); right: the gate-light pass built on

@@ -46,8 +46,10 @@ class Backend(Protocol):
     recurrent_dual_checkpoints(..., cu_seqlens, positions, block_v, o) -> (o, Q, U, P, CQ, CP) or None
     (the same with the run's and the transitions' states at the checkpoint positions: the split
     path's checkpoints, `flashqla.cp.forward.cp_forward`); warm(k, beta, q, v, cu_seqlens, HV,
-    block_v, dual=False, checkpoints=False) (compile ahead of the launches); deferred_dht (bwd takes
-    dht as a callable, called once the states pass is launched).
+    block_v, dual=False, checkpoints=False, a_dtype=None) (compile ahead of the launches); deferred_dht
+    (bwd takes dht as a callable, called once the states pass is launched); fp16_products (True:
+    prepare takes `a_dtype` and the recurrent launches follow A's dtype: the inference forward's fp16
+    A_beta product, `flashqla.ops.gdn.fwd.product_dtype`).
     """
 
     state_dtype: torch.dtype
@@ -70,23 +72,29 @@ class Sm90Backend:
     state_dtype = torch.float32
     #: `bwd` takes dht as a callable (`flashqla.cp.backward` then computes it on a side stream)
     deferred_dht = True
+    #: `prepare(a_dtype=torch.float16)` stores A diag(beta) in fp16 and the recurrent launches read it
+    #: as such (the inference forward on bf16 input, `flashqla.ops.gdn.fwd.product_dtype`)
+    fp16_products = True
     ZERO_CACHE = 4
 
     def __init__(self):
         self._zeros: dict = {}
 
-    def warm(self, k, beta, q, v, cu_seqlens, HV: int, block_v, dual: bool = False, checkpoints: bool = False) -> None:
+    def warm(self, k, beta, q, v, cu_seqlens, HV: int, block_v, dual: bool = False, checkpoints: bool = False,
+             a_dtype: torch.dtype | None = None) -> None:
         """Builds the prepare kernel and the recurrent kernel a call will launch (the dual launch's when
-        `dual`; its checkpoint build, `recurrent_dual_checkpoints`, with `checkpoints` too) concurrently,
-        once per key."""
-        rec = recurrent_kernel_args(q, v, cu_seqlens, block_v, dual=dual)
-        specs = [("prepare", prepare_kernel_args(k, beta, cu_seqlens, HV)),
-                 ("recurrent_serving", rec[:8] + ("float32", "kv", True, True)) if dual and checkpoints else ("recurrent", rec)]
+        `dual`; its checkpoint build, `recurrent_dual_checkpoints`, with `checkpoints` too), for A in
+        `a_dtype` (None: k's), concurrently, once per key."""
+        rec = recurrent_kernel_args(q, v, cu_seqlens, block_v, dual=dual, a_dtype=a_dtype)
+        specs = [("prepare", prepare_kernel_args(k, beta, cu_seqlens, HV, a_dtype)),
+                 ("recurrent_serving", rec[:8] + ("float32", "kv", True, True) + tuple(rec[9:]))
+                 if dual and checkpoints else ("recurrent", rec)]
         registry.build_once(tuple(specs), specs)
 
-    def prepare(self, k, g, beta, cu_seqlens, HV: int, A=None, g_cum_log2=None):
-        """`chunk_prepare_fwd` (A, g_cum_log2: optional preallocated outputs)."""
-        return chunk_prepare_fwd(k, g, beta, cu_seqlens, HV, A=A, g_cum_log2=g_cum_log2)
+    def prepare(self, k, g, beta, cu_seqlens, HV: int, A=None, g_cum_log2=None, a_dtype: torch.dtype | None = None):
+        """`chunk_prepare_fwd` (A, g_cum_log2: optional preallocated outputs; a_dtype: A's dtype, None:
+        k's; the launches that read A follow its dtype)."""
+        return chunk_prepare_fwd(k, g, beta, cu_seqlens, HV, A=A, g_cum_log2=g_cum_log2, a_dtype=a_dtype)
 
     def recurrent(self, q, k, v, A, g_cum_log2, scale, initial_state, output_final_state, cu_seqlens, block_v=None, o=None,
                   final_state=None):

@@ -5,6 +5,13 @@ Unsplit: two launches of the backend, prepare (chunk-local cumsum of g, K K^T, t
 A diag(beta)) and recurrent (the state recurrence and the output, the state on chip). Split (the plan's
 `split`): the sequences cut into segments run side by side and stitched exactly
 (`flashqla.cp.forward.cp_forward`; derivations CP-1..CP-5).
+
+The A_beta product's precision (`product_dtype`): a forward whose A goes to no backward
+(`for_backward=False`: every call under `torch.no_grad()`, the serving paths) on bf16 input stores
+A diag(beta) in fp16 and forms v_new = A_beta W and O += Pg v_new from fp16 operands (W's rows
+scaled by powers of two into fp16's range; record RW-6), 3 more mantissa bits where the forward's
+error comes from (`reference.gdn.numerics.forward_rounding_model`); a training forward keeps A in
+bf16, the dtype the backward's kernels read. fp16 input is fp16 throughout either way.
 """
 
 from __future__ import annotations
@@ -20,7 +27,16 @@ from flashqla.ops.gdn.backend import Sm90Backend, default_backend
 from flashqla.ops.gdn.kernels.sm90._common import num_slots
 from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
 
-__all__ = ["chunk_gated_delta_rule_fwd", "forward"]
+__all__ = ["chunk_gated_delta_rule_fwd", "forward", "product_dtype"]
+
+
+def product_dtype(q: torch.Tensor, for_backward: bool, backend) -> torch.dtype | None:
+    """The dtype the prepare launch stores A diag(beta) in (the recurrent launches follow it): fp16
+    for bf16 q on a backend with `fp16_products` when the forward's A goes to no backward, else None
+    (q's dtype; the training forward's, whose A the backward's kernels read in q's dtype)."""
+    if for_backward or q.dtype != torch.bfloat16 or not getattr(backend, "fp16_products", False):
+        return None
+    return torch.float16
 
 
 def chunk_gated_delta_rule_fwd(
@@ -61,7 +77,8 @@ def chunk_gated_delta_rule_fwd(
         cp: intra-device context parallelism: "auto" (the planner decides), "on" (always split), "off"
             (never), True / False; None reads $FLASHQLA_CP, default "auto" (`flashqla.contract.cp_mode`).
         for_backward: False (inference) lets a split forward skip moving A and g_cum_log2 back to the
-            caller's slot layout (a gather of both): they are then returned as None.
+            caller's slot layout (a gather of both): they are then returned as None. It also picks
+            the fp16 A_beta product for bf16 input (`product_dtype`; A is then fp16 where returned).
         keep_cp_states: training, with for_backward: when the backward's plan splits these inputs, the
             forward splits the same way and keeps its segments' entering states, transitions and U
             rows (`ChunkGDNForward.cp_saved`, `flashqla.cp.saved.CPSaved`) for
@@ -139,6 +156,7 @@ def forward(q, k, v, g, beta, scale: float, initial_state, output_final_state: b
     if checkpoint_positions is not None and (not plan.forward.split or gate_chunks is not None or not return_info):
         raise ValueError("checkpoint_positions: a split plan in exact mode, with return_info=True")
     backend = default_backend() if backend is None else backend
+    a_dtype = product_dtype(q, for_backward, backend)
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
     g = clamp_gates(g).contiguous()  # the one gate floor of every path (`flashqla.contract.G_FLOOR`)
     initial_state = None if initial_state is None else initial_state.contiguous()
@@ -148,7 +166,7 @@ def forward(q, k, v, g, beta, scale: float, initial_state, output_final_state: b
     p = plan.forward
     if not p.split:
         out = _unsplit(backend, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, block_v,
-                       poison_outputs, N, plan.ends_at_T)
+                       poison_outputs, N, plan.ends_at_T, a_dtype)
         return (out, None) if return_info else out
     cutoff = resolve_truncate(truncate)
     BV = block_v or p.BV
@@ -156,12 +174,13 @@ def forward(q, k, v, g, beta, scale: float, initial_state, output_final_state: b
     if hasattr(backend, "warm"):
         backend.warm(flat(k), flat(beta), flat(q), flat(v), tables.cu_seqlens, HV, BV,
                      dual=gate_chunks is None and (correction != "rerun" or checkpoint_positions is not None)
-                     and q.shape[-1] == V, checkpoints=checkpoint_positions is not None)
+                     and q.shape[-1] == V, checkpoints=checkpoint_positions is not None, a_dtype=a_dtype)
     o, final, A, G2, info = cp_forward(backend, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                        tables, block_v=BV, gate_chunks=gate_chunks, correction=correction,
                                        poison_outputs=poison_outputs, want_info=return_info and checkpoint_positions is None, static_key=static_key,
                                        truncate=False if cutoff is None else cutoff, keep_for_backward=plan.keep,
-                                       ends_at_T=plan.ends_at_T, checkpoint_positions=checkpoint_positions)
+                                       ends_at_T=plan.ends_at_T, checkpoint_positions=checkpoint_positions,
+                                       a_dtype=a_dtype)
     if plan.keep:  # the products travel in the CPSaved, in the segments' layout (what the backward reads)
         A, G2 = None, None
     elif for_backward:
@@ -174,23 +193,24 @@ def forward(q, k, v, g, beta, scale: float, initial_state, output_final_state: b
 
 
 def _unsplit(backend, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, block_v, poison, N,
-             ends_at_T: bool = False):
+             ends_at_T: bool = False, a_dtype=None):
     """The two launches of the unsplit forward through the backend; with `poison`, into outputs filled
     with NaN first (A, g_cum_log2, o and the final state on the sm_90 backend, o elsewhere). With
     `ends_at_T` (`CallPlan.ends_at_T`) o is allocated uninitialised: every row belongs to a sequence;
-    otherwise the launcher zero-fills packed o (device offsets might end before T)."""
+    otherwise the launcher zero-fills packed o (device offsets might end before T). a_dtype: A's
+    dtype (`product_dtype`; None: k's)."""
     B, T, HV, V = v.shape
     if hasattr(backend, "warm") and B * T > 0 and N > 0:
         block_v = block_v or pick_block_v(N, HV, V)
-        backend.warm(k, beta, q, v, cu_seqlens, HV, block_v)
-    pre, rec = {}, {}
+        backend.warm(k, beta, q, v, cu_seqlens, HV, block_v, **({} if a_dtype is None else {"a_dtype": a_dtype}))
+    pre, rec = ({} if a_dtype is None else {"a_dtype": a_dtype}), {}
     if poison:
         nan = float("nan")
         rec["o"] = torch.full_like(v, nan)
         if isinstance(backend, Sm90Backend):
             S = num_slots(B, T, N, cu_seqlens is not None)
-            pre = dict(A=torch.full((HV, S * CHUNK, CHUNK), nan, dtype=k.dtype, device=k.device),
-                       g_cum_log2=torch.full((HV, S * CHUNK), nan, dtype=torch.float32, device=k.device))
+            pre["A"] = torch.full((HV, S * CHUNK, CHUNK), nan, dtype=a_dtype or k.dtype, device=k.device)
+            pre["g_cum_log2"] = torch.full((HV, S * CHUNK), nan, dtype=torch.float32, device=k.device)
             if output_final_state:
                 rec["final_state"] = torch.full((N, HV, q.shape[-1], V), nan, dtype=torch.float32, device=k.device)
     elif ends_at_T and cu_seqlens is not None:

@@ -259,7 +259,8 @@ def _serve_kernel(q, k, v, g, beta, scale: float, initial_state, output_final_st
     from flashqla.ops.gdn.backend import default_backend
     from flashqla.ops.gdn.kernels.sm90 import registry
     from flashqla.ops.gdn.kernels.sm90.prepare import prepare_kernel_args
-    from flashqla.ops.gdn.kernels.sm90.recurrent import chunk_recurrent_serving, recurrent_serving_args
+    from flashqla.ops.gdn.fwd import product_dtype
+    from flashqla.ops.gdn.kernels.sm90.recurrent import chunk_recurrent_serving, recurrent_serving_args, serving_spec_args
 
     g = clamp_gates(g)  # the one gate floor of every path (`flashqla.contract.G_FLOOR`)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
@@ -270,11 +271,13 @@ def _serve_kernel(q, k, v, g, beta, scale: float, initial_state, output_final_st
     tensors = [x for x in _state_tensors(initial_state, output_final_state, s) if x is not None]
     sdtype = tensors[0].dtype if tensors else torch.float32
     ckpt = s.checkpoint_positions is not None and s.checkpoint_positions.numel() > 0
-    args, kw = recurrent_serving_args(q, v, cu_seqlens, sdtype, s.state_layout, ckpt, block_v)
-    specs = [("prepare", prepare_kernel_args(k, beta, cu_seqlens, HV)),
-             ("recurrent_serving", args + (kw["state_dtype"], kw["state_layout"], kw["checkpoints"]))]
+    backend = default_backend()
+    a_dtype = product_dtype(q, False, backend)  # the fp16 A_beta product for bf16 input
+    args, kw = recurrent_serving_args(q, v, cu_seqlens, sdtype, s.state_layout, ckpt, block_v, a_dtype)
+    specs = [("prepare", prepare_kernel_args(k, beta, cu_seqlens, HV, a_dtype)),
+             ("recurrent_serving", serving_spec_args(args, kw))]
     registry.build_once(tuple(specs), specs)
-    A, G2 = default_backend().prepare(k, g, beta, cu_seqlens, HV)
+    A, G2 = backend.prepare(k, g, beta, cu_seqlens, HV, a_dtype=a_dtype)
     dev = q.device
     if s.pool:
         final = initial_state if output_final_state else None

@@ -4,7 +4,7 @@ Covers the reference stages (FLA's names, `reference.gdn.chunk`):
     chunk_local_cumsum   -> g_cum_log2 (chunk-local inclusive cumsum of g, in base-2 units)
     chunk_scaled_dot_kkt -> L = strictly_lower(diag(beta) (K K^T) * Gamma), per value head
     solve_tril           -> A = (I + L)^-1 (gated, as FLA's A)
-and stores A diag(beta) (k's dtype), which turns the merged update v_new = A diag(beta) (V - diag(gamma)
+and stores A diag(beta) (k's dtype, or fp16 for the inference forward: `a_dtype`), which turns the merged update v_new = A diag(beta) (V - diag(gamma)
 K S) of `reference.gdn.fused` into one GEMM with the stored operand, and g_cum_log2.
 Stage twin: `reference.gdn.fused.prepare_group_recursive` (one chunk of one q/k head and its G value
 heads, in this kernel's order of products).
@@ -176,7 +176,8 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
     slot and q/k head, K K^T formed once for its G value heads). 1: one CTA per chunk slot and value
     head (K K^T formed G times, by G times as many CTAs, each G times shorter; `pick_heads_per_cta`).
 
-    a_dtype (experiment, issue 42's accuracy study; None: k's dtype, the shipped build): the dtype A
+    a_dtype (None: k's dtype, the training forward's build, whose A the backward reads; "float16" for
+    bf16 input: the inference forward's, `flashqla.ops.gdn.fwd.product_dtype`): the dtype A
     diag(beta) is stored in ("float16": 3 more mantissa bits than bf16; its entries stay within
     [-1, 1] on unit keys with beta in (0, 1], `benchmarks/journal/accuracy.md`), staged through a
     view of the k tile in that dtype (the same bytes)."""
@@ -290,13 +291,15 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
 
 
 def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
-                         heads_per_cta: int | None = None, *, a_dtype: str | None = None):
+                         heads_per_cta: int | None = None, a_dtype: str | None = None):
     """Compiled prepare kernel for one static configuration (cached).
 
     Static key: head counts H, HV; head dim K (>= 64); dtype of k (and of the stored A); beta's dtype;
     cu_seqlens' dtype; whether input is packed (varlen); `heads_per_cta` (None: all HV / H value heads
     of a q/k head in one CTA; 1: one value head a CTA, `pick_heads_per_cta`). Sequence lengths, the
     number of sequences and B are run-time values: a new T or sequence mix reuses the compiled kernel.
+    `a_dtype` ("float16", or None / dtype: the default build): the dtype A diag(beta) is stored in
+    (the inference forward's fp16 A_beta product, `flashqla.ops.gdn.fwd.product_dtype`).
     Raises ValueError for a heads_per_cta other than None, 1 or HV / H.
     """
     if heads_per_cta == HV // H:
@@ -330,27 +333,31 @@ def pick_heads_per_cta(S: int, H: int, HV: int) -> int | None:
     return 1
 
 
-def prepare_kernel_args(k, beta, cu_seqlens, HV: int) -> tuple:
+def prepare_kernel_args(k, beta, cu_seqlens, HV: int, a_dtype: torch.dtype | None = None) -> tuple:
     """The static key (`build_prepare_kernel` arguments) a launch with these inputs uses. The key ends
     with 1 where `pick_heads_per_cta` takes one value head a CTA (the slot count comes from shapes
-    alone: no host synchronisation)."""
+    alone: no host synchronisation), then with A's dtype where `a_dtype` is not k's."""
     B, T, H, K = k.shape
     seq_dtype = tl_dtype(cu_seqlens.dtype) if cu_seqlens is not None else "int32"
     key = (H, HV, K, tl_dtype(k.dtype), tl_dtype(beta.dtype), seq_dtype, cu_seqlens is not None)
     N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
     one = pick_heads_per_cta(num_slots(B, T, N, cu_seqlens is not None), H, HV)
+    if a_dtype is not None and a_dtype != k.dtype:
+        return key + (one or None, tl_dtype(a_dtype))
     return key + (one,) if one else key
 
 
-def chunk_prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens, HV: int, A=None, g_cum_log2=None):
+def chunk_prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens, HV: int, A=None, g_cum_log2=None,
+                      a_dtype: torch.dtype | None = None):
     """Launches the prepare kernel. Arguments as in `chunk_gated_delta_rule` (validated by the caller,
     contiguous, on an sm_90 device): k [B, T, H, K] bf16/fp16, g [B, T, HV] fp32 (natural log), beta
     [B, T, HV] fp32 or k's dtype, cu_seqlens None or [N + 1] int32/int64. `A` and `g_cum_log2` may be
     given as preallocated outputs of the shapes below (tests poison them to prove every used row is
-    written).
+    written). a_dtype: A's dtype (None: k's; torch.float16: the inference forward's fp16 A_beta
+    product for bf16 input, `flashqla.ops.gdn.fwd.product_dtype`); a given A's dtype decides instead.
 
     Returns:
-        A: [HV, S * 64, 64] in k's dtype, S = number of chunk slots (`_common.num_slots`); rows
+        A: [HV, S * 64, 64] in a_dtype (k's by default), S = number of chunk slots (`_common.num_slots`); rows
             slot * 64 + t hold row t of chunk slot's A diag(beta) (lower triangular, zero rows past
             the end of the sequence).
         g_cum_log2: [HV, S * 64] fp32, chunk-local inclusive cumsum of g divided by ln 2 (rows past
@@ -361,12 +368,12 @@ def chunk_prepare_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_s
     N = cu_seqlens.numel() - 1 if varlen else B
     S = num_slots(B, T, N, varlen)
     if A is None:
-        A = torch.empty(HV, S * CHUNK, CHUNK, dtype=k.dtype, device=k.device)
+        A = torch.empty(HV, S * CHUNK, CHUNK, dtype=a_dtype or k.dtype, device=k.device)
     if g_cum_log2 is None:
         g_cum_log2 = torch.empty(HV, S * CHUNK, dtype=torch.float32, device=k.device)
     if S == 0 or T == 0:
         return A, g_cum_log2
     cu = cu_seqlens if varlen else dummy_cu_seqlens(k.device)
-    kernel = build_prepare_kernel(*prepare_kernel_args(k, beta, cu_seqlens, HV))
+    kernel = build_prepare_kernel(*prepare_kernel_args(k, beta, cu_seqlens, HV, A.dtype))
     kernel(k, g, beta, cu, A, g_cum_log2)
     return A, g_cum_log2

@@ -57,7 +57,7 @@ from flashqla.ops.gdn.kernels.sm90._common import CHUNK, SM_COUNT, compile_kerne
 
 __all__ = ["CheckpointRanges", "build_recurrent_kernel", "build_recurrent_serving_kernel", "chunk_recurrent_dual",
            "chunk_recurrent_dual_checkpoints", "chunk_recurrent_fwd", "chunk_recurrent_serving",
-           "pick_block_v", "recurrent_kernel_args", "recurrent_serving_args"]
+           "pick_block_v", "recurrent_kernel_args", "recurrent_serving_args", "serving_spec_args"]
 
 #: The value slice widths of the role-split kernel. At BV = 64 one chain warpgroup holds S^T's 64
 #: value rows; at BV = 128 two chain warpgroups hold 64 rows each (every chain product is one wgmma
@@ -102,7 +102,8 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
     The output role writes o (u in transition CTAs) through a 128-byte-swizzled shared tile with
     16-byte vector stores, one row check per 8 values.
 
-    op_dtype (experiment, issue 42's accuracy study; None: the input dtype, the shipped build): the
+    op_dtype (None: the input dtype, the training forward's build, whose A the backward reads;
+    "float16" for bf16 input: the inference forward's, `flashqla.ops.gdn.fwd.product_dtype`): the
     dtype of A_beta (as the prepare kernel stored it: `build_prepare_kernel(a_dtype=)`) and of the
     operands of the two products that read it or its result, W^T (vn^T = W^T A_beta^T) and Pg, vn^T
     (O += Pg vn). "float16" keeps 3 more mantissa bits than bf16 there (o 0.73x FLA's error in the
@@ -532,7 +533,8 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
       with dual), both storing checkpoints: run CTAs into ckpt (the state at p from the segment's run
       start), transition CTAs into ckp (the segment's transition from its start to p, walked from I
       with v = 0; a checkpoint past the transition's limit is not stored). Rows are n (rows_stride 0).
-    - op_dtype (experiment; None: the input dtype): the A_beta product's dtype, as `_recurrent_prim_func`'s.
+    - op_dtype (None: the input dtype): the A_beta product's dtype, as `_recurrent_prim_func`'s (W^T's
+      rows scaled alike; the checkpoints read vn^T's rows unscaled).
     """
     import tilelang.language as T
     from tilelang.layout import make_swizzled_layout
@@ -544,6 +546,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
     NV = V // BV
     acc = "float32"
     odt = op_dtype or dtype
+    scaled = odt != dtype  # fp16 operands of the A_beta and output products, rows scaled (as the plain build)
     sdt = state_dtype
     vk = state_layout == "vk"
     sa, sb = (V, K) if vk else (K, V)
@@ -571,10 +574,6 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
     ckp_shape = (MC, HV, K, K) if dual else (1,)
     nseq = (Np1 - 1) if varlen else B
     ncta = NV * HV * nseq
-
-    def w_cast(x):
-        """W^T's operand conversion: to the input dtype, or (op_dtype) clamped to fp16's range first."""
-        return T.cast(x, dtype) if odt == dtype else T.cast(T.max(T.min(x, T.float32(65504)), T.float32(-65504)), odt)
 
     @T.macro
     def load_state(st, src, row, hv, v0):
@@ -649,6 +648,8 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
             gc_s = T.alloc_shared((2, C), acc)
             sb_s = T.alloc_shared((2, BV, K), dtype)
             nv_s = T.alloc_shared((2, BV, C), odt)
+            if scaled:
+                sc_s = T.alloc_shared((2, BV), acc)  # vn^T's row scales of chunk c (chain -> output, with nv_s)
             o_s = T.alloc_shared((C, BV), dtype)
             if checkpoints:
                 # each chunk's checkpoint range, read by the producer one chunk ahead (under full[s]):
@@ -676,6 +677,9 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                 gam_f = T.alloc_fragment((C,), acc)
                 r_f = T.alloc_fragment((C,), acc)
                 gcl = T.alloc_local((1,), acc)
+                if scaled:
+                    wmax = T.alloc_fragment((BV,), acc)
+                    wsc = T.alloc_fragment((BV,), acc)
                 if checkpoints:
                     ck = T.alloc_fragment((BV, KH), acc)  # one half of the checkpoint's columns
                     mvt_b = T.alloc_fragment((BV, C), dtype)
@@ -743,24 +747,47 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(ut, num_regs=BV * C // CH)
                     # W^T = V^T - U^T diag(gamma)
-                    if dual:  # transition CTAs: v = 0
+                    if scaled:
+                        # W^T in fp32 in U^T's registers, each row scaled by a power of two that puts its
+                        # largest magnitude in [2^7, 2^8) (2^-30 .. 2^30): fp16's range for any |v|
+                        if dual:
+                            for i, j in T.Parallel(BV, C):
+                                ut[i, j] = T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j]
+                        else:
+                            for i, j in T.Parallel(BV, C):
+                                ut[i, j] = T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j]
+                        T.reduce_absmax(ut, wmax, dim=1)
+                        for i in T.Parallel(BV):
+                            wsc[i] = T.exp2(T.max(T.min(T.float32(8) - T.floor(T.log2(T.max(wmax[i], T.float32(1e-30))))
+                                                        - T.float32(1), T.float32(30)), T.float32(-30)))
                         for i, j in T.Parallel(BV, C):
-                            wt_b[i, j] = w_cast(
-                                T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j])
+                            wt_b[i, j] = T.cast(ut[i, j] * wsc[i], odt)
+                    elif dual:  # transition CTAs: v = 0
+                        for i, j in T.Parallel(BV, C):
+                            wt_b[i, j] = T.cast(
+                                T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j], dtype)
                     else:
                         for i, j in T.Parallel(BV, C):
-                            wt_b[i, j] = w_cast(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j])
+                            wt_b[i, j] = T.cast(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j], dtype)
                     # vn^T = W^T A_beta^T
                     T.wgmma_gemm(wt_b, a_s[s, :, :], nvt, transpose_B=True, clear_accum=True, **chain_kw)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(nvt, num_regs=BV * C // CH)
-                    for i, j in T.Parallel(BV, C):
-                        nvt_b[i, j] = T.cast(nvt[i, j], odt)
-                        vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j], dtype)
+                    if scaled:
+                        for i, j in T.Parallel(BV, C):
+                            nvt_b[i, j] = T.cast(nvt[i, j], odt)  # scaled rows (|.| < 2^15: |A_beta| <= 1)
+                            vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j] / wsc[i], dtype)
+                    else:
+                        for i, j in T.Parallel(BV, C):
+                            nvt_b[i, j] = T.cast(nvt[i, j], odt)
+                            vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j], dtype)
                     if checkpoints and mid != 0:
                         # publish vn^T first (the output role does not wait for the checkpoints)
                         T.barrier_wait(n_empty[s], 1 - ph)
                         T.copy(nvt_b, nv_s[s, :, :])
+                        if scaled:
+                            for i in T.Parallel(BV):
+                                sc_s[s, i] = wsc[i]
                         T.fence_proxy_async()
                         T.barrier_arrive(n_full[s])
                         # the checkpoints ending inside this chunk (CF-4), from the unscaled S^T
@@ -768,11 +795,20 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                             jj = positions[m * pos_stride] - (bidx * Tn + bos + c * C)
                             if jj >= 1 and jj < C:  # (jj outside 1..63 only for unsorted positions)
                                 gj[0] = gc_s[s, jj - 1]
-                                for i, t in T.Parallel(BV, C):
-                                    mvt_b[i, t] = T.cast(
-                                        T.if_then_else(t < jj, T.cast(nv_s[s, i, t], acc)
-                                                       * T.exp2(T.min(gj[0] - gc_s[s, t], T.float32(0))), T.float32(0)),
-                                        dtype)
+                                if scaled:  # vn^T's rows unscaled (exact: powers of two)
+                                    for i, t in T.Parallel(BV, C):
+                                        mvt_b[i, t] = T.cast(
+                                            T.if_then_else(t < jj, T.cast(nv_s[s, i, t], acc) / wsc[i]
+                                                           * T.exp2(T.min(gj[0] - gc_s[s, t], T.float32(0))),
+                                                           T.float32(0)),
+                                            dtype)
+                                else:
+                                    for i, t in T.Parallel(BV, C):
+                                        mvt_b[i, t] = T.cast(
+                                            T.if_then_else(t < jj, T.cast(nv_s[s, i, t], acc)
+                                                           * T.exp2(T.min(gj[0] - gc_s[s, t], T.float32(0))),
+                                                           T.float32(0)),
+                                            dtype)
                                 for h in T.unroll(K // KH):
                                     for i, j in T.Parallel(BV, KH):
                                         ck[i, j] = st[i, h * KH + j] * T.exp2(gj[0])
@@ -794,6 +830,9 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                         T.wgmma_gemm(vpt_b, k_s[s, :, :], st, **chain_kw)
                         T.barrier_wait(n_empty[s], 1 - ph)
                         T.copy(nvt_b, nv_s[s, :, :])
+                        if scaled:
+                            for i in T.Parallel(BV):
+                                sc_s[s, i] = wsc[i]
                         T.fence_proxy_async()
                         T.barrier_arrive(n_full[s])
                     T.wait_wgmma(0)
@@ -848,12 +887,23 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(of, num_regs=C * BV // 128)
                     T.barrier_arrive(s_empty[s])
-                    for t, i in T.Parallel(C, BV):
-                        of[t, i] = of[t, i] * gr_f[t]
-                    T.barrier_wait(n_full[s], ph)
-                    T.wgmma_gemm(pg_b, nv_s[s, :, :], of, transpose_B=True)
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(of, num_regs=C * BV // 128)
+                    if scaled:
+                        # O += Pg vn with vn^T's rows scaled: O's columns scaled alike around the product
+                        T.barrier_wait(n_full[s], ph)
+                        for t, i in T.Parallel(C, BV):
+                            of[t, i] = of[t, i] * gr_f[t] * sc_s[s, i]
+                        T.wgmma_gemm(pg_b, nv_s[s, :, :], of, transpose_B=True)
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(of, num_regs=C * BV // 128)
+                        for t, i in T.Parallel(C, BV):
+                            of[t, i] = of[t, i] / sc_s[s, i]
+                    else:
+                        for t, i in T.Parallel(C, BV):
+                            of[t, i] = of[t, i] * gr_f[t]
+                        T.barrier_wait(n_full[s], ph)
+                        T.wgmma_gemm(pg_b, nv_s[s, :, :], of, transpose_B=True)
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(of, num_regs=C * BV // 128)
                     T.barrier_arrive(n_empty[s])
                     T.barrier_arrive(empty[s])
                     nvalid = T.min(seqlen - c * C, C)
@@ -906,8 +956,8 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
 
 @functools.lru_cache(maxsize=None)
 def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str, seq_dtype: str, varlen: bool,
-                           dual: bool = False, *, indexed: bool = False, state_dtype: str = "float32",
-                           state_layout: str = "kv", checkpoints: bool = False, op_dtype: str | None = None):
+                           dual: bool = False, op_dtype: str | None = None, *, indexed: bool = False,
+                           state_dtype: str = "float32", state_layout: str = "kv", checkpoints: bool = False):
     """Compiled recurrent kernel for one static configuration (cached).
 
     Static key: head counts, head dims, the value slice width BV (64 or 128), the input dtype,
@@ -921,8 +971,10 @@ def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str,
     "float16"; with `checkpoints`, the states after any token stored in-kernel, record CF-4). The
     default options build the plain kernel, whose generated source is unchanged by their existence.
 
-    op_dtype (experiment): the dtype of A_beta and of the products that read it (`_recurrent_prim_func`,
-    `_serving_prim_func`), in every build; None or the input dtype: the shipped build.
+    op_dtype: the dtype of A_beta and of the products that read it (`_recurrent_prim_func`,
+    `_serving_prim_func`), in every build: None or the input dtype (the training forward's build), or
+    "float16" for bf16 input (the inference forward's fp16 A_beta product, W^T's rows scaled by
+    powers of two; `flashqla.ops.gdn.fwd.product_dtype`).
 
     dual with indexed (`chunk_recurrent_dual_checkpoints`): the split path's dual launch storing the
     run's and the transition's checkpoints; only with checkpoints, state_dtype "float32" and "kv".
@@ -962,11 +1014,14 @@ def build_recurrent_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str,
 
 def build_recurrent_serving_kernel(H: int, HV: int, K: int, V: int, BV: int, dtype: str, seq_dtype: str, varlen: bool,
                                    state_dtype: str = "float32", state_layout: str = "kv", checkpoints: bool = False,
-                                   dual: bool = False):
-    """`build_recurrent_kernel(..., dual, indexed=True, state_dtype=, state_layout=, checkpoints=)` with
-    every key entry positional (the registry's kind "recurrent_serving"). Called as the launchers call
-    it (dual passed only when True), so that both hit one `functools.lru_cache` entry."""
-    return build_recurrent_kernel(H, HV, K, V, BV, dtype, seq_dtype, varlen, *((True,) if dual else ()), indexed=True,
+                                   dual: bool = False, op_dtype: str | None = None):
+    """`build_recurrent_kernel(..., dual, op_dtype, indexed=True, state_dtype=, state_layout=,
+    checkpoints=)` with every key entry positional (the registry's kind "recurrent_serving"). Called
+    as the launchers call it (dual and op_dtype passed only where they differ from the defaults), so
+    that both hit one `functools.lru_cache` entry."""
+    op = op_dtype is not None and op_dtype != dtype
+    pos = (dual, op_dtype) if op else ((True,) if dual else ())
+    return build_recurrent_kernel(H, HV, K, V, BV, dtype, seq_dtype, varlen, *pos, indexed=True,
                                   state_dtype=state_dtype, state_layout=state_layout, checkpoints=checkpoints)
 
 
@@ -998,15 +1053,18 @@ def _check_out(o, v):
     return o
 
 
-def recurrent_kernel_args(q, v, cu_seqlens, block_v=None, dual: bool = False) -> tuple:
-    """The static key (`build_recurrent_kernel` arguments) a launch with these inputs uses (the dual
-    launch's key ends with True; the plain key has eight entries)."""
+def recurrent_kernel_args(q, v, cu_seqlens, block_v=None, dual: bool = False, a_dtype: torch.dtype | None = None) -> tuple:
+    """The static key (`build_recurrent_kernel` arguments) a launch with these inputs uses, A in
+    `a_dtype` (None: q's): the plain key has eight entries; the dual launch's ends with True; an A
+    dtype other than q's (the fp16 A_beta product) adds (dual, op_dtype)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.numel() - 1 if cu_seqlens is not None else B
     BV = block_v or pick_block_v(N, HV, V)
     seq_dtype = tl_dtype(cu_seqlens.dtype) if cu_seqlens is not None else "int32"
     key = (H, HV, K, V, BV, tl_dtype(q.dtype), seq_dtype, cu_seqlens is not None)
+    if a_dtype is not None and a_dtype != q.dtype:
+        return key + (bool(dual), tl_dtype(a_dtype))
     return key + (True,) if dual else key
 
 
@@ -1015,7 +1073,8 @@ def chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale: float, initial_state, out
 
     Args:
         q, k: [B, T, H, K]; v: [B, T, HV, V] (bf16 or fp16, contiguous).
-        A, g_cum_log2: outputs of `chunk_prepare_fwd` for the same inputs.
+        A, g_cum_log2: outputs of `chunk_prepare_fwd` for the same inputs (A in q's dtype, or fp16
+            for bf16 q: the fp16 A_beta product build).
         scale: output scale (float).
         initial_state: [N, HV, K, V] fp32 contiguous, or None (zeros).
         output_final_state: whether to return the state after each sequence.
@@ -1052,7 +1111,7 @@ def chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale: float, initial_state, out
     h0 = initial_state if use_h0 else placeholder((1, HV, K, V), torch.float32, q.device)
     ht_arg = ht if output_final_state else placeholder((1, HV, K, V), torch.float32, q.device)
     cu = cu_seqlens if varlen else placeholder((1,), torch.int32, q.device)
-    kernel = build_recurrent_kernel(*recurrent_kernel_args(q, v, cu_seqlens, block_v))
+    kernel = build_recurrent_kernel(*recurrent_kernel_args(q, v, cu_seqlens, block_v, a_dtype=A.dtype))
     u, pt, lim = (placeholder((1,), dt, q.device) for dt in (q.dtype, torch.float32, torch.int32))
     kernel(q, k, v, A, g_cum_log2, h0, cu, float(scale), int(use_h0), int(output_final_state), o, ht_arg, u, pt, lim)
     return o, ht
@@ -1106,18 +1165,24 @@ def chunk_recurrent_dual(q, k, v, A, g_cum_log2, scale: float, initial_state, li
     use_h0 = initial_state is not None
     h0 = initial_state if use_h0 else placeholder((1, HV, K, V), torch.float32, q.device)
     cu = cu_seqlens if varlen else placeholder((1,), torch.int32, q.device)
-    kernel = build_recurrent_kernel(*recurrent_kernel_args(q, v, cu_seqlens, block_v, dual=True))
+    kernel = build_recurrent_kernel(*recurrent_kernel_args(q, v, cu_seqlens, block_v, dual=True, a_dtype=A.dtype))
     kernel(q, k, v, A, g_cum_log2, h0, cu, float(scale), int(use_h0), 1, o, Q, U, P, limit.contiguous())
     return o, Q, U, P
 
 
 def recurrent_serving_args(q, v, cu_seqlens, state_dtype: torch.dtype, state_layout: str, checkpoints: bool,
-                           block_v=None) -> tuple:
+                           block_v=None, a_dtype: torch.dtype | None = None) -> tuple:
     """(args, kwargs) of the serving build (`build_recurrent_kernel(*args, indexed=True, ...)`) a
-    `chunk_recurrent_serving` launch with these inputs uses."""
-    key = recurrent_kernel_args(q, v, cu_seqlens, block_v)
+    `chunk_recurrent_serving` launch with these inputs (A in `a_dtype`, None: q's) uses."""
+    key = recurrent_kernel_args(q, v, cu_seqlens, block_v, a_dtype=a_dtype)
     return key, dict(indexed=True, state_dtype=tl_dtype(state_dtype), state_layout=state_layout,
                      checkpoints=bool(checkpoints))
+
+
+def serving_spec_args(args: tuple, kw: dict) -> tuple:
+    """The registry's positional "recurrent_serving" key (`build_recurrent_serving_kernel`) of
+    `recurrent_serving_args`' (args, kwargs)."""
+    return args[:8] + (kw["state_dtype"], kw["state_layout"], kw["checkpoints"]) + tuple(args[8:])
 
 
 def _int32_words(x: torch.Tensor) -> tuple:
@@ -1177,7 +1242,7 @@ def chunk_recurrent_serving(q, k, v, A, g_cum_log2, scale: float, initial_state,
     if N == 0 or T == 0:
         raise ValueError("chunk_recurrent_serving needs at least one sequence and one token (the caller handles T == 0)")
     ckpt = checkpoint_positions is not None and checkpoint_positions.numel() > 0
-    args, kw = recurrent_serving_args(q, v, cu_seqlens, sdtype, state_layout, ckpt, block_v)
+    args, kw = recurrent_serving_args(q, v, cu_seqlens, sdtype, state_layout, ckpt, block_v, A.dtype)
     kernel = build_recurrent_kernel(*args, **kw)
     dev = q.device
     h0 = initial_state if initial_state is not None else placeholder((1, HV, *tail), sdtype, dev)
@@ -1243,7 +1308,8 @@ def chunk_recurrent_dual_checkpoints(q, k, v, A, g_cum_log2, scale: float, initi
     use_h0 = initial_state is not None
     h0 = initial_state if use_h0 else placeholder((1, HV, K, V), torch.float32, dev)
     cu = cu_seqlens if varlen else placeholder((1,), torch.int32, dev)
-    kernel = build_recurrent_kernel(*recurrent_kernel_args(q, v, cu_seqlens, block_v, dual=True), indexed=True,
+    kernel = build_recurrent_kernel(*recurrent_kernel_args(q, v, cu_seqlens, block_v, dual=True, a_dtype=A.dtype),
+                                    indexed=True,
                                     state_dtype="float32", state_layout="kv", checkpoints=True)
     pos, pos_stride = _int32_words(positions)
     kernel(q, k, v, A, g_cum_log2, h0, cu, float(scale), int(use_h0), 1, o, Q, placeholder((1,), torch.int32, dev), 0,

@@ -129,7 +129,7 @@ def bwd_specs(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, seq_
 def op_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype: str = "bfloat16",
                     beta_dtype: str = "float32", seq_dtype: str = "int32", backward: bool = True,
                     block_v: int | None = None, K: int = 128, V: int = 128, segments_first_use: bool = True,
-                    one_head_prepare: bool = True, dh0: bool | None = None) -> list:
+                    one_head_prepare: bool = True, dh0: bool | None = None, inference: bool = True) -> list:
     """The kernels (`[(kind, args), ...]`, for `build_kernels` / `precompile`) that one call of
     `flashqla.chunk_gated_delta_rule` uses for H q/k heads, HV value heads, N sequences (the
     recurrent kernel's value slice width depends on N * HV: `recurrent.pick_block_v`; `block_v`
@@ -146,8 +146,11 @@ def op_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype:
     G = HV / H > 1 the list ends with the prepare kernel that takes one value head a CTA
     (`prepare.pick_heads_per_cta` picks it for few chunk slots), on the call's offsets and on the
     segments' packed ones. `dh0`: pass 2's build for a call that returns dh0 (True), that does not
-    (False), or both (None, the default: what a precompile needs). Pure Python: needs neither a GPU
-    nor TileLang."""
+    (False), or both (None, the default: what a precompile needs). With `inference` (the default) and
+    bf16 input the list ends with the inference forward's builds (`flashqla.ops.gdn.fwd.product_dtype`:
+    A diag(beta) stored in fp16 and read by fp16 products): prepare (both heads-per-CTA builds where
+    `one_head_prepare`), the recurrent kernel and the split path's run + transition launch, on the
+    offsets the forward's launches above use. Pure Python: needs neither a GPU nor TileLang."""
     BV = block_v or pick_block_v(N, HV, V)
     specs = [
         ("prepare", (H, HV, K, dtype, beta_dtype, seq_dtype, varlen)),
@@ -191,6 +194,16 @@ def op_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype:
     if one_head_prepare and HV // H > 1:
         offsets = [(seq_dtype, varlen)] + ([(seq_dtype if varlen else "int32", True)] if K == V else [])
         specs += [("prepare", (H, HV, K, dtype, beta_dtype, sd, vl, 1)) for sd, vl in dict.fromkeys(offsets)]
+    if inference and dtype == "bfloat16":
+        f16 = "float16"
+        cp_seq = seq_dtype if varlen else "int32"
+        offsets = [(seq_dtype, varlen)] + ([(cp_seq, True)] if K == V else [])
+        heads = (None, 1) if one_head_prepare and HV // H > 1 else (None,)
+        specs += [("prepare", (H, HV, K, dtype, beta_dtype, sd, vl, h, f16))
+                  for sd, vl in dict.fromkeys(offsets) for h in heads]
+        specs.append(("recurrent", (H, HV, K, V, BV, dtype, seq_dtype, varlen, False, f16)))
+        if K == V:
+            specs += [("recurrent", (H, HV, K, V, bv, dtype, cp_seq, True, True, f16)) for bv in (64, 128)]
     return specs
 
 
@@ -207,9 +220,11 @@ def serving_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, d
     so that a plain call builds nothing more. Pure Python."""
     BV = block_v or pick_block_v(N, HV, V)
     seq = seq_dtype if varlen else "int32"
-    specs = [("recurrent_serving", (H, HV, K, V, BV, dtype, seq, varlen, sd, lay, ck))
+    op = (False, "float16") if dtype == "bfloat16" else ()  # the inference forward's fp16 A_beta product
+    specs = [("recurrent_serving", (H, HV, K, V, BV, dtype, seq, varlen, sd, lay, ck) + op)
              for sd in state_dtypes for lay in state_layouts for ck in checkpoints]
     if split and K == V:
-        specs += [("recurrent_serving", (H, HV, K, V, bv, dtype, seq, True, "float32", "kv", True, True))
+        specs += [("recurrent_serving", (H, HV, K, V, bv, dtype, seq, True, "float32", "kv", True, True)
+                   + (("float16",) if op else ()))
                   for bv in (64, 128)]
     return specs
