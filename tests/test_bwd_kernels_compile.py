@@ -203,7 +203,7 @@ def test_op_kernel_specs_match_the_launch_keys(varlen, dtype):
     N = 2 if varlen else 1
     dt = tl_dtype(dtype)
     listed = op_kernel_specs(2, 4, N=N, varlen=varlen, dtype=dt, seq_dtype="int64" if varlen else "int32")
-    specs = dict(s for s in listed if not (s[0] == "recurrent" and len(s[1]) == 9))  # the plain launch's key
+    specs = dict(s for s in listed if not (s[0] == "recurrent" and len(s[1]) != 8))  # the plain launch's key
     assert ("prepare", prepare_kernel_args(q, beta, cu, 4)) in listed
     assert specs["recurrent"] == recurrent_kernel_args(q, v, cu)
     # the split path on the segments' packed offsets (int32 for a fixed-length batch): the prepare
@@ -223,6 +223,20 @@ def test_op_kernel_specs_match_the_launch_keys(varlen, dtype):
         assert ("dg_cumsum", (4, sd, offsets is not None)) in listed
     assert specs["gva_reduce"] == (2, 4, 128, dt)
     assert ("gva_reduce", (4, 4, 128, dt)) in op_kernel_specs(4, 4, N=N, varlen=varlen, dtype=dt)
+    # the inference forward's fp16 A_beta product (bf16 input only): prepare, the plain launch and the dual
+    # launch at both widths, on the input's and the segments' offsets
+    f16 = [s for s in listed if s[1][-1] == "float16" and s[0] in ("prepare", "recurrent")]
+    if dtype == torch.bfloat16:
+        a16 = torch.float16
+        for offsets in (cu, pcu):
+            assert ("prepare", prepare_kernel_args(q, beta, offsets, 4, a16)) in listed
+        assert ("recurrent", recurrent_kernel_args(q, v, cu, a_dtype=a16)) in listed
+        for bv in (64, 128):
+            assert ("recurrent", recurrent_kernel_args(q, v, pcu, bv, dual=True, a_dtype=a16)) in listed
+        # the one-value-head prepare builds (G = 2 here) in fp16 too
+        assert {s[1][7] for s in f16 if s[0] == "prepare"} == {None, 1}
+    else:
+        assert not f16
 
 
 def test_cp_mode_is_checked_before_device_work(monkeypatch):
@@ -276,7 +290,8 @@ CHUNK_BWD_SPILL_BUDGET = 256
     ("bfloat16", "float32", "int32", True, True), pytest.param("bfloat16", "float32", "int32", True, False, marks=_all),
     pytest.param("bfloat16", "float32", "int32", False, True, marks=_all),
     pytest.param("bfloat16", "float32", "int32", False, False, marks=_all),
-    ("float16", "float32", "int32", True, True), pytest.param("float16", "float16", "int64", False, True, marks=_all),
+    pytest.param("float16", "float32", "int32", True, True, marks=_all),
+    pytest.param("float16", "float16", "int64", False, True, marks=_all),
 ], ids=["packed-dh0", "packed", "fixed-dh0", "fixed", "fp16-packed-dh0", "fp16-beta16-i64-fixed-dh0"])
 def test_chunk_bwd_kernel_compiles(dtype, beta_dtype, seq_dtype, varlen, dh0):
     """Pass 2 lowers and compiles for sm_90a: 512 threads, the producer gives back registers

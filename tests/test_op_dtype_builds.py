@@ -1,7 +1,8 @@
-"""The A_beta product in fp16 (issue 42's accuracy experiment, branch issue42fp16): the prepare
-kernel's `a_dtype` and the recurrent kernel's `op_dtype` build options compile for sm_90a without
-spills, with the shipped builds' registers (and shared memory, plus the plain build's row scales),
-in the plain, dual and serving builds.
+"""The inference forward's fp16 A_beta product (`flashqla.ops.gdn.fwd.product_dtype`): the prepare
+kernel's `a_dtype` and the recurrent kernel's `op_dtype` builds compile for sm_90a without spills,
+with the training builds' registers (and shared memory, plus the row scales vn^T shares with the
+output role), in the plain build (and under `compile_all` the dual and serving builds with
+checkpoints).
 Their default builds' generated sources are the recorded ones (tests/test_kernel_sources.py)."""
 
 from __future__ import annotations
@@ -27,9 +28,13 @@ def test_fp16_a_beta_prepare_matches_the_shipped_build():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("kw", [dict(dual=False), dict(dual=True, indexed=True, state_dtype="float32",
-                                                         state_layout="kv", checkpoints=True)],
-                         ids=["plain", "dual-serving-ckpt"])
+@pytest.mark.parametrize("kw", [
+    dict(dual=False),
+    pytest.param(dict(dual=True, indexed=True, state_dtype="float32", state_layout="kv", checkpoints=True),
+                 marks=pytest.mark.compile_all),
+    pytest.param(dict(dual=False, indexed=True, state_dtype="bfloat16", state_layout="vk", checkpoints=True),
+                 marks=pytest.mark.compile_all),
+], ids=["plain", "dual-serving-ckpt", "serving-vk-bf16-ckpt"])
 def test_fp16_a_beta_product_builds_spill_free(kw):
     kw = dict(kw)
     dual = kw.pop("dual")
@@ -38,5 +43,5 @@ def test_fp16_a_beta_product_builds_spill_free(kw):
                                                 **kw))
     assert rep["spill_stores"] == rep["spill_loads"] == 0
     assert rep["registers"] == base["registers"]
-    # the plain build shares vn^T's row scales with the output role: 2 stages x BV fp32
+    # vn^T's row scales shared with the output role: 2 stages x BV fp32
     assert base["dynamic_smem"] <= rep["dynamic_smem"] <= base["dynamic_smem"] + 2 * 64 * 4
