@@ -453,7 +453,8 @@ class ChunkGDNForward(NamedTuple):
 
     o: [B, T, HV, V] in q's dtype.
     final_state: [N, HV, K, V] fp32, or None.
-    A: [HV, S * 64, 64] in q's dtype: per chunk slot, A diag(beta) with A FLA's gated WY inverse
+    A: [HV, S * 64, 64] in q's dtype (fp16 for bf16 q from a forward without gradients,
+        `flashqla.ops.gdn.fwd.product_dtype`; the backward refuses that one): per chunk slot, A diag(beta) with A FLA's gated WY inverse
         (I + strictly_lower(diag(beta) (K K^T) * Gamma))^-1 (slot layout: `kernels.sm90._common`).
     g_cum_log2: [HV, S * 64] fp32: chunk-local inclusive cumsum of g in base-2 units (g_cum / ln 2).
         A and g_cum_log2 are None when `chunk_gated_delta_rule_fwd(for_backward=False)` split the

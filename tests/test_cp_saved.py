@@ -541,3 +541,17 @@ def test_backward_names_products_of_another_layout():
             chunk_gated_delta_rule_bwd(*args, A, G, do, cp="on", backend=ReferenceCPBackend())
         with pytest.raises(ValueError, match=f"^{name} must be"):
             chunk_gated_delta_rule_bwd(*args, A, G, do, cp="off")
+
+
+def test_backward_refuses_an_fp16_A_for_bf16_inputs():
+    """A forward without gradients stores A in fp16 for bf16 input (`flashqla.ops.gdn.fwd.product_dtype`);
+    the backward reads A in q's dtype and refuses another, naming A, before any launch."""
+    from flashqla.cp.saved import check_products
+
+    q = torch.zeros(1, 100, 2, 128, dtype=torch.bfloat16)
+    v = torch.zeros(1, 100, 4, 128, dtype=torch.bfloat16)
+    A = torch.zeros(4, 128, 64, dtype=torch.float16)
+    G = torch.zeros(4, 128)
+    with pytest.raises(ValueError, match="A must be in q's dtype"):
+        check_products(A, G, None, q, v, None)
+    check_products(A.to(torch.bfloat16), G, None, q, v, None)

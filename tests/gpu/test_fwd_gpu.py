@@ -1,7 +1,10 @@
 """GPU tier: the sm_90 forward against the fp64 token recurrence, per quantity, and against FLA's own
 error on the same inputs when `fla` is importable: the training forward (A in q's dtype, what the
-backward reads) within FLA_MARGIN of FLA's error, the inference forward (`for_backward=False`: the
-fp16 A_beta product for bf16 input, `flashqla.ops.gdn.fwd.product_dtype`) within INFERENCE_VS_FLA. Intermediates (g_cum, A) stage by stage against
+backward reads) within FLA_MARGIN of FLA's error; the inference forward (`for_backward=False`: the
+fp16 A_beta product for bf16 input, `flashqla.ops.gdn.fwd.product_dtype`) no worse than the training
+forward on every case, and within INFERENCE_VS_FLA of FLA's error on the long cases of
+`test_inference_forward_error_target` (at a few dozen tokens o's error is the stored o's and the
+bf16 state copy's, which that product does not touch). Intermediates (g_cum, A) stage by stage against
 the chunked reference when it is importable. Outputs are poisoned with NaN before each launch.
 
 Run on the GPU machine: `pytest -m gpu tests/gpu`. Skips cleanly without a Hopper GPU.
@@ -39,8 +42,8 @@ FLA_MARGIN = 1.10
 #: single v_new row: ours rounds beta into the stored bf16 A diag(beta) and rounds W, FLA rounds
 #: beta * v once (seen on the H200: the strict ratio failed at T = 1 only; 16 other cases passed it).
 FLA_FLOOR = 1e-4
-#: the inference forward on bf16 input: at most this factor of FLA's error (issue 42's target), with
-#: the same absolute slack
+#: the inference forward on bf16 input, long cases: at most this factor of FLA's error (issue 42's
+#: target), with the same absolute slack
 INFERENCE_VS_FLA = 0.8
 
 DEV = "cuda"
@@ -92,7 +95,7 @@ def _fla(xd: dict, l2norm=False):
         return exc
 
 
-def _check(xd: dict, block_v=None, l2norm=False, record=None):
+def _check(xd: dict, block_v=None, l2norm=False, record=None, inference_vs_fla=None):
     ref_o, ref_ht = _reference(xd, l2norm)
     out = _ours(xd, block_v=block_v, l2norm=l2norm)
     errs = {"o": rel_rms(out.o, ref_o), "ht": rel_rms(out.final_state, ref_ht)}
@@ -118,9 +121,12 @@ def _check(xd: dict, block_v=None, l2norm=False, record=None):
         assert ierrs[q] <= _budget(q), f"inference {q}: relative RMS error {ierrs[q]:.3e} exceeds budget {_budget(q):.1e}"
         if not bf16:
             assert torch.equal(inf.o, out.o) and torch.equal(inf.final_state, out.final_state)  # one build for fp16
-        elif fla_errs is not None and q in fla_errs:
-            assert ierrs[q] <= INFERENCE_VS_FLA * fla_errs[q] + FLA_FLOOR, (
-                f"inference {q}: ours {ierrs[q]:.3e} above {INFERENCE_VS_FLA} x FLA's {fla_errs[q]:.3e}")
+            continue
+        assert ierrs[q] <= 1.02 * errs[q] + 1e-5, f"inference {q}: {ierrs[q]:.3e} above the training forward's {errs[q]:.3e}"
+        if inference_vs_fla is not None:
+            assert fla_errs is not None and q in fla_errs, "FLA's error is needed for this check"
+            assert ierrs[q] <= inference_vs_fla * fla_errs[q] + FLA_FLOOR, (
+                f"inference {q}: ours {ierrs[q]:.3e} above {inference_vs_fla} x FLA's {fla_errs[q]:.3e}")
     return errs, fla_errs, out
 
 
@@ -154,6 +160,19 @@ def test_varlen(lengths, h0):
 
 def test_no_initial_state_fixed_length():
     _check(_to_device(make_gdn_inputs(B=2, T=333, H=1, HV=2, initial_state=False, seed=3)))
+
+
+@pytest.mark.parametrize("case", ["T8192", "B2-T2000-gva2", "varlen-3000-7-1000"])
+def test_inference_forward_error_target(case):
+    """The inference forward (fp16 A_beta product) on long bf16 cases: o and the final state within
+    INFERENCE_VS_FLA of FLA 0.6.0's error on the same inputs (issue 42's target), g == 0 and strong
+    decay heads included (`make_gdn_inputs`)."""
+    if fla_chunk_gated_delta_rule is None:
+        pytest.skip("needs FLA (the target is relative to its error)")
+    kw = {"T8192": dict(B=1, T=8192, H=2, HV=4, seed=81),
+          "B2-T2000-gva2": dict(B=2, T=2000, H=2, HV=4, seed=82),
+          "varlen-3000-7-1000": dict(B=1, T=4007, H=2, HV=4, cu_seqlens=[3000, 7, 1000], seed=83)}[case]
+    _check(_to_device(make_gdn_inputs(**kw)), inference_vs_fla=INFERENCE_VS_FLA)
 
 
 @pytest.mark.parametrize("block_v", [64, 128])

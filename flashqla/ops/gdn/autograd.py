@@ -102,7 +102,8 @@ def gdn_fwd(
     _check(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cp)
     plan = plan_call(q, v, cu_seqlens, cp, max_seqlen=max_seqlen)
     keep = keeps_products(q, cu_seqlens)
-    f = forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, plan=plan, for_backward=keep)
+    f = forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, plan=plan, for_backward=keep,
+                training=True)
     final_state = f.final_state if f.final_state is not None else q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
     if not keep:
         return f.o, final_state, q.new_empty(_EMPTY_SHAPE), q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)

@@ -6,12 +6,14 @@ A diag(beta)) and recurrent (the state recurrence and the output, the state on c
 `split`): the sequences cut into segments run side by side and stitched exactly
 (`flashqla.cp.forward.cp_forward`; derivations CP-1..CP-5).
 
-The A_beta product's precision (`product_dtype`): a forward whose A goes to no backward
-(`for_backward=False`: every call under `torch.no_grad()`, the serving paths) on bf16 input stores
-A diag(beta) in fp16 and forms v_new = A_beta W and O += Pg v_new from fp16 operands (W's rows
-scaled by powers of two into fp16's range; record RW-6), 3 more mantissa bits where the forward's
-error comes from (`reference.gdn.numerics.forward_rounding_model`); a training forward keeps A in
-bf16, the dtype the backward's kernels read. fp16 input is fp16 throughout either way.
+The A_beta product's precision (`product_dtype`): a forward without gradients (`training=False`, by
+default `for_backward=False`: the public op without inputs that require grad or under
+`torch.no_grad()`, the serving paths) on bf16 input stores A diag(beta) in fp16 and forms
+v_new = A_beta W and O += Pg v_new from fp16 operands (W's rows scaled by powers of two into fp16's
+range; record RW-7), 3 more mantissa bits where the forward's error comes from
+(`reference.gdn.numerics.forward_rounding_model`); a training forward keeps A in bf16, the dtype
+the backward's kernels read (and recompute it in). fp16 input is fp16 throughout either way. The
+split path across GPUs (`flashqla.distributed`) stays on q's dtype.
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
 __all__ = ["chunk_gated_delta_rule_fwd", "forward", "product_dtype"]
 
 
-def product_dtype(q: torch.Tensor, for_backward: bool, backend) -> torch.dtype | None:
+def product_dtype(q: torch.Tensor, training: bool, backend) -> torch.dtype | None:
     """The dtype the prepare launch stores A diag(beta) in (the recurrent launches follow it): fp16
-    for bf16 q on a backend with `fp16_products` when the forward's A goes to no backward, else None
-    (q's dtype; the training forward's, whose A the backward's kernels read in q's dtype)."""
-    if for_backward or q.dtype != torch.bfloat16 or not getattr(backend, "fp16_products", False):
+    for bf16 q on a backend with `fp16_products` in a forward without gradients, else None (q's
+    dtype: a training forward's, whose A the backward's kernels read, or recompute, in q's dtype)."""
+    if training or q.dtype != torch.bfloat16 or not getattr(backend, "fp16_products", False):
         return None
     return torch.float16
 
@@ -78,7 +80,8 @@ def chunk_gated_delta_rule_fwd(
             (never), True / False; None reads $FLASHQLA_CP, default "auto" (`flashqla.contract.cp_mode`).
         for_backward: False (inference) lets a split forward skip moving A and g_cum_log2 back to the
             caller's slot layout (a gather of both): they are then returned as None. It also picks
-            the fp16 A_beta product for bf16 input (`product_dtype`; A is then fp16 where returned).
+            the fp16 A_beta product for bf16 input (`product_dtype`; an unsplit forward then returns
+            A in fp16, which `chunk_gated_delta_rule_bwd` refuses).
         keep_cp_states: training, with for_backward: when the backward's plan splits these inputs, the
             forward splits the same way and keeps its segments' entering states, transitions and U
             rows (`ChunkGDNForward.cp_saved`, `flashqla.cp.saved.CPSaved`) for
@@ -142,11 +145,14 @@ def chunk_gated_delta_rule_fwd(
 def forward(q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens, *, plan: CallPlan,
             backend=None, for_backward: bool = True, block_v: int | None = None, gate_chunks: int | None = None,
             correction: str = "gemm", truncate=None, poison_outputs: bool = False, return_info: bool = False,
-            checkpoint_positions=None):
+            checkpoint_positions=None, training: bool | None = None):
     """Runs `plan` (`flashqla.cp.plan.plan_call`) on validated inputs (q and k after any L2 norm; scale
     a float): the arguments and returns of `chunk_gated_delta_rule_fwd`, without its checks. With
     `plan.keep` the forward keeps its split states (`ChunkGDNForward.cp_saved`). g is clamped at
     `flashqla.contract.G_FLOOR` first (`clamp_gates`: one elementwise pass over [B, T, HV] fp32).
+    training (None: for_backward): whether this is a training forward, which decides the A_beta
+    product's dtype (`product_dtype`); a training forward whose backward recomputes A passes
+    for_backward=False with training=True.
 
     checkpoint_positions (split plans in exact mode only; validated by the caller: sorted global
     offsets, each inside a sequence): the states after those tokens come back as the info's
@@ -156,7 +162,7 @@ def forward(q, k, v, g, beta, scale: float, initial_state, output_final_state: b
     if checkpoint_positions is not None and (not plan.forward.split or gate_chunks is not None or not return_info):
         raise ValueError("checkpoint_positions: a split plan in exact mode, with return_info=True")
     backend = default_backend() if backend is None else backend
-    a_dtype = product_dtype(q, for_backward, backend)
+    a_dtype = product_dtype(q, for_backward if training is None else training, backend)
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
     g = clamp_gates(g).contiguous()  # the one gate floor of every path (`flashqla.contract.G_FLOOR`)
     initial_state = None if initial_state is None else initial_state.contiguous()
@@ -174,7 +180,8 @@ def forward(q, k, v, g, beta, scale: float, initial_state, output_final_state: b
     if hasattr(backend, "warm"):
         backend.warm(flat(k), flat(beta), flat(q), flat(v), tables.cu_seqlens, HV, BV,
                      dual=gate_chunks is None and (correction != "rerun" or checkpoint_positions is not None)
-                     and q.shape[-1] == V, checkpoints=checkpoint_positions is not None, a_dtype=a_dtype)
+                     and q.shape[-1] == V, checkpoints=checkpoint_positions is not None,
+                     **({} if a_dtype is None else {"a_dtype": a_dtype}))
     o, final, A, G2, info = cp_forward(backend, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                        tables, block_v=BV, gate_chunks=gate_chunks, correction=correction,
                                        poison_outputs=poison_outputs, want_info=return_info and checkpoint_positions is None, static_key=static_key,

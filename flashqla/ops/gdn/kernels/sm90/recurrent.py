@@ -109,7 +109,8 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
     (O += Pg vn). "float16" keeps 3 more mantissa bits than bf16 there (o 0.73x FLA's error in the
     CPU rounding model, `reference.gdn.numerics.forward_rounding_model`). fp16's range: each row i
     of W^T (one value row, 64 tokens) is scaled by a power of two s_i that puts its largest magnitude
-    in [2^7, 2^8) (s_i within 2^-30 .. 2^30), so that vn^T's rows (|A_beta| <= 1 on unit keys) stay
+    in [2^7, 2^8) (s_i within 2^-30 .. 2^30; over the sequence's own tokens: the rows past its end
+    are zeroed first, A_beta's columns there being 0), so that vn^T's rows (|A_beta| <= 1 on unit keys) stay
     below 2^15; the state update takes vn^T / s_i (exact), and the output role scales O's column i
     by s_i before O += Pg vn and back after (s_i shared through `sc_s` with vn^T)."""
     import tilelang.language as T
@@ -262,12 +263,18 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
                     if scaled:
                         # W^T in fp32 in U^T's registers, each row scaled by a power of two that puts its
                         # largest magnitude in [2^7, 2^8) (2^-30 .. 2^30): fp16's range for any |v|
+                        # (tokens past the sequence's end zeroed: the scale depends on the sequence alone;
+                        # A_beta's columns there are 0, so vn^T does not change)
                         if dual:
                             for i, j in T.Parallel(BV, C):
-                                ut[i, j] = T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j]
+                                ut[i, j] = T.if_then_else(
+                                    c * C + j < seqlen,
+                                    T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j],
+                                    T.float32(0))
                         else:
                             for i, j in T.Parallel(BV, C):
-                                ut[i, j] = T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j]
+                                ut[i, j] = T.if_then_else(c * C + j < seqlen,
+                                                          T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j], T.float32(0))
                         T.reduce_absmax(ut, wmax, dim=1)
                         for i in T.Parallel(BV):
                             wsc[i] = T.exp2(T.max(T.min(T.float32(8) - T.floor(T.log2(T.max(wmax[i], T.float32(1e-30))))
@@ -750,12 +757,18 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                     if scaled:
                         # W^T in fp32 in U^T's registers, each row scaled by a power of two that puts its
                         # largest magnitude in [2^7, 2^8) (2^-30 .. 2^30): fp16's range for any |v|
+                        # (tokens past the sequence's end zeroed: the scale depends on the sequence alone;
+                        # A_beta's columns there are 0, so vn^T does not change)
                         if dual:
                             for i, j in T.Parallel(BV, C):
-                                ut[i, j] = T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j]
+                                ut[i, j] = T.if_then_else(
+                                    c * C + j < seqlen,
+                                    T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j],
+                                    T.float32(0))
                         else:
                             for i, j in T.Parallel(BV, C):
-                                ut[i, j] = T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j]
+                                ut[i, j] = T.if_then_else(c * C + j < seqlen,
+                                                          T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j], T.float32(0))
                         T.reduce_absmax(ut, wmax, dim=1)
                         for i in T.Parallel(BV):
                             wsc[i] = T.exp2(T.max(T.min(T.float32(8) - T.floor(T.log2(T.max(wmax[i], T.float32(1e-30))))
