@@ -81,8 +81,8 @@ def check_products(A, g_cum_log2, cp_saved, q=None, v=None, cu_seqlens=None) -> 
     backward then recomputes them, one prepare launch); ValueError naming the argument otherwise. TypeError naming cp_saved when it is neither None nor a `CPSaved`. With q
     and v, given A [HV, S * 64, 64] and g_cum_log2 [HV, S * 64] must have the caller's S =
     `num_slots` of these inputs (a kept forward's `CPSaved.A`, in its segments' layout, has more
-    slots), and A must be in q's dtype (a for_backward=False forward's fp16 A is refused): ValueError
-    naming the argument otherwise."""
+    slots), and an fp16 A with bf16 q (a for_backward=False forward's, `flashqla.ops.gdn.fwd.product_dtype`)
+    is refused: ValueError naming the argument otherwise."""
     if cp_saved is not None and not isinstance(cp_saved, CPSaved):
         raise TypeError(f"cp_saved must be None or the forward's ChunkGDNForward.cp_saved (a CPSaved), "
                         f"got {type(cp_saved).__name__}")
@@ -90,7 +90,7 @@ def check_products(A, g_cum_log2, cp_saved, q=None, v=None, cu_seqlens=None) -> 
         missing, given = ("A", "g_cum_log2") if A is None else ("g_cum_log2", "A")
         raise ValueError(f"{missing} is None but {given} is not: pass the forward's A and g_cum_log2 together, "
                          "or both None with its cp_saved")
-    if A is not None and q is not None and A.dtype != q.dtype:
+    if A is not None and q is not None and A.dtype == torch.float16 and q.dtype == torch.bfloat16:
         raise ValueError(f"A must be in q's dtype ({q.dtype}), got {A.dtype}: the backward reads a training forward's "
                          "A (chunk_gated_delta_rule_fwd with for_backward=True); a for_backward=False forward stores "
                          "it in fp16 for bf16 input")

@@ -119,8 +119,9 @@ def chunk_gated_delta_rule(
     bounded by its inputs. |k| is not checked: with beta |k|^2 > 2 the state can grow without bound.
 
     Serving arguments (keyword-only, defined in `flashqla.serving`; the same on
-    `reference.chunk_gated_delta_rule`; run by `flashqla.ops.gdn.serving.serve`, for now in torch
-    around the unchanged kernels):
+    `reference.chunk_gated_delta_rule`; run by `flashqla.ops.gdn.serving.serve`: inference on an
+    unsplit plan runs the recurrent kernel's serving build, which reads and writes the pool rows,
+    layouts, storage dtypes and checkpoints itself; other calls run torch around the kernels):
         state_indices: int32/int64 [N] on q's device or None. With it initial_state is a pool
             [P, HV, K, V] ("kv") or [P, HV, V, K] ("vk") in fp32, bf16 or fp16: sequence n starts
             from row state_indices[n] (gathered, cast to fp32), and with output_final_state its final
@@ -135,9 +136,10 @@ def chunk_gated_delta_rule(
             packed batch (b * T + t without cu_seqlens), each inside a sequence (cu_seqlens[n] <
             p <= cu_seqlens[n + 1]; checked on CPU tensors only), at any token.
         checkpoint_states: [M, HV, K, V] (or [M, HV, V, K]) fp32/bf16/fp16, preallocated: row m is
-            written with the state after the first checkpoint_positions[m] tokens. Costs two more
-            forwards on the batch cut at the positions (`flashqla.ops.gdn.serving`); o and the final
-            state are those of the call without checkpoints.
+            written with the state after the first checkpoint_positions[m] tokens: in-kernel on the
+            serving build, inside the split forward on a split plan, else two more forwards on the
+            batch cut at the positions (`flashqla.ops.gdn.serving`); o and the final state are those
+            of the call without checkpoints.
         out: preallocated o [B, T, HV, V] in q's dtype, written and returned (inference only).
         batch_invariant: a sequence's o, final state and checkpoints bitwise the same whatever else
             is in the batch: the plan is cp="off" and the recurrent kernel's value-slice width is
@@ -161,8 +163,15 @@ def chunk_gated_delta_rule(
     token and value head, plus 128 KB per segment and value head) so that the backward does not
     recompute them (`autograd.GDNEagerFunction`); o then comes from the backward's segmentation and
     can differ from a no-grad call's at the level of its rounding. Under `torch.compile` the op is one
-    opaque custom op per direction (`flashqla::gdn_fwd`, `flashqla::gdn_bwd`), and that backward
-    recomputes them. The gradients are differentiable once (a double backward raises).
+    opaque custom op per direction (`flashqla::gdn_fwd`, `flashqla::gdn_bwd`; `flashqla::gdn_fwd_inference`
+    without gradients), and that backward recomputes them. The gradients are differentiable once (a
+    double backward raises).
+
+    Precision: without gradients and on bf16 input the forward stores A diag(beta) in fp16 and feeds
+    the two products that read it fp16 operands (`flashqla.ops.gdn.fwd.product_dtype`; W's value
+    columns scaled by powers of two, derivation RW-7); a training forward keeps q's dtype there, so
+    its o and final state differ from a no-grad call's at the level of bf16 rounding (README,
+    "Precision").
 
     Returns:
         (o, final_state): o [B, T, HV, V] in q's dtype; final_state [N, HV, K, V] float32, or None

@@ -80,7 +80,8 @@ def chunk_gated_delta_rule_bwd(
         [N, HV, K, V] (naming the argument).
         TypeError: cp_saved neither None nor a `CPSaved`; need_dh0 not a bool. ValueError: an unknown
         cp mode or truncate, a bad segment_len; exactly one of A, g_cum_log2 None (naming it); A or
-        g_cum_log2 not of these inputs' slot count (naming it);
+        g_cum_log2 not of these inputs' slot count (naming it); an fp16 A with bf16 q (a
+        `for_backward=False` forward's, naming A);
         A None with a cp_saved kept by a forward of other sizes.
 
     Source: `reference.gdn.fused_bwd.fused_gated_delta_rule_bwd` (records BWD-*).

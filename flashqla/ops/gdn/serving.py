@@ -136,7 +136,7 @@ def serve(q, k, v, g, beta, scale: float, initial_state, output_final_state: boo
             else:
                 LAST_PATH["checkpoints"] = "pieces"
                 ckpt = checkpoint_states(q, k, v, g, beta, scale, h0, cu_seqlens, s.checkpoint_positions, mode=mode,
-                                         block_v=block_v, backend=backend)
+                                         block_v=block_v, backend=backend, training=training)
     return write_back(o, final, ckpt, s, initial_state, output_final_state)
 
 
@@ -301,11 +301,13 @@ def _serve_kernel(q, k, v, g, beta, scale: float, initial_state, output_final_st
 
 
 def checkpoint_states(q, k, v, g, beta, scale: float, h0, cu_seqlens, positions, *, mode: str = "auto",
-                      block_v=None, backend=None) -> torch.Tensor:
+                      block_v=None, backend=None, training: bool = False) -> torch.Tensor:
     """The state after the first p tokens of the packed batch for every p of `positions` ([M], sorted,
     each inside a sequence), [M, HV, K, V] in the backend's state dtype (fp32 on the GPU), by the
     pieces-and-scan method of the module docstring (two forwards on the batch cut at the sequence
-    starts and the positions; no host read). h0: [N, HV, K, V] or None (zeros)."""
+    starts and the positions; no host read). h0: [N, HV, K, V] or None (zeros). training: a training
+    call's checkpoints (its forwards then take the training forward's precision, as its o does:
+    `flashqla.ops.gdn.fwd.product_dtype`)."""
     B, T, H, K = q.shape
     HV = v.shape[2]
     if cu_seqlens is None:  # B rows of T tokens: one packed batch of B sequences (global offsets b * T + t)
@@ -318,7 +320,7 @@ def checkpoint_states(q, k, v, g, beta, scale: float, h0, cu_seqlens, positions,
     def run(vv, start):
         plan = plan_call(q, vv, pieces_cu, mode)
         f = forward(q, k, vv, g, beta, scale, start, True, pieces_cu, plan=plan, backend=backend, for_backward=False,
-                    block_v=block_v)
+                    block_v=block_v, training=training)
         return f.final_state
 
     if h0 is None:
