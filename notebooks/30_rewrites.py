@@ -13,6 +13,7 @@
 # | RW-4 | $e^{G_i - G_j}$ | $2^{\hat G_i - \hat G_j}$, $\hat G = G / \ln 2$ | `exp2` is the hardware instruction |
 # | RW-5 | as RW-3 | $\gamma_C S + X^\top Y$ | no $C \times C$ mask in the state update |
 # | RW-6 | FLA's backward state pass | $M_c^\top dS' + \text{scale}\,(D R)^\top dO$ | gate-light state gradient |
+# | RW-7 | $A_b W$, $O + P_g A_b W$ | $(A_b (W S_d)) S_d^{-1}$, $(O S_d + P_g A_b W S_d) S_d^{-1}$ | $W$'s value columns scaled by powers of two into fp16's range (the inference forward's fp16 products) |
 #
 # Equal in exact arithmetic is not enough: a rewrite moves rounding around. The kernels store q, k, v (and
 # the output gradient) in bf16 and compute in fp32. So for each record both sides are evaluated from
@@ -20,7 +21,7 @@
 # very strong and over independent and strongly correlated keys. The claim, asserted: **a rewrite costs no
 # accuracy** (its error is within 5% of FLA's for every quantity the kernels produce).
 #
-# reviewed: 2026-11-29 · records RW-1 .. RW-6 · `reference.gdn.fused`, `reference.gdn.chunk`,
+# reviewed: 2026-11-29 · records RW-1 .. RW-7 · `reference.gdn.fused`, `reference.gdn.chunk`,
 # `reference.gdn.twins`, `reference.gdn.numerics.rewrite_error_sweep`
 
 # %%
@@ -46,7 +47,7 @@ T = 200 if SIZE == "small" else 512
 FIG = notebook_figure_dir()
 RW = [r.id for r in derivations.registry() if r.id.startswith("RW-")]
 print(f"size: {SIZE}, K = V = {K}, T = {T}; records: {', '.join(RW)}")
-assert RW == [f"RW-{i}" for i in range(1, 7)]
+assert RW == [f"RW-{i}" for i in range(1, 8)]
 
 # %% [markdown]
 # ## Statements and proofs
