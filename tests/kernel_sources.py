@@ -1,4 +1,5 @@
-"""Digests of the CUDA source TileLang generates for every kernel `flashqla.warmup` builds.
+"""Digests of the CUDA source TileLang generates for every kernel `flashqla.warmup` builds (with
+`fp16_products=True`: the opt-in fp16 A_beta product's builds too).
 
 A refactor that must not change any kernel (moving code, renaming Python functions, removing dead
 variants) is checked by lowering every build of a set of head configurations for sm_90a on the CPU
@@ -95,7 +96,7 @@ def config_sources(name: str, one_per_kind: bool = False) -> list:
         return sorted(found)
     for key in ("dtype", "beta_dtype", "seqlens_dtype"):
         cfg[key] = getattr(torch, cfg[key])
-    flashqla.warmup(**cfg, backward=True)
+    flashqla.warmup(**cfg, backward=True, fp16_products=True)  # the opt-in fp16 A_beta builds recorded too
     return sorted(found)
 
 

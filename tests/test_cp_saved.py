@@ -555,3 +555,22 @@ def test_backward_refuses_an_fp16_A_for_bf16_inputs():
     with pytest.raises(ValueError, match="A must be in q's dtype"):
         check_products(A, G, None, q, v, None)
     check_products(A.to(torch.bfloat16), G, None, q, v, None)
+
+
+def test_fp16_products_is_an_opt_in_of_no_grad_bf16_forwards():
+    """`product_dtype`: fp16 A only for bf16 q, without gradients, on a backend with fp16_products on
+    (off by default); a bad flag is a TypeError naming it."""
+    from flashqla.ops.gdn.backend import Sm90Backend, default_backend
+    from flashqla.ops.gdn.fwd import product_dtype
+    from reference.gdn.cp import ReferenceCPBackend
+
+    q = torch.zeros(1, 4, 1, 128, dtype=torch.bfloat16)
+    on, off = Sm90Backend(fp16_products=True), Sm90Backend()
+    assert default_backend().fp16_products is False and off.fp16_products is False
+    assert product_dtype(q, False, on) == torch.float16
+    assert product_dtype(q, True, on) is None  # training
+    assert product_dtype(q, False, off) is None
+    assert product_dtype(q.half(), False, on) is None  # fp16 input: fp16 throughout anyway
+    assert product_dtype(q, False, ReferenceCPBackend()) is None
+    with pytest.raises(TypeError, match="fp16_products"):
+        Sm90Backend(fp16_products=1)

@@ -162,10 +162,10 @@ def test_autograd_context_parallel_matches_unsplit(seqlens, hint):
 def test_inference_path_equals_training_path(cp):
     """Without inputs that require a gradient (or under no_grad) the public op runs
     `flashqla::gdn_fwd_inference` (nothing kept for a backward; a split forward skips moving A back to
-    the caller's layout; bf16 input: the fp16 A_beta product, `flashqla.ops.gdn.fwd.product_dtype`):
-    o and the final state are bitwise the inference forward's (`forward(for_backward=False)`), eager,
-    under no_grad and under torch.compile(fullgraph=True), and within rounding of the training
-    path's (A in bf16): no further from the fp64 reference than it."""
+    the caller's layout): o and the final state are bitwise those of the training path, eager, under
+    no_grad and under torch.compile(fullgraph=True), and those of `forward(for_backward=False)`. With
+    the opt-in fp16 A_beta product (`default_backend().fp16_products`) the no-grad calls follow it
+    (bitwise each other's) and are no further from the fp64 reference than the training path."""
     x = make_gdn_inputs(K=128, V=128, seed=18, B=1, T=4096 if cp == "on" else 300, H=2, HV=4, initial_state=True,
                         seqlens=[2900, 1196] if cp == "on" else None)
     d = {n: (t.to("cuda", torch.bfloat16) if n in ("q", "k", "v") else t.to("cuda", torch.float32))
@@ -181,21 +181,34 @@ def test_inference_path_equals_training_path(cp):
     train = [a.clone().requires_grad_(True) for a in args]
     o_t, ht_t = fwd(*train)
     assert o_t.requires_grad and not o_i.requires_grad
+    assert torch.equal(o_i, o_t.detach()) and torch.equal(ht_i, ht_t.detach())
     from flashqla.cp.plan import plan_call
+    from flashqla.ops.gdn.backend import default_backend
     from flashqla.ops.gdn.fwd import forward
 
     f = forward(*args[:5], 128**-0.5, args[5], True, cu, plan=plan_call(args[0], args[2], cu, cp), for_backward=False)
     assert torch.equal(o_i, f.o) and torch.equal(ht_i, f.final_state)
-    ref_o, ref_ht = reference.chunk_gated_delta_rule(*(a.double() for a in args[:5]), initial_state=args[5].double(),
-                                                     output_final_state=True, cu_seqlens=cu)
-    for ours, train, ref in ((o_i, o_t, ref_o), (ht_i, ht_t, ref_ht)):
-        e_i, e_t = rel_rms(ours, ref), rel_rms(train.detach(), ref)
-        assert e_i <= 1.02 * e_t + 1e-5, (e_i, e_t)
     with torch.no_grad():
         o_n, _ = fwd(*train)
     assert torch.equal(o_n, o_i)
     o_c, ht_c = torch.compile(fwd, fullgraph=True)(*args)
     assert torch.equal(o_c, o_i) and torch.equal(ht_c, ht_i)
+    # the opt-in fp16 A_beta product: the no-grad calls only
+    be = default_backend()
+    try:
+        be.fp16_products = True
+        o_h, ht_h = fwd(*args)
+        with torch.no_grad():
+            o_h2, _ = fwd(*train)
+        o_t2, _ = fwd(*train)
+    finally:
+        be.fp16_products = False
+    assert torch.equal(o_h, o_h2) and torch.equal(o_t2.detach(), o_t.detach())
+    ref_o, ref_ht = reference.chunk_gated_delta_rule(*(a.double() for a in args[:5]), initial_state=args[5].double(),
+                                                     output_final_state=True, cu_seqlens=cu)
+    for ours, train_out, ref in ((o_h, o_t, ref_o), (ht_h, ht_t, ref_ht)):
+        e_h, e_t = rel_rms(ours, ref), rel_rms(train_out.detach(), ref)
+        assert e_h <= 1.02 * e_t + 1e-5, (e_h, e_t)
 
 
 @pytest.mark.parametrize("cp", ["off", "on"])

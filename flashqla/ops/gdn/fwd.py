@@ -6,9 +6,10 @@ A diag(beta)) and recurrent (the state recurrence and the output, the state on c
 `split`): the sequences cut into segments run side by side and stitched exactly
 (`flashqla.cp.forward.cp_forward`; derivations CP-1..CP-5).
 
-The A_beta product's precision (`product_dtype`): a forward without gradients (`training=False`, by
-default `for_backward=False`: the public op without inputs that require grad or under
-`torch.no_grad()`, the serving paths) on bf16 input stores A diag(beta) in fp16 and forms
+The A_beta product's precision (`product_dtype`), opt-in (`Sm90Backend(fp16_products=True)`, or
+`default_backend().fp16_products = True` for the public op): a forward without gradients
+(`training=False`, by default `for_backward=False`: the public op without inputs that require grad
+or under `torch.no_grad()`, the serving paths) on bf16 input stores A diag(beta) in fp16 and forms
 v_new = A_beta W and O += Pg v_new from fp16 operands (W's rows scaled by powers of two into fp16's
 range; record RW-7), 3 more mantissa bits where the forward's error comes from
 (`reference.gdn.numerics.forward_rounding_model`); a training forward keeps A in bf16, the dtype
@@ -34,8 +35,9 @@ __all__ = ["chunk_gated_delta_rule_fwd", "forward", "product_dtype"]
 
 def product_dtype(q: torch.Tensor, training: bool, backend) -> torch.dtype | None:
     """The dtype the prepare launch stores A diag(beta) in (the recurrent launches follow it): fp16
-    for bf16 q on a backend with `fp16_products` in a forward without gradients, else None (q's
-    dtype: a training forward's, whose A the backward's kernels read, or recompute, in q's dtype)."""
+    for bf16 q on a backend whose `fp16_products` is True (`Sm90Backend(fp16_products=True)`; off by
+    default) in a forward without gradients, else None (q's dtype; always for a training forward,
+    whose A the backward's kernels read, or recompute, in q's dtype)."""
     if training or q.dtype != torch.bfloat16 or not getattr(backend, "fp16_products", False):
         return None
     return torch.float16
@@ -79,9 +81,10 @@ def chunk_gated_delta_rule_fwd(
         cp: intra-device context parallelism: "auto" (the planner decides), "on" (always split), "off"
             (never), True / False; None reads $FLASHQLA_CP, default "auto" (`flashqla.contract.cp_mode`).
         for_backward: False (inference) lets a split forward skip moving A and g_cum_log2 back to the
-            caller's slot layout (a gather of both): they are then returned as None. It also picks
-            the fp16 A_beta product for bf16 input (`product_dtype`; an unsplit forward then returns
-            A in fp16, which `chunk_gated_delta_rule_bwd` refuses).
+            caller's slot layout (a gather of both): they are then returned as None. With a backend
+            whose fp16_products is on it also picks the fp16 A_beta product for bf16 input
+            (`product_dtype`; an unsplit forward then returns A in fp16, which
+            `chunk_gated_delta_rule_bwd` refuses).
         keep_cp_states: training, with for_backward: when the backward's plan splits these inputs, the
             forward splits the same way and keeps its segments' entering states, transitions and U
             rows (`ChunkGDNForward.cp_saved`, `flashqla.cp.saved.CPSaved`) for

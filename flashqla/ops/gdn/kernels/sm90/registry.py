@@ -129,7 +129,7 @@ def bwd_specs(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, seq_
 def op_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype: str = "bfloat16",
                     beta_dtype: str = "float32", seq_dtype: str = "int32", backward: bool = True,
                     block_v: int | None = None, K: int = 128, V: int = 128, segments_first_use: bool = True,
-                    one_head_prepare: bool = True, dh0: bool | None = None, inference: bool = True) -> list:
+                    one_head_prepare: bool = True, dh0: bool | None = None, fp16_products: bool = False) -> list:
     """The kernels (`[(kind, args), ...]`, for `build_kernels` / `precompile`) that one call of
     `flashqla.chunk_gated_delta_rule` uses for H q/k heads, HV value heads, N sequences (the
     recurrent kernel's value slice width depends on N * HV: `recurrent.pick_block_v`; `block_v`
@@ -146,8 +146,8 @@ def op_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype:
     G = HV / H > 1 the list ends with the prepare kernel that takes one value head a CTA
     (`prepare.pick_heads_per_cta` picks it for few chunk slots), on the call's offsets and on the
     segments' packed ones. `dh0`: pass 2's build for a call that returns dh0 (True), that does not
-    (False), or both (None, the default: what a precompile needs). With `inference` (the default) and
-    bf16 input the list ends with the inference forward's builds (`flashqla.ops.gdn.fwd.product_dtype`:
+    (False), or both (None, the default: what a precompile needs). With `fp16_products` and bf16 input
+    the list ends with the builds of the opt-in fp16 A_beta product (`flashqla.ops.gdn.fwd.product_dtype`:
     A diag(beta) stored in fp16 and read by fp16 products): prepare (both heads-per-CTA builds where
     `one_head_prepare`), the recurrent kernel and the split path's run + transition launch, on the
     offsets the forward's launches above use. Pure Python: needs neither a GPU nor TileLang."""
@@ -194,7 +194,7 @@ def op_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype:
     if one_head_prepare and HV // H > 1:
         offsets = [(seq_dtype, varlen)] + ([(seq_dtype if varlen else "int32", True)] if K == V else [])
         specs += [("prepare", (H, HV, K, dtype, beta_dtype, sd, vl, 1)) for sd, vl in dict.fromkeys(offsets)]
-    if inference and dtype == "bfloat16":
+    if fp16_products and dtype == "bfloat16":
         f16 = "float16"
         cp_seq = seq_dtype if varlen else "int32"
         offsets = [(seq_dtype, varlen)] + ([(cp_seq, True)] if K == V else [])
@@ -210,17 +210,18 @@ def op_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype:
 def serving_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype: str = "bfloat16",
                          seq_dtype: str = "int32", block_v: int | None = None, K: int = 128, V: int = 128,
                          state_dtypes=("float32", "bfloat16"), state_layouts=("kv", "vk"),
-                         checkpoints=(False, True), split: bool = False) -> list:
+                         checkpoints=(False, True), split: bool = False, fp16_products: bool = False) -> list:
     """The serving builds of the recurrent kernel (kind "recurrent_serving",
     `recurrent.build_recurrent_serving_kernel`) a serving call of these heads may launch, for every
     combination of the given state dtypes, layouts and checkpoint switches (the prepare kernel is
     `op_kernel_specs`'). With `split` (K == V), also the split path's dual launch with checkpoints
     (`recurrent.chunk_recurrent_dual_checkpoints`, fp32 "kv", on the segments' packed offsets) at
     both value slice widths. Kept out of `op_kernel_specs` (warmup's list and the recorded sources)
-    so that a plain call builds nothing more. Pure Python."""
+    so that a plain call builds nothing more. `fp16_products`: the builds of the opt-in fp16 A_beta
+    product (bf16 input; `flashqla.ops.gdn.fwd.product_dtype`) instead. Pure Python."""
     BV = block_v or pick_block_v(N, HV, V)
     seq = seq_dtype if varlen else "int32"
-    op = (False, "float16") if dtype == "bfloat16" else ()  # the inference forward's fp16 A_beta product
+    op = (False, "float16") if fp16_products and dtype == "bfloat16" else ()  # the opt-in fp16 A_beta product
     specs = [("recurrent_serving", (H, HV, K, V, BV, dtype, seq, varlen, sd, lay, ck) + op)
              for sd in state_dtypes for lay in state_layouts for ck in checkpoints]
     if split and K == V:
