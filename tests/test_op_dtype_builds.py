@@ -1,8 +1,8 @@
 """The inference forward's fp16 A_beta product (`flashqla.ops.gdn.fwd.product_dtype`): the prepare
-kernel's `a_dtype` and the recurrent kernel's `op_dtype` builds compile for sm_90a without spills,
-with the training builds' registers (and shared memory, plus the row scales vn^T shares with the
-output role), in the plain build (and under `compile_all` the dual and serving builds with
-checkpoints).
+kernel's `a_dtype` and the recurrent kernel's `op_dtype` builds at value slice width 64 compile for
+sm_90a without spills, with the default builds' registers (and shared memory, plus the row scales
+vn^T shares with the output role), in the plain build (and under `compile_all` the dual and serving
+builds with checkpoints). At width 128 they spill 24 B a thread (benchmarks/journal/forward.md).
 Their default builds' generated sources are the recorded ones (tests/test_kernel_sources.py)."""
 
 from __future__ import annotations
