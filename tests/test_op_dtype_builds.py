@@ -2,7 +2,7 @@
 kernel's `a_dtype` and the recurrent kernel's `op_dtype` builds at value slice width 64 compile for
 sm_90a without spills, with the default builds' registers (and shared memory, plus the row scales
 vn^T shares with the output role), in the plain build (and under `compile_all` the dual and serving
-builds with checkpoints). At width 128 they spill 24 B a thread (benchmarks/journal/forward.md).
+builds with checkpoints). At width 128 the dual and serving builds spill (benchmarks/journal/forward.md).
 Their default builds' generated sources are the recorded ones (tests/test_kernel_sources.py)."""
 
 from __future__ import annotations

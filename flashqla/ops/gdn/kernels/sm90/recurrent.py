@@ -267,14 +267,13 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
                         # A_beta's columns there are 0, so vn^T does not change)
                         if dual:
                             for i, j in T.Parallel(BV, C):
-                                ut[i, j] = T.if_then_else(
-                                    c * C + j < seqlen,
-                                    T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j],
-                                    T.float32(0))
+                                ut[i, j] = T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j]
                         else:
                             for i, j in T.Parallel(BV, C):
-                                ut[i, j] = T.if_then_else(c * C + j < seqlen,
-                                                          T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j], T.float32(0))
+                                ut[i, j] = T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j]
+                        if c * C + C > seqlen:  # the sequence's last, partial chunk
+                            for i, j in T.Parallel(BV, C):
+                                ut[i, j] = T.if_then_else(c * C + j < seqlen, ut[i, j], T.float32(0))
                         T.reduce_absmax(ut, wmax, dim=1)
                         for i in T.Parallel(BV):
                             wsc[i] = T.exp2(T.max(T.min(T.float32(8) - T.floor(T.log2(T.max(wmax[i], T.float32(1e-30))))
@@ -761,14 +760,13 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                         # A_beta's columns there are 0, so vn^T does not change)
                         if dual:
                             for i, j in T.Parallel(BV, C):
-                                ut[i, j] = T.if_then_else(
-                                    c * C + j < seqlen,
-                                    T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j],
-                                    T.float32(0))
+                                ut[i, j] = T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j]
                         else:
                             for i, j in T.Parallel(BV, C):
-                                ut[i, j] = T.if_then_else(c * C + j < seqlen,
-                                                          T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j], T.float32(0))
+                                ut[i, j] = T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j]
+                        if c * C + C > seqlen:  # the sequence's last, partial chunk
+                            for i, j in T.Parallel(BV, C):
+                                ut[i, j] = T.if_then_else(c * C + j < seqlen, ut[i, j], T.float32(0))
                         T.reduce_absmax(ut, wmax, dim=1)
                         for i in T.Parallel(BV):
                             wsc[i] = T.exp2(T.max(T.min(T.float32(8) - T.floor(T.log2(T.max(wmax[i], T.float32(1e-30))))
