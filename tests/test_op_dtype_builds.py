@@ -45,3 +45,15 @@ def test_fp16_a_beta_product_builds_spill_free(kw):
     assert rep["registers"] == base["registers"]
     # vn^T's row scales shared with the output role: 2 stages x BV fp32
     assert base["dynamic_smem"] <= rep["dynamic_smem"] <= base["dynamic_smem"] + 2 * 64 * 4
+
+
+@needs_nvcc
+@pytest.mark.compile_all
+def test_fp16_a_beta_product_plain_build_at_width_128_is_spill_free():
+    """The plain build at value slice width 128 (the SM-filling rows' width): no spill, the default
+    build's registers (the past-the-end mask runs on a sequence's last chunk only; in the W^T loop it
+    spilled 24 B a thread)."""
+    base = ptxas_report(R.build_recurrent_kernel(16, 32, 128, 128, 128, "bfloat16", "int32", True))
+    rep = ptxas_report(R.build_recurrent_kernel(16, 32, 128, 128, 128, "bfloat16", "int32", True, False, "float16"))
+    assert rep["spill_stores"] == rep["spill_loads"] == 0
+    assert rep["registers"] == base["registers"]
