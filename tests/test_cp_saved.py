@@ -574,3 +574,6 @@ def test_fp16_products_is_an_opt_in_of_no_grad_bf16_forwards():
     assert product_dtype(q, False, ReferenceCPBackend()) is None
     with pytest.raises(TypeError, match="fp16_products"):
         Sm90Backend(fp16_products=1)
+    with pytest.raises(TypeError, match="fp16_products"):
+        off.fp16_products = "yes"
+    assert off.fp16_products is False

@@ -195,6 +195,7 @@ def test_inference_path_equals_training_path(cp):
     assert torch.equal(o_c, o_i) and torch.equal(ht_c, ht_i)
     # the opt-in fp16 A_beta product: the no-grad calls only
     be = default_backend()
+    was = be.fp16_products
     try:
         be.fp16_products = True
         o_h, ht_h = fwd(*args)
@@ -202,7 +203,7 @@ def test_inference_path_equals_training_path(cp):
             o_h2, _ = fwd(*train)
         o_t2, _ = fwd(*train)
     finally:
-        be.fp16_products = False
+        be.fp16_products = was
     assert torch.equal(o_h, o_h2) and torch.equal(o_t2.detach(), o_t.detach())
     ref_o, ref_ht = reference.chunk_gated_delta_rule(*(a.double() for a in args[:5]), initial_state=args[5].double(),
                                                      output_final_state=True, cu_seqlens=cu)

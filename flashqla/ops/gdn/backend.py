@@ -79,10 +79,19 @@ class Sm90Backend:
         feeds the two products that read it fp16 operands (`flashqla.ops.gdn.fwd.product_dtype`; o's
         and the final state's error about 0.6-0.7x, measured on an H100 at +1.8% to +8.8% forward
         time: README "Precision"). Off by default; the process's backend is `default_backend()`."""
-        if not isinstance(fp16_products, bool):
-            raise TypeError(f"fp16_products must be a bool, got {type(fp16_products).__name__}")
         self.fp16_products = fp16_products
         self._zeros: dict = {}
+
+    @property
+    def fp16_products(self) -> bool:
+        """The opt-in fp16 A_beta product (`__init__`); settable, a bool (TypeError naming it otherwise)."""
+        return self._fp16_products
+
+    @fp16_products.setter
+    def fp16_products(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"fp16_products must be a bool, got {type(value).__name__}")
+        self._fp16_products = value
 
     def warm(self, k, beta, q, v, cu_seqlens, HV: int, block_v, dual: bool = False, checkpoints: bool = False,
              a_dtype: torch.dtype | None = None) -> None:
