@@ -98,7 +98,7 @@ from flashqla.ops.gdn.kernels.sm90.cp_correct import cp_correct
 from flashqla.ops.gdn.kernels.sm90.cp_limits import cp_transition_limits
 from flashqla.ops.gdn.kernels.sm90.cp_relayout import slot_initial_states
 
-__all__ = ["CORRECTIONS", "CPInfo", "OpenForward", "cp_forward", "cp_forward_open", "flat", "transition_limits"]
+__all__ = ["CORRECTIONS", "CPInfo", "CheckpointParts", "OpenForward", "cp_forward", "cp_forward_open", "flat", "transition_limits"]
 
 #: Output correction of exact mode: "gemm" (step 4 above) or "rerun" (a third recurrent launch).
 CORRECTIONS = ("gemm", "rerun")
@@ -107,6 +107,31 @@ _LN2 = math.log(2.0)
 #: One sequence (N == 1) corrects by in-place GEMMs on views of o and U (no gather); tests turn it off
 #: to check it against the general path (the backward reads it too).
 ONE_SEQUENCE_FAST_PATH = True
+
+
+class CheckpointParts(NamedTuple):
+    """The split forward's checkpoints before their combination (`cp_forward(checkpoint_positions=...)`,
+    record CP-1): CQ [M, HV, K, V] the runs' states at the positions, CP [M, HV, K, K] the transitions'
+    (0 on first segments, whose run starts from h0, and past a limit), S_in [slots, HV, K, V] the
+    segments' entering states (scan output), seg_end [slots] int64 the segments' ends (non-decreasing
+    in slot order), positions [M] as given. `states()` combines them in torch; the serving call's
+    sm_90 path stores them with `pool_states.combine_checkpoints` instead (one launch)."""
+
+    CQ: torch.Tensor
+    CP: torch.Tensor
+    S_in: torch.Tensor
+    seg_end: torch.Tensor
+    positions: torch.Tensor
+
+    def states(self) -> torch.Tensor:
+        """[M, HV, K, V] in CQ's dtype: CQ + CP S_in(j), j the slot holding token p - 1 (the first slot
+        whose end is past it). One batched GEMM; no host read."""
+        CQ, CP, S_in = self.CQ, self.CP, self.S_in
+        M, HV, K, V = CQ.shape
+        pos = self.positions.to(device=CQ.device, dtype=torch.int64)
+        j = torch.searchsorted(self.seg_end.contiguous(), pos - 1, right=True).clamp(max=max(S_in.shape[0] - 1, 0))
+        S_e = S_in.index_select(0, j).to(CQ.dtype)
+        return torch.baddbmm(CQ.reshape(M * HV, K, V), CP.reshape(M * HV, K, K), S_e.reshape(M * HV, K, V)).view(M, HV, K, V)
 
 
 class CPInfo(NamedTuple):
@@ -123,8 +148,8 @@ class CPInfo(NamedTuple):
     slot's transition walked (0 on slots not corrected; fewer than the slot has where the gate-driven
     cut applied, `transition_limits`). saved: the `CPSaved` of `cp_forward(keep_for_backward=True)`,
     else None (the info `cp_forward` builds for that alone, without want_info, leaves S_in None).
-    checkpoints: [M_ckpt, HV, K, V] in the backend's state dtype, the states at
-    `cp_forward(checkpoint_positions=...)`, else None.
+    checkpoints: the `CheckpointParts` of `cp_forward(checkpoint_positions=...)` (their `states()`:
+    [M_ckpt, HV, K, V] in the backend's state dtype), else None.
     """
 
     plan: object
@@ -138,7 +163,7 @@ class CPInfo(NamedTuple):
     gate_ok: torch.Tensor | None
     transition_chunks: torch.Tensor | None = None
     saved: CPSaved | None = None
-    checkpoints: torch.Tensor | None = None
+    checkpoints: CheckpointParts | None = None
 
 
 def flat(x: torch.Tensor) -> torch.Tensor:
@@ -470,7 +495,7 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
             Ug = U.view(total, HV, K).index_select(0, tok.reshape(-1)).view(Mc, L, HV, K)
             Sx = torch.where(mask(tab.need_correction), S_in, S_in.new_zeros(())).to(o.dtype)
             _correct_gathered(o, Ug, with_extra_row(Sx, 0)[sel], tok, valid)
-        ckpt = None if checkpoint_positions is None else _checkpoints(ck[4], ck[5], S_in, tab, checkpoint_positions)
+        ckpt = None if checkpoint_positions is None else CheckpointParts(ck[4], ck[5], S_in, tab.end, checkpoint_positions)
         if want_info or keep_for_backward or ckpt is not None:  # (the masked copy only when the info is wanted)
             S_c = torch.where(mask(tab.need_correction), S_in, S_in.new_zeros(())) if want_info else None
             saved = (CPSaved(L, cutoff, total, N, h0 is not None, cu_key(cu_seqlens), S_in, P, U, limit, A, G2)
@@ -521,18 +546,6 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
     if not output_final_state:
         final = None
     return o, final, A, G2, info
-
-
-def _checkpoints(CQ, CP, S_in, tab: SegmentTables, positions) -> torch.Tensor:
-    """The states at `positions` from the run's (CQ [M, HV, K, V]) and the transitions' (CP [M, HV, K, K])
-    states there and the segments' entering states S_in [slots, HV, K, V] (scan output): CQ + CP S_in(j),
-    j the slot holding token p - 1 (the first slot whose end is past it; ends are non-decreasing in slot
-    order). First segments have CP = 0 (their run starts from h0). One batched GEMM; no host read."""
-    M, HV, K, V = CQ.shape
-    pos = positions.to(device=CQ.device, dtype=torch.int64)
-    j = torch.searchsorted(tab.end.contiguous(), pos - 1, right=True).clamp(max=max(tab.M - 1, 0))
-    S_e = S_in.index_select(0, j).to(CQ.dtype)
-    return torch.baddbmm(CQ.reshape(M * HV, K, V), CP.reshape(M * HV, K, K), S_e.reshape(M * HV, K, V)).view(M, HV, K, V)
 
 
 def _correct_one_sequence_head(o, Uc, S_sel, total: int, L: int, W: int) -> None:

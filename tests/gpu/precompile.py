@@ -71,6 +71,9 @@ def serving_tier_specs() -> list:
                                   checkpoints=(True,))
     for N in (2, 4, 6):
         specs += op_kernel_specs(2, 4, N=N, varlen=True, backward=False)
+    # test_state_moves_match_torch: the state-move kernels in every storage dtype, layout and index dtype
+    specs += [(kind, (128, 128, sd, lay, it)) for kind in ("pool_gather", "pool_store", "checkpoint_combine")
+              for sd in every for lay in ("kv", "vk") for it in ("int32", "int64")]
     return specs + op_kernel_specs(2, 4, N=2, varlen=False, backward=False)
 
 

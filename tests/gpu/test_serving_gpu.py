@@ -398,3 +398,82 @@ def test_split_plan_checkpoints(method, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(cks, first), "the captured call's checkpoints differ from the eager call's"
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("sdtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+def test_state_moves_match_torch(layout, sdtype, idx_dtype):
+    """The torch path's state moves in one launch each (`kernels/sm90/pool_states.py`) against the
+    torch functions they replace: the pool gather (indices with a padding sequence, has_initial_state
+    False on one) and the pool store bit for bit (rows of padding sequences and rows no sequence
+    names keep their bytes), the checkpoint combine within fp32 summation order of
+    `CheckpointParts.states()` (fp32 storage) or one storage rounding (bf16 / fp16)."""
+    from flashqla.cp.forward import CheckpointParts
+    from flashqla.ops.gdn.kernels.sm90.pool_states import combine_checkpoints, gather_states, store_states
+    from flashqla.serving import ServingArgs, from_kv, gather_initial_states, store_final_states
+
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    P, N, HV, K = 7, 5, 3, 128
+    tail = (K, K)
+    pool = torch.randn(P, HV, *tail, device=DEV, generator=gen).to(sdtype)
+    idx = torch.tensor([4, -1, 0, 6, 2], dtype=idx_dtype, device=DEV)
+    has = torch.tensor([True, True, False, True, True], device=DEV)
+    s = ServingArgs(idx, has, layout, None, None, None, False, True, P)
+    assert torch.equal(gather_states(pool, layout, N, idx, has), gather_initial_states(pool, s, N, torch.float32))
+    s_nomask = ServingArgs(idx, None, layout, None, None, None, False, True, P)
+    assert torch.equal(gather_states(pool, layout, N, idx, None), gather_initial_states(pool, s_nomask, N, torch.float32))
+    final = torch.randn(N, HV, K, K, device=DEV, generator=gen)
+    want, got = pool.clone(), pool.clone()
+    store_final_states(want, final, s)
+    store_states(final, got, layout, idx)
+    assert torch.equal(got, want)
+    assert torch.equal(got[[1, 3, 5]], pool[[1, 3, 5]]), "rows no valid sequence names must keep their bytes"
+    # checkpoints: 6 positions over 4 segments ending at 100, 250, 250, 400; p - 1 picks the segment
+    M, Ms = 6, 4
+    CQ = torch.randn(M, HV, K, K, device=DEV, generator=gen)
+    CP = torch.randn(M, HV, K, K, device=DEV, generator=gen) / K ** 0.5
+    S_in = torch.randn(Ms, HV, K, K, device=DEV, generator=gen)
+    seg_end = torch.tensor([100, 250, 250, 400], device=DEV)
+    pos = torch.tensor([1, 100, 101, 250, 251, 400], dtype=idx_dtype, device=DEV)
+    parts = CheckpointParts(CQ, CP, S_in, seg_end, pos)
+    ref = parts.states().double()
+    out = torch.full((M, HV, *tail), float("nan"), dtype=sdtype, device=DEV)
+    combine_checkpoints(*parts, out=out, layout=layout)
+    got = out.double() if layout == "kv" else out.transpose(-1, -2).double()
+    tol = 2e-5 if sdtype == torch.float32 else (2 ** -8 if sdtype == torch.bfloat16 else 2 ** -11)
+    err = ((got - ref).abs() / ref.abs().clamp(min=1.0)).max().item()
+    assert err <= tol, (err, tol)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_split_plan_state_moves_kernels_against_torch(layout, monkeypatch):
+    """The split plan's serving call with the state-move kernels (the default on sm_90) against the
+    same call with torch's moves (`state_kernels_apply` patched off): o bitwise, pool rows bitwise,
+    checkpoints within the combine's fp32 summation order and one bf16 rounding."""
+    lengths = [3000, 70, 1100]
+    xd, _, cu, h0 = _case(lengths, HV=4, H=2, seed=22)
+    pool = torch.randn(6, 4, 128, 128, device=DEV).to(torch.bfloat16)
+    idx = torch.tensor([4, -1, 2], device=DEV)
+    has = torch.tensor([True, True, False], device=DEV)
+    pos = torch.tensor([1, 511, 512, 513, 2000, 3000, 3070, 3071 + 600], device=DEV)
+
+    def call():
+        p = pool.clone()
+        cks = torch.full((pos.numel(), 4, 128, 128), float("nan"), dtype=torch.bfloat16, device=DEV)
+        with torch.no_grad():
+            o, _ = flashqla.chunk_gated_delta_rule(**xd, initial_state=p, output_final_state=True, cu_seqlens=cu,
+                                                   state_indices=idx, has_initial_state=has, state_layout=layout,
+                                                   checkpoint_positions=pos, checkpoint_states=cks, cp="on")
+        return o, p, cks
+
+    o1, p1, c1 = call()
+    assert op_serving.LAST_PATH == {"path": "torch", "checkpoints": "split"}, op_serving.LAST_PATH
+    monkeypatch.setattr(op_serving, "state_kernels_apply", lambda *a, **k: False)
+    o2, p2, c2 = call()
+    torch.cuda.synchronize()
+    assert torch.equal(o1, o2)
+    assert torch.equal(p1, p2)
+    d = (c1.double() - c2.double()).abs() / c2.double().abs().clamp(min=1.0)
+    assert d.max().item() <= 2 ** -7, d.max().item()

@@ -65,7 +65,7 @@ from flashqla.ops.gdn.autograd import GDNEagerFunction
 from flashqla.ops.gdn.fwd import forward
 from flashqla.serving import ServingArgs, checkpoint_pieces, gather_initial_states, scan_pieces, write_back
 
-__all__ = ["serve", "kernel_path_applies", "BATCH_INVARIANT_BLOCK_V", "LAST_PATH"]
+__all__ = ["serve", "kernel_path_applies", "state_kernels_apply", "BATCH_INVARIANT_BLOCK_V", "LAST_PATH"]
 
 #: The path the last `serve` call took: "kernel" (the serving build) or "torch" (for tests and tools).
 LAST_PATH = {"path": None, "checkpoints": None}
@@ -107,7 +107,8 @@ def serve(q, k, v, g, beta, scale: float, initial_state, output_final_state: boo
                              ends_at_T=plan.ends_at_T)
     LAST_PATH["path"] = "torch"
     LAST_PATH["checkpoints"] = None
-    h0 = gather_initial_states(initial_state, s, N, torch.float32)
+    kernels = state_kernels_apply(q, s, training=training, backend=backend)
+    h0 = _gather(initial_state, s, N, kernels)
     info = None
     split = False
     if training:
@@ -126,7 +127,9 @@ def serve(q, k, v, g, beta, scale: float, initial_state, output_final_state: boo
     ckpt = None
     if split:
         LAST_PATH["checkpoints"] = "split"
-        ckpt = info.checkpoints
+        if kernels:
+            return _write_back_kernels(o, final, info.checkpoints, s, initial_state, output_final_state)
+        ckpt = info.checkpoints.states()
     elif s.checkpoint_positions is not None:
         with torch.no_grad():
             if info is not None and info.mode == "exact":
@@ -137,7 +140,70 @@ def serve(q, k, v, g, beta, scale: float, initial_state, output_final_state: boo
                 LAST_PATH["checkpoints"] = "pieces"
                 ckpt = checkpoint_states(q, k, v, g, beta, scale, h0, cu_seqlens, s.checkpoint_positions, mode=mode,
                                          block_v=block_v, backend=backend, training=training)
+    if kernels:
+        return _write_back_kernels(o, final, ckpt, s, initial_state, output_final_state)
     return write_back(o, final, ckpt, s, initial_state, output_final_state)
+
+
+def state_kernels_apply(q, s: ServingArgs, *, training: bool = False, backend=None) -> bool:
+    """Whether the torch path moves its states with the `pool_states` kernels (the pool's rows
+    gathered into the forward's initial states, the final states stored into their rows, the split
+    forward's checkpoints combined and stored, one launch each; module docstring) rather than torch
+    ops: inference on the sm_90 kernels (backend None or an Sm90Backend) on an sm_90 device, K <= 128
+    and the checkpoints' K and V multiples of 32. Shapes only, no host read."""
+    from flashqla.ops.gdn.backend import Sm90Backend
+    from flashqla.ops.gdn.kernels.sm90._common import on_sm90
+    from flashqla.ops.gdn.kernels.sm90.pool_states import BLOCK_COLS
+
+    if training or not (backend is None or isinstance(backend, Sm90Backend)) or not on_sm90(q):
+        return False
+    c = s.checkpoint_states
+    return q.shape[-1] <= 128 and (c is None or (c.shape[-1] % BLOCK_COLS == 0 and c.shape[-2] % BLOCK_COLS == 0))
+
+
+def _gather(initial_state, s: ServingArgs, N: int, kernels: bool):
+    """The forward's initial states [N, HV, K, V] fp32 (`gather_initial_states`), by one launch of
+    `pool_states.gather_states` where `kernels` and the states need a gather, a mask, a transpose or
+    a cast (a plain fp32 "kv" initial_state is passed through)."""
+    plain = (not s.pool and s.has_initial_state is None and s.state_layout == "kv"
+             and (initial_state is None or initial_state.dtype == torch.float32))
+    if not kernels or plain:
+        return gather_initial_states(initial_state, s, N, torch.float32)
+    from flashqla.ops.gdn.kernels.sm90.pool_states import gather_states
+
+    return gather_states(initial_state, s.state_layout, N, s.state_indices if s.pool else None, s.has_initial_state)
+
+
+def _write_back_kernels(o, final_kv, checkpoints, s: ServingArgs, initial_state, output_final_state: bool):
+    """`flashqla.serving.write_back` with the `pool_states` kernels: the split forward's
+    `CheckpointParts` combined and stored into checkpoint_states in one launch (a tensor of
+    checkpoints, from the other methods, copied as there), the final states stored into their pool
+    rows in one launch. A non-contiguous checkpoint_states or pool takes torch's copies."""
+    from flashqla.cp.forward import CheckpointParts
+    from flashqla.ops.gdn.kernels.sm90.pool_states import combine_checkpoints, store_states
+    from flashqla.serving import from_kv, store_final_states
+
+    with torch.no_grad():
+        if isinstance(checkpoints, CheckpointParts):
+            c = s.checkpoint_states
+            if c.is_contiguous():
+                combine_checkpoints(*checkpoints, out=c, layout=s.state_layout)
+            else:
+                c.copy_(from_kv(checkpoints.states(), s.state_layout))
+        elif checkpoints is not None:
+            s.checkpoint_states.copy_(from_kv(checkpoints, s.state_layout))
+        if s.out is not None:
+            s.out.copy_(o)
+            o = s.out
+        if not output_final_state:
+            return o, None
+        if s.pool:
+            if initial_state.is_contiguous():
+                store_states(final_kv.detach(), initial_state, s.state_layout, s.state_indices)
+            else:
+                store_final_states(initial_state, final_kv.detach(), s)
+            return o, initial_state
+    return o, from_kv(final_kv, s.state_layout).contiguous()
 
 
 def split_checkpoints_apply(plan, positions, q, v, backend) -> bool:
