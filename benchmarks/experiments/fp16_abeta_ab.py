@@ -13,7 +13,11 @@ initial state), o and the final state against `reference.chunk_gated_delta_rule`
 (`flashqla.bench.timing.time_cuda_graph`, median); then v scaled by 2^8 and 2^12 (errors and
 finiteness of the fp16 build).
 
-    python benchmarks/experiments/fp16_abeta_ab.py [--rows "16/32 4x8192,2/8 1x8192"]
+    python benchmarks/experiments/fp16_abeta_ab.py [--rows "16/32 4x8192,2/8 1x8192"] [--scales 1] [--repeats 3] [--no-fla]
+
+`--scales`: the v scales to run (timed at scale 1 only); `--repeats`: timings of the two builds taken
+alternately this many times (bf16, fp16, bf16, ...), every one printed and the median of each build's
+used for the ratio.
 
 Rows: "h_qk/h_v COUNTxLENGTH" (this folder's notation, `_gpu.parse_row`). Prints one table.
 """
@@ -65,7 +69,11 @@ def run_forward(x, a_dtype, block_v):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="16/32 4x8192,2/8 1x8192,32/32 8x1024,16/64 4x8192")
+    ap.add_argument("--scales", default="1,256,4096", help="v scales, comma separated")
+    ap.add_argument("--repeats", type=int, default=1, help="alternating timings of the two builds")
+    ap.add_argument("--no-fla", action="store_true", help="leave FLA out (its columns nan)")
     a = ap.parse_args(argv)
+    scales = [float(x) for x in a.scales.split(",")]
     import reference
     from flashqla.bench.timing import time_cuda_graph
     from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
@@ -73,6 +81,8 @@ def main(argv=None) -> int:
 
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__}")
     try:
+        if a.no_fla:
+            raise ImportError("--no-fla")
         os.environ["FLA_FLASH_QLA"] = "0"
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
     except Exception:  # noqa: BLE001 - FLA is optional here
@@ -83,7 +93,7 @@ def main(argv=None) -> int:
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in a.rows.split(","):
         H, HV, lengths = parse_row(row.strip())
-        for vs in (1.0, 256.0, 4096.0):
+        for vs in scales:
             x = gen_inputs(H, HV, lengths, varlen=True)
             x["g"][..., 0] = 0.0
             x["g"][..., -1] = -30.0
@@ -102,14 +112,22 @@ def main(argv=None) -> int:
                       f"{rel_rms(fo[:, :, 0], ref_o[:, :, 0]):.3e} | {rel_rms(fo[:, :, -1], ref_o[:, :, -1]):.3e} | "
                       "| | | | |")
                 del fo, fh
-            res = {}
+            res, calls = {}, {}
             for build in (None, "float16"):
-                call = run_forward(x, build, bv)
+                calls[build] = call = run_forward(x, build, bv)
                 o, ht = call()
                 torch.cuda.synchronize()
-                ms = time_cuda_graph(call).ms if vs == 1.0 else float("nan")
-                res[build] = (rel_rms(o, ref_o), rel_rms(ht, ref_h), rel_rms(o[:, :, 0], ref_o[:, :, 0]),
-                              rel_rms(o[:, :, -1], ref_o[:, :, -1]), ms, bool(torch.isfinite(o).all()))
+                res[build] = [rel_rms(o, ref_o), rel_rms(ht, ref_h), rel_rms(o[:, :, 0], ref_o[:, :, 0]),
+                              rel_rms(o[:, :, -1], ref_o[:, :, -1]), float("nan"), bool(torch.isfinite(o).all())]
+            if vs == 1.0:
+                times = {b: [] for b in calls}
+                for _ in range(a.repeats):
+                    for b, call in calls.items():
+                        times[b].append(time_cuda_graph(call).ms)
+                for b in calls:
+                    res[b][4] = sorted(times[b])[len(times[b]) // 2]
+                print(f"# {row.strip()} timings (ms, alternating): " + "; ".join(
+                    f"{'bf16' if b is None else 'fp16'} " + " ".join(f"{t:.4f}" for t in ts) for b, ts in times.items()))
             for build, r in res.items():
                 base = res[None]
                 name = "bf16 (shipped)" if build is None else "fp16 A_beta product"
