@@ -125,6 +125,37 @@ def test_prepare_kernel_compiles(H, HV, dtype, beta_dtype, seq_dtype, varlen):
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0
 
 
+@needs_nvcc
+def test_prepare_phase_clock_build_compiles():
+    """The phase-clock build (`build_prepare_kernel_clocked`, a measurement tool) compiles: thread 0
+    writes every stamp of `prepare.clock_stamps` (clock64, %globaltimer, %smid) into the extra int64 argument,
+    with the default build's barriers (no barrier added: the barrier-aligned stamps follow the ones
+    TileLang places anyway) and 128 registers without spills; the default build's source stays the
+    recorded one (`tests/data/kernel_sources.json`)."""
+    import json
+    import re
+
+    from kernel_sources import QUICK, RECORD, digest
+
+    from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
+    from flashqla.ops.gdn.kernels.sm90.prepare import (CLOCK_FIRST, CLOCK_HEAD, CLOCK_LAST, build_prepare_kernel,
+                                                       build_prepare_kernel_clocked)
+
+    key = (2, 4, 128, "bfloat16", "float32", "int32", True)
+    plain = build_prepare_kernel(*key).get_kernel_source()
+    assert digest(plain) in {d for _, d in json.loads(RECORD.read_text())[QUICK]}
+    kernel = build_prepare_kernel_clocked(*key)
+    src = kernel.get_kernel_source()
+    assert "int64_t* __restrict__ clocks" in src and "flashqla_smid()" in src and "flashqla_globaltimer()" in src
+    stamps = re.findall(r"clocks\[[^\]]*\] = ", src)
+    assert len(stamps) == len(CLOCK_FIRST) + len(CLOCK_LAST) + len(CLOCK_HEAD)  # the head loop's once
+    assert src.count("__syncthreads") == plain.count("__syncthreads")
+    assert _head_loop_body(src).count("__syncthreads") == _head_loop_body(plain).count("__syncthreads")
+    r = ptxas_report(kernel)
+    print(r)
+    assert r["registers"] <= 128 and r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0
+
+
 @pytest.mark.parametrize("block", [1, 2, 16])
 def test_solve_tril_recursive_matches_blockwise_inverse(block):
     """The prepare kernel's inverse order (`solve_tril_recursive`: WY-3 blocks, WY-4 with two blocks at

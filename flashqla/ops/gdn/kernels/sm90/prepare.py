@@ -45,6 +45,10 @@ value head instead: the same stages for that one head, the same outputs bit for 
 
 Rows past the end of a sequence: A rows are 0 and g_cum_log2 repeats the last valid value, so the
 recurrent kernel loads whole 64-row tiles and masks nothing (`_common`, chunk slots).
+
+`build_prepare_kernel_clocked` is a measurement build (never launched by the op): the same kernel
+with thread 0 writing SM clock stamps at the phase boundaries into one more int64 output
+(`clock_stamps`, `benchmarks/experiments/prepare_phase_clock.py`).
 """
 
 import functools
@@ -53,7 +57,8 @@ import torch
 
 from flashqla.ops.gdn.kernels.sm90._common import CHUNK, RCP_LN2, SM_COUNT, compile_kernel, dummy_cu_seqlens, locate_slot, num_slots, tl_dtype
 
-__all__ = ["build_prepare_kernel", "chunk_prepare_fwd", "pick_heads_per_cta", "prepare_kernel_args"]
+__all__ = ["build_prepare_kernel", "build_prepare_kernel_clocked", "chunk_prepare_fwd", "clock_stamps",
+           "pick_heads_per_cta", "prepare_kernel_args"]
 
 #: Diagonal block size of the forward substitution (WY-3)
 BLOCK = 16
@@ -69,14 +74,85 @@ MIN_BLOCKS = 4
 #: K slice of the tf32 products (`gemm_nt`)
 KSLICE = 16
 
+# --------------------------------------------------------------------------------------------
+# the phase-clock build (`build_prepare_kernel_clocked`): a measurement tool, never launched by the op
+# --------------------------------------------------------------------------------------------
+
+#: Stamps of a CTA before its value heads, then those after them (the SM clock, `clock64()`, in
+#: cycles, unless named otherwise). start: first statement (after the prologue's barrier-init
+#: barrier); located: after `locate_slot`; k_ready: after the k tile's mbarrier wait; cumsum: after
+#: the cumsum of g (warp 0's rows); kkt: after K K^T (wgmma waited). end: after the last
+#: `tma_store_wait` and thread 0's g_cum_log2 stores (empty slots: after located); gt_start, gt_end:
+#: `%globaltimer` (ns) beside start and end; smid: `%smid`.
+CLOCK_FIRST = ("start", "located", "k_ready", "cumsum", "kkt")
+CLOCK_LAST = ("end", "gt_start", "gt_end", "smid")
+#: Stamps of value head j (named "h{j}.NAME"): L: after the L tile's elements; store_wait: after the
+#: wait for head j - 1's A tile store; subst: after the forward substitution; phase1 .. phase3:
+#: after each product phase (its epilogue's shared stores included; phase3 after the proxy fence);
+#: store_issue: after the TMA store of head j's A tile is issued.
+CLOCK_HEAD = ("L", "store_wait", "subst", "phase1", "phase2", "phase3", "store_issue")
+#: Stamps read right after a CTA barrier of the shipped kernel (made explicit in this build at the
+#: point where TileLang places it: no barrier is added): they time the whole CTA's progress. The
+#: others are thread 0's own progress (no barrier there). Thread 0 writes every stamp.
+CLOCK_ALIGNED = frozenset({"k_ready", "kkt", "store_wait", "subst", "phase1", "phase2", "phase3"})
+
+#: %smid and %globaltimer (no CUDA builtin reads them), put before the clocked kernel's source
+_CLOCK_PRELUDE = """
+__device__ __forceinline__ int flashqla_smid() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(r));
+  return (int)r;
+}
+__device__ __forceinline__ long long flashqla_globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return (long long)t;
+}
+"""
+
+
+def clock_stamps(heads: int) -> list:
+    """Names of the int64 stamps in one CTA's row of the clocked build's `clocks` output, in order:
+    CLOCK_FIRST, CLOCK_LAST, then "h{j}.NAME" for each of the CTA's `heads` value heads (j = 0 ..
+    heads - 1) and NAME in CLOCK_HEAD. A stamp not reached is left as the caller filled it."""
+    return [*CLOCK_FIRST, *CLOCK_LAST, *(f"h{j}.{n}" for j in range(heads) for n in CLOCK_HEAD)]
+
+
+def _clock_stamper(T, clocks, slot, hk, j=None):
+    """stamp(name), emitting where it is called inside the clocked kernel body: for a name in
+    CLOCK_ALIGNED a CTA barrier first, then thread 0 writes the stamp to clocks[slot, hk, index]
+    (value head j's CLOCK_HEAD stamps when j is given, a TIR loop variable)."""
+    fixed = CLOCK_FIRST + CLOCK_LAST
+
+    def stamp(name):
+        i = fixed.index(name) if j is None else len(fixed) + j * len(CLOCK_HEAD) + CLOCK_HEAD.index(name)
+        aligned = name in CLOCK_ALIGNED
+
+        @T.macro
+        def emit():
+            if aligned:
+                T.sync_threads()
+            if T.get_thread_binding() == 0:
+                if name == "smid":
+                    clocks[slot, hk, i] = T.cast(T.call_extern("int32", "flashqla_smid"), "int64")
+                elif name.startswith("gt_"):
+                    clocks[slot, hk, i] = T.call_extern("int64", "flashqla_globaltimer")
+                else:
+                    clocks[slot, hk, i] = T.call_extern("int64", "clock64")
+
+        emit()
+
+    return stamp
+
 
 def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_s, b_s, g_row, g_col, b_row, ld_s,
-                      lbt_s, l2t_s, d2t_s, b0t_s, dm_s, y_s, zt, stage, y_f, w_f, z_f, o_f, xcol):
+                      lbt_s, l2t_s, d2t_s, b0t_s, dm_s, y_s, zt, stage, y_f, w_f, z_f, o_f, xcol, stamp=None):
     """Emits one value head's stages (L, the forward substitution, phases 1-3, the TMA store of
     A diag(beta)) where it is called inside a kernel body: value head hk * G + j of the slot whose rows
     start at row0, nvalid valid rows; the staging tile is `stage` (its first 64 columns) and -Z_top^T
     is `zt` (its first 32 rows). The buffers, the loop variable and the slot's values reach the stages through a closure (a macro
-    argument would rename the TIR variables)."""
+    argument would rename the TIR variables). stamp: None (the shipped build), or the phase-clock
+    build's `stamp(name)`, called at each of CLOCK_HEAD's boundaries."""
     C = CHUNK
     BS = BLOCK
     HB = HALF
@@ -103,8 +179,12 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
                     lbt_s[s, t - HB] = lv
                 else:
                     l2t_s[s % BS, (t // HB) * BS + t % BS] = lv
+        if stamp is not None:
+            stamp("L")
         # the previous head's A tile has been read out of the staging tile by the copy engine
         T.tma_store_wait(0)
+        if stamp is not None:
+            stamp("store_wait")
 
         # D^-1: thread (blk, col) < 64 solves column col of diagonal block blk by forward
         # substitution (WY-3's recursion, each row's sum taken column by column: fewer live
@@ -134,6 +214,8 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
                     dm_s[r, col] = xcol[r]
                 else:
                     dm_s[BS + r, BS + col] = xcol[r]
+        if stamp is not None:
+            stamp("subst")
 
         # phase 1: [F32; F10] = [[0 | Ai33], [Ai11 | 0]] [L10; L32]  and  Z = blockdiag(Ai22, Ai33) Lb
         gemm_nt(dm_s, l2t_s, y_f, BS)
@@ -142,6 +224,8 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
             y_s[(t + BS) % HB, ((t + BS) % HB // BS) * BS + s] = y_f[t, s]
         for t, n in T.Parallel(BS, HB):
             zt[n, t] = -z_f[t, n]
+        if stamp is not None:
+            stamp("phase1")
 
         # phase 2: [Ai10; Ai32] = -blockdiag(F10, F32) [Ai00; Ai22];  Q = Z - [0; F32 Z_top] onto Z
         gemm_nt(y_s, d2t_s, w_f)
@@ -153,19 +237,25 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
             if t < BS:
                 b0t_s[s, BS + t] = -w_f[t, s]
             stage[BS + t + (t // BS) * BS, s + (t // BS) * HB] = T.cast(-w_f[t, s] * b_s[j, s + (t // BS) * HB], dtype)
+        if stamp is not None:
+            stamp("phase2")
 
         # phase 3: A[32:, :32] = -Q B_0^-1
         gemm_nt(lbt_s, b0t_s, o_f)
         for t, s in T.Parallel(HB, HB):
             stage[HB + t, s] = T.cast(-o_f[t, s] * b_s[j, s], dtype)
         T.fence_proxy_async()
+        if stamp is not None:
+            stamp("phase3")
         T.tma_copy(stage[:, 0:C], A[hk * G + j, row0 : row0 + C, 0:C])  # waited before the next head writes the tile
+        if stamp is not None:
+            stamp("store_issue")
 
     stages()
 
 
 def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
-                       heads_per_cta: int | None = None, a_dtype: str | None = None):
+                       heads_per_cta: int | None = None, a_dtype: str | None = None, *, phase_clock: bool = False):
     """The TileLang kernel for one static configuration (arguments as `build_prepare_kernel`).
 
     The L tile's gates are read once per value head into register fragments (g at the rows and at
@@ -180,7 +270,12 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
     bf16 input: the inference forward's, `flashqla.ops.gdn.fwd.product_dtype`): the dtype A
     diag(beta) is stored in ("float16": 3 more mantissa bits than bf16; its entries stay within
     [-1, 1] on unit keys with beta in (0, 1], `benchmarks/journal/accuracy.md`), staged through a
-    view of the k tile in that dtype (the same bytes)."""
+    view of the k tile in that dtype (the same bytes).
+
+    phase_clock (False: the shipped kernel, its source unchanged): the measurement build, with one
+    more argument after g_cum_log2, clocks [R // 64, HV // heads_per_cta, len(clock_stamps(heads))]
+    int64 (one row per CTA: slot, CTA row), where thread 0 writes the stamps of `clock_stamps`
+    (CLOCK_ALIGNED: after a barrier the kernel has anyway). The same A and g_cum_log2 bit for bit."""
     import tilelang.language as T
     from tilelang.layout import make_linear_layout
 
@@ -216,6 +311,11 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
         """The q/k head of CTA row hb (the identity when a CTA takes all G value heads)."""
         return hb if P == G else hb // (G // P)
 
+    # the clocked build's extra argument; None, no tensor annotation, makes no kernel argument of
+    # `clocks` (TileLang passes it as a Python value): the shipped signature
+    clock_arg = T.Tensor((R // C, HV // P, len(clock_stamps(P))), "int64") if phase_clock else None
+    prelude = _CLOCK_PRELUDE if phase_clock else None
+
     @T.prim_func  # (the kernel's symbol name is part of its generated source: kept as it was)
     def gdn_prepare_v3_fwd(
         k: T.Tensor((B, Tn, H, K), dtype),
@@ -224,11 +324,18 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
         cu_seqlens: T.Tensor((Np1,), seq_dtype),
         A: T.Tensor((HV, R, C), adt),
         g_cum_log2: T.Tensor((HV, R), "float32"),
+        clocks: clock_arg,
     ):
-        with T.Kernel(R // C, HV // P, threads=128) as (slot, hk):  # slots on x (up to 2^31 - 1)
+        with T.Kernel(R // C, HV // P, threads=128, prelude=prelude) as (slot, hk):  # slots on x (up to 2^31 - 1)
             T.annotate_min_blocks_per_sm(MIN_BLOCKS)
+            stamp = _clock_stamper(T, clocks, slot, hk) if phase_clock else None
+            if phase_clock:
+                stamp("start")
+                stamp("gt_start")
             seq, chunk, bos, seqlen, bidx, nvalid, t0 = locate_slot(slot, cu_seqlens, Tn, Np1, varlen)
             row0 = slot * C
+            if phase_clock:
+                stamp("located")
 
             # k (before the head loop), then A diag(beta) in k's dtype staged in [:, :64] for the TMA store
             ka_s = T.alloc_shared((C, K), dtype)
@@ -271,8 +378,14 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
                     y_s[t, s] = T.float32(0)
                     b0t_s[t, s] = T.float32(0)
                 T.mbarrier_wait_parity(k_bar, 0)
+                if phase_clock:
+                    stamp("k_ready")
                 T.cumsum(gc_s, dim=1)
+                if phase_clock:
+                    stamp("cumsum")
                 T.gemm(ka_s, ka_s, kk_f, transpose_B=True, clear_accum=True)
+                if phase_clock:
+                    stamp("kkt")
                 # k is dead: the staging tile's blocks above the diagonal blocks stay zero
                 for t, s in T.Parallel(C, C):
                     ka_s[t, s] = T.cast(0, dtype)
@@ -281,11 +394,16 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
                     value_head_stages(T, j=j, G=P, hk=hk, nvalid=nvalid, row0=row0, A=A, dtype=adt, gemm_nt=gemm_nt, kk_f=kk_f,
                                       gc_s=gc_s, b_s=b_s, g_row=g_row, g_col=g_col, b_row=b_row, ld_s=ld_s, lbt_s=lbt_s,
                                       l2t_s=l2t_s, d2t_s=d2t_s, b0t_s=b0t_s, dm_s=dm_s, y_s=y_s, zt=zt_s, stage=ka_s if adt == dtype else T.view(ka_s, dtype=adt), y_f=y_f,
-                                      w_f=w_f, z_f=z_f, o_f=o_f, xcol=xcol)
+                                      w_f=w_f, z_f=z_f, o_f=o_f, xcol=xcol,
+                                      stamp=_clock_stamper(T, clocks, slot, hk, j) if phase_clock else None)
                 T.tma_store_wait(0)
 
                 for j, t in T.Parallel(P, C):
                     g_cum_log2[hk * P + j, row0 + t] = gc_s[j, t]
+            if phase_clock:
+                stamp("end")
+                stamp("gt_end")
+                stamp("smid")
 
     return gdn_prepare_v3_fwd
 
@@ -311,12 +429,30 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
     return _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta)
 
 
+def build_prepare_kernel_clocked(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
+                                 heads_per_cta: int | None = None, a_dtype: str | None = None):
+    """The phase-clock build of `build_prepare_kernel`'s kernel for the same key (cached; a measurement
+    tool: `benchmarks/experiments/prepare_phase_clock.py`). Launched as kernel(k, g, beta, cu_seqlens,
+    A, g_cum_log2, clocks), clocks [S, HV // heads, len(clock_stamps(heads))] int64 with S chunk
+    slots and heads = heads_per_cta or HV // H: one row per CTA (slot, CTA row), its stamps in
+    `clock_stamps` order (`_prepare_prim_func`'s phase_clock). A and g_cum_log2 are the default
+    build's bit for bit. Raises ValueError as `build_prepare_kernel`."""
+    if heads_per_cta == HV // H:
+        heads_per_cta = None
+    if heads_per_cta not in (None, 1):
+        raise ValueError(f"heads_per_cta must be None, 1 or HV // H = {HV // H}, got {heads_per_cta!r}")
+    if a_dtype == dtype:
+        a_dtype = None
+    return _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta, a_dtype, phase_clock=True)
+
+
 @functools.lru_cache(maxsize=None)
-def _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta, a_dtype=None):
+def _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta, a_dtype=None, phase_clock=False):
     func = _prepare_prim_func(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta=heads_per_cta,
-                              a_dtype=a_dtype)
+                              a_dtype=a_dtype, phase_clock=phase_clock)
     return compile_kernel(func, f"gdn_prepare_fwd_H{H}_HV{HV}_K{K}_{dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}"
-                          + ("_one_head" if heads_per_cta == 1 else "") + (f"_A{a_dtype}" if a_dtype else ""))
+                          + ("_one_head" if heads_per_cta == 1 else "") + (f"_A{a_dtype}" if a_dtype else "")
+                          + ("_clock" if phase_clock else ""))
 
 
 #: `pick_heads_per_cta` takes one value head a CTA while the grid of one CTA per chunk slot and q/k
