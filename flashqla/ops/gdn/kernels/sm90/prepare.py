@@ -146,7 +146,7 @@ def _clock_stamper(T, clocks, slot, hk, j=None):
 
 
 def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_s, b_s, g_row, g_col, b_row, ld_s,
-                      lbt_s, l2t_s, d2t_s, b0t_s, dm_s, y_s, zt, stage, y_f, w_f, z_f, o_f, xcol, stamp=None):
+                      lbt_s, l2t_s, d2t_s, b0t_s, dm_s, y_s, zt, stage, y_f, w_f, z_f, o_f, xcol, stamp=None, lrow=None):
     """Emits one value head's stages (L, the forward substitution, phases 1-3, the TMA store of
     A diag(beta)) where it is called inside a kernel body: value head hk * G + j of the slot whose rows
     start at row0, nvalid valid rows; the staging tile is `stage` (its first 64 columns) and -Z_top^T
@@ -196,10 +196,18 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
             col = tx % BS
             for r in T.unroll(BS):
                 xcol[r] = T.if_then_else(r == col, T.float32(1), T.float32(0))
-            for m in T.unroll(BS):
-                for r in T.unroll(BS):
-                    if r > m:
-                        xcol[r] = xcol[r] - ld_s[blk * BS + m, r] * xcol[m]
+            if lrow is None:
+                for m in T.unroll(BS):
+                    for r in T.unroll(BS):
+                        if r > m:
+                            xcol[r] = xcol[r] - ld_s[blk * BS + m, r] * xcol[m]
+            else:  # the same products in the same order, row m of the block read as four 16-byte vectors
+                for m in T.unroll(BS):
+                    for r in T.vectorized(BS):
+                        lrow[r] = ld_s[blk * BS + m, r]
+                    for r in T.unroll(BS):
+                        if r > m:
+                            xcol[r] = xcol[r] - lrow[r] * xcol[m]
             bc = b_s[j, blk * BS + col]
             for r in T.unroll(BS):
                 stage[blk * BS + r, blk * BS + col] = T.cast(T.if_then_else(r >= col, xcol[r] * bc, T.float32(0)), dtype)
@@ -255,7 +263,8 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
 
 
 def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
-                       heads_per_cta: int | None = None, a_dtype: str | None = None, *, phase_clock: bool = False):
+                       heads_per_cta: int | None = None, a_dtype: str | None = None, *, phase_clock: bool = False,
+                       subst: str = "column"):
     """The TileLang kernel for one static configuration (arguments as `build_prepare_kernel`).
 
     The L tile's gates are read once per value head into register fragments (g at the rows and at
@@ -360,6 +369,7 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
             z_f = T.alloc_fragment((HB, HB), acc)
             o_f = T.alloc_fragment((HB, HB), acc)
             xcol = T.alloc_local((BS,), acc)
+            lrow = T.alloc_local((BS,), acc) if subst == "rows" else None
             k_bar = T.alloc_barrier(128)  # every thread arrives; the copy engine completes the bytes
 
             if nvalid > 0:
@@ -394,7 +404,7 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
                     value_head_stages(T, j=j, G=P, hk=hk, nvalid=nvalid, row0=row0, A=A, dtype=adt, gemm_nt=gemm_nt, kk_f=kk_f,
                                       gc_s=gc_s, b_s=b_s, g_row=g_row, g_col=g_col, b_row=b_row, ld_s=ld_s, lbt_s=lbt_s,
                                       l2t_s=l2t_s, d2t_s=d2t_s, b0t_s=b0t_s, dm_s=dm_s, y_s=y_s, zt=zt_s, stage=ka_s if adt == dtype else T.view(ka_s, dtype=adt), y_f=y_f,
-                                      w_f=w_f, z_f=z_f, o_f=o_f, xcol=xcol,
+                                      w_f=w_f, z_f=z_f, o_f=o_f, xcol=xcol, lrow=lrow,
                                       stamp=_clock_stamper(T, clocks, slot, hk, j) if phase_clock else None)
                 T.tma_store_wait(0)
 
@@ -430,7 +440,8 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
 
 
 def build_prepare_kernel_clocked(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
-                                 heads_per_cta: int | None = None, a_dtype: str | None = None):
+                                 heads_per_cta: int | None = None, a_dtype: str | None = None, *, clock: bool = True,
+                                 subst: str = "column"):
     """The phase-clock build of `build_prepare_kernel`'s kernel for the same key (cached; a measurement
     tool: `benchmarks/experiments/prepare_phase_clock.py`). Launched as kernel(k, g, beta, cu_seqlens,
     A, g_cum_log2, clocks), clocks [S, HV // heads, len(clock_stamps(heads))] int64 with S chunk
@@ -443,16 +454,20 @@ def build_prepare_kernel_clocked(H: int, HV: int, K: int, dtype: str, beta_dtype
         raise ValueError(f"heads_per_cta must be None, 1 or HV // H = {HV // H}, got {heads_per_cta!r}")
     if a_dtype == dtype:
         a_dtype = None
-    return _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta, a_dtype, phase_clock=True)
+    return _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta, a_dtype, phase_clock=clock,
+                                 subst=subst)
 
 
 @functools.lru_cache(maxsize=None)
-def _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta, a_dtype=None, phase_clock=False):
+def _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta, a_dtype=None, phase_clock=False,
+                          subst="column"):
+    if subst not in ("column", "rows"):
+        raise ValueError(f"subst must be 'column' or 'rows', got {subst!r}")
     func = _prepare_prim_func(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta=heads_per_cta,
-                              a_dtype=a_dtype, phase_clock=phase_clock)
+                              a_dtype=a_dtype, phase_clock=phase_clock, subst=subst)
     return compile_kernel(func, f"gdn_prepare_fwd_H{H}_HV{HV}_K{K}_{dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}"
                           + ("_one_head" if heads_per_cta == 1 else "") + (f"_A{a_dtype}" if a_dtype else "")
-                          + ("_clock" if phase_clock else ""))
+                          + ("_clock" if phase_clock else "") + ("" if subst == "column" else f"_{subst}"))
 
 
 #: `pick_heads_per_cta` takes one value head a CTA while the grid of one CTA per chunk slot and q/k
