@@ -267,9 +267,10 @@ def serving_markdown(rows: list[dict], env: dict, commit: str) -> list[str]:
         "same pool (`state_indices`, `output_state` = pool) and `checkpoint_every_n_tokens` = n (the largest multiple "
         "of 64 not above a quarter of the longest sequence; FlashInfer's period must be a multiple of 64).",
         "path: which of our serving paths ran (kernel: the recurrent kernel's serving build, one launch with the "
-        "checkpoints; torch/split: the split plan, the pool gathered and written back by torch ops around the split "
-        "forward, whose run and transition launch stores each checkpoint's two parts, combined by one GEMM after the "
-        "scan; torch/segments or torch/pieces: the checkpoints by extra forwards).",
+        "checkpoints; torch/split: the split plan around the plain split forward, whose run and transition launch "
+        "stores each checkpoint's two parts; on sm_90 the pool's rows gathered, the two parts combined and stored, and "
+        "the final states written back by one launch each (`kernels/sm90/pool_states.py`); torch/segments or "
+        "torch/pieces: the checkpoints by extra forwards).",
     )]
     ok = [r for r in rows if r.get("status") == "ok"]
     over = [_f(r, "serving_ms") / _f(r, "plain_ms") for r in ok]
