@@ -126,6 +126,7 @@ def test_prepare_kernel_compiles(H, HV, dtype, beta_dtype, seq_dtype, varlen):
 
 
 @needs_nvcc
+@pytest.mark.compile_all
 def test_prepare_phase_clock_build_compiles():
     """The phase-clock build (`build_prepare_kernel_clocked`, a measurement tool) compiles: thread 0
     writes every stamp of `prepare.clock_stamps` (clock64, %globaltimer, %smid) into the extra int64 argument,

@@ -32,7 +32,7 @@ def test_checkpoint_combine_kernel_compiles(layout):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("kind", ["gather", "store"])
+@pytest.mark.parametrize("kind", ["gather", pytest.param("store", marks=pytest.mark.compile_all)])
 def test_pool_gather_and_store_kernels_compile(kind):
     """The pool gather (run-time switches for indices and has_initial_state) and store ("vk": through a
     padded shared tile), no spills."""
