@@ -73,23 +73,17 @@ def _build(spec) -> str:
     """Worker of --precompile-only: builds ("default" | "clocked", key) into the disk cache."""
     from flashqla.ops.gdn.kernels.sm90 import prepare as P
 
-    which, key, subst = spec
-    if which == "default":
-        P.build_prepare_kernel(*key)
-    else:
-        P.build_prepare_kernel_clocked(*key, clock=which == "clocked", subst=subst)
-    return f"{which} {subst} {key}"
+    which, key = spec
+    (P.build_prepare_kernel_clocked if which == "clocked" else P.build_prepare_kernel)(*key)
+    return f"{which} {key}"
 
 
-def precompile(rows: list, workers: int, substs=("column",)) -> None:
+def precompile(rows: list, workers: int) -> None:
     """Builds the default and the clocked prepare kernel of every row, in `workers` processes."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    specs = [("default", row_key(*parse_row(r)), "column") for r in rows]
-    specs += [(which, row_key(*parse_row(r)), sub) for r in rows for sub in substs for which in ("clocked", "variant")
-              if which == "clocked" or sub != "column"]
-    specs = list(dict.fromkeys(specs))
+    specs = list(dict.fromkeys((which, row_key(*parse_row(r))) for r in rows for which in ("default", "clocked")))
     t = time.time()
     with ProcessPoolExecutor(max(1, min(workers, len(specs))), mp_context=mp.get_context("spawn")) as ex:
         for done in ex.map(_build, specs):
@@ -174,7 +168,7 @@ def residency(runs: list, P: int) -> dict:
                 ghz=float(np.median(ghz)) if ghz else float("nan"), span_us=float(np.median(spans)))
 
 
-def run_row(row: str, reps: int, warmup: int, subst: str = "column") -> dict:
+def run_row(row: str, reps: int, warmup: int) -> dict:
     """Builds, checks, times and clocks one row; prints its section; returns its summary."""
     import numpy as np
 
@@ -190,8 +184,7 @@ def run_row(row: str, reps: int, warmup: int, subst: str = "column") -> dict:
     del x
     key = row_key(H, HV, lengths)
     Ph = heads_per_cta(key)
-    kd, kc = P.build_prepare_kernel(*key), P.build_prepare_kernel_clocked(*key, subst=subst)
-    kv = None if subst == "column" else P.build_prepare_kernel_clocked(*key, clock=False, subst=subst)
+    kd, kc = P.build_prepare_kernel(*key), P.build_prepare_kernel_clocked(*key)
     S = num_slots(1, k.shape[1], len(lengths), True)
     out = [(torch.zeros(HV, S * CHUNK, CHUNK, dtype=k.dtype, device="cuda"),
             torch.zeros(HV, S * CHUNK, dtype=torch.float32, device="cuda")) for _ in range(2)]
@@ -202,19 +195,7 @@ def run_row(row: str, reps: int, warmup: int, subst: str = "column") -> dict:
     same = all(torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
                            b.view(torch.int16 if b.element_size() == 2 else torch.int32)) for a, b in zip(*out))
     assert same, f"{row}: the clocked build's A or g_cum_log2 differs from the default build's"
-    ms_v = float("nan")
-    if kv is not None:
-        outv = [torch.zeros_like(t) for t in out[0]]
-        kv(k, g, beta, cu, *outv)
-        torch.cuda.synchronize()
-        assert all(torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
-                               b.view(torch.int16 if b.element_size() == 2 else torch.int32)) for a, b in zip(out[0], outv)), \
-            f"{row}: the {subst} build's A or g_cum_log2 differs from the default build's"
     ms_d = time_cuda_graph(lambda: kd(k, g, beta, cu, *out[0])).ms
-    if kv is not None:
-        ms_v = time_cuda_graph(lambda: kv(k, g, beta, cu, *outv)).ms
-        ms_d = min(ms_d, time_cuda_graph(lambda: kd(k, g, beta, cu, *out[0])).ms)
-        ms_v = min(ms_v, time_cuda_graph(lambda: kv(k, g, beta, cu, *outv)).ms)
     ms_c = time_cuda_graph(lambda: kc(k, g, beta, cu, *out[1], clocks)).ms
 
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
@@ -232,8 +213,8 @@ def run_row(row: str, reps: int, warmup: int, subst: str = "column") -> dict:
     worked = int((runs[0][:, P.clock_stamps(Ph).index("k_ready")] >= 0).sum())
 
     print(f"\n## {row}: key {key}, {Ph} value head(s) a CTA, {S * (HV // Ph)} CTAs ({worked} with work), "
-          f"A and g_cum_log2 bitwise equal; substitution {subst!r}")
-    print(f"default {ms_d * 1e3:.1f} us, {subst} build {ms_v * 1e3:.1f} us, clocked {ms_c * 1e3:.1f} us (CUDA graph); clocked span by globaltimer "
+          f"A and g_cum_log2 bitwise equal")
+    print(f"default {ms_d * 1e3:.1f} us, clocked {ms_c * 1e3:.1f} us (CUDA graph); clocked span by globaltimer "
           f"{res['span_us']:.1f} us (L2 flushed); SM clock {res['ghz']:.3f} GHz")
     print("resident CTAs, share of SM busy time: " + ", ".join(f"{n}: {f:.1%}" for n, f in res["share"].items())
           + f"; CTAs overlapping a CTA on its SM (median) {res['overlap']:g}")
@@ -243,7 +224,7 @@ def run_row(row: str, reps: int, warmup: int, subst: str = "column") -> dict:
         heads = "" if grp is None else ("h0" if grp == 0 else f"h1..h{Ph - 1}")
         print(f"| {lab} | {heads} | {med:.0f} | {p90:.0f} | {n} |")
     med = {(lab.rstrip("*"), grp): m for lab, grp, m, _, _ in stats}
-    return dict(row=row, subst=subst, P=Ph, ctas=S * (HV // Ph), ms_d=ms_d, ms_v=ms_v, ms_c=ms_c, med=med, res=res)
+    return dict(row=row, P=Ph, ctas=S * (HV // Ph), ms_d=ms_d, ms_c=ms_c, med=med, res=res)
 
 
 def main(argv=None) -> int:
@@ -253,13 +234,10 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="clocked launches before them")
     ap.add_argument("--precompile-only", action="store_true", help="build both kernels of every row (no GPU) and exit")
     ap.add_argument("--workers", type=int, default=2, help="with --precompile-only: worker processes")
-    ap.add_argument("--subst", default="column", help="the forward substitution of the clocked build (and of a third, "
-                    "timed build checked bitwise against the default): column (shipped) or rows; comma-separated: each")
     a = ap.parse_args(argv)
     rows = [r.strip() for r in a.rows.split(",") if r.strip()]
-    substs = [x.strip() for x in a.subst.split(",")]
     if a.precompile_only:
-        precompile(rows, a.workers, substs)
+        precompile(rows, a.workers)
         return 0
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         print("needs a CUDA GPU of compute capability 9.0 (Hopper); --precompile-only builds without one", file=sys.stderr)
@@ -267,12 +245,12 @@ def main(argv=None) -> int:
     from flashqla.ops.gdn.kernels.sm90.prepare import CLOCK_HEAD
 
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | reps {a.reps}")
-    done = [run_row(r, a.reps, a.warmup, sub) for sub in substs for r in rows]
+    done = [run_row(r, a.reps, a.warmup) for r in rows]
 
     cols = ["locate", "k_ready", "cumsum", "kkt"] + list(CLOCK_HEAD) + ["tail", "lifetime"]
     print("\n## summary: median cycles over CTAs (head phases: value head 0 / heads 1.. where a CTA has several)")
-    print("| row | subst | heads/CTA | CTAs | default us | variant us | clocked us | GHz | resident (med) | " + " | ".join(cols) + " |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in cols) + " |")
+    print("| row | heads/CTA | CTAs | default us | clocked us | GHz | resident (med) | " + " | ".join(cols) + " |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in cols) + " |")
     for d in done:
         cells = []
         for c in cols:
@@ -281,7 +259,7 @@ def main(argv=None) -> int:
                 cells.append(" / ".join(f"{x:.0f}" for x in v if x is not None))
             else:
                 cells.append(f"{d['med'][(c, None)]:.0f}")
-        print(f"| {d['row']} | {d['subst']} | {d['P']} | {d['ctas']} | {d['ms_d'] * 1e3:.1f} | {d['ms_v'] * 1e3:.1f} | {d['ms_c'] * 1e3:.1f} | "
+        print(f"| {d['row']} | {d['P']} | {d['ctas']} | {d['ms_d'] * 1e3:.1f} | {d['ms_c'] * 1e3:.1f} | "
               f"{d['res']['ghz']:.2f} | {d['res']['overlap']:g} | " + " | ".join(cells) + " |")
     return 0
 

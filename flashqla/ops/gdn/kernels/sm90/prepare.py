@@ -32,7 +32,7 @@ Per CTA (128 threads, one warpgroup):
    end); zero the constant blocks; wait for k; g_cum_log2 = cumsum(g) / ln 2;
 3. K K^T on the tensor cores (wgmma), held in registers for the value heads;
 4. per value head j: L (only the ten lower 16 x 16 blocks, one exp2 per element of them) -> D^-1 by
-   forward substitution (64 threads, one column of a diagonal block each; writes the diagonal
+   forward substitution (lanes 0-15 of warp b solve the columns of diagonal block b; writes the diagonal
    blocks of A diag(beta)) -> phases 1-3 -> TMA store of A diag(beta) from a staging tile (the store
    of head j overlaps head j + 1's L; waited before the substitution writes the tile again);
 5. g_cum_log2 of the value heads (64 contiguous floats per head).
@@ -146,7 +146,7 @@ def _clock_stamper(T, clocks, slot, hk, j=None):
 
 
 def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_s, b_s, g_row, g_col, b_row, ld_s,
-                      lbt_s, l2t_s, d2t_s, b0t_s, dm_s, y_s, zt, stage, y_f, w_f, z_f, o_f, xcol, stamp=None, lrow=None):
+                      lbt_s, l2t_s, d2t_s, b0t_s, dm_s, y_s, zt, stage, y_f, w_f, z_f, o_f, xcol, bcl, stamp=None):
     """Emits one value head's stages (L, the forward substitution, phases 1-3, the TMA store of
     A diag(beta)) where it is called inside a kernel body: value head hk * G + j of the slot whose rows
     start at row0, nvalid valid rows; the staging tile is `stage` (its first 64 columns) and -Z_top^T
@@ -186,31 +186,23 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
         if stamp is not None:
             stamp("store_wait")
 
-        # D^-1: thread (blk, col) < 64 solves column col of diagonal block blk by forward
+        # D^-1: lane col < 16 of warp blk solves column col of diagonal block blk by forward
         # substitution (WY-3's recursion, each row's sum taken column by column: fewer live
         # registers than row by row), writes it where the products read it, and times beta
         # into the staging tile
         tx = T.get_thread_binding()
-        if tx < C:
-            blk = tx // BS
-            col = tx % BS
+        if tx % 32 < BS:  # diagonal block blk on warp blk, lanes 0-15: its stores' branches warp-uniform
+            blk = tx // 32
+            col = tx % 32
             for r in T.unroll(BS):
                 xcol[r] = T.if_then_else(r == col, T.float32(1), T.float32(0))
-            if lrow is None:
-                for m in T.unroll(BS):
-                    for r in T.unroll(BS):
-                        if r > m:
-                            xcol[r] = xcol[r] - ld_s[blk * BS + m, r] * xcol[m]
-            else:  # the same products in the same order, row m of the block read as four 16-byte vectors
-                for m in T.unroll(BS):
-                    for r in T.vectorized(BS):
-                        lrow[r] = ld_s[blk * BS + m, r]
-                    for r in T.unroll(BS):
-                        if r > m:
-                            xcol[r] = xcol[r] - lrow[r] * xcol[m]
-            bc = b_s[j, blk * BS + col]
+            for m in T.unroll(BS):
+                for r in T.unroll(BS):
+                    if r > m:
+                        xcol[r] = xcol[r] - ld_s[blk * BS + m, r] * xcol[m]
+            bcl[0] = b_s[j, blk * BS + col]  # once: read inside the store loop it is re-read after every store
             for r in T.unroll(BS):
-                stage[blk * BS + r, blk * BS + col] = T.cast(T.if_then_else(r >= col, xcol[r] * bc, T.float32(0)), dtype)
+                stage[blk * BS + r, blk * BS + col] = T.cast(T.if_then_else(r >= col, xcol[r] * bcl[0], T.float32(0)), dtype)
                 if blk == 0:
                     d2t_s[col, r] = xcol[r]
                     b0t_s[col, r] = xcol[r]
@@ -263,8 +255,7 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
 
 
 def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
-                       heads_per_cta: int | None = None, a_dtype: str | None = None, *, phase_clock: bool = False,
-                       subst: str = "column"):
+                       heads_per_cta: int | None = None, a_dtype: str | None = None, *, phase_clock: bool = False):
     """The TileLang kernel for one static configuration (arguments as `build_prepare_kernel`).
 
     The L tile's gates are read once per value head into register fragments (g at the rows and at
@@ -369,7 +360,7 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
             z_f = T.alloc_fragment((HB, HB), acc)
             o_f = T.alloc_fragment((HB, HB), acc)
             xcol = T.alloc_local((BS,), acc)
-            lrow = T.alloc_local((BS,), acc) if subst == "rows" else None
+            bcl = T.alloc_local((1,), acc)  # beta of the column the substitution solves
             k_bar = T.alloc_barrier(128)  # every thread arrives; the copy engine completes the bytes
 
             if nvalid > 0:
@@ -404,7 +395,7 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
                     value_head_stages(T, j=j, G=P, hk=hk, nvalid=nvalid, row0=row0, A=A, dtype=adt, gemm_nt=gemm_nt, kk_f=kk_f,
                                       gc_s=gc_s, b_s=b_s, g_row=g_row, g_col=g_col, b_row=b_row, ld_s=ld_s, lbt_s=lbt_s,
                                       l2t_s=l2t_s, d2t_s=d2t_s, b0t_s=b0t_s, dm_s=dm_s, y_s=y_s, zt=zt_s, stage=ka_s if adt == dtype else T.view(ka_s, dtype=adt), y_f=y_f,
-                                      w_f=w_f, z_f=z_f, o_f=o_f, xcol=xcol, lrow=lrow,
+                                      w_f=w_f, z_f=z_f, o_f=o_f, xcol=xcol, bcl=bcl,
                                       stamp=_clock_stamper(T, clocks, slot, hk, j) if phase_clock else None)
                 T.tma_store_wait(0)
 
@@ -440,8 +431,7 @@ def build_prepare_kernel(H: int, HV: int, K: int, dtype: str, beta_dtype: str, s
 
 
 def build_prepare_kernel_clocked(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
-                                 heads_per_cta: int | None = None, a_dtype: str | None = None, *, clock: bool = True,
-                                 subst: str = "column"):
+                                 heads_per_cta: int | None = None, a_dtype: str | None = None):
     """The phase-clock build of `build_prepare_kernel`'s kernel for the same key (cached; a measurement
     tool: `benchmarks/experiments/prepare_phase_clock.py`). Launched as kernel(k, g, beta, cu_seqlens,
     A, g_cum_log2, clocks), clocks [S, HV // heads, len(clock_stamps(heads))] int64 with S chunk
@@ -454,20 +444,16 @@ def build_prepare_kernel_clocked(H: int, HV: int, K: int, dtype: str, beta_dtype
         raise ValueError(f"heads_per_cta must be None, 1 or HV // H = {HV // H}, got {heads_per_cta!r}")
     if a_dtype == dtype:
         a_dtype = None
-    return _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta, a_dtype, phase_clock=clock,
-                                 subst=subst)
+    return _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta, a_dtype, phase_clock=True)
 
 
 @functools.lru_cache(maxsize=None)
-def _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta, a_dtype=None, phase_clock=False,
-                          subst="column"):
-    if subst not in ("column", "rows"):
-        raise ValueError(f"subst must be 'column' or 'rows', got {subst!r}")
+def _build_prepare_kernel(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta, a_dtype=None, phase_clock=False):
     func = _prepare_prim_func(H, HV, K, dtype, beta_dtype, seq_dtype, varlen, heads_per_cta=heads_per_cta,
-                              a_dtype=a_dtype, phase_clock=phase_clock, subst=subst)
+                              a_dtype=a_dtype, phase_clock=phase_clock)
     return compile_kernel(func, f"gdn_prepare_fwd_H{H}_HV{HV}_K{K}_{dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}"
                           + ("_one_head" if heads_per_cta == 1 else "") + (f"_A{a_dtype}" if a_dtype else "")
-                          + ("_clock" if phase_clock else "") + ("" if subst == "column" else f"_{subst}"))
+                          + ("_clock" if phase_clock else ""))
 
 
 #: `pick_heads_per_cta` takes one value head a CTA while the grid of one CTA per chunk slot and q/k
