@@ -91,4 +91,26 @@ def test_serving_specs_list_the_state_moves_with_split():
     kinds = {k for k, _ in specs}
     assert {"pool_gather", "pool_store", "checkpoint_combine"} <= kinds <= set(BUILDERS)
     assert ("checkpoint_combine", (128, 128, "bfloat16", "vk", "int64")) in specs
-    assert not {"pool_gather"} & {k for k, _ in serving_kernel_specs(2, 8, N=2, varlen=True)}
+    plain = {k for k, _ in serving_kernel_specs(2, 8, N=2, varlen=True)}
+    assert {"pool_gather", "pool_store"} <= plain and "checkpoint_combine" not in plain
+
+
+def test_gather_keeps_none_and_non_contiguous_pools_on_torch(monkeypatch):
+    """`_gather`: no initial_state stays None (a "vk" call without one must not reach the kernel), and a
+    pool with padded rows (a view of a larger cache) takes torch's gather of its N rows, not the
+    kernel's contiguous copy of every row."""
+    from flashqla.ops.gdn import serving as op_serving
+    from flashqla.ops.gdn.kernels.sm90 import pool_states
+    from flashqla.serving import ServingArgs, gather_initial_states
+
+    def boom(*a, **k):
+        raise AssertionError("the kernel was called")
+
+    monkeypatch.setattr(pool_states, "gather_states", boom)
+    s = ServingArgs(None, None, "vk", None, None, None, False, False, 0)
+    assert op_serving._gather(None, s, 2, True) is None
+    big = torch.randn(6, 2, 8, 8)
+    pool = big[::2]  # 3 rows, padded stride
+    idx = torch.tensor([2, -1])
+    sp = ServingArgs(idx, None, "vk", None, None, None, False, True, 3)
+    assert torch.equal(op_serving._gather(pool, sp, 2, True), gather_initial_states(pool, sp, 2, torch.float32))

@@ -426,11 +426,12 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
             uninitialised (every token is written by the run) instead of the launcher's zero fill.
             checkpoint_positions: None or int32/int64 [M] on the device, sorted global offsets into
             the B * T flattened tokens, each inside a sequence (exact mode only; the backend's
-            `recurrent_dual_checkpoints`): the state after the first p tokens for each p, returned as
-            the info's `checkpoints` (the info is then built even without want_info). Segment j
-            holding token p - 1 gives it as CQ + CP S_in(j) (records CP-1, CF-4: the run's state
-            there plus the transition's applied to the entering state; one batched GEMM after the
-            scan), with no pass beyond the run and transition launch; o and the final states
+            `recurrent_dual_checkpoints`): the states after the first p tokens, returned as the
+            info's `checkpoints`, a `CheckpointParts` (the info is then built even without
+            want_info). Segment j holding token p - 1 gives the state as CQ + CP S_in(j) (records
+            CP-1, CF-4: the run's state there plus the transition's applied to the entering state;
+            `CheckpointParts.states()` forms it, the serving call's sm_90 path stores it in one
+            launch), with no pass beyond the run and transition launch; o and the final states
             are those of the call without checkpoints.
             a_dtype: A's dtype for the backend's prepare (None: k's; torch.float16: the inference
             forward's fp16 A_beta product, `flashqla.ops.gdn.fwd.product_dtype`; not with

@@ -477,3 +477,22 @@ def test_split_plan_state_moves_kernels_against_torch(layout, monkeypatch):
     assert torch.equal(p1, p2)
     d = (c1.double() - c2.double()).abs() / c2.double().abs().clamp(min=1.0)
     assert d.max().item() <= 2 ** -7, d.max().item()
+
+
+def test_split_plan_vk_without_initial_state():
+    """A "vk" call with no initial_state on the split plan (torch path, the state-move kernels on):
+    starts from zeros, returns the final states in "vk" and the checkpoints, against the fp64
+    recurrence (a review found this path reaching the gather kernel with None)."""
+    lengths = [3000, 70]
+    xd, x64, cu, _ = _case(lengths, HV=4, H=2, seed=23)
+    pos = torch.tensor([1, 64, 2999, 3070], device=DEV)
+    cks = torch.full((4, 4, 128, 128), float("nan"), dtype=torch.float32, device=DEV)
+    with torch.no_grad():
+        o, ht = flashqla.chunk_gated_delta_rule(**xd, output_final_state=True, cu_seqlens=cu, state_layout="vk",
+                                                checkpoint_positions=pos, checkpoint_states=cks, cp="on")
+    assert op_serving.LAST_PATH["path"] == "torch", op_serving.LAST_PATH
+    o_ref, ht_ref, ck_ref = _truth(x64, [0, 3000, 3070], torch.zeros(2, 4, 128, 128, dtype=torch.float64),
+                                   pos.tolist())
+    assert rel_rms(o.double().cpu(), o_ref) < BUDGETS["sm90_fwd_bf16"]["o"]
+    assert rel_rms(ht.transpose(-1, -2).double().cpu(), ht_ref) < BUDGETS["sm90_fwd_bf16"]["ht"]
+    assert rel_rms(cks.transpose(-1, -2).double().cpu(), ck_ref) < BUDGETS["sm90_fwd_bf16"]["ht"]

@@ -159,7 +159,7 @@ def forward(q, k, v, g, beta, scale: float, initial_state, output_final_state: b
 
     checkpoint_positions (split plans in exact mode only; validated by the caller: sorted global
     offsets, each inside a sequence): the states after those tokens come back as the info's
-    `checkpoints` (`cp_forward`; return_info must be True; that info's S_in is then None: its masked
+    `checkpoints`, a `flashqla.cp.forward.CheckpointParts` (`cp_forward`; return_info must be True; that info's S_in is then None: its masked
     copy is not made). ValueError on an unsplit plan, with
     gate_chunks, or without return_info."""
     if checkpoint_positions is not None and (not plan.forward.split or gate_chunks is not None or not return_info):

@@ -17,17 +17,20 @@ The torch path (everything else: training, the split / context-parallel plan, ot
 as the CPU tests' reference stand-in, T == 0, a pool of 0 rows, mixed state dtypes) runs the unchanged
 kernels with torch around them:
 
-- pooled / masked / transposed initial states: a gather (`index_select`), a `torch.where` and a
-  transpose into a contiguous fp32 `[N, HV, K, V]`, which the recurrent kernel reads as its
-  initial_state; the final states come back fp32 and are transposed, rounded once to the pool's
-  dtype and scattered into the pool (`index_copy_`, no host read: `flashqla.serving.store_final_states`).
+- pooled / masked / transposed initial states: gathered into a contiguous fp32 `[N, HV, K, V]`, which
+  the recurrent kernel reads as its initial_state; the final states come back fp32 and are
+  transposed, rounded once to the pool's dtype and written into their pool rows. On sm_90 for
+  inference (`state_kernels_apply`) one launch each (`kernels/sm90/pool_states.py`: `gather_states`,
+  `store_states`); otherwise torch's `index_select`, `torch.where`, transposed casts and `index_copy_`
+  (`flashqla.serving.gather_initial_states`, `store_final_states`; no host read either way).
 - checkpoints, on a split inference plan (`split_checkpoints_apply`: K == V and a backend with
   `recurrent_dual_checkpoints`, the sm_90 kernels included): inside the split forward. Its run and
   transition launch also stores, at each position, the run's state (from the segment's start) and
   the transition's (the product of the per-token maps since the segment's start), and after the
-  scan one batched GEMM gives checkpoint = run state + transition state x the segment's entering
-  state (records CP-1, CF-4; `flashqla.cp.forward.cp_forward`). No extra forward, no gather of the
-  tokens.
+  scan checkpoint = run state + transition state x the segment's entering state (records CP-1,
+  CF-4; `flashqla.cp.forward.CheckpointParts`), combined and stored into checkpoint_states by one
+  launch on sm_90 (`pool_states.combine_checkpoints`), by one batched GEMM and a copy otherwise. No
+  extra forward, no gather of the tokens.
 - checkpoints, on a split inference plan otherwise (`segment_checkpoints_apply`: M pieces of at most
   L tokens hold no more than the batch): from the split forward's segment entering states, one more
   forward over each checkpoint's piece of its segment (`segment_checkpoint_states`).
@@ -163,11 +166,14 @@ def state_kernels_apply(q, s: ServingArgs, *, training: bool = False, backend=No
 
 def _gather(initial_state, s: ServingArgs, N: int, kernels: bool):
     """The forward's initial states [N, HV, K, V] fp32 (`gather_initial_states`), by one launch of
-    `pool_states.gather_states` where `kernels` and the states need a gather, a mask, a transpose or
-    a cast (a plain fp32 "kv" initial_state is passed through)."""
-    plain = (not s.pool and s.has_initial_state is None and s.state_layout == "kv"
-             and (initial_state is None or initial_state.dtype == torch.float32))
-    if not kernels or plain:
+    `pool_states.gather_states` where `kernels`, the states are contiguous and they need a gather, a
+    mask, a transpose or a cast (a plain fp32 "kv" initial_state is passed through; None stays None)."""
+    if initial_state is None:
+        return None
+    plain = not s.pool and s.has_initial_state is None and s.state_layout == "kv" and initial_state.dtype == torch.float32
+    # a pool with padded rows (a view of a larger cache) would be copied whole by the kernel's
+    # contiguous read: torch's gather reads only the N rows
+    if not kernels or plain or not initial_state.is_contiguous():
         return gather_initial_states(initial_state, s, N, torch.float32)
     from flashqla.ops.gdn.kernels.sm90.pool_states import gather_states
 

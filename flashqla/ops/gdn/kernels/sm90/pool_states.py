@@ -5,7 +5,7 @@ checkpoints combined from the split forward's parts and stored in the caller's l
 On the split (context-parallel) plan the serving call runs the unchanged split forward, which takes
 and returns fp32 per-sequence states in FLA's [.., K, V] layout. In torch the moves around it are
 about fifteen small launches (`flashqla.serving.gather_initial_states`, `store_final_states`,
-`flashqla.cp.forward.checkpoint_states_from_parts` and the copy into checkpoint_states: gathers,
+`flashqla.cp.forward.CheckpointParts.states()` and the copy into checkpoint_states: gathers,
 masks, strided casts, an argmax and an `index_copy_`, a search and a batched GEMM; their cost:
 `benchmarks/journal/serving.md`, "The split serving call profiled"). These kernels do the same with
 three launches and the same values: the copies and casts bit for bit (one rounding, at the store);
@@ -28,9 +28,12 @@ Kernels (CUDA tensors on sm_90; every size but K and V is a run-time value):
   at global position p (the state after the first p tokens) = CQ[m] + CP[m] S_in[j], j the segment
   holding token p - 1 (the first with end > p - 1, ends non-decreasing; a binary search over the
   segment ends in the kernel, as `torch.searchsorted(end, p - 1, right=True)`), stored into
-  checkpoint_states[m] in its layout and dtype. Thread i of the CTA holds row i of a 128 x 32 column
-  block of the product; CP's rows are staged in shared memory with one float of padding (the
-  column reads of the K loop conflict-free), S_in's block beside them.
+  checkpoint_states[m] in its layout and dtype. A CTA computes a 128 x 32 column block of the
+  product, each thread 8 rows x 4 columns of it (TileLang's layout); CP's rows are staged in shared
+  memory with one float of padding (the K loop's column reads conflict-free), S_in's block beside
+  them.
+Indices are not range-checked: an index >= P reads zeros and writes nothing (TileLang's bounds
+guards), where torch's index ops would raise a device assert; the caller validates them.
 Derivation: record CP-1 (checkpoint = run state + transition x entering state), CF-4.
 """
 
@@ -245,7 +248,7 @@ def gather_states(pool: torch.Tensor, layout: str, N: int, state_indices=None, h
     pool: [P, HV, K, V] ("kv") or [P, HV, V, K] ("vk"), fp32/bf16/fp16, contiguous; with
     state_indices ([N] int32/int64) row state_indices[n] is sequence n's (zeros where negative),
     without it row n (then P == N). has_initial_state: None or [N] bool (False: zeros). CUDA tensors
-    on sm_90; indices are not range-checked here (the caller validates them)."""
+    on sm_90; indices are not range-checked here (module docstring; the caller validates them)."""
     _check_layout(layout)
     P, HV = pool.shape[0], pool.shape[1]
     K, V = (pool.shape[2], pool.shape[3]) if layout == "kv" else (pool.shape[3], pool.shape[2])
@@ -277,7 +280,7 @@ def store_states(final: torch.Tensor, pool: torch.Tensor, layout: str, state_ind
 def combine_checkpoints(CQ: torch.Tensor, CP: torch.Tensor, S_in: torch.Tensor, seg_end: torch.Tensor,
                         positions: torch.Tensor, out: torch.Tensor, layout: str) -> None:
     """out[m] = CQ[m] + CP[m] S_in[j(m)] in out's layout and dtype (written in place): the split
-    forward's checkpoints (`flashqla.cp.forward.checkpoint_states_from_parts` and the copy into
+    forward's checkpoints (`flashqla.cp.forward.CheckpointParts.states()` and the copy into
     checkpoint_states) in one launch.
 
     CQ [M, HV, K, V], CP [M, HV, K, K], S_in [Ms, HV, K, V] fp32; seg_end [Ms] int64 (non-decreasing);

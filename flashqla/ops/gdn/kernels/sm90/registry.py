@@ -20,8 +20,8 @@ key). Kinds and builders:
     "cp_slot_h0"       cp_relayout.build_slot_h0_kernel
     "cp_tables"        cp_tables.build_segment_tables_kernel
     "launch_order"     launch_order.build_launch_order_kernel
-    "pool_gather"      pool_states.build_pool_gather_kernel (the serving torch path's state moves;
-    "pool_store"       pool_states.build_pool_store_kernel   `serving_kernel_specs(split=True)`)
+    "pool_gather"      pool_states.build_pool_gather_kernel (the serving torch path's state moves,
+    "pool_store"       pool_states.build_pool_store_kernel   in `serving_kernel_specs`)
     "checkpoint_combine" pool_states.build_checkpoint_combine_kernel
 Nothing here imports TileLang until a kernel is built.
 """
@@ -222,9 +222,9 @@ def serving_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, d
     combination of the given state dtypes, layouts and checkpoint switches (the prepare kernel is
     `op_kernel_specs`'). With `split` (K == V), also the split path's dual launch with checkpoints
     (`recurrent.chunk_recurrent_dual_checkpoints`, fp32 "kv", on the segments' packed offsets) at
-    both value slice widths, and the torch path's state moves (`pool_states`: the pool gather and
-    store for int32 and int64 indices, the checkpoint combine for int32 and int64 positions, in each
-    state dtype and layout). Kept out of `op_kernel_specs` (warmup's list and the recorded sources)
+    both value slice widths and the checkpoint combine (`pool_states`, int32 and int64 positions); and
+    always the torch path's pool gather and store (`pool_states`, int32 and int64 indices), in each
+    state dtype and layout. Kept out of `op_kernel_specs` (warmup's list and the recorded sources)
     so that a plain call builds nothing more. `fp16_products`: the builds of the opt-in fp16 A_beta
     product (bf16 input; `flashqla.ops.gdn.fwd.product_dtype`) instead. Pure Python."""
     BV = block_v or pick_block_v(N, HV, V)
@@ -236,9 +236,10 @@ def serving_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, d
         specs += [("recurrent_serving", (H, HV, K, V, bv, dtype, seq, True, "float32", "kv", True, True)
                    + (("float16",) if op else ()))
                   for bv in (64, 128)]
-        for sd in state_dtypes:
-            for lay in state_layouts:
-                for it in ("int32", "int64"):
-                    specs += [("pool_gather", (K, V, sd, lay, it)), ("pool_store", (K, V, sd, lay, it)),
-                              ("checkpoint_combine", (K, V, sd, lay, it))]
+    for sd in state_dtypes:  # the torch path's state moves (any plan), the checkpoint combine (split plans)
+        for lay in state_layouts:
+            for it in ("int32", "int64"):
+                specs += [("pool_gather", (K, V, sd, lay, it)), ("pool_store", (K, V, sd, lay, it))]
+                if split and K == V:
+                    specs.append(("checkpoint_combine", (K, V, sd, lay, it)))
     return specs
