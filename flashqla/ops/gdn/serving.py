@@ -181,35 +181,26 @@ def _gather(initial_state, s: ServingArgs, N: int, kernels: bool):
 
 
 def _write_back_kernels(o, final_kv, checkpoints, s: ServingArgs, initial_state, output_final_state: bool):
-    """`flashqla.serving.write_back` with the `pool_states` kernels: the split forward's
-    `CheckpointParts` combined and stored into checkpoint_states in one launch (a tensor of
-    checkpoints, from the other methods, copied as there), the final states stored into their pool
-    rows in one launch. A non-contiguous checkpoint_states or pool takes torch's copies."""
+    """`flashqla.serving.write_back` with the `pool_states` kernels doing what they can first: the
+    split forward's `CheckpointParts` combined and stored into a contiguous checkpoint_states, the
+    final states stored into a contiguous pool's rows, one launch each; the rest (a checkpoint
+    tensor from the other methods, a non-contiguous target, out=, the returned final states) is
+    `write_back`'s."""
     from flashqla.cp.forward import CheckpointParts
     from flashqla.ops.gdn.kernels.sm90.pool_states import combine_checkpoints, store_states
-    from flashqla.serving import from_kv, store_final_states
 
     with torch.no_grad():
         if isinstance(checkpoints, CheckpointParts):
-            c = s.checkpoint_states
-            if c.is_contiguous():
-                combine_checkpoints(*checkpoints, out=c, layout=s.state_layout)
+            if s.checkpoint_states.is_contiguous():
+                combine_checkpoints(*checkpoints, out=s.checkpoint_states, layout=s.state_layout)
+                checkpoints = None
             else:
-                c.copy_(from_kv(checkpoints.states(), s.state_layout))
-        elif checkpoints is not None:
-            s.checkpoint_states.copy_(from_kv(checkpoints, s.state_layout))
-        if s.out is not None:
-            s.out.copy_(o)
-            o = s.out
-        if not output_final_state:
-            return o, None
-        if s.pool:
-            if initial_state.is_contiguous():
-                store_states(final_kv.detach(), initial_state, s.state_layout, s.state_indices)
-            else:
-                store_final_states(initial_state, final_kv.detach(), s)
+                checkpoints = checkpoints.states()
+        if output_final_state and s.pool and initial_state.is_contiguous():
+            store_states(final_kv.detach(), initial_state, s.state_layout, s.state_indices)
+            o, _ = write_back(o, None, checkpoints, s, initial_state, False)
             return o, initial_state
-    return o, from_kv(final_kv, s.state_layout).contiguous()
+    return write_back(o, final_kv, checkpoints, s, initial_state, output_final_state)
 
 
 def split_checkpoints_apply(plan, positions, q, v, backend) -> bool:
