@@ -238,6 +238,22 @@ def clamp_gates(g: torch.Tensor) -> torch.Tensor:
     return g.clamp_min(G_FLOOR)
 
 
+#: Byte alignment the kernels need of a tensor's first element (the copy engine's loads and stores,
+#: the vector accesses)
+KERNEL_ALIGN = 16
+
+
+def dense(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels read it: contiguous, its first element KERNEL_ALIGN-byte aligned. Returns x
+    itself when it already is (no copy), else a contiguous copy (a view at an odd storage offset of a
+    larger buffer, such as `buf[1:].view(...)`, is copied once; torch's own allocations are aligned).
+    Differentiable like `contiguous`."""
+    if x.is_contiguous() and x.data_ptr() % KERNEL_ALIGN == 0:
+        return x
+    x = x.contiguous()
+    return x if x.data_ptr() % KERNEL_ALIGN == 0 else x.clone()
+
+
 def check_gate_values(g: torch.Tensor) -> None:
     """Raises ValueError when `g` has a positive (+inf included) or NaN entry (reads `g`: a host sync
     on GPU), or is on the meta device (no values to read). g = -inf is valid: "forget everything"

@@ -139,7 +139,7 @@ def _autograd(op, leaves: dict, cu, do, dht, **kw) -> dict:
 def _ours(c: dict, view=None, contiguous_views: bool = False, poison: bool = True) -> dict:
     """The public op on DEV with autograd. `view(name, tensor) -> tensor` rewrites the device
     tensors (q ... initial_state, cu_seqlens, do, dht) first, e.g. into non-contiguous views;
-    contiguous_views: the same values, then made contiguous."""
+    contiguous_views: the same values, then copied into a fresh (contiguous, aligned) tensor."""
     dev = {}
     for n in NAMES + ("do", "dht", "cu_seqlens"):
         t = c[n]
@@ -151,7 +151,7 @@ def _ours(c: dict, view=None, contiguous_views: bool = False, poison: bool = Tru
             if view is not None:
                 t = view(n, t)
                 if contiguous_views:
-                    t = t.contiguous()
+                    t = t.clone(memory_format=torch.contiguous_format)
         dev[n] = t
     leaves = {n: (None if dev[n] is None else dev[n].detach().requires_grad_(True)) for n in NAMES}
     if poison:
@@ -632,6 +632,15 @@ def _strided(n: str, t: torch.Tensor) -> torch.Tensor:
     return big[tuple(idx)]
 
 
+def _misaligned(n: str, t: torch.Tensor) -> torch.Tensor:
+    """The same values, contiguous, one element past the start of a larger buffer: the first element
+    not 16-byte aligned (2 or 4 bytes off, 4 or 8 for int32 / int64 offsets)."""
+    buf = torch.zeros(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = buf[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
 def _expanded(n: str, t: torch.Tensor) -> torch.Tensor:
     """New values: the first token's (the first sequence's for states) repeated by a stride-0 view."""
     d = 0 if n in STATE_LIKE else 1
@@ -654,28 +663,30 @@ NON_CONTIGUOUS = {  # id: (names rewritten, how)
     "all-transposed": (("q", "k", "v", "g", "beta", "initial_state", "do", "dht"), _transposed),
     "all-sliced": (("q", "k", "v", "g", "beta", "initial_state", "do", "dht", "cu_seqlens"), _strided),
     "qkv-expanded": (("q", "k", "v", "g"), _expanded),
+    "all-misaligned": (("q", "k", "v", "g", "beta", "initial_state", "do", "dht", "cu_seqlens"), _misaligned),
 }
 
 
 @pytest.mark.parametrize("name", list(NON_CONTIGUOUS))
 def test_non_contiguous_inputs_give_the_contiguous_result(name):
     """Inputs, offsets or cotangents as non-contiguous views (transposed in memory, every other
-    element of a larger buffer, stride-0 expansions as o.sum() / ht.sum() make): o, the final state
-    and every gradient bitwise those of the contiguous copies (packed 70, 0, 129, 1)."""
+    element of a larger buffer, stride-0 expansions as o.sum() / ht.sum() make) or as contiguous
+    views whose first element is not 16-byte aligned (the copy engine's loads need it): o, the final
+    state and every gradient bitwise those of fresh contiguous copies (packed 70, 0, 129, 1)."""
     names, how = NON_CONTIGUOUS[name]
     c = _case(seed=1100, lengths=[70, 0, 129, 1])
 
     def view(n, t):
         return how(n, t) if n in names else t
 
-    # the views are really non-contiguous
+    # the views are really non-contiguous (or misaligned)
     probe = {n: view(n, c[n].to(DEV)) for n in names}
-    assert not any(t.is_contiguous() for t in probe.values()), name
+    assert not any(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in probe.values()), name
     got = _ours(c, view=view)
     want = _ours(c, view=view, contiguous_views=True)
     diff = [n for n in want if not torch.equal(got[n], want[n])]
     for n, t in got.items():
         assert bool(torch.isfinite(t).all()), f"{name}: {n} not finite"
     assert not diff, f"{name}: {diff} depend on the memory layout"
-    if name == "all-transposed":  # and the numbers are right
+    if name in ("all-transposed", "all-misaligned"):  # and the numbers are right
         _compare(name, got, _ref(c))

@@ -496,3 +496,44 @@ def test_split_plan_vk_without_initial_state():
     assert rel_rms(o.double().cpu(), o_ref) < BUDGETS["sm90_fwd_bf16"]["o"]
     assert rel_rms(ht.transpose(-1, -2).double().cpu(), ht_ref) < BUDGETS["sm90_fwd_bf16"]["ht"]
     assert rel_rms(cks.transpose(-1, -2).double().cpu(), ck_ref) < BUDGETS["sm90_fwd_bf16"]["ht"]
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_misaligned_pool_and_checkpoints(layout):
+    """A pool and checkpoint_states that are contiguous views one element past the start of a larger
+    buffer (first element not 16-byte aligned, which the kernels' vector accesses need): the call
+    takes torch's moves instead of crashing, and o, the pool rows and the checkpoints match the same
+    call on aligned copies."""
+    lengths = [300, 1, 129]
+    xd, x64, cu, h0 = _case(lengths, seed=31)
+    N, HV = len(lengths), 4
+    idx = torch.tensor([4, 0, 2], device=DEV)
+    positions = _positions(cu.tolist())
+    results = {}
+    for aligned in (True, False):
+        buf = torch.zeros(2 * N * HV * 128 * 128 + 1, dtype=torch.bfloat16, device=DEV)
+        pool = (buf[:-1] if aligned else buf[1:]).view(2 * N, HV, 128, 128)
+        pool[idx] = _kv(h0.to(DEV), layout).to(torch.bfloat16)
+        cbuf = torch.full((len(positions) * HV * 128 * 128 + 1,), float("nan"), dtype=torch.bfloat16, device=DEV)
+        cks = (cbuf[:-1] if aligned else cbuf[1:]).view(len(positions), HV, 128, 128)
+        assert (pool.data_ptr() % 16 == 0) == aligned and (cks.data_ptr() % 16 == 0) == aligned
+        pos = torch.tensor(positions, dtype=torch.int64, device=DEV)
+        with torch.no_grad():
+            o, ret = flashqla.chunk_gated_delta_rule(**xd, initial_state=pool, output_final_state=True, cu_seqlens=cu,
+                                                     state_indices=idx, state_layout=layout, checkpoint_positions=pos,
+                                                     checkpoint_states=cks, cp="off")
+        torch.cuda.synchronize()
+        assert ret is pool
+        results[aligned] = (o, pool.clone(), cks.clone(), op_serving.LAST_PATH["path"])
+    assert results[True][3] == "kernel" and results[False][3] == "torch", (results[True][3], results[False][3])
+    o_ref, ht_ref, ck_ref = _truth(x64, cu.tolist(), h0.double(), positions)
+    for aligned, (o, pool, cks, _) in results.items():
+        assert bool(torch.isfinite(cks).all()), f"aligned={aligned}: a checkpoint not written"
+        assert rel_rms(o.double().cpu(), o_ref) < BUDGETS["sm90_fwd_bf16"]["o"]
+        assert rel_rms(_kv(pool[idx], layout).double().cpu(), ht_ref) < BUDGET[torch.bfloat16]
+        assert rel_rms(_kv(cks, layout).double().cpu(), ck_ref) < BUDGET[torch.bfloat16]
+    # the same kernels' arithmetic on both paths: o bitwise, the stored states within one bf16 rounding
+    assert torch.equal(results[True][0], results[False][0])
+    for k in (1, 2):
+        a, b = results[True][k].float(), results[False][k].float()
+        assert rel_rms(b.double().cpu(), a.double().cpu()) < 4e-3

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from flashqla.contract import dense
 from flashqla.ops.gdn.kernels.sm90 import registry
 from flashqla.ops.gdn.kernels.sm90._common import tl_dtype
 from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_fused_bwd
@@ -157,7 +158,7 @@ class Sm90Backend:
         try:
             dh0 = initial_state is not None if dh0 is None else bool(dh0)
             self._build_bwd(q, v, beta, cu_seqlens, dh0)
-            q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
+            q, k, v, beta, do = (dense(x) for x in (q, k, v, beta, do))
             h = chunk_states_bwd(k, v, A, g_cum_log2, initial_state, cu_seqlens, order=order)
         finally:  # joined even when a launch above raises (a capture must not end with an open fork)
             if join is not None:

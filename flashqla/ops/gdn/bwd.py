@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from flashqla.contract import (G_FLOOR, check_device, check_gdn_inputs, check_supported, clamp_gates, cp_mode,
+from flashqla.contract import (G_FLOOR, check_device, check_gdn_inputs, check_supported, clamp_gates, cp_mode, dense,
                                resolve_truncate)
 from flashqla.cp.backward import cp_backward
 from flashqla.cp.forward import flat
@@ -137,8 +137,8 @@ def _backward(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu
     B, T, HV = q.shape[0], q.shape[1], v.shape[2]
     # the kernels take compact arrays: autograd hands over dht as the caller's view (ht.sum() gives a
     # stride-0 one), and initial_state / cu_seqlens are the caller's tensors
-    q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
-    dht, initial_state, cu_seqlens = (None if x is None else x.contiguous() for x in (dht, initial_state, cu_seqlens))
+    q, k, v, g, beta, do = (dense(x) for x in (q, k, v, g, beta, do))  # contiguous, 16-byte aligned
+    dht, initial_state, cu_seqlens = (None if x is None else dense(x) for x in (dht, initial_state, cu_seqlens))
     if A is None and cp_saved is None:  # not kept by the forward (`keeps_products`): recomputed here
         A, g_cum_log2 = backend.prepare(k, g, beta, cu_seqlens, HV)
     if not plan.split:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from flashqla.contract import (CHUNK, ChunkGDNForward, check_device, check_gdn_inputs, check_supported, clamp_gates,
+from flashqla.contract import (CHUNK, ChunkGDNForward, check_device, check_gdn_inputs, check_supported, clamp_gates, dense,
                                l2norm, positive_int, resolve_truncate)
 from flashqla.cp.forward import CORRECTIONS, cp_forward, flat
 from flashqla.cp.plan import CallPlan, plan_call
@@ -166,10 +166,10 @@ def forward(q, k, v, g, beta, scale: float, initial_state, output_final_state: b
         raise ValueError("checkpoint_positions: a split plan in exact mode, with return_info=True")
     backend = default_backend() if backend is None else backend
     a_dtype = product_dtype(q, for_backward if training is None else training, backend)
-    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
-    g = clamp_gates(g).contiguous()  # the one gate floor of every path (`flashqla.contract.G_FLOOR`)
-    initial_state = None if initial_state is None else initial_state.contiguous()
-    cu_seqlens = None if cu_seqlens is None else cu_seqlens.contiguous()
+    q, k, v, beta = (dense(x) for x in (q, k, v, beta))  # contiguous, 16-byte aligned
+    g = dense(clamp_gates(g))  # the one gate floor of every path (`flashqla.contract.G_FLOOR`)
+    initial_state = None if initial_state is None else dense(initial_state)
+    cu_seqlens = None if cu_seqlens is None else dense(cu_seqlens)
     B, T, HV, V = v.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     p = plan.forward
