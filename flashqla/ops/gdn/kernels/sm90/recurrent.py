@@ -524,10 +524,9 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
       m_j,i = exp2(gc_{j-1} - gc_i) for i < j (else 0), a masked copy of the chunk's own state update
       (one wgmma on the chunk's vn^T and k tile), into a separate accumulator, and stores it to
       ckpt[m] in `state_layout` / `state_dtype`. The chunk's state and vn^T are not changed by it: in a
-      chunk with such checkpoints the chain forms them (from vn^T's registers, the copy it publishes;
-      no shared memory written) before it scales S by gamma_C, instead of during U = S K^T (the same
-      products), then updates S and publishes vn^T as in any chunk, so o and the states do not depend
-      on the checkpoints, and a chunk without them runs the plain build's code and barriers. A checkpoint at a full chunk's last token (j = 64) is the chunk's end state: it is
+      chunk with such checkpoints the chain publishes vn^T first and scales S by gamma_C after them
+      instead of during U = S K^T (the same products), so o and the states do not depend on the
+      checkpoints. A checkpoint at a full chunk's last token (j = 64) is the chunk's end state: it is
       stored from S after the chunk's update, with no extra product; a chunk with no checkpoint
       ending before its last token runs the plain build's order. The producer warp finds each
       chunk's range from the positions (the sequence's first checkpoint by a 32-wide search of the
@@ -581,11 +580,6 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
     ckp_shape = (MC, HV, K, K) if dual else (1,)
     nseq = (Np1 - 1) if varlen else B
     ncta = NV * HV * nseq
-
-    def vn_ck(nv_s, nvt_b, s, i, t):
-        """vn^T's bf16 copy at (i, t) as the in-chunk checkpoints read it: its shared copy in the dual
-        launch (published before them), the chain's registers in the serving build."""
-        return nv_s[s, i, t] if dual else nvt_b[i, t]
 
     @T.macro
     def load_state(st, src, row, hv, v0):
@@ -798,9 +792,8 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                         for i, j in T.Parallel(BV, C):
                             nvt_b[i, j] = T.cast(nvt[i, j], odt)
                             vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j], dtype)
-                    if checkpoints and dual and mid != 0:
-                        # the dual launch (registers too few at BV = 128 to keep vn^T's copy live across
-                        # the checkpoints): vn^T published first, its shared copy read below
+                    if checkpoints and mid != 0:
+                        # publish vn^T first (the output role does not wait for the checkpoints)
                         T.barrier_wait(n_empty[s], 1 - ph)
                         T.copy(nvt_b, nv_s[s, :, :])
                         if scaled:
@@ -808,10 +801,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                                 sc_s[s, i] = wsc[i]
                         T.fence_proxy_async()
                         T.barrier_arrive(n_full[s])
-                    if checkpoints and mid != 0:
-                        # the checkpoints ending inside this chunk (CF-4), from the unscaled S^T and vn^T's
-                        # bf16 copy (the serving build: its registers, no shared memory written here, so
-                        # a chunk without such checkpoints runs the plain build's code and barriers)
+                        # the checkpoints ending inside this chunk (CF-4), from the unscaled S^T
                         for m in T.serial(m_lo, m_end):
                             jj = positions[m * pos_stride] - (bidx * Tn + bos + c * C)
                             if jj >= 1 and jj < C:  # (jj outside 1..63 only for unsorted positions)
@@ -819,14 +809,14 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                                 if scaled:  # vn^T's rows unscaled (exact: powers of two)
                                     for i, t in T.Parallel(BV, C):
                                         mvt_b[i, t] = T.cast(
-                                            T.if_then_else(t < jj, T.cast(vn_ck(nv_s, nvt_b, s, i, t), acc) / wsc[i]
+                                            T.if_then_else(t < jj, T.cast(nv_s[s, i, t], acc) / wsc[i]
                                                            * T.exp2(T.min(gj[0] - gc_s[s, t], T.float32(0))),
                                                            T.float32(0)),
                                             dtype)
                                 else:
                                     for i, t in T.Parallel(BV, C):
                                         mvt_b[i, t] = T.cast(
-                                            T.if_then_else(t < jj, T.cast(vn_ck(nv_s, nvt_b, s, i, t), acc)
+                                            T.if_then_else(t < jj, T.cast(nv_s[s, i, t], acc)
                                                            * T.exp2(T.min(gj[0] - gc_s[s, t], T.float32(0))),
                                                            T.float32(0)),
                                             dtype)
@@ -845,12 +835,10 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                                         store_state(ckpt, m, hv, v0, ck, h * KH)
                         for i, j in T.Parallel(BV, K):
                             st[i, j] = st[i, j] * gcl[0]
-                    # S^T = gamma_C S^T + (vn^T diag(r)) K; meanwhile publish vn^T (the dual launch's
-                    # checkpoint chunks published it above)
-                    T.wgmma_gemm(vpt_b, k_s[s, :, :], st, **chain_kw)
-                    if checkpoints and dual and mid != 0:
-                        pass
+                        # S^T = gamma_C S^T + (vn^T diag(r)) K
+                        T.wgmma_gemm(vpt_b, k_s[s, :, :], st, **chain_kw)
                     else:
+                        T.wgmma_gemm(vpt_b, k_s[s, :, :], st, **chain_kw)
                         T.barrier_wait(n_empty[s], 1 - ph)
                         T.copy(nvt_b, nv_s[s, :, :])
                         if scaled:
