@@ -760,6 +760,33 @@ def test_peer_cache_keys_each_peer_by_its_own_version(tmp_path):
     assert I.impls_for("fwd") == I.IMPLS and I.impls_for("bwd") == ("ours", "fla", "flash_qla")
 
 
+def test_peer_not_installed_reads_its_cached_lines_of_any_version(tmp_path):
+    """A peer "absent" from the asking process (not installed there) takes its cached lines of any
+    version on the same platform, the last line of a row winning, and names the versions used; a
+    platform change still hides them."""
+    p = tmp_path / "peers.csv"
+    rf = {"h_qk": 16, "h_v": 32, "mix": "1x8192", "T": 8192, "N": 1}
+    S.PeerCache(p, dict(ENV, flashinfer="0.7.1")).put("flashinfer", rf, {"ms": 0.30, "status": "ok"}, "d1")
+    S.PeerCache(p, dict(ENV, flashinfer="0.7.2")).put("flashinfer", rf, {"ms": 0.25, "status": "ok"}, "d2")
+    c = S.PeerCache(p, dict(ENV, flashinfer="absent"))
+    assert S.num(c.get("flashinfer", (16, 32, "1x8192"))["ms"]) == pytest.approx(0.25)
+    assert c.versions == {"flashinfer": {"0.7.2"}}
+    assert S.PeerCache(p, dict(ENV, flashinfer="0.7.3")).get("flashinfer", (16, 32, "1x8192")) is None
+    assert S.PeerCache(p, dict(ENV, flashinfer="absent", driver="2.0")).get("flashinfer", (16, 32, "1x8192")) is None
+
+
+def test_also_commits_match_on_the_platform(tmp_path):
+    """`rows_for_commits`: the first commit's rows match the whole environment key; a later commit's
+    rows fill the rows it lacks when the platform matches, whatever peers that run had installed."""
+    a = _result_line(dict(ENV, flashinfer="absent"), "new", 16, 32, "1x8192", ours_ms=0.2)
+    b = _result_line(dict(ENV, flashinfer="0.7.2"), "old", 16, 32, "1x1048576", ours_ms=5.0)
+    c = _result_line(dict(ENV, flashinfer="0.7.2", driver="2.0"), "old", 16, 32, "1x131072", ours_ms=0.7)
+    d = _result_line(dict(ENV, flashinfer="0.7.2"), "new", 16, 32, "1x2048", ours_ms=0.1)
+    rows = [{k: str(v) for k, v in r.items()} for r in (a, b, c, d)]
+    got = S.rows_for_commits(rows, dict(ENV, flashinfer="absent"), ["new", "old"])
+    assert sorted(r["mix"] for r in got) == ["1x1048576", "1x8192"]
+
+
 def test_report_fills_empty_peer_columns_from_the_cache(tmp_path):
     env = {f: f"v-{f}" for f in ENV_FIELDS}
     cache = S.PeerCache(tmp_path / "peers.csv", env)

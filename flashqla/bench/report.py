@@ -513,8 +513,11 @@ def fill_cached_peers(rows: list[dict], cache: S.PeerCache, peers=peers_for("fwd
             for f in cache.impl_fields:
                 r[f"{name}_{f}"] = c.get(f, "")
             used = True
-        if used and not str(r.get("peers_source", "")).strip():
+        src = str(r.get("peers_source", "")).strip()
+        if used and not src:
             r["peers_source"] = "cached"
+        elif used and "cached" not in src:  # live peers beside cached ones (a peer not installed in that run)
+            r["peers_source"] = "+".join(sorted({*src.split("+"), "cached"}))
         out.append(r)
     return out
 
@@ -530,29 +533,32 @@ def write_pages(direction: str, paths: dict, env: dict, commit: str, meta: dict,
     files written."""
     schema = S.SCHEMAS[direction]
     rows = S.rows_for_commits(S.read_rows(paths["csv"]), env, [commit, *also])
-    rows = fill_cached_peers(rows, S.PeerCache(paths["peers"], env, schema.impl_fields), schema.peers)
+    cache = S.PeerCache(paths["peers"], env, schema.impl_fields)
+    rows = fill_cached_peers(rows, cache, schema.peers)
+    # a peer not installed in the measuring run: its cached lines' versions in the header
+    shown = {**env, **{i: ", ".join(sorted(v)) + " (cached results)" for i, v in cache.versions.items() if v}}
     paths["md"].parent.mkdir(parents=True, exist_ok=True)
     cp_base = paths["cp_md"] if paths["cp_md"].exists() else paths.get("src_cp_md", paths["cp_md"])
     written = []
     if direction == "bwd":
-        paths["md"].write_text(markdown("bwd", rows, env, commit_label(rows, commit, also), meta))
+        paths["md"].write_text(markdown("bwd", rows, shown, commit_label(rows, commit, also), meta))
         written.append(paths["md"])
         one = [r for r in rows if int(r["N"]) == 1]
         if cp_base.exists() and one:  # a run without one-sequence rows leaves the section
             paths["cp_md"].write_text(splice_section(cp_base.read_text(), CP_BWD_HEADING,
                                                      cp_section(rows, commit_label(one, commit, also),
-                                                                paths["md"].name, env)))
+                                                                paths["md"].name, shown)))
             written.append(paths["cp_md"])
         if plot and rows and plots.plot_bwd(rows, paths["png"]):
             written.append(paths["png"])
         return written
     brows = [b for b in S.read_rows(paths["breakdown"]) if S.env_key(b) == S.env_key(env) and b.get("commit") == commit]
-    paths["md"].write_text(markdown("fwd", rows, env, commit_label(rows, commit, also), meta, brows))
+    paths["md"].write_text(markdown("fwd", rows, shown, commit_label(rows, commit, also), meta, brows))
     written.append(paths["md"])
     cp_rows = [r for r in rows if G.is_cp_grid_row(int(r["h_qk"]), int(r["h_v"]), r["mix"])]
     if cp_rows:
         kept = kept_section(cp_base)  # the backward's one-sequence section is the backward's to write
-        page = markdown("fwd", cp_rows, env, commit_label(cp_rows, commit, also), meta, [], title=CP_TITLE)
+        page = markdown("fwd", cp_rows, shown, commit_label(cp_rows, commit, also), meta, [], title=CP_TITLE)
         paths["cp_md"].write_text(splice_section(page, CP_BWD_HEADING, kept))
         written.append(paths["cp_md"])
     if plot and rows and plots.plot_fwd(rows, paths["png"]):
