@@ -84,6 +84,27 @@ def test_serving_build_lowers():
     assert "64, 64, 16, false, true" in src, "the checkpoint's wgmma should be 64 columns (half of K) wide"
 
 
+def test_serving_phase_clock_build_lowers_and_leaves_the_shipped_source():
+    """The serving build's phase-clock option (a measurement tool: `build_recurrent_serving_kernel_clocked`)
+    lowers for sm_90a with its clock reads and its 7 sums a CTA, and the shipped build's generated
+    source does not depend on the option's existence (phase_clock=False is the default)."""
+    tilelang = pytest.importorskip("tilelang")
+    from tilelang import tvm
+
+    from flashqla.ops.gdn.kernels.sm90._common import _pass_configs, sm90_target
+
+    def lower(**kw):
+        f = rec._serving_prim_func(2, 4, 128, 128, "bfloat16", "int32", True, 64, "bfloat16", "vk", True, **kw)
+        with tvm.transform.PassContext(config=_pass_configs()), tvm.target.Target(sm90_target()):
+            return tilelang.lower(f, target=sm90_target()).kernel_source
+
+    shipped, explicit, clocked = lower(), lower(phase_clock=False), lower(phase_clock=True)
+    assert shipped == explicit and "clock64" not in shipped
+    assert clocked.count("clocks[") == len(rec.SERVING_CLOCKS) and clocked.count("clock64") >= 10
+    # the clocked build differs only by its stamps: the same products
+    assert clocked.count("wgmma_rs<") == shipped.count("wgmma_rs<")
+
+
 @pytest.mark.compile_all
 @pytest.mark.skipif(not HAVE_NVCC, reason="compiling for sm_90a needs nvcc (the CUDA toolkit) on PATH")
 @pytest.mark.parametrize("BV", [64, 128])

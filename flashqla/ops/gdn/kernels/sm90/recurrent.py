@@ -65,6 +65,14 @@ __all__ = ["CheckpointRanges", "build_recurrent_kernel", "build_recurrent_servin
 #: warpgroup and the producer: 512 threads.
 ROLES_WIDTHS = (64, 128)
 ROLES_BV = 64
+#: The per-CTA sums of the serving build's phase-clock build (`build_recurrent_serving_kernel_clocked`),
+#: in SM clock cycles over every chunk the CTA walks: chunks (the count); chain_wait (the chain's wait
+#: for the chunk's loads: `full`); chain_head (U = S K^T issued, the bf16 S^T published, gates, the
+#: checkpoint range read and S scaled); chain_w (U waited, W^T, vn^T = W^T A_beta^T and its casts);
+#: chain_tail (the checkpoints inside the chunk, the S update, vn^T published, the chunk-end
+#: checkpoints, up to `empty`); producer_wait (the producer's wait for a free stage: `empty`);
+#: producer_work (its TMA issue, the checkpoint range search and the hand-over).
+SERVING_CLOCKS = ("chunks", "chain_wait", "chain_head", "chain_w", "chain_tail", "producer_wait", "producer_work")
 #: Registers per thread after setmaxnreg, per role and width. setmaxnreg only moves registers between
 #: the warpgroups of a CTA: the CTA launches with 65,536 / threads rounded down to a multiple of 8
 #: (168 at 384 threads, 128 at 512), so the warpgroups' counts must sum to at most `reg_budget(BV)`,
@@ -504,7 +512,7 @@ class CheckpointRanges:
 
 def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: str, varlen: bool, BV: int,
                        state_dtype: str, state_layout: str, checkpoints: bool, dual: bool = False,
-                       op_dtype: str | None = None):
+                       op_dtype: str | None = None, *, phase_clock: bool = False):
     """The role-split kernel's serving build (`build_recurrent_kernel` with indexed=True): the plain
     kernel's arithmetic (o and every state bitwise those of the plain build with an fp32 kv state), with
     the states addressed by index, in a layout and storage dtype, and checkpoints stored in-kernel.
@@ -541,6 +549,10 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
       with v = 0; a checkpoint past the transition's limit is not stored). Rows are n (rows_stride 0).
     - op_dtype (None: the input dtype): the A_beta product's dtype, as `_recurrent_prim_func`'s (W^T's
       rows scaled alike; the checkpoints read vn^T's rows unscaled).
+    - phase_clock (False: the shipped kernel, its source unchanged): the measurement build
+      (`build_recurrent_serving_kernel_clocked`), with one more argument after ckp, clocks [CTAs,
+      len(SERVING_CLOCKS)] int64, where the chain's thread 0 and the producer warp's lane 0 add up
+      the SM clock cycles of each phase of every chunk (`SERVING_CLOCKS`). The same outputs bit for bit.
     """
     import tilelang.language as T
     from tilelang.layout import make_swizzled_layout
@@ -580,6 +592,11 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
     ckp_shape = (MC, HV, K, K) if dual else (1,)
     nseq = (Np1 - 1) if varlen else B
     ncta = NV * HV * nseq
+    # the clocked build's extra argument (None: no kernel argument, the shipped signature)
+    clock_arg = T.Tensor((T.dynamic("NCTA"), len(SERVING_CLOCKS)), "int64") if phase_clock else None
+
+    def clock():
+        return T.call_extern("int64", "clock64")
 
     @T.macro
     def load_state(st, src, row, hv, v0):
@@ -623,6 +640,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
         pt: T.Tensor(pt_shape, "float32"),
         limit: T.Tensor(lim_shape, "int32"),
         ckp: T.Tensor(ckp_shape, sdt),
+        clocks: clock_arg,
     ):
         with T.Kernel(ncta * (2 if dual else 1), threads=threads) as (bx,):
             if dual:
@@ -720,10 +738,28 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                     load_state(st, h0, row_in, hv, v0)
                 else:
                     T.clear(st)
+                if phase_clock:
+                    ck_t = T.alloc_var("int64")
+                    ck_wait = T.alloc_var("int64")
+                    ck_head = T.alloc_var("int64")
+                    ck_w = T.alloc_var("int64")
+                    ck_tail = T.alloc_var("int64")
+                    ck_wait = 0
+                    ck_head = 0
+                    ck_w = 0
+                    ck_tail = 0
+                    ck_t = clock()
                 for c in T.serial(nwalk):
                     s = c % 2
                     ph = (c // 2) % 2
+                    if phase_clock:
+                        if tx == 0:
+                            ck_t = clock()
                     T.barrier_wait(full[s], ph)
+                    if phase_clock:
+                        if tx == 0:
+                            ck_wait = ck_wait + (clock() - ck_t)
+                            ck_t = clock()
                     T.copy(st, st_b)
                     # U^T = S^T K^T
                     T.wgmma_gemm(st_b, k_s[s, :, :], ut, transpose_B=True, clear_accum=True, **chain_kw)
@@ -750,6 +786,10 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                     else:
                         for i, j in T.Parallel(BV, K):
                             st[i, j] = st[i, j] * gcl[0]
+                    if phase_clock:
+                        if tx == 0:
+                            ck_head = ck_head + (clock() - ck_t)
+                            ck_t = clock()
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(ut, num_regs=BV * C // CH)
                     # W^T = V^T - U^T diag(gamma)
@@ -792,6 +832,10 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                         for i, j in T.Parallel(BV, C):
                             nvt_b[i, j] = T.cast(nvt[i, j], odt)
                             vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j], dtype)
+                    if phase_clock:
+                        if tx == 0:
+                            ck_w = ck_w + (clock() - ck_t)
+                            ck_t = clock()
                     if checkpoints and mid != 0:
                         # publish vn^T first (the output role does not wait for the checkpoints)
                         T.barrier_wait(n_empty[s], 1 - ph)
@@ -859,6 +903,16 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                             else:
                                 store_state(ckpt, m, hv, v0, st, 0)
                     T.barrier_arrive(empty[s])
+                    if phase_clock:
+                        if tx == 0:
+                            ck_tail = ck_tail + (clock() - ck_t)
+                if phase_clock:
+                    if tx == 0:
+                        clocks[bx, 0] = T.cast(nwalk, "int64")
+                        clocks[bx, 1] = ck_wait
+                        clocks[bx, 2] = ck_head
+                        clocks[bx, 3] = ck_w
+                        clocks[bx, 4] = ck_tail
                 if dual:
                     if tr:  # the transition P, or 0 where it was cut short
                         for i, j in T.Parallel(BV, K):
@@ -941,12 +995,26 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                         # the sequence's first checkpoint, then each chunk's range (`CheckpointRanges`)
                         ranges = CheckpointRanges(positions, pos_stride, n_ckpt, tx - (CH + 128), bidx * Tn + bos,
                                                   seqlen)
+                    if phase_clock:
+                        pk_t = T.alloc_var("int64")
+                        pk_wait = T.alloc_var("int64")
+                        pk_work = T.alloc_var("int64")
+                        pk_wait = 0
+                        pk_work = 0
+                        pk_t = clock()
                     for c in T.serial(nwalk):
                         s = c % 2
                         ph = (c // 2) % 2
                         t0 = bos + c * C
                         row0 = (slot0 + c) * C
+                        if phase_clock:
+                            if tx == CH + 128:
+                                pk_t = clock()
                         T.barrier_wait(empty[s], 1 - ph)
+                        if phase_clock:
+                            if tx == CH + 128:
+                                pk_wait = pk_wait + (clock() - pk_t)
+                                pk_t = clock()
                         T.tma_copy(q[bidx, t0 : t0 + C, hk, 0:K], q_s[s, :, :], barrier=full[s])
                         T.tma_copy(k[bidx, t0 : t0 + C, hk, 0:K], k_s[s, :, :], barrier=full[s])
                         T.tma_copy(v[bidx, t0 : t0 + C, hv, v0 : v0 + BV], v_s[s, :, :], barrier=full[s])
@@ -961,6 +1029,13 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                                 ck_s[s, 1] = p_end
                                 ck_s[s, 2] = p_hi
                         T.barrier_arrive(full[s])
+                        if phase_clock:
+                            if tx == CH + 128:
+                                pk_work = pk_work + (clock() - pk_t)
+                    if phase_clock:
+                        if tx == CH + 128:
+                            clocks[bx, 5] = pk_wait
+                            clocks[bx, 6] = pk_work
 
     return gdn_recurrent_serving_fwd
 
@@ -1034,6 +1109,22 @@ def build_recurrent_serving_kernel(H: int, HV: int, K: int, V: int, BV: int, dty
     pos = (dual, op_dtype) if op else ((True,) if dual else ())
     return build_recurrent_kernel(H, HV, K, V, BV, dtype, seq_dtype, varlen, *pos, indexed=True,
                                   state_dtype=state_dtype, state_layout=state_layout, checkpoints=checkpoints)
+
+
+@functools.lru_cache(maxsize=None)
+def build_recurrent_serving_kernel_clocked(H: int, HV: int, K: int, V: int, BV: int, dtype: str, seq_dtype: str,
+                                           varlen: bool, state_dtype: str = "float32", state_layout: str = "kv",
+                                           checkpoints: bool = False):
+    """The phase-clock build of the serving kernel (a measurement tool, never launched by the op:
+    `benchmarks/experiments/serving_chain_clock.py`): `build_recurrent_serving_kernel`'s kernel for the
+    same key (not dual, the input dtype's products) with one more argument after ckp, clocks [CTAs,
+    len(SERVING_CLOCKS)] int64 (`_serving_prim_func`'s phase_clock): the same outputs bit for bit."""
+    if V % BV or BV not in ROLES_WIDTHS:
+        raise ValueError(f"value slice width BV must be 64 or 128 and divide V = {V}, got {BV}")
+    name = (f"gdn_recurrent_fwd_H{H}_HV{HV}_K{K}_V{V}_{dtype}_{seq_dtype}_{int(varlen)}_BV{BV}"
+            f"_serving_{state_dtype}_{state_layout}" + ("_ckpt" if checkpoints else "") + "_clock")
+    return compile_kernel(_serving_prim_func(H, HV, K, V, dtype, seq_dtype, varlen, BV, state_dtype, state_layout,
+                                             checkpoints, phase_clock=True), name)
 
 
 #: Relative chunk-step time per CTA (one CTA an SM) by value slice width, as measured on the H200
@@ -1210,7 +1301,7 @@ def _int32_words(x: torch.Tensor) -> tuple:
 
 def chunk_recurrent_serving(q, k, v, A, g_cum_log2, scale: float, initial_state, final_state, state_indices,
                             has_initial_state, cu_seqlens, *, state_layout: str = "kv", checkpoint_positions=None,
-                            checkpoint_states=None, block_v=None, o=None):
+                            checkpoint_states=None, block_v=None, o=None, clocks=None):
     """Launches the recurrent kernel's serving build (arguments validated by the caller;
     `flashqla.ops.gdn.serving`): o, and the final states and checkpoints written in place in their
     layout and storage dtype (one rounding, at the store). One launch, no host read, no table
@@ -1232,6 +1323,8 @@ def chunk_recurrent_serving(q, k, v, A, g_cum_log2, scale: float, initial_state,
         checkpoint_states: [M, HV, ...] in the states' layout and dtype, written in place (record CF-4).
         block_v: value slice width (None: `pick_block_v`). o: optional preallocated output (the
             packed tokens after cu_seqlens[-1] are written by no CTA: the caller zeroes them).
+        clocks: None, or an int64 [CTAs, len(SERVING_CLOCKS)] tensor: launch the phase-clock build
+            (`build_recurrent_serving_kernel_clocked`; a measurement tool) and fill it.
 
     Returns: o [B, T, HV, V]. Raises ValueError when the state tensors do not share one storage dtype
     or are not contiguous.
@@ -1254,7 +1347,13 @@ def chunk_recurrent_serving(q, k, v, A, g_cum_log2, scale: float, initial_state,
         raise ValueError("chunk_recurrent_serving needs at least one sequence and one token (the caller handles T == 0)")
     ckpt = checkpoint_positions is not None and checkpoint_positions.numel() > 0
     args, kw = recurrent_serving_args(q, v, cu_seqlens, sdtype, state_layout, ckpt, block_v, A.dtype)
-    kernel = build_recurrent_kernel(*args, **kw)
+    if clocks is None:
+        kernel = build_recurrent_kernel(*args, **kw)
+    else:
+        if len(args) > 8 or kw.get("indexed") is not True:
+            raise ValueError("clocks: the phase-clock build has no fp16 A_beta product")
+        kernel = build_recurrent_serving_kernel_clocked(*args, state_dtype=kw["state_dtype"],
+                                                        state_layout=kw["state_layout"], checkpoints=kw["checkpoints"])
     dev = q.device
     h0 = initial_state if initial_state is not None else placeholder((1, HV, *tail), sdtype, dev)
     ht = final_state if final_state is not None else placeholder((1, HV, *tail), sdtype, dev)
@@ -1274,7 +1373,8 @@ def chunk_recurrent_serving(q, k, v, A, g_cum_log2, scale: float, initial_state,
     one = placeholder((1,), torch.int32, dev)
     kernel(q, k, v, A, g_cum_log2, h0, cu, float(scale), int(initial_state is not None), int(final_state is not None), o,
            ht, rows, rows_stride, has, int(has_initial_state is not None), pos, pos_stride, M, cks,
-           placeholder((1,), q.dtype, dev), placeholder((1,), torch.float32, dev), one, placeholder((1,), sdtype, dev))
+           placeholder((1,), q.dtype, dev), placeholder((1,), torch.float32, dev), one, placeholder((1,), sdtype, dev),
+           *(() if clocks is None else (clocks,)))
     return o
 
 
