@@ -533,7 +533,7 @@ def write_pages(direction: str, paths: dict, env: dict, commit: str, meta: dict,
     files written."""
     schema = S.SCHEMAS[direction]
     rows = S.rows_for_commits(S.read_rows(paths["csv"]), env, [commit, *also])
-    cache = S.PeerCache(paths["peers"], env, schema.impl_fields)
+    cache = S.PeerCache(paths["peers"], env, schema.impl_fields, any_version=True)
     rows = fill_cached_peers(rows, cache, schema.peers)
     # a peer not installed in the measuring run: its cached lines' versions in the header
     shown = {**env, **{i: ", ".join(sorted(v)) + " (cached results)" for i, v in cache.versions.items() if v}}

@@ -222,17 +222,18 @@ def rows_for_key(rows: list[dict], env: dict, commit: str) -> list[dict]:
 def rows_for_commits(rows: list[dict], env: dict, commits) -> list[dict]:
     """Rows of one environment key, each row key from the first of `commits` that measured it (so a
     page can show a grid whose rows were measured at several commits of the same code); every row
-    keeps its own `commit` field. The first commit's rows match the whole key; the later commits'
-    match its platform fields (`BASE_ENV_FIELDS`: GPU, driver, CUDA, torch, Triton, TileLang), so
-    rows measured in a run that had another set of peers installed still fill the grid."""
+    keeps its own `commit` field. The first commit's rows match the whole key; the later commits' match
+    its platform fields (`BASE_ENV_FIELDS`: GPU, driver, CUDA, torch, Triton, TileLang) and the
+    version of every peer `env` has installed (a peer "absent" in `env` may differ: such rows keep
+    that peer's results from a run that had it)."""
     out = {}
     commits = list(commits)
-    for i, c in reversed(list(enumerate(commits))):
-        if i == 0:
+    fields = BASE_ENV_FIELDS + tuple(p for p in PEERS if env.get(p) != "absent")
+    for c in reversed(commits):
+        if c == commits[0]:
             out.update({row_key(r): r for r in rows_for_key(rows, env, c)})
         else:
-            base = env_key(env, BASE_ENV_FIELDS)
-            out.update({row_key(r): r for r in rows if r.get("commit", "") == c and env_key(r, BASE_ENV_FIELDS) == base})
+            out.update({row_key(r): r for r in rows if r.get("commit", "") == c and env_key(r, fields) == env_key(env, fields)})
     return list(out.values())
 
 
@@ -259,30 +260,33 @@ class PeerCache:
     """Peer timings for one environment, read from the peers CSV: `get(impl, row_key)`.
 
     A line counts for `impl` when its platform fields and `impl`'s own version column equal `env`'s.
-    Where `env` has `impl` "absent" (not installed in the process that asks), its lines of any version
-    count, the last one of each row winning; `versions[impl]` names the versions so used (the pages
-    show them as cached). `impl_fields`: the per-implementation columns (`SCHEMAS[direction].impl_fields`;
-    the forward's by default)."""
+    With `any_version` (the pages, `report.write_pages`; never the measuring run's plan, where a peer
+    whose version reads "absent" may still be importable and run live), a peer whose version in `env`
+    is "absent" takes its result lines of any version on the same platform, the last one of each row
+    winning (error lines skipped); `versions[impl]` names the versions so used. `impl_fields`: the
+    per-implementation columns (`SCHEMAS[direction].impl_fields`; the forward's by default)."""
 
-    def __init__(self, path, env: dict, impl_fields=SCHEMAS["fwd"].impl_fields):
+    def __init__(self, path, env: dict, impl_fields=SCHEMAS["fwd"].impl_fields, any_version: bool = False):
         self.path = Path(path)
         self.env = dict(env)
+        self.any_version = any_version
         self.impl_fields = tuple(impl_fields)
         self.fields = ENV_FIELDS + ("impl",) + ROW_FIELDS + self.impl_fields + ("date",)
         self._rows: dict[tuple, dict] = {}
         self.versions: dict[str, set] = {}
+        relaxed = {i for i in PEERS if any_version and self.env.get(i) == "absent"}
         for r in read_rows(self.path):
             impl = r.get("impl", "")
-            if impl in PEERS and env_key(r, self._key_fields(impl)) == env_key(self.env, self._key_fields(impl)):
-                self._rows[(impl,) + row_key(r)] = r
-        for impl in self.versions:
+            if impl not in PEERS:
+                continue
+            fields = BASE_ENV_FIELDS + (() if impl in relaxed else (impl,))
+            if env_key(r, fields) != env_key(self.env, fields):
+                continue
+            if impl in relaxed and (str(r.get("status", "")).startswith("error") or r.get(impl, "") == "absent"):
+                continue  # another version's crash does not hide its results; no line of an unknown version
+            self._rows[(impl,) + row_key(r)] = r
+        for impl in relaxed:
             self.versions[impl] = {r.get(impl, "") for (i, *_), r in self._rows.items() if i == impl}
-
-    def _key_fields(self, impl: str) -> tuple[str, ...]:
-        if self.env.get(impl) == "absent":
-            self.versions.setdefault(impl, set())
-            return BASE_ENV_FIELDS
-        return BASE_ENV_FIELDS + (impl,)
 
     def get(self, impl: str, key: tuple[int, int, str], include_errors: bool = False) -> dict | None:
         """The last cached line of `impl` on row `key`; a line whose status is an error (a crash or

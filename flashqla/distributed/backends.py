@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from flashqla.contract import check_device, check_supported, cp_mode
+from flashqla.contract import check_device, check_supported, cp_mode, dense
 from flashqla.cp.plan import BV_CHOICES, DEFAULT_SM_COUNT, CPPlan, plan_for
 from flashqla.ops.gdn.backend import default_backend
 from flashqla.ops.gdn.bwd import chunk_gated_delta_rule_bwd
@@ -125,7 +125,7 @@ class SegmentedBackend:
         return f.o, f.final_state, (f.A, f.g_cum_log2)
 
     def backward(self, q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, saved):
-        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        q, k, v, g, beta = (dense(x) for x in (q, k, v, g, beta))
         if saved is None:
             saved = self.cp_backend.prepare(k, g, beta, cu_seqlens, v.shape[2])
         A, g_cum_log2 = saved

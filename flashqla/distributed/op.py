@@ -92,7 +92,7 @@ import torch
 
 from flashqla.distributed.backends import resolve_backend
 from flashqla.distributed.context import CPContext, _as_offsets, _process_group, build_cp_context
-from flashqla.contract import FLOAT_DTYPES, check_gdn_inputs, check_input_values, clamp_gates, l2norm
+from flashqla.contract import FLOAT_DTYPES, check_gdn_inputs, check_input_values, clamp_gates, dense, l2norm
 from flashqla.cp.backward import cp_backward_open
 from flashqla.cp.forward import cp_forward_open
 from flashqla.cp.segments import build_segment_tables
@@ -903,9 +903,9 @@ def chunk_gated_delta_rule_cp(
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     g = clamp_gates(g)  # the one gate floor (`flashqla.contract.G_FLOOR`); autograd zeroes dg below it
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (dense(x) for x in (q, k, v, g, beta))  # contiguous, 16-byte aligned
     if initial_state is not None:
-        initial_state = initial_state.contiguous()
+        initial_state = dense(initial_state)
     checkin = _register_call(ctx, requires_grad, _check_backward_timeout(backward_timeout))
     run = _Run(ctx, be, scale, bool(output_final_state), be.state_dtype(q, g, beta, initial_state), (d.HV, d.K, d.V),
                checkin)

@@ -139,6 +139,7 @@ def _backward(q, k, v, g, beta, A, g_cum_log2, do, dht, scale, initial_state, cu
     # stride-0 one), and initial_state / cu_seqlens are the caller's tensors
     q, k, v, g, beta, do = (dense(x) for x in (q, k, v, g, beta, do))  # contiguous, 16-byte aligned
     dht, initial_state, cu_seqlens = (None if x is None else dense(x) for x in (dht, initial_state, cu_seqlens))
+    A, g_cum_log2 = (None if x is None else dense(x) for x in (A, g_cum_log2))  # read by the copy engine too
     if A is None and cp_saved is None:  # not kept by the forward (`keeps_products`): recomputed here
         A, g_cum_log2 = backend.prepare(k, g, beta, cu_seqlens, HV)
     if not plan.split:

@@ -337,7 +337,7 @@ def _serve_kernel(q, k, v, g, beta, scale: float, initial_state, output_final_st
     B, T, HV, V = v.shape
     K = q.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    cu_seqlens = None if cu_seqlens is None else cu_seqlens.contiguous()
+    cu_seqlens = None if cu_seqlens is None else dense(cu_seqlens)
     tensors = [x for x in _state_tensors(initial_state, output_final_state, s) if x is not None]
     sdtype = tensors[0].dtype if tensors else torch.float32
     ckpt = s.checkpoint_positions is not None and s.checkpoint_positions.numel() > 0

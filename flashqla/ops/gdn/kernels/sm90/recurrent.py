@@ -1352,6 +1352,11 @@ def chunk_recurrent_serving(q, k, v, A, g_cum_log2, scale: float, initial_state,
     else:
         if len(args) > 8 or kw.get("indexed") is not True:
             raise ValueError("clocks: the phase-clock build has no fp16 A_beta product")
+        ncta = (V // args[4]) * HV * N
+        if (clocks.dtype != torch.int64 or clocks.device != q.device or clocks.dim() != 2 or not clocks.is_contiguous()
+                or clocks.shape[0] < ncta or clocks.shape[1] != len(SERVING_CLOCKS)):
+            raise ValueError(f"clocks must be a contiguous int64 tensor on {q.device} of shape [>= {ncta}, "
+                             f"{len(SERVING_CLOCKS)}], got {clocks.dtype} {tuple(clocks.shape)} on {clocks.device}")
         kernel = build_recurrent_serving_kernel_clocked(*args, state_dtype=kw["state_dtype"],
                                                         state_layout=kw["state_layout"], checkpoints=kw["checkpoints"])
     dev = q.device
