@@ -98,8 +98,8 @@ def test_serving_phase_clock_build_lowers_and_leaves_the_shipped_source():
         with tvm.transform.PassContext(config=_pass_configs()), tvm.target.Target(sm90_target()):
             return tilelang.lower(f, target=sm90_target()).kernel_source
 
-    shipped, explicit, clocked = lower(), lower(phase_clock=False), lower(phase_clock=True)
-    assert shipped == explicit and "clock64" not in shipped
+    shipped, clocked = lower(), lower(phase_clock=True)
+    assert "clock64" not in shipped
     assert clocked.count("clocks[") == len(rec.SERVING_CLOCKS) and clocked.count("clock64") >= 10
     # the clocked build differs only by its stamps: the same products
     assert clocked.count("wgmma_rs<") == shipped.count("wgmma_rs<")
