@@ -243,15 +243,16 @@ def clamp_gates(g: torch.Tensor) -> torch.Tensor:
 KERNEL_ALIGN = 16
 
 
+def is_dense(x: torch.Tensor) -> bool:
+    """Whether the kernels can read or write x in place: contiguous, its first element KERNEL_ALIGN-byte
+    aligned (a view at an odd storage offset of a larger buffer, such as `buf[1:].view(...)`, is not)."""
+    return x.is_contiguous() and x.data_ptr() % KERNEL_ALIGN == 0
+
+
 def dense(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernels read it: contiguous, its first element KERNEL_ALIGN-byte aligned. Returns x
-    itself when it already is (no copy), else a contiguous copy (a view at an odd storage offset of a
-    larger buffer, such as `buf[1:].view(...)`, is copied once; torch's own allocations are aligned).
-    Differentiable like `contiguous`."""
-    if x.is_contiguous() and x.data_ptr() % KERNEL_ALIGN == 0:
-        return x
-    x = x.contiguous()
-    return x if x.data_ptr() % KERNEL_ALIGN == 0 else x.clone()
+    """x as the kernels read it (`is_dense`): x itself when it already is, else one contiguous copy
+    (a fresh allocation: torch's own are aligned). Differentiable like `contiguous`."""
+    return x if is_dense(x) else x.clone(memory_format=torch.contiguous_format)
 
 
 def check_gate_values(g: torch.Tensor) -> None:

@@ -261,18 +261,18 @@ def test_dense_copies_only_misaligned_or_strided_tensors():
     """`flashqla.contract.dense` (what every kernel launch reads): an aligned contiguous tensor is
     returned as is; a contiguous view one element into a larger buffer (first element 2 to 8 bytes off
     16-byte alignment) and a strided view come back as aligned contiguous copies with the same
-    values; `serving.kernel_ready` says which state tensors the kernels may touch in place."""
-    from flashqla.contract import KERNEL_ALIGN, dense
-    from flashqla.ops.gdn.serving import kernel_ready
+    values; `is_dense` says which tensors the kernels may touch in place (state pools that fail take
+    torch's copies)."""
+    from flashqla.contract import KERNEL_ALIGN, dense, is_dense
 
     for dtype in (torch.bfloat16, torch.float32, torch.int32, torch.int64):
         x = torch.arange(48).to(dtype).view(4, 12)
-        assert x.data_ptr() % KERNEL_ALIGN == 0 and dense(x) is x and kernel_ready(x)
+        assert x.data_ptr() % KERNEL_ALIGN == 0 and dense(x) is x and is_dense(x)
         buf = torch.zeros(49, dtype=dtype)
         view = buf[1:].view(4, 12)
         view.copy_(x)
-        assert view.is_contiguous() and view.data_ptr() % KERNEL_ALIGN != 0 and not kernel_ready(view)
+        assert view.is_contiguous() and view.data_ptr() % KERNEL_ALIGN != 0 and not is_dense(view)
         d = dense(view)
         assert d is not view and d.is_contiguous() and d.data_ptr() % KERNEL_ALIGN == 0 and torch.equal(d, x)
         t = x.t()
-        assert not kernel_ready(t) and torch.equal(dense(t), t) and dense(t).is_contiguous()
+        assert not is_dense(t) and torch.equal(dense(t), t) and dense(t).is_contiguous()

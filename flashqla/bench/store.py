@@ -269,7 +269,6 @@ class PeerCache:
     def __init__(self, path, env: dict, impl_fields=SCHEMAS["fwd"].impl_fields, any_version: bool = False):
         self.path = Path(path)
         self.env = dict(env)
-        self.any_version = any_version
         self.impl_fields = tuple(impl_fields)
         self.fields = ENV_FIELDS + ("impl",) + ROW_FIELDS + self.impl_fields + ("date",)
         self._rows: dict[tuple, dict] = {}

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import torch
 
-from flashqla.contract import clamp_gates, dense
+from flashqla.contract import clamp_gates, dense, is_dense
 from flashqla.cp.plan import plan_call
 from flashqla.ops.gdn.autograd import GDNEagerFunction
 from flashqla.ops.gdn.fwd import forward
@@ -173,7 +173,7 @@ def _gather(initial_state, s: ServingArgs, N: int, kernels: bool):
     plain = not s.pool and s.has_initial_state is None and s.state_layout == "kv" and initial_state.dtype == torch.float32
     # a pool with padded rows (a view of a larger cache) would be copied whole by the kernel's
     # contiguous read: torch's gather reads only the N rows; a misaligned one: torch's as well
-    if not kernels or plain or not kernel_ready(initial_state):
+    if not kernels or plain or not is_dense(initial_state):
         return gather_initial_states(initial_state, s, N, torch.float32)
     from flashqla.ops.gdn.kernels.sm90.pool_states import gather_states
 
@@ -191,12 +191,12 @@ def _write_back_kernels(o, final_kv, checkpoints, s: ServingArgs, initial_state,
 
     with torch.no_grad():
         if isinstance(checkpoints, CheckpointParts):
-            if kernel_ready(s.checkpoint_states):
+            if is_dense(s.checkpoint_states):
                 combine_checkpoints(*checkpoints, out=s.checkpoint_states, layout=s.state_layout)
                 checkpoints = None
             else:
                 checkpoints = checkpoints.states()
-        if output_final_state and s.pool and kernel_ready(initial_state):
+        if output_final_state and s.pool and is_dense(initial_state):
             store_states(final_kv.detach(), initial_state, s.state_layout, s.state_indices)
             o, _ = write_back(o, None, checkpoints, s, initial_state, False)
             return o, initial_state
@@ -294,19 +294,12 @@ def _state_tensors(initial_state, output_final_state: bool, s: ServingArgs) -> l
     return out
 
 
-def kernel_ready(x) -> bool:
-    """Whether a state tensor can be read or written by the kernels in place: contiguous and its first
-    element 16-byte aligned (the kernels' vector accesses; a view at an odd storage offset of a larger
-    buffer is not). Tensors that fail take torch's copies instead."""
-    return x.is_contiguous() and x.data_ptr() % 16 == 0
-
-
 def kernel_path_applies(q, v, initial_state, output_final_state: bool, cu_seqlens, s: ServingArgs, plan, *,
                         training: bool = False, backend=None) -> bool:
     """Whether the call runs on the recurrent kernel's serving build (module docstring): inference, the
     sm_90 kernels (backend None or an Sm90Backend) on a CUDA device, an unsplit plan, at least one
     token and one sequence, a pool with rows, and every state tensor in one storage dtype,
-    contiguous and 16-byte aligned (`kernel_ready`)."""
+    contiguous and 16-byte aligned (`flashqla.contract.is_dense`)."""
     from flashqla.ops.gdn.backend import Sm90Backend
 
     if training or not (backend is None or isinstance(backend, Sm90Backend)) or q.device.type != "cuda":
@@ -318,7 +311,7 @@ def kernel_path_applies(q, v, initial_state, output_final_state: bool, cu_seqlen
         return False
     tensors = _state_tensors(initial_state, output_final_state, s)
     dtypes = {torch.float32 if x is None else x.dtype for x in tensors}
-    return len(dtypes) <= 1 and all(x is None or kernel_ready(x) for x in tensors)
+    return len(dtypes) <= 1 and all(x is None or is_dense(x) for x in tensors)
 
 
 def _serve_kernel(q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens, s: ServingArgs,
