@@ -53,9 +53,10 @@ def test_split_checkpoint_build_lowers():
 
 def test_serving_build_lowers():
     """The serving build with bf16 vk states and checkpoints lowers for sm_90a: states are read and
-    written through the row tables, the checkpoint product is a wgmma over half the columns, and a
-    chunk without a checkpoint ending before its last token takes the plain build's order (a run-time
-    branch on its table range), a checkpoint at a chunk's last token is stored from the updated state,
+    written through the row tables, the checkpoint product is a wgmma over half the columns, the chunks
+    without a checkpoint run the plain chain in an inner loop (bounded by the next chunk that holds one,
+    handed over by the producer) and a chunk that holds one runs its own code (a checkpoint inside it
+    takes the checkpoint order at run time, one at its last token is stored from the updated state),
     and each chunk's range is found by the producer warp from the positions themselves (no table) and
     handed to the chain in shared memory."""
     tilelang = pytest.importorskip("tilelang")
@@ -69,11 +70,13 @@ def test_serving_build_lowers():
     assert "gdn_recurrent_serving_fwd" in src
     for name in ("rows[", "has_init[", "positions[", "ckpt"):
         assert name in src, f"{name} is not used by the serving build"
-    # chain: U, vn, the checkpoint half, the S update in each order (chunks with checkpoints publish vn
-    # first; chunks without run the plain build's order); output: O += Pg vn
-    assert src.count("wgmma_rs<") == 5 + 1, "chain: U, vn, checkpoint half, S update x 2; output: O += Pg vn"
+    # chain: the plain run's U, vn and S update; the checkpoint chunk's U, vn, checkpoint half and S update
+    # in each order (a checkpoint inside the chunk publishes vn first); output: O += Pg vn
+    assert src.count("wgmma_rs<") == 3 + 5 + 1, \
+        "chain: plain U, vn, S update; checkpoint chunk U, vn, checkpoint half, S update x 2; output: O += Pg vn"
+    assert "for (int c = cb; c < c_nx; ++c)" in src, "the chunks before the next checkpoint should run the plain loop"
     assert "if (mid == 0)" in src and "if (mid != 0)" in src, \
-        "chunks without a checkpoint inside them should take the plain order at run time"
+        "a chunk holding only chunk-end checkpoints should take the plain order at run time"
     producer = src[src.index("warpgroup_reg_dealloc"):]
     roles = src[:src.index("warpgroup_reg_dealloc")]
     assert producer.count("__ballot_sync(0xFFFFFFFFu") == 4, \

@@ -510,6 +510,36 @@ class CheckpointRanges:
         return self.v[0], self.v[2], self.v[1]
 
 
+class _ChainArgs:
+    """The buffers and values one chunk of the serving build's chain reads (`chain_chunk`), passed to
+    the macro as one object: keywords become attributes; a first positional _ChainArgs is extended."""
+
+    def __init__(self, base=None, **kw):
+        if base is not None:
+            self.__dict__.update(base.__dict__)
+        self.__dict__.update(kw)
+
+
+def _chain_vars(checkpoints: bool, phase_clock: bool) -> tuple:
+    """The variables the serving build's chain assigns, allocated in the kernel body (the chain role):
+    int32 jj, m_lo, m_end, m_hi, mid with checkpoints, int64 ck_t, ck_wait, ck_head, ck_w,
+    ck_tail in the phase-clock build; 0 in place of those a build does not have."""
+    import tilelang.language as T
+    from tvm.script.ir_builder import IRBuilder
+
+    out = []
+    for names, dtype, on in ((("jj", "m_lo", "m_end", "m_hi", "mid"), "int32", checkpoints),
+                             (("ck_t", "ck_wait", "ck_head", "ck_w", "ck_tail"), "int64", phase_clock)):
+        for name in names:
+            if on:
+                var = T.alloc_var(dtype)
+                IRBuilder.name(name, var)
+                out.append(var)
+            else:
+                out.append(0)
+    return tuple(out)
+
+
 def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: str, varlen: bool, BV: int,
                        state_dtype: str, state_layout: str, checkpoints: bool, dual: bool = False,
                        op_dtype: str | None = None, *, phase_clock: bool = False):
@@ -535,13 +565,14 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
       chunk with such checkpoints the chain publishes vn^T first and scales S by gamma_C after them
       instead of during U = S K^T (the same products), so o and the states do not depend on the
       checkpoints. A checkpoint at a full chunk's last token (j = 64) is the chunk's end state: it is
-      stored from S after the chunk's update, with no extra product; a chunk with no checkpoint
-      ending before its last token runs the plain build's order. The producer warp finds each
-      chunk's range from the positions (the sequence's first checkpoint by a 32-wide search of the
-      sorted positions, then 32 positions per warp-wide read and ballot) while the chunk's loads are
-      in flight, and hands it to the chain in shared memory under the chunk's barrier ([lo, end)
-      inside the chunk, [end, hi) at its last token): no table launch, no table read on the chain's
-      serial path.
+      stored from S after the chunk's update, with no extra product. Only the chunks that hold a
+      checkpoint run that code (`chain_chunk` with_ck): the chain walks the runs of chunks between
+      them with the plain build's chain, instruction for instruction (`chain_walk`). The producer warp
+      finds each chunk's range from the positions (the sequence's first checkpoint by a 32-wide
+      search of the sorted positions, then 32 positions per warp-wide read and ballot) while the
+      chunk's loads are in flight, and hands it to the chain in shared memory under the chunk's
+      barrier with the first chunk >= c that holds a checkpoint (the end of the chain's run): no
+      table launch, no global read on the chain's serial path.
     - dual (the split path's run and transition launch with checkpoints, `chunk_recurrent_dual_checkpoints`;
       K == V): the plain dual launch's grid of transition CTAs then run CTAs (`_recurrent_prim_func`
       with dual), both storing checkpoints: run CTAs into ckpt (the state at p from the segment's run
@@ -614,6 +645,269 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
             else:
                 dst[row, hv, k0 + j, v0 + i] = T.cast(st[i, j], sdt)
 
+    @T.macro
+    def chain_chunk(b, c, with_ck, jj, m_lo, m_end, m_hi, mid, ck_t, ck_wait, ck_head, ck_w, ck_tail):
+        """One chunk of the chain role (the state update). b: the kernel's buffers and values
+        (`_ChainArgs`); the int32 / int64 variables the chunk assigns come as arguments (`_chain_vars`:
+        a macro takes a variable itself only as an argument). with_ck (static): the checkpoint order and
+        stores of a chunk that holds a checkpoint; else the plain build's chain, instruction for
+        instruction."""
+        st = b.st
+        st_b = b.st_b
+        ut = b.ut
+        nvt = b.nvt
+        wt_b = b.wt_b
+        nvt_b = b.nvt_b
+        vpt_b = b.vpt_b
+        gam_f = b.gam_f
+        r_f = b.r_f
+        gcl = b.gcl
+        q_s = b.q_s
+        k_s = b.k_s
+        v_s = b.v_s
+        a_s = b.a_s
+        gc_s = b.gc_s
+        sb_s = b.sb_s
+        nv_s = b.nv_s
+        full = b.full
+        empty = b.empty
+        s_full = b.s_full
+        s_empty = b.s_empty
+        n_full = b.n_full
+        n_empty = b.n_empty
+        hv = b.hv
+        v0 = b.v0
+        bidx = b.bidx
+        bos = b.bos
+        seqlen = b.seqlen
+        tx = b.tx
+        positions = b.positions
+        pos_stride = b.pos_stride
+        n_ckpt = b.n_ckpt
+        ckpt = b.ckpt
+        ckp = b.ckp
+        if scaled:
+            sc_s = b.sc_s
+            wmax = b.wmax
+            wsc = b.wsc
+        if dual:
+            tr = b.tr
+        if checkpoints:
+            ck = b.ck
+            mvt_b = b.mvt_b
+            gj = b.gj
+            ck_s = b.ck_s
+        s = c % 2
+        ph = (c // 2) % 2
+        if phase_clock:
+            if tx == 0:
+                ck_t = clock()
+        T.barrier_wait(full[s], ph)
+        if phase_clock:
+            if tx == 0:
+                ck_wait = ck_wait + (clock() - ck_t)
+                ck_t = clock()
+        T.copy(st, st_b)
+        # U^T = S^T K^T
+        T.wgmma_gemm(st_b, k_s[s, :, :], ut, transpose_B=True, clear_accum=True, **chain_kw)
+        T.barrier_wait(s_empty[s], 1 - ph)
+        T.copy(st_b, sb_s[s, :, :])
+        T.fence_proxy_async()
+        T.barrier_arrive(s_full[s])
+        for j in T.Parallel(C):
+            gam_f[j] = T.exp2(gc_s[s, j])
+            r_f[j] = T.exp2(T.min(gc_s[s, C - 1] - gc_s[s, j], T.float32(0)))
+        gcl[0] = T.exp2(gc_s[s, C - 1])
+        if with_ck:
+            # this chunk's checkpoints, sorted by position (found by the producer, `ck_s`):
+            # [m_lo, m_end) end inside the chunk (j < C) and take the checkpoint order below;
+            # [m_end, m_hi) at its last token (the chunk's end state, stored after the update)
+            m_lo = ck_s[s, 1]
+            m_end = ck_s[s, 2]
+            m_hi = ck_s[s, 3]
+            mid = T.if_then_else(m_end > m_lo, 1, 0)
+            if mid == 0:
+                for i, j in T.Parallel(BV, K):
+                    st[i, j] = st[i, j] * gcl[0]
+        else:
+            for i, j in T.Parallel(BV, K):
+                st[i, j] = st[i, j] * gcl[0]
+        if phase_clock:
+            if tx == 0:
+                ck_head = ck_head + (clock() - ck_t)
+                ck_t = clock()
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(ut, num_regs=BV * C // CH)
+        # W^T = V^T - U^T diag(gamma)
+        if scaled:
+            # W^T in fp32 in U^T's registers, each row scaled by a power of two that puts its
+            # largest magnitude in [2^7, 2^8) (2^-30 .. 2^30): fp16's range for any |v|
+            # (tokens past the sequence's end zeroed: the scale depends on the sequence alone;
+            # A_beta's columns there are 0, so vn^T does not change)
+            if dual:
+                for i, j in T.Parallel(BV, C):
+                    ut[i, j] = T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j]
+            else:
+                for i, j in T.Parallel(BV, C):
+                    ut[i, j] = T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j]
+            if c * C + C > seqlen:  # the sequence's last, partial chunk
+                for i, j in T.Parallel(BV, C):
+                    ut[i, j] = T.if_then_else(c * C + j < seqlen, ut[i, j], T.float32(0))
+            T.reduce_absmax(ut, wmax, dim=1)
+            for i in T.Parallel(BV):
+                wsc[i] = T.exp2(T.max(T.min(T.float32(8) - T.floor(T.log2(T.max(wmax[i], T.float32(1e-30))))
+                                            - T.float32(1), T.float32(30)), T.float32(-30)))
+            for i, j in T.Parallel(BV, C):
+                wt_b[i, j] = T.cast(ut[i, j] * wsc[i], odt)
+        elif dual:  # transition CTAs: v = 0
+            for i, j in T.Parallel(BV, C):
+                wt_b[i, j] = T.cast(
+                    T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j], dtype)
+        else:
+            for i, j in T.Parallel(BV, C):
+                wt_b[i, j] = T.cast(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j], dtype)
+        # vn^T = W^T A_beta^T
+        T.wgmma_gemm(wt_b, a_s[s, :, :], nvt, transpose_B=True, clear_accum=True, **chain_kw)
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(nvt, num_regs=BV * C // CH)
+        if scaled:
+            for i, j in T.Parallel(BV, C):
+                nvt_b[i, j] = T.cast(nvt[i, j], odt)  # scaled rows (|.| < 2^15: |A_beta| <= 1)
+                vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j] / wsc[i], dtype)
+        else:
+            for i, j in T.Parallel(BV, C):
+                nvt_b[i, j] = T.cast(nvt[i, j], odt)
+                vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j], dtype)
+        if phase_clock:
+            if tx == 0:
+                ck_w = ck_w + (clock() - ck_t)
+                ck_t = clock()
+        if with_ck and mid != 0:
+            # publish vn^T first (the output role does not wait for the checkpoints)
+            T.barrier_wait(n_empty[s], 1 - ph)
+            T.copy(nvt_b, nv_s[s, :, :])
+            if scaled:
+                for i in T.Parallel(BV):
+                    sc_s[s, i] = wsc[i]
+            T.fence_proxy_async()
+            T.barrier_arrive(n_full[s])
+            # the checkpoints ending inside this chunk (CF-4), from the unscaled S^T
+            for m in T.serial(m_lo, m_end):
+                jj = positions[m * pos_stride] - (bidx * Tn + bos + c * C)
+                if jj >= 1 and jj < C:  # (jj outside 1..63 only for unsorted positions)
+                    gj[0] = gc_s[s, jj - 1]
+                    if scaled:  # vn^T's rows unscaled (exact: powers of two)
+                        for i, t in T.Parallel(BV, C):
+                            mvt_b[i, t] = T.cast(
+                                T.if_then_else(t < jj, T.cast(nv_s[s, i, t], acc) / wsc[i]
+                                               * T.exp2(T.min(gj[0] - gc_s[s, t], T.float32(0))),
+                                               T.float32(0)),
+                                dtype)
+                    else:
+                        for i, t in T.Parallel(BV, C):
+                            mvt_b[i, t] = T.cast(
+                                T.if_then_else(t < jj, T.cast(nv_s[s, i, t], acc)
+                                               * T.exp2(T.min(gj[0] - gc_s[s, t], T.float32(0))),
+                                               T.float32(0)),
+                                dtype)
+                    for h in T.unroll(K // KH):
+                        for i, j in T.Parallel(BV, KH):
+                            ck[i, j] = st[i, h * KH + j] * T.exp2(gj[0])
+                        T.wgmma_gemm(mvt_b, k_s[s, :, h * KH : (h + 1) * KH], ck, **chain_kw)
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(ck, num_regs=BV * KH // CH)
+                        if dual:
+                            if tr:
+                                store_state(ckp, m, hv, v0, ck, h * KH)
+                            else:
+                                store_state(ckpt, m, hv, v0, ck, h * KH)
+                        else:
+                            store_state(ckpt, m, hv, v0, ck, h * KH)
+            for i, j in T.Parallel(BV, K):
+                st[i, j] = st[i, j] * gcl[0]
+            # S^T = gamma_C S^T + (vn^T diag(r)) K
+            T.wgmma_gemm(vpt_b, k_s[s, :, :], st, **chain_kw)
+        else:
+            T.wgmma_gemm(vpt_b, k_s[s, :, :], st, **chain_kw)
+            T.barrier_wait(n_empty[s], 1 - ph)
+            T.copy(nvt_b, nv_s[s, :, :])
+            if scaled:
+                for i in T.Parallel(BV):
+                    sc_s[s, i] = wsc[i]
+            T.fence_proxy_async()
+            T.barrier_arrive(n_full[s])
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(st, num_regs=BV * K // CH)
+        if with_ck:
+            # checkpoints at the chunk's last token: its end state, just computed
+            for m in T.serial(m_end, m_hi):
+                if dual:
+                    if tr:
+                        store_state(ckp, m, hv, v0, st, 0)
+                    else:
+                        store_state(ckpt, m, hv, v0, st, 0)
+                else:
+                    store_state(ckpt, m, hv, v0, st, 0)
+        T.barrier_arrive(empty[s])
+        if phase_clock:
+            if tx == 0:
+                ck_tail = ck_tail + (clock() - ck_t)
+
+    @T.macro
+    def chain_walk(b, nwalk, cv):
+        """The chain over the sequence's chunks. With checkpoints, the chunks without one run the plain
+        chain (the inner loop) and a chunk that holds one runs the checkpoint order. The producer hands
+        over with each chunk c (`ck_s`, under its `full` barrier) the first chunk >= c that holds a
+        checkpoint: at a run's first chunk the chain waits for that chunk's loads (a wait the chunk's
+        own then passes at once) and reads it. No global read on the chain's path."""
+        if checkpoints:
+            full = b.full
+            ck_s = b.ck_s
+            c_nx = T.alloc_var("int32")  # the next chunk >= cb that holds a checkpoint (nwalk: none)
+            c_at = T.alloc_var("int32")
+            cb = T.alloc_var("int32")
+            cb = 0
+            while cb < nwalk:
+                T.barrier_wait(full[cb % 2], (cb // 2) % 2)
+                c_nx = ck_s[cb % 2, 0]
+                for c in T.serial(cb, c_nx):
+                    chain_chunk(b, c, False, *cv)
+                if c_nx < nwalk:
+                    c_at = c_nx
+                    chain_chunk(b, c_at, True, *cv)
+                    cb = c_at + 1
+                else:
+                    cb = nwalk
+        else:
+            for c in T.serial(nwalk):
+                chain_chunk(b, c, False, *cv)
+
+    @T.macro
+    def chain_clock_start(cv):
+        ck_t = cv[5]
+        ck_wait = cv[6]
+        ck_head = cv[7]
+        ck_w = cv[8]
+        ck_tail = cv[9]
+        ck_wait = 0
+        ck_head = 0
+        ck_w = 0
+        ck_tail = 0
+        ck_t = clock()
+
+    @T.macro
+    def chain_clock_store(clocks, bx, nwalk, tx, cv):
+        ck_wait = cv[6]
+        ck_head = cv[7]
+        ck_w = cv[8]
+        ck_tail = cv[9]
+        if tx == 0:
+            clocks[bx, 0] = T.cast(nwalk, "int64")
+            clocks[bx, 1] = ck_wait
+            clocks[bx, 2] = ck_head
+            clocks[bx, 3] = ck_w
+            clocks[bx, 4] = ck_tail
+
     @T.prim_func
     def gdn_recurrent_serving_fwd(
         q: T.Tensor((B, Tn, H, K), dtype),
@@ -676,8 +970,8 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                 sc_s = T.alloc_shared((2, BV), acc)  # vn^T's row scales of chunk c (chain -> output, with nv_s)
             o_s = T.alloc_shared((C, BV), dtype)
             if checkpoints:
-                # each chunk's checkpoint range, read by the producer one chunk ahead (under full[s]):
-                # [lo, end) end inside the chunk, [end, hi) at its last token (sorted: a suffix)
+                # per chunk, from the producer under full[s]: the first chunk >= c holding a checkpoint,
+                # then the chunk's range: [lo, end) end inside the chunk, [end, hi) at its last token
                 ck_s = T.alloc_shared((2, 4), "int32")
             T.annotate_layout({v_s: make_swizzled_layout(v_s), o_s: make_swizzled_layout(o_s)})
 
@@ -708,11 +1002,6 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                     ck = T.alloc_fragment((BV, KH), acc)  # one half of the checkpoint's columns
                     mvt_b = T.alloc_fragment((BV, C), dtype)
                     gj = T.alloc_local((1,), acc)
-                    jj = T.alloc_var("int32")
-                    m_lo = T.alloc_var("int32")  # this chunk's checkpoints: [m_lo, m_hi)
-                    m_hi = T.alloc_var("int32")
-                    m_end = T.alloc_var("int32")  # [m_end, m_hi): at the chunk's last token
-                    mid = T.alloc_var("int32")  # 1: one of them ends before the chunk's last token
                 row = T.alloc_var("int32")  # the sequence's state row (read and written)
                 row_in = T.alloc_var("int32")  # the row read: -1 where has_initial_state is False
                 row = n
@@ -738,181 +1027,19 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                     load_state(st, h0, row_in, hv, v0)
                 else:
                     T.clear(st)
+                b = _ChainArgs(st=st, st_b=st_b, ut=ut, nvt=nvt, wt_b=wt_b, nvt_b=nvt_b, vpt_b=vpt_b, gam_f=gam_f, r_f=r_f, gcl=gcl, q_s=q_s, k_s=k_s, v_s=v_s, a_s=a_s, gc_s=gc_s, sb_s=sb_s, nv_s=nv_s, full=full, empty=empty, s_full=s_full, s_empty=s_empty, n_full=n_full, n_empty=n_empty, hv=hv, v0=v0, bidx=bidx, bos=bos, seqlen=seqlen, tx=tx, positions=positions, pos_stride=pos_stride, n_ckpt=n_ckpt, ckpt=ckpt, ckp=ckp)
+                if scaled:
+                    b = _ChainArgs(b, sc_s=sc_s, wmax=wmax, wsc=wsc)
+                if dual:
+                    b = _ChainArgs(b, tr=tr)
+                if checkpoints:
+                    b = _ChainArgs(b, ck=ck, mvt_b=mvt_b, gj=gj, ck_s=ck_s)
+                cv = _chain_vars(checkpoints, phase_clock)  # jj, m_lo, m_end, m_hi, mid, ck_t, ck_wait, ck_head, ck_w, ck_tail
                 if phase_clock:
-                    ck_t = T.alloc_var("int64")
-                    ck_wait = T.alloc_var("int64")
-                    ck_head = T.alloc_var("int64")
-                    ck_w = T.alloc_var("int64")
-                    ck_tail = T.alloc_var("int64")
-                    ck_wait = 0
-                    ck_head = 0
-                    ck_w = 0
-                    ck_tail = 0
-                    ck_t = clock()
-                for c in T.serial(nwalk):
-                    s = c % 2
-                    ph = (c // 2) % 2
-                    if phase_clock:
-                        if tx == 0:
-                            ck_t = clock()
-                    T.barrier_wait(full[s], ph)
-                    if phase_clock:
-                        if tx == 0:
-                            ck_wait = ck_wait + (clock() - ck_t)
-                            ck_t = clock()
-                    T.copy(st, st_b)
-                    # U^T = S^T K^T
-                    T.wgmma_gemm(st_b, k_s[s, :, :], ut, transpose_B=True, clear_accum=True, **chain_kw)
-                    T.barrier_wait(s_empty[s], 1 - ph)
-                    T.copy(st_b, sb_s[s, :, :])
-                    T.fence_proxy_async()
-                    T.barrier_arrive(s_full[s])
-                    for j in T.Parallel(C):
-                        gam_f[j] = T.exp2(gc_s[s, j])
-                        r_f[j] = T.exp2(T.min(gc_s[s, C - 1] - gc_s[s, j], T.float32(0)))
-                    gcl[0] = T.exp2(gc_s[s, C - 1])
-                    if checkpoints:
-                        # this chunk's checkpoints, sorted by position: one ending inside the chunk
-                        # (j < C) takes the checkpoint order below; none, or only checkpoints at the
-                        # chunk's last token (j == C: the chunk's end state itself, stored after the
-                        # update), the plain build's order
-                        m_lo = ck_s[s, 0]
-                        m_end = ck_s[s, 1]
-                        m_hi = ck_s[s, 2]
-                        mid = T.if_then_else(m_end > m_lo, 1, 0)
-                        if mid == 0:
-                            for i, j in T.Parallel(BV, K):
-                                st[i, j] = st[i, j] * gcl[0]
-                    else:
-                        for i, j in T.Parallel(BV, K):
-                            st[i, j] = st[i, j] * gcl[0]
-                    if phase_clock:
-                        if tx == 0:
-                            ck_head = ck_head + (clock() - ck_t)
-                            ck_t = clock()
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(ut, num_regs=BV * C // CH)
-                    # W^T = V^T - U^T diag(gamma)
-                    if scaled:
-                        # W^T in fp32 in U^T's registers, each row scaled by a power of two that puts its
-                        # largest magnitude in [2^7, 2^8) (2^-30 .. 2^30): fp16's range for any |v|
-                        # (tokens past the sequence's end zeroed: the scale depends on the sequence alone;
-                        # A_beta's columns there are 0, so vn^T does not change)
-                        if dual:
-                            for i, j in T.Parallel(BV, C):
-                                ut[i, j] = T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j]
-                        else:
-                            for i, j in T.Parallel(BV, C):
-                                ut[i, j] = T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j]
-                        if c * C + C > seqlen:  # the sequence's last, partial chunk
-                            for i, j in T.Parallel(BV, C):
-                                ut[i, j] = T.if_then_else(c * C + j < seqlen, ut[i, j], T.float32(0))
-                        T.reduce_absmax(ut, wmax, dim=1)
-                        for i in T.Parallel(BV):
-                            wsc[i] = T.exp2(T.max(T.min(T.float32(8) - T.floor(T.log2(T.max(wmax[i], T.float32(1e-30))))
-                                                        - T.float32(1), T.float32(30)), T.float32(-30)))
-                        for i, j in T.Parallel(BV, C):
-                            wt_b[i, j] = T.cast(ut[i, j] * wsc[i], odt)
-                    elif dual:  # transition CTAs: v = 0
-                        for i, j in T.Parallel(BV, C):
-                            wt_b[i, j] = T.cast(
-                                T.if_then_else(tr, T.float32(0), T.cast(v_s[s, j, i], acc)) - ut[i, j] * gam_f[j], dtype)
-                    else:
-                        for i, j in T.Parallel(BV, C):
-                            wt_b[i, j] = T.cast(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j], dtype)
-                    # vn^T = W^T A_beta^T
-                    T.wgmma_gemm(wt_b, a_s[s, :, :], nvt, transpose_B=True, clear_accum=True, **chain_kw)
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(nvt, num_regs=BV * C // CH)
-                    if scaled:
-                        for i, j in T.Parallel(BV, C):
-                            nvt_b[i, j] = T.cast(nvt[i, j], odt)  # scaled rows (|.| < 2^15: |A_beta| <= 1)
-                            vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j] / wsc[i], dtype)
-                    else:
-                        for i, j in T.Parallel(BV, C):
-                            nvt_b[i, j] = T.cast(nvt[i, j], odt)
-                            vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j], dtype)
-                    if phase_clock:
-                        if tx == 0:
-                            ck_w = ck_w + (clock() - ck_t)
-                            ck_t = clock()
-                    if checkpoints and mid != 0:
-                        # publish vn^T first (the output role does not wait for the checkpoints)
-                        T.barrier_wait(n_empty[s], 1 - ph)
-                        T.copy(nvt_b, nv_s[s, :, :])
-                        if scaled:
-                            for i in T.Parallel(BV):
-                                sc_s[s, i] = wsc[i]
-                        T.fence_proxy_async()
-                        T.barrier_arrive(n_full[s])
-                        # the checkpoints ending inside this chunk (CF-4), from the unscaled S^T
-                        for m in T.serial(m_lo, m_end):
-                            jj = positions[m * pos_stride] - (bidx * Tn + bos + c * C)
-                            if jj >= 1 and jj < C:  # (jj outside 1..63 only for unsorted positions)
-                                gj[0] = gc_s[s, jj - 1]
-                                if scaled:  # vn^T's rows unscaled (exact: powers of two)
-                                    for i, t in T.Parallel(BV, C):
-                                        mvt_b[i, t] = T.cast(
-                                            T.if_then_else(t < jj, T.cast(nv_s[s, i, t], acc) / wsc[i]
-                                                           * T.exp2(T.min(gj[0] - gc_s[s, t], T.float32(0))),
-                                                           T.float32(0)),
-                                            dtype)
-                                else:
-                                    for i, t in T.Parallel(BV, C):
-                                        mvt_b[i, t] = T.cast(
-                                            T.if_then_else(t < jj, T.cast(nv_s[s, i, t], acc)
-                                                           * T.exp2(T.min(gj[0] - gc_s[s, t], T.float32(0))),
-                                                           T.float32(0)),
-                                            dtype)
-                                for h in T.unroll(K // KH):
-                                    for i, j in T.Parallel(BV, KH):
-                                        ck[i, j] = st[i, h * KH + j] * T.exp2(gj[0])
-                                    T.wgmma_gemm(mvt_b, k_s[s, :, h * KH : (h + 1) * KH], ck, **chain_kw)
-                                    T.wait_wgmma(0)
-                                    T.warpgroup_fence_operand(ck, num_regs=BV * KH // CH)
-                                    if dual:
-                                        if tr:
-                                            store_state(ckp, m, hv, v0, ck, h * KH)
-                                        else:
-                                            store_state(ckpt, m, hv, v0, ck, h * KH)
-                                    else:
-                                        store_state(ckpt, m, hv, v0, ck, h * KH)
-                        for i, j in T.Parallel(BV, K):
-                            st[i, j] = st[i, j] * gcl[0]
-                        # S^T = gamma_C S^T + (vn^T diag(r)) K
-                        T.wgmma_gemm(vpt_b, k_s[s, :, :], st, **chain_kw)
-                    else:
-                        T.wgmma_gemm(vpt_b, k_s[s, :, :], st, **chain_kw)
-                        T.barrier_wait(n_empty[s], 1 - ph)
-                        T.copy(nvt_b, nv_s[s, :, :])
-                        if scaled:
-                            for i in T.Parallel(BV):
-                                sc_s[s, i] = wsc[i]
-                        T.fence_proxy_async()
-                        T.barrier_arrive(n_full[s])
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(st, num_regs=BV * K // CH)
-                    if checkpoints:
-                        # checkpoints at the chunk's last token: its end state, just computed
-                        for m in T.serial(m_end, m_hi):
-                            if dual:
-                                if tr:
-                                    store_state(ckp, m, hv, v0, st, 0)
-                                else:
-                                    store_state(ckpt, m, hv, v0, st, 0)
-                            else:
-                                store_state(ckpt, m, hv, v0, st, 0)
-                    T.barrier_arrive(empty[s])
-                    if phase_clock:
-                        if tx == 0:
-                            ck_tail = ck_tail + (clock() - ck_t)
+                    chain_clock_start(cv)
+                chain_walk(b, nwalk, cv)
                 if phase_clock:
-                    if tx == 0:
-                        clocks[bx, 0] = T.cast(nwalk, "int64")
-                        clocks[bx, 1] = ck_wait
-                        clocks[bx, 2] = ck_head
-                        clocks[bx, 3] = ck_w
-                        clocks[bx, 4] = ck_tail
+                    chain_clock_store(clocks, bx, nwalk, tx, cv)
                 if dual:
                     if tr:  # the transition P, or 0 where it was cut short
                         for i, j in T.Parallel(BV, K):
@@ -995,6 +1122,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                         # the sequence's first checkpoint, then each chunk's range (`CheckpointRanges`)
                         ranges = CheckpointRanges(positions, pos_stride, n_ckpt, tx - (CH + 128), bidx * Tn + bos,
                                                   seqlen)
+                        p_nx = T.alloc_var("int32")
                     if phase_clock:
                         pk_t = T.alloc_var("int64")
                         pk_wait = T.alloc_var("int64")
@@ -1024,10 +1152,17 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                             # the chunk's checkpoint range, off the chain's path (read here while the
                             # chunk's loads are in flight, two chunks ahead of the chain)
                             p_lo, p_end, p_hi = ranges.chunk(c)
+                            # and the first chunk >= c that holds one: the chunk of checkpoint p_lo's token
+                            # p - 1 where it is in this sequence (the chain's runs of plain chunks end there)
+                            p_nx = nwalk
+                            if p_lo < n_ckpt:
+                                if positions[p_lo * pos_stride] <= bidx * Tn + bos + seqlen:
+                                    p_nx = T.max(T.min((positions[p_lo * pos_stride] - 1 - (bidx * Tn + bos)) // C, nwalk), c)
                             if tx == CH + 128:
-                                ck_s[s, 0] = p_lo
-                                ck_s[s, 1] = p_end
-                                ck_s[s, 2] = p_hi
+                                ck_s[s, 0] = p_nx
+                                ck_s[s, 1] = p_lo
+                                ck_s[s, 2] = p_end
+                                ck_s[s, 3] = p_hi
                         T.barrier_arrive(full[s])
                         if phase_clock:
                             if tx == CH + 128:
