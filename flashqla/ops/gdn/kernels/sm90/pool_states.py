@@ -17,11 +17,11 @@ trailing two dimensions follow it. Storage dtypes fp32, bf16, fp16; compute and 
 states fp32.
 
 Kernels (CUDA tensors on sm_90; every size but K and V is a run-time value):
-- `gdn_pool_gather` (`gather_states`): grid (N, HV), 128 threads. out[n, hv] = pool[r, hv] (to
+- `gdn_pool_gather` (`gather_states`): grid (N, HV, K / 32), 128 threads, 32 rows a CTA. out[n, hv] = pool[r, hv] (to
   [K, V], fp32) with r = state_indices[n] (n itself without indices), zeros where r < 0 or
   has_initial_state[n] is False ("vk": through a padded fp32 tile in shared memory, both global
   sides coalesced).
-- `gdn_pool_store` (`store_states`): grid (N, HV), 128 threads. pool[r, hv] = final[n, hv] (to the
+- `gdn_pool_store` (`store_states`): grid (N, HV, K / 32), 128 threads, 32 rows a CTA. pool[r, hv] = final[n, hv] (to the
   layout, rounded once to the pool's dtype), nothing where r < 0 (no redirected write, as torch's
   `index_copy_` needs).
 - `gdn_checkpoint_combine` (`combine_checkpoints`): grid (M, HV, V / 64), 256 threads. Checkpoint m
@@ -30,8 +30,8 @@ Kernels (CUDA tensors on sm_90; every size but K and V is a run-time value):
   segment ends in the kernel, as `torch.searchsorted(end, p - 1, right=True)`), stored into
   checkpoint_states[m] in its layout and dtype. A CTA computes a 128 x 64 column block of the
   product on the tensor cores in 3xTF32 (each fp32 operand split into a TF32 head and an exact fp32
-  tail, three TF32 products accumulated in fp32: within about 2^-21 of the fp32 product), staged in
-  64-wide K blocks.
+  tail, three TF32 products accumulated in fp32: within about 2^-21 of the fp32 product), over
+  64-wide K blocks whose raw fp32 tiles arrive by bulk copies.
 Indices are not range-checked: an index >= P reads zeros and writes nothing (TileLang's bounds
 guards), where torch's index ops would raise a device assert; the caller validates them.
 Derivation: record CP-1 (checkpoint = run state + transition x entering state), CF-4.
@@ -54,6 +54,8 @@ __all__ = [
 ]
 
 THREADS = 128
+#: Rows of a state ([K, V]) that one pool-gather or pool-store CTA moves (K / ROWS CTAs a state)
+ROWS = 32
 #: Columns of one checkpoint-combine CTA (V / BLOCK_COLS CTAs per checkpoint and value head), and the
 #: K block its products are staged by
 BLOCK_COLS = 64
@@ -86,7 +88,8 @@ def _pool_gather_prim_func(K: int, V: int, dtype: str, layout: str, idx_dtype: s
         masked: T.int32,  # 1: has_initial_state is read
         out: T.Tensor((N, HV, K, V), "float32"),
     ):
-        with T.Kernel(N, HV, threads=THREADS) as (n, hv):
+        with T.Kernel(N, HV, K // ROWS, threads=THREADS) as (n, hv, rb):
+            i0 = rb * ROWS  # this CTA's rows of out[n, hv] ([K, V])
             r = T.alloc_var("int64")
             r = T.cast(n, "int64")
             if indexed != 0:
@@ -96,17 +99,17 @@ def _pool_gather_prim_func(K: int, V: int, dtype: str, layout: str, idx_dtype: s
                     r = -1
             if r >= 0:
                 if layout == "kv":
-                    for i, j in T.Parallel(K, V):
-                        out[n, hv, i, j] = T.cast(pool[r, hv, i, j], "float32")
+                    for i, j in T.Parallel(ROWS, V):
+                        out[n, hv, i0 + i, j] = T.cast(pool[r, hv, i0 + i, j], "float32")
                 else:
-                    tile = T.alloc_shared((V, K + 1), "float32")
-                    for j, i in T.Parallel(V, K):
-                        tile[j, i] = T.cast(pool[r, hv, j, i], "float32")
-                    for i, j in T.Parallel(K, V):
-                        out[n, hv, i, j] = tile[j, i]
+                    tile = T.alloc_shared((V, ROWS + 1), "float32")
+                    for j, i in T.Parallel(V, ROWS):
+                        tile[j, i] = T.cast(pool[r, hv, j, i0 + i], "float32")
+                    for i, j in T.Parallel(ROWS, V):
+                        out[n, hv, i0 + i, j] = tile[j, i]
             else:
-                for i, j in T.Parallel(K, V):
-                    out[n, hv, i, j] = T.float32(0)
+                for i, j in T.Parallel(ROWS, V):
+                    out[n, hv, i0 + i, j] = T.float32(0)
 
     return gdn_pool_gather
 
@@ -125,19 +128,20 @@ def _pool_store_prim_func(K: int, V: int, dtype: str, layout: str, idx_dtype: st
         state_indices: T.Tensor((N,), idx_dtype),
         pool: T.Tensor((P, HV, a, b), dtype),
     ):
-        with T.Kernel(N, HV, threads=THREADS) as (n, hv):
+        with T.Kernel(N, HV, K // ROWS, threads=THREADS) as (n, hv, rb):
+            i0 = rb * ROWS  # this CTA's rows of final[n, hv] ([K, V])
             r = T.alloc_var("int64")
             r = T.cast(state_indices[n], "int64")
             if r >= 0:
                 if layout == "kv":
-                    for i, j in T.Parallel(K, V):
-                        pool[r, hv, i, j] = T.cast(final[n, hv, i, j], dtype)
+                    for i, j in T.Parallel(ROWS, V):
+                        pool[r, hv, i0 + i, j] = T.cast(final[n, hv, i0 + i, j], dtype)
                 else:
-                    tile = T.alloc_shared((K, V + 1), "float32")
-                    for i, j in T.Parallel(K, V):
-                        tile[i, j] = final[n, hv, i, j]
-                    for j, i in T.Parallel(V, K):
-                        pool[r, hv, j, i] = T.cast(tile[i, j], dtype)
+                    tile = T.alloc_shared((ROWS, V + 1), "float32")
+                    for i, j in T.Parallel(ROWS, V):
+                        tile[i, j] = final[n, hv, i0 + i, j]
+                    for j, i in T.Parallel(V, ROWS):
+                        pool[r, hv, j, i0 + i] = T.cast(tile[i, j], dtype)
 
     return gdn_pool_store
 
@@ -168,6 +172,8 @@ def _checkpoint_combine_prim_func(K: int, V: int, dtype: str, layout: str, pos_d
         out: T.Tensor((M, HV, a, b), dtype),
     ):
         with T.Kernel(M, HV, V // BC, threads=COMBINE_THREADS) as (m, hv, cb):
+            cp_raw = T.alloc_shared((K, KB), "float32")
+            s_raw = T.alloc_shared((KB, BC), "float32")
             cp_hi = T.alloc_shared((K, KB), "float32")
             cp_lo = T.alloc_shared((K, KB), "float32")
             s_hi = T.alloc_shared((BC, KB), "float32")  # S_in's block transposed: both products K-major
@@ -192,14 +198,17 @@ def _checkpoint_combine_prim_func(K: int, V: int, dtype: str, layout: str, pos_d
             for i, c in T.Parallel(K, BC):
                 acc[i, c] = CQ[m, hv, i, cb * BC + c]
             for kb in T.serial(K // KB):
-                # 3xTF32: x = hi + lo exactly, CP S = CP_lo S_hi + CP_hi S_lo + CP_hi S_hi (+ lo lo, below
-                # 2^-22 of the product), each on the tensor cores in TF32 with fp32 accumulation
+                # the raw fp32 blocks by bulk copies (one wait a block),
+                # then 3xTF32: x = hi + lo exactly, CP S = CP_lo S_hi + CP_hi S_lo + CP_hi S_hi (+ lo lo,
+                # below 2^-22 of the product), each on the tensor cores in TF32 with fp32 accumulation
+                T.copy(CP[m, hv, 0:K, kb * KB:(kb + 1) * KB], cp_raw)
+                T.copy(S_in[lo, hv, kb * KB:(kb + 1) * KB, cb * BC:(cb + 1) * BC], s_raw)
                 for i, k in T.Parallel(K, KB):
-                    cp_hi[i, k] = _tf32_hi(CP[m, hv, i, kb * KB + k])
-                    cp_lo[i, k] = CP[m, hv, i, kb * KB + k] - _tf32_hi(CP[m, hv, i, kb * KB + k])
+                    cp_hi[i, k] = _tf32_hi(cp_raw[i, k])
+                    cp_lo[i, k] = cp_raw[i, k] - _tf32_hi(cp_raw[i, k])
                 for k, c in T.Parallel(KB, BC):
-                    s_hi[c, k] = _tf32_hi(S_in[lo, hv, kb * KB + k, cb * BC + c])
-                    s_lo[c, k] = S_in[lo, hv, kb * KB + k, cb * BC + c] - _tf32_hi(S_in[lo, hv, kb * KB + k, cb * BC + c])
+                    s_hi[c, k] = _tf32_hi(s_raw[k, c])
+                    s_lo[c, k] = s_raw[k, c] - _tf32_hi(s_raw[k, c])
                 T.gemm(cp_lo, s_hi, acc, transpose_B=True)
                 T.gemm(cp_hi, s_lo, acc, transpose_B=True)
                 T.gemm(cp_hi, s_hi, acc, transpose_B=True)
