@@ -9,7 +9,7 @@ about fifteen small launches (`flashqla.serving.gather_initial_states`, `store_f
 masks, strided casts, an argmax and an `index_copy_`, a search and a batched GEMM; their cost:
 `benchmarks/journal/serving.md`, "The split serving call profiled"). These kernels do the same with
 three launches and the same values: the copies and casts bit for bit (one rounding, at the store);
-the checkpoint GEMM in 3xTF32 on the tensor cores (`torch.baddbmm`'s fp32 product to about 2^-21).
+the checkpoint GEMM in fp32 on the CUDA cores (`torch.baddbmm`'s product, summed in another order).
 The torch functions stay the CPU path and the reference.
 
 Layouts: "kv" is [.., K, V] (FLA's), "vk" is [.., V, K] (the engines'); a pool or checkpoint tensor's
@@ -24,14 +24,14 @@ Kernels (CUDA tensors on sm_90; every size but K and V is a run-time value):
 - `gdn_pool_store` (`store_states`): grid (N, HV, K / 32), 128 threads, 32 rows a CTA. pool[r, hv] = final[n, hv] (to the
   layout, rounded once to the pool's dtype), nothing where r < 0 (no redirected write, as torch's
   `index_copy_` needs).
-- `gdn_checkpoint_combine` (`combine_checkpoints`): grid (M, HV, V / 64), 256 threads. Checkpoint m
+- `gdn_checkpoint_combine` (`combine_checkpoints`): grid (M, HV, V / 32), 128 threads. Checkpoint m
   at global position p (the state after the first p tokens) = CQ[m] + CP[m] S_in[j], j the segment
   holding token p - 1 (the first with end > p - 1, ends non-decreasing; a binary search over the
   segment ends in the kernel, as `torch.searchsorted(end, p - 1, right=True)`), stored into
-  checkpoint_states[m] in its layout and dtype. A CTA computes a 128 x 64 column block of the
-  product on the tensor cores in 3xTF32 (each fp32 operand split into a TF32 head and an exact fp32
-  tail, three TF32 products accumulated in fp32: within about 2^-21 of the fp32 product), over
-  64-wide K blocks whose raw fp32 tiles arrive by bulk copies.
+  checkpoint_states[m] in its layout and dtype. A CTA computes a 128 x 32 column block of the
+  product, each thread 8 rows x 4 columns of it (TileLang's layout); CP's rows are staged in shared
+  memory with one float of padding (the K loop's column reads conflict-free), S_in's block beside
+  them.
 Indices are not range-checked: an index >= P reads zeros and writes nothing (TileLang's bounds
 guards), where torch's index ops would raise a device assert; the caller validates them.
 Derivation: record CP-1 (checkpoint = run state + transition x entering state), CF-4.
@@ -56,12 +56,8 @@ __all__ = [
 THREADS = 128
 #: Rows of a state ([K, V]) that one pool-gather or pool-store CTA moves (K / ROWS CTAs a state)
 ROWS = 32
-#: Columns of one checkpoint-combine CTA (V / BLOCK_COLS CTAs per checkpoint and value head), and the
-#: K block its products are staged by
-BLOCK_COLS = 64
-BLOCK_K = 64
-#: Threads of a checkpoint-combine CTA (its 128 x 64 fp32 accumulator: 32 registers a thread)
-COMBINE_THREADS = 256
+#: Columns of one checkpoint-combine CTA (V / BLOCK_COLS CTAs per checkpoint and value head)
+BLOCK_COLS = 32
 LAYOUTS = ("kv", "vk")
 
 
@@ -146,17 +142,10 @@ def _pool_store_prim_func(K: int, V: int, dtype: str, layout: str, idx_dtype: st
     return gdn_pool_store
 
 
-def _tf32_hi(x):
-    """x with its 13 low mantissa bits cleared: exactly a TF32 value, and x - hi(x) is exact in fp32."""
-    import tilelang.language as T
-
-    return T.reinterpret(T.bitwise_and(T.reinterpret(x, "uint32"), T.uint32(0xFFFFE000)), "float32")
-
-
 def _checkpoint_combine_prim_func(K: int, V: int, dtype: str, layout: str, pos_dtype: str):
     import tilelang.language as T
 
-    BC, KB = BLOCK_COLS, BLOCK_K
+    BC = BLOCK_COLS
     M = T.dynamic("M")
     Ms = T.dynamic("Ms")  # segments (slots of the split plan)
     HV = T.dynamic("HV")
@@ -171,13 +160,9 @@ def _checkpoint_combine_prim_func(K: int, V: int, dtype: str, layout: str, pos_d
         positions: T.Tensor((M,), pos_dtype),
         out: T.Tensor((M, HV, a, b), dtype),
     ):
-        with T.Kernel(M, HV, V // BC, threads=COMBINE_THREADS) as (m, hv, cb):
-            cp_raw = T.alloc_shared((K, KB), "float32")
-            s_raw = T.alloc_shared((KB, BC), "float32")
-            cp_hi = T.alloc_shared((K, KB), "float32")
-            cp_lo = T.alloc_shared((K, KB), "float32")
-            s_hi = T.alloc_shared((BC, KB), "float32")  # S_in's block transposed: both products K-major
-            s_lo = T.alloc_shared((BC, KB), "float32")
+        with T.Kernel(M, HV, V // BC, threads=THREADS) as (m, hv, cb):
+            cp_s = T.alloc_shared((K, K + 1), "float32")
+            s_s = T.alloc_shared((K, BC), "float32")
             acc = T.alloc_fragment((K, BC), "float32")
             lo = T.alloc_var("int32")
             hi = T.alloc_var("int32")
@@ -195,23 +180,15 @@ def _checkpoint_combine_prim_func(K: int, V: int, dtype: str, layout: str, pos_d
                     else:
                         hi = mid
             lo = T.min(lo, Ms - 1)
+            for i, k in T.Parallel(K, K):
+                cp_s[i, k] = CP[m, hv, i, k]
+            for k, c in T.Parallel(K, BC):
+                s_s[k, c] = S_in[lo, hv, k, cb * BC + c]
             for i, c in T.Parallel(K, BC):
                 acc[i, c] = CQ[m, hv, i, cb * BC + c]
-            for kb in T.serial(K // KB):
-                # the raw fp32 blocks by bulk copies (one wait a block),
-                # then 3xTF32: x = hi + lo exactly, CP S = CP_lo S_hi + CP_hi S_lo + CP_hi S_hi (+ lo lo,
-                # below 2^-22 of the product), each on the tensor cores in TF32 with fp32 accumulation
-                T.copy(CP[m, hv, 0:K, kb * KB:(kb + 1) * KB], cp_raw)
-                T.copy(S_in[lo, hv, kb * KB:(kb + 1) * KB, cb * BC:(cb + 1) * BC], s_raw)
-                for i, k in T.Parallel(K, KB):
-                    cp_hi[i, k] = _tf32_hi(cp_raw[i, k])
-                    cp_lo[i, k] = cp_raw[i, k] - _tf32_hi(cp_raw[i, k])
-                for k, c in T.Parallel(KB, BC):
-                    s_hi[c, k] = _tf32_hi(s_raw[k, c])
-                    s_lo[c, k] = s_raw[k, c] - _tf32_hi(s_raw[k, c])
-                T.gemm(cp_lo, s_hi, acc, transpose_B=True)
-                T.gemm(cp_hi, s_lo, acc, transpose_B=True)
-                T.gemm(cp_hi, s_hi, acc, transpose_B=True)
+            for k in T.serial(K):
+                for i, c in T.Parallel(K, BC):
+                    acc[i, c] += cp_s[i, k] * s_s[k, c]
             if layout == "kv":
                 for i, c in T.Parallel(K, BC):
                     out[m, hv, i, cb * BC + c] = T.cast(acc[i, c], dtype)

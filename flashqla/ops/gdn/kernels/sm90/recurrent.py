@@ -247,6 +247,11 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
                         st[i, j] = h0[n, hv, j, v0 + i]
                 else:
                     T.clear(st)
+                if BV == 64 and (nloop if dual else nchunks) > 0:
+                    # chunk 0's loads waited for once before the loop (the loop's own first wait then passes
+                    # at once): with it ptxas schedules the BV = 64 chain 9% faster on the H100 (same
+                    # instructions, bitwise the same results; benchmarks/journal/forward.md)
+                    T.barrier_wait(full[0], 0)
                 for c in T.serial(nloop if dual else nchunks):
                     s = c % 2
                     ph = (c // 2) % 2
@@ -879,6 +884,8 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                 else:
                     cb = nwalk
         else:
+            if BV == 64 and nwalk > 0:
+                T.barrier_wait(b.full[0], 0)  # chunk 0's loads waited for before the loop, as the plain build's
             for c in T.serial(nwalk):
                 chain_chunk(b, c, False, *cv)
 
