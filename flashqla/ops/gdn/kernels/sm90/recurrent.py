@@ -249,8 +249,8 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
                     T.clear(st)
                 if BV == 64 and (nloop if dual else nchunks) > 0:
                     # chunk 0's loads waited for once before the loop (the loop's own first wait then passes
-                    # at once): with it ptxas schedules the BV = 64 chain 9% faster on the H100 (same
-                    # instructions, bitwise the same results; benchmarks/journal/forward.md)
+                    # at once): with it ptxas schedules the BV = 64 chain's loop faster, same instructions and
+                    # results (benchmarks/journal/forward.md, "The BV = 64 chain ... from one wait")
                     T.barrier_wait(full[0], 0)
                 for c in T.serial(nloop if dual else nchunks):
                     s = c % 2
