@@ -56,6 +56,11 @@ def test_builders_check_layout_and_width():
         ps.build_pool_store_kernel(128, 128, "bfloat16", "kvv", "int32")
     with pytest.raises(ValueError, match="V divisible by 32"):
         ps.build_checkpoint_combine_kernel(128, 48, "float32", "kv", "int32")
+    for K in (48, 16):  # 32 rows a CTA: a K that is not a multiple would leave rows unwritten
+        with pytest.raises(ValueError, match="multiple of 32"):
+            ps.build_pool_gather_kernel(K, 128, "bfloat16", "vk", "int32")
+        with pytest.raises(ValueError, match="multiple of 32"):
+            ps.build_pool_store_kernel(K, 128, "bfloat16", "kv", "int64")
 
 
 def test_checkpoint_parts_states_is_record_cp1():

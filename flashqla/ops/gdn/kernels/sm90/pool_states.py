@@ -199,6 +199,11 @@ def _checkpoint_combine_prim_func(K: int, V: int, dtype: str, layout: str, pos_d
     return gdn_checkpoint_combine
 
 
+def _check_rows(K: int) -> None:
+    if K % ROWS or K <= 0:
+        raise ValueError(f"the pool gather and store kernels move {ROWS} rows a CTA: K must be a positive multiple of {ROWS}, got {K}")
+
+
 def _check_layout(layout: str) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -208,16 +213,19 @@ def _check_layout(layout: str) -> None:
 def build_pool_gather_kernel(K: int, V: int, dtype: str, layout: str, idx_dtype: str):
     """Compiled pool-gather kernel (cached). Static key: K, V, the pool's dtype and layout, the
     indices' dtype (int32 without indices); whether indices and has_initial_state are read are
-    run-time arguments."""
+    run-time arguments. Raises ValueError for a K that is not a multiple of ROWS."""
     _check_layout(layout)
+    _check_rows(K)
     return compile_kernel(_pool_gather_prim_func(K, V, dtype, layout, idx_dtype),
                           f"gdn_pool_gather_K{K}_V{V}_{dtype}_{layout}_{idx_dtype}")
 
 
 @functools.lru_cache(maxsize=None)
 def build_pool_store_kernel(K: int, V: int, dtype: str, layout: str, idx_dtype: str):
-    """Compiled pool-store kernel (cached). Static key: K, V, the pool's dtype and layout, the indices' dtype."""
+    """Compiled pool-store kernel (cached). Static key: K, V, the pool's dtype and layout, the indices' dtype.
+    Raises ValueError for a K that is not a multiple of ROWS."""
     _check_layout(layout)
+    _check_rows(K)
     return compile_kernel(_pool_store_prim_func(K, V, dtype, layout, idx_dtype),
                           f"gdn_pool_store_K{K}_V{V}_{dtype}_{layout}_{idx_dtype}")
 

@@ -67,8 +67,9 @@ ROLES_WIDTHS = (64, 128)
 ROLES_BV = 64
 #: The per-CTA sums of the serving build's phase-clock build (`build_recurrent_serving_kernel_clocked`),
 #: in SM clock cycles over every chunk the CTA walks: chunks (the count); chain_wait (the chain's wait
-#: for the chunk's loads: `full`); chain_head (U = S K^T issued, the bf16 S^T published, gates, the
-#: checkpoint range read and S scaled); chain_w (U waited, W^T, vn^T = W^T A_beta^T and its casts);
+#: for the chunk's loads: `full`, in the chunk; the waits before a run of chunks and, at BV = 64,
+#: before the loop are in no sum); chain_head (U = S K^T issued, the bf16 S^T published, gates, in a
+#: chunk holding a checkpoint its range read, and S scaled); chain_w (U waited, W^T, vn^T = W^T A_beta^T and its casts);
 #: chain_tail (the checkpoints inside the chunk, the S update, vn^T published, the chunk-end
 #: checkpoints, up to `empty`); producer_wait (the producer's wait for a free stage: `empty`);
 #: producer_work (its TMA issue, the checkpoint range search and the hand-over).
