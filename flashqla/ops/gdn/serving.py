@@ -153,15 +153,17 @@ def state_kernels_apply(q, s: ServingArgs, *, training: bool = False, backend=No
     gathered into the forward's initial states, the final states stored into their rows, the split
     forward's checkpoints combined and stored, one launch each; module docstring) rather than torch
     ops: inference on the sm_90 kernels (backend None or an Sm90Backend) on an sm_90 device, K <= 128
-    and the checkpoints' K and V multiples of 32. Shapes only, no host read."""
+    a multiple of 32 (the gather and store move 32 rows a CTA) and the checkpoints' K and V multiples of
+    32. Shapes only, no host read."""
     from flashqla.ops.gdn.backend import Sm90Backend
     from flashqla.ops.gdn.kernels.sm90._common import on_sm90
-    from flashqla.ops.gdn.kernels.sm90.pool_states import BLOCK_COLS
+    from flashqla.ops.gdn.kernels.sm90.pool_states import BLOCK_COLS, ROWS
 
     if training or not (backend is None or isinstance(backend, Sm90Backend)) or not on_sm90(q):
         return False
     c = s.checkpoint_states
-    return q.shape[-1] <= 128 and (c is None or (c.shape[-1] % BLOCK_COLS == 0 and c.shape[-2] % BLOCK_COLS == 0))
+    return (q.shape[-1] <= 128 and q.shape[-1] % ROWS == 0
+            and (c is None or (c.shape[-1] % BLOCK_COLS == 0 and c.shape[-2] % BLOCK_COLS == 0)))
 
 
 def _gather(initial_state, s: ServingArgs, N: int, kernels: bool):

@@ -17,13 +17,13 @@ trailing two dimensions follow it. Storage dtypes fp32, bf16, fp16; compute and 
 states fp32.
 
 Kernels (CUDA tensors on sm_90; every size but K and V is a run-time value):
-- `gdn_pool_gather` (`gather_states`): grid (N, HV, K / 32), 128 threads, 32 rows a CTA. out[n, hv] = pool[r, hv] (to
-  [K, V], fp32) with r = state_indices[n] (n itself without indices), zeros where r < 0 or
-  has_initial_state[n] is False ("vk": through a padded fp32 tile in shared memory, both global
-  sides coalesced).
-- `gdn_pool_store` (`store_states`): grid (N, HV, K / 32), 128 threads, 32 rows a CTA. pool[r, hv] = final[n, hv] (to the
-  layout, rounded once to the pool's dtype), nothing where r < 0 (no redirected write, as torch's
-  `index_copy_` needs).
+- `gdn_pool_gather` (`gather_states`): grid (N, HV, K / 32), 128 threads, 32 rows a CTA.
+  out[n, hv] = pool[r, hv] (to [K, V], fp32) with r = state_indices[n] (n itself without indices),
+  zeros where r < 0 or has_initial_state[n] is False ("vk": through a padded fp32 tile in shared
+  memory, both global sides coalesced).
+- `gdn_pool_store` (`store_states`): grid (N, HV, K / 32), 128 threads, 32 rows a CTA.
+  pool[r, hv] = final[n, hv] (to the layout, rounded once to the pool's dtype), nothing where r < 0
+  (no redirected write, as torch's `index_copy_` needs).
 - `gdn_checkpoint_combine` (`combine_checkpoints`): grid (M, HV, V / 32), 128 threads. Checkpoint m
   at global position p (the state after the first p tokens) = CQ[m] + CP[m] S_in[j], j the segment
   holding token p - 1 (the first with end > p - 1, ends non-decreasing; a binary search over the
@@ -201,7 +201,8 @@ def _checkpoint_combine_prim_func(K: int, V: int, dtype: str, layout: str, pos_d
 
 def _check_rows(K: int) -> None:
     if K % ROWS or K <= 0:
-        raise ValueError(f"the pool gather and store kernels move {ROWS} rows a CTA: K must be a positive multiple of {ROWS}, got {K}")
+        raise ValueError(f"the pool gather and store kernels move {ROWS} rows a CTA: K must be a positive "
+                         f"multiple of {ROWS}, got {K}")
 
 
 def _check_layout(layout: str) -> None:

@@ -658,51 +658,18 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
         a macro takes a variable itself only as an argument). with_ck (static): the checkpoint order and
         stores of a chunk that holds a checkpoint; else the plain build's chain, instruction for
         instruction."""
-        st = b.st
-        st_b = b.st_b
-        ut = b.ut
-        nvt = b.nvt
-        wt_b = b.wt_b
-        nvt_b = b.nvt_b
-        vpt_b = b.vpt_b
-        gam_f = b.gam_f
-        r_f = b.r_f
-        gcl = b.gcl
-        q_s = b.q_s
-        k_s = b.k_s
-        v_s = b.v_s
-        a_s = b.a_s
-        gc_s = b.gc_s
-        sb_s = b.sb_s
-        nv_s = b.nv_s
-        full = b.full
-        empty = b.empty
-        s_full = b.s_full
-        s_empty = b.s_empty
-        n_full = b.n_full
-        n_empty = b.n_empty
-        hv = b.hv
-        v0 = b.v0
-        bidx = b.bidx
-        bos = b.bos
-        seqlen = b.seqlen
-        tx = b.tx
-        positions = b.positions
-        pos_stride = b.pos_stride
-        n_ckpt = b.n_ckpt
-        ckpt = b.ckpt
-        ckp = b.ckp
+        st, st_b, ut, nvt, wt_b, nvt_b = b.st, b.st_b, b.ut, b.nvt, b.wt_b, b.nvt_b
+        vpt_b, gam_f, r_f, gcl, q_s, k_s = b.vpt_b, b.gam_f, b.r_f, b.gcl, b.q_s, b.k_s
+        v_s, a_s, gc_s, sb_s, nv_s, full = b.v_s, b.a_s, b.gc_s, b.sb_s, b.nv_s, b.full
+        empty, s_full, s_empty, n_full, n_empty, hv = b.empty, b.s_full, b.s_empty, b.n_full, b.n_empty, b.hv
+        v0, bidx, bos, seqlen, tx, positions = b.v0, b.bidx, b.bos, b.seqlen, b.tx, b.positions
+        pos_stride, n_ckpt, ckpt, ckp = b.pos_stride, b.n_ckpt, b.ckpt, b.ckp
         if scaled:
-            sc_s = b.sc_s
-            wmax = b.wmax
-            wsc = b.wsc
+            sc_s, wmax, wsc = b.sc_s, b.wmax, b.wsc
         if dual:
             tr = b.tr
         if checkpoints:
-            ck = b.ck
-            mvt_b = b.mvt_b
-            gj = b.gj
-            ck_s = b.ck_s
+            ck, mvt_b, gj, ck_s = b.ck, b.mvt_b, b.gj, b.ck_s
         s = c % 2
         ph = (c // 2) % 2
         if phase_clock:
@@ -867,8 +834,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
         checkpoint: at a run's first chunk the chain waits for that chunk's loads (a wait the chunk's
         own then passes at once) and reads it. No global read on the chain's path."""
         if checkpoints:
-            full = b.full
-            ck_s = b.ck_s
+            full, ck_s = b.full, b.ck_s
             c_nx = T.alloc_var("int32")  # the next chunk >= cb that holds a checkpoint (nwalk: none)
             c_at = T.alloc_var("int32")
             cb = T.alloc_var("int32")
@@ -1035,14 +1001,19 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                     load_state(st, h0, row_in, hv, v0)
                 else:
                     T.clear(st)
-                b = _ChainArgs(st=st, st_b=st_b, ut=ut, nvt=nvt, wt_b=wt_b, nvt_b=nvt_b, vpt_b=vpt_b, gam_f=gam_f, r_f=r_f, gcl=gcl, q_s=q_s, k_s=k_s, v_s=v_s, a_s=a_s, gc_s=gc_s, sb_s=sb_s, nv_s=nv_s, full=full, empty=empty, s_full=s_full, s_empty=s_empty, n_full=n_full, n_empty=n_empty, hv=hv, v0=v0, bidx=bidx, bos=bos, seqlen=seqlen, tx=tx, positions=positions, pos_stride=pos_stride, n_ckpt=n_ckpt, ckpt=ckpt, ckp=ckp)
+                b = _ChainArgs(
+                    st=st, st_b=st_b, ut=ut, nvt=nvt, wt_b=wt_b, nvt_b=nvt_b, vpt_b=vpt_b, gam_f=gam_f,
+                    r_f=r_f, gcl=gcl, q_s=q_s, k_s=k_s, v_s=v_s, a_s=a_s, gc_s=gc_s, sb_s=sb_s, nv_s=nv_s,
+                    full=full, empty=empty, s_full=s_full, s_empty=s_empty, n_full=n_full, n_empty=n_empty,
+                    hv=hv, v0=v0, bidx=bidx, bos=bos, seqlen=seqlen, tx=tx, positions=positions,
+                    pos_stride=pos_stride, n_ckpt=n_ckpt, ckpt=ckpt, ckp=ckp)
                 if scaled:
                     b = _ChainArgs(b, sc_s=sc_s, wmax=wmax, wsc=wsc)
                 if dual:
                     b = _ChainArgs(b, tr=tr)
                 if checkpoints:
                     b = _ChainArgs(b, ck=ck, mvt_b=mvt_b, gj=gj, ck_s=ck_s)
-                cv = _chain_vars(checkpoints, phase_clock)  # jj, m_lo, m_end, m_hi, mid, ck_t, ck_wait, ck_head, ck_w, ck_tail
+                cv = _chain_vars(checkpoints, phase_clock)  # the variables chain_chunk assigns
                 if phase_clock:
                     chain_clock_start(cv)
                 chain_walk(b, nwalk, cv)
@@ -1165,7 +1136,8 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                             p_nx = nwalk
                             if p_lo < n_ckpt:
                                 if positions[p_lo * pos_stride] <= bidx * Tn + bos + seqlen:
-                                    p_nx = T.max(T.min((positions[p_lo * pos_stride] - 1 - (bidx * Tn + bos)) // C, nwalk), c)
+                                    p_nx = T.max(T.min((positions[p_lo * pos_stride] - 1 - (bidx * Tn + bos)) // C,
+                                                       nwalk), c)
                             if tx == CH + 128:
                                 ck_s[s, 0] = p_nx
                                 ck_s[s, 1] = p_lo
