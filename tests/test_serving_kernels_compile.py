@@ -4,6 +4,7 @@ name, and its device tables (rows, checkpoint slots) are right; under `compile_a
 storage compiles with nvcc without register spills."""
 
 
+import functools
 import shutil
 import tempfile
 
@@ -13,6 +14,21 @@ import torch
 from flashqla.ops.gdn.kernels.sm90 import recurrent as rec
 
 HAVE_NVCC = shutil.which("nvcc") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _lowered_serving_source(phase_clock: bool = False) -> str:
+    """The generated CUDA of the (2, 4) BV = 64 serving build with bf16 "vk" states and checkpoints
+    (lowered once per process for the tests below; TileLang's lowering only, no nvcc)."""
+    tilelang = pytest.importorskip("tilelang")
+    from tilelang import tvm
+
+    from flashqla.ops.gdn.kernels.sm90._common import _pass_configs, sm90_target
+
+    f = rec._serving_prim_func(2, 4, 128, 128, "bfloat16", "int32", True, 64, "bfloat16", "vk", True,
+                               phase_clock=phase_clock)
+    with tvm.transform.PassContext(config=_pass_configs()), tvm.target.Target(sm90_target()):
+        return tilelang.lower(f, target=sm90_target()).kernel_source
 
 
 def test_serving_options_are_checked():
@@ -59,14 +75,7 @@ def test_serving_build_lowers():
     takes the checkpoint order at run time, one at its last token is stored from the updated state),
     and each chunk's range is found by the producer warp from the positions themselves (no table) and
     handed to the chain in shared memory."""
-    tilelang = pytest.importorskip("tilelang")
-    from tilelang import tvm
-
-    from flashqla.ops.gdn.kernels.sm90._common import _pass_configs, sm90_target
-
-    f = rec._serving_prim_func(2, 4, 128, 128, "bfloat16", "int32", True, 64, "bfloat16", "vk", True)
-    with tvm.transform.PassContext(config=_pass_configs()), tvm.target.Target(sm90_target()):
-        src = tilelang.lower(f, target=sm90_target()).kernel_source
+    src = _lowered_serving_source()
     assert "gdn_recurrent_serving_fwd" in src
     for name in ("rows[", "has_init[", "positions[", "ckpt"):
         assert name in src, f"{name} is not used by the serving build"
@@ -91,17 +100,8 @@ def test_serving_phase_clock_build_lowers_and_leaves_the_shipped_source():
     """The serving build's phase-clock option (a measurement tool: `build_recurrent_serving_kernel_clocked`)
     lowers for sm_90a with its clock reads and its 7 sums a CTA and the same products, and the shipped
     build (phase_clock=False, the default) has no clock code."""
-    tilelang = pytest.importorskip("tilelang")
-    from tilelang import tvm
-
-    from flashqla.ops.gdn.kernels.sm90._common import _pass_configs, sm90_target
-
-    def lower(**kw):
-        f = rec._serving_prim_func(2, 4, 128, 128, "bfloat16", "int32", True, 64, "bfloat16", "vk", True, **kw)
-        with tvm.transform.PassContext(config=_pass_configs()), tvm.target.Target(sm90_target()):
-            return tilelang.lower(f, target=sm90_target()).kernel_source
-
-    shipped, clocked = lower(), lower(phase_clock=True)
+    pytest.importorskip("tilelang")
+    shipped, clocked = _lowered_serving_source(), _lowered_serving_source(phase_clock=True)
     assert "clock64" not in shipped
     assert clocked.count("clocks[") == len(rec.SERVING_CLOCKS) and clocked.count("clock64") >= 10
     # the clocked build differs only by its stamps: the same products
