@@ -69,8 +69,8 @@ ROLES_BV = 64
 #: in SM clock cycles over every chunk the CTA walks: chunks (the count); chain_wait (the chain's wait
 #: for the chunk's loads: `full`, in the chunk; the waits before a run of chunks and, at BV = 64,
 #: before the loop are in no sum); chain_head (U = S K^T issued, the bf16 S^T published, gates, in a
-#: chunk holding a checkpoint its range read, and S scaled); chain_w (U waited, W^T, vn^T = W^T A_beta^T and its casts);
-#: chain_tail (the checkpoints inside the chunk, the S update, vn^T published, the chunk-end
+#: chunk holding a checkpoint its range read, and S scaled); chain_w (U waited, W^T,
+#: vn^T = W^T A_beta^T and its casts); chain_tail (the checkpoints inside the chunk, the S update, vn^T published, the chunk-end
 #: checkpoints, up to `empty`); producer_wait (the producer's wait for a free stage: `empty`);
 #: producer_work (its TMA issue, the checkpoint range search and the hand-over).
 SERVING_CLOCKS = ("chunks", "chain_wait", "chain_head", "chain_w", "chain_tail", "producer_wait", "producer_work")
@@ -659,7 +659,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
         stores of a chunk that holds a checkpoint; else the plain build's chain, instruction for
         instruction."""
         st, st_b, ut, nvt, wt_b, nvt_b = b.st, b.st_b, b.ut, b.nvt, b.wt_b, b.nvt_b
-        vpt_b, gam_f, r_f, gcl, q_s, k_s = b.vpt_b, b.gam_f, b.r_f, b.gcl, b.q_s, b.k_s
+        vpt_b, gam_f, r_f, gcl, k_s = b.vpt_b, b.gam_f, b.r_f, b.gcl, b.k_s
         v_s, a_s, gc_s, sb_s, nv_s, full = b.v_s, b.a_s, b.gc_s, b.sb_s, b.nv_s, b.full
         empty, s_full, s_empty, n_full, n_empty, hv = b.empty, b.s_full, b.s_empty, b.n_full, b.n_empty, b.hv
         v0, bidx, bos, seqlen, tx, positions = b.v0, b.bidx, b.bos, b.seqlen, b.tx, b.positions
@@ -1003,7 +1003,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                     T.clear(st)
                 b = _ChainArgs(
                     st=st, st_b=st_b, ut=ut, nvt=nvt, wt_b=wt_b, nvt_b=nvt_b, vpt_b=vpt_b, gam_f=gam_f,
-                    r_f=r_f, gcl=gcl, q_s=q_s, k_s=k_s, v_s=v_s, a_s=a_s, gc_s=gc_s, sb_s=sb_s, nv_s=nv_s,
+                    r_f=r_f, gcl=gcl, k_s=k_s, v_s=v_s, a_s=a_s, gc_s=gc_s, sb_s=sb_s, nv_s=nv_s,
                     full=full, empty=empty, s_full=s_full, s_empty=s_empty, n_full=n_full, n_empty=n_empty,
                     hv=hv, v0=v0, bidx=bidx, bos=bos, seqlen=seqlen, tx=tx, positions=positions,
                     pos_stride=pos_stride, n_ckpt=n_ckpt, ckpt=ckpt, ckp=ckp)
