@@ -315,7 +315,7 @@ def sequence_span(n, cu_seqlens, Tn, varlen: bool):
     return bos, seqlen, bidx, slot0, nchunks
 
 
-def locate_slot(slot, cu_seqlens, Tn, Np1, varlen: bool):
+def locate_slot(slot, cu_seqlens, Tn, Np1, varlen: bool, cu_s=None, threads: int = 0):
     """Sequence and chunk of chunk slot `slot`, for kernels with one CTA per slot.
 
     Call inside a kernel body: `seq, chunk, bos, seqlen, bidx, nvalid, t0 = locate_slot(slot,
@@ -324,6 +324,12 @@ def locate_slot(slot, cu_seqlens, Tn, Np1, varlen: bool):
     floor(cu[n] / 64) + n <= slot (32 halvings, any N < 2^31). Returns the int32 variables seq,
     chunk, bos, seqlen, bidx (as in `sequence_span`) and nvalid = min(seqlen - 64 chunk, 64) (<= 0 for
     a slot in a gap), t0 = bos + 64 chunk.
+
+    cu_s (packed input; a shared int32 buffer of `threads` entries, `threads` the CTA's thread count):
+    where len(cu_seqlens) <= threads, every thread loads one offset into cu_s and the CTA counts the
+    n with floor(cu[n] / 64) + n <= slot in one barrier (`__syncthreads_count`; that count is
+    monotone in n), then reads bos and seqlen from cu_s: one global round trip instead of the search's
+    log2(N) + 2. Every thread of the CTA must call it (the barrier). Longer cu_seqlens: the search.
     """
     import tilelang.language as T
 
@@ -332,7 +338,32 @@ def locate_slot(slot, cu_seqlens, Tn, Np1, varlen: bool):
 
     @T.macro
     def locate(seq, chunk, bos, seqlen, bidx, lo, hi, mid):
-        if varlen:
+        if varlen and cu_s is not None:
+            tx = T.get_thread_binding()
+            if Np1 <= threads:
+                if tx < Np1:
+                    cu_s[tx] = T.cast(cu_seqlens[tx], "int32")
+                # n in [0, N) with floor(cu[n] / 64) + n <= slot: n = 0 always, so seq = count - 1
+                seq = T.call_extern("int32", "__syncthreads_count",
+                                    T.cast((tx < Np1 - 1) & (T.if_then_else(tx < Np1, cu_s[T.min(tx, threads - 1)], 0) // C + tx <= slot), "int32")) - 1
+                bos = cu_s[seq]
+                seqlen = cu_s[seq + 1] - bos
+            else:
+                lo = 0
+                hi = Np1 - 1
+                for _ in T.serial(32):
+                    if hi - lo > 1:
+                        mid = (lo + hi) // 2
+                        if T.cast(cu_seqlens[mid], "int32") // C + mid <= slot:
+                            lo = mid
+                        else:
+                            hi = mid
+                seq = lo
+                bos = T.cast(cu_seqlens[seq], "int32")
+                seqlen = T.cast(cu_seqlens[seq + 1], "int32") - bos
+            bidx = 0
+            chunk = slot - (bos // C + seq)
+        elif varlen:
             # largest n in [0, N) with floor(cu[n] / 64) + n <= slot
             lo = 0
             hi = Np1 - 1

@@ -27,13 +27,15 @@ The block-diagonal operands carry their zero blocks (written once per CTA), so e
 two whole-tile products on four warps.
 
 Per CTA (128 threads, one warpgroup):
-1. map the slot to (sequence, chunk) (binary search over cu_seqlens for packed input; `_common`);
+1. map the slot to (sequence, chunk) (packed input: one load of cu_seqlens per thread and one counting
+   barrier while N < 128, else a binary search; `_common.locate_slot`);
 2. issue the TMA load of the k tile of q/k head hk; load g and beta of its value heads (zero past the
    end); zero the constant blocks; wait for k; g_cum_log2 = cumsum(g) / ln 2;
 3. K K^T on the tensor cores (wgmma), held in registers for the value heads;
 4. per value head j: L (only the ten lower 16 x 16 blocks, one exp2 per element of them) -> D^-1 by
    forward substitution (lanes 0-15 of warp b solve the columns of diagonal block b; writes the diagonal
-   blocks of A diag(beta)) -> phases 1-3 -> TMA store of A diag(beta) from a staging tile (the store
+   blocks of A diag(beta), and copies D^-1 into the product operands: the transposed copies as 16-byte
+   stores, four rows at a time) -> phases 1-3 -> TMA store of A diag(beta) from a staging tile (the store
    of head j overlaps head j + 1's L; waited before the substitution writes the tile again);
 5. g_cum_log2 of the value heads (64 contiguous floats per head).
 fp32 operand tiles are 32 x 36 floats, linear (rows 144 B apart: conflict-free ldmatrix), with the K
@@ -201,19 +203,30 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
                     if r > m:
                         xcol[r] = xcol[r] - ld_s[blk * BS + m, r] * xcol[m]
             bcl[0] = b_s[j, blk * BS + col]  # once: read inside the store loop it is re-read after every store
-            for r in T.unroll(BS):
-                stage[blk * BS + r, blk * BS + col] = T.cast(T.if_then_else(r >= col, xcol[r] * bcl[0], T.float32(0)), dtype)
+            # four rows at a time: the copies into the transposed operand tiles (row col, four contiguous
+            # floats) as one 16-byte store each
+            for r4 in T.unroll(BS // 4):
+                for rr in T.unroll(4):
+                    stage[blk * BS + r4 * 4 + rr, blk * BS + col] = T.cast(
+                        T.if_then_else(r4 * 4 + rr >= col, xcol[r4 * 4 + rr] * bcl[0], T.float32(0)), dtype)
                 if blk == 0:
-                    d2t_s[col, r] = xcol[r]
-                    b0t_s[col, r] = xcol[r]
+                    for rr in T.vectorized(4):
+                        d2t_s[col, r4 * 4 + rr] = xcol[r4 * 4 + rr]
+                    for rr in T.vectorized(4):
+                        b0t_s[col, r4 * 4 + rr] = xcol[r4 * 4 + rr]
                 elif blk == 1:
-                    dm_s[2 * BS + r, col] = xcol[r]
-                    b0t_s[BS + col, BS + r] = xcol[r]
+                    for rr in T.unroll(4):
+                        dm_s[2 * BS + r4 * 4 + rr, col] = xcol[r4 * 4 + rr]
+                    for rr in T.vectorized(4):
+                        b0t_s[BS + col, BS + r4 * 4 + rr] = xcol[r4 * 4 + rr]
                 elif blk == 2:
-                    d2t_s[col, BS + r] = xcol[r]
-                    dm_s[r, col] = xcol[r]
+                    for rr in T.vectorized(4):
+                        d2t_s[col, BS + r4 * 4 + rr] = xcol[r4 * 4 + rr]
+                    for rr in T.unroll(4):
+                        dm_s[r4 * 4 + rr, col] = xcol[r4 * 4 + rr]
                 else:
-                    dm_s[BS + r, BS + col] = xcol[r]
+                    for rr in T.unroll(4):
+                        dm_s[BS + r4 * 4 + rr, BS + col] = xcol[r4 * 4 + rr]
         if stamp is not None:
             stamp("subst")
 
@@ -332,7 +345,8 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
             if phase_clock:
                 stamp("start")
                 stamp("gt_start")
-            seq, chunk, bos, seqlen, bidx, nvalid, t0 = locate_slot(slot, cu_seqlens, Tn, Np1, varlen)
+            cu_s = T.alloc_shared((128,), "int32") if varlen else None
+            seq, chunk, bos, seqlen, bidx, nvalid, t0 = locate_slot(slot, cu_seqlens, Tn, Np1, varlen, cu_s=cu_s, threads=128)
             row0 = slot * C
             if phase_clock:
                 stamp("located")
