@@ -927,3 +927,19 @@ def test_flashinfer_entry_maps_fla_layout_both_ways(monkeypatch):
     x2.h0.zero_()
     _, ht2 = impl.fn(x2)
     assert rel_rms(ht2, rht) > 1e-3 and len(calls) == 2
+
+
+def test_pages_fill_a_peer_that_was_not_importable_from_the_cache(tmp_path):
+    """A peer asked for but not importable in the measuring run (status "not available (...)") shows
+    its cached result on the pages, as a peer left out of --impls does; a peer's own error stays."""
+    p = tmp_path / "peers.csv"
+    rf = {"h_qk": 16, "h_v": 32, "mix": "1x8192", "T": 8192, "N": 1}
+    S.PeerCache(p, dict(ENV, flashinfer="0.7.2")).put("flashinfer", rf, {"ms": 0.25, "status": "ok"}, "d")
+    cache = S.PeerCache(p, dict(ENV, flashinfer="absent"), any_version=True)
+    row = {k: str(v) for k, v in _result_line(dict(ENV, flashinfer="absent"), "c", 16, 32, "1x8192", ours_ms=0.3).items()}
+    gone = dict(row, flashinfer_status="not available (ImportError: No module named 'flashinfer')")
+    crashed = dict(row, flashinfer_status="error: RuntimeError")
+    filled, kept = R.fill_cached_peers([gone, crashed], cache, ("flashinfer",))
+    assert S.num(filled["flashinfer_ms"]) == pytest.approx(0.25) and filled["flashinfer_status"] == "ok"
+    assert filled["peers_source"] == "cached"
+    assert kept["flashinfer_status"] == "error: RuntimeError" and not kept.get("flashinfer_ms")

@@ -478,8 +478,11 @@ def method_lines(opts, impls: dict, gpu: str | None = None) -> list[str]:
         if impl is None:
             what = ("not run in the call that wrote this page (--impls); its columns, where filled, come from earlier "
                     "calls or the peers cache (see the commit and peers columns)")
+        elif impl.available:
+            what = impl.source
         else:
-            what = impl.source if impl.available else (impl.reason or "not available")
+            what = (f"{impl.reason or 'not available'} in the call that wrote this page; its columns, where filled, "
+                    "come from the peers cache (see the header's versions and the peers column)")
         calls.append(f"{LABELS[name]}: {what}.")
     return [timer, inputs, gate, flop, *calls, PEERS_METHOD]
 
@@ -497,15 +500,17 @@ def commit_label(rows: list[dict], commit: str, also=()) -> str:
 
 
 def fill_cached_peers(rows: list[dict], cache: S.PeerCache, peers=peers_for("fwd")) -> list[dict]:
-    """Rows whose peer columns are empty (a run with `--impls ours`) get the peers' cached results
-    for the same row, and `peers_source` "cached"; rows with a peer result keep theirs. Returns new
+    """Rows whose peer columns are empty (a run with `--impls ours`), or say the peer was "not
+    available" (asked for but not importable in that run), get the peers' cached results for the same
+    row, and `peers_source` "cached"; rows with a peer result (or error) keep theirs. Returns new
     dicts (the CSV is not rewritten). `peers`: the benchmark's peers (`peers_for(direction)`)."""
     out = []
     for r in rows:
         r = dict(r)
         used = False
         for name in peers:
-            if any(str(r.get(f"{name}_{f}", "")).strip() for f in ("status",) + cache.impl_fields[:1]):
+            absent = str(r.get(f"{name}_status", "")).startswith("not available")
+            if not absent and any(str(r.get(f"{name}_{f}", "")).strip() for f in ("status",) + cache.impl_fields[:1]):
                 continue
             c = cache.get(name, S.row_key(r))
             if c is None:

@@ -1,0 +1,142 @@
+"""Same-process A/B of prepare-kernel builds: A and g_cum_log2 bit for bit, and their times.
+
+Question: does a change of `flashqla/ops/gdn/kernels/sm90/prepare.py` (and of `_common.py`, whose slot
+search it calls) keep the outputs and make the kernel faster? Each variant is a folder holding a
+`prepare.py` and a `_common.py` (the two files of one commit); the variants' modules are loaded under
+their own names, so their kernels compile (or load from the TileLang cache) side by side in one process.
+
+Make the folders on the CPU machine (the GPU machine's checkout has no .git):
+
+    python benchmarks/experiments/prepare_ab.py --extract HEAD~1 .device/prep-a
+    python benchmarks/experiments/prepare_ab.py --extract HEAD .device/prep-b
+
+then on the GPU machine (carry the folders; `--precompile-only` on the CPU machine fills the cache):
+
+    python benchmarks/experiments/prepare_ab.py --variant a=.device/prep-a --variant b=.device/prep-b
+
+Rows: the forward grid's SM-filling and one-sequence shapes, and packed batches of 126-300 ragged
+sequences (lengths 0, 1, 63, 64, 65 and random up to 300) either side of the 128-offset limit of the
+one-barrier slot search. Both outputs are preallocated and filled with 7.0 before each variant runs,
+so slots past the end of a sequence (which the kernel does not write) compare equal too. Each variant
+is timed twice by CUDA-graph replay (`flashqla.bench.timing.time_cuda_graph`, median), in forward then
+reverse order. Prints one line per row and a table: times (us) and each variant's best over the first's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import random
+import subprocess
+import sys
+
+MODULE_FILES = ("prepare.py", "_common.py")
+KERNEL_PKG = "flashqla/ops/gdn/kernels/sm90"
+
+
+def rows() -> list:
+    """(heads "H/HV", sequence lengths) of the A/B."""
+    r = random.Random(5)
+
+    def ragged(n):
+        return [r.choice([0, 1, 63, 64, 65]) if i % 7 == 0 else r.randint(0, 300) for i in range(n)]
+
+    return [("16/32", [8192] * 4), ("16/64", [8192] * 4), ("32/32", [1024] * 8), ("2/8", [8192]),
+            ("16/32", [1024] * 8), ("16/32", [8192]), ("8/32", [8192]), ("16/16", [1024] * 8),
+            ("16/32", ragged(126)), ("16/32", ragged(127)), ("16/32", ragged(128)), ("16/32", ragged(300))]
+
+
+def extract(commit: str, folder: str) -> None:
+    """Writes prepare.py and _common.py of `commit` into `folder` (git show)."""
+    os.makedirs(folder, exist_ok=True)
+    for name in MODULE_FILES:
+        src = subprocess.run(["git", "show", f"{commit}:{KERNEL_PKG}/{name}"], check=True, capture_output=True, text=True).stdout
+        with open(os.path.join(folder, name), "w") as f:
+            f.write(src)
+
+
+def load_variant(name: str, folder: str):
+    """The variant's prepare module, its `_common` import pointed at the folder's copy (module names
+    prefixed by the variant's name; the rewritten prepare module is written into the folder)."""
+    common_name, prep_name = f"_ab_{name}_common", f"_ab_{name}_prepare"
+    spec = importlib.util.spec_from_file_location(common_name, os.path.join(folder, "_common.py"))
+    common = importlib.util.module_from_spec(spec)
+    sys.modules[common_name] = common
+    spec.loader.exec_module(common)
+    with open(os.path.join(folder, "prepare.py")) as f:
+        src = f.read().replace("from flashqla.ops.gdn.kernels.sm90._common import", f"from {common_name} import")
+    path = os.path.join(folder, f"{prep_name}.py")  # a file: TileLang reads the kernel's source back
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location(prep_name, path)
+    prep = importlib.util.module_from_spec(spec)
+    sys.modules[prep_name] = prep
+    spec.loader.exec_module(prep)
+    return prep
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=DIR", help="a variant (the first is the base)")
+    ap.add_argument("--extract", nargs=2, metavar=("COMMIT", "DIR"), help="write COMMIT's two files into DIR and exit")
+    ap.add_argument("--precompile-only", action="store_true", help="build every variant's kernels (CPU machine) and exit")
+    args = ap.parse_args()
+    if args.extract:
+        extract(*args.extract)
+        return
+    import torch
+
+    from flashqla.testing import make_gdn_inputs
+
+    mods = {}
+    for v in args.variant:
+        name, folder = v.split("=", 1)
+        mods[name] = load_variant(name, folder)
+    if len(mods) < 2:
+        ap.error("give at least two --variant NAME=DIR")
+    device = "cpu" if args.precompile_only else "cuda"
+    results = []
+    for heads, lens in rows():
+        H, HV = map(int, heads.split("/"))
+        inp = make_gdn_inputs(1, sum(lens), H, HV, seqlens=lens, dtype=torch.bfloat16, device=device)
+        k, g, beta, cu = inp["k"], inp["g"], inp["beta"], inp["cu_seqlens"].to(torch.int32)
+        mix = f"{len(lens)}x{lens[0]}" if len(set(lens)) == 1 else f"{len(lens)} ragged (T = {sum(lens)})"
+        if args.precompile_only:
+            for m in mods.values():
+                m.build_prepare_kernel(*m.prepare_kernel_args(k, beta, cu, HV))
+            print(heads, mix, "built", flush=True)
+            continue
+        from flashqla.bench.timing import time_cuda_graph
+
+        first = next(iter(mods.values()))
+        S = first.num_slots(1, sum(lens), len(lens), True)
+        outs = {}
+        for name, m in mods.items():
+            A0 = torch.full((HV, S * 64, 64), 7.0, dtype=k.dtype, device=k.device)
+            g0 = torch.full((HV, S * 64), 7.0, dtype=torch.float32, device=k.device)
+            outs[name] = m.chunk_prepare_fwd(k, g, beta, cu, HV, A=A0, g_cum_log2=g0)
+        torch.cuda.synchronize()
+        base = outs[next(iter(mods))]
+        same = all(torch.equal(a, b) for o in outs.values() for a, b in zip(base, o))
+        times = {n: [] for n in mods}
+        for order in (list(mods), list(reversed(mods))):
+            for name in order:
+                m, (A, gc) = mods[name], outs[name]
+                times[name].append(time_cuda_graph(lambda: m.chunk_prepare_fwd(k, g, beta, cu, HV, A=A, g_cum_log2=gc)).ms * 1e3)
+        results.append((heads, mix, same, times))
+        print(heads, mix, "bitwise" if same else "DIFFERENT", {n: [round(x, 1) for x in t] for n, t in times.items()}, flush=True)
+    if args.precompile_only:
+        return
+    names = list(mods)
+    print(f"\n{torch.cuda.get_device_name()}")
+    print("| row | bitwise | " + " | ".join(f"{n} us" for n in names) + " | " + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " |")
+    print("| --- | --- |" + " ---: |" * (2 * len(names) - 1))
+    for heads, mix, same, t in results:
+        cells = [" / ".join(f"{x:.1f}" for x in t[n]) for n in names]
+        ratios = [f"{min(t[n]) / min(t[names[0]]):.3f}" for n in names[1:]]
+        print(f"| {heads} {mix} | {same} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+
+
+if __name__ == "__main__":
+    main()
