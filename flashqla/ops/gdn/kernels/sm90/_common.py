@@ -338,9 +338,10 @@ def locate_slot(slot, cu_seqlens, Tn, Np1, varlen: bool, cu_s=None, threads: int
 
     @T.macro
     def locate(seq, chunk, bos, seqlen, bidx, lo, hi, mid):
-        if varlen and cu_s is not None:
-            tx = T.get_thread_binding()
-            if Np1 <= threads:
+        if varlen:
+            counted = cu_s is not None  # static: the counting barrier while len(cu_seqlens) <= threads
+            if (Np1 <= threads) if counted else False:
+                tx = T.get_thread_binding()
                 if tx < Np1:
                     cu_s[tx] = T.cast(cu_seqlens[tx], "int32")
                 # n in [0, N) with floor(cu[n] / 64) + n <= slot: n = 0 always, so seq = count - 1
@@ -349,6 +350,7 @@ def locate_slot(slot, cu_seqlens, Tn, Np1, varlen: bool, cu_s=None, threads: int
                 bos = cu_s[seq]
                 seqlen = cu_s[seq + 1] - bos
             else:
+                # largest n in [0, N) with floor(cu[n] / 64) + n <= slot
                 lo = 0
                 hi = Np1 - 1
                 for _ in T.serial(32):
@@ -359,25 +361,12 @@ def locate_slot(slot, cu_seqlens, Tn, Np1, varlen: bool, cu_s=None, threads: int
                         else:
                             hi = mid
                 seq = lo
+                if not counted:
+                    bidx = 0
                 bos = T.cast(cu_seqlens[seq], "int32")
                 seqlen = T.cast(cu_seqlens[seq + 1], "int32") - bos
-            bidx = 0
-            chunk = slot - (bos // C + seq)
-        elif varlen:
-            # largest n in [0, N) with floor(cu[n] / 64) + n <= slot
-            lo = 0
-            hi = Np1 - 1
-            for _ in T.serial(32):
-                if hi - lo > 1:
-                    mid = (lo + hi) // 2
-                    if T.cast(cu_seqlens[mid], "int32") // C + mid <= slot:
-                        lo = mid
-                    else:
-                        hi = mid
-            seq = lo
-            bidx = 0
-            bos = T.cast(cu_seqlens[seq], "int32")
-            seqlen = T.cast(cu_seqlens[seq + 1], "int32") - bos
+            if counted:
+                bidx = 0
             chunk = slot - (bos // C + seq)
         else:
             seq = slot // T.ceildiv(Tn, C)
