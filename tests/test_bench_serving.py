@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+import flashqla
+
 from flashqla.bench import serving as SV
 from flashqla.bench.__main__ import main, parse_args
 
@@ -63,5 +65,54 @@ def test_page_summary_counts_the_goal_and_the_peer():
     assert "rows on the torch path (the split plan): 1, geometric mean +50.0%" in md
     assert "over 2 rows" in md and "rows not timed: 1" in md
     assert "| 16/32 | 8192x4 | 1.000 | 1.020 | +2.0% | kernel |" in md
+    assert "batch_invariant" not in md.split("## Summary")[1].split("## Rows")[0]  # no such times: no line
     # FlashInfer's serving time over ours at the same checkpoints: 0.9 / 1.02 and 2.4 / 3.0
     assert "| 0.88x |" in md and "| 0.80x |" in md and "geometric mean 0.84x over 2 rows" in md
+
+
+def test_page_reports_the_cost_of_batch_invariant():
+    rows = [_row((16, 32), "8192x4", 1.0, 1.0, 0.8, 0.9, serving_inv_ms="1.1", inv_bitwise="True"),
+            _row((2, 8), "1x32768", 1.0, 2.0, 2.2, 2.4, path="torch", serving_inv_ms="4.0", inv_bitwise="False")]
+    md = "\n".join(SV.serving_markdown(rows, {"gpu": "NVIDIA H100 80GB HBM3", "flashinfer": "0.7.2.post1"}, "abc"))
+    # 1.1 / 1.0 on the kernel path, 4.0 / 2.0 on the split plan: geometric mean sqrt(1.1 * 2) = 1.483
+    assert ("batch_invariant=True over the default serving call: geometric mean +48.3% over 2 rows (worst +100.0%; "
+            "kernel-path rows +10.0% over 1; split-plan rows +100.0% over 1); bitwise the same sequence moved to "
+            "another batch on 1 of 2 rows") in md
+    assert "| 1.100 | +10.0% |" in md and "| 4.000 | +100.0% |" in md
+
+
+def test_moved_bitwise_check_detects_a_difference(monkeypatch):
+    """The bench's batch-invariance gate (`_moved_bitwise`) on CPU, the reference backend in the
+    kernels' place: True for the op's own batched result, False once o, the pool row or a checkpoint
+    of the moved sequence differs by one ulp-sized step."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from flashqla.ops.gdn import api
+    from flashqla.ops.gdn import backend as backend_mod
+    from flashqla.testing import make_gdn_inputs
+    from reference.gdn.cp import ReferenceCPBackend
+
+    monkeypatch.setattr(backend_mod, "_DEFAULT", ReferenceCPBackend())
+    monkeypatch.setattr(api, "check_device", lambda q: None)
+    monkeypatch.setattr(api, "check_supported", lambda *a: None)
+    lengths = [90, 0, 130, 70]
+    d = make_gdn_inputs(T=sum(lengths), H=1, HV=2, seqlens=lengths, dtype=torch.float32, initial_state=False)
+    x = SimpleNamespace(**{k: d[k] for k in ("q", "k", "v", "g", "beta", "cu_seqlens")})
+    rows = torch.tensor([5, 1, 6, 2])
+    pool0 = torch.randn(8, 2, 128, 128, generator=torch.Generator().manual_seed(1))
+    p4 = SV.positions_quarter(lengths)
+    pool, ck = pool0.clone(), torch.empty(len(p4), 2, 128, 128)
+    with torch.no_grad():
+        o, _ = flashqla.chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=pool, output_final_state=True,
+                                               cu_seqlens=x.cu_seqlens, state_indices=rows, state_layout="vk",
+                                               checkpoint_positions=torch.tensor(p4), checkpoint_states=ck,
+                                               batch_invariant=True)
+        assert SV._moved_bitwise(x, rows, pool0, lengths, p4, o, pool, ck)
+        for t, i in ((o, (0, sum(lengths) - 1, 1, 5)), (pool, (2, 0, 3, 4)), (ck, (len(p4) - 2, 1, 7, 7))):
+            t2 = t.clone()
+            t2[i] = torch.nextafter(t2[i], t2[i] + 1)
+            args = {"o": o, "pool": pool, "ck": ck}
+            args.update({k: t2 for k, v in args.items() if v is t})
+            assert not SV._moved_bitwise(x, rows, pool0, lengths, p4, args["o"], args["pool"], args["ck"])

@@ -11,6 +11,8 @@ strong-decay head, fp32 beta, packed int32 offsets), five calls, each CUDA-graph
   sequences at shuffled rows (`state_indices`), final states written back in place, and 4
   checkpoints per sequence at its quarter points (`checkpoint_positions`, any token);
 - `serving_fi`: ours as `serving`, at FlashInfer's checkpoint positions (below) instead;
+- `serving_inv`: ours as `serving` with `batch_invariant=True` (its plan: no context-parallel split,
+  value slices of 64): the cost of batch invariance against the default plan;
 - `fi_plain`: FlashInfer 0.7.2.post1's `chunk_gated_delta_rule` as in the forward benchmark
   (`impls._flashinfer_forward`);
 - `fi_serving`: FlashInfer with the same pool (`state_indices`, `output_state` = the pool) and its
@@ -21,7 +23,10 @@ strong-decay head, fp32 beta, packed int32 offsets), five calls, each CUDA-graph
 
 Gates before timing (relative RMS): ours `serving` o against `plain` on the pool's (rounded) start
 states (<= 1e-3), each sequence's last-token checkpoint against its written pool row (<= 1e-2),
-FlashInfer's o and checkpoints against ours at the same positions (<= the forward gate, 2e-2). A
+FlashInfer's o and checkpoints against ours at the same positions (<= the forward gate, 2e-2),
+`serving_inv`'s o against `serving`'s (<= 1e-3). Batch invariance itself is checked, not assumed: the
+row's last sequence, moved behind a 77-token padding sequence in a batch of two, must give bitwise
+the o, final state and checkpoints it gets inside the row's batch (`inv_bitwise`). A
 row whose gate fails is recorded with its errors and not timed.
 
 Results: `<results-dir>/<gpu>-serving.csv` (one line per row and run) and the page
@@ -49,11 +54,11 @@ SERVING_ROWS: tuple[tuple[str, str], ...] = tuple(
     for m in ("1x32768", "1x8192", "28672+4096", "8192x4", "1024x8")
 )
 
-TIMED = ("plain", "serving", "serving_fi", "fi_plain", "fi_serving")
+TIMED = ("plain", "serving", "serving_fi", "serving_inv", "fi_plain", "fi_serving")
 FIELDS = (BASE_ENV_FIELDS + ("flashinfer", "commit", "h_qk", "h_v", "mix", "T", "N", "state_dtype", "every_n",
-                                "ckpt_ours", "ckpt_fi", "path", "path_fi")
+                                "ckpt_ours", "ckpt_fi", "path", "path_fi", "path_inv")
           + tuple(f"{t}_ms" for t in TIMED)
-          + ("err_o", "err_ckpt_end", "err_o_fi", "err_ckpt_fi", "status", "date"))
+          + ("err_o", "err_ckpt_end", "err_o_fi", "err_ckpt_fi", "err_o_inv", "inv_bitwise", "status", "date"))
 
 
 def serving_rows(heads=(), mixes=(), quick: bool = False) -> list:
@@ -128,11 +133,11 @@ def _one_row(row, x, timer: dict, state_dtype, fi_op) -> dict:
         return flashqla.chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, output_final_state=True,
                                                cu_seqlens=x.cu_seqlens, cu_seqlens_cpu=x.cu_seqlens_cpu)
 
-    def ours_serving(pool, pos, cks):
+    def ours_serving(pool, pos, cks, invariant=False):
         return flashqla.chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=pool, output_final_state=True,
                                                cu_seqlens=x.cu_seqlens, cu_seqlens_cpu=x.cu_seqlens_cpu,
                                                state_indices=rows, state_layout="vk", checkpoint_positions=pos,
-                                               checkpoint_states=cks)
+                                               checkpoint_states=cks, batch_invariant=invariant)
 
     pos4 = torch.tensor(p4, dtype=torch.int64, device=dev)
     posfi = torch.tensor(pfi, dtype=torch.int64, device=dev)
@@ -145,7 +150,12 @@ def _one_row(row, x, timer: dict, state_dtype, fi_op) -> dict:
         pb, cb = pool0.clone(), torch.empty(len(pfi), *ck_shape, device=dev, dtype=state_dtype)
         ours_serving(pb, posfi, cb)
         r["path_fi"] = _path(op_serving.LAST_PATH)
+        pi, ci = pool0.clone(), torch.empty(len(p4), *ck_shape, device=dev, dtype=state_dtype)
+        o_inv, _ = ours_serving(pi, pos4, ci, invariant=True)
+        r["path_inv"] = _path(op_serving.LAST_PATH)
         r["err_o"] = _rel(o_serv, o_plain)
+        r["err_o_inv"] = _rel(o_inv, o_serv)
+        r["inv_bitwise"] = _moved_bitwise(x, rows, pool0, lengths, p4, o_inv, pi, ci)
         ends = [(p4.index(e), n) for n, (L, e) in enumerate(zip(lengths, accumulate(lengths))) if L > 0]
         r["err_ckpt_end"] = max((_rel(ca[m].float(), pa[rows[n]].float()) for m, n in ends), default=0.0)
         a = flashinfer_inputs(x) if fi_op is not None else None
@@ -169,18 +179,22 @@ def _one_row(row, x, timer: dict, state_dtype, fi_op) -> dict:
             r["err_ckpt_fi"] = _rel(cc.float(), cb.float()) if len(pfi) else 0.0
         torch.cuda.synchronize()
     bad = [f"{k} {r[k]:.2e}" for k, tol in (("err_o", 1e-3), ("err_ckpt_end", 1e-2), ("err_o_fi", 2e-2),
-                                           ("err_ckpt_fi", 2e-2)) if k in r and not (r[k] <= tol)]
+                                           ("err_ckpt_fi", 2e-2), ("err_o_inv", 1e-3)) if k in r and not (r[k] <= tol)]
+    if not r["inv_bitwise"]:
+        bad.append("batch_invariant: the last sequence, moved to another batch, differs bitwise")
     if bad:
         r["status"] = "gate failed: " + ", ".join(bad)
         return r
     # timing: each call on its own pool copy (the in-place writes change values, not work)
-    pools = {t: pool0.clone() for t in ("serving", "serving_fi", "fi_serving")}
+    pools = {t: pool0.clone() for t in ("serving", "serving_fi", "serving_inv", "fi_serving")}
     cks = {"serving": torch.empty(len(p4), *ck_shape, device=dev, dtype=state_dtype),
+           "serving_inv": torch.empty(len(p4), *ck_shape, device=dev, dtype=state_dtype),
            "serving_fi": torch.empty(len(pfi), *ck_shape, device=dev, dtype=state_dtype),
            "fi_serving": torch.empty(len(pfi), *ck_shape, device=dev, dtype=state_dtype)}
     calls = {"plain": lambda: ours_plain(x.h0),
              "serving": lambda: ours_serving(pools["serving"], pos4, cks["serving"]),
-             "serving_fi": lambda: ours_serving(pools["serving_fi"], posfi, cks["serving_fi"])}
+             "serving_fi": lambda: ours_serving(pools["serving_fi"], posfi, cks["serving_fi"]),
+             "serving_inv": lambda: ours_serving(pools["serving_inv"], pos4, cks["serving_inv"], invariant=True)}
     if p4 == pfi:
         calls.pop("serving_fi")
     if a is not None:
@@ -193,6 +207,36 @@ def _one_row(row, x, timer: dict, state_dtype, fi_op) -> dict:
         r["serving_fi_ms"] = r["serving_ms"]
     r["status"] = "ok"
     return r
+
+
+def _moved_bitwise(x, rows, pool0, lengths, p4, o_inv, pool_inv, ck_inv, filler: int = 77) -> bool:
+    """Whether the batch's last non-empty sequence, moved into another batch with batch_invariant=True,
+    gives bitwise the o, pool row and checkpoints it got inside the row's batched call (`o_inv`,
+    `pool_inv`, `ck_inv`). The other batch: a padding sequence of the row's first `filler` tokens
+    (state index -1: no read, no write), then that sequence at token offset `filler` (not a multiple
+    of the chunk), from its own pool row in a fresh copy of the starting pool, with its own
+    checkpoints."""
+    import torch
+
+    import flashqla
+
+    ends = list(accumulate(lengths))
+    n = max(i for i, L in enumerate(lengths) if L > 0)
+    s0, s1 = ends[n] - lengths[n], ends[n]
+    mine = [m for m, p in enumerate(p4) if s0 < p <= s1]
+    dev = x.q.device
+    pool = pool0.clone()
+    cks = torch.empty(len(mine), *ck_inv.shape[1:], device=dev, dtype=ck_inv.dtype)
+    pos = torch.tensor([p4[m] - s0 + filler for m in mine], dtype=torch.int64, device=dev)
+    cu = torch.tensor([0, filler, filler + s1 - s0], dtype=x.cu_seqlens.dtype, device=dev)
+    idx = torch.cat([torch.full((1,), -1, dtype=rows.dtype, device=dev), rows[n:n + 1]])
+    q, k, v, g, beta = (torch.cat([t[:, :filler], t[:, s0:s1]], dim=1) for t in (x.q, x.k, x.v, x.g, x.beta))
+    o, _ = flashqla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=pool, output_final_state=True,
+                                           cu_seqlens=cu, state_indices=idx, state_layout="vk",
+                                           checkpoint_positions=pos, checkpoint_states=cks, batch_invariant=True)
+    r = int(rows[n])
+    return bool(torch.equal(o[:, filler:], o_inv[:, s0:s1]) and torch.equal(pool[r], pool_inv[r])
+                and torch.equal(cks, ck_inv[mine]))
 
 
 def run_serving(rows, opts, env: dict, commit: str, state_dtype: str = "bf16") -> int:
@@ -271,6 +315,9 @@ def serving_markdown(rows: list[dict], env: dict, commit: str) -> list[str]:
         "stores each checkpoint's two parts; on sm_90 the pool's rows gathered, the two parts combined and stored, and "
         "the final states written back by one launch each (`kernels/sm90/pool_states.py`); torch/segments or "
         "torch/pieces: the checkpoints by extra forwards).",
+        "batch_invariant: ours as serving with `batch_invariant=True` (no context-parallel split, value slices of 64); "
+        "its cost is its time over serving's. Gate: the row's last sequence, moved behind a 77-token padding sequence "
+        "into a batch of two, gives bitwise the o, final state and checkpoints it gets in the row's batch.",
     )]
     ok = [r for r in rows if r.get("status") == "ok"]
     over = [_f(r, "serving_ms") / _f(r, "plain_ms") for r in ok]
@@ -287,6 +334,17 @@ def serving_markdown(rows: list[dict], env: dict, commit: str) -> list[str]:
     if other:
         L.append(f"- rows on the torch path (the split plan): {len(other)}, geometric mean "
                  f"{100 * (geomean(other) - 1):+.1f}% (worst {100 * (max(other) - 1):+.1f}%)")
+    inv = [(_f(r, "serving_inv_ms") / _f(r, "serving_ms"), r.get("path") == "kernel") for r in ok
+           if _f(r, "serving_inv_ms") > 0]
+    if inv:
+        allr = [c for c, _ in inv]
+        parts = [f"{name} {100 * (geomean(cs) - 1):+.1f}% over {len(cs)}" for name, cs in
+                 (("kernel-path rows", [c for c, k in inv if k]), ("split-plan rows", [c for c, k in inv if not k]))
+                 if cs]
+        checked = sum(str(r.get("inv_bitwise")) == "True" for r in ok)
+        L.append(f"- batch_invariant=True over the default serving call: geometric mean {100 * (geomean(allr) - 1):+.1f}% "
+                 f"over {len(allr)} rows (worst {100 * (max(allr) - 1):+.1f}%; {'; '.join(parts)}); bitwise the same "
+                 f"sequence moved to another batch on {checked} of {len(ok)} rows")
     if vs_fi:
         L.append(f"- FlashInfer serving / ours at the same checkpoints: geometric mean {geomean(vs_fi):.2f}x over "
                  f"{len(vs_fi)} rows (min {min(vs_fi):.2f}x, max {max(vs_fi):.2f}x; above 1: ours faster)")
@@ -294,14 +352,15 @@ def serving_markdown(rows: list[dict], env: dict, commit: str) -> list[str]:
     if bad:
         L.append(f"- rows not timed: {len(bad)} ({'; '.join(r['h_qk'] + '/' + r['h_v'] + ' ' + r['mix'] + ': ' + r['status'] for r in bad)})")
     L += ["", "## Rows (ms)", "",
-          "| heads | mix | plain | serving | overhead | path | ckpts ours / FI | serving @FI | FlashInfer plain | "
-          "FlashInfer serving | FI serving / ours @FI | err o | err ckpt vs FI |",
-          "| --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+          "| heads | mix | plain | serving | overhead | path | ckpts ours / FI | serving @FI | batch_invariant | "
+          "its cost | FlashInfer plain | FlashInfer serving | FI serving / ours @FI | err o | err ckpt vs FI |",
+          "| --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in sorted(rows, key=lambda r: (int(r["h_v"]), int(r["h_qk"]), -int(r.get("N") or 0), r["mix"])):
-        p, s, sf, fp, fs = (_f(r, f"{t}_ms") for t in TIMED)
+        p, s, sf, si, fp, fs = (_f(r, f"{t}_ms") for t in TIMED)
         L.append(f"| {r['h_qk']}/{r['h_v']} | {r['mix']} | {_ms(p)} | {_ms(s)} | "
                  f"{(f'{100 * (s / p - 1):+.1f}%' if p == p and s == s else '-')} | {r.get('path', '')} | "
-                 f"{r.get('ckpt_ours', '')} / {r.get('ckpt_fi', '')} | {_ms(sf)} | {_ms(fp)} | {_ms(fs)} | "
+                 f"{r.get('ckpt_ours', '')} / {r.get('ckpt_fi', '')} | {_ms(sf)} | {_ms(si)} | "
+                 f"{(f'{100 * (si / s - 1):+.1f}%' if si == si and s == s else '-')} | {_ms(fp)} | {_ms(fs)} | "
                  f"{(f'{fs / sf:.2f}x' if fs == fs and sf == sf else '-')} | {_e(r, 'err_o')} | {_e(r, 'err_ckpt_fi')} |")
     return L
 
