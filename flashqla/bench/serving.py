@@ -24,7 +24,8 @@ strong-decay head, fp32 beta, packed int32 offsets), five calls, each CUDA-graph
 Gates before timing (relative RMS): ours `serving` o against `plain` on the pool's (rounded) start
 states (<= 1e-3), each sequence's last-token checkpoint against its written pool row (<= 1e-2),
 FlashInfer's o and checkpoints against ours at the same positions (<= the forward gate, 2e-2),
-`serving_inv`'s o against `serving`'s (<= 1e-3). Batch invariance itself is checked, not assumed: the
+`serving_inv`'s o against `serving`'s (<= the forward gate, 2e-2: where the default plan splits, the
+invariant plan does not, and the two round differently). Batch invariance itself is checked, not assumed: the
 row's last sequence, moved behind a 77-token padding sequence in a batch of two, must give bitwise
 the o, final state and checkpoints it gets inside the row's batch (`inv_bitwise`). A
 row whose gate fails is recorded with its errors and not timed.
@@ -179,7 +180,7 @@ def _one_row(row, x, timer: dict, state_dtype, fi_op) -> dict:
             r["err_ckpt_fi"] = _rel(cc.float(), cb.float()) if len(pfi) else 0.0
         torch.cuda.synchronize()
     bad = [f"{k} {r[k]:.2e}" for k, tol in (("err_o", 1e-3), ("err_ckpt_end", 1e-2), ("err_o_fi", 2e-2),
-                                           ("err_ckpt_fi", 2e-2), ("err_o_inv", 1e-3)) if k in r and not (r[k] <= tol)]
+                                           ("err_ckpt_fi", 2e-2), ("err_o_inv", 2e-2)) if k in r and not (r[k] <= tol)]
     if not r["inv_bitwise"]:
         bad.append("batch_invariant: the last sequence, moved to another batch, differs bitwise")
     if bad:
@@ -291,7 +292,7 @@ def console_line(r: dict) -> str:
     p, s = _f(r, "plain_ms"), _f(r, "serving_ms")
     over = f"{100 * (s / p - 1):+.1f}%" if p == p and s == s else "-"
     return (f"{r['h_qk']:>3}/{r['h_v']:<3} {r['mix']:<12} plain {_ms(p)} serving {_ms(s)} ({over}, {r.get('path', '-')}) "
-            f"@fi {_ms(_f(r, 'serving_fi_ms'))} | FlashInfer plain {_ms(_f(r, 'fi_plain_ms'))} serving "
+            f"@fi {_ms(_f(r, 'serving_fi_ms'))} invariant {_ms(_f(r, 'serving_inv_ms'))} | FlashInfer plain {_ms(_f(r, 'fi_plain_ms'))} serving "
             f"{_ms(_f(r, 'fi_serving_ms'))} | {r.get('status')}")
 
 
