@@ -539,50 +539,56 @@ def test_misaligned_pool_and_checkpoints(layout):
         assert rel_rms(b.double().cpu(), a.double().cpu()) < 4e-3
 
 
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """x's bit patterns (so that -0.0 and +0.0, or two NaN payloads, count as different)."""
+    return x.contiguous().view({4: torch.int32, 2: torch.int16}[x.element_size()])
+
+
+@pytest.mark.parametrize("L", [9000, 2000])
 @pytest.mark.parametrize("layout,sdtype", [("vk", torch.bfloat16), ("kv", torch.float32)], ids=["vk-bf16", "kv-f32"])
-def test_batch_invariant_bitwise_across_batches(layout, sdtype):
-    """batch_invariant=True: one sequence (9000 tokens, not a multiple of the chunk) gives bitwise the
-    same o, final pool row and checkpoints alone, behind short and empty sequences at an offset that is
-    not a multiple of the chunk, and among 40 other sequences (where the default plan picks another
-    value-slice width, and alone it would split), and again on a repeat call. Alone, its o, final
-    state and checkpoints are also checked against the fp64 recurrence."""
-    L, HV, H = 9000, 4, 2
-    xd, x64, _, h0 = _case([L], HV=HV, H=H, seed=31)
-    rel = [1, 64, 65, 4000, L]  # checkpoint positions inside the sequence
+def test_batch_invariant_bitwise_across_batches(layout, sdtype, L):
+    """batch_invariant=True: one sequence (L tokens, not a multiple of the chunk) gives bit for bit the
+    same o, final pool row and checkpoints alone, behind short and empty sequences at an offset that
+    is not a multiple of the chunk, among 40 other sequences (where the default plan picks another
+    value-slice width, and alone it would split), and on a repeat call; and the same o and final row
+    without checkpoints of its own while its neighbours have some (the call then runs a build with
+    checkpoints). Alone, its o, final state and checkpoints are also checked against the fp64
+    recurrence. Records the path each call took (`LAST_PATH`) and asserts it is one path throughout."""
+    HV, H = 4, 2
+    xd, x64, _, _ = _case([L], HV=HV, H=H, seed=31)
+    rel = sorted(p for p in {1, 64, 65, 2048, 2049, L // 2, L} if p <= L)  # checkpoint positions inside it
     pool0 = _kv(torch.randn(50, HV, 128, 128, generator=torch.Generator().manual_seed(3)) * 0.1, layout)
     pool0 = pool0.contiguous().to(DEV, sdtype)
     row = 7
     others = make_gdn_inputs(B=1, T=40 * 300, H=H, HV=HV, seqlens=[300] * 40, special_heads=True, seed=32)
+    paths = set()
 
-    def batch(before: list, after: list):
-        """The sequence between `before` and `after` (lengths of other sequences, taken from `others`)."""
+    def call(before: list, after: list, mine: bool = True, theirs: bool = False):
+        """The sequence between `before` and `after` (lengths of other sequences, their tokens taken
+        from `others`); checkpoints at `rel` in it (mine) and at the last token of each later
+        sequence (theirs). Returns its o, its final pool row and its checkpoints (None without)."""
         lens = before + [L] + after
         parts, off = {n: [] for n in xd}, 0
         for i, n_tok in enumerate(lens):
             for n in xd:
-                if i == len(before):
-                    parts[n].append(xd[n])
-                else:
-                    src = others[n][:, off:off + n_tok]
-                    parts[n].append(src.to(DEV, xd[n].dtype))
+                parts[n].append(xd[n] if i == len(before) else others[n][:, off:off + n_tok].to(DEV, xd[n].dtype))
             off += 0 if i == len(before) else n_tok
         x = {n: torch.cat(parts[n], dim=1).contiguous() for n in xd}
-        cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device=DEV)
+        ends = [sum(lens[:i + 1]) for i in range(len(lens))]
+        cu = torch.tensor([0] + ends, dtype=torch.int32, device=DEV)
         s0 = sum(before)
         idx = torch.tensor([-1] * len(before) + [row] + [10 + i for i in range(len(after))], device=DEV)
-        return x, cu, idx, s0
-
-    def call(before, after):
-        x, cu, idx, s0 = batch(before, after)
+        pos = ([s0 + p for p in rel] if mine else []) + ([e for e in ends[len(before) + 1:]] if theirs else [])
         pool = pool0.clone()
-        pos = torch.tensor([s0 + p for p in rel], dtype=torch.int64, device=DEV)
-        cks = torch.full((len(rel), HV, 128, 128), float("nan"), dtype=sdtype, device=DEV)
+        pos_t = torch.tensor(pos, dtype=torch.int64, device=DEV) if pos else None
+        cks = torch.full((len(pos), HV, 128, 128), float("nan"), dtype=sdtype, device=DEV) if pos else None
         with torch.no_grad():
             o, _ = flashqla.chunk_gated_delta_rule(**x, initial_state=pool, output_final_state=True, cu_seqlens=cu,
-                                                   state_indices=idx, state_layout=layout, checkpoint_positions=pos,
+                                                   state_indices=idx, state_layout=layout, checkpoint_positions=pos_t,
                                                    checkpoint_states=cks, batch_invariant=True)
         torch.cuda.synchronize()
-        return o[:, s0:s0 + L], pool[row], cks
+        paths.add(op_serving.LAST_PATH["path"])
+        return o[:, s0:s0 + L], pool[row], (cks[:len(rel)] if mine else None)
 
     o_a, st_a, ck_a = call([], [])
     h0_kv = _kv(pool0[row].float().cpu(), layout).double()[None]
@@ -590,9 +596,14 @@ def test_batch_invariant_bitwise_across_batches(layout, sdtype):
     assert rel_rms(o_a.double().cpu(), o_ref) < BUDGETS["sm90_fwd_bf16"]["o"]
     assert rel_rms(_kv(st_a.double().cpu(), layout), ht_ref[0]) < BUDGET[sdtype]
     assert rel_rms(_kv(ck_a.double().cpu(), layout), ck_ref) < BUDGET[sdtype]
-    for before, after in (([77, 0, 1], [5]), ([300] * 20, [300] * 20), ([], [])):
-        o_b, st_b, ck_b = call(before, after)
-        where = f"before {len(before)} / after {len(after)} sequences"
-        assert torch.equal(o_b, o_a), f"o differs ({where})"
-        assert torch.equal(st_b, st_a), f"the final pool row differs ({where})"
-        assert torch.equal(ck_b, ck_a), f"the checkpoints differ ({where})"
+    cases = [(([77, 0, 1], [5]), True, False), (([300] * 20, [300] * 20), True, False), (([], []), True, False),
+             (([77, 0, 1], [300] * 3), False, True), (([], [300]), False, False)]
+    for (before, after), mine, theirs in cases:
+        o_b, st_b, ck_b = call(before, after, mine, theirs)
+        where = f"before {len(before)} / after {len(after)} sequences, own checkpoints {mine}, others' {theirs}"
+        assert torch.equal(_bits(o_b), _bits(o_a)), f"o differs ({where})"
+        assert torch.equal(_bits(st_b), _bits(st_a)), f"the final pool row differs ({where})"
+        if mine:
+            assert torch.equal(_bits(ck_b), _bits(ck_a)), f"the checkpoints differ ({where})"
+    print(f"batch_invariant L={L} {layout} {sdtype}: paths {sorted(paths)}")
+    assert len(paths) == 1, f"the calls took different paths: {paths}"
