@@ -2,7 +2,7 @@
 
 Per row (a head configuration and a sequence mix of the forward grid; default `SERVING_ROWS`), on
 the benchmark's inputs (`inputs.InputFactory`: bf16 q/k/v, Qwen3-Next gates with a g == 0 and a
-strong-decay head, fp32 beta, packed int32 offsets), five calls, each CUDA-graph timed
+strong-decay head, fp32 beta, packed int32 offsets), six calls, each CUDA-graph timed
 (`timing.time_cuda_graph`, median of replays):
 
 - `plain`: ours, per-sequence fp32 initial states `[N, HV, K, V]` in, final states out (the forward
@@ -236,8 +236,15 @@ def _moved_bitwise(x, rows, pool0, lengths, p4, o_inv, pool_inv, ck_inv, filler:
                                            cu_seqlens=cu, state_indices=idx, state_layout="vk",
                                            checkpoint_positions=pos, checkpoint_states=cks, batch_invariant=True)
     r = int(rows[n])
-    return bool(torch.equal(o[:, filler:], o_inv[:, s0:s1]) and torch.equal(pool[r], pool_inv[r])
-                and torch.equal(cks, ck_inv[mine]))
+    return _same_bits(o[:, filler:], o_inv[:, s0:s1]) and _same_bits(pool[r], pool_inv[r]) and _same_bits(cks, ck_inv[mine])
+
+
+def _same_bits(a, b) -> bool:
+    """Whether a and b (same shape and dtype) hold the same bit patterns (-0.0 and +0.0 differ)."""
+    import torch
+
+    ints = {4: torch.int32, 2: torch.int16}[a.element_size()]
+    return a.dtype == b.dtype and bool(torch.equal(a.contiguous().view(ints), b.contiguous().view(ints)))
 
 
 def run_serving(rows, opts, env: dict, commit: str, state_dtype: str = "bf16") -> int:

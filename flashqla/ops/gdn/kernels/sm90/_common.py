@@ -361,7 +361,7 @@ def locate_slot(slot, cu_seqlens, Tn, Np1, varlen: bool, cu_s=None, threads: int
                         else:
                             hi = mid
                 seq = lo
-                if not counted:
+                if not counted:  # bidx = 0 on both paths; set where each path's generated code has it
                     bidx = 0
                 bos = T.cast(cu_seqlens[seq], "int32")
                 seqlen = T.cast(cu_seqlens[seq + 1], "int32") - bos
