@@ -329,7 +329,9 @@ def locate_slot(slot, cu_seqlens, Tn, Np1, varlen: bool, cu_s=None, threads: int
     where len(cu_seqlens) <= threads, every thread loads one offset into cu_s and the CTA counts the
     n with floor(cu[n] / 64) + n <= slot in one barrier (`__syncthreads_count`; that count is
     monotone in n), then reads bos and seqlen from cu_s: one global round trip instead of the search's
-    log2(N) + 2. Every thread of the CTA must call it (the barrier). Longer cu_seqlens: the search.
+    log2(N) + 2. Up to N = (threads - 1) threads sequences, two such rounds (every ceil(N / threads)-th
+    offset counted first, then the offsets after the last one counted). Every thread of the CTA must
+    call it (the barriers). Longer cu_seqlens: the search.
     """
     import tilelang.language as T
 
@@ -349,6 +351,21 @@ def locate_slot(slot, cu_seqlens, Tn, Np1, varlen: bool, cu_s=None, threads: int
                                     T.cast((tx < Np1 - 1) & (T.if_then_else(tx < Np1, cu_s[T.min(tx, threads - 1)], 0) // C + tx <= slot), "int32")) - 1
                 bos = cu_s[seq]
                 seqlen = cu_s[seq + 1] - bos
+            elif (Np1 - 1 <= (threads - 1) * threads) if counted else False:
+                # two rounds: every stride-th offset counted, then the stride offsets after the last one
+                tx = T.get_thread_binding()
+                stride = T.ceildiv(Np1 - 1, threads)
+                n1 = tx * stride
+                lo = (T.call_extern("int32", "__syncthreads_count",
+                                    T.cast((n1 < Np1 - 1) & (T.if_then_else(n1 < Np1 - 1, T.cast(cu_seqlens[T.min(n1, Np1 - 1)], "int32"), 0) // C + n1 <= slot),
+                                           "int32")) - 1) * stride
+                if (tx <= stride) & (lo + tx < Np1):
+                    cu_s[tx] = T.cast(cu_seqlens[lo + tx], "int32")
+                seq = lo + T.call_extern("int32", "__syncthreads_count",
+                                         T.cast((tx < stride) & (lo + tx < Np1 - 1)
+                                                & (T.if_then_else(tx < stride, cu_s[T.min(tx, threads - 1)], 0) // C + lo + tx <= slot), "int32")) - 1
+                bos = cu_s[seq - lo]
+                seqlen = cu_s[seq - lo + 1] - bos
             else:
                 # largest n in [0, N) with floor(cu[n] / 64) + n <= slot
                 lo = 0

@@ -28,7 +28,8 @@ two whole-tile products on four warps.
 
 Per CTA (128 threads, one warpgroup):
 1. map the slot to (sequence, chunk) (packed input: one load of cu_seqlens per thread and one counting
-   barrier while N < 128, else a binary search; `_common.locate_slot`);
+   barrier while N < 128, two such rounds up to 16,256 sequences, else a binary search;
+   `_common.locate_slot`);
 2. issue the TMA load of the k tile of q/k head hk; load g and beta of its value heads (zero past the
    end); zero the constant blocks; wait for k; g_cum_log2 = cumsum(g) / ln 2;
 3. K K^T on the tensor cores (wgmma), held in registers for the value heads;
@@ -158,6 +159,7 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
     C = CHUNK
     BS = BLOCK
     HB = HALF
+    RH = BLOCK // 2  # rows of a diagonal block's column one lane of the substitution holds
 
     @T.macro
     def stages():
@@ -188,45 +190,52 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
         if stamp is not None:
             stamp("store_wait")
 
-        # D^-1: lane col < 16 of warp blk solves column col of diagonal block blk by forward
-        # substitution (WY-3's recursion, each row's sum taken column by column: fewer live
-        # registers than row by row), writes it where the products read it, and times beta
-        # into the staging tile
+        # D^-1: warp blk solves diagonal block blk by forward substitution (WY-3's recursion, each
+        # row's sum taken column by column), lane (hr, col) of the warp holding rows 8 hr .. 8 hr + 7 of
+        # its column col: row m < 8 reaches the lanes of the lower rows by a shuffle; writes the rows where
+        # the products read them, and times beta into the staging tile
         tx = T.get_thread_binding()
-        if tx % 32 < BS:  # diagonal block blk on warp blk, lanes 0-15: its stores' branches warp-uniform
-            blk = tx // 32
-            col = tx % 32
-            for r in T.unroll(BS):
-                xcol[r] = T.if_then_else(r == col, T.float32(1), T.float32(0))
-            for m in T.unroll(BS):
-                for r in T.unroll(BS):
-                    if r > m:
-                        xcol[r] = xcol[r] - ld_s[blk * BS + m, r] * xcol[m]
-            bcl[0] = b_s[j, blk * BS + col]  # once: read inside the store loop it is re-read after every store
-            # four rows at a time: the copies into the transposed operand tiles (row col, four contiguous
-            # floats) as one 16-byte store each
-            for r4 in T.unroll(BS // 4):
+        blk = tx // 32  # diagonal block blk on warp blk: its stores' branches warp-uniform
+        col = tx % BS
+        hr = (tx % 32) // BS
+        for i in T.unroll(RH):
+            xcol[i] = T.if_then_else(hr * RH + i == col, T.float32(1), T.float32(0))
+        for m in T.unroll(BS):
+            if m < RH:
+                xm = T.shfl_sync(xcol[m], col)  # row m of column col, from lane col (hr = 0)
+                for i in T.unroll(RH):
+                    if (hr == 1) | (i > m):
+                        xcol[i] = xcol[i] - ld_s[blk * BS + m, hr * RH + i] * xm
+            else:
+                for i in T.unroll(RH):
+                    if i > m - RH:
+                        if hr == 1:
+                            xcol[i] = xcol[i] - ld_s[blk * BS + m, RH + i] * xcol[m - RH]
+        bcl[0] = b_s[j, blk * BS + col]  # once: read inside the store loop it is re-read after every store
+        # four rows at a time: the copies into the transposed operand tiles (row col, four contiguous
+        # floats) as one 16-byte store each
+        for r4 in T.unroll(RH // 4):
+            for rr in T.unroll(4):
+                r = hr * RH + r4 * 4 + rr
+                stage[blk * BS + r, blk * BS + col] = T.cast(T.if_then_else(r >= col, xcol[r4 * 4 + rr] * bcl[0], T.float32(0)), dtype)
+            if blk == 0:
+                for rr in T.vectorized(4):
+                    d2t_s[col, hr * RH + r4 * 4 + rr] = xcol[r4 * 4 + rr]
+                for rr in T.vectorized(4):
+                    b0t_s[col, hr * RH + r4 * 4 + rr] = xcol[r4 * 4 + rr]
+            elif blk == 1:
                 for rr in T.unroll(4):
-                    stage[blk * BS + r4 * 4 + rr, blk * BS + col] = T.cast(
-                        T.if_then_else(r4 * 4 + rr >= col, xcol[r4 * 4 + rr] * bcl[0], T.float32(0)), dtype)
-                if blk == 0:
-                    for rr in T.vectorized(4):
-                        d2t_s[col, r4 * 4 + rr] = xcol[r4 * 4 + rr]
-                    for rr in T.vectorized(4):
-                        b0t_s[col, r4 * 4 + rr] = xcol[r4 * 4 + rr]
-                elif blk == 1:
-                    for rr in T.unroll(4):
-                        dm_s[2 * BS + r4 * 4 + rr, col] = xcol[r4 * 4 + rr]
-                    for rr in T.vectorized(4):
-                        b0t_s[BS + col, BS + r4 * 4 + rr] = xcol[r4 * 4 + rr]
-                elif blk == 2:
-                    for rr in T.vectorized(4):
-                        d2t_s[col, BS + r4 * 4 + rr] = xcol[r4 * 4 + rr]
-                    for rr in T.unroll(4):
-                        dm_s[r4 * 4 + rr, col] = xcol[r4 * 4 + rr]
-                else:
-                    for rr in T.unroll(4):
-                        dm_s[BS + r4 * 4 + rr, BS + col] = xcol[r4 * 4 + rr]
+                    dm_s[2 * BS + hr * RH + r4 * 4 + rr, col] = xcol[r4 * 4 + rr]
+                for rr in T.vectorized(4):
+                    b0t_s[BS + col, BS + hr * RH + r4 * 4 + rr] = xcol[r4 * 4 + rr]
+            elif blk == 2:
+                for rr in T.vectorized(4):
+                    d2t_s[col, BS + hr * RH + r4 * 4 + rr] = xcol[r4 * 4 + rr]
+                for rr in T.unroll(4):
+                    dm_s[hr * RH + r4 * 4 + rr, col] = xcol[r4 * 4 + rr]
+            else:
+                for rr in T.unroll(4):
+                    dm_s[BS + hr * RH + r4 * 4 + rr, BS + col] = xcol[r4 * 4 + rr]
         if stamp is not None:
             stamp("subst")
 
@@ -373,7 +382,7 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
             w_f = T.alloc_fragment((HB, BS), acc)
             z_f = T.alloc_fragment((HB, HB), acc)
             o_f = T.alloc_fragment((HB, HB), acc)
-            xcol = T.alloc_local((BS,), acc)
+            xcol = T.alloc_local((BS // 2,), acc)
             bcl = T.alloc_local((1,), acc)  # beta of the column the substitution solves
             k_bar = T.alloc_barrier(128)  # every thread arrives; the copy engine completes the bytes
 
