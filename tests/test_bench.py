@@ -348,7 +348,7 @@ def test_markdown_report(tmp_path):
     line = [ln for ln in md.splitlines() if ln.startswith("| 2/8 | 1x32768")][0]
     assert "| CP |" in line and "| 107 |" in line  # no measured GEMM rate for "Test GPU": no percentage
     assert G.peak_tflops("NVIDIA H200") == 726.0 and G.peak_tflops("Test GPU") is None
-    assert G.peak_tflops("NVIDIA H100 80GB HBM3") is None and G.peak_tflops("NVIDIA H200 NVL") == 726.0
+    assert G.peak_tflops("NVIDIA H100 80GB HBM3") == 733.0 and G.peak_tflops("NVIDIA H200 NVL") == 726.0
     h200 = R.markdown("fwd", [dict(r, gpu="NVIDIA H200") for r in rows], dict(ENV, gpu="NVIDIA H200"), "abc123",
                       {"date": "d", "method": []})
     assert "107 (14.8%)" in h200 and "ours TFLOP/s (% of 726)" in h200

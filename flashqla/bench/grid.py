@@ -58,9 +58,9 @@ FLOP_PER_TOKEN_HEAD["step"] = FLOP_PER_TOKEN_HEAD["fwd"] + FLOP_PER_TOKEN_HEAD["
 assert FLOP_PER_TOKEN_HEAD == {"fwd": 163_840, "bwd": 491_520, "step": 655_360}
 #: bf16 dense GEMM rate measured on our H200 through torch (8192^3), TFLOP/s.
 PEAK_TFLOPS = 726.0
-#: The measured bf16 GEMM rate per GPU (a word of the GPU's name -> TFLOP/s); a GPU not listed has no
-#: percentage column in the pages (none measured on it yet).
-PEAK_TFLOPS_BY_GPU = {"H200": PEAK_TFLOPS}
+#: The measured bf16 GEMM rate per GPU (a word of the GPU's name -> TFLOP/s; `benchmarks/experiments/
+#: gemm_rate.py`, the best 8192^3 round); a GPU not listed has no percentage column in the pages.
+PEAK_TFLOPS_BY_GPU = {"H200": PEAK_TFLOPS, "H100": 733.0}
 #: Streaming multiprocessors of an H200 SXM (used when no GPU is at hand).
 H200_SMS = 132
 

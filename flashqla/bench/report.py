@@ -419,10 +419,28 @@ def method_from_markdown(md: str) -> list[str]:
     return out
 
 
-def with_current_peers_method(lines: list[str]) -> list[str]:
+def rate_clause(gpu: str | None) -> str:
+    """The end of the Method's FLOP bullet: which bf16 GEMM rate the percentages use (`grid.peak_tflops`
+    of `gpu`; the H200's when None), or that none is measured on this GPU."""
+    peak = G.PEAK_TFLOPS if gpu is None else G.peak_tflops(gpu)
+    where = "on our H200" if gpu is None or "H200" in str(gpu).upper() else "on this GPU through torch (8192^3)"
+    return ((f"; TFLOP/s on that count, % of the {peak:.0f} TFLOP/s bf16 GEMM rate measured {where}. " if peak else
+             "; TFLOP/s on that count (no bf16 GEMM rate measured on this GPU yet: no percentage). ")
+            + "Speed-up = peer ms / our ms.")
+
+
+def with_current_peers_method(lines: list[str], gpu: str | None = None) -> list[str]:
     """Method lines (of an earlier page, for --report-only) with the peers-column bullet replaced by
-    `PEERS_METHOD`, the one that says what the page's Drift section shows."""
-    return [PEERS_METHOD if line.startswith("Peers column:") else line for line in lines]
+    `PEERS_METHOD`, the one that says what the page's Drift section shows, and, given the page's `gpu`,
+    the FLOP bullet's GEMM-rate clause brought up to date (`rate_clause`)."""
+    out = []
+    for line in lines:
+        if line.startswith("Peers column:"):
+            line = PEERS_METHOD
+        elif gpu is not None and line.startswith("FLOP:") and "; TFLOP/s on that count" in line:
+            line = line[:line.index("; TFLOP/s on that count")] + rate_clause(gpu)
+        out.append(line)
+    return out
 
 
 def method_lines(opts, impls: dict, gpu: str | None = None) -> list[str]:
@@ -468,10 +486,7 @@ def method_lines(opts, impls: dict, gpu: str | None = None) -> list[str]:
         gate = (f"Correctness gate before any timing: o and final state against {fp64}; relative RMS <= {tol['o']:g} "
                 f"(o) and {tol['ht']:g} (final state); an implementation above it is marked FAIL and not timed.")
         flop = "FLOP: 163,840 per token and value head (DESIGN.md section 6)"
-    peak = G.PEAK_TFLOPS if gpu is None else G.peak_tflops(gpu)
-    flop += ((f"; TFLOP/s on that count, % of the {peak:.0f} TFLOP/s bf16 GEMM rate measured on our H200. " if peak else
-              "; TFLOP/s on that count (no bf16 GEMM rate measured on this GPU yet: no percentage). ")
-             + "Speed-up = peer ms / our ms.")
+    flop += rate_clause(gpu)
     calls = []
     for name in impls_for(opts.direction):
         impl = impls.get(name)
@@ -589,7 +604,7 @@ def rebuild(direction: str, results_dir, out_dir=None, prefix: str | None = None
         return 1
     env, commit = key
     method = with_current_peers_method(method_from_markdown(paths["src_md"].read_text() if paths["src_md"].exists()
-                                                            else ""))
+                                                            else ""), env.get("gpu") or None)
     dates = [r.get("date", "") for r in S.rows_for_key(rows, env, commit)]
     meta = {"date": max(dates, default=S.now_utc()),
             "method": method or ["Rebuilt from the CSV (--report-only); method of the measuring run unknown."]}
