@@ -11,8 +11,8 @@ strong-decay head, fp32 beta, packed int32 offsets), six calls, each CUDA-graph 
   sequences at shuffled rows (`state_indices`), final states written back in place, and 4
   checkpoints per sequence at its quarter points (`checkpoint_positions`, any token);
 - `serving_fi`: ours as `serving`, at FlashInfer's checkpoint positions (below) instead;
-- `serving_inv`: ours as `serving` with `batch_invariant=True` (its plan: no context-parallel split,
-  value slices of 64): the cost of batch invariance against the default plan;
+- `serving_inv`: ours as `serving` with `batch_invariant=True` (its plan: no context-parallel split):
+  the cost of batch invariance against the default plan;
 - `fi_plain`: FlashInfer 0.7.2.post1's `chunk_gated_delta_rule` as in the forward benchmark
   (`impls._flashinfer_forward`);
 - `fi_serving`: FlashInfer with the same pool (`state_indices`, `output_state` = the pool) and its
@@ -323,7 +323,7 @@ def serving_markdown(rows: list[dict], env: dict, commit: str) -> list[str]:
         "stores each checkpoint's two parts; on sm_90 the pool's rows gathered, the two parts combined and stored, and "
         "the final states written back by one launch each (`kernels/sm90/pool_states.py`); torch/segments or "
         "torch/pieces: the checkpoints by extra forwards).",
-        "batch_invariant: ours as serving with `batch_invariant=True` (no context-parallel split, value slices of 64); "
+        "batch_invariant: ours as serving with `batch_invariant=True` (no context-parallel split); "
         "its cost is its time over serving's. Gate: the row's last sequence, moved behind a 77-token padding sequence "
         "into a batch of two, gives bitwise the o, final state and checkpoints it gets in the row's batch.",
     )]

@@ -100,17 +100,16 @@ def bench_specs(backward: bool = True) -> list:
 
 def serving_bench_specs() -> list:
     """The serving builds of `python -m flashqla.bench --serving`'s default rows (bf16 "vk" pool,
-    checkpoints), at every width their sequence counts pick and at batch_invariant's fixed width."""
+    checkpoints), at every width their sequence counts pick (batch_invariant's too)."""
     from flashqla.bench.grid import parse_heads
     from flashqla.bench.serving import SERVING_ROWS
     from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
-    from flashqla.ops.gdn.serving import BATCH_INVARIANT_BLOCK_V
     from flashqla.ops.gdn.kernels.sm90.registry import serving_kernel_specs
 
     specs = []
     for h in dict.fromkeys(h for h, _ in SERVING_ROWS):
         hc = parse_heads(h)
-        for bv in sorted({BATCH_INVARIANT_BLOCK_V} | {pick_block_v(N, hc.h_v, 128) for N in (1, 2, 4, 8)}):
+        for bv in sorted({pick_block_v(N, hc.h_v, 128) for N in (1, 2, 4, 8)}):
             specs += serving_kernel_specs(hc.h_qk, hc.h_v, varlen=True, block_v=bv, state_dtypes=("bfloat16",),
                                           state_layouts=("vk",), checkpoints=(True,), split=True)
     return specs

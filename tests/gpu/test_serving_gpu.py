@@ -548,9 +548,10 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("layout,sdtype", [("vk", torch.bfloat16), ("kv", torch.float32)], ids=["vk-bf16", "kv-f32"])
 def test_batch_invariant_bitwise_across_batches(layout, sdtype, L):
     """batch_invariant=True: one sequence (L tokens, not a multiple of the chunk) gives bit for bit the
-    same o, final pool row and checkpoints alone, behind short and empty sequences at an offset that
-    is not a multiple of the chunk, among 40 other sequences (where the default plan picks another
-    value-slice width, and alone it would split), and on a repeat call; and the same o and final row
+    same o, final pool row and checkpoints alone (value slices of 64, and alone the default plan would
+    split), behind short and empty sequences at an offset that is not a multiple of the chunk, among
+    24 other sequences (25 x 4 walks: value slices of 128, `pick_block_v`) and among 40 (64 again),
+    and on a repeat call; and the same o and final row
     without checkpoints of its own while its neighbours have some (the call then runs a build with
     checkpoints). Alone, its o, final state and checkpoints are also checked against the fp64
     recurrence. Records the path each call took (`LAST_PATH`) and asserts it is one path throughout."""
@@ -596,7 +597,10 @@ def test_batch_invariant_bitwise_across_batches(layout, sdtype, L):
     assert rel_rms(o_a.double().cpu(), o_ref) < BUDGETS["sm90_fwd_bf16"]["o"]
     assert rel_rms(_kv(st_a.double().cpu(), layout), ht_ref[0]) < BUDGET[sdtype]
     assert rel_rms(_kv(ck_a.double().cpu(), layout), ck_ref) < BUDGET[sdtype]
-    cases = [(([77, 0, 1], [5]), True, False), (([300] * 20, [300] * 20), True, False), (([], []), True, False),
+    from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
+    assert pick_block_v(1, HV) == 64 and pick_block_v(25, HV) == 128  # the batches below run both widths
+    cases = [(([77, 0, 1], [5]), True, False), (([300] * 12, [300] * 12), True, False),
+             (([300] * 20, [300] * 20), True, False), (([], []), True, False),
              (([77, 0, 1], [300] * 3), False, True), (([], [300]), False, False)]
     for (before, after), mine, theirs in cases:
         o_b, st_b, ck_b = call(before, after, mine, theirs)

@@ -44,8 +44,12 @@ kernels with torch around them:
 - out=: o is copied into it (one extra copy).
 
 batch_invariant (both paths): the plan is cp="off" (no context-parallel split, which depends on the
-batch) and the value-slice width is fixed at 64 (the recurrent kernel otherwise picks it from N * HV);
-every launch then computes a (sequence, value head, value slice) from that sequence's tokens only.
+batch); every launch then computes a (sequence, value head, value slice) from that sequence's tokens
+only. The value-slice width is still picked from N * HV (`recurrent.pick_block_v`): the recurrent
+kernel and its serving build give the same bits at BV = 64 and 128 (the widths differ in how the value
+rows are split over warpgroups; no product reduces over the value dimension; measured on the H100 for
+o, final states, a bf16 "vk" pool and checkpoints, `benchmarks/experiments/width_bitwise.py`; the GPU
+test `test_batch_invariant_bitwise_across_batches` runs the sequence in batches of either width).
 Inference only (a call under autograd with batch_invariant raises).
 
 `serve` records which path ran in `LAST_PATH` ("path": "kernel" or "torch"; on the torch path with
@@ -68,13 +72,11 @@ from flashqla.ops.gdn.autograd import GDNEagerFunction
 from flashqla.ops.gdn.fwd import forward
 from flashqla.serving import ServingArgs, checkpoint_pieces, gather_initial_states, scan_pieces, write_back
 
-__all__ = ["serve", "kernel_path_applies", "state_kernels_apply", "BATCH_INVARIANT_BLOCK_V", "LAST_PATH"]
+__all__ = ["serve", "kernel_path_applies", "state_kernels_apply", "LAST_PATH"]
 
 #: The path the last `serve` call took: "kernel" (the serving build) or "torch" (for tests and tools).
 LAST_PATH = {"path": None, "checkpoints": None}
 
-#: The recurrent kernel's value-slice width under batch_invariant (fixed, not picked from N * HV).
-BATCH_INVARIANT_BLOCK_V = 64
 
 
 def serve(q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens, s: ServingArgs, *,
@@ -99,7 +101,7 @@ def serve(q, k, v, g, beta, scale: float, initial_state, output_final_state: boo
     B, T, HV, V = v.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     mode = "off" if s.batch_invariant else cp
-    block_v = BATCH_INVARIANT_BLOCK_V if s.batch_invariant else None
+    block_v = None  # picked from N * HV, batch_invariant too (module docstring: both widths give the same bits)
     plan = plan_call(q, v, cu_seqlens, mode, training=training, keep_states=training, max_seqlen=max_seqlen,
                      seqlens=seqlens)
     if kernel_path_applies(q, v, initial_state, output_final_state, cu_seqlens, s, plan, training=training,
