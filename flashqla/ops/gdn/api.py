@@ -142,8 +142,9 @@ def chunk_gated_delta_rule(
             of the call without checkpoints.
         out: preallocated o [B, T, HV, V] in q's dtype, written and returned (inference only).
         batch_invariant: a sequence's o, final state and checkpoints bitwise the same whatever else
-            is in the batch: the plan is cp="off" and the recurrent kernel's value-slice width is
-            fixed (64), so that no launch parameter depends on the batch. Inference only.
+            is in the batch: the plan is cp="off" (the split's segments depend on the batch); the
+            value-slice width still follows N * HV, both widths giving the same bits
+            (`flashqla.ops.gdn.serving`). Inference only.
         Autograd: o is differentiable with the serving arguments (a per-sequence initial_state
         too); a pool or checkpoint_states that requires grad, out= and batch_invariant under
         autograd raise ValueError. Under torch.compile the serving arguments raise
