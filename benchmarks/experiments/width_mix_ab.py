@@ -10,7 +10,9 @@ the H100 serving page), and does the makespan model pick the faster width?
     python benchmarks/experiments/width_mix_ab.py --model    # CPU: the model's picks only
 
 Prints a table: ms at BV 64 and 128 (`chunk_gated_delta_rule_fwd(cp="off", block_v=...)`, inference,
-CUDA graphs, median), the two picks and the model's predicted recurrent-launch times (us).
+CUDA graphs, median), the default call's ms (the planner given the lengths, `seqlens`, as the public op
+given `cu_seqlens_cpu`: it may split), the two picks and the model's predicted recurrent-launch
+times (us).
 """
 from __future__ import annotations
 
@@ -38,15 +40,15 @@ def main(model_only: bool):
     from _gpu import parse_row
 
     from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
-    lines = ["| row | pick_block_v | makespan pick | model us 64 / 128 | BV 64 ms | BV 128 ms | 128 / 64 | bitwise |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = ["| row | pick_block_v | makespan pick | model us 64 / 128 | BV 64 ms | BV 128 ms | 128 / 64 | bitwise | default ms |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for row in ROWS:
         H, HV, lens = parse_row(row)
         m = model(HV, lens)
         pick_m = 64 if m[64] < m[128] else 128
         cells = [row, str(pick_block_v(len(lens), HV)), str(pick_m), f"{m[64]:.0f} / {m[128]:.0f}"]
         if model_only:
-            lines.append("| " + " | ".join(cells + ["-"] * 4) + " |")
+            lines.append("| " + " | ".join(cells + ["-"] * 5) + " |")
             continue
         import torch
         from _gpu import gen_inputs, time_graph
@@ -61,7 +63,9 @@ def main(model_only: bool):
             res[bv] = (f.o.clone(), f.final_state.clone())
             ms[bv] = time_graph(fn)
         same = all(torch.equal(a, b) for a, b in zip(res[64], res[128]))
-        cells += [f"{ms[64]:.3f}", f"{ms[128]:.3f}", f"{ms[128] / ms[64]:.3f}", str(same)]
+        ms_default = time_graph(lambda: chunk_gated_delta_rule_fwd(**x, output_final_state=True, seqlens=tuple(lens),
+                                                                   max_seqlen=max(lens), for_backward=False))
+        cells += [f"{ms[64]:.3f}", f"{ms[128]:.3f}", f"{ms[128] / ms[64]:.3f}", str(same), f"{ms_default:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
     if not model_only:
