@@ -111,6 +111,11 @@ def parse_args(argv=None) -> Options:
                          "plain call, ours and FlashInfer (`flashqla.bench.serving`; rows: --heads/--mixes/--quick, "
                          "else its own selection); writes <gpu>-serving.csv and .md")
     sv.add_argument("--state-dtype", choices=("fp32", "bf16", "fp16"), default="bf16", help="the pool's dtype")
+    p.add_argument_group("multi-GPU (--multigpu)").add_argument(
+        "--multigpu", action="store_true",
+        help="context parallelism across the GPUs of one host, strong and weak scaling beside FLA's and FlashQLA's "
+             "(`flashqla.bench.multigpu`; its own options: python -m flashqla.bench --multigpu --help); writes "
+             "<gpu>-multigpu.csv and .md")
     a = p.parse_args(argv)
     if a.serving and (a.bwd or a.cp_grid or a.breakdown or a.report_only):
         p.error("--serving runs alone (not with --bwd, --cp-grid, --breakdown or --report-only)")
