@@ -116,3 +116,22 @@ def test_moved_bitwise_check_detects_a_difference(monkeypatch):
             args = {"o": o, "pool": pool, "ck": ck}
             args.update({k: t2 for k, v in args.items() if v is t})
             assert not SV._moved_bitwise(x, rows, pool0, lengths, p4, args["o"], args["pool"], args["ck"])
+
+
+def test_report_only_rebuilds_the_h100_serving_page(tmp_path):
+    """`--serving --report-only` rebuilds the committed H100 serving page from its CSV byte for byte
+    (the measuring run's Method bullets kept), and says so when a folder has no serving CSV."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    res = root / "benchmarks" / "results"
+    out = subprocess.run([sys.executable, "-m", "flashqla.bench", "--serving", "--report-only", "--prefix",
+                          "h100-80gb-hbm3-serving", "--out-dir", str(tmp_path)], capture_output=True, text=True, cwd=root)
+    assert out.returncode == 0, out.stderr
+    page = "h100-80gb-hbm3-serving.md"
+    assert (tmp_path / page).read_bytes() == (res / page).read_bytes()
+    from flashqla.bench.serving import rebuild_serving
+    with pytest.raises(SystemExit, match="serving.csv"):
+        rebuild_serving(tmp_path, tmp_path / "out")

@@ -12,6 +12,7 @@
     python -m flashqla.bench --report-only         # rebuild the pages from the CSVs into benchmarks/out/
     python -m flashqla.bench --bwd [--quick] ...   # the backward grid: backward alone and training step
     python -m flashqla.bench --serving             # pooled states + checkpoints vs plain, ours and FlashInfer
+    python -m flashqla.bench --serving --report-only   # rebuild the serving page from its CSV
     python -m flashqla.bench --multigpu [--gpus 1,2,4,8]  # CP across GPUs, strong/weak scaling, vs FLA KCP, FlashQLA CP
 
 A measuring run needs a CUDA GPU (without one it exits 2): per row the fp64 result, then for each
@@ -117,8 +118,8 @@ def parse_args(argv=None) -> Options:
              "(`flashqla.bench.multigpu`; its own options: python -m flashqla.bench --multigpu --help); writes "
              "<gpu>-multigpu.csv and .md")
     a = p.parse_args(argv)
-    if a.serving and (a.bwd or a.cp_grid or a.breakdown or a.report_only):
-        p.error("--serving runs alone (not with --bwd, --cp-grid, --breakdown or --report-only)")
+    if a.serving and (a.bwd or a.cp_grid or a.breakdown):
+        p.error("--serving runs alone (not with --bwd, --cp-grid or --breakdown)")
     return Options(
         bwd=a.bwd, quick=a.quick, cp_grid=a.cp_grid, heads=tuple(a.heads or ()), mixes=tuple(a.mixes or ()),
         peers=a.peers, retime=a.retime, impls=tuple(n.strip() for n in str(a.impls).split(",") if n.strip()),
@@ -212,6 +213,10 @@ def main(argv=None) -> int:
     if opts.list_only:
         print("\n".join(list_lines(direction, rows)))
         return 0
+    if opts.report_only and opts.serving:
+        from flashqla.bench.serving import rebuild_serving
+
+        return rebuild_serving(opts.data_dir, opts.pages_dir, opts.prefix, opts.commit)
     if opts.report_only:
         from flashqla.bench.report import rebuild
 

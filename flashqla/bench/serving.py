@@ -38,6 +38,7 @@ the issue's goal being <= 3%; FlashInfer's serving time over ours at the same ch
 from __future__ import annotations
 
 import math
+import sys
 from itertools import accumulate
 from pathlib import Path
 
@@ -303,13 +304,15 @@ def console_line(r: dict) -> str:
             f"{_ms(_f(r, 'fi_serving_ms'))} | {r.get('status')}")
 
 
-def serving_markdown(rows: list[dict], env: dict, commit: str) -> list[str]:
-    """The `--serving` page: header, method, summary and one table row per benchmark row."""
+def serving_markdown(rows: list[dict], env: dict, commit: str, method: list[str] | None = None) -> list[str]:
+    """The `--serving` page: header, method, summary and one table row per benchmark row. `method`:
+    the Method bullets to print (a rebuild keeps the measuring run's, `rebuild_serving`), else this
+    code's."""
     L = [f"# Serving contract: ours vs FlashInfer ({env.get('gpu', '')})", "", "| | |", "| --- | --- |"]
     L += [f"| {f} | {env.get(f, '')} |" for f in BASE_ENV_FIELDS + ("flashinfer",)]
     dates = sorted(r.get("date", "") for r in rows)
     L += [f"| our commit | {commit} |", f"| date (UTC) | {dates[-1] if dates else ''} |", "", "## Method", ""]
-    L += ["- " + line for line in (
+    L += ["- " + line for line in method or (
         "Produced by `python -m flashqla.bench --serving` (`flashqla.bench.serving`); CUDA graphs, median of replays, "
         "after the gates.",
         "plain: ours with per-sequence fp32 states [N, HV, K, V]; serving: ours with a pool [2N, HV, V, K] in "
@@ -376,3 +379,37 @@ def serving_markdown(rows: list[dict], env: dict, commit: str) -> list[str]:
 def _e(r, k) -> str:
     v = _f(r, k)
     return "-" if v != v else f"{v:.1e}"
+
+
+def rebuild_serving(results_dir, out_dir, prefix: str | None = None, commit: str | None = None) -> int:
+    """`--serving --report-only`: the serving page rebuilt from `<prefix>.csv` in `results_dir` into
+    `out_dir`: the rows of `commit` (default: the most recently measured one) on that row's GPU, with
+    the Method bullets of the page of the same name in `results_dir` (the measuring run's; this code's
+    when there is none). Returns 1 when the CSV has no such rows (nothing written), else 0."""
+    from flashqla.bench.report import method_from_markdown
+
+    results_dir, out_dir = Path(results_dir), Path(out_dir)
+    if prefix is None:
+        cands = sorted(p.stem for p in results_dir.glob("*-serving.csv"))
+        if len(cands) != 1:
+            raise SystemExit(f"--serving --report-only: {len(cands)} *-serving.csv in {results_dir} "
+                             f"({', '.join(cands) or 'none'}); name one with --prefix")
+        prefix = cands[0]
+    rows = S.read_rows(results_dir / f"{prefix}.csv")
+    if commit is not None:
+        rows = [r for r in rows if r.get("commit") == commit]
+    if not rows:
+        print(f"no serving results in {results_dir / (prefix + '.csv')}" + (f" for commit {commit}" if commit else ""),
+              file=sys.stderr)
+        return 1
+    last = max(rows, key=lambda r: r.get("date", ""))
+    commit, gpu = last.get("commit", ""), last.get("gpu", "")
+    rows = [r for r in rows if r.get("commit") == commit and r.get("gpu") == gpu]
+    env = {f: last.get(f, "") or "" for f in BASE_ENV_FIELDS + ("flashinfer",)}
+    src = results_dir / f"{prefix}.md"
+    method = method_from_markdown(src.read_text()) if src.exists() else None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = out_dir / f"{prefix}.md"
+    md.write_text("\n".join(serving_markdown(rows, env, commit, method or None)) + "\n")
+    print(f"wrote {md}")
+    return 0
