@@ -78,7 +78,6 @@ __all__ = ["serve", "kernel_path_applies", "state_kernels_apply", "LAST_PATH"]
 LAST_PATH = {"path": None, "checkpoints": None}
 
 
-
 def serve(q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens, s: ServingArgs, *,
           cp: str, max_seqlen=None, seqlens=None, training: bool = False, backend=None):
     """Runs the op with validated serving arguments `s` (q, k after any L2 norm; scale a float).
@@ -101,14 +100,13 @@ def serve(q, k, v, g, beta, scale: float, initial_state, output_final_state: boo
     B, T, HV, V = v.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     mode = "off" if s.batch_invariant else cp
-    block_v = None  # picked from N * HV, batch_invariant too (module docstring: both widths give the same bits)
     plan = plan_call(q, v, cu_seqlens, mode, training=training, keep_states=training, max_seqlen=max_seqlen,
                      seqlens=seqlens)
     if kernel_path_applies(q, v, initial_state, output_final_state, cu_seqlens, s, plan, training=training,
                            backend=backend):
         LAST_PATH["path"] = "kernel"
         LAST_PATH["checkpoints"] = None
-        return _serve_kernel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, s, block_v,
+        return _serve_kernel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, s,
                              ends_at_T=plan.ends_at_T)
     LAST_PATH["path"] = "torch"
     LAST_PATH["checkpoints"] = None
@@ -124,7 +122,7 @@ def serve(q, k, v, g, beta, scale: float, initial_state, output_final_state: boo
         seg = (not split and s.checkpoint_positions is not None
                and segment_checkpoints_apply(plan, s.checkpoint_positions, q))
         f = forward(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, plan=plan, backend=backend,
-                    for_backward=False, block_v=block_v, return_info=seg or split,
+                    for_backward=False, return_info=seg or split,
                     checkpoint_positions=s.checkpoint_positions if split else None)
         if seg or split:
             f, info = f
@@ -140,11 +138,11 @@ def serve(q, k, v, g, beta, scale: float, initial_state, output_final_state: boo
             if info is not None and info.mode == "exact":
                 LAST_PATH["checkpoints"] = "segments"
                 ckpt = segment_checkpoint_states(q, k, v, g, beta, scale, h0, s.checkpoint_positions, info.tables,
-                                                 info.S_in, block_v=block_v, backend=backend)
+                                                 info.S_in, backend=backend)
             else:
                 LAST_PATH["checkpoints"] = "pieces"
                 ckpt = checkpoint_states(q, k, v, g, beta, scale, h0, cu_seqlens, s.checkpoint_positions, mode=mode,
-                                         block_v=block_v, backend=backend, training=training)
+                                         backend=backend, training=training)
     if kernels:
         return _write_back_kernels(o, final, ckpt, s, initial_state, output_final_state)
     return write_back(o, final, ckpt, s, initial_state, output_final_state)
@@ -319,7 +317,7 @@ def kernel_path_applies(q, v, initial_state, output_final_state: bool, cu_seqlen
 
 
 def _serve_kernel(q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens, s: ServingArgs,
-                  block_v, *, ends_at_T: bool = True):
+                  *, ends_at_T: bool = True):
     """The kernel path (module docstring): the gate floor, prepare, then the serving build of the
     recurrent kernel. ends_at_T False (device offsets with no host hint): o starts zeroed, so that the
     packed tokens after cu_seqlens[-1] (no CTA writes them) read 0, as on every other path."""
@@ -340,7 +338,7 @@ def _serve_kernel(q, k, v, g, beta, scale: float, initial_state, output_final_st
     ckpt = s.checkpoint_positions is not None and s.checkpoint_positions.numel() > 0
     backend = default_backend()
     a_dtype = product_dtype(q, False, backend)  # the fp16 A_beta product for bf16 input
-    args, kw = recurrent_serving_args(q, v, cu_seqlens, sdtype, s.state_layout, ckpt, block_v, a_dtype)
+    args, kw = recurrent_serving_args(q, v, cu_seqlens, sdtype, s.state_layout, ckpt, a_dtype=a_dtype)
     specs = [("prepare", prepare_kernel_args(k, beta, cu_seqlens, HV, a_dtype)),
              ("recurrent_serving", serving_spec_args(args, kw))]
     registry.build_once(tuple(specs), specs)
@@ -360,7 +358,7 @@ def _serve_kernel(q, k, v, g, beta, scale: float, initial_state, output_final_st
     o = chunk_recurrent_serving(q, k, v, A, G2, scale, initial_state, final, s.state_indices if s.pool else None,
                                 s.has_initial_state, cu_seqlens, state_layout=s.state_layout,
                                 checkpoint_positions=s.checkpoint_positions, checkpoint_states=s.checkpoint_states,
-                                block_v=block_v, o=o_buf)
+                                o=o_buf)
     if out is not None and not direct:
         out.copy_(o)
         o = out
