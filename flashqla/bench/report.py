@@ -423,7 +423,7 @@ def rate_clause(gpu: str | None) -> str:
     """The end of the Method's FLOP bullet: which bf16 GEMM rate the percentages use (`grid.peak_tflops`
     of `gpu`; the H200's when None), or that none is measured on this GPU."""
     peak = G.PEAK_TFLOPS if gpu is None else G.peak_tflops(gpu)
-    where = "on our H200" if gpu is None or "H200" in str(gpu).upper() else "on this GPU through torch (8192^3)"
+    where = "on our H200" if gpu is None else "on this GPU through torch (8192^3)"
     return ((f"; TFLOP/s on that count, % of the {peak:.0f} TFLOP/s bf16 GEMM rate measured {where}. " if peak else
              "; TFLOP/s on that count (no bf16 GEMM rate measured on this GPU yet: no percentage). ")
             + "Speed-up = peer ms / our ms.")
