@@ -396,16 +396,13 @@ def rebuild_serving(results_dir, out_dir, prefix: str | None = None, commit: str
                              f"({', '.join(cands) or 'none'}); name one with --prefix")
         prefix = cands[0]
     rows = S.read_rows(results_dir / f"{prefix}.csv")
-    if commit is not None:
-        rows = [r for r in rows if r.get("commit") == commit]
-    if not rows:
+    key = S.latest_key(rows, commit)
+    if key is None:
         print(f"no serving results in {results_dir / (prefix + '.csv')}" + (f" for commit {commit}" if commit else ""),
               file=sys.stderr)
         return 1
-    last = max(rows, key=lambda r: r.get("date", ""))
-    commit, gpu = last.get("commit", ""), last.get("gpu", "")
-    rows = [r for r in rows if r.get("commit") == commit and r.get("gpu") == gpu]
-    env = {f: last.get(f, "") or "" for f in BASE_ENV_FIELDS + ("flashinfer",)}
+    env, commit = key
+    rows = [r for r in rows if r.get("commit") == commit and r.get("gpu") == env["gpu"]]
     src = results_dir / f"{prefix}.md"
     method = method_from_markdown(src.read_text()) if src.exists() else None
     out_dir.mkdir(parents=True, exist_ok=True)
