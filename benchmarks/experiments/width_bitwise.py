@@ -1,8 +1,8 @@
 """Whether the recurrent kernel's two value-slice widths (BV = 64 and 128) give bit for bit the same
 o, final states and checkpoints, on the plain unsplit forward and on the serving build (a "vk" bf16
-pool, checkpoints at 1, 64, 65 and the sequence's last token). batch_invariant fixes the width at 64
-because the default width is picked from N * HV (the batch); if both widths give the same bits, the
-fix is not needed.
+pool, checkpoints at 1, 64, 65 and the sequence's last token; the serving call's width forced by
+replacing `recurrent.pick_block_v`). batch_invariant relies on it: it takes the width picked from the
+batch (N * HV), which it would otherwise have to fix.
 
     python benchmarks/experiments/width_bitwise.py [--precompile]   # --precompile: CPU, builds only
 
@@ -39,6 +39,9 @@ def main():
     import flashqla
     from flashqla.ops.gdn import serving as op_serving
     from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd
+    from flashqla.ops.gdn.kernels.sm90 import recurrent as rec
+
+    pick = rec.pick_block_v
 
     bad = 0
     for H, HV, lens in CASES:
@@ -55,13 +58,17 @@ def main():
             pool = torch.randn(2 * N, HV, 128, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).to(torch.bfloat16)
             idx = torch.arange(N, device="cuda", dtype=torch.int32) * 2 + 1
             cks = torch.full((len(pos), HV, 128, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
-            op_serving.BATCH_INVARIANT_BLOCK_V = bv
+            rec.pick_block_v = lambda *a, bv=bv, **k: bv  # the serving call's width (it takes the picked one)
             xs = {n: t for n, t in x.items() if n != "initial_state"}
-            with torch.no_grad():
-                o_s, _ = flashqla.chunk_gated_delta_rule(**xs, initial_state=pool, output_final_state=True,
-                                                         state_indices=idx, state_layout="vk", checkpoint_positions=pos_t,
-                                                         checkpoint_states=cks, batch_invariant=True)
-            torch.cuda.synchronize()
+            try:
+                with torch.no_grad():
+                    o_s, _ = flashqla.chunk_gated_delta_rule(**xs, initial_state=pool, output_final_state=True,
+                                                             state_indices=idx, state_layout="vk",
+                                                             checkpoint_positions=pos_t, checkpoint_states=cks,
+                                                             batch_invariant=True)
+                torch.cuda.synchronize()
+            finally:
+                rec.pick_block_v = pick
             res[bv] = dict(o=f.o, final=f.final_state, serving_o=o_s, serving_pool=pool, serving_ckpts=cks,
                            path=op_serving.LAST_PATH["path"])
         for q in ("o", "final", "serving_o", "serving_pool", "serving_ckpts"):
