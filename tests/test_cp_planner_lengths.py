@@ -79,8 +79,8 @@ def test_the_lengths_below_the_longest_change_the_plan():
     cu = torch.tensor([0, 512, 1024, 8192])
     keys = {P.plan_key(q, v, cu, backward=True, seqlens=s) for s in ((512, 512, 7168), (1024, 0, 7168), None)}
     assert len(keys) == 3
-    # a forward plan's key keeps the lengths of 2 to LENGTHS_MAX_SEQUENCES sequences (the unsplit width
-    # is picked on them, `unsplit_block_v`); of one sequence or more, only their maximum
+    # a forward plan's key keeps the lengths of 2 to LENGTHS_WIDTH_MAX_SEQUENCES sequences (the unsplit
+    # width is picked on them, `unsplit_block_v`); of one sequence or more, only their maximum
     assert P.plan_key(q, v, cu, seqlens=(512, 512, 7168)).seqlens == (512, 512, 7168)
     one = P.plan_key(q, v, torch.tensor([0, 8192]), seqlens=(8192,))
     assert one.seqlens is None and one.max_seqlen == 8192
@@ -277,7 +277,7 @@ def test_unsplit_width_from_the_lengths():
     equal walks); one long and one short sequence at 64 value heads give BV 64 (the second wave of
     BV-64 CTAs is short), where the N * HV rule takes 128; the forward plan carries it."""
     from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
-    for N in range(1, 70):
+    for N in range(1, P.LENGTHS_WIDTH_MAX_SEQUENCES + 3):
         for HV in (4, 8, 16, 32, 48, 64):
             for L in (1, 64, 1000, 8192):
                 assert P.unsplit_block_v(N, HV, 128, 132, (L,) * N) == pick_block_v(N, HV, 128, 132), (N, HV, L)
@@ -285,6 +285,8 @@ def test_unsplit_width_from_the_lengths():
     assert P.unsplit_block_v(2, 64, 128, 132, (28672, 4096)) == 64
     assert P.unsplit_block_v(2, 64, 128, 132, (16384, 16384)) == 128
     assert P.unsplit_block_v(2, 64, 128, 132, None) == 128 and P.unsplit_block_v(2, 64, 64, 132, (28672, 4096)) == 64
+    many = (28672,) + (128,) * P.LENGTHS_WIDTH_MAX_SEQUENCES  # past the cap: the N * HV rule
+    assert P.unsplit_block_v(len(many), 64, 128, 132, many) == pick_block_v(len(many), 64)
     q, v = torch.empty(1, 32768, 16, 128), torch.empty(1, 32768, 64, 128)
     cu = torch.tensor([0, 28672, 32768])
     P.clear_plan_cache()

@@ -284,15 +284,22 @@ def _first_tokens(T: int, N: int, L: int, l_avg: int, l_max: int, balanced: bool
     return min(L, l_max) + (min(rest, others * L) if others else 0)
 
 
+#: The unsplit forward's width is picked on the lengths (`unsplit_block_v`) for batches of 2 to this many
+#: sequences: the case it is for is a few sequences of unequal lengths, and the makespan's cost on the
+#: host grows with N (about 0.13 ms at 16 sequences, 1.5 ms at 256, in Python).
+LENGTHS_WIDTH_MAX_SEQUENCES = 32
+
+
 def unsplit_block_v(N: int, HV: int, V: int = 128, sm_count: int = DEFAULT_SM_COUNT, seqlens=None) -> int:
-    """The unsplit forward launch's value-slice width. Without `seqlens`, or for one sequence:
-    `recurrent.pick_block_v` (the N * HV walks taken as equally long). With the N > 1 host-side
-    lengths: the width whose greedy makespan is shorter (`_greedy_makespan`: the launch's CTAs in
-    launch order, sequence-major, HV * V / BV of them a sequence, each ceil(length / 64) chunk steps of
-    `recurrent.ROLES_STEP_US[BV]`, one CTA an SM); for equal lengths that is pick_block_v's width.
+    """The unsplit forward launch's value-slice width. Without `seqlens`, for one sequence or for more
+    than LENGTHS_WIDTH_MAX_SEQUENCES: `recurrent.pick_block_v` (the N * HV walks taken as equally
+    long). With the host-side lengths of 2 to LENGTHS_WIDTH_MAX_SEQUENCES sequences: the width whose
+    greedy makespan is shorter (`_greedy_makespan`: the launch's CTAs in launch order, sequence-major,
+    HV * V / BV of them a sequence, each ceil(length / 64) chunk steps of `recurrent.ROLES_STEP_US[BV]`,
+    one CTA an SM); for equal lengths that is pick_block_v's width.
     Both widths are compiled under the same keys (`flashqla.warmup` builds both) and give the same
     bits, so the choice adds no compile key and changes no result."""
-    if V < 128 or seqlens is None or len(seqlens) < 2:
+    if V < 128 or seqlens is None or not 1 < len(seqlens) <= LENGTHS_WIDTH_MAX_SEQUENCES:
         return pick_block_v(N, HV, V, sm_count)
     t = {bv: _greedy_makespan([(_cdiv(int(n), CHUNK), HV * (V // bv)) for n in seqlens], sm_count) * ROLES_STEP_US[bv]
          for bv in (64, 128)}
@@ -688,14 +695,14 @@ def plan_key(q, v, cu_seqlens=None, *, sm_count_override=None, force=False, disa
              segment_len=None, max_seqlen=None, gate_chunks=None, backward=False, seqlens=None) -> PlanKey:
     """`PlanKey` from q [B, T, H, K], v [B, T, HV, V] and cu_seqlens (None or [N + 1]); shapes only,
     and the caller's host-side hints (max_seqlen; seqlens, kept where they change the plan beyond
-    their maximum: backward plans, and forward plans of 2 to LENGTHS_MAX_SEQUENCES sequences, whose
-    unsplit width is picked on them)."""
+    their maximum: backward plans, and forward plans of 2 to LENGTHS_WIDTH_MAX_SEQUENCES sequences,
+    whose unsplit width is picked on them)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     sms = sm_count(q.device) if sm_count_override is None else int(sm_count_override)
     cu_dtype = None if cu_seqlens is None else cu_seqlens.dtype
-    if seqlens is not None and not backward and not 1 < N <= LENGTHS_MAX_SEQUENCES:
+    if seqlens is not None and not backward and not 1 < N <= LENGTHS_WIDTH_MAX_SEQUENCES:
         max_seqlen = max(seqlens, default=0) if max_seqlen is None else min(int(max_seqlen), max(seqlens, default=0))
         seqlens = None
     seqlens = tuple(seqlens) if seqlens is not None else None
