@@ -283,6 +283,7 @@ def test_unsplit_width_from_the_lengths():
                 assert P.unsplit_block_v(N, HV, 128, 132, (L,) * N) == pick_block_v(N, HV, 128, 132), (N, HV, L)
     assert pick_block_v(2, 64) == 128
     assert P.unsplit_block_v(2, 64, 128, 132, (28672, 4096)) == 64
+    assert P.unsplit_block_v(3, 8, 128, 132, (0, 0, 0)) == pick_block_v(3, 8) == 64  # a tie: the rule
     assert P.unsplit_block_v(2, 64, 128, 132, (16384, 16384)) == 128
     assert P.unsplit_block_v(2, 64, 128, 132, None) == 128 and P.unsplit_block_v(2, 64, 64, 132, (28672, 4096)) == 64
     many = (28672,) + (128,) * P.LENGTHS_WIDTH_MAX_SEQUENCES  # past the cap: the N * HV rule

@@ -303,6 +303,8 @@ def unsplit_block_v(N: int, HV: int, V: int = 128, sm_count: int = DEFAULT_SM_CO
         return pick_block_v(N, HV, V, sm_count)
     t = {bv: _greedy_makespan([(_cdiv(int(n), CHUNK), HV * (V // bv)) for n in seqlens], sm_count) * ROLES_STEP_US[bv]
          for bv in (64, 128)}
+    if t[64] == t[128]:  # (empty sequences only) the N * HV rule
+        return pick_block_v(N, HV, V, sm_count)
     return 64 if t[64] < t[128] else 128
 
 
