@@ -79,8 +79,11 @@ def test_the_lengths_below_the_longest_change_the_plan():
     cu = torch.tensor([0, 512, 1024, 8192])
     keys = {P.plan_key(q, v, cu, backward=True, seqlens=s) for s in ((512, 512, 7168), (1024, 0, 7168), None)}
     assert len(keys) == 3
-    # a forward plan's key drops the lengths (only the backward's costs read them)
-    assert P.plan_key(q, v, cu, seqlens=(512, 512, 7168)).seqlens is None
+    # a forward plan's key keeps the lengths of 2 to LENGTHS_WIDTH_MAX_SEQUENCES sequences (the unsplit
+    # width is picked on them, `unsplit_block_v`); of one sequence or more, only their maximum
+    assert P.plan_key(q, v, cu, seqlens=(512, 512, 7168)).seqlens == (512, 512, 7168)
+    one = P.plan_key(q, v, torch.tensor([0, 8192]), seqlens=(8192,))
+    assert one.seqlens is None and one.max_seqlen == 8192
 
 
 def test_one_sequence_keeps_the_fitted_one_sequence_model():
@@ -267,3 +270,48 @@ def test_the_plan_sorts_only_where_the_schedule_gains():
     assert big.split and big.longest_first and small.split and not small.longest_first
     assert not P.plan_cp(8, 1, 32768, backward=True, seqlens=(32768,)).longest_first  # one sequence
     P.clear_plan_cache()
+
+
+def test_unsplit_width_from_the_lengths():
+    """`unsplit_block_v`: equal lengths give `pick_block_v`'s width (the waves rule is the makespan of
+    equal walks); one long and one short sequence at 64 value heads give BV 64 (the second wave of
+    BV-64 CTAs is short), where the N * HV rule takes 128; the forward plan carries it."""
+    from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
+    for N in range(1, P.LENGTHS_WIDTH_MAX_SEQUENCES + 3):
+        for HV in (4, 8, 16, 32, 48, 64):
+            for L in (1, 64, 1000, 8192):
+                assert P.unsplit_block_v(N, HV, 128, 132, (L,) * N) == pick_block_v(N, HV, 128, 132), (N, HV, L)
+    assert pick_block_v(2, 64) == 128
+    assert P.unsplit_block_v(2, 64, 128, 132, (28672, 4096)) == 64
+    assert P.unsplit_block_v(3, 8, 128, 132, (0, 0, 0)) == pick_block_v(3, 8) == 64  # a tie: the rule
+    assert P.unsplit_block_v(2, 64, 128, 132, (16384, 16384)) == 128
+    assert P.unsplit_block_v(2, 64, 128, 132, None) == 128 and P.unsplit_block_v(2, 64, 64, 132, (28672, 4096)) == 64
+    many = (28672,) + (128,) * P.LENGTHS_WIDTH_MAX_SEQUENCES  # past the cap: the N * HV rule
+    assert P.unsplit_block_v(len(many), 64, 128, 132, many) == pick_block_v(len(many), 64)
+    q, v = torch.empty(1, 32768, 16, 128), torch.empty(1, 32768, 64, 128)
+    cu = torch.tensor([0, 28672, 32768])
+    P.clear_plan_cache()
+    plain = P.plan_call(q, v, cu, "off").forward
+    known = P.plan_call(q, v, cu, "off", seqlens=(28672, 4096)).forward
+    assert (plain.split, plain.BV, known.split, known.BV) == (False, 128, False, 64)
+
+
+def test_unsplit_forward_runs_at_the_plans_width(monkeypatch):
+    """The unsplit forward passes the plan's width to the recurrent launch (no second pick)."""
+    from flashqla.ops.gdn import backend as backend_mod
+    from flashqla.ops.gdn import fwd as F
+    from flashqla.testing import make_gdn_inputs
+    from reference.gdn.cp import ReferenceCPBackend
+    monkeypatch.setattr(backend_mod, "_DEFAULT", ReferenceCPBackend())
+    seen = []
+    real = F._unsplit
+
+    def spy(backend, q, k, v, g, beta, scale, h0, ofs, cu, block_v, *a, **kw):
+        seen.append(block_v)
+        return real(backend, q, k, v, g, beta, scale, h0, ofs, cu, block_v, *a, **kw)
+    monkeypatch.setattr(F, "_unsplit", spy)
+    x = make_gdn_inputs(B=1, T=320, H=1, HV=2, seqlens=[256, 64], seed=1)
+    plan = P.plan_call(x["q"], x["v"], x["cu_seqlens"], "off", seqlens=(256, 64))
+    F.forward(x["q"], x["k"], x["v"], x["g"], x["beta"], 128 ** -0.5, x["initial_state"], True, x["cu_seqlens"],
+              plan=plan, for_backward=False)
+    assert seen == [plan.forward.BV] and plan.forward.BV == P.unsplit_block_v(2, 2, 128, P.sm_count("cpu"), (256, 64))

@@ -111,7 +111,7 @@ import torch
 
 from flashqla.contract import CHUNK, as_index, check_seqlens, cp_mode, positive_int
 from flashqla.cp.segments import num_segment_slots
-from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
+from flashqla.ops.gdn.kernels.sm90.recurrent import ROLES_STEP_US, pick_block_v
 
 __all__ = ["CPPlan", "CallPlan", "PlanKey", "clear_plan_cache", "cp_splits", "fit_lengths_costs", "plan_call", "plan_cp",
            "plan_for", "plan_key", "sm_count"]
@@ -282,6 +282,30 @@ def _first_tokens(T: int, N: int, L: int, l_avg: int, l_max: int, balanced: bool
         return N * min(L, l_avg)
     others, rest = N - 1, max(T - l_max, 0)
     return min(L, l_max) + (min(rest, others * L) if others else 0)
+
+
+#: The unsplit forward's width is picked on the lengths (`unsplit_block_v`) for batches of 2 to this many
+#: sequences: the case it is for is a few sequences of unequal lengths, and the makespan's cost on the
+#: host grows with N (about 0.13 ms at 16 sequences, 1.5 ms at 256, in Python).
+LENGTHS_WIDTH_MAX_SEQUENCES = 32
+
+
+def unsplit_block_v(N: int, HV: int, V: int = 128, sm_count: int = DEFAULT_SM_COUNT, seqlens=None) -> int:
+    """The unsplit forward launch's value-slice width. Without `seqlens`, for one sequence or for more
+    than LENGTHS_WIDTH_MAX_SEQUENCES: `recurrent.pick_block_v` (the N * HV walks taken as equally
+    long). With the host-side lengths of 2 to LENGTHS_WIDTH_MAX_SEQUENCES sequences: the width whose
+    greedy makespan is shorter (`_greedy_makespan`: the launch's CTAs in launch order, sequence-major,
+    HV * V / BV of them a sequence, each ceil(length / 64) chunk steps of `recurrent.ROLES_STEP_US[BV]`,
+    one CTA an SM); for equal lengths that is pick_block_v's width.
+    Both widths are compiled under the same keys (`flashqla.warmup` builds both) and give the same
+    bits, so the choice adds no compile key and changes no result."""
+    if V < 128 or seqlens is None or not 1 < len(seqlens) <= LENGTHS_WIDTH_MAX_SEQUENCES:
+        return pick_block_v(N, HV, V, sm_count)
+    t = {bv: _greedy_makespan([(_cdiv(int(n), CHUNK), HV * (V // bv)) for n in seqlens], sm_count) * ROLES_STEP_US[bv]
+         for bv in (64, 128)}
+    if t[64] == t[128]:  # (empty sequences only) the N * HV rule
+        return pick_block_v(N, HV, V, sm_count)
+    return 64 if t[64] < t[128] else 128
 
 
 def _greedy_makespan(runs, slots: int) -> int:
@@ -527,8 +551,9 @@ def _plan_cp(
             exact) instead of the forward's.
         seqlens: optional host-side lengths of the N sequences (a tuple summing to T; FLA's
             cu_seqlens_cpu, `flashqla.contract.planning_seqlens`). With backward and N > 1 the plan
-            is costed on them (`_bwd_lengths_time`, BWD_LEN_TOKEN_COST's comment); elsewhere only their
-            maximum is used, as max_seqlen.
+            is costed on them (`_bwd_lengths_time`, BWD_LEN_TOKEN_COST's comment); the forward's
+            unsplit width is picked on them (`unsplit_block_v`); elsewhere only their maximum is used,
+            as max_seqlen.
 
     Returns a `CPPlan`. Raises ValueError for non-positive sizes, force with disable, a segment_len
     that is not a positive multiple of 64, a gate_chunks < 1, a V that no width in BV_CHOICES
@@ -560,7 +585,10 @@ def _plan_cp(
         return CPPlan(p.split, p.segment_len, p.BV, p.exact, p.sm_count, p.est_unsplit, p.est_split,
                       p.reason + " (the forward's plan: packed batch)")
     if disable or N == 0 or T == 0:  # nothing to search
-        bv_u = bvs[0]
+        # the forward's unsplit launch runs at `unsplit_block_v`'s width (the op passes the plan's BV)
+        bv_u = bvs[0] if backward or N == 0 or T == 0 else unsplit_block_v(N, HV, V, sm_count, seqlens)
+        if bv_u not in bvs:
+            bv_u = bvs[0]
         t_u = 0.0 if N == 0 or T == 0 else _unsplit_time(bv_u, HV, V, N, _cdiv(T, N), _cdiv(T, N), sm_count)
         return CPPlan(False, None, bv_u, exact, sm_count, t_u, None, "disabled" if disable else "empty input")
     # lengths: the hint bounds the longest sequence; without it every sequence is taken as ceil(T / N)
@@ -592,8 +620,8 @@ def _plan_cp(
         return _decide(t_u, bv_u, cands, bvs, exact, sm_count, force, segment_len, l_max, backward, tie=0.0)
     if backward:
         bv_u = min(bvs, key=lambda bv: (unsplit(bv), bvs.index(bv)))
-    else:  # the width the unsplit launch runs at (`recurrent.pick_block_v`), not the cheapest one
-        bv_u = pick_block_v(N, HV, V, sm_count)
+    else:  # the width the unsplit launch runs at (`recurrent.pick_block_v`, on the lengths when given)
+        bv_u = unsplit_block_v(N, HV, V, sm_count, seqlens)
         if bv_u not in bvs:
             bv_u = min(bvs, key=lambda bv: (unsplit(bv), bvs.index(bv)))
     t_u = unsplit(bv_u)
@@ -668,14 +696,18 @@ class PlanKey(NamedTuple):
 def plan_key(q, v, cu_seqlens=None, *, sm_count_override=None, force=False, disable=False, exact=False,
              segment_len=None, max_seqlen=None, gate_chunks=None, backward=False, seqlens=None) -> PlanKey:
     """`PlanKey` from q [B, T, H, K], v [B, T, HV, V] and cu_seqlens (None or [N + 1]); shapes only,
-    and the caller's host-side hints (max_seqlen; seqlens, kept for backward plans only, the only
-    ones it changes beyond its maximum)."""
+    and the caller's host-side hints (max_seqlen; seqlens, kept where they change the plan beyond
+    their maximum: backward plans, and forward plans of 2 to LENGTHS_WIDTH_MAX_SEQUENCES sequences,
+    whose unsplit width is picked on them)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     sms = sm_count(q.device) if sm_count_override is None else int(sm_count_override)
     cu_dtype = None if cu_seqlens is None else cu_seqlens.dtype
-    seqlens = tuple(seqlens) if seqlens is not None and backward else None
+    if seqlens is not None and not backward and not 1 < N <= LENGTHS_WIDTH_MAX_SEQUENCES:
+        max_seqlen = max(seqlens, default=0) if max_seqlen is None else min(int(max_seqlen), max(seqlens, default=0))
+        seqlens = None
+    seqlens = tuple(seqlens) if seqlens is not None else None
     return PlanKey(B, T, H, HV, K, V, N, q.dtype, cu_dtype, q.device, sms, bool(force), bool(disable), bool(exact),
                    segment_len, max_seqlen, gate_chunks, bool(backward), seqlens)
 
@@ -736,7 +768,8 @@ def plan_call(q, v, cu_seqlens=None, cp=None, *, training: bool = False, keep_st
     keep = keep_states and bwd is not None and bwd.split and segment_len is None and gate_chunks is None
     if keep:
         return CallPlan(bwd, bwd, True, ends)
-    fwd = plan_for(q, v, cu_seqlens, exact=gate_chunks is None, segment_len=segment_len, gate_chunks=gate_chunks, **flags)
+    fwd = plan_for(q, v, cu_seqlens, exact=gate_chunks is None, segment_len=segment_len, gate_chunks=gate_chunks,
+                   seqlens=seqlens, **flags)
     return CallPlan(fwd, bwd, False, ends)
 
 

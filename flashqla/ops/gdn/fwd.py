@@ -174,8 +174,8 @@ def forward(q, k, v, g, beta, scale: float, initial_state, output_final_state: b
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     p = plan.forward
     if not p.split:
-        out = _unsplit(backend, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, block_v,
-                       poison_outputs, N, plan.ends_at_T, a_dtype)
+        out = _unsplit(backend, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                       block_v or p.BV, poison_outputs, N, plan.ends_at_T, a_dtype)
         return (out, None) if return_info else out
     cutoff = resolve_truncate(truncate)
     BV = block_v or p.BV

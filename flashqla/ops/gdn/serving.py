@@ -45,7 +45,7 @@ kernels with torch around them:
 
 batch_invariant (both paths): the plan is cp="off" (no context-parallel split, which depends on the
 batch); every launch then computes a (sequence, value head, value slice) from that sequence's tokens
-only. The value-slice width is still picked from N * HV (`recurrent.pick_block_v`): the recurrent
+only. The value-slice width is still picked from the batch (`cp.plan.unsplit_block_v`): the recurrent
 kernel and its serving build give the same bits at BV = 64 and 128 (the widths differ in how the value
 rows are split over warpgroups; no product reduces over the value dimension; measured on the H100 for
 o, final states, a bf16 "vk" pool and checkpoints, `benchmarks/experiments/width_bitwise.py`; the GPU
@@ -102,6 +102,9 @@ def serve(q, k, v, g, beta, scale: float, initial_state, output_final_state: boo
     mode = "off" if s.batch_invariant else cp
     plan = plan_call(q, v, cu_seqlens, mode, training=training, keep_states=training, max_seqlen=max_seqlen,
                      seqlens=seqlens)
+    # the plan's width (`cp.plan.unsplit_block_v`, on the lengths when known), batch_invariant too (module
+    # docstring: both widths give the same bits); the split path picks its own
+    block_v = None if plan.forward.split else plan.forward.BV
     if kernel_path_applies(q, v, initial_state, output_final_state, cu_seqlens, s, plan, training=training,
                            backend=backend):
         LAST_PATH["path"] = "kernel"
