@@ -5,6 +5,7 @@ H200 sweep it was fitted on (benchmarks/results/h200-cp-train-sweep.json)."""
 from __future__ import annotations
 
 import heapq
+import itertools
 import json
 import os
 import random
@@ -315,3 +316,28 @@ def test_unsplit_forward_runs_at_the_plans_width(monkeypatch):
     F.forward(x["q"], x["k"], x["v"], x["g"], x["beta"], 128 ** -0.5, x["initial_state"], True, x["cu_seqlens"],
               plan=plan, for_backward=False)
     assert seen == [plan.forward.BV] and plan.forward.BV == P.unsplit_block_v(2, 2, 128, P.sm_count("cpu"), (256, 64))
+
+
+@pytest.mark.parametrize("H, HV, lengths, split, BV", [
+    # the H100 rows of width_mix_ab.py (journal forward.md "The unsplit width from the lengths"): where
+    # the split plan was chosen it beat BV 64 unsplit (1.03-1.31x), so the lengths never undo a split;
+    # an unsplit plan takes the lengths' width (2048x3+26624: 1.299 ms at 64 against 1.468 at 128)
+    (16, 64, (28672, 4096), True, 128),
+    (16, 64, (24576, 8192), True, 128),
+    (16, 48, (28672, 4096), True, 128),
+    (16, 32, (30000, 1000, 1000, 700), True, 128),
+    (16, 64, (16384, 16384), False, 128),
+    (16, 64, (2048, 2048, 2048, 26624), False, 64),
+])
+def test_split_is_decided_at_the_rules_width(H, HV, lengths, split, BV):
+    """cp="auto" with the lengths: split or not as without them (at pick_block_v's width); an unsplit
+    plan runs at `unsplit_block_v`'s width and says so in its reason."""
+    T = sum(lengths)
+    q, v = torch.empty(1, T, H, 128, device="meta"), torch.empty(1, T, HV, 128, device="meta")
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    P.clear_plan_cache()
+    known = P.plan_call(q, v, cu, "auto", seqlens=lengths, max_seqlen=max(lengths)).forward
+    hint = P.plan_call(q, v, cu, "auto", max_seqlen=max(lengths)).forward
+    assert (known.split, known.BV) == (split, BV)
+    assert hint.split == known.split and (known.split or known.BV == P.unsplit_block_v(len(lengths), HV, 128, 132, lengths))
+    assert ("from the lengths" in known.reason) == (known.BV != hint.BV)

@@ -217,15 +217,15 @@ def test_reference_batch_invariant():
 
 
 def test_op_batch_invariant_plan(op_on_cpu, monkeypatch):
-    """batch_invariant on the op: cp off, the default value-slice width (both widths give the same
-    bits on sm_90: `flashqla.ops.gdn.serving`); with the reference backend the sequence's results are
-    bitwise the same in every batch."""
+    """batch_invariant on the op: cp off, the plan's value-slice width (`cp.plan.unsplit_block_v`; both
+    widths give the same bits on sm_90: `flashqla.ops.gdn.serving`); with the reference backend the
+    sequence's results are bitwise the same in every batch."""
     seen = []
     import flashqla.ops.gdn.serving as serving_mod
     real_forward = serving_mod.forward
 
     def spy(*args, **kw):
-        seen.append((kw["plan"].forward.split, kw.get("block_v")))
+        seen.append((kw["plan"].forward.split, kw["plan"].forward.BV))
         return real_forward(*args, **kw)
     monkeypatch.setattr(serving_mod, "forward", spy)
     _batch_invariance(op_on_cpu, cp="on")

@@ -10,9 +10,10 @@ the H100 serving page), and does the makespan model pick the faster width?
     python benchmarks/experiments/width_mix_ab.py --model    # CPU: the model's picks only
 
 Prints a table: ms at BV 64 and 128 (`chunk_gated_delta_rule_fwd(cp="off", block_v=...)`, inference,
-CUDA graphs, median), the default call's ms (the planner given the lengths, `seqlens`, as the public op
-given `cu_seqlens_cpu`: it may split), the two picks and the model's predicted recurrent-launch
-times (us).
+CUDA graphs, median), the default call's ms with the lengths (the planner given `seqlens`, as the
+public op given `cu_seqlens_cpu`: it may split; an unsplit plan runs at `cp.plan.unsplit_block_v`'s
+width) and with their maximum only (`max_seqlen`: pick_block_v's width), the two picks and the model's
+predicted recurrent-launch times (us).
 """
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ import sys
 
 ROWS = ["16/64 28672+4096", "16/64 24576+8192", "16/48 28672+4096", "16/48 24576+8192", "32/32 28672+4096",
         "16/32 28672+4096", "8/32 24576+8192", "16/64 16384+16384", "16/64 8192+8192+8192+8192",
-        "16/32 30000+1000+1000+700", "16/64 2048+2048+2048+26624"]
+        "16/32 30000+1000+1000+700", "16/64 2048+2048+2048+26624",
+        # the forward grid's rows whose unsplit width the lengths change (cp.plan.unsplit_block_v)
+        "16/64 12288+4096", "16/64 6144+2048", "16/64 2048+6144", "16/64 1024+7168", "16/48 6144+2048",
+        "16/48 2048+6144", "16/48 1024+7168"]
 
 
 def model(HV: int, lengths: list[int], sms: int = 132) -> dict:
@@ -40,15 +44,15 @@ def main(model_only: bool):
     from _gpu import parse_row
 
     from flashqla.ops.gdn.kernels.sm90.recurrent import pick_block_v
-    lines = ["| row | pick_block_v | makespan pick | model us 64 / 128 | BV 64 ms | BV 128 ms | 128 / 64 | bitwise | default ms |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    lines = ["| row | pick_block_v | makespan pick | model us 64 / 128 | BV 64 ms | BV 128 ms | 128 / 64 | bitwise | default ms | max-only ms |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
     for row in ROWS:
         H, HV, lens = parse_row(row)
         m = model(HV, lens)
         pick_m = 64 if m[64] < m[128] else 128
         cells = [row, str(pick_block_v(len(lens), HV)), str(pick_m), f"{m[64]:.0f} / {m[128]:.0f}"]
         if model_only:
-            lines.append("| " + " | ".join(cells + ["-"] * 5) + " |")
+            lines.append("| " + " | ".join(cells + ["-"] * 6) + " |")
             continue
         import torch
         from _gpu import gen_inputs, time_graph
@@ -65,7 +69,10 @@ def main(model_only: bool):
         same = all(torch.equal(a, b) for a, b in zip(res[64], res[128]))
         ms_default = time_graph(lambda: chunk_gated_delta_rule_fwd(**x, output_final_state=True, seqlens=tuple(lens),
                                                                    max_seqlen=max(lens), for_backward=False))
-        cells += [f"{ms[64]:.3f}", f"{ms[128]:.3f}", f"{ms[128] / ms[64]:.3f}", str(same), f"{ms_default:.3f}"]
+        ms_hint = time_graph(lambda: chunk_gated_delta_rule_fwd(**x, output_final_state=True, max_seqlen=max(lens),
+                                                                for_backward=False))
+        cells += [f"{ms[64]:.3f}", f"{ms[128]:.3f}", f"{ms[128] / ms[64]:.3f}", str(same), f"{ms_default:.3f}",
+                  f"{ms_hint:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
     if not model_only:

@@ -209,6 +209,27 @@ def test_public_op_matches_fwd():
     assert torch.equal(o, o2)
 
 
+def test_public_op_width_from_the_lengths():
+    """The public op given `cu_seqlens_cpu` on two unequal sequences at 48 value heads: the unsplit
+    plan's width comes from the lengths (`cp.plan.unsplit_block_v`: 64, where `pick_block_v` takes 128
+    without them); o and the final state equal the call without the host copy bit for bit (the two
+    widths give the same bits) and meet the fp64 budget."""
+    from flashqla import chunk_gated_delta_rule
+    from flashqla.cp import plan as P
+
+    x = make_gdn_inputs(B=1, T=2048, H=4, HV=48, seqlens=[1536, 512], seed=5)
+    xd = _to_device(x)
+    P.clear_plan_cache()
+    plans = [P.plan_call(xd["q"], xd["v"], xd["cu_seqlens"], "auto", seqlens=s, max_seqlen=m).forward
+             for s, m in (((1536, 512), 1536), (None, None))]
+    assert [(p.split, p.BV) for p in plans] == [(False, 64), (False, 128)], plans
+    o, ht = chunk_gated_delta_rule(**xd, output_final_state=True, cu_seqlens_cpu=x["cu_seqlens"].cpu())
+    o2, ht2 = chunk_gated_delta_rule(**xd, output_final_state=True)
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)
+    ref_o, ref_ht = _reference(xd)
+    assert rel_rms(o, ref_o) <= _budget("o") and rel_rms(ht, ref_ht) <= _budget("ht")
+
+
 # --------------------------------------------------------------------------------------------
 # stage by stage: g_cum and A against the chunked reference
 # --------------------------------------------------------------------------------------------

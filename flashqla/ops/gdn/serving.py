@@ -102,15 +102,14 @@ def serve(q, k, v, g, beta, scale: float, initial_state, output_final_state: boo
     mode = "off" if s.batch_invariant else cp
     plan = plan_call(q, v, cu_seqlens, mode, training=training, keep_states=training, max_seqlen=max_seqlen,
                      seqlens=seqlens)
-    # the plan's width (`cp.plan.unsplit_block_v`, on the lengths when known), batch_invariant too (module
-    # docstring: both widths give the same bits); the split path picks its own
-    block_v = None if plan.forward.split else plan.forward.BV
     if kernel_path_applies(q, v, initial_state, output_final_state, cu_seqlens, s, plan, training=training,
                            backend=backend):
         LAST_PATH["path"] = "kernel"
         LAST_PATH["checkpoints"] = None
+        # at the plan's width (`cp.plan.unsplit_block_v`, on the lengths when known), batch_invariant too
+        # (module docstring: both widths give the same bits); the torch path's forward uses it too
         return _serve_kernel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, s,
-                             ends_at_T=plan.ends_at_T)
+                             plan.forward.BV, ends_at_T=plan.ends_at_T)
     LAST_PATH["path"] = "torch"
     LAST_PATH["checkpoints"] = None
     kernels = state_kernels_apply(q, s, training=training, backend=backend)
@@ -320,7 +319,7 @@ def kernel_path_applies(q, v, initial_state, output_final_state: bool, cu_seqlen
 
 
 def _serve_kernel(q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens, s: ServingArgs,
-                  *, ends_at_T: bool = True):
+                  block_v: int, *, ends_at_T: bool = True):
     """The kernel path (module docstring): the gate floor, prepare, then the serving build of the
     recurrent kernel. ends_at_T False (device offsets with no host hint): o starts zeroed, so that the
     packed tokens after cu_seqlens[-1] (no CTA writes them) read 0, as on every other path."""
@@ -341,7 +340,7 @@ def _serve_kernel(q, k, v, g, beta, scale: float, initial_state, output_final_st
     ckpt = s.checkpoint_positions is not None and s.checkpoint_positions.numel() > 0
     backend = default_backend()
     a_dtype = product_dtype(q, False, backend)  # the fp16 A_beta product for bf16 input
-    args, kw = recurrent_serving_args(q, v, cu_seqlens, sdtype, s.state_layout, ckpt, a_dtype=a_dtype)
+    args, kw = recurrent_serving_args(q, v, cu_seqlens, sdtype, s.state_layout, ckpt, block_v, a_dtype)
     specs = [("prepare", prepare_kernel_args(k, beta, cu_seqlens, HV, a_dtype)),
              ("recurrent_serving", serving_spec_args(args, kw))]
     registry.build_once(tuple(specs), specs)
@@ -361,7 +360,7 @@ def _serve_kernel(q, k, v, g, beta, scale: float, initial_state, output_final_st
     o = chunk_recurrent_serving(q, k, v, A, G2, scale, initial_state, final, s.state_indices if s.pool else None,
                                 s.has_initial_state, cu_seqlens, state_layout=s.state_layout,
                                 checkpoint_positions=s.checkpoint_positions, checkpoint_states=s.checkpoint_states,
-                                o=o_buf)
+                                block_v=block_v, o=o_buf)
     if out is not None and not direct:
         out.copy_(o)
         o = out
