@@ -361,6 +361,44 @@ def test_packed_tail_output_is_defined():
     assert not bool(tail.any()), "o of the packed tail is not zero"
 
 
+@pytest.mark.parametrize("cp", ["off", "on"])
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+def test_packed_tail_is_written_by_the_tail_launch(cp, cu_dtype):
+    """Without the grad and without a host copy of the offsets, o is allocated uninitialised and its
+    tail (rows past cu_seqlens[-1]) zeroed by the tail launch (`packed_tail.zero_packed_tail`), on the
+    unsplit and on the split path: the tail is exactly zero although the allocator hands back memory
+    filled with NaN, the sequences' rows equal the call on the tokens before the tail (to the split
+    plan's difference, which depends on T) and the fp64 budget; the launch alone zeroes the tail of a
+    NaN-filled o and leaves the other rows bitwise as they were."""
+    from flashqla.ops.gdn.kernels.sm90.packed_tail import zero_packed_tail
+
+    lengths, tail = [300, 1000, 77], 900
+    x = make_gdn_inputs(B=1, T=sum(lengths) + tail, H=2, HV=4, seqlens=lengths + [tail], seed=321)
+    Tv = sum(lengths)
+    xd = {n: t.to(DEV, torch.bfloat16 if n in ("q", "k", "v") else torch.float32) for n, t in x.items()
+          if n in NAMES and t is not None}
+    xd["initial_state"] = xd["initial_state"][:len(lengths)]
+    cu = x["cu_seqlens"][:-1].to(DEV, cu_dtype)
+    with torch.no_grad():
+        junk = torch.full_like(xd["v"], float("nan"))  # the block o is cut from next
+        del junk
+        o, ht = OP(**xd, cu_seqlens=cu, output_final_state=True, cp=cp)
+        cut = {n: (t[:, :Tv] if n != "initial_state" else t) for n, t in xd.items()}
+        o2, ht2 = OP(**cut, cu_seqlens=cu, output_final_state=True, cp=cp)
+    torch.cuda.synchronize()
+    assert bool(torch.isfinite(o.float()).all()), "o holds NaN (unwritten rows)"
+    assert not bool(o[:, Tv:].any()), "o of the packed tail is not zero"
+    assert rel_rms(o[:, :Tv], o2) <= 1e-3 and rel_rms(ht, ht2) <= 1e-3
+    ref = reference.recurrent_gated_delta_rule(*(cut[n].cpu().double() for n in ("q", "k", "v", "g", "beta")),
+                                               initial_state=cut["initial_state"].cpu().double(),
+                                               output_final_state=True, cu_seqlens=cu.cpu())
+    assert rel_rms(o[:, :Tv], ref[0]) <= BUDGET["o"] and rel_rms(ht, ref[1]) <= BUDGET["ht"]
+    poisoned = torch.full_like(o, float("nan"))
+    poisoned[:, :Tv] = o[:, :Tv]
+    zero_packed_tail(poisoned, cu)
+    assert torch.equal(poisoned[:, :Tv], o[:, :Tv]) and not bool(poisoned[:, Tv:].any())
+
+
 # ----------------------------------------------------------------------------------------------
 # scale
 # ----------------------------------------------------------------------------------------------

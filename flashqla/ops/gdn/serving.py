@@ -321,13 +321,16 @@ def kernel_path_applies(q, v, initial_state, output_final_state: bool, cu_seqlen
 def _serve_kernel(q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens, s: ServingArgs,
                   block_v: int, *, ends_at_T: bool = True):
     """The kernel path (module docstring): the gate floor, prepare, then the serving build of the
-    recurrent kernel. ends_at_T False (device offsets with no host hint): o starts zeroed, so that the
-    packed tokens after cu_seqlens[-1] (no CTA writes them) read 0, as on every other path."""
+    recurrent kernel. ends_at_T False (device offsets with no host hint): the packed tokens after
+    cu_seqlens[-1] (no CTA writes them) are zeroed by the tail launch (`packed_tail.zero_packed_tail`),
+    so that they read 0, as on every other path."""
     from flashqla.ops.gdn.backend import default_backend
     from flashqla.ops.gdn.kernels.sm90 import registry
     from flashqla.ops.gdn.kernels.sm90.prepare import prepare_kernel_args
     from flashqla.ops.gdn.fwd import product_dtype
-    from flashqla.ops.gdn.kernels.sm90.recurrent import chunk_recurrent_serving, recurrent_serving_args, serving_spec_args
+    from flashqla.ops.gdn.kernels.sm90.packed_tail import zero_packed_tail
+    from flashqla.ops.gdn.kernels.sm90.recurrent import (chunk_recurrent_serving, new_output, recurrent_serving_args,
+                                                         serving_spec_args)
 
     g = clamp_gates(g)  # the one gate floor of every path (`flashqla.contract.G_FLOOR`)
     q, k, v, g, beta = (dense(x) for x in (q, k, v, g, beta))
@@ -355,8 +358,8 @@ def _serve_kernel(q, k, v, g, beta, scale: float, initial_state, output_final_st
     direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0
     zero_tail = cu_seqlens is not None and not ends_at_T
     if direct and zero_tail:
-        out.zero_()
-    o_buf = out if direct else (torch.zeros_like(v) if zero_tail else None)
+        zero_packed_tail(out, cu_seqlens)
+    o_buf = out if direct else (new_output(v, cu_seqlens) if zero_tail else None)
     o = chunk_recurrent_serving(q, k, v, A, G2, scale, initial_state, final, s.state_indices if s.pool else None,
                                 s.has_initial_state, cu_seqlens, state_layout=s.state_layout,
                                 checkpoint_positions=s.checkpoint_positions, checkpoint_states=s.checkpoint_states,

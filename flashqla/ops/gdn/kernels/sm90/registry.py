@@ -23,6 +23,8 @@ key). Kinds and builders:
     "pool_gather"      pool_states.build_pool_gather_kernel (the serving torch path's state moves,
     "pool_store"       pool_states.build_pool_store_kernel   in `serving_kernel_specs`)
     "checkpoint_combine" pool_states.build_checkpoint_combine_kernel
+    "zero_tail"        packed_tail.build_zero_tail_kernel (packed o's rows past device offsets that end
+                       before T, when the host has no hint that they end at T)
 Nothing here imports TileLang until a kernel is built.
 """
 
@@ -58,6 +60,7 @@ BUILDERS = {
     "pool_gather": ("pool_states", "build_pool_gather_kernel"),
     "pool_store": ("pool_states", "build_pool_store_kernel"),
     "checkpoint_combine": ("pool_states", "build_checkpoint_combine_kernel"),
+    "zero_tail": ("packed_tail", "build_zero_tail_kernel"),
 }
 
 
@@ -144,7 +147,8 @@ def op_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype:
 
     The context-parallel kernels (scans, output correction, state gradients, the dual run +
     transition launch at both value slice widths, the transition limits and, for packed input, the
-    segment tables) are included since `cp="auto"` may split. The split path runs on the segments'
+    segment tables) are included since `cp="auto"` may split; for packed input, the launch that zeroes
+    o's rows past device offsets ending before T (`packed_tail`). The split path runs on the segments'
     packed offsets, int32 for a fixed-length batch too; with `segments_first_use` (the default) such a
     batch's list also holds what that path builds on them and the rest does not name: the prepare
     kernel on packed offsets and, with `backward`, the segment tables and packed relayouts that the
@@ -167,6 +171,7 @@ def op_kernel_specs(H: int, HV: int, *, N: int = 1, varlen: bool = False, dtype:
     ]
     if varlen:
         specs.append(("cp_tables", (seq_dtype,)))
+        specs.append(("zero_tail", (V, dtype, seq_dtype)))  # o's rows past device offsets ending before T
     if K == V:  # the split path's run + transition launch, on the segments' packed offsets, either slice width
         cp_seq = seq_dtype if varlen else "int32"
         if not varlen and segments_first_use:  # a fixed-length batch's segments are packed: prepare on them
