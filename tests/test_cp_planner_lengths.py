@@ -319,9 +319,9 @@ def test_unsplit_forward_runs_at_the_plans_width(monkeypatch):
 
 
 @pytest.mark.parametrize("H, HV, lengths, split, BV", [
-    # the H100 rows of width_mix_ab.py (journal forward.md "The unsplit width from the lengths"): where
-    # the split plan was chosen it beat BV 64 unsplit (1.03-1.31x), so the lengths never undo a split;
-    # an unsplit plan takes the lengths' width (2048x3+26624: 1.299 ms at 64 against 1.468 at 128)
+    # the H100 rows of width_mix_ab.py (journal forward.md "The unsplit width from the lengths"): the
+    # lengths never undo a split (30000+1000+1000+700: the split 17% faster than BV 64 unsplit); an
+    # unsplit plan takes the lengths' width (2048x3+26624: 1.199 ms at 64 against 1.633 at 128)
     (16, 64, (28672, 4096), True, 128),
     (16, 64, (24576, 8192), True, 128),
     (16, 48, (28672, 4096), True, 128),

@@ -631,11 +631,12 @@ def _plan_cp(
     plan = _decide(t_u, bv_u, cands, bvs, exact, sm_count, force, segment_len, l_max, backward)
     if backward or plan.split or seqlens is None:
         return plan
-    # Split or not is decided at pick_block_v's width, as without lengths: the unsplit model takes every
-    # walk as l_max long and overrates the narrow width's gain on unequal lengths (measured on the H100,
-    # journal forward.md "The unsplit width from the lengths": where the lengths width is 64 and the
-    # split was chosen, the split was 3-31% faster than BV 64 unsplit). An unsplit plan then runs at the
-    # lengths' width (`unsplit_block_v`), 1.13-1.5x faster where it differs from pick_block_v's.
+    # Split or not is decided at pick_block_v's width, as without lengths (`_unsplit_time` takes every
+    # walk as l_max long; at the lengths' width it would undo the split of 16/32 30000+1000+1000+700,
+    # 17% faster split on the H100). So the lengths never change the split decision, only an unsplit
+    # plan's width (`unsplit_block_v`), 1.12-1.52x faster where it differs from pick_block_v's (journal
+    # forward.md "The unsplit width from the lengths"; that entry's correction: on two of the split rows
+    # BV 64 unsplit would be about 10% faster, which a lengths-costed unsplit estimate would catch).
     bv_l = unsplit_block_v(N, HV, V, sm_count, seqlens)
     if bv_l == plan.BV or bv_l not in bvs:
         return plan
