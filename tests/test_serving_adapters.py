@@ -104,3 +104,41 @@ def test_adapters_report_bad_arguments_by_name():
     with pytest.raises(ValueError, match="backend"):
         vllm.gdn_prefill(**x, ssm_state=pool, state_indices=torch.tensor([0, 1]), has_initial_state=None, cu_seqlens=cu,
                          backend="flashqla")  # no Hopper GPU here
+
+
+def test_host_offsets_reach_flashqlas_planner_only(monkeypatch):
+    """The engines' host copy of the offsets (vLLM `cu_seqlens_cpu`, SGLang `query_start_loc_cpu`)
+    reaches flashqla's op as `cu_seqlens_cpu` and is checked then dropped for the reference op (which
+    has no planner); a copy that does not match is refused by name on either backend."""
+    from flashqla.integrations import qwen3_next
+
+    x, cu = _engine_inputs([20, 30], seed=3)
+    seen = []
+
+    def op(*args, **kw):  # stands for flashqla.chunk_gated_delta_rule (no Hopper GPU here)
+        seen.append(kw.get("cu_seqlens_cpu"))
+        return reference.chunk_gated_delta_rule(*args, **{n: v for n, v in kw.items() if n != "cu_seqlens_cpu"})
+    monkeypatch.setattr(qwen3_next, "select_op", lambda backend, device: op)
+    monkeypatch.setattr(vllm, "select_op", lambda backend, device: op)
+    monkeypatch.setattr(sglang, "select_op", lambda backend, device: op)
+    pool = torch.zeros(3, HV, K, V, dtype=torch.float64)
+    vllm.gdn_prefill(**x, ssm_state=pool, state_indices=torch.tensor([0, 1]), has_initial_state=None, cu_seqlens=cu,
+                     cu_seqlens_cpu=cu.clone())
+    vllm.chunk_gated_delta_rule(**x, cu_seqlens=cu, cu_seqlens_cpu=cu.clone())
+    sglang.extend(**x, ssm_states=pool.transpose(-1, -2).contiguous(), cache_indices=torch.tensor([0, 1]),
+                  query_start_loc=cu, query_start_loc_cpu=cu.clone())
+    vllm.chunk_gated_delta_rule(**x, cu_seqlens=cu)
+    assert [s is not None and torch.equal(s, cu) for s in seen] == [True, True, True, False]
+    monkeypatch.undo()
+    ref = qwen3_next.select_op("reference", "cpu")
+    assert qwen3_next.host_offsets_kwargs(ref, cu.clone(), cu, 50) == {}
+    o, _ = vllm.chunk_gated_delta_rule(**x, cu_seqlens=cu, cu_seqlens_cpu=cu.clone(), backend="reference")
+    assert torch.isfinite(o).all()
+    for bad, err in ((cu[:-1].clone(), ValueError), (cu.float(), TypeError), (torch.tensor([0, 20, 49]), ValueError)):
+        with pytest.raises(err, match="cu_seqlens_cpu"):
+            vllm.gdn_prefill(**x, ssm_state=pool, state_indices=torch.tensor([0, 1]), has_initial_state=None,
+                             cu_seqlens=cu, cu_seqlens_cpu=bad, backend="reference")
+        with pytest.raises(err, match="query_start_loc_cpu") as info:
+            sglang.extend(**x, ssm_states=pool.transpose(-1, -2).contiguous(), cache_indices=torch.tensor([0, 1]),
+                          query_start_loc=cu, query_start_loc_cpu=bad, backend="reference")
+        assert "cu_seqlens" not in str(info.value)

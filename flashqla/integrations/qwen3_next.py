@@ -389,6 +389,30 @@ def select_op(backend: str, device: torch.device | str) -> Callable:
     return flashqla.chunk_gated_delta_rule
 
 
+def host_offsets_kwargs(op: Callable, cu_seqlens_cpu, cu_seqlens, T: int,
+                        names: tuple[str, str] = ("cu_seqlens_cpu", "cu_seqlens")) -> dict:
+    """The keyword arguments that hand an engine's host copy of its offsets to `op`: `{"cu_seqlens_cpu":
+    cu_seqlens_cpu}` for flashqla's op (its planner costs the plan and the value-slice width on the
+    lengths, and knows that the offsets end at T: `flashqla.contract.planning_seqlens`), `{}` for the
+    reference op, which has no planner, after the same checks (so that a bad copy raises on every
+    backend). None: `{}`. Raises TypeError / ValueError naming the host copy and the offsets by
+    `names` (the engine's argument names; default flashqla's): not an int32/int64 CPU tensor of the
+    offsets' shape, values that do not start at 0, decrease or end before T."""
+    if cu_seqlens_cpu is None:
+        return {}
+    from flashqla.contract import planning_seqlens
+
+    try:
+        planning_seqlens(cu_seqlens_cpu, cu_seqlens, T)
+    except (TypeError, ValueError) as exc:
+        if names == ("cu_seqlens_cpu", "cu_seqlens"):
+            raise
+        msg = str(exc).replace("cu_seqlens_cpu", "\0").replace("cu_seqlens' ", names[1] + "'s ")
+        msg = msg.replace("cu_seqlens", names[1]).replace("\0", names[0])
+        raise type(exc)(msg) from None
+    return {} if op is face("reference").chunk_gated_delta_rule else {"cu_seqlens_cpu": cu_seqlens_cpu}
+
+
 def _call_op(op, qkv_dtype, query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, kwargs):
     """Call `op` (FLA's signature) with the layer's arguments; see `adapt_fla_op`."""
     out_dtype = query.dtype

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from flashqla.integrations.qwen3_next import select_op
+from flashqla.integrations.qwen3_next import host_offsets_kwargs, select_op
 
 __all__ = ["extend", "FlashQLAGDNKernel"]
 
@@ -39,7 +39,7 @@ __all__ = ["extend", "FlashQLAGDNKernel"]
 def extend(q, k, v, g, beta, *, ssm_states: torch.Tensor, cache_indices: torch.Tensor,
            query_start_loc: torch.Tensor, has_initial_state: torch.Tensor | None = None, state_layout: str = "vk",
            use_qk_l2norm_in_kernel: bool = True, scale=None, checkpoint_positions=None, checkpoint_states=None,
-           out=None, backend: str = "auto", **kwargs):
+           out=None, query_start_loc_cpu: torch.Tensor | None = None, backend: str = "auto", **kwargs):
     """SGLang's `extend(q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, **kwargs)`
     (module docstring) on `backend`'s op: sequence n (offsets query_start_loc) starts from
     ssm_states[cache_indices[n]] (a negative index: padding, no read or write) and its final state
@@ -48,16 +48,20 @@ def extend(q, k, v, g, beta, *, ssm_states: torch.Tensor, cache_indices: torch.T
     Args: as the module docstring; ssm_states [slots, HV, V, K] (state_layout "vk", the default) or
     [slots, HV, K, V] ("kv"), fp32/bf16/fp16; has_initial_state bool [N] or None; the other keyword
     arguments SGLang passes (e.g. `inplace_update=True`) are accepted; `inplace_update=False`
-    raises ValueError (not supported).
+    raises ValueError (not supported). query_start_loc_cpu: optional host copy of query_start_loc
+    ending at T (flashqla's `cu_seqlens_cpu`: the plan and the value-slice width chosen on the
+    lengths, o not zero-filled past the last offset; checked, then unused, by the reference).
 
     Returns: (o [1, T, HV, V] in q's dtype, None, None). Raises what the op raises."""
     if kwargs.get("inplace_update", True) is not True:
         raise ValueError("inplace_update=False (SGLang's multi-item scoring) is not supported: the pool is written in place")
     op = select_op(backend, q.device)
+    host = host_offsets_kwargs(op, query_start_loc_cpu, query_start_loc, q.shape[1],
+                               names=("query_start_loc_cpu", "query_start_loc"))
     o, _ = op(q, k, v, g, beta, scale=scale, initial_state=ssm_states, output_final_state=True,
               cu_seqlens=query_start_loc, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_indices=cache_indices,
               has_initial_state=has_initial_state, state_layout=state_layout,
-              checkpoint_positions=checkpoint_positions, checkpoint_states=checkpoint_states, out=out)
+              checkpoint_positions=checkpoint_positions, checkpoint_states=checkpoint_states, out=out, **host)
     return o, None, None
 
 
