@@ -8,7 +8,8 @@ Run on the GPU machine (`source .device/on-device.sh` first):
 
 ROW:PLAN:PLAN...: "h_qk/h_v MIX" in the benchmark's notation (`flashqla.bench.grid.parse_mix`: 8192x4
 is four sequences of 8192 tokens), then plans, each "off" (unsplit) or "L/BV" (split at segment
-length L with value slices of BV). Inputs of the forward benchmark (`make_gdn_inputs`: packed int32
+length L with value slices of BV), or "off/BV" (unsplit at value slices of BV; "off" takes
+`recurrent.pick_block_v`'s). Inputs of the forward benchmark (`make_gdn_inputs`: packed int32
 offsets, Qwen3-Next gates with the g == 0 and g = -30 heads, initial state given). Each plan is
 CUDA-graph timed (`_gpu.time_graph`, median) after a gate: its o against the unsplit o, relative RMS
 <= 1e-2.
@@ -128,8 +129,10 @@ def main(argv=None) -> int:
         o_ref = chunk_gated_delta_rule_fwd(*args, cp="off", for_backward=False).o.double()
         cells = {}
         for plan in plans:
-            if plan == "off":
-                fn = lambda: chunk_gated_delta_rule_fwd(*args, cp="off", for_backward=False)  # noqa: E731
+            if plan == "off" or plan.startswith("off/"):
+                bv = int(plan[4:]) if plan != "off" else None
+                fn = lambda bv=bv: chunk_gated_delta_rule_fwd(*args, cp="off", block_v=bv,  # noqa: E731
+                                                              for_backward=False)
             else:
                 L, BV = (int(v) for v in plan.split("/"))
                 fn = lambda L=L, BV=BV: chunk_gated_delta_rule_fwd(*args, cp="on", segment_len=L, block_v=BV,  # noqa: E731
