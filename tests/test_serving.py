@@ -508,3 +508,44 @@ def test_split_plan_checkpoints_fixed_length_batch(split_op):
         _, want = reference.recurrent_gated_delta_rule(*sl, initial_state=x["initial_state"][b:b + 1],
                                                        output_final_state=True)
         assert rel_rms(ck[m].double(), want[0]) < 1e-5, p
+
+
+@pytest.mark.parametrize("H, HV, lengths, split", [
+    # the H100 serving page's split rows (811dd04): split kept where the split serving call was faster
+    # than the unsplit one (its batch_invariant column), unsplit where it was slower or within 1%
+    (2, 8, (32768,), True), (2, 8, (8192,), True), (2, 8, (28672, 4096), True),
+    (8, 32, (32768,), True), (16, 32, (32768,), True), (32, 32, (32768,), True),
+    (8, 32, (28672, 4096), False), (16, 32, (28672, 4096), False), (16, 64, (28672, 4096), False),
+    (32, 32, (28672, 4096), False),
+])
+def test_serving_plan_with_checkpoints(H, HV, lengths, split):
+    """`serving_plan`: an inference call with checkpoints under cp="auto" splits only where the split is
+    predicted SERVING_CHECKPOINT_MIN_GAIN times faster; without checkpoints, under training, with cp="on"
+    or with an empty positions tensor it is the op's plan; batch_invariant is cp="off"."""
+    import itertools
+
+    from flashqla.cp import plan as P
+    from flashqla.ops.gdn.serving import SERVING_CHECKPOINT_MIN_GAIN, serving_plan
+    from flashqla.serving import ServingArgs
+
+    T = sum(lengths)
+    q, v = torch.empty(1, T, H, 128, device="meta"), torch.empty(1, T, HV, 128, device="meta")
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    hint = dict(max_seqlen=max(lengths), seqlens=lengths)
+
+    def args(positions=torch.tensor([5, 9]), inv=False):
+        return ServingArgs(None, None, "kv", positions, None, None, inv, False, 0)
+    P.clear_plan_cache()
+    plain = P.plan_call(q, v, cu, "auto", **hint).forward
+    assert plain.split  # every row here splits as a plain call
+    got = serving_plan(q, v, cu, args(), cp="auto", **hint).forward
+    assert got.split == split == (plain.est_unsplit >= SERVING_CHECKPOINT_MIN_GAIN * plain.est_split)
+    if not split:
+        assert got == P.plan_call(q, v, cu, "off", **hint).forward
+    for same in (serving_plan(q, v, cu, args(None), cp="auto", **hint),
+                 serving_plan(q, v, cu, args(torch.tensor([], dtype=torch.int64)), cp="auto", **hint),
+                 serving_plan(q, v, cu, args(), cp="on", **hint)):
+        assert same.forward.split
+    assert not serving_plan(q, v, cu, args(inv=True), cp="on", **hint).forward.split
+    trained = serving_plan(q, v, cu, args(), cp="auto", training=True, **hint)
+    assert trained == P.plan_call(q, v, cu, "auto", training=True, keep_states=True, **hint)
