@@ -163,7 +163,10 @@ def planning_max_seqlen(cu_seqlens_cpu, cu_seqlens, T: int) -> int | None:
 
     Only host memory is read (no device synchronisation). The hint shapes the plan (whether and
     where long sequences are split), never the results: the segment tables are built on the device
-    from `cu_seqlens` itself, so a host copy that disagrees with it costs speed, not correctness.
+    from `cu_seqlens` itself. A host copy that disagrees with it costs speed, and since a host copy
+    ends at T (checked), the op then also takes the device offsets to end at T
+    (`flashqla.cp.plan.CallPlan.ends_at_T`): o's rows past device offsets that end earlier are left
+    unwritten instead of zeroed.
     Without the hint the planner takes every sequence as ceil(T / N) tokens long.
 
     While torch.compile or torch.export traces the caller, only the checks that need no values run

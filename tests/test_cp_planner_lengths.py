@@ -341,3 +341,16 @@ def test_split_is_decided_at_the_rules_width(H, HV, lengths, split, BV):
     assert (known.split, known.BV) == (split, BV)
     assert hint.split == known.split and (known.split or known.BV == P.unsplit_block_v(len(lengths), HV, 128, 132, lengths))
     assert ("from the lengths" in known.reason) == (known.BV != hint.BV)
+
+
+def test_unsplit_block_v_refuses_bad_arguments_by_name():
+    """A negative or zero SM count (which would loop or divide by zero in the makespan), HV < 1, lengths
+    that are negative, not ints, or not N of them: ValueError naming the argument; a generator of
+    lengths is read once."""
+    for args, name in (((2, 16, 128, -5, [5000, 64]), "sm_count"), ((2, 16, 128, 0, [5000, 64]), "sm_count"),
+                       ((2, 0, 128, 132, [1, 2]), "HV"), ((2, 16, 128, 132, [5000, -64]), "seqlens"),
+                       ((2, 16, 128, 132, [5000.0, 64]), "seqlens"), ((3, 16, 128, 132, [5000, 64]), "seqlens"),
+                       ((2, 16, 128, 132, 5), "seqlens"), ((2.5, 16, 128, 132, None), "N")):
+        with pytest.raises(ValueError, match=name):
+            P.unsplit_block_v(*args)
+    assert P.unsplit_block_v(2, 64, 128, 132, (n for n in (28672, 4096))) == 64

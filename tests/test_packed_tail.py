@@ -53,7 +53,21 @@ def test_bad_outputs_are_refused_before_any_build():
         packed_tail.zero_packed_tail(torch.zeros(2, 8, 2, 128), cu)
     with pytest.raises(ValueError, match="contiguous"):
         packed_tail.zero_packed_tail(torch.zeros(1, 8, 128, 2).transpose(2, 3), cu)
-    with pytest.raises(ValueError, match="V must be positive"):
+    with pytest.raises(ValueError, match="V must be a positive int"):
         packed_tail.build_zero_tail_kernel(0, "bfloat16", "int32")
+    with pytest.raises(ValueError, match="V must be a positive int"):
+        packed_tail.build_zero_tail_kernel(64.5, "bfloat16", "int32")
+    with pytest.raises(ValueError, match="int32 or int64"):
+        packed_tail.build_zero_tail_kernel(128, "bfloat16", "float32")
+    o = torch.zeros(1, 8, 2, 128)
+    with pytest.raises(TypeError, match="o must be bfloat16"):
+        packed_tail.zero_packed_tail(o.int(), cu)
+    for bad, err, name in ((None, TypeError, "cu_seqlens must be an int32"), (cu.float(), TypeError, "dtype int32"),
+                           (cu[:0], ValueError, "at least one entry"), (cu[None], ValueError, "1-D"),
+                           (cu.to("meta"), ValueError, "cu_seqlens is on meta")):
+        with pytest.raises(err, match=name):
+            packed_tail.zero_packed_tail(o, bad)
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        packed_tail.zero_packed_tail(o, cu)
     empty = torch.zeros(1, 0, 2, 128)
     assert packed_tail.zero_packed_tail(empty, cu) is empty  # no rows: nothing to launch

@@ -131,7 +131,7 @@ def test_host_offsets_reach_flashqlas_planner_only(monkeypatch):
     assert [s is not None and torch.equal(s, cu) for s in seen] == [True, True, True, False]
     monkeypatch.undo()
     ref = qwen3_next.select_op("reference", "cpu")
-    assert qwen3_next.host_offsets_kwargs(ref, cu.clone(), cu, 50) == {}
+    assert qwen3_next.host_offsets_kwargs(ref, cu.clone(), x["q"], cu) == {}
     o, _ = vllm.chunk_gated_delta_rule(**x, cu_seqlens=cu, cu_seqlens_cpu=cu.clone(), backend="reference")
     assert torch.isfinite(o).all()
     for bad, err in ((cu[:-1].clone(), ValueError), (cu.float(), TypeError), (torch.tensor([0, 20, 49]), ValueError)):
@@ -142,3 +142,32 @@ def test_host_offsets_reach_flashqlas_planner_only(monkeypatch):
             sglang.extend(**x, ssm_states=pool.transpose(-1, -2).contiguous(), cache_indices=torch.tensor([0, 1]),
                           query_start_loc=cu, query_start_loc_cpu=bad, backend="reference")
         assert "cu_seqlens" not in str(info.value)
+
+
+def test_adapter_errors_come_in_the_ops_order_and_the_engines_names():
+    """A correct host copy never hides the op's own error (B != 1, a 3-D q, empty offsets, offsets as a
+    list); SGLang's errors name query_start_loc / query_start_loc_cpu, never cu_seqlens; flashqla's
+    name for the host copy is refused by SGLang's `extend` instead of being swallowed; the kernel
+    object's backend can be overridden per call."""
+    x, cu = _engine_inputs([20, 30], seed=4)
+    pool = torch.zeros(3, HV, V, K, dtype=torch.float64)
+    idx = torch.tensor([0, 1])
+    xb = {n: t.reshape(2, 25, *t.shape[2:]) for n, t in x.items()}
+    with pytest.raises(ValueError, match="B == 1"):
+        vllm.chunk_gated_delta_rule(**xb, cu_seqlens=cu, cu_seqlens_cpu=cu.clone(), backend="reference")
+    with pytest.raises(ValueError, match="q must have 4"):
+        vllm.chunk_gated_delta_rule(x["q"][0], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu, cu_seqlens_cpu=cu.clone(),
+                                    backend="reference")
+    with pytest.raises(TypeError, match="cu_seqlens"):
+        vllm.chunk_gated_delta_rule(**x, cu_seqlens=cu.tolist(), cu_seqlens_cpu=cu, backend="reference")
+    with pytest.raises(ValueError, match="given without cu_seqlens"):
+        vllm.chunk_gated_delta_rule(**x, cu_seqlens_cpu=cu, backend="reference")
+    for bad, err in ((cu.float(), TypeError), (cu[:-1].clone() - 0, ValueError)):
+        with pytest.raises(err, match="query_start_loc") as info:
+            sglang.extend(**x, ssm_states=pool, cache_indices=idx, query_start_loc=bad, backend="reference")
+        assert "cu_seqlens" not in str(info.value)
+    with pytest.raises(TypeError, match="query_start_loc_cpu, not cu_seqlens_cpu"):
+        sglang.extend(**x, ssm_states=pool, cache_indices=idx, query_start_loc=cu, cu_seqlens_cpu=cu, backend="reference")
+    kernel = sglang.FlashQLAGDNKernel(backend="flashqla")  # no Hopper GPU here: the per-call backend wins
+    o, _, _ = kernel.extend(**x, ssm_states=pool, cache_indices=idx, query_start_loc=cu, backend="reference")
+    assert torch.isfinite(o).all()

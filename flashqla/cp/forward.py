@@ -486,7 +486,8 @@ def cp_forward(backend, q, k, v, g, beta, scale: float, initial_state, output_fi
         S_in, final = scan_segment_states(P, Q, tab, T, h0, first_from_h0=True, limit=_cut(limit, cutoff))
         # 4. correction
         if correction == "rerun":
-            o, _ = _recurrent(backend, qf, kf, vf, A, G2, scale, S_in.contiguous(), False, pcu, block_v, None)
+            # into o_buf (None: device offsets that may end before T, whose tail `new_output` zeroes)
+            o, _ = _recurrent(backend, qf, kf, vf, A, G2, scale, S_in.contiguous(), False, pcu, block_v, o_buf)
         elif _token_kernels_apply(o, U):  # one launch over every corrected slot, the walked chunks only
             cp_correct(o, U, S_in, pcu, limit=limit, max_rows=L)
         elif one_sequence:  # reads slots 1 .. nseg - 1 only

@@ -290,6 +290,13 @@ def _first_tokens(T: int, N: int, L: int, l_avg: int, l_max: int, balanced: bool
 LENGTHS_WIDTH_MAX_SEQUENCES = 32
 
 
+def _all_ints(items) -> bool:
+    try:
+        return all(as_index(n) is not None for n in items)
+    except TypeError:
+        return False
+
+
 def unsplit_block_v(N: int, HV: int, V: int = 128, sm_count: int = DEFAULT_SM_COUNT, seqlens=None) -> int:
     """The unsplit forward launch's value-slice width. Without `seqlens`, for one sequence or for more
     than LENGTHS_WIDTH_MAX_SEQUENCES: `recurrent.pick_block_v` (the N * HV walks taken as equally
@@ -298,7 +305,19 @@ def unsplit_block_v(N: int, HV: int, V: int = 128, sm_count: int = DEFAULT_SM_CO
     HV * V / BV of them a sequence, each ceil(length / 64) chunk steps of `recurrent.ROLES_STEP_US[BV]`,
     one CTA an SM); for equal lengths that is pick_block_v's width.
     Both widths are compiled under the same keys (`flashqla.warmup` builds both) and give the same
-    bits, so the choice adds no compile key and changes no result."""
+    bits, so the choice adds no compile key and changes no result. Raises ValueError naming the
+    argument for an N < 0, an HV, V or sm_count < 1 (or not an int), or seqlens that are not N ints
+    >= 0."""
+    N, HV, V, sm_count = (_int_arg(x, name) for x, name in ((N, "N"), (HV, "HV"), (V, "V"), (sm_count, "sm_count")))
+    if N < 0 or min(HV, V, sm_count) < 1:
+        raise ValueError(f"unsplit_block_v: N must be >= 0 and HV, V, sm_count >= 1, got N={N}, HV={HV}, V={V}, "
+                         f"sm_count={sm_count}")
+    if seqlens is not None:
+        try:
+            items = list(seqlens)
+        except TypeError:
+            raise ValueError(f"seqlens must be a sequence of N ints, got {type(seqlens).__name__}") from None
+        seqlens = check_seqlens(items, N, sum(as_index(n) for n in items) if _all_ints(items) else -1)
     if V < 128 or seqlens is None or not 1 < len(seqlens) <= LENGTHS_WIDTH_MAX_SEQUENCES:
         return pick_block_v(N, HV, V, sm_count)
     t = {bv: _greedy_makespan([(_cdiv(int(n), CHUNK), HV * (V // bv)) for n in seqlens], sm_count) * ROLES_STEP_US[bv]

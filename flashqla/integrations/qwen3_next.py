@@ -389,28 +389,37 @@ def select_op(backend: str, device: torch.device | str) -> Callable:
     return flashqla.chunk_gated_delta_rule
 
 
-def host_offsets_kwargs(op: Callable, cu_seqlens_cpu, cu_seqlens, T: int,
-                        names: tuple[str, str] = ("cu_seqlens_cpu", "cu_seqlens")) -> dict:
+def host_offsets_kwargs(op: Callable, cu_seqlens_cpu, q, cu_seqlens) -> dict:
     """The keyword arguments that hand an engine's host copy of its offsets to `op`: `{"cu_seqlens_cpu":
     cu_seqlens_cpu}` for flashqla's op (its planner costs the plan and the value-slice width on the
-    lengths, and knows that the offsets end at T: `flashqla.contract.planning_seqlens`), `{}` for the
-    reference op, which has no planner, after the same checks (so that a bad copy raises on every
-    backend). None: `{}`. Raises TypeError / ValueError naming the host copy and the offsets by
-    `names` (the engine's argument names; default flashqla's): not an int32/int64 CPU tensor of the
-    offsets' shape, values that do not start at 0, decrease or end before T."""
+    lengths and knows that the offsets end at T: `flashqla.contract.planning_seqlens`; the op checks
+    the copy after its own arguments), `{}` for the reference op, which has no planner, after the same
+    check of the copy (so that a bad copy raises on every backend; skipped where q or cu_seqlens is
+    malformed, which the reference op then reports itself). None: `{}`. Raises TypeError /
+    ValueError naming `cu_seqlens_cpu` (not an int32/int64 CPU tensor of cu_seqlens' shape, values
+    that do not start at 0, decrease or end other than at T, or given without cu_seqlens)."""
     if cu_seqlens_cpu is None:
         return {}
+    if op is not face("reference").chunk_gated_delta_rule:
+        return {"cu_seqlens_cpu": cu_seqlens_cpu}
     from flashqla.contract import planning_seqlens
 
-    try:
-        planning_seqlens(cu_seqlens_cpu, cu_seqlens, T)
-    except (TypeError, ValueError) as exc:
-        if names == ("cu_seqlens_cpu", "cu_seqlens"):
-            raise
-        msg = str(exc).replace("cu_seqlens_cpu", "\0").replace("cu_seqlens' ", names[1] + "'s ")
-        msg = msg.replace("cu_seqlens", names[1]).replace("\0", names[0])
-        raise type(exc)(msg) from None
-    return {} if op is face("reference").chunk_gated_delta_rule else {"cu_seqlens_cpu": cu_seqlens_cpu}
+    q_ok = isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[0] == 1
+    cu_ok = isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 and cu_seqlens.shape[0] >= 2
+    if cu_seqlens is None or (q_ok and cu_ok):
+        planning_seqlens(cu_seqlens_cpu, cu_seqlens, q.shape[1] if q_ok else 0)
+    return {}
+
+
+def rename_offsets(exc: Exception, names: tuple[str, str]) -> Exception:
+    """`exc` (a TypeError or ValueError of the op) with flashqla's offset argument names replaced by an
+    engine's: `names` = (host copy, device offsets), e.g. SGLang's ("query_start_loc_cpu",
+    "query_start_loc"); the same exception type, chained to the original."""
+    msg = str(exc).replace("cu_seqlens_cpu", "\0").replace("cu_seqlens' ", names[1] + "'s ")
+    msg = msg.replace("cu_seqlens", names[1]).replace("\0", names[0])
+    new = type(exc)(msg)
+    new.__cause__ = exc
+    return new
 
 
 def _call_op(op, qkv_dtype, query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, kwargs):

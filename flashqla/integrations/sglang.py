@@ -31,7 +31,10 @@ from __future__ import annotations
 
 import torch
 
-from flashqla.integrations.qwen3_next import host_offsets_kwargs, select_op
+from flashqla.integrations.qwen3_next import host_offsets_kwargs, rename_offsets, select_op
+
+#: flashqla's names of the offsets and their host copy, and SGLang's, in errors raised through `extend`
+_NAMES = ("query_start_loc_cpu", "query_start_loc")
 
 __all__ = ["extend", "FlashQLAGDNKernel"]
 
@@ -52,16 +55,22 @@ def extend(q, k, v, g, beta, *, ssm_states: torch.Tensor, cache_indices: torch.T
     ending at T (flashqla's `cu_seqlens_cpu`: the plan and the value-slice width chosen on the
     lengths, o not zero-filled past the last offset; checked, then unused, by the reference).
 
-    Returns: (o [1, T, HV, V] in q's dtype, None, None). Raises what the op raises."""
+    Returns: (o [1, T, HV, V] in q's dtype, None, None). Raises what the op raises, with the
+    offsets named as SGLang names them (query_start_loc, query_start_loc_cpu), and TypeError for
+    flashqla's name `cu_seqlens_cpu` (which `**kwargs` would otherwise swallow)."""
     if kwargs.get("inplace_update", True) is not True:
         raise ValueError("inplace_update=False (SGLang's multi-item scoring) is not supported: the pool is written in place")
+    if "cu_seqlens_cpu" in kwargs:
+        raise TypeError("extend takes the host copy of query_start_loc as query_start_loc_cpu, not cu_seqlens_cpu")
     op = select_op(backend, q.device)
-    host = host_offsets_kwargs(op, query_start_loc_cpu, query_start_loc, q.shape[1],
-                               names=("query_start_loc_cpu", "query_start_loc"))
-    o, _ = op(q, k, v, g, beta, scale=scale, initial_state=ssm_states, output_final_state=True,
-              cu_seqlens=query_start_loc, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_indices=cache_indices,
-              has_initial_state=has_initial_state, state_layout=state_layout,
-              checkpoint_positions=checkpoint_positions, checkpoint_states=checkpoint_states, out=out, **host)
+    try:
+        host = host_offsets_kwargs(op, query_start_loc_cpu, q, query_start_loc)
+        o, _ = op(q, k, v, g, beta, scale=scale, initial_state=ssm_states, output_final_state=True,
+                  cu_seqlens=query_start_loc, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                  state_indices=cache_indices, has_initial_state=has_initial_state, state_layout=state_layout,
+                  checkpoint_positions=checkpoint_positions, checkpoint_states=checkpoint_states, out=out, **host)
+    except (TypeError, ValueError) as exc:  # the offsets by SGLang's names
+        raise rename_offsets(exc, _NAMES) from exc
     return o, None, None
 
 
@@ -72,6 +81,8 @@ class FlashQLAGDNKernel:
         self.backend, self.state_layout = backend, state_layout
 
     def extend(self, q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, **kwargs):
+        """`extend` with this object's backend and state layout (either may be overridden per call)."""
         kwargs.setdefault("state_layout", self.state_layout)
+        kwargs.setdefault("backend", self.backend)
         return extend(q, k, v, g, beta, ssm_states=ssm_states, cache_indices=cache_indices,
-                      query_start_loc=query_start_loc, backend=self.backend, **kwargs)
+                      query_start_loc=query_start_loc, **kwargs)

@@ -54,7 +54,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     if head_first is not False:
         raise ValueError("head_first must be False: flashqla takes FLA's [B, T, H, K] layout (vLLM passes head_first=False)")
     op = select_op(backend, q.device)
-    host = host_offsets_kwargs(op, serving.pop("cu_seqlens_cpu", None), cu_seqlens, q.shape[1])
+    host = host_offsets_kwargs(op, serving.pop("cu_seqlens_cpu", None), q, cu_seqlens)
     return op(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
               cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **host, **serving)
 

@@ -92,11 +92,14 @@ def chunk_gated_delta_rule(
             plan, every length for the backward's (which a forward under autograd takes, to keep
             its split states for the backward: `flashqla.cp.plan.plan_cp(seqlens=...)`). Without it the
             planner takes every sequence as T / N tokens long and leaves unbalanced batches (one long
-            sequence beside short ones) unsplit. It changes the plan, never the results (the
-            segment tables are built on the device from cu_seqlens); it is not compared with
-            cu_seqlens (that would need a device read). Under torch.compile / torch.export only
-            its type, dtype, device and shape are checked and it is not used (its values are not
-            known while tracing). `flashqla.contract.planning_max_seqlen`, `.planning_seqlens`.
+            sequence beside short ones) unsplit; for 2 to 32 sequences the unsplit kernel's value-slice
+            width follows the lengths. It must equal cu_seqlens (it ends at T); it is not compared
+            with it (that would need a device read). A copy that equals it changes the plan, never
+            the results (the segment tables are built on the device from cu_seqlens). One that does
+            not may cost speed and, since it says the offsets end at T, leaves o's rows past device
+            offsets that end earlier unwritten (without the copy they are zeroed). Under
+            torch.compile / torch.export only its type, dtype, device and shape are checked and it
+            is not used (its values are not known while tracing). `flashqla.contract.planning_max_seqlen`, `.planning_seqlens`.
         check_inputs: keyword-only, False (default) or True: also check the values of device
             tensors before any launch (`flashqla.contract.check_gdn_inputs(check_values=True)`): the
             offsets of cu_seqlens, g <= 0 and not NaN, beta in [0, 1], q, k, v, beta and

@@ -61,22 +61,41 @@ def _zero_tail_prim_func(V: int, dtype: str, cu_dtype: str):
 def build_zero_tail_kernel(V: int, dtype: str, cu_dtype: str):
     """Compiled tail-zeroing kernel (cached). Static key: V, o's dtype, cu_seqlens' dtype (TileLang
     names: "bfloat16", "int32", ...). Raises ValueError for a V that is not positive."""
-    if V <= 0:
-        raise ValueError(f"V must be positive, got {V}")
+    if not isinstance(V, int) or isinstance(V, bool) or V <= 0:
+        raise ValueError(f"V must be a positive int, got {V!r}")
+    if dtype not in ("bfloat16", "float16", "float32") or cu_dtype not in ("int32", "int64"):
+        raise ValueError(f"the tail launch takes o in bfloat16, float16 or float32 and offsets in int32 or int64, "
+                         f"got {dtype!r} and {cu_dtype!r}")
     return compile_kernel(_zero_tail_prim_func(V, dtype, cu_dtype), f"gdn_zero_tail_V{V}_{dtype}_{cu_dtype}")
 
 
 def zero_packed_tail(o: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Sets o[0, t] = 0 for every packed token t >= cu_seqlens[-1] (read on the device; no host sync)
-    and returns o. o: [1, T, HV, V] packed output (bf16, fp16 or fp32), contiguous, CUDA on sm_90;
-    cu_seqlens: [N + 1] int32/int64 on o's device. Rows before cu_seqlens[-1] are not touched."""
-    if o.dim() != 4 or o.shape[0] != 1:
-        raise ValueError(f"o must be a packed [1, T, HV, V] tensor, got shape {tuple(o.shape)}")
+    and returns o. o: [1, T, HV, V] packed output (bf16, fp16 or fp32), contiguous, 16-byte aligned,
+    CUDA on sm_90; cu_seqlens: [N + 1] (N >= 0) int32/int64 on o's device. Rows before
+    cu_seqlens[-1] are not touched. Raises TypeError / ValueError naming the argument otherwise
+    (before any build; an o without rows returns at once)."""
+    if not isinstance(o, torch.Tensor) or o.dim() != 4 or o.shape[0] != 1:
+        raise ValueError(f"o must be a packed [1, T, HV, V] tensor, got {tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__}")
     if not o.is_contiguous():
         raise ValueError("o must be contiguous")
+    if o.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"o must be bfloat16, float16 or float32, got {o.dtype}")
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be an int32/int64 tensor [N + 1], got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must have dtype int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+        raise ValueError(f"cu_seqlens must be 1-D [N + 1] with at least one entry, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != o.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but o is on {o.device}")
     _, T, HV, V = o.shape
     if T == 0 or HV == 0 or V == 0:
         return o
+    if o.device.type != "cuda":
+        raise ValueError(f"o must be a CUDA tensor (the tail launch runs on sm_90), got device {o.device}")
+    if o.data_ptr() % 16:
+        raise ValueError("o must be 16-byte aligned (the tail launch stores 16 bytes at a time)")
     cu = cu_seqlens.contiguous()
     build_zero_tail_kernel(V, tl_dtype(o.dtype), tl_dtype(cu.dtype))(o[0], cu)
     return o
