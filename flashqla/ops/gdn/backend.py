@@ -18,6 +18,7 @@ from flashqla.ops.gdn.kernels.sm90 import registry
 from flashqla.ops.gdn.kernels.sm90._common import tl_dtype
 from flashqla.ops.gdn.kernels.sm90.chunk_bwd import chunk_fused_bwd
 from flashqla.ops.gdn.kernels.sm90.finish_bwd import chunk_finish_bwd
+from flashqla.ops.gdn.kernels.sm90.packed_tail import new_output
 from flashqla.ops.gdn.kernels.sm90.prepare import chunk_prepare_fwd, prepare_kernel_args
 from flashqla.ops.gdn.kernels.sm90.recurrent import (chunk_recurrent_dual, chunk_recurrent_dual_checkpoints, chunk_recurrent_fwd,
                                                       recurrent_kernel_args)
@@ -112,7 +113,9 @@ class Sm90Backend:
 
     def recurrent(self, q, k, v, A, g_cum_log2, scale, initial_state, output_final_state, cu_seqlens, block_v=None, o=None,
                   final_state=None):
-        """`chunk_recurrent_fwd` (o, final_state: optional preallocated outputs)."""
+        """`chunk_recurrent_fwd` (o, final_state: optional preallocated outputs; without o, one from
+        `packed_tail.new_output`: a packed tail zeroed by its own launch, not a memset of o)."""
+        o = new_output(v, cu_seqlens) if o is None else o
         return chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale, initial_state, output_final_state, cu_seqlens,
                                    block_v=block_v, o=o, final_state=final_state)
 
@@ -121,6 +124,7 @@ class Sm90Backend:
         not apply (K != V)."""
         if q.shape[-1] != v.shape[-1]:
             return None
+        o = new_output(v, cu_seqlens) if o is None else o  # (as `recurrent`'s)
         return chunk_recurrent_dual(q, k, v, A, g_cum_log2, scale, initial_state, limit, cu_seqlens, block_v=block_v, o=o)
 
     def recurrent_dual_checkpoints(self, q, k, v, A, g_cum_log2, scale, initial_state, limit, cu_seqlens, positions,
@@ -130,6 +134,7 @@ class Sm90Backend:
         (K != V)."""
         if q.shape[-1] != v.shape[-1]:
             return None
+        o = new_output(v, cu_seqlens) if o is None else o  # (as `recurrent`'s)
         return chunk_recurrent_dual_checkpoints(q, k, v, A, g_cum_log2, scale, initial_state, limit, cu_seqlens,
                                                 positions, block_v=block_v, o=o)
 

@@ -360,9 +360,8 @@ def _serve_kernel(q, k, v, g, beta, scale: float, initial_state, output_final_st
     from flashqla.ops.gdn.kernels.sm90 import registry
     from flashqla.ops.gdn.kernels.sm90.prepare import prepare_kernel_args
     from flashqla.ops.gdn.fwd import product_dtype
-    from flashqla.ops.gdn.kernels.sm90.packed_tail import zero_packed_tail
-    from flashqla.ops.gdn.kernels.sm90.recurrent import (chunk_recurrent_serving, new_output, recurrent_serving_args,
-                                                         serving_spec_args)
+    from flashqla.ops.gdn.kernels.sm90.packed_tail import new_output, zero_packed_tail
+    from flashqla.ops.gdn.kernels.sm90.recurrent import chunk_recurrent_serving, recurrent_serving_args, serving_spec_args
 
     g = clamp_gates(g)  # the one gate floor of every path (`flashqla.contract.G_FLOOR`)
     q, k, v, g, beta = (dense(x) for x in (q, k, v, g, beta))

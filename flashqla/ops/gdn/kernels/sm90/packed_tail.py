@@ -25,7 +25,7 @@ import torch
 
 from flashqla.ops.gdn.kernels.sm90._common import compile_kernel, tl_dtype
 
-__all__ = ["ROWS", "build_zero_tail_kernel", "zero_packed_tail"]
+__all__ = ["ROWS", "build_zero_tail_kernel", "new_output", "zero_packed_tail"]
 
 THREADS = 128
 #: Packed rows (tokens) of o per CTA: ceil(T / ROWS) CTAs, those before the tail returning at once
@@ -98,4 +98,15 @@ def zero_packed_tail(o: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         raise ValueError("o must be 16-byte aligned (the tail launch stores 16 bytes at a time)")
     cu = cu_seqlens.contiguous()
     build_zero_tail_kernel(V, tl_dtype(o.dtype), tl_dtype(cu.dtype))(o[0], cu)
+    return o
+
+
+def new_output(v: torch.Tensor, cu_seqlens) -> torch.Tensor:
+    """An output like v [B, T, HV, V] for a launch that writes every sequence's rows: uninitialised,
+    and for packed input (cu_seqlens given; B == 1) with the rows past cu_seqlens[-1] zeroed on the
+    device (`zero_packed_tail`: no host sync, no memset of the whole of o). The sm_90 backend's
+    recurrent launches take their o from here (`flashqla.ops.gdn.backend.Sm90Backend`)."""
+    o = torch.empty_like(v)
+    if cu_seqlens is not None:
+        zero_packed_tail(o, cu_seqlens)
     return o

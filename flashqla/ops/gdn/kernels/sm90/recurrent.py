@@ -54,7 +54,6 @@ import functools
 import torch
 
 from flashqla.ops.gdn.kernels.sm90._common import CHUNK, SM_COUNT, compile_kernel, placeholder, sequence_span, tl_dtype
-from flashqla.ops.gdn.kernels.sm90.packed_tail import zero_packed_tail
 
 __all__ = ["CheckpointRanges", "build_recurrent_kernel", "build_recurrent_serving_kernel", "chunk_recurrent_dual",
            "chunk_recurrent_dual_checkpoints", "chunk_recurrent_fwd", "chunk_recurrent_serving",
@@ -1286,16 +1285,6 @@ def recurrent_kernel_args(q, v, cu_seqlens, block_v=None, dual: bool = False, a_
     return key + (True,) if dual else key
 
 
-def new_output(v: torch.Tensor, cu_seqlens) -> torch.Tensor:
-    """An output like v [B, T, HV, V] for a launch that writes every sequence's rows: uninitialised,
-    and for packed input (cu_seqlens given; B == 1) with the rows past cu_seqlens[-1] zeroed on the
-    device (`packed_tail.zero_packed_tail`: no host sync, no memset of the whole of o)."""
-    o = torch.empty_like(v)
-    if cu_seqlens is not None:
-        zero_packed_tail(o, cu_seqlens)
-    return o
-
-
 def chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale: float, initial_state, output_final_state: bool, cu_seqlens, block_v=None, o=None, final_state=None):
     """Launches the recurrent kernel (arguments validated by the caller).
 
@@ -1312,15 +1301,17 @@ def chunk_recurrent_fwd(q, k, v, A, g_cum_log2, scale: float, initial_state, out
 
     Returns:
         o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] fp32 or None. With cu_seqlens and no
-        `o` given (`new_output`), the rows of tokens past cu_seqlens[-1] (device offsets that end
-        before T, which no CTA writes) are zeroed by one launch that writes those rows only.
+        `o` given, o is allocated zero-filled (one memset of o): the rows of tokens past
+        cu_seqlens[-1] (device offsets that end before T, which no CTA writes) read as zeros. The
+        op's backend passes o instead (`packed_tail.new_output`: those rows zeroed by a launch that
+        writes them only).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     varlen = cu_seqlens is not None
     N = cu_seqlens.numel() - 1 if varlen else B
-    if o is None:  # packed: rows past a device cu_seqlens[-1] < T zeroed, never stale memory
-        o = new_output(v, cu_seqlens)
+    if o is None:  # packed: zeros, so that rows past a device cu_seqlens[-1] < T are never stale memory
+        o = torch.zeros_like(v) if varlen else torch.empty_like(v)
     else:
         _check_out(o, v)
     ht = None
@@ -1374,8 +1365,8 @@ def chunk_recurrent_dual(q, k, v, A, g_cum_log2, scale: float, initial_state, li
     N = cu_seqlens.numel() - 1 if varlen else B
     if tuple(limit.shape) != (N, HV) or limit.dtype != torch.int32:
         raise ValueError(f"limit must be int32 of shape {(N, HV)}, got {limit.dtype} {tuple(limit.shape)}")
-    if o is None:  # packed: the tail zeroed, as `chunk_recurrent_fwd`'s
-        o = new_output(v, cu_seqlens)
+    if o is None:  # packed: zeros, as `chunk_recurrent_fwd`'s
+        o = torch.zeros_like(v) if varlen else torch.empty_like(v)
     else:
         _check_out(o, v)
     U = torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
@@ -1539,7 +1530,7 @@ def chunk_recurrent_dual_checkpoints(q, k, v, A, g_cum_log2, scale: float, initi
         raise ValueError("chunk_recurrent_dual_checkpoints needs a sequence, a token and a checkpoint")
     dev = q.device
     if o is None:
-        o = new_output(v, cu_seqlens)
+        o = torch.zeros_like(v) if varlen else torch.empty_like(v)
     else:
         _check_out(o, v)
     U = torch.empty(B, T, HV, K, dtype=q.dtype, device=dev)
