@@ -354,3 +354,17 @@ def test_unsplit_block_v_refuses_bad_arguments_by_name():
         with pytest.raises(ValueError, match=name):
             P.unsplit_block_v(*args)
     assert P.unsplit_block_v(2, 64, 128, 132, (n for n in (28672, 4096))) == 64
+
+
+def test_unsplit_block_v_bounds_agree_with_the_exact_makespan():
+    """The bounds that skip the exact makespan give the exact comparison's width on random batches
+    (lengths from 0 to 20000, 2 to 32 sequences, 1 to 64 value heads, several SM counts)."""
+    from flashqla.ops.gdn.kernels.sm90.recurrent import ROLES_STEP_US, pick_block_v
+    rng = random.Random(7)
+    for _ in range(1500):
+        N, HV, sms = rng.randint(2, 32), rng.choice((1, 2, 4, 8, 16, 24, 32, 48, 64)), rng.choice((7, 66, 132, 264))
+        lens = [rng.choice((0, rng.randint(1, 200), rng.randint(1, 20000))) for _ in range(N)]
+        t = {bv: P._greedy_makespan([(-(-n // 64), HV * (128 // bv)) for n in lens], sms) * ROLES_STEP_US[bv]
+             for bv in (64, 128)}
+        exact = pick_block_v(N, HV, 128, sms) if t[64] == t[128] else (64 if t[64] < t[128] else 128)
+        assert P.unsplit_block_v(N, HV, 128, sms, lens) == exact, (N, HV, sms, lens)
