@@ -547,5 +547,7 @@ def test_serving_plan_with_checkpoints(H, HV, lengths, split):
                  serving_plan(q, v, cu, args(), cp="on", **hint)):
         assert same.forward.split
     assert not serving_plan(q, v, cu, args(inv=True), cp="on", **hint).forward.split
+    kept = serving_plan(q, v, cu, args(), cp="auto", on_kernel_path=lambda p: False, **hint)
+    assert kept.forward.split  # off the kernel path an unsplit call's checkpoints cost more forwards
     trained = serving_plan(q, v, cu, args(), cp="auto", training=True, **hint)
     assert trained == P.plan_call(q, v, cu, "auto", training=True, keep_states=True, **hint)

@@ -286,16 +286,8 @@ def _first_tokens(T: int, N: int, L: int, l_avg: int, l_max: int, balanced: bool
 
 #: The unsplit forward's width is picked on the lengths (`unsplit_block_v`) for batches of 2 to this many
 #: sequences: the case it is for is a few sequences of unequal lengths, and the exact makespan's cost on
-#: the host grows with N (about 0.13 ms at 16 sequences, 1.5 ms at 256, in Python; Graham's bounds
-#: decide most batches first: a new mix of 32 sequences at 64 value heads plans in about 0.1 ms).
+#: the host grows with N (Graham's bounds decide most batches before it).
 LENGTHS_WIDTH_MAX_SEQUENCES = 32
-
-
-def _all_ints(items) -> bool:
-    try:
-        return all(as_index(n) is not None for n in items)
-    except TypeError:
-        return False
 
 
 def unsplit_block_v(N: int, HV: int, V: int = 128, sm_count: int = DEFAULT_SM_COUNT, seqlens=None) -> int:
@@ -318,7 +310,9 @@ def unsplit_block_v(N: int, HV: int, V: int = 128, sm_count: int = DEFAULT_SM_CO
             items = list(seqlens)
         except TypeError:
             raise ValueError(f"seqlens must be a sequence of N ints, got {type(seqlens).__name__}") from None
-        seqlens = check_seqlens(items, N, sum(as_index(n) for n in items) if _all_ints(items) else -1)
+        seqlens = [as_index(n) for n in items]
+        if len(seqlens) != N or any(n is None or n < 0 for n in seqlens):
+            raise ValueError(f"seqlens must be N = {N} int lengths >= 0, got {items!r}")
     if V < 128 or seqlens is None or not 1 < len(seqlens) <= LENGTHS_WIDTH_MAX_SEQUENCES:
         return pick_block_v(N, HV, V, sm_count)
     runs = {bv: [(_cdiv(n, CHUNK), HV * (V // bv)) for n in seqlens] for bv in (64, 128)}
@@ -664,11 +658,9 @@ def _plan_cp(
     if backward or plan.split or seqlens is None:
         return plan
     # Split or not is decided at pick_block_v's width, as without lengths (`_unsplit_time` takes every
-    # walk as l_max long; at the lengths' width it would undo the split of 16/32 30000+1000+1000+700,
-    # 17% faster split on the H100). So the lengths never change the split decision, only an unsplit
-    # plan's width (`unsplit_block_v`), 1.12-1.52x faster where it differs from pick_block_v's (journal
-    # forward.md "The unsplit width from the lengths"; that entry's correction: on two of the split rows
-    # BV 64 unsplit would be about 10% faster, which a lengths-costed unsplit estimate would catch).
+    # walk as l_max long; at the lengths' width it would undo splits that measured faster). So the
+    # lengths never change the split decision, only an unsplit plan's width (`unsplit_block_v`; journal
+    # forward.md "The unsplit width from the lengths" and its correction).
     bv_l = unsplit_block_v(N, HV, V, sm_count, seqlens)
     if bv_l == plan.BV or bv_l not in bvs:
         return plan

@@ -414,12 +414,9 @@ def host_offsets_kwargs(op: Callable, cu_seqlens_cpu, q, cu_seqlens) -> dict:
 def rename_offsets(exc: Exception, names: tuple[str, str]) -> Exception:
     """`exc` (a TypeError or ValueError of the op) with flashqla's offset argument names replaced by an
     engine's: `names` = (host copy, device offsets), e.g. SGLang's ("query_start_loc_cpu",
-    "query_start_loc"); the same exception type, chained to the original."""
+    "query_start_loc"); the same exception type (the caller chains it: `raise ... from exc`)."""
     msg = str(exc).replace("cu_seqlens_cpu", "\0").replace("cu_seqlens' ", names[1] + "'s ")
-    msg = msg.replace("cu_seqlens", names[1]).replace("\0", names[0])
-    new = type(exc)(msg)
-    new.__cause__ = exc
-    return new
+    return type(exc)(msg.replace("cu_seqlens", names[1]).replace("\0", names[0]))
 
 
 def _call_op(op, qkv_dtype, query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, kwargs):

@@ -23,8 +23,9 @@ asks the op to), and `ssm_state` the layer's state pool `[slots, HV, K, V]` in t
 - `gdn_prefill`: the four lines above as one call: the pool is read by index (zeros where
   has_initial_state is False, padding for a negative index) and written in place, no gather
   copy and no scatter in the caller; returns o. Pass the host copy of the offsets where the engine
-  has one (`cu_seqlens_cpu`): without it the plan takes every sequence as T / N tokens long. Checkpoints (`checkpoint_positions`,
-  `checkpoint_states`, e.g. for prefix caching at block boundaries) pass through.
+  has one (`cu_seqlens_cpu`): without it the plan takes every sequence as T / N tokens long.
+  Checkpoints (`checkpoint_positions`, `checkpoint_states`, e.g. for prefix caching at block
+  boundaries) pass through.
 
 The op: backend "auto" (flashqla's kernels on a Hopper GPU, the reference on CPU), "flashqla" or
 "reference" (`flashqla.integrations.qwen3_next.select_op`). No vLLM import.

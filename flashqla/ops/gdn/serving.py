@@ -77,37 +77,36 @@ __all__ = ["serve", "serving_plan", "kernel_path_applies", "state_kernels_apply"
 
 #: An inference call with checkpoints under cp="auto" splits only where the plan predicts the split at
 #: least this much faster than the unsplit launch (`CPPlan.est_unsplit / est_split`; the plain call's
-#: threshold is `cp.plan.MIN_GAIN`, 1.2). On the split plan the pool's rows, the checkpoints' two parts
-#: and the final states move in three more launches (+11.7% over the plain split call on the H100
-#: serving page), where the unsplit serving build writes them from its chain (+5.5% on the kernel path).
-#: Set from that page's 10 split rows (`benchmarks/results/h100-80gb-hbm3-serving.md`, 811dd04), each
-#: timed split (its serving column) and unsplit (its batch_invariant column: the same call with cp off):
-#: the 28672+4096 rows at 8/32, 16/32, 16/64 and 32/32 heads (predicted 1.30-1.37x) ran unsplit 0.8%
-#: and 0.5% slower, 4% and 6% faster; the 1x32768 rows at 8 to 32 value heads (predicted 1.56x) 13-24%
-#: slower, the 2/8 rows (1.87x and more) 38-168% slower. Any value in (1.37, 1.56) picks the same plans
-#: on those rows (journal serving.md, "The split threshold of serving calls with checkpoints").
+#: threshold is `cp.plan.MIN_GAIN`). On the split plan the pool's rows, the checkpoints' two parts and
+#: the final states move in three more launches, where the unsplit serving build writes them from its
+#: chain, so a split gains less for a serving call than for a plain one. Set from the serving page's
+#: split rows, each timed split and unsplit (journal serving.md, "The split threshold of serving calls
+#: with checkpoints").
 SERVING_CHECKPOINT_MIN_GAIN = 1.45
 
 #: The path the last `serve` call took: "kernel" (the serving build) or "torch" (for tests and tools).
 LAST_PATH = {"path": None, "checkpoints": None}
 
 
-def serving_plan(q, v, cu_seqlens, s: ServingArgs, *, cp, training: bool = False, max_seqlen=None, seqlens=None):
+def serving_plan(q, v, cu_seqlens, s: ServingArgs, *, cp, training: bool = False, max_seqlen=None, seqlens=None,
+                 on_kernel_path=None):
     """The `cp.plan.CallPlan` of a serving call: cp="off" under batch_invariant (module docstring);
     otherwise the op's plan, except that an inference call with checkpoints under cp="auto" (None:
     $FLASHQLA_CP, "auto" by default) takes the unsplit plan where the split is predicted less than
-    SERVING_CHECKPOINT_MIN_GAIN times faster (its comment). Shapes and host hints only (q [B, T, H, K],
-    v [B, T, HV, V], cu_seqlens None or [N + 1]; no device read)."""
-    if s.batch_invariant:
-        return plan_call(q, v, cu_seqlens, "off", training=training, keep_states=training, max_seqlen=max_seqlen,
-                         seqlens=seqlens)
-    plan = plan_call(q, v, cu_seqlens, cp, training=training, keep_states=training, max_seqlen=max_seqlen,
+    SERVING_CHECKPOINT_MIN_GAIN times faster (its comment) and that unsplit plan runs on the kernel
+    path: `on_kernel_path(plan) -> bool` (None: taken as True), since elsewhere an unsplit call's
+    checkpoints cost more forwards. Shapes and host hints only (q [B, T, H, K], v [B, T, HV, V],
+    cu_seqlens None or [N + 1]; no device read)."""
+    mode = "off" if s.batch_invariant else cp
+    plan = plan_call(q, v, cu_seqlens, mode, training=training, keep_states=training, max_seqlen=max_seqlen,
                      seqlens=seqlens)
     f = plan.forward
     ckpts = s.checkpoint_positions is not None and s.checkpoint_positions.numel() > 0
-    if (not training and ckpts and f.split and f.est_split and cp_mode(cp) == "auto"
+    if (not training and ckpts and f.split and f.est_split and cp_mode(mode) == "auto"
             and f.est_unsplit < SERVING_CHECKPOINT_MIN_GAIN * f.est_split):
-        return plan_call(q, v, cu_seqlens, "off", max_seqlen=max_seqlen, seqlens=seqlens)
+        unsplit = plan_call(q, v, cu_seqlens, "off", max_seqlen=max_seqlen, seqlens=seqlens)
+        if on_kernel_path is None or on_kernel_path(unsplit):
+            return unsplit
     return plan
 
 
@@ -133,9 +132,13 @@ def serve(q, k, v, g, beta, scale: float, initial_state, output_final_state: boo
     B, T, HV, V = v.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     mode = "off" if s.batch_invariant else cp
-    plan = serving_plan(q, v, cu_seqlens, s, cp=cp, training=training, max_seqlen=max_seqlen, seqlens=seqlens)
-    if kernel_path_applies(q, v, initial_state, output_final_state, cu_seqlens, s, plan, training=training,
-                           backend=backend):
+
+    def on_kernel_path(p) -> bool:
+        return kernel_path_applies(q, v, initial_state, output_final_state, cu_seqlens, s, p, training=training,
+                                   backend=backend)
+    plan = serving_plan(q, v, cu_seqlens, s, cp=cp, training=training, max_seqlen=max_seqlen, seqlens=seqlens,
+                        on_kernel_path=on_kernel_path)
+    if on_kernel_path(plan):
         LAST_PATH["path"] = "kernel"
         LAST_PATH["checkpoints"] = None
         # at the plan's width (`cp.plan.unsplit_block_v`, on the lengths when known), batch_invariant too

@@ -76,7 +76,8 @@ def zero_packed_tail(o: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     cu_seqlens[-1] are not touched. Raises TypeError / ValueError naming the argument otherwise
     (before any build; an o without rows returns at once)."""
     if not isinstance(o, torch.Tensor) or o.dim() != 4 or o.shape[0] != 1:
-        raise ValueError(f"o must be a packed [1, T, HV, V] tensor, got {tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__}")
+        got = tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__
+        raise ValueError(f"o must be a packed [1, T, HV, V] tensor, got {got}")
     if not o.is_contiguous():
         raise ValueError("o must be contiguous")
     if o.dtype not in (torch.bfloat16, torch.float16, torch.float32):
