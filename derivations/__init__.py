@@ -56,12 +56,13 @@ __all__ = [
 
 
 def main(argv=None) -> int:
-    """``python -m derivations [-j N] [ID ...]``: prove the records, print the table, return the exit
-    status (0 when every record is proved)."""
+    """``python -m derivations [-j N] [ID ...]`` (installed: ``python -m flashqla.derivations``): prove
+    the records, print the table, return the exit status (0 when every record is proved)."""
     import argparse
     import time
 
-    parser = argparse.ArgumentParser(prog="python -m derivations", description="prove the identity records")
+    prog = "python -m flashqla.derivations" if __name__.startswith("flashqla.") else "python -m derivations"
+    parser = argparse.ArgumentParser(prog=prog, description="prove the identity records")
     parser.add_argument("ids", nargs="*", help="record ids (default: all)")
     parser.add_argument("-j", "--processes", type=int, default=1, help="worker processes (default 1)")
     parser.add_argument("--explain", action="store_true", help="print the general proof of each given record instead")
