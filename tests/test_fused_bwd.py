@@ -283,3 +283,34 @@ def test_dbeta_above_fla_comes_from_w_rounding(T):
     assert exact_w["dbeta"] < fla["dbeta"] and exact_w["dbeta"] < 0.95 * kept["dbeta"]
     for n in ("dq", "dk", "dv", "dg", "dh0"):
         assert exact_w[n] == kept[n], n
+
+
+def test_fp16_operands_need_a_scale_per_tile():
+    """Pass 2's shared-memory operands in fp16 (the model of issue 45's accuracy route): at the
+    gradients' natural size they beat bf16's on every gradient, but without a scale of their own they
+    lose that where a loss scale moves do and dht out of fp16's range (2^-30: underflow; 2^20:
+    overflow to inf); with a power-of-two scale per operand tile (`operand_scale`) every gradient's
+    relative error is the same at any such scale, bit for bit, and stays below bf16's."""
+    bf, fp = torch.bfloat16, torch.float16
+    x = _gpu_tier_inputs(64)
+    Ab64, G2 = fb.forward_slot_products(x["k"], x["g"], x["beta"], 4)
+    f32 = {n: (t.float() if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in x.items()}
+    Ab, G2f = fb.forward_slot_products(f32["k"], f32["g"], f32["beta"], 4, dtype=bf)
+
+    def errors(factor, op, **kw):
+        do, dht = x["do"] * factor, x["dht"] * factor
+        exact = fb.fused_gated_delta_rule_bwd(x["q"], x["k"], x["v"], x["beta"], Ab64, G2, SCALE, x["initial_state"], do,
+                                              dht)
+        m = fb.fused_gated_delta_rule_bwd(f32["q"], f32["k"], f32["v"], f32["beta"], Ab, G2f, SCALE, f32["initial_state"],
+                                          do.float(), dht.float(), h_dtype=bf, ds_dtype=op, operand_dtype=op,
+                                          exact_diagonal=True, dog_pair=True, **kw)
+        return {n: rel_rms(a, e) for n, a, e in zip(NAMES, m, exact)}
+
+    shipped = errors(1.0, bf)
+    scaled = {f: errors(f, fp, operand_scale=True) for f in (1.0, 2.0**-30, 2.0**20)}
+    plain_small, plain_large = errors(2.0**-30, fp), errors(2.0**20, fp)
+    for n in NAMES:
+        assert scaled[1.0][n] < shipped[n], (n, scaled[1.0][n], shipped[n])
+        assert scaled[2.0**-30][n] == scaled[1.0][n] == scaled[2.0**20][n], n
+        assert plain_small[n] > 10 * shipped[n], (n, plain_small[n], shipped[n])
+        assert not plain_large[n] < 1.0, (n, plain_large[n])  # inf or nan

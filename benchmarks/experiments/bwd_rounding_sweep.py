@@ -11,7 +11,12 @@ error as a multiple of the shipped kernels' model (geometric mean over the cases
 times the GPU-measured ours / FLA ratio of the shipped kernels (dq 0.86, dk 0.82, dv 0.99, dg 1.02,
 dbeta 1.08, dh0 0.88; 20 cases on an H200, `backward.md`), as an estimate of the new ratio to FLA.
 
-    python benchmarks/experiments/bwd_rounding_sweep.py [--seeds 4]
+    python benchmarks/experiments/bwd_rounding_sweep.py [--seeds 4] [--do-scale 1]
+
+--do-scale multiplies do and dht (a loss scale; every error is relative, so a dtype whose range
+holds the gradients gives the same ratios at any scale): the unscaled fp16 configurations lose
+precision where the gradients leave fp16's normal range; those with "a scale per tile" round each
+operand tile after a power-of-two scale of its own (`reference.gdn.fused_bwd._round_tile_scaled`).
 
 Result: benchmarks/journal/accuracy.md ("The backward's operands in fp16: a model").
 """
@@ -41,12 +46,16 @@ CONFIGS = {
     "A_beta and pass-2 operands fp16": dict(a=FP, h=BF, ds=BF, op=FP),
     "A_beta, operands and dS fp16": dict(a=FP, h=BF, ds=FP, op=FP),
     "everything fp16 (h too)": dict(a=FP, h=FP, ds=FP, op=FP),
+    "pass-2 operands fp16, a scale per tile": dict(a=BF, h=BF, ds=BF, op=FP, sc=True),
+    "A_beta, operands and dS fp16, a scale per tile": dict(a=FP, h=BF, ds=FP, op=FP, sc=True),
 }
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=4)
+    ap.add_argument("--do-scale", type=float, default=1.0,
+                    help="multiply do and dht by this (a loss scale: the gradients' magnitude; default 1)")
     a = ap.parse_args(argv)
     scale = 128 ** -0.5
     acc = {c: {n: [] for n in NAMES} for c in CONFIGS}
@@ -55,7 +64,8 @@ def main(argv=None) -> int:
             x = make_gdn_inputs(B=2, T=T, H=2, HV=4, K=128, V=128, seed=seed)
             gen = torch.Generator().manual_seed(100 + seed)
             x["do"] = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64)
-            x["dht"] = torch.randn(2, 4, 128, 128, generator=gen, dtype=torch.float64)
+            x["dht"] = torch.randn(2, 4, 128, 128, generator=gen, dtype=torch.float64) * a.do_scale
+            x["do"] = x["do"] * a.do_scale
             xr = dict(x)
             for n in ("q", "k", "v", "do"):
                 xr[n] = x[n].to(BF).double()
@@ -68,7 +78,7 @@ def main(argv=None) -> int:
                 m = fb.fused_gated_delta_rule_bwd(f32["q"], f32["k"], f32["v"], f32["beta"], ab.float(), g2, scale,
                                                   f32["initial_state"], f32["do"], f32["dht"], h_dtype=d["h"],
                                                   ds_dtype=d["ds"], operand_dtype=d["op"], exact_diagonal=True,
-                                                  dog_pair=True)
+                                                  dog_pair=True, operand_scale=d.get("sc", False))
                 for n, got, ref in zip(NAMES, m, exact):
                     if n in ("dq", "dk", "dv"):  # stored in the input dtype
                         got = got.to(BF)

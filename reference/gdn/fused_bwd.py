@@ -88,6 +88,22 @@ def _round(x: torch.Tensor, dtype) -> torch.Tensor:
     return x if dtype is None else x.to(dtype).to(x.dtype)
 
 
+def _round_tile_scaled(x: torch.Tensor, dtype) -> torch.Tensor:
+    """x rounded to `dtype` and back after a power-of-two scale per tile (the last two dimensions) that
+    puts the tile's largest magnitude in [2^14, 2^15), undone after the rounding (None: unchanged). A
+    power of two scales exactly, so only the rounding at the target's full precision remains, at
+    any magnitude of x: the model of an fp16 operand tile stored with its own exponent (a
+    max-reduction and a multiply per tile in a kernel; derivation RW-7's argument for the forward's
+    row scales). Zero tiles stay zero."""
+    if dtype is None:
+        return x
+    amax = x.abs().amax(dim=(-2, -1), keepdim=True)
+    e = torch.where(amax > 0, torch.floor(torch.log2(torch.where(amax > 0, amax, torch.ones_like(amax)))),
+                    torch.zeros_like(amax))
+    s = torch.exp2(14 - e)
+    return (x * s).to(dtype).to(x.dtype) / s
+
+
 # ----------------------------------------------------------------------------------------------
 # Slot layout of the sm_90 forward's intermediates
 # ----------------------------------------------------------------------------------------------
@@ -181,7 +197,7 @@ def recompute_states(k, v, A_beta, g_cum, h0, lay: ChunkLayout, *, log2: bool = 
 
 def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, last=None, log2: bool = False,
                     ds_dtype=None, operand_dtype=None, A_beta_vd=None, dog_pair: bool = False,
-                    exact_w: bool = False) -> dict:
+                    exact_w: bool = False, operand_scale: bool = False) -> dict:
     """Pass 2, one chunk (all chunks at once here; the kernel walks them in reverse): every gradient of
     the chunk from its chunk-start state h and the gradient dh of its chunk-end state.
 
@@ -203,7 +219,10 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
         `chunk_bwd.OPTS`), instead of its operand rounding alone. exact_w: dbeta's rows
         rowsum(X * W) take W as computed (the compute dtype) instead of its operand rounding, which
         v_new's product keeps (no kernel builds it: `benchmarks/journal/backward.md`, "dbeta with W
-        in fp32").
+        in fp32"). operand_scale: each operand rounding (operand_dtype, and ds_dtype for dh) takes a
+        power-of-two scale per [rows, columns] tile first (`_round_tile_scaled`: fp16 operands that
+        keep their precision at any magnitude of do and dht; no kernel builds it,
+        `benchmarks/journal/accuracy.md`, "fp16 operands with a scale per tile").
 
     Returns dict of chunk tensors: dq, dk [NC, HV, C, K] (per value head, before the GVA sum);
     dv [NC, HV, C, V]; dbeta [NC, HV, C]; dG [NC, HV, C] (dL/dg_cum per position, before the
@@ -215,8 +234,9 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
     Gam = decay_mask(g_cum, log2=log2)
     Gs = decay_mask(g_cum, strict=True, log2=log2)
     D = dh
-    Dop = _round(D, ds_dtype)
-    o_ = lambda x: _round(x, operand_dtype)  # noqa: E731
+    rnd = _round_tile_scaled if operand_scale else _round
+    Dop = rnd(D, ds_dtype)
+    o_ = lambda x: rnd(x, operand_dtype)  # noqa: E731
 
     KK = k @ _t(k)
     Kg = KK * Gs
@@ -279,7 +299,7 @@ def reverse_chunk_cumsum(dG: torch.Tensor) -> torch.Tensor:
 def fused_gated_delta_rule_bwd(
     q, k, v, beta, A_beta, g_cum_log2, scale: float, initial_state, do, dht, cu_seqlens=None,
     *, g=None, chunk_size: int = 64, h_dtype=None, ds_dtype=None, operand_dtype=None, log2: bool = True,
-    exact_diagonal: bool = False, dog_pair: bool = False, exact_w: bool = False,
+    exact_diagonal: bool = False, dog_pair: bool = False, exact_w: bool = False, operand_scale: bool = False,
 ):
     """The backward our kernels compute, end to end, from the sm_90 forward's slot-major products.
 
@@ -298,6 +318,7 @@ def fused_gated_delta_rule_bwd(
         the kernels add diag(beta - stored) dv_new in fp32); pass 1, v_new and A = I - A_beta Kg
         keep the stored one (`benchmarks/journal/accuracy.md`, "The exact diagonal").
         dog_pair: see `chunk_bwd_fused` (the sm_90 kernel's option "l", built where dh0 is returned).
+        operand_scale: see `chunk_bwd_fused` (a model only).
         exact_w: see `chunk_bwd_fused` (no kernel builds it).
 
     Returns:
@@ -332,7 +353,7 @@ def fused_gated_delta_rule_bwd(
         out = chunk_bwd_fused(qc[ids], kc[ids], vc[ids], bc[ids], Ab[ids], G[ids], h[ids], Dn[sq], doc[ids], scale,
                               last=lay.length[ids] - 1, ds_dtype=ds_dtype, operand_dtype=operand_dtype,
                               A_beta_vd=None if Ab_vd is None else Ab_vd[ids], dog_pair=dog_pair, exact_w=exact_w,
-                              **gk)
+                              operand_scale=operand_scale, **gk)
         for n in names:
             if acc[n] is None:
                 acc[n] = torch.zeros(lay.NC, *out[n].shape[1:], dtype=cdt, device=q.device)
