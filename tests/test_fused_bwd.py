@@ -314,3 +314,26 @@ def test_fp16_operands_need_a_scale_per_tile():
         assert scaled[2.0**-30][n] == scaled[1.0][n] == scaled[2.0**20][n], n
         assert plain_small[n] > 10 * shipped[n], (n, plain_small[n], shipped[n])
         assert not plain_large[n] < 1.0, (n, plain_large[n])  # inf or nan
+
+
+def test_pair_dtype_splits_the_operand_rounding_consistently():
+    """`pair_dtype` (the products of two computed operands in their own dtype) only re-routes the
+    operand roundings: pair_dtype equal to operand_dtype (and a_beta_pairs, whose products then take
+    that same dtype) gives bit for bit the gradients of the plain model; pair_dtype fp16 gives others."""
+    bf = torch.bfloat16
+    x = _gpu_tier_inputs(64)
+    f32 = {n: (t.float() if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in x.items()}
+    Ab, G2f = fb.forward_slot_products(f32["k"], f32["g"], f32["beta"], 4, dtype=bf)
+
+    def run(**kw):
+        return fb.fused_gated_delta_rule_bwd(f32["q"], f32["k"], f32["v"], f32["beta"], Ab, G2f, SCALE, f32["initial_state"],
+                                             f32["do"], f32["dht"], h_dtype=bf, ds_dtype=bf, operand_dtype=bf,
+                                             exact_diagonal=True, dog_pair=True, **kw)
+
+    plain = run()
+    for kw in (dict(pair_dtype=bf), dict(pair_dtype=bf, a_beta_pairs=True), dict(a_beta_pairs=True)):
+        for n, a, b in zip(NAMES, plain, run(**kw)):
+            assert torch.equal(a, b), (kw, n)
+    fp = run(pair_dtype=torch.float16, operand_scale=True)
+    assert any(not torch.equal(a, b) for a, b in zip(plain, fp))
+    assert all(torch.isfinite(t).all() for t in fp)

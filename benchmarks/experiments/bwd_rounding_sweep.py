@@ -48,6 +48,8 @@ CONFIGS = {
     "everything fp16 (h too)": dict(a=FP, h=FP, ds=FP, op=FP),
     "pass-2 operands fp16, a scale per tile": dict(a=BF, h=BF, ds=BF, op=FP, sc=True),
     "A_beta, operands and dS fp16, a scale per tile": dict(a=FP, h=BF, ds=FP, op=FP, sc=True),
+    "fp16 (scaled) only where both operands are computed": dict(a=BF, h=BF, ds=BF, op=BF, pair=FP, sc=True),
+    "the same and A_beta fp16 with its three products": dict(a=FP, h=BF, ds=BF, op=BF, pair=FP, ap=True, sc=True),
 }
 
 
@@ -78,7 +80,8 @@ def main(argv=None) -> int:
                 m = fb.fused_gated_delta_rule_bwd(f32["q"], f32["k"], f32["v"], f32["beta"], ab.float(), g2, scale,
                                                   f32["initial_state"], f32["do"], f32["dht"], h_dtype=d["h"],
                                                   ds_dtype=d["ds"], operand_dtype=d["op"], exact_diagonal=True,
-                                                  dog_pair=True, operand_scale=d.get("sc", False))
+                                                  dog_pair=True, operand_scale=d.get("sc", False),
+                                                  pair_dtype=d.get("pair"), a_beta_pairs=d.get("ap", False))
                 for n, got, ref in zip(NAMES, m, exact):
                     if n in ("dq", "dk", "dv"):  # stored in the input dtype
                         got = got.to(BF)

@@ -197,7 +197,8 @@ def recompute_states(k, v, A_beta, g_cum, h0, lay: ChunkLayout, *, log2: bool = 
 
 def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, last=None, log2: bool = False,
                     ds_dtype=None, operand_dtype=None, A_beta_vd=None, dog_pair: bool = False,
-                    exact_w: bool = False, operand_scale: bool = False) -> dict:
+                    exact_w: bool = False, operand_scale: bool = False, pair_dtype=None,
+                    a_beta_pairs: bool = False) -> dict:
     """Pass 2, one chunk (all chunks at once here; the kernel walks them in reverse): every gradient of
     the chunk from its chunk-start state h and the gradient dh of its chunk-end state.
 
@@ -223,6 +224,12 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
         power-of-two scale per [rows, columns] tile first (`_round_tile_scaled`: fp16 operands that
         keep their precision at any magnitude of do and dht; no kernel builds it,
         `benchmarks/journal/accuracy.md`, "fp16 operands with a scale per tile").
+        pair_dtype: None (every product as above), or the dtype of the products whose two operands the
+        kernel computes (X = A^T dv_new, v_new D^T, X v_new^T), each such operand rounded to it for
+        those products and to operand_dtype (ds_dtype for D) for the others: a wgmma takes both
+        operands in one dtype, and the other products read a tile that arrives in the input's dtype.
+        a_beta_pairs: A_beta is stored in pair_dtype (the forward's `a_dtype`), so its three products
+        (A_beta Kg, A_beta W, A_beta^T dv_new) take their other operand in pair_dtype too.
 
     Returns dict of chunk tensors: dq, dk [NC, HV, C, K] (per value head, before the GVA sum);
     dv [NC, HV, C, V]; dbeta [NC, HV, C]; dG [NC, HV, C] (dL/dg_cum per position, before the
@@ -237,18 +244,24 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
     rnd = _round_tile_scaled if operand_scale else _round
     Dop = rnd(D, ds_dtype)
     o_ = lambda x: rnd(x, operand_dtype)  # noqa: E731
+    p_ = o_ if pair_dtype is None else (lambda x: rnd(x, pair_dtype))  # noqa: E731
+    a_ = p_ if a_beta_pairs else o_  # the other operand of A_beta's products
+    Dp = Dop if pair_dtype is None else rnd(D, pair_dtype)
 
     KK = k @ _t(k)
     Kg = KK * Gs
-    A = o_(torch.eye(C, dtype=cdt, device=k.device) - A_beta @ o_(Kg))  # BWD-Abeta
+    Kg_r = a_(Kg)
+    A = p_(torch.eye(C, dtype=cdt, device=k.device) - A_beta @ Kg_r)  # BWD-Abeta
     Avd = A_beta if A_beta_vd is None else A_beta_vd
     U = k @ h
     W = v - gamma[..., None] * U
-    v_new = o_(A_beta @ o_(W))
+    W_r = a_(W)
+    v_new_x = A_beta @ W_r
+    v_new, v_new_p = o_(v_new_x), p_(v_new_x)
 
-    dv_new = o_(o_(scale * ((q @ _t(k)) * Gam)).transpose(-1, -2) @ do + r[..., None] * (k @ Dop))
-    X = _t(A) @ dv_new
-    dv = _t(Avd) @ dv_new
+    dv_new_x = o_(scale * ((q @ _t(k)) * Gam)).transpose(-1, -2) @ do + r[..., None] * (k @ Dop)
+    X = _t(A) @ p_(dv_new_x)
+    dv = _t(Avd) @ a_(dv_new_x)
     dvg = o_(-gamma[..., None] * dv)
     dog_x = scale * gamma[..., None] * do
     dog = o_(dog_x)
@@ -259,12 +272,12 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
     sM = o_(scale * M)
     dq_state = (dog @ _t(h)) / scale
     dq = scale * dq_state + sM @ k
-    dk_state = r[..., None] * (v_new @ _t(Dop))
-    dL = -torch.tril(o_(X) @ _t(v_new), -1)  # BWD-fused
+    dk_state = r[..., None] * (v_new_p @ _t(Dp))
+    dL = -torch.tril(p_(X) @ _t(v_new_p), -1)  # BWD-fused
     dLk = o_(dL * Gs)
     dLk_K = dLk @ k
     dk = dk_state + _t(sM) @ q + dvg @ _t(h) + beta[..., None] * dLk_K + _t(o_(beta[..., None] * dLk)) @ k
-    dbeta = (X * (W if exact_w else o_(W))).sum(-1) + (dLk_K * k).sum(-1)
+    dbeta = (X * (W if exact_w else W_r)).sum(-1) + (dLk_K * k).sum(-1)
 
     # dG, with the exactly-cancelling terms left out (see reference.gdn.chunk_bwd.chunk_bwd_dqkwg)
     Z = M * (q @ _t(k)) * torch.tril(torch.ones(C, C, dtype=torch.bool, device=k.device), -1)
@@ -273,7 +286,7 @@ def chunk_bwd_fused(q, k, v, beta, A_beta, g_cum, h, dh, do, scale: float, *, la
         last = torch.full(k.shape[:1], C - 1, dtype=torch.long, device=k.device)
     not_last = torch.arange(C, device=k.device) != last[:, None, None]  # [NC, 1, C]
     s_nl = torch.where(not_last, s, torch.zeros((), dtype=cdt))
-    dLL = dL * (beta[..., None] * o_(Kg))
+    dLL = dL * (beta[..., None] * Kg_r)
     dG = (
         scale * ((dq_state * q).sum(-1) + Z.sum(-1) - Z.sum(-2))
         - s_nl
@@ -300,6 +313,7 @@ def fused_gated_delta_rule_bwd(
     q, k, v, beta, A_beta, g_cum_log2, scale: float, initial_state, do, dht, cu_seqlens=None,
     *, g=None, chunk_size: int = 64, h_dtype=None, ds_dtype=None, operand_dtype=None, log2: bool = True,
     exact_diagonal: bool = False, dog_pair: bool = False, exact_w: bool = False, operand_scale: bool = False,
+    pair_dtype=None, a_beta_pairs: bool = False,
 ):
     """The backward our kernels compute, end to end, from the sm_90 forward's slot-major products.
 
@@ -318,7 +332,7 @@ def fused_gated_delta_rule_bwd(
         the kernels add diag(beta - stored) dv_new in fp32); pass 1, v_new and A = I - A_beta Kg
         keep the stored one (`benchmarks/journal/accuracy.md`, "The exact diagonal").
         dog_pair: see `chunk_bwd_fused` (the sm_90 kernel's option "l", built where dh0 is returned).
-        operand_scale: see `chunk_bwd_fused` (a model only).
+        operand_scale, pair_dtype, a_beta_pairs: see `chunk_bwd_fused` (a model only).
         exact_w: see `chunk_bwd_fused` (no kernel builds it).
 
     Returns:
@@ -353,7 +367,7 @@ def fused_gated_delta_rule_bwd(
         out = chunk_bwd_fused(qc[ids], kc[ids], vc[ids], bc[ids], Ab[ids], G[ids], h[ids], Dn[sq], doc[ids], scale,
                               last=lay.length[ids] - 1, ds_dtype=ds_dtype, operand_dtype=operand_dtype,
                               A_beta_vd=None if Ab_vd is None else Ab_vd[ids], dog_pair=dog_pair, exact_w=exact_w,
-                              operand_scale=operand_scale, **gk)
+                              operand_scale=operand_scale, pair_dtype=pair_dtype, a_beta_pairs=a_beta_pairs, **gk)
         for n in names:
             if acc[n] is None:
                 acc[n] = torch.zeros(lay.NC, *out[n].shape[1:], dtype=cdt, device=q.device)
