@@ -943,3 +943,17 @@ def test_pages_fill_a_peer_that_was_not_importable_from_the_cache(tmp_path):
     assert S.num(filled["flashinfer_ms"]) == pytest.approx(0.25) and filled["flashinfer_status"] == "ok"
     assert filled["peers_source"] == "cached"
     assert kept["flashinfer_status"] == "error: RuntimeError" and not kept.get("flashinfer_ms")
+
+
+def test_page_title_names_only_peers_timed_on_the_page():
+    """A page's title lists ours and the peers with a gated time on at least one of its rows: a peer
+    never timed on that GPU (FlashInfer on the H200 pages) is not announced (its columns stay)."""
+    from flashqla.bench.report import FWD_TITLE, page_title
+
+    rows = [{"ours_status": "ok", "ours_ms": "1.0", "fla_status": "ok", "fla_ms": "2.0", "flash_qla_status": "failed",
+             "flash_qla_ms": "1.5", "flashinfer_status": "", "flashinfer_ms": ""},
+            {"ours_status": "ok", "ours_ms": "1.0", "flash_qla_status": "ok", "flash_qla_ms": "1.2"}]
+    assert page_title(FWD_TITLE, "fwd", rows) == "GDN chunked prefill, forward: ours vs FLA vs FlashQLA"
+    assert page_title(FWD_TITLE, "fwd", rows[:1]) == "GDN chunked prefill, forward: ours vs FLA"
+    rows[1].update(flashinfer_status="ok", flashinfer_ms="0.9")
+    assert page_title(FWD_TITLE, "fwd", rows).endswith("ours vs FLA vs FlashQLA vs FlashInfer")

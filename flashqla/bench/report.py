@@ -268,9 +268,18 @@ def drift_section(rows: list[dict], kinds=(("", "ms"),), mix_of=None, direction:
 
 # ---------------------------------------------------------------------------------------- pages
 
-FWD_TITLE = "GDN chunked prefill, forward: " + " vs ".join(LABELS[i] for i in impls_for("fwd"))
-CP_TITLE = "GDN chunked prefill, one long sequence (context parallelism): " + " vs ".join(LABELS[i] for i in impls_for("fwd"))
-BWD_TITLE = "GDN chunked prefill, backward and training step: " + " vs ".join(LABELS[i] for i in impls_for("bwd"))
+FWD_TITLE = "GDN chunked prefill, forward"
+CP_TITLE = "GDN chunked prefill, one long sequence (context parallelism)"
+BWD_TITLE = "GDN chunked prefill, backward and training step"
+
+
+def page_title(prefix: str, direction: str, rows: list[dict]) -> str:
+    """A page's title: `prefix`, then ours and each peer of `direction` that has a gated time on at
+    least one of the page's rows ("ours vs FLA vs ..."); a peer never timed on this GPU is left out
+    of the title (its columns stay, empty)."""
+    field = "bwd_ms" if direction == "bwd" else "ms"
+    shown = [i for i in impls_for(direction) if i == "ours" or any(is_ok(r, i, field) for r in rows)]
+    return f"{prefix}: " + " vs ".join(LABELS[i] for i in shown)
 
 
 def markdown(direction: str, rows: list[dict], env: dict, commit: str, meta: dict,
@@ -279,7 +288,8 @@ def markdown(direction: str, rows: list[dict], env: dict, commit: str, meta: dic
     `meta` holds "date" and the "method" lines; the forward's `breakdown_rows` add FLA's breakdown;
     `title` (default the benchmark's)."""
     rows = sorted(rows, key=lambda r: grid_order(r, direction))
-    L = _header(title or (BWD_TITLE if direction == "bwd" else FWD_TITLE), env, commit, meta, direction)
+    L = _header(page_title(title or (BWD_TITLE if direction == "bwd" else FWD_TITLE), direction, rows), env, commit, meta,
+                direction)
     L += ["## Geometric-mean speed-ups", ""] + geomean_table(direction, rows)
     if direction == "bwd":
         for field, kind, title in S.SCHEMAS["bwd"].timed:
