@@ -194,8 +194,8 @@ def planning_seqlens(cu_seqlens_cpu, cu_seqlens, T: int) -> tuple[int, ...] | No
     (`flashqla.cp.plan.plan_cp(seqlens=...)`, packed batches), the forward's on their maximum
     (`planning_max_seqlen`), and an unsplit forward of 2 to 32 sequences runs at the value-slice
     width their makespan favours (`flashqla.cp.plan.unsplit_block_v`). None when `cu_seqlens_cpu`
-    is None or while torch.compile or torch.export traces the caller; checks and errors as `planning_max_seqlen`. The lengths shape
-    the plan, never the results."""
+    is None or while torch.compile or torch.export traces the caller; checks and errors as
+    `planning_max_seqlen`. The lengths shape the plan, never the results."""
     if cu_seqlens_cpu is None:
         return None
     if not isinstance(cu_seqlens_cpu, torch.Tensor):

@@ -98,8 +98,7 @@ def _round_tile_scaled(x: torch.Tensor, dtype) -> torch.Tensor:
     if dtype is None:
         return x
     amax = x.abs().amax(dim=(-2, -1), keepdim=True)
-    e = torch.where(amax > 0, torch.floor(torch.log2(torch.where(amax > 0, amax, torch.ones_like(amax)))),
-                    torch.zeros_like(amax))
+    e = torch.floor(torch.log2(torch.where(amax > 0, amax, torch.ones_like(amax))))  # a zero tile: e = 0
     s = torch.exp2(14 - e)
     return (x * s).to(dtype).to(x.dtype) / s
 

@@ -99,7 +99,8 @@ def chunk_gated_delta_rule(
             not may cost speed and, since it says the offsets end at T, leaves o's rows past device
             offsets that end earlier unwritten (without the copy they are zeroed). Under
             torch.compile / torch.export only its type, dtype, device and shape are checked and it
-            is not used (its values are not known while tracing). `flashqla.contract.planning_max_seqlen`, `.planning_seqlens`.
+            is not used (its values are not known while tracing).
+            `flashqla.contract.planning_max_seqlen`, `.planning_seqlens`.
         check_inputs: keyword-only, False (default) or True: also check the values of device
             tensors before any launch (`flashqla.contract.check_gdn_inputs(check_values=True)`): the
             offsets of cu_seqlens, g <= 0 and not NaN, beta in [0, 1], q, k, v, beta and
