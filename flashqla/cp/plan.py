@@ -334,6 +334,26 @@ def unsplit_block_v(N: int, HV: int, V: int = 128, sm_count: int = DEFAULT_SM_CO
     return 64 if t[64] < t[128] else 128
 
 
+def _lengths_costed(N: int, HV: int, V: int, seqlens, sm_count: int) -> bool:
+    """Whether the forward's unsplit launch is costed on the lengths (`_unsplit_lengths_time`) rather
+    than as N walks of the longest length: 2 to LENGTHS_WIDTH_MAX_SEQUENCES sequences given, V >= 128
+    (both widths exist), and more CTAs at BV 64 (N * HV * V / 64) than SMs, so that the launch runs
+    in more than one wave and the lengths decide its makespan. In one wave the launch takes its longest
+    walk, which the walk-of-the-longest-length estimate already is (journal forward.md, "Split or not
+    on the lengths where the launch runs in waves")."""
+    return (seqlens is not None and V >= 128 and 1 < N <= LENGTHS_WIDTH_MAX_SEQUENCES
+            and N * HV * _cdiv(V, 64) > sm_count)
+
+
+def _unsplit_lengths_time(bv: int, HV: int, V: int, seqlens, sms: int) -> float:
+    """The unsplit forward launch on known lengths, in the model's chunk units: the greedy makespan
+    (`_greedy_makespan`) of its CTAs in launch order (sequence-major, HV * V / bv a sequence, each
+    ceil(length / 64) chunk steps, CTAS_PER_SM[bv] an SM), a step costing UNSPLIT_CHUNK_COST[128] times
+    the measured chunk-step ratio `recurrent.ROLES_STEP_US[bv] / ROLES_STEP_US[128]`."""
+    steps = _greedy_makespan([(_cdiv(int(n), CHUNK), HV * _cdiv(V, bv)) for n in seqlens], sms * CTAS_PER_SM[bv])
+    return UNSPLIT_CHUNK_COST[128] * ROLES_STEP_US[bv] / ROLES_STEP_US[128] * steps
+
+
 def _greedy_makespan(runs, slots: int) -> int:
     """Latest finish of CTAs sent in order to `slots` SMs, each to the first one free: runs is a list of
     (chunks, count), `count` CTAs of `chunks` steps each, in launch order. Exact for that greedy
@@ -578,8 +598,9 @@ def _plan_cp(
         seqlens: optional host-side lengths of the N sequences (a tuple summing to T; FLA's
             cu_seqlens_cpu, `flashqla.contract.planning_seqlens`). With backward and N > 1 the plan
             is costed on them (`_bwd_lengths_time`, BWD_LEN_TOKEN_COST's comment); the forward's
-            unsplit width is picked on them (`unsplit_block_v`); elsewhere only their maximum is used,
-            as max_seqlen.
+            unsplit launch is costed on them where it runs in more than one wave at BV 64
+            (`_lengths_costed`), and otherwise its unsplit width is picked on them
+            (`unsplit_block_v`); elsewhere only their maximum is used, as max_seqlen.
 
     Returns a `CPPlan`. Raises ValueError for non-positive sizes, force with disable, a segment_len
     that is not a positive multiple of 64, a gate_chunks < 1, a V that no width in BV_CHOICES
@@ -644,22 +665,27 @@ def _plan_cp(
             cands.append(min(options, key=lambda c: (c[0], c[3])))
         # no TIE: this model separates candidates a few percent apart (the mean-and-longest one does not)
         return _decide(t_u, bv_u, cands, bvs, exact, sm_count, force, segment_len, l_max, backward, tie=0.0)
+    lengths_costed = not backward and _lengths_costed(N, HV, V, seqlens, sm_count)
     if backward:
         bv_u = min(bvs, key=lambda bv: (unsplit(bv), bvs.index(bv)))
+    elif lengths_costed:  # the unsplit launch on the lengths, at its faster width
+        costs = {bv: _unsplit_lengths_time(bv, HV, V, seqlens, sm_count) for bv in bvs}
+        bv_u = min(bvs, key=lambda bv: (costs[bv], bvs.index(bv)))
     else:  # the width the unsplit launch runs at without lengths (`recurrent.pick_block_v`)
         bv_u = pick_block_v(N, HV, V, sm_count)
         if bv_u not in bvs:
             bv_u = min(bvs, key=lambda bv: (unsplit(bv), bvs.index(bv)))
-    t_u = unsplit(bv_u)
+    t_u = costs[bv_u] if lengths_costed else unsplit(bv_u)
     lens = [segment_len] if segment_len is not None else _segment_lengths(l_max)
     cands = [(_split_time(bv, HV, V, T, N, L, l_avg, l_max, balanced, sm_count, exact, gate_chunks, backward), L, bv,
               False) for L in lens for bv in bvs]
     plan = _decide(t_u, bv_u, cands, bvs, exact, sm_count, force, segment_len, l_max, backward)
+    if lengths_costed:
+        return replace(plan, reason=plan.reason + " (the unsplit launch costed on the lengths)")
     if backward or plan.split or seqlens is None:
         return plan
-    # Split or not is decided at pick_block_v's width, as without lengths (`_unsplit_time` takes every
-    # walk as l_max long; at the lengths' width it would undo splits that measured faster). So the
-    # lengths never change the split decision, only an unsplit plan's width (`unsplit_block_v`; journal
+    # A launch of one wave at BV 64: split or not is decided at pick_block_v's width, as without
+    # lengths, and the lengths pick only an unsplit plan's width (`unsplit_block_v`; journal
     # forward.md "The unsplit width from the lengths" and its correction).
     bv_l = unsplit_block_v(N, HV, V, sm_count, seqlens)
     if bv_l == plan.BV or bv_l not in bvs:
