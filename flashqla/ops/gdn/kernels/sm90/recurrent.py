@@ -120,8 +120,9 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
     of W^T (one value row, 64 tokens) is scaled by a power of two s_i that puts its largest magnitude
     in [2^7, 2^8) (s_i within 2^-30 .. 2^30; over the sequence's own tokens: the rows past its end
     are zeroed first, A_beta's columns there being 0), so that vn^T's rows (|A_beta| <= 1 on unit keys) stay
-    below 2^15; the state update takes vn^T / s_i (exact), and the output role scales O's column i
-    by s_i before O += Pg vn and back after (s_i shared through `sc_s` with vn^T)."""
+    below 2^15; the state update takes vn^T times 1 / s_i (exact), and the output role scales O's column i
+    by s_i before O += Pg vn and back by 1 / s_i after (both shared through `sc_s` with vn^T; exact:
+    powers of two, so no division on either role)."""
     import tilelang.language as T
     from tilelang.layout import make_swizzled_layout
 
@@ -207,7 +208,7 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
             sb_s = T.alloc_shared((2, BV, K), dtype)  # bf16 S^T of chunk c (chain -> output)
             nv_s = T.alloc_shared((2, BV, C), odt)  # vn^T of chunk c (chain -> output)
             if scaled:
-                sc_s = T.alloc_shared((2, BV), acc)  # vn^T's row scales of chunk c (chain -> output, with nv_s)
+                sc_s = T.alloc_shared((2, 2, BV), acc)  # vn^T's row scales of chunk c and their inverses (chain -> output)
             o_s = T.alloc_shared((C, BV), dtype)  # O of this chunk in o's dtype (output role)
             T.annotate_layout({v_s: make_swizzled_layout(v_s), o_s: make_swizzled_layout(o_s)})
 
@@ -234,6 +235,7 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
                 if scaled:
                     wmax = T.alloc_fragment((BV,), acc)
                     wsc = T.alloc_fragment((BV,), acc)
+                    wsi = T.alloc_fragment((BV,), acc)  # 1 / wsc (exact: powers of two)
                 if dual:
                     if tr:
                         for i, j in T.Parallel(BV, K):
@@ -290,8 +292,10 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
                                 ut[i, j] = T.if_then_else(c * C + j < seqlen, ut[i, j], T.float32(0))
                         T.reduce_absmax(ut, wmax, dim=1)
                         for i in T.Parallel(BV):
-                            wsc[i] = T.exp2(T.max(T.min(T.float32(8) - T.floor(T.log2(T.max(wmax[i], T.float32(1e-30))))
-                                                        - T.float32(1), T.float32(30)), T.float32(-30)))
+                            wsc[i] = T.max(T.min(T.float32(8) - T.floor(T.log2(T.max(wmax[i], T.float32(1e-30))))
+                                                 - T.float32(1), T.float32(30)), T.float32(-30))
+                            wsi[i] = T.exp2(-wsc[i])
+                            wsc[i] = T.exp2(wsc[i])
                         for i, j in T.Parallel(BV, C):
                             wt_b[i, j] = T.cast(ut[i, j] * wsc[i], odt)
                     elif dual:  # transition CTAs: v = 0
@@ -308,7 +312,7 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
                     if scaled:
                         for i, j in T.Parallel(BV, C):
                             nvt_b[i, j] = T.cast(nvt[i, j], odt)  # scaled rows (|.| < 2^15: |A_beta| <= 1)
-                            vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j] / wsc[i], dtype)
+                            vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j] * wsi[i], dtype)
                     else:
                         for i, j in T.Parallel(BV, C):
                             nvt_b[i, j] = T.cast(nvt[i, j], odt)
@@ -319,7 +323,8 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
                     T.copy(nvt_b, nv_s[s, :, :])
                     if scaled:
                         for i in T.Parallel(BV):
-                            sc_s[s, i] = wsc[i]
+                            sc_s[s, 0, i] = wsc[i]
+                            sc_s[s, 1, i] = wsi[i]
                     T.fence_proxy_async()
                     T.barrier_arrive(n_full[s])
                     T.wait_wgmma(0)
@@ -372,12 +377,12 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
                         # O += Pg vn with vn^T's rows scaled: O's columns scaled alike around the product
                         T.barrier_wait(n_full[s], ph)
                         for t, i in T.Parallel(C, BV):
-                            of[t, i] = of[t, i] * gr_f[t] * sc_s[s, i]
+                            of[t, i] = of[t, i] * gr_f[t] * sc_s[s, 0, i]
                         T.wgmma_gemm(pg_b, nv_s[s, :, :], of, transpose_B=True)
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(of, num_regs=C * BV // 128)
                         for t, i in T.Parallel(C, BV):
-                            of[t, i] = of[t, i] / sc_s[s, i]
+                            of[t, i] = of[t, i] * sc_s[s, 1, i]
                     else:
                         for t, i in T.Parallel(C, BV):
                             of[t, i] = of[t, i] * gr_f[t]
@@ -665,7 +670,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
         v0, bidx, bos, seqlen, tx, positions = b.v0, b.bidx, b.bos, b.seqlen, b.tx, b.positions
         pos_stride, n_ckpt, ckpt, ckp = b.pos_stride, b.n_ckpt, b.ckpt, b.ckp
         if scaled:
-            sc_s, wmax, wsc = b.sc_s, b.wmax, b.wsc
+            sc_s, wmax, wsc, wsi = b.sc_s, b.wmax, b.wsc, b.wsi
         if dual:
             tr = b.tr
         if checkpoints:
@@ -728,8 +733,10 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                     ut[i, j] = T.if_then_else(c * C + j < seqlen, ut[i, j], T.float32(0))
             T.reduce_absmax(ut, wmax, dim=1)
             for i in T.Parallel(BV):
-                wsc[i] = T.exp2(T.max(T.min(T.float32(8) - T.floor(T.log2(T.max(wmax[i], T.float32(1e-30))))
-                                            - T.float32(1), T.float32(30)), T.float32(-30)))
+                wsc[i] = T.max(T.min(T.float32(8) - T.floor(T.log2(T.max(wmax[i], T.float32(1e-30))))
+                                     - T.float32(1), T.float32(30)), T.float32(-30))
+                wsi[i] = T.exp2(-wsc[i])
+                wsc[i] = T.exp2(wsc[i])
             for i, j in T.Parallel(BV, C):
                 wt_b[i, j] = T.cast(ut[i, j] * wsc[i], odt)
         elif dual:  # transition CTAs: v = 0
@@ -746,7 +753,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
         if scaled:
             for i, j in T.Parallel(BV, C):
                 nvt_b[i, j] = T.cast(nvt[i, j], odt)  # scaled rows (|.| < 2^15: |A_beta| <= 1)
-                vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j] / wsc[i], dtype)
+                vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j] * wsi[i], dtype)
         else:
             for i, j in T.Parallel(BV, C):
                 nvt_b[i, j] = T.cast(nvt[i, j], odt)
@@ -761,7 +768,8 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
             T.copy(nvt_b, nv_s[s, :, :])
             if scaled:
                 for i in T.Parallel(BV):
-                    sc_s[s, i] = wsc[i]
+                    sc_s[s, 0, i] = wsc[i]
+                    sc_s[s, 1, i] = wsi[i]
             T.fence_proxy_async()
             T.barrier_arrive(n_full[s])
             # the checkpoints ending inside this chunk (CF-4), from the unscaled S^T
@@ -772,7 +780,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                     if scaled:  # vn^T's rows unscaled (exact: powers of two)
                         for i, t in T.Parallel(BV, C):
                             mvt_b[i, t] = T.cast(
-                                T.if_then_else(t < jj, T.cast(nv_s[s, i, t], acc) / wsc[i]
+                                T.if_then_else(t < jj, T.cast(nv_s[s, i, t], acc) * wsi[i]
                                                * T.exp2(T.min(gj[0] - gc_s[s, t], T.float32(0))),
                                                T.float32(0)),
                                 dtype)
@@ -806,7 +814,8 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
             T.copy(nvt_b, nv_s[s, :, :])
             if scaled:
                 for i in T.Parallel(BV):
-                    sc_s[s, i] = wsc[i]
+                    sc_s[s, 0, i] = wsc[i]
+                    sc_s[s, 1, i] = wsi[i]
             T.fence_proxy_async()
             T.barrier_arrive(n_full[s])
         T.wait_wgmma(0)
@@ -941,7 +950,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
             sb_s = T.alloc_shared((2, BV, K), dtype)
             nv_s = T.alloc_shared((2, BV, C), odt)
             if scaled:
-                sc_s = T.alloc_shared((2, BV), acc)  # vn^T's row scales of chunk c (chain -> output, with nv_s)
+                sc_s = T.alloc_shared((2, 2, BV), acc)  # vn^T's row scales of chunk c and their inverses (chain -> output)
             o_s = T.alloc_shared((C, BV), dtype)
             if checkpoints:
                 # per chunk, from the producer under full[s]: the first chunk >= c holding a checkpoint,
@@ -972,6 +981,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                 if scaled:
                     wmax = T.alloc_fragment((BV,), acc)
                     wsc = T.alloc_fragment((BV,), acc)
+                    wsi = T.alloc_fragment((BV,), acc)  # 1 / wsc (exact: powers of two)
                 if checkpoints:
                     ck = T.alloc_fragment((BV, KH), acc)  # one half of the checkpoint's columns
                     mvt_b = T.alloc_fragment((BV, C), dtype)
@@ -1008,7 +1018,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                     hv=hv, v0=v0, bidx=bidx, bos=bos, seqlen=seqlen, tx=tx, positions=positions,
                     pos_stride=pos_stride, n_ckpt=n_ckpt, ckpt=ckpt, ckp=ckp)
                 if scaled:
-                    b = _ChainArgs(b, sc_s=sc_s, wmax=wmax, wsc=wsc)
+                    b = _ChainArgs(b, sc_s=sc_s, wmax=wmax, wsc=wsc, wsi=wsi)
                 if dual:
                     b = _ChainArgs(b, tr=tr)
                 if checkpoints:
@@ -1062,12 +1072,12 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                         # O += Pg vn with vn^T's rows scaled: O's columns scaled alike around the product
                         T.barrier_wait(n_full[s], ph)
                         for t, i in T.Parallel(C, BV):
-                            of[t, i] = of[t, i] * gr_f[t] * sc_s[s, i]
+                            of[t, i] = of[t, i] * gr_f[t] * sc_s[s, 0, i]
                         T.wgmma_gemm(pg_b, nv_s[s, :, :], of, transpose_B=True)
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(of, num_regs=C * BV // 128)
                         for t, i in T.Parallel(C, BV):
-                            of[t, i] = of[t, i] / sc_s[s, i]
+                            of[t, i] = of[t, i] * sc_s[s, 1, i]
                     else:
                         for t, i in T.Parallel(C, BV):
                             of[t, i] = of[t, i] * gr_f[t]
