@@ -46,10 +46,11 @@ def digest(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()
 
 
-def config_sources(name: str, one_per_kind: bool = False) -> list:
+def config_sources(name: str, one_per_kind: bool = False, part: tuple[int, int] = (0, 1)) -> list:
     """[(kernel symbol, sha256 of its CUDA source), ...] of every kernel warmup(**CONFIGS[name]) builds,
     sorted; lowers each PrimFunc for sm_90a in this process instead of compiling it. one_per_kind:
-    only the first build of each kind in warmup's list (`registry.op_kernel_specs`), a sample."""
+    only the first build of each kind in warmup's list (`registry.op_kernel_specs`), a sample; part
+    (i, n): of that sample, the kinds i, i + n, i + 2n, ... only."""
     import threading
 
     import tilelang
@@ -91,7 +92,8 @@ def config_sources(name: str, one_per_kind: bool = False) -> list:
                                                        beta_dtype=cfg["beta_dtype"], block_v=bv,
                                                        seq_dtype=cfg["seqlens_dtype"] if cfg["varlen"] else "int32"):
                 specs.setdefault(kind, args)
-        for kind, args in specs.items():
+        i, n = part
+        for kind, args in list(specs.items())[i::n]:
             registry.build(kind, args)
         return sorted(found)
     for key in ("dtype", "beta_dtype", "seqlens_dtype"):
@@ -100,15 +102,23 @@ def config_sources(name: str, one_per_kind: bool = False) -> list:
     return sorted(found)
 
 
-def _run_one(name: str, one_per_kind: bool = False) -> list:
+def _run_one(name: str, one_per_kind: bool = False, parts: int = 1) -> list:
     """`config_sources(name, one_per_kind)` in a process of its own (the lowering patches TileLang's
-    compile and the builders' caches keep what it returns: nothing of it may stay in the caller)."""
+    compile and the builders' caches keep what it returns: nothing of it may stay in the caller);
+    with one_per_kind, the sample split over `parts` processes run side by side."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHQLA_")}
-    cmd = [sys.executable, __file__, "--one", name] + (["--one-per-kind"] if one_per_kind else [])
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
-    if out.returncode:
-        raise RuntimeError(f"lowering {name} failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    n = parts if one_per_kind else 1
+    cmds = [[sys.executable, __file__, "--one", name] + (["--one-per-kind", "--part", f"{i}/{n}"] if one_per_kind else [])
+            for i in range(n)]
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                              cwd=Path(__file__).resolve().parents[1]) for c in cmds]
+    found = []
+    for proc in procs:
+        stdout, stderr = proc.communicate()
+        if proc.returncode:
+            raise RuntimeError(f"lowering {name} failed:\n{stderr[-4000:]}")
+        found += json.loads(stdout.strip().splitlines()[-1])
+    return sorted(found)
 
 
 def collect(names, jobs: int = 2) -> dict:
@@ -138,11 +148,13 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--one-per-kind", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--part", default="0/1", help=argparse.SUPPRESS)
     p.add_argument("-j", "--jobs", type=int, default=2)
     p.add_argument("--configs", default=",".join(CONFIGS))
     a = p.parse_args(argv)
     if a.one:
-        print(json.dumps(config_sources(a.one, a.one_per_kind)))
+        i, n = (int(x) for x in a.part.split("/"))
+        print(json.dumps(config_sources(a.one, a.one_per_kind, (i, n))))
         return 0
     names = a.configs.split(",")
     got = collect(names, a.jobs)

@@ -1,9 +1,12 @@
 """The inference forward's fp16 A_beta product (`flashqla.ops.gdn.fwd.product_dtype`): the prepare
-kernel's `a_dtype` and the recurrent kernel's `op_dtype` builds at value slice width 64 compile for
-sm_90a without spills, with the default builds' registers (and shared memory, plus the row scales
-vn^T shares with the output role): the prepare build in the default tier, the plain, dual and serving
-builds with checkpoints under `compile_all` (the CPU suite's time bound; the product is opt-in). At width 128 the dual and serving builds spill (benchmarks/journal/forward.md).
-Their default builds' generated sources are the recorded ones (tests/test_kernel_sources.py)."""
+kernel's `a_dtype` and the recurrent kernel's `op_dtype` builds. The default tier lowers the prepare
+build and the plain recurrent build for sm_90a (TileLang's lowering, no nvcc: A stored in fp16, the
+scaled products in fp16, no division left on either role); under `compile_all` (the CPU suite's
+time bound; the product is opt-in) they compile without spills, with the default builds' registers
+(and shared memory, plus the row scales and their inverses vn^T shares with the output role), and so
+do the dual and serving builds with checkpoints at value slice width 64. At width 128 the dual and
+serving builds spill (benchmarks/journal/forward.md). Their default builds' generated sources are
+the recorded ones (tests/test_kernel_sources.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +19,28 @@ from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
 from tests.host_cuda import needs_nvcc
 
 
+def _lowered(func) -> str:
+    tilelang = pytest.importorskip("tilelang")
+    from tilelang import tvm
+
+    from flashqla.ops.gdn.kernels.sm90._common import _pass_configs, sm90_target
+
+    with tvm.transform.PassContext(config=_pass_configs()), tvm.target.Target(sm90_target()):
+        return tilelang.lower(func, target=sm90_target()).kernel_source
+
+
+def test_fp16_a_beta_builds_lower():
+    """The prepare build stores A in fp16; the plain recurrent build forms both scaled products from
+    fp16 operands and multiplies by each row scale's inverse instead of dividing by the scale."""
+    prep = _lowered(P._prepare_prim_func(2, 8, 128, "bfloat16", "float32", "int32", True, a_dtype="float16"))
+    assert "half_t" in prep
+    rec = _lowered(R._recurrent_prim_func(2, 8, 128, 128, "bfloat16", "int32", True, False, 64, "float16"))
+    assert "kFloat16" in rec  # the fp16 wgmma of the A_beta and output products
+    assert "wsi" in rec and "/wsc" not in rec.replace(" ", "") and "/v__" not in rec.replace(" ", "")
+
+
 @needs_nvcc
+@pytest.mark.compile_all
 def test_fp16_a_beta_prepare_matches_the_shipped_build():
     base = ptxas_report(P.build_prepare_kernel(2, 8, 128, "bfloat16", "float32", "int32", True))
     fp16 = P.build_prepare_kernel(2, 8, 128, "bfloat16", "float32", "int32", True, a_dtype="float16")
