@@ -81,3 +81,26 @@ def test_fp16_a_beta_product_plain_build_at_width_128_is_spill_free():
     rep = ptxas_report(R.build_recurrent_kernel(16, 32, 128, 128, 128, "bfloat16", "int32", True, False, "float16"))
     assert rep["spill_stores"] == rep["spill_loads"] == 0
     assert rep["registers"] == base["registers"]
+
+
+@needs_nvcc
+@pytest.mark.compile_all
+def test_fp16_a_beta_serving_build_at_width_128_is_spill_free():
+    """The serving build with bf16 "vk" states and checkpoints at value slice width 128 takes
+    `NREG_SERVING_FP16`'s counts with the fp16 product (its output role spills at `NREG`'s), and then
+    neither role spills; without checkpoints it keeps `NREG`'s (its chain needs 168) and does not
+    spill either."""
+    kw = dict(indexed=True, state_dtype="bfloat16", state_layout="vk", checkpoints=True)
+    assert sum(R.NREG_SERVING_FP16[128][r] * n for r, n in (("chain", 2), ("output", 1), ("producer", 1))) \
+        == R.reg_budget(128)
+    rep = ptxas_report(R.build_recurrent_kernel(16, 32, 128, 128, 128, "bfloat16", "int32", True, False,
+                                                op_dtype="float16", **kw))
+    assert rep["spill_stores"] == rep["spill_loads"] == 0
+    src = R.build_recurrent_kernel(16, 32, 128, 128, 128, "bfloat16", "int32", True, False, op_dtype="float16",
+                                   **kw).get_kernel_source()
+    assert "warpgroup_reg_alloc<160>" in src and "warpgroup_reg_alloc<168>" in src
+    kw["checkpoints"] = False
+    plain = R.build_recurrent_kernel(16, 32, 128, 128, 128, "bfloat16", "int32", True, False, op_dtype="float16", **kw)
+    rep = ptxas_report(plain)
+    assert rep["spill_stores"] == rep["spill_loads"] == 0
+    assert "warpgroup_reg_alloc<168>" in plain.get_kernel_source() and "warpgroup_reg_alloc<160>" not in plain.get_kernel_source()

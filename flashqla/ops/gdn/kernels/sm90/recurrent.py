@@ -82,6 +82,12 @@ NREG = {
     64: {"chain": 248, "output": 216, "producer": 40},
     128: {"chain": 168, "output": 152, "producer": 24},
 }
+#: The serving build's counts with the fp16 A_beta product and checkpoints (`_serving_prim_func`,
+#: op_dtype "float16", checkpoints, not the split path's dual build), where they differ from `NREG`: at
+#: BV = 128 ptxas allocates that build's output role without spilling only with 168 registers, and
+#: its chain fits 160 (without checkpoints the chain needs `NREG`'s 168; benchmarks/journal/forward.md,
+#: "The fp16 A_beta product without divisions").
+NREG_SERVING_FP16 = {128: {"chain": 160, "output": 168, "producer": 24}}
 
 
 def roles_threads(BV: int) -> int:
@@ -610,7 +616,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
     sdt = state_dtype
     vk = state_layout == "vk"
     sa, sb = (V, K) if vk else (K, V)
-    nreg = NREG[BV]
+    nreg = NREG_SERVING_FP16.get(BV, NREG[BV]) if scaled and checkpoints and not dual else NREG[BV]
     n_chain = BV // 64
     CH = 128 * n_chain
     threads = roles_threads(BV)
