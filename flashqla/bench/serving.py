@@ -23,8 +23,8 @@ strong-decay head, fp32 beta, packed int32 offsets), six calls, each CUDA-graph 
 
 Gates before timing (relative RMS): ours `serving` o against `plain` on the pool's (rounded) start
 states under the same plan (<= 1e-3; `plain` with cp="off" where `serving` takes the unsplit kernel
-path, since its own plan may split there and round differently), each sequence's last-token checkpoint against its written pool row (<= 1e-2),
-FlashInfer's o and checkpoints against ours at the same positions (<= the forward gate, 2e-2),
+path, since its own plan may split there and round differently), each sequence's last-token
+checkpoint against its written pool row (<= 1e-2), FlashInfer's o and checkpoints against ours at the same positions (<= the forward gate, 2e-2),
 `serving_inv`'s o against `serving`'s (<= the forward gate, 2e-2: where the default plan splits, the
 invariant plan does not, and the two round differently). Batch invariance itself is checked, not assumed: the
 row's last sequence, moved behind a 77-token padding sequence in a batch of two, must give bitwise
