@@ -112,9 +112,9 @@ def _run_one(name: str, one_per_kind: bool = False, parts: int = 1) -> list:
             for i in range(n)]
     procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                               cwd=Path(__file__).resolve().parents[1]) for c in cmds]
+    outs = [proc.communicate() for proc in procs]  # every process waited for before any error is raised
     found = []
-    for proc in procs:
-        stdout, stderr = proc.communicate()
+    for proc, (stdout, stderr) in zip(procs, outs):
         if proc.returncode:
             raise RuntimeError(f"lowering {name} failed:\n{stderr[-4000:]}")
         found += json.loads(stdout.strip().splitlines()[-1])
