@@ -214,7 +214,7 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
             sb_s = T.alloc_shared((2, BV, K), dtype)  # bf16 S^T of chunk c (chain -> output)
             nv_s = T.alloc_shared((2, BV, C), odt)  # vn^T of chunk c (chain -> output)
             if scaled:
-                sc_s = T.alloc_shared((2, 2, BV), acc)  # vn^T's row scales of chunk c and their inverses (chain -> output)
+                sc_s = T.alloc_shared((2, 2, BV), "bfloat16")  # vn^T's row scales of chunk c and their inverses, powers of two (exact in bf16; chain -> output)
             o_s = T.alloc_shared((C, BV), dtype)  # O of this chunk in o's dtype (output role)
             T.annotate_layout({v_s: make_swizzled_layout(v_s), o_s: make_swizzled_layout(o_s)})
 
@@ -329,8 +329,8 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
                     T.copy(nvt_b, nv_s[s, :, :])
                     if scaled:
                         for i in T.Parallel(BV):
-                            sc_s[s, 0, i] = wsc[i]
-                            sc_s[s, 1, i] = wsi[i]
+                            sc_s[s, 0, i] = T.cast(wsc[i], "bfloat16")
+                            sc_s[s, 1, i] = T.cast(wsi[i], "bfloat16")
                     T.fence_proxy_async()
                     T.barrier_arrive(n_full[s])
                     T.wait_wgmma(0)
@@ -383,12 +383,12 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
                         # O += Pg vn with vn^T's rows scaled: O's columns scaled alike around the product
                         T.barrier_wait(n_full[s], ph)
                         for t, i in T.Parallel(C, BV):
-                            of[t, i] = of[t, i] * gr_f[t] * sc_s[s, 0, i]
+                            of[t, i] = of[t, i] * gr_f[t] * T.cast(sc_s[s, 0, i], acc)
                         T.wgmma_gemm(pg_b, nv_s[s, :, :], of, transpose_B=True)
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(of, num_regs=C * BV // 128)
                         for t, i in T.Parallel(C, BV):
-                            of[t, i] = of[t, i] * sc_s[s, 1, i]
+                            of[t, i] = of[t, i] * T.cast(sc_s[s, 1, i], acc)
                     else:
                         for t, i in T.Parallel(C, BV):
                             of[t, i] = of[t, i] * gr_f[t]
@@ -774,8 +774,8 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
             T.copy(nvt_b, nv_s[s, :, :])
             if scaled:
                 for i in T.Parallel(BV):
-                    sc_s[s, 0, i] = wsc[i]
-                    sc_s[s, 1, i] = wsi[i]
+                    sc_s[s, 0, i] = T.cast(wsc[i], "bfloat16")
+                    sc_s[s, 1, i] = T.cast(wsi[i], "bfloat16")
             T.fence_proxy_async()
             T.barrier_arrive(n_full[s])
             # the checkpoints ending inside this chunk (CF-4), from the unscaled S^T
@@ -820,8 +820,8 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
             T.copy(nvt_b, nv_s[s, :, :])
             if scaled:
                 for i in T.Parallel(BV):
-                    sc_s[s, 0, i] = wsc[i]
-                    sc_s[s, 1, i] = wsi[i]
+                    sc_s[s, 0, i] = T.cast(wsc[i], "bfloat16")
+                    sc_s[s, 1, i] = T.cast(wsi[i], "bfloat16")
             T.fence_proxy_async()
             T.barrier_arrive(n_full[s])
         T.wait_wgmma(0)
@@ -956,7 +956,7 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
             sb_s = T.alloc_shared((2, BV, K), dtype)
             nv_s = T.alloc_shared((2, BV, C), odt)
             if scaled:
-                sc_s = T.alloc_shared((2, 2, BV), acc)  # vn^T's row scales of chunk c and their inverses (chain -> output)
+                sc_s = T.alloc_shared((2, 2, BV), "bfloat16")  # vn^T's row scales of chunk c and their inverses, powers of two (exact in bf16; chain -> output)
             o_s = T.alloc_shared((C, BV), dtype)
             if checkpoints:
                 # per chunk, from the producer under full[s]: the first chunk >= c holding a checkpoint,
@@ -1078,12 +1078,12 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
                         # O += Pg vn with vn^T's rows scaled: O's columns scaled alike around the product
                         T.barrier_wait(n_full[s], ph)
                         for t, i in T.Parallel(C, BV):
-                            of[t, i] = of[t, i] * gr_f[t] * sc_s[s, 0, i]
+                            of[t, i] = of[t, i] * gr_f[t] * T.cast(sc_s[s, 0, i], acc)
                         T.wgmma_gemm(pg_b, nv_s[s, :, :], of, transpose_B=True)
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(of, num_regs=C * BV // 128)
                         for t, i in T.Parallel(C, BV):
-                            of[t, i] = of[t, i] * sc_s[s, 1, i]
+                            of[t, i] = of[t, i] * T.cast(sc_s[s, 1, i], acc)
                     else:
                         for t, i in T.Parallel(C, BV):
                             of[t, i] = of[t, i] * gr_f[t]
