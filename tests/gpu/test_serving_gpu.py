@@ -611,3 +611,46 @@ def test_batch_invariant_bitwise_across_batches(layout, sdtype, L):
             assert torch.equal(_bits(ck_b), _bits(ck_a)), f"the checkpoints differ ({where})"
     print(f"batch_invariant L={L} {layout} {sdtype}: paths {sorted(paths)}")
     assert len(paths) == 1, f"the calls took different paths: {paths}"
+
+
+@pytest.mark.parametrize("cp", ["off", "on"])
+def test_fp16_product_serving_at_width_128(cp, monkeypatch):
+    """The opt-in fp16 A_beta product (`default_backend().fp16_products`) on a pooled call with
+    checkpoints at value slice width 128: the serving build (`recurrent.NREG_SERVING_FP16`'s register
+    split) on the kernel path (cp="off") and the split path's dual build (cp="on"). o, the pool rows
+    and every checkpoint against the fp64 recurrence within the bf16 kernels' budgets, no element left
+    unwritten, and o no worse than the shipped bf16 product's on the same call."""
+    from flashqla.ops.gdn.backend import default_backend
+    import flashqla.ops.gdn.kernels.sm90.recurrent as rec
+
+    lengths = [3000, 70, 1100]
+    xd, x64, cu, h0 = _case(lengths, HV=4, H=2, seed=31)
+    cu_list = [0, 3000, 3070, 4170]
+    positions = [1, 63, 64, 65, 2000, 3000, 3070, 3071 + 600, 4170]
+    idx = torch.tensor([4, 0, 2], device=DEV)
+    base = torch.zeros(6, 4, 128, 128, dtype=torch.bfloat16, device=DEV)
+    base[idx] = h0.to(DEV).transpose(-1, -2).to(torch.bfloat16)
+    h0_kv = base[idx].transpose(-1, -2).double().cpu()
+    o_ref, ht_ref, ck_ref = _truth(x64, cu_list, h0_kv, positions)
+    pos = torch.tensor(positions, device=DEV)
+    monkeypatch.setattr(rec, "pick_block_v", lambda *a, **k: 128)
+    be = default_backend()
+    errs = {}
+    for fp16 in (False, True):
+        pool = base.clone()
+        cks = torch.full((len(positions), 4, 128, 128), float("nan"), dtype=torch.bfloat16, device=DEV)
+        monkeypatch.setattr(be, "fp16_products", fp16)
+        with torch.no_grad():
+            o, _ = flashqla.chunk_gated_delta_rule(**xd, initial_state=pool, output_final_state=True, cu_seqlens=cu,
+                                                   state_indices=idx, state_layout="vk", checkpoint_positions=pos,
+                                                   checkpoint_states=cks, cp=cp)
+        torch.cuda.synchronize()
+        assert torch.isfinite(o.float()).all() and torch.isfinite(cks.float()).all(), "unwritten (NaN) elements"
+        errs[fp16] = {"o": rel_rms(o.double().cpu(), o_ref),
+                      "ht": rel_rms(pool[idx].transpose(-1, -2).double().cpu(), ht_ref),
+                      "checkpoints": rel_rms(cks.transpose(-1, -2).double().cpu(), ck_ref)}
+    print(f"[cp={cp} {op_serving.LAST_PATH}] errors vs fp64, bf16 product: {errs[False]}, fp16 product: {errs[True]}")
+    e = errs[True]
+    assert e["o"] <= BUDGETS["sm90_fwd_bf16"]["o"], f"o: {e['o']:.3e}"
+    assert e["ht"] <= BUDGET[torch.bfloat16] and e["checkpoints"] <= BUDGET[torch.bfloat16], e
+    assert e["o"] <= 1.02 * errs[False]["o"] + 1e-5, f"fp16 product o {e['o']:.3e} above the bf16 product's {errs[False]['o']:.3e}"

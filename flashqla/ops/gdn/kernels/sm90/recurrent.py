@@ -214,7 +214,8 @@ def _recurrent_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype:
             sb_s = T.alloc_shared((2, BV, K), dtype)  # bf16 S^T of chunk c (chain -> output)
             nv_s = T.alloc_shared((2, BV, C), odt)  # vn^T of chunk c (chain -> output)
             if scaled:
-                sc_s = T.alloc_shared((2, 2, BV), "bfloat16")  # vn^T's row scales of chunk c and their inverses, powers of two (exact in bf16; chain -> output)
+                # vn^T's row scales of chunk c and their inverses (chain -> output): powers of two, exact in bf16
+                sc_s = T.alloc_shared((2, 2, BV), "bfloat16")
             o_s = T.alloc_shared((C, BV), dtype)  # O of this chunk in o's dtype (output role)
             T.annotate_layout({v_s: make_swizzled_layout(v_s), o_s: make_swizzled_layout(o_s)})
 
@@ -956,7 +957,8 @@ def _serving_prim_func(H: int, HV: int, K: int, V: int, dtype: str, seq_dtype: s
             sb_s = T.alloc_shared((2, BV, K), dtype)
             nv_s = T.alloc_shared((2, BV, C), odt)
             if scaled:
-                sc_s = T.alloc_shared((2, 2, BV), "bfloat16")  # vn^T's row scales of chunk c and their inverses, powers of two (exact in bf16; chain -> output)
+                # vn^T's row scales of chunk c and their inverses (chain -> output): powers of two, exact in bf16
+                sc_s = T.alloc_shared((2, 2, BV), "bfloat16")
             o_s = T.alloc_shared((C, BV), dtype)
             if checkpoints:
                 # per chunk, from the producer under full[s]: the first chunk >= c holding a checkpoint,
