@@ -14,6 +14,13 @@ initial state), o and the final state against `reference.chunk_gated_delta_rule`
 finiteness of the fp16 build).
 
     python benchmarks/experiments/fp16_abeta_ab.py [--rows "16/32 4x8192,2/8 1x8192"] [--scales 1] [--repeats 3] [--no-fla]
+        [--rev REV]
+
+`--rev REV`: also the fp16 build of `kernels/sm90/recurrent.py` as it was at git revision REV (read
+with `git show` where the checkout has its history, else from `--rev-file`, that file saved
+beforehand: `git show REV:flashqla/ops/gdn/kernels/sm90/recurrent.py > FILE`), with this checkout's
+prepare kernel, in the same alternation ("fp16 at REV" rows; its o and final state compared bitwise
+with this checkout's fp16 build).
 
 `--scales`: the v scales to run (timed at scale 1 only); `--repeats`: timings of the two builds taken
 alternately this many times (bf16, fp16, bf16, ...), every one printed and the median of each build's
@@ -36,12 +43,34 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), HERE]
 from _gpu import gen_inputs, parse_row  # noqa: E402
 
 
-def run_forward(x, a_dtype, block_v):
-    """prepare + recurrent on the unsplit path with the given A_beta product dtype (None: shipped)."""
+def recurrent_at(rev: str, rev_file: str | None):
+    """The module `kernels/sm90/recurrent.py` as it was at git revision `rev` (or read from `rev_file`),
+    loaded beside this checkout's (its imports resolve to this checkout's package)."""
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    if rev_file is None:
+        src = subprocess.run(["git", "show", f"{rev}:flashqla/ops/gdn/kernels/sm90/recurrent.py"], check=True,
+                             capture_output=True, text=True).stdout
+        rev_file = os.path.join(tempfile.mkdtemp(), "recurrent_rev.py")
+        with open(rev_file, "w") as f:
+            f.write(src)
+    spec = importlib.util.spec_from_file_location("flashqla.ops.gdn.kernels.sm90.recurrent_rev", rev_file)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run_forward(x, a_dtype, block_v, R=None):
+    """prepare + recurrent on the unsplit path with the given A_beta product dtype (None: shipped);
+    R: the recurrent kernel's module (default: this checkout's)."""
     from flashqla.contract import clamp_gates
     from flashqla.ops.gdn.kernels.sm90 import prepare as P
-    from flashqla.ops.gdn.kernels.sm90 import recurrent as R
     from flashqla.ops.gdn.kernels.sm90._common import num_slots, placeholder
+
+    if R is None:
+        from flashqla.ops.gdn.kernels.sm90 import recurrent as R
 
     q, k, v, beta, cu, h0 = x["q"], x["k"], x["v"], x["beta"], x["cu_seqlens"], x["initial_state"]
     g = clamp_gates(x["g"])
@@ -72,7 +101,10 @@ def main(argv=None) -> int:
     ap.add_argument("--scales", default="1,256,4096", help="v scales, comma separated")
     ap.add_argument("--repeats", type=int, default=1, help="alternating timings of the two builds")
     ap.add_argument("--no-fla", action="store_true", help="leave FLA out (its columns nan)")
+    ap.add_argument("--rev", default=None, help="also the fp16 recurrent build at this git revision")
+    ap.add_argument("--rev-file", default=None, help="with --rev: that revision's recurrent.py, saved")
     a = ap.parse_args(argv)
+    R_rev = recurrent_at(a.rev, a.rev_file) if a.rev else None
     scales = [float(x) for x in a.scales.split(",")]
     import reference
     from flashqla.bench.timing import time_cuda_graph
@@ -112,13 +144,20 @@ def main(argv=None) -> int:
                       f"{rel_rms(fo[:, :, 0], ref_o[:, :, 0]):.3e} | {rel_rms(fo[:, :, -1], ref_o[:, :, -1]):.3e} | "
                       "| | | | |")
                 del fo, fh
-            res, calls = {}, {}
-            for build in (None, "float16"):
-                calls[build] = call = run_forward(x, build, bv)
+            res, calls, outs = {}, {}, {}
+            for build in (None, "float16") + (("rev",) if R_rev is not None else ()):
+                if build == "rev":
+                    calls[build] = call = run_forward(x, "float16", bv, R_rev)
+                else:
+                    calls[build] = call = run_forward(x, build, bv)
                 o, ht = call()
                 torch.cuda.synchronize()
+                outs[build] = (o.clone(), ht.clone())
                 res[build] = [rel_rms(o, ref_o), rel_rms(ht, ref_h), rel_rms(o[:, :, 0], ref_o[:, :, 0]),
                               rel_rms(o[:, :, -1], ref_o[:, :, -1]), float("nan"), bool(torch.isfinite(o).all())]
+            if "rev" in outs:
+                same = all(torch.equal(a_, b_) for a_, b_ in zip(outs["rev"], outs["float16"]))
+                print(f"# {row.strip()} scale {vs:g}: fp16 at {a.rev} and here bitwise equal (o, final state): {same}")
             if vs == 1.0:
                 times = {b: [] for b in calls}
                 for _ in range(a.repeats):
@@ -126,11 +165,12 @@ def main(argv=None) -> int:
                         times[b].append(time_cuda_graph(call).ms)
                 for b in calls:
                     res[b][4] = sorted(times[b])[len(times[b]) // 2]
+                label = {None: "bf16", "float16": "fp16", "rev": f"fp16 at {a.rev}"}
                 print(f"# {row.strip()} timings (ms, alternating): " + "; ".join(
-                    f"{'bf16' if b is None else 'fp16'} " + " ".join(f"{t:.4f}" for t in ts) for b, ts in times.items()))
+                    f"{label[b]} " + " ".join(f"{t:.4f}" for t in ts) for b, ts in times.items()))
             for build, r in res.items():
                 base = res[None]
-                name = "bf16 (shipped)" if build is None else "fp16 A_beta product"
+                name = {None: "bf16 (shipped)", "float16": "fp16 A_beta product", "rev": f"fp16 at {a.rev}"}[build]
                 fin = "" if r[5] else " NONFINITE"
                 print(f"| {row.strip()} | {vs:g} | {name}{fin} | {r[0]:.3e} | {r[1]:.3e} | {r[2]:.3e} | {r[3]:.3e} | "
                       f"{r[4]:.4f} | {r[0] / base[0]:.3f} | {r[1] / base[1]:.3f} | {r[0] / fla[0]:.3f} | {r[1] / fla[1]:.3f} |")
