@@ -19,15 +19,22 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
+#: Subpackages reachable as attributes after `import flashqla` alone (imported on first access), so
+#: that e.g. `backend=flashqla.reference.chunk_gated_delta_rule` works without importing them first.
+_SUBMODULES = ("reference", "distributed", "integrations", "serving", "testing", "contract", "bench", "verify")
 
+
+def __getattr__(name):
+    import importlib
+
+    if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"flashqla.{name}")
     raise AttributeError(f"module 'flashqla' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(list(globals()) + [n for n in _LAZY if n not in globals()])
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))

@@ -339,7 +339,7 @@ def check_gdn_inputs(
     beta = _tensor("beta", beta, 3, "[B, T, HV]")
     B, T, H, K = q.shape
     if k.shape != q.shape:
-        raise ValueError(f"k must have the shape of q [B, T, H, K] = {tuple(q.shape)}, got {tuple(k.shape)}")
+        raise ValueError(f"q and k must have the same shape [B, T, H, K]: q {tuple(q.shape)}, k {tuple(k.shape)}")
     if v.shape[:2] != q.shape[:2]:
         raise ValueError(f"v must be [B, T, HV, V] with B, T = {tuple(q.shape[:2])} as in q, got {tuple(v.shape)}")
     HV, V = v.shape[2], v.shape[3]
@@ -501,6 +501,20 @@ class ChunkGDNForward(NamedTuple):
 # ------------------------------------------------------------------------------------------------
 # context parallelism: the user settings and the planning hints
 # ------------------------------------------------------------------------------------------------
+
+def check_backend(backend, needs: tuple = ("prepare", "recurrent", "zeros")):
+    """Raises TypeError naming `backend` unless it is None (the sm_90 kernels) or an object with the
+    methods `needs` of `flashqla.ops.gdn.backend.Backend` (e.g. `reference.gdn.cp.ReferenceCPBackend()`).
+    A function such as `flashqla.reference.chunk_gated_delta_rule` is not a backend."""
+    if backend is None:
+        return
+    missing = [m for m in needs if not callable(getattr(backend, m, None))]
+    if missing:
+        raise TypeError(f"backend must be None (the sm_90 kernels) or a flashqla.ops.gdn.backend.Backend with the "
+                        f"methods {', '.join(needs)} (e.g. reference.gdn.cp.ReferenceCPBackend()); got a "
+                        f"{' '.join([type(backend).__name__] + ([backend.__name__] if hasattr(backend, '__name__') else []))} "
+                        f"without {', '.join(missing)}")
+
 
 #: Environment variable with the default context-parallel mode of a call that passes cp=None.
 CP_ENV = "FLASHQLA_CP"

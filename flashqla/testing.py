@@ -211,7 +211,8 @@ def make_gdn_inputs(
     fdt = torch.float64 if dtype == torch.float64 else torch.float32
     if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
         if B != 1 or sum(cu_seqlens) != T:
-            raise ValueError("cu_seqlens given as lengths needs B == 1 and sum(lengths) == T")
+            what = "seqlens" if seqlens is not None else "cu_seqlens given as lengths"
+            raise ValueError(f"{what} needs B == 1 and sum(lengths) == T: B = {B}, T = {T}, sum = {sum(cu_seqlens)}")
         cu_seqlens = random_cu_seqlens(cu_seqlens, dtype=torch.int32)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
 

@@ -175,7 +175,8 @@ def prepare_chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_
     valid = slot[None, :] < length_t[:, None]
     index = torch.where(valid, first_t[:, None] + slot[None, :], torch.full_like(valid, B * T, dtype=torch.int64))
     max_pos = max(pos) + 1 if pos else 0
-    chunks_at = tuple(torch.nonzero(pos_t == j).flatten() for j in range(max_pos))
+    # from the host lists (no nonzero: its data-dependent shape fails under torch.compile's inductor)
+    chunks_at = tuple(torch.tensor([i for i, p in enumerate(pos) if p == j], **i64) for j in range(max_pos))
     return ChunkLayout(B, T, C, len(bounds), NT, seq_t, pos_t, length_t, index.reshape(NC, C), valid.reshape(NC, C), chunks_at)
 
 

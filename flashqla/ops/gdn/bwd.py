@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from flashqla.contract import (G_FLOOR, check_device, check_gdn_inputs, check_supported, clamp_gates, cp_mode, dense,
+from flashqla.contract import (G_FLOOR, check_backend, check_device, check_gdn_inputs, check_supported, clamp_gates, cp_mode, dense,
                                resolve_truncate)
 from flashqla.cp.backward import cp_backward
 from flashqla.cp.forward import flat
@@ -98,6 +98,8 @@ def chunk_gated_delta_rule_bwd(
                          f"{tuple(getattr(dht, 'shape', ())) or type(dht).__name__}")
     if do.device != q.device or (dht is not None and dht.device != q.device):
         raise ValueError(f"do and dht must be on q's device {q.device}")
+    cp_mode(cp)  # a bad cp is named before the device is
+    check_backend(backend, ("bwd", "zeros"))
     if backend is None:
         check_supported(q, k, v, g, beta, initial_state)
         check_device(q)

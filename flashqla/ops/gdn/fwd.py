@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from flashqla.contract import (CHUNK, ChunkGDNForward, check_device, check_gdn_inputs, check_supported, clamp_gates, dense,
+from flashqla.contract import (CHUNK, ChunkGDNForward, check_backend, check_device, cp_mode, check_gdn_inputs, check_supported, clamp_gates, dense,
                                l2norm, positive_int, resolve_truncate)
 from flashqla.cp.forward import CORRECTIONS, cp_forward, flat
 from flashqla.cp.plan import CallPlan, plan_call
@@ -131,6 +131,8 @@ def chunk_gated_delta_rule_fwd(
         raise ValueError(f"correction must be one of {CORRECTIONS}, got {correction!r}")
     gate_chunks = positive_int(gate_chunks, "gate_chunks", 1)
     resolve_truncate(truncate)  # checked on every path, split or not
+    cp_mode(cp)  # a bad cp is named before the device is
+    check_backend(backend)
     if backend is None:
         check_supported(q, k, v, g, beta, initial_state)
         check_device(q)
