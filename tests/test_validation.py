@@ -40,7 +40,7 @@ CASES = [
     ("g-rank", False, lambda x: {"g": x["g"][..., 0]}, ValueError, r"^g must have 3 dimensions"),
     ("beta-not-tensor", False, lambda x: {"beta": 0.5}, TypeError, r"^beta must be a torch\.Tensor"),
     # shapes
-    ("k-shape", False, lambda x: {"k": x["k"][..., :3]}, ValueError, r"^k must have the shape of q"),
+    ("k-shape", False, lambda x: {"k": x["k"][..., :3]}, ValueError, r"^q and k must have the same shape"),
     ("v-batch-time", False, lambda x: {"v": x["v"][:, :5]}, ValueError, r"^v must be \[B, T, HV, V\]"),
     ("zero-head-dim", False, lambda x: {"q": x["q"][..., :0], "k": x["k"][..., :0]}, ValueError, r"head counts and head dims must be positive: H=2, K=0"),
     ("hv-not-multiple-of-h", False, lambda x: {"v": x["v"][:, :, :3], "g": x["g"][..., :3], "beta": x["beta"][..., :3]}, ValueError, r"value-head count HV = 3 \(v\.shape\[2\]\) must be a multiple of the q/k head count H = 2"),
