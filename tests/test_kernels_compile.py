@@ -96,8 +96,8 @@ def _head_loop_body(src: str) -> str:
 )
 def test_prepare_kernel_compiles(H, HV, dtype, beta_dtype, seq_dtype, varlen):
     """TMA load of k and store of A, wgmma K K^T, the block-recursive inverse in tf32 mma.sync on
-    32-row tiles (no 64 x 64 fp32 tile), at most nine barriers per value head, <= 56 KB shared memory
-    and 128 registers without spills (four CTAs per SM)."""
+    32-row tiles (no 64 x 64 fp32 tile), at most nine barriers per value head, shared memory for five
+    CTAs per SM up to G = 4 (<= 56 KB at G = 8) and 96 registers without spills."""
     from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
     from flashqla.ops.gdn.kernels.sm90.prepare import build_prepare_kernel
 
@@ -105,7 +105,7 @@ def test_prepare_kernel_compiles(H, HV, dtype, beta_dtype, seq_dtype, varlen):
     src = kernel.get_kernel_source()
     assert "tma_load" in src and "tma_store" in src, "k should be loaded and A stored by the copy engine"
     assert "wgmma" in src and "kTensorFloat32" in src
-    assert "__launch_bounds__(128, 4)" in src
+    assert "__launch_bounds__(128, 5)" in src
     # the inverse's products are 32-row tf32 mma: 8 per 16-wide K slice at most, none on 64 x 64 tiles
     assert src.count("mma_sync<") <= 10
     assert "tma_store_wait<0, true>" in src, "the A tile's store must be waited for before the tile is rewritten"
@@ -117,8 +117,10 @@ def test_prepare_kernel_compiles(H, HV, dtype, beta_dtype, seq_dtype, varlen):
         assert body.count("__syncthreads") <= 9, "a barrier came into the value-head loop"
     r = ptxas_report(kernel)
     print(r)
-    assert r["registers"] <= 128
+    assert r["registers"] <= 96
     assert r["dynamic_smem"] is not None and r["dynamic_smem"] + r["static_smem"] <= 56 * 1024
+    if HV // H <= 4:  # five CTAs of 128 threads: 228 KB an SM, 1 KB of it reserved per CTA
+        assert 5 * (r["dynamic_smem"] + r["static_smem"] + 1024) <= 228 * 1024
     # TVM's launcher raises the dynamic shared-memory limit only from 48 KB of dynamic memory on:
     # below that, static + dynamic must fit in 48 KB or the launch fails (only on a GPU)
     assert r["dynamic_smem"] >= 48 * 1024 or r["dynamic_smem"] + r["static_smem"] <= 48 * 1024
@@ -131,7 +133,7 @@ def test_prepare_phase_clock_build_compiles():
     """The phase-clock build (`build_prepare_kernel_clocked`, a measurement tool) compiles: thread 0
     writes every stamp of `prepare.clock_stamps` (clock64, %globaltimer, %smid) into the extra int64 argument,
     with the default build's barriers (no barrier added: the barrier-aligned stamps follow the ones
-    TileLang places anyway) and 128 registers without spills; the default build's source stays the
+    TileLang places anyway) and 96 registers without spills; the default build's source stays the
     recorded one (`tests/data/kernel_sources.json`)."""
     import json
     import re
@@ -154,7 +156,7 @@ def test_prepare_phase_clock_build_compiles():
     assert _head_loop_body(src).count("__syncthreads") == _head_loop_body(plain).count("__syncthreads")
     r = ptxas_report(kernel)
     print(r)
-    assert r["registers"] <= 128 and r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0
+    assert r["registers"] <= 96 and r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0
 
 
 @pytest.mark.parametrize("block", [1, 2, 16])

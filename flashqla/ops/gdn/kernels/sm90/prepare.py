@@ -40,8 +40,12 @@ Per CTA (128 threads, one warpgroup):
    of head j overlaps head j + 1's L; waited before the substitution writes the tile again);
 5. g_cum_log2 of the value heads (64 contiguous floats per head).
 fp32 operand tiles are 32 x 36 floats, linear (rows 144 B apart: conflict-free ldmatrix), with the K
-loops of the tf32 products kept rolled over 16-wide slices (`gemm_nt`). Shared memory about 50-54 KB
-dynamic (G = 1 to 8) plus 1 KB static; launch bounds (128, 4): four CTAs per SM, 128 registers.
+loops of the tf32 products kept rolled over 16-wide slices (`gemm_nt`). Two tiles share another's
+memory where their lives do not overlap: blockdiag(F10, F32) (written in phase 1, read in phase 2)
+lies in the first 32 rows of the block-diagonal operand of phase 1, whose zero blocks are the same,
+and -Z_top^T in the diagonal blocks of L (read only by the substitution). Shared memory about
+42-46 KB dynamic (G = 1 to 8) plus 1 KB static; launch bounds (128, 5): five CTAs per SM up to G = 4
+(four at G = 8, by shared memory), 96 registers.
 
 With `heads_per_cta=1` (`pick_heads_per_cta`, few chunk slots) the grid has one CTA per chunk slot and
 value head instead: the same stages for that one head, the same outputs bit for bit.
@@ -72,8 +76,9 @@ HALF = 2 * BLOCK
 DROW = BLOCK + 4
 #: Row length of the fp32 operand tiles (32 + 4 floats: ldmatrix rows 144 B apart, conflict free)
 ROW = HALF + 4
-#: CTAs per SM the kernel is built for (launch bounds: 128 registers; <= 56 KB shared memory)
-MIN_BLOCKS = 4
+#: CTAs per SM the kernel is built for (launch bounds: 96 registers; five CTAs need <= 44.6 KB of
+#: dynamic shared memory each)
+MIN_BLOCKS = 5
 #: K slice of the tf32 products (`gemm_nt`)
 KSLICE = 16
 
@@ -252,7 +257,7 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
         # phase 2: [Ai10; Ai32] = -blockdiag(F10, F32) [Ai00; Ai22];  Q = Z - [0; F32 Z_top] onto Z
         gemm_nt(y_s, d2t_s, w_f)
         for kk in T.unroll(BS // 8, unroll_factor=1):  # K = 16 in rolled 8-wide slices (as gemm_nt)
-            T.gemm(y_s[:, BS + kk * 8 : BS + kk * 8 + 8], zt[0:HB, kk * 8 : kk * 8 + 8], z_f, transpose_B=True)
+            T.gemm(y_s[0:HB, BS + kk * 8 : BS + kk * 8 + 8], zt[0:HB, kk * 8 : kk * 8 + 8], z_f, transpose_B=True)
         for t, n in T.Parallel(HB, HB):
             lbt_s[t, n] = z_f[t, n]  # Q over Lb^T (read for the last time in phase 1)
         for t, s in T.Parallel(HB, BS):
@@ -366,14 +371,14 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
             dm_s = T.alloc_shared((3 * BS, ROW), acc)  # rows: [Ai22 | 0], [0 | Ai33], [Ai11 | 0]
             lbt_s = T.alloc_shared((HB, ROW), acc)  # Lb^T [s, t - 32]; then Q
             b0t_s = T.alloc_shared((HB, ROW), acc)  # (B_0^-1)^T
-            y_s = T.alloc_shared((HB, ROW), acc)  # blockdiag(F10, F32)
-            zt_s = T.alloc_shared((HB, BS + 4), acc)  # -Z_top^T
             l2t_s = T.alloc_shared((BS, ROW), acc)  # [L10; L32]^T
             d2t_s = T.alloc_shared((BS, ROW), acc)  # [Ai00; Ai22]^T
             ld_s = T.alloc_shared((C, DROW), acc)  # diagonal blocks of L, transposed: [s, t % 16]
+            y_s = dm_s  # blockdiag(F10, F32) over rows 0..31: the same zero blocks as dm_s's
+            zt_s = ld_s  # -Z_top^T in rows 0..31 (ld_s is dead after the substitution)
             gc_s = T.alloc_shared((P, C), acc)  # g_cum_log2 of the CTA's value heads, head-major
             b_s = T.alloc_shared((P, C), acc)
-            T.annotate_layout({x: make_linear_layout(x) for x in (dm_s, lbt_s, b0t_s, y_s, zt_s, l2t_s, d2t_s)})
+            T.annotate_layout({x: make_linear_layout(x) for x in (dm_s, lbt_s, b0t_s, l2t_s, d2t_s, ld_s)})
             kk_f = T.alloc_fragment((C, C), acc)
             g_row = T.alloc_fragment((C,), acc)  # gc of value head j at the rows of kk_f this thread holds
             g_col = T.alloc_fragment((C,), acc)  # ... at its columns
