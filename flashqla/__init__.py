@@ -32,7 +32,14 @@ def __getattr__(name):
         globals()[name] = value
         return value
     if name in _SUBMODULES:
-        return importlib.import_module(f"flashqla.{name}")
+        try:
+            if name == "reference":  # the checkout's top-level package where it is the one beside this flashqla
+                from flashqla.faces import face
+
+                return face(name)
+            return importlib.import_module(f"flashqla.{name}")
+        except ImportError as e:
+            raise AttributeError(f"module 'flashqla' has no attribute {name!r} ({e})") from e
     raise AttributeError(f"module 'flashqla' has no attribute {name!r}")
 
 

@@ -508,6 +508,8 @@ def check_backend(backend, needs: tuple = ("prepare", "recurrent", "zeros")):
     A function such as `flashqla.reference.chunk_gated_delta_rule` is not a backend."""
     if backend is None:
         return
+    if isinstance(backend, type):
+        raise TypeError(f"backend must be a Backend instance, got the class {backend.__name__} (call it: {backend.__name__}())")
     missing = [m for m in needs if not callable(getattr(backend, m, None))]
     if missing:
         raise TypeError(f"backend must be None (the sm_90 kernels) or a flashqla.ops.gdn.backend.Backend with the "

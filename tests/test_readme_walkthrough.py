@@ -82,12 +82,27 @@ def test_backend_must_be_a_backend_object():
     for bad in ("reference", flashqla.reference.chunk_gated_delta_rule, object()):
         with pytest.raises(TypeError, match="backend must be None .* or a flashqla.ops.gdn.backend.Backend"):
             flashqla.chunk_gated_delta_rule_fwd(**x, backend=bad)
+    with pytest.raises(TypeError, match="backend must be a Backend instance, got the class ReferenceCPBackend"):
+        flashqla.chunk_gated_delta_rule_fwd(**x, backend=ReferenceCPBackend)
     fwd = flashqla.chunk_gated_delta_rule_fwd(**x, output_final_state=True, backend=ReferenceCPBackend())
     assert torch.isfinite(fwd.o).all()
     do = torch.randn_like(x["v"])
     with pytest.raises(TypeError, match="backend must be None"):
         flashqla.chunk_gated_delta_rule_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], fwd.A, fwd.g_cum_log2, do,
                                             initial_state=x["initial_state"], backend="reference")
+
+    class BwdOnly:  # the backward may re-run the forward's launches (prepare, recurrent): all four are needed
+        def bwd(self, *a):
+            raise AssertionError("not reached")
+
+        zeros = bwd
+
+    with pytest.raises(TypeError, match="without prepare, recurrent"):
+        flashqla.chunk_gated_delta_rule_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], fwd.A, fwd.g_cum_log2, do,
+                                            initial_state=x["initial_state"], backend=BwdOnly())
+    with pytest.raises(ValueError, match="cp must be 'off', 'auto', 'on' or None"):
+        flashqla.chunk_gated_delta_rule_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], fwd.A, fwd.g_cum_log2, do,
+                                            initial_state=x["initial_state"], cp="of")
 
 
 def test_cp_named_before_the_device():
@@ -117,13 +132,16 @@ def test_make_gdn_inputs_names_seqlens():
 
 def test_plan_reason_says_when_lengths_are_estimated():
     """Before: offsets [0, 80, 200] without the lengths gave the reason "sequences of <= 100 tokens fit
-    one segment" (100 = T / N, while the longest is 120). The reason now says the length is T / N and
-    why; with the lengths it gives the longest."""
+    one segment" (100 = T / N, while the longest is 120). The reason now says the length is T / N;
+    with the lengths it gives the longest; a forced split keeps its own reason."""
     from flashqla.cp import plan_call
 
     x = make_gdn_inputs(T=200, HV=4, seqlens=[80, 120], dtype=torch.bfloat16)
     r = plan_call(x["q"], x["v"], x["cu_seqlens"], "auto").forward.reason
-    assert r == "sequences fit one segment (each taken as ceil(T / N) = 100 tokens long: the lengths were not given)"
+    assert r == ("sequences fit one segment (each taken as ceil(T / N) = 100 tokens long, exact for equal lengths; "
+                 "pass the lengths for unequal ones)")
+    forced = plan_call(x["q"], x["v"], x["cu_seqlens"], "on").forward
+    assert forced.split and "forced" in forced.reason
     r = plan_call(x["q"], x["v"], x["cu_seqlens"], "auto", seqlens=(80, 120)).forward.reason
     assert r == "sequences of <= 120 tokens fit one segment"
 

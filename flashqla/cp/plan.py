@@ -680,9 +680,9 @@ def _plan_cp(
     cands = [(_split_time(bv, HV, V, T, N, L, l_avg, l_max, balanced, sm_count, exact, gate_chunks, backward), L, bv,
               False) for L in lens for bv in bvs]
     plan = _decide(t_u, bv_u, cands, bvs, exact, sm_count, force, segment_len, l_max, backward)
-    if balanced and seqlens is None and not cands:  # the length in the reason is T / N, not a known one
-        plan = replace(plan, reason=f"sequences fit one segment (each taken as ceil(T / N) = {l_max} tokens long: "
-                                    "the lengths were not given)")
+    if balanced and seqlens is None and not cands and not plan.split:  # the length in the reason is T / N
+        plan = replace(plan, reason=f"sequences fit one segment (each taken as ceil(T / N) = {l_max} tokens long, "
+                                    "exact for equal lengths; pass the lengths for unequal ones)")
     if lengths_costed:
         return replace(plan, reason=plan.reason + " (the unsplit launch costed on the lengths)")
     if backward or plan.split or seqlens is None:

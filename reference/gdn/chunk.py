@@ -175,8 +175,11 @@ def prepare_chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_
     valid = slot[None, :] < length_t[:, None]
     index = torch.where(valid, first_t[:, None] + slot[None, :], torch.full_like(valid, B * T, dtype=torch.int64))
     max_pos = max(pos) + 1 if pos else 0
-    # from the host lists (no nonzero: its data-dependent shape fails under torch.compile's inductor)
-    chunks_at = tuple(torch.tensor([i for i, p in enumerate(pos) if p == j], **i64) for j in range(max_pos))
+    # from the host lists in one pass (no nonzero: its data-dependent shape fails under torch.compile's inductor)
+    at = [[] for _ in range(max_pos)]
+    for i, p in enumerate(pos):
+        at[p].append(i)
+    chunks_at = tuple(torch.tensor(ix, **i64) for ix in at)
     return ChunkLayout(B, T, C, len(bounds), NT, seq_t, pos_t, length_t, index.reshape(NC, C), valid.reshape(NC, C), chunks_at)
 
 

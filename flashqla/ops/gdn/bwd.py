@@ -99,7 +99,7 @@ def chunk_gated_delta_rule_bwd(
     if do.device != q.device or (dht is not None and dht.device != q.device):
         raise ValueError(f"do and dht must be on q's device {q.device}")
     cp_mode(cp)  # a bad cp is named before the device is
-    check_backend(backend, ("bwd", "zeros"))
+    check_backend(backend, ("prepare", "recurrent", "zeros", "bwd"))
     if backend is None:
         check_supported(q, k, v, g, beta, initial_state)
         check_device(q)

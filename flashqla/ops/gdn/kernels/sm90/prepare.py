@@ -76,8 +76,8 @@ HALF = 2 * BLOCK
 DROW = BLOCK + 4
 #: Row length of the fp32 operand tiles (32 + 4 floats: ldmatrix rows 144 B apart, conflict free)
 ROW = HALF + 4
-#: CTAs per SM the kernel is built for (launch bounds: 96 registers; five CTAs need <= 44.6 KB of
-#: dynamic shared memory each)
+#: CTAs per SM the kernel is built for (launch bounds: 96 registers; five CTAs need <= 45.6 KB of
+#: dynamic + static shared memory each, 1 KB an SM reserved per CTA)
 MIN_BLOCKS = 5
 #: K slice of the tf32 products (`gemm_nt`)
 KSLICE = 16
