@@ -498,10 +498,6 @@ class ChunkGDNForward(NamedTuple):
     cp_saved: object = None
 
 
-# ------------------------------------------------------------------------------------------------
-# context parallelism: the user settings and the planning hints
-# ------------------------------------------------------------------------------------------------
-
 def check_backend(backend, needs: tuple = ("prepare", "recurrent", "zeros")):
     """Raises TypeError naming `backend` unless it is None (the sm_90 kernels) or an object with the
     methods `needs` of `flashqla.ops.gdn.backend.Backend` (e.g. `reference.gdn.cp.ReferenceCPBackend()`).
@@ -517,6 +513,10 @@ def check_backend(backend, needs: tuple = ("prepare", "recurrent", "zeros")):
                         f"{' '.join([type(backend).__name__] + ([backend.__name__] if hasattr(backend, '__name__') else []))} "
                         f"without {', '.join(missing)}")
 
+
+# ------------------------------------------------------------------------------------------------
+# context parallelism: the user settings and the planning hints
+# ------------------------------------------------------------------------------------------------
 
 #: Environment variable with the default context-parallel mode of a call that passes cp=None.
 CP_ENV = "FLASHQLA_CP"

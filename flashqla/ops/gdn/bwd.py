@@ -78,7 +78,8 @@ def chunk_gated_delta_rule_bwd(
         scale, initial_state, cu_seqlens (arguments, and without a backend the fast path's dtypes and
         head dims and a Hopper GPU); do not of v's shape or not floating point; dht not None or
         [N, HV, K, V] (naming the argument).
-        TypeError: cp_saved neither None nor a `CPSaved`; need_dh0 not a bool. ValueError: an unknown
+        TypeError: cp_saved neither None nor a `CPSaved`; need_dh0 not a bool; backend neither None nor a
+        `Backend` instance with prepare, recurrent, zeros and bwd (`contract.check_backend`). ValueError: an unknown
         cp mode or truncate, a bad segment_len; exactly one of A, g_cum_log2 None (naming it); A or
         g_cum_log2 not of these inputs' slot count (naming it); an fp16 A with bf16 q (a
         `for_backward=False` forward's, naming A);

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from flashqla.contract import (CHUNK, ChunkGDNForward, check_backend, check_device, cp_mode, check_gdn_inputs, check_supported, clamp_gates, dense,
+from flashqla.contract import (CHUNK, ChunkGDNForward, check_backend, check_device, check_gdn_inputs, check_supported, clamp_gates, cp_mode, dense,
                                l2norm, positive_int, resolve_truncate)
 from flashqla.cp.forward import CORRECTIONS, cp_forward, flat
 from flashqla.cp.plan import CallPlan, plan_call
@@ -120,7 +120,8 @@ def chunk_gated_delta_rule_fwd(
     Raises:
         TypeError, ValueError: as `flashqla.chunk_gated_delta_rule` (argument checks, the fast path's
             dtypes and head dims), an unknown cp mode, correction or truncate, a bad segment_len or
-            gate_chunks, non-bool flags. RuntimeError: not on a Hopper GPU (without a backend).
+            gate_chunks, non-bool flags; TypeError: backend neither None nor a `Backend` instance
+            (`contract.check_backend`). RuntimeError: not on a Hopper GPU (without a backend).
     """
     d = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     for name, flag in (("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel), ("for_backward", for_backward),
