@@ -154,13 +154,17 @@ def _clock_stamper(T, clocks, slot, hk, j=None):
 
 
 def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_s, b_s, g_row, g_col, b_row, ld_s,
-                      lbt_s, l2t_s, d2t_s, b0t_s, dm_s, y_s, zt, stage, y_f, w_f, z_f, o_f, xcol, bcl, stamp=None):
+                      lbt_s, l2t_s, d2t_s, b0t_s, dm_s, y_s, zt, stage, y_f, w_f, z_f, o_f, xcol, bcl, stamp=None,
+                      tx0=0, store=True):
     """Emits one value head's stages (L, the forward substitution, phases 1-3, the TMA store of
     A diag(beta)) where it is called inside a kernel body: value head hk * G + j of the slot whose rows
     start at row0, nvalid valid rows; the staging tile is `stage` (its first 64 columns) and -Z_top^T
     is `zt` (its first 32 rows). The buffers, the loop variable and the slot's values reach the stages through a closure (a macro
     argument would rename the TIR variables). stamp: None (the shipped build), or the phase-clock
-    build's `stamp(name)`, called at each of CLOCK_HEAD's boundaries."""
+    build's `stamp(name)`, called at each of CLOCK_HEAD's boundaries. tx0: the first thread of the
+    warpgroup that runs the stages (0 in this kernel; a warp-specialised kernel's role passes its own).
+    store=False leaves A diag(beta) in `stage` (fenced for the async proxy) with no TMA store and no
+    wait for one; A, row0 and hk are then unused."""
     C = CHUNK
     BS = BLOCK
     HB = HALF
@@ -191,7 +195,8 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
         if stamp is not None:
             stamp("L")
         # the previous head's A tile has been read out of the staging tile by the copy engine
-        T.tma_store_wait(0)
+        if store:
+            T.tma_store_wait(0)
         if stamp is not None:
             stamp("store_wait")
 
@@ -199,7 +204,7 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
         # row's sum taken column by column), lane (hr, col) of the warp holding rows 8 hr .. 8 hr + 7 of
         # its column col: row m < 8 reaches the lanes of the lower rows by a shuffle; writes the rows where
         # the products read them, and times beta into the staging tile
-        tx = T.get_thread_binding()
+        tx = T.get_thread_binding() - tx0 if tx0 else T.get_thread_binding()
         blk = tx // 32  # diagonal block blk on warp blk: its stores' branches warp-uniform
         col = tx % BS
         hr = (tx % 32) // BS
@@ -274,7 +279,8 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
         T.fence_proxy_async()
         if stamp is not None:
             stamp("phase3")
-        T.tma_copy(stage[:, 0:C], A[hk * G + j, row0 : row0 + C, 0:C])  # waited before the next head writes the tile
+        if store:
+            T.tma_copy(stage[:, 0:C], A[hk * G + j, row0 : row0 + C, 0:C])  # waited before the next head writes the tile
         if stamp is not None:
             stamp("store_issue")
 

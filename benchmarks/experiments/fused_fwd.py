@@ -1,0 +1,476 @@
+"""Question: can one kernel do the unsplit inference forward (the prepare kernel's work and the
+recurrent kernel's) faster than the two launches, where sequences x value heads fill the GPU?
+
+An experiment, not the package's code (`benchmarks/journal/forward.md`, entry "The fused forward,
+second draft"). One CTA of 512 threads per (sequence, value head), BV = 128 (the whole value width),
+four warpgroups:
+
+    chain  (threads 0-255)   two warpgroups, each owning 64 value rows of S^T [V, K] fp32 in
+                             registers; per chunk c:
+                               U^T = S^T K^T and O^T = S^T Q^T        (two wgmmas, A = bf16 S^T in registers)
+                               W^T = V^T - U^T diag(gamma);  vn^T = W^T A_beta^T
+                               S^T = gamma_C S^T + (vn^T diag(r)) K;  O^T = scale diag(gamma) O^T + vn^T Pg^T
+                               o <- O^T (through a shared tile, rows inside the sequence)
+    aux    (threads 256-383) one chunk ahead of the chain: g_cum_log2 (chunk-local cumsum of g / ln 2),
+                             K K^T, L, A = (I + L)^-1 and A diag(beta) by the prepare kernel's own stages
+                             (`prepare.value_head_stages`: forward substitution on the 16-blocks, three
+                             tf32 product phases), Pg = scale (Q K^T * Gamma) causal; into two-stage
+                             shared rings the chain reads (A_beta, Pg, g_cum_log2)
+    producer (384-511)       one warp: TMA loads of q, k, v into a two-stage ring
+
+So A_beta and g_cum_log2 never go through HBM, and the output role of the recurrent kernel is
+folded into the chain warpgroups (FlashInfer's split of the work; registers 192 / 192 / 104 / 24).
+Same arithmetic as the two launches except where the order of the output's two terms differs (O^T
+is formed transposed): o is compared with the two launches' and with the fp64 recurrence, not bit
+for bit.
+
+    python benchmarks/experiments/fused_fwd.py [--rows "16/32 4x8192,16/64 4x8192"]
+    TILELANG_CACHE_DIR=/tmp/tlc python benchmarks/experiments/fused_fwd.py --precompile-only [--rows ...]
+
+Prints per row: the errors of o and the final state against fp64 (both paths), the largest
+difference between them, and the CUDA-graph times (median, ms) of the two launches (BV = 128, cp
+off, the op's own launch) and of the fused kernel. Rows: "h_qk/h_v COUNTxLENGTH" (`_gpu.parse_row`).
+"""
+
+
+
+import argparse
+import functools
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), HERE]
+
+ROWS = "16/32 4x8192,16/64 4x8192,32/32 4x8192,16/32 8x1024,2/8 1x8192"
+
+#: the clocked build's sums per CTA (cycles): the chain's lifetime, its waits for the loads (full) and
+#: for the aux role (x_full); the aux role's lifetime, its waits for the loads and for the chain
+#: (x_empty); the chunk count
+CLOCKS = ("chain_total", "chain_wait_load", "chain_wait_aux", "aux_total", "aux_wait_load", "aux_wait_chain",
+          "chunks", "unused")
+
+#: registers per thread of each role (setmaxnreg; sum <= 512 at 512 threads)
+NREG = {"chain": 192, "aux": 104, "producer": 24}
+
+
+def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
+                     clocked: bool = False):
+    import tilelang.language as T
+    from tilelang.layout import make_linear_layout, make_swizzled_layout
+
+    from flashqla.ops.gdn.kernels.sm90 import prepare as P
+    from flashqla.ops.gdn.kernels.sm90._common import CHUNK, RCP_LN2, sequence_span
+
+    if K != 128 or V != 128:
+        raise ValueError("the fused draft covers K = V = 128")
+    C = CHUNK
+    BV = V
+    G = HV // H
+    acc = "float32"
+    BS, HB, ROW, DROW, KS = P.BLOCK, P.HALF, P.ROW, P.DROW, P.KSLICE
+    CH = 256  # chain threads
+    AX = CH  # first aux thread
+    PR = CH + 128  # first producer thread
+    chain_kw = {"policy": T.GemmWarpPolicy.FullRow}
+
+    B = T.dynamic("B")
+    Tn = T.dynamic("T")
+    Np1 = T.dynamic("Np1")
+    N0 = T.dynamic("N0")
+    N1 = T.dynamic("N1")
+    nseq = (Np1 - 1) if varlen else B
+    # the clocked build's extra output: per CTA, SM cycles (clock64) summed over its chunks, `CLOCKS`
+    clock_arg = T.Tensor((HV * nseq, len(CLOCKS)), "int64") if clocked else None
+
+    def now():
+        return T.call_extern("int64", "clock64")
+
+    @T.macro
+    def gemm_nt(a, b, c, a_row0=0):
+        T.clear(c)
+        for kk in T.unroll(HB // KS, unroll_factor=1):
+            T.gemm(a[a_row0 : a_row0 + HB, kk * KS : (kk + 1) * KS], b[:, kk * KS : (kk + 1) * KS], c, transpose_B=True)
+
+    @T.prim_func
+    def gdn_fused_fwd(
+        q: T.Tensor((B, Tn, H, K), dtype),
+        k: T.Tensor((B, Tn, H, K), dtype),
+        v: T.Tensor((B, Tn, HV, V), dtype),
+        g: T.Tensor((B, Tn, HV), "float32"),
+        beta: T.Tensor((B, Tn, HV), beta_dtype),
+        h0: T.Tensor((N0, HV, K, V), "float32"),
+        cu_seqlens: T.Tensor((Np1,), seq_dtype),
+        scale: T.float32,
+        use_h0: T.int32,
+        store_ht: T.int32,
+        o: T.Tensor((B, Tn, HV, V), dtype),
+        ht: T.Tensor((N1, HV, K, V), "float32"),
+        clocks: clock_arg,
+    ):
+        with T.Kernel(HV * nseq, threads=512) as (bx,):
+            hv = bx % HV
+            n = bx // HV
+            bos, seqlen, bidx, slot0, nchunks = sequence_span(n, cu_seqlens, Tn, varlen)
+            hk = hv // G
+            tx = T.get_thread_binding()
+
+            q_s = T.alloc_shared((2, C, K), dtype)
+            k_s = T.alloc_shared((2, C, K), dtype)
+            v_s = T.alloc_shared((2, C, BV), dtype)
+            a_s = T.alloc_shared((2, C, C), dtype)  # A_beta (aux -> chain)
+            pg_s = T.alloc_shared((2, C, C), dtype)  # Pg (aux -> chain)
+            gc_s = T.alloc_shared((2, C), acc)  # g_cum_log2 (aux -> chain)
+            o_s = T.alloc_shared((C, BV), dtype)  # O of the chunk, token-major (chain)
+            # the aux role's tiles (as the prepare kernel's)
+            ast = T.alloc_shared((C, C), dtype)  # A diag(beta) staged; blocks above the diagonal blocks stay 0
+            dm_s = T.alloc_shared((3 * BS, ROW), acc)
+            lbt_s = T.alloc_shared((HB, ROW), acc)
+            b0t_s = T.alloc_shared((HB, ROW), acc)
+            l2t_s = T.alloc_shared((BS, ROW), acc)
+            d2t_s = T.alloc_shared((BS, ROW), acc)
+            ld_s = T.alloc_shared((C, DROW), acc)
+            ga_s = T.alloc_shared((1, C), acc)
+            bb_s = T.alloc_shared((1, C), acc)
+            T.annotate_layout({v_s: make_swizzled_layout(v_s), o_s: make_swizzled_layout(o_s)})
+            T.annotate_layout({x: make_linear_layout(x) for x in (dm_s, lbt_s, b0t_s, l2t_s, d2t_s, ld_s)})
+
+            full = T.alloc_barrier(arrive_count=[32, 32])  # producer -> chain and aux
+            empty = T.alloc_barrier(arrive_count=[CH + 128, CH + 128])  # chain and aux -> producer
+            x_full = T.alloc_barrier(arrive_count=[128, 128])  # aux -> chain: a_s, pg_s, gc_s
+            x_empty = T.alloc_barrier(arrive_count=[CH, CH])  # chain -> aux
+
+            if tx < CH:
+                # ------------------------------------------------------------------ chain
+                T.set_max_nreg(NREG["chain"], 1)
+                st = T.alloc_fragment((BV, K), acc)
+                st_b = T.alloc_fragment((BV, K), dtype)
+                ut = T.alloc_fragment((BV, C), acc)
+                ot = T.alloc_fragment((BV, C), acc)
+                nvt = T.alloc_fragment((BV, C), acc)
+                wt_b = T.alloc_fragment((BV, C), dtype)
+                nvt_b = T.alloc_fragment((BV, C), dtype)
+                vpt_b = T.alloc_fragment((BV, C), dtype)
+                gam_f = T.alloc_fragment((C,), acc)
+                r_f = T.alloc_fragment((C,), acc)
+                gcl = T.alloc_local((1,), acc)
+                if clocked:
+                    ck = T.alloc_local((4,), "int64")  # start, wait full, wait aux, stamp
+                    ck[0] = now()
+                    ck[1] = T.int64(0)
+                    ck[2] = T.int64(0)
+                if use_h0 != 0:
+                    for i, j in T.Parallel(BV, K):
+                        st[i, j] = h0[n, hv, j, i]
+                else:
+                    T.clear(st)
+                for c in T.serial(nchunks):
+                    s = c % 2
+                    ph = (c // 2) % 2
+                    t0 = bos + c * C
+                    if clocked:
+                        ck[3] = now()
+                    T.barrier_wait(full[s], ph)
+                    if clocked:
+                        ck[1] = ck[1] + now() - ck[3]
+                    T.copy(st, st_b)
+                    T.wgmma_gemm(st_b, k_s[s, :, :], ut, transpose_B=True, clear_accum=True, **chain_kw)
+                    T.wgmma_gemm(st_b, q_s[s, :, :], ot, transpose_B=True, clear_accum=True, **chain_kw)
+                    if clocked:
+                        ck[3] = now()
+                    T.barrier_wait(x_full[s], ph)
+                    if clocked:
+                        ck[2] = ck[2] + now() - ck[3]
+                    for j in T.Parallel(C):
+                        gam_f[j] = T.exp2(gc_s[s, j])
+                        r_f[j] = T.exp2(T.min(gc_s[s, C - 1] - gc_s[s, j], T.float32(0)))
+                    gcl[0] = T.exp2(gc_s[s, C - 1])
+                    for i, j in T.Parallel(BV, K):
+                        st[i, j] = st[i, j] * gcl[0]
+                    T.wait_wgmma(1)
+                    T.warpgroup_fence_operand(ut, num_regs=BV * C // CH)
+                    for i, j in T.Parallel(BV, C):
+                        wt_b[i, j] = T.cast(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j], dtype)
+                    T.wgmma_gemm(wt_b, a_s[s, :, :], nvt, transpose_B=True, clear_accum=True, **chain_kw)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(nvt, num_regs=BV * C // CH)
+                    T.warpgroup_fence_operand(ot, num_regs=BV * C // CH)
+                    for i, j in T.Parallel(BV, C):
+                        nvt_b[i, j] = T.cast(nvt[i, j], dtype)
+                        vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j], dtype)
+                        ot[i, j] = ot[i, j] * (scale * gam_f[j])
+                    T.wgmma_gemm(vpt_b, k_s[s, :, :], st, **chain_kw)
+                    T.wgmma_gemm(nvt_b, pg_s[s, :, :], ot, transpose_B=True, **chain_kw)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(st, num_regs=BV * K // CH)
+                    T.warpgroup_fence_operand(ot, num_regs=BV * C // CH)
+                    T.barrier_arrive(empty[s])
+                    T.barrier_arrive(x_empty[s])
+                    nvalid = T.min(seqlen - c * C, C)
+                    for i, t in T.Parallel(BV, C):
+                        o_s[t, i] = T.cast(ot[i, t], dtype)
+                    for t, i in T.Parallel(C, BV):
+                        if t < nvalid:
+                            o[bidx, t0 + t, hv, i] = o_s[t, i]
+                if store_ht != 0:
+                    for i, j in T.Parallel(BV, K):
+                        ht[n, hv, j, i] = st[i, j]
+                if clocked:
+                    if tx == 0:
+                        clocks[bx, 0] = now() - ck[0]
+                        clocks[bx, 1] = ck[1]
+                        clocks[bx, 2] = ck[2]
+                        clocks[bx, 6] = T.cast(nchunks, "int64")
+            elif tx < PR:
+                # ------------------------------------------------------------------ aux
+                T.set_max_nreg(NREG["aux"], 1)
+                kk_f = T.alloc_fragment((C, C), acc)
+                p_f = T.alloc_fragment((C, C), acc)
+                g_row = T.alloc_fragment((C,), acc)
+                g_col = T.alloc_fragment((C,), acc)
+                b_row = T.alloc_fragment((C,), acc)
+                y_f = T.alloc_fragment((HB, BS), acc)
+                w_f = T.alloc_fragment((HB, BS), acc)
+                z_f = T.alloc_fragment((HB, HB), acc)
+                of = T.alloc_fragment((HB, HB), acc)
+                xcol = T.alloc_local((BS // 2,), acc)
+                bcl = T.alloc_local((1,), acc)
+                cs = T.alloc_local((4,), acc)
+                if clocked:
+                    ca = T.alloc_local((4,), "int64")  # start, wait full, wait chain, stamp
+                    ca[0] = now()
+                    ca[1] = T.int64(0)
+                    ca[2] = T.int64(0)
+                # constant blocks, zeroed once (as the prepare kernel does per CTA)
+                for t, u in T.Parallel(3 * BS, HB):
+                    dm_s[t, u] = T.float32(0)
+                for t, u in T.Parallel(HB, HB):
+                    b0t_s[t, u] = T.float32(0)
+                for t, u in T.Parallel(C, C):
+                    ast[t, u] = T.cast(0, dtype)
+                for c in T.serial(nchunks):
+                    s = c % 2
+                    ph = (c // 2) % 2
+                    t0 = bos + c * C
+                    nvalid = T.min(seqlen - c * C, C)
+                    # g_cum_log2 by warp 0 (two tokens a lane, a shuffle scan over the pair sums; T.cumsum's
+                    # template assumes the block's first threads), beta by lanes 0-63
+                    lane = tx - AX
+                    if lane < 32:
+                        cs[0] = T.if_then_else(2 * lane < nvalid, g[bidx, t0 + 2 * lane, hv] * RCP_LN2, T.float32(0))
+                        cs[1] = cs[0] + T.if_then_else(2 * lane + 1 < nvalid, g[bidx, t0 + 2 * lane + 1, hv] * RCP_LN2,
+                                                       T.float32(0))
+                        cs[2] = cs[1]
+                        for d in T.unroll(5):
+                            cs[3] = T.shfl_up(cs[2], 1 << d)
+                            if lane >= (1 << d):
+                                cs[2] = cs[2] + cs[3]
+                        ga_s[0, 2 * lane] = cs[2] - cs[1] + cs[0]
+                        ga_s[0, 2 * lane + 1] = cs[2]
+                    if lane < C:
+                        bb_s[0, lane] = T.if_then_else(lane < nvalid, T.cast(beta[bidx, t0 + lane, hv], acc), T.float32(0))
+                    if clocked:
+                        ca[3] = now()
+                    T.barrier_wait(full[s], ph)
+                    if clocked:
+                        ca[1] = ca[1] + now() - ca[3]
+                    T.wgmma_gemm(k_s[s, :, :], k_s[s, :, :], kk_f, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    P.value_head_stages(T, j=0, G=1, hk=hv, nvalid=nvalid, row0=0, A=None, dtype=dtype, gemm_nt=gemm_nt,
+                                        kk_f=kk_f, gc_s=ga_s, b_s=bb_s, g_row=g_row, g_col=g_col, b_row=b_row, ld_s=ld_s,
+                                        lbt_s=lbt_s, l2t_s=l2t_s, d2t_s=d2t_s, b0t_s=b0t_s, dm_s=dm_s, y_s=dm_s, zt=ld_s,
+                                        stage=ast, y_f=y_f, w_f=w_f, z_f=z_f, o_f=of, xcol=xcol, bcl=bcl, tx0=AX, store=False)
+                    T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(empty[s])  # q and k read
+                    if clocked:
+                        ca[3] = now()
+                    T.barrier_wait(x_empty[s], 1 - ph)
+                    if clocked:
+                        ca[2] = ca[2] + now() - ca[3]
+                    for t, u in T.Parallel(C, C):
+                        pg_s[s, t, u] = T.cast(
+                            T.if_then_else(
+                                t >= u,
+                                scale * p_f[t, u] * T.exp2(T.if_then_else(t >= u, ga_s[0, t] - ga_s[0, u], T.float32(0))),
+                                T.float32(0),
+                            ),
+                            dtype,
+                        )
+                    T.copy(ast, a_s[s, :, :])
+                    for t in T.Parallel(C):
+                        gc_s[s, t] = ga_s[0, t]
+                    T.fence_proxy_async()
+                    T.barrier_arrive(x_full[s])
+                if clocked:
+                    if tx == AX:
+                        clocks[bx, 3] = now() - ca[0]
+                        clocks[bx, 4] = ca[1]
+                        clocks[bx, 5] = ca[2]
+            else:
+                # ------------------------------------------------------------------ producer
+                T.set_max_nreg(NREG["producer"], 0)
+                if tx < PR + 32:
+                    for c in T.serial(nchunks):
+                        s = c % 2
+                        ph = (c // 2) % 2
+                        t0 = bos + c * C
+                        T.barrier_wait(empty[s], 1 - ph)
+                        T.tma_copy(q[bidx, t0 : t0 + C, hk, 0:K], q_s[s, :, :], barrier=full[s])
+                        T.tma_copy(k[bidx, t0 : t0 + C, hk, 0:K], k_s[s, :, :], barrier=full[s])
+                        T.tma_copy(v[bidx, t0 : t0 + C, hv, 0:BV], v_s[s, :, :], barrier=full[s])
+                        T.barrier_arrive(full[s])
+
+    return gdn_fused_fwd
+
+
+@functools.lru_cache(maxsize=None)
+def build_fused_kernel(H, HV, K, V, dtype, beta_dtype, seq_dtype, varlen, clocked=False):
+    from flashqla.ops.gdn.kernels.sm90._common import compile_kernel
+
+    return compile_kernel(_fused_prim_func(H, HV, K, V, dtype, beta_dtype, seq_dtype, varlen, clocked),
+                          f"gdn_fused_fwd_H{H}_HV{HV}_{dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}{'_clocked' * clocked}")
+
+
+def fused_key(q, v, beta, cu_seqlens) -> tuple:
+    from flashqla.ops.gdn.kernels.sm90._common import tl_dtype
+
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    seq = tl_dtype(cu_seqlens.dtype) if cu_seqlens is not None else "int32"
+    return (H, HV, K, V, tl_dtype(q.dtype), tl_dtype(beta.dtype), seq, cu_seqlens is not None)
+
+
+def fused_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_state=True, cu_seqlens=None, clocks=None):
+    """o [B, T, HV, V], final state [N, HV, K, V] fp32 (or None) by the fused kernel; g clamped as
+    the op clamps it (`contract.clamp_gates`) by the caller."""
+    from flashqla.ops.gdn.kernels.sm90._common import placeholder
+
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    varlen = cu_seqlens is not None
+    N = cu_seqlens.numel() - 1 if varlen else B
+    o = torch.zeros_like(v) if varlen else torch.empty_like(v)
+    ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
+    h0 = initial_state if initial_state is not None else placeholder((1, HV, K, V), torch.float32, q.device)
+    ht_arg = ht if ht is not None else placeholder((1, HV, K, V), torch.float32, q.device)
+    cu = cu_seqlens if varlen else placeholder((1,), torch.int32, q.device)
+    kernel = build_fused_kernel(*fused_key(q, v, beta, cu_seqlens), clocked=clocks is not None)
+    args = (q, k, v, g, beta, h0, cu, float(scale), int(initial_state is not None), int(output_final_state), o, ht_arg)
+    kernel(*args, clocks) if clocks is not None else kernel(*args)
+    return o, ht
+
+
+def _row_key(row: str) -> tuple:
+    from _gpu import parse_row
+
+    H, HV, lengths = parse_row(row)
+    return (H, HV, 128, 128, "bfloat16", "float32", "int32", True)
+
+
+def _build(key):
+    build_fused_kernel(*key[:-1], clocked=key[-1])
+    return str(key)
+
+
+def precompile(rows, workers):
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    keys = list(dict.fromkeys(_row_key(r) + (ck,) for r in rows for ck in (False, True)))
+    t = time.time()
+    with ProcessPoolExecutor(max(1, min(workers, len(keys))), mp_context=mp.get_context("spawn")) as ex:
+        for done in ex.map(_build, keys):
+            print(f"built {done} ({time.time() - t:.0f} s)", flush=True)
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def run_row(row: str, check_fp64: bool, clock: bool = True) -> dict:
+    from _gpu import gen_inputs, parse_row, time_graph
+
+    from flashqla.contract import clamp_gates
+    from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd
+
+    H, HV, lengths = parse_row(row)
+    x = gen_inputs(H, HV, lengths, varlen=True, h0=True)
+    x["g"][..., 0] = 0.0  # a g == 0 head
+    x["g"][..., -1] = -30.0  # a strong-decay head
+    q, k, v, g, beta, h0, cu = (x[n] for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"))
+    gcl = clamp_gates(g)
+    scale = K ** -0.5 if (K := q.shape[-1]) else 1.0
+
+    def two():
+        return chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
+                                          cu_seqlens=cu, cp="off", block_v=128, for_backward=False)
+
+    def fused():
+        return fused_fwd(q, k, v, gcl, beta, scale, h0, True, cu)
+
+    r2 = two()
+    o2, s2 = r2[0], r2[1]
+    of, sf = fused()
+    torch.cuda.synchronize()
+    out = dict(row=row, finite=bool(torch.isfinite(of).all() and torch.isfinite(sf).all()),
+               d_o=rel(of, o2), d_s=rel(sf, s2))
+    if check_fp64:
+        from reference import chunk_gated_delta_rule as ref
+
+        ro, rs = ref(q.double(), k.double(), v.double(), gcl.double(), beta.double(), scale=scale,
+                     initial_state=h0.double(), output_final_state=True, cu_seqlens=cu)
+        out.update(e_o2=rel(o2, ro), e_s2=rel(s2, rs), e_of=rel(of, ro), e_sf=rel(sf, rs))
+    out["ms_two"] = time_graph(two)
+    out["ms_fused"] = time_graph(fused)
+    if clock:
+        N = cu.numel() - 1
+        clocks = torch.zeros(N * HV, len(CLOCKS), dtype=torch.int64, device="cuda")
+        for _ in range(3):
+            fused_fwd(q, k, v, gcl, beta, scale, h0, True, cu, clocks=clocks)
+        torch.cuda.synchronize()
+        c = clocks.double()
+        per = c / c[:, 6:7].clamp_min(1)
+        med = per.median(dim=0).values.tolist()
+        out["clock"] = {n: med[i] for i, n in enumerate(CLOCKS[:6])}
+        out["clock"]["aux_busy"] = float((per[:, 3] - per[:, 4] - per[:, 5]).median())
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default=ROWS)
+    ap.add_argument("--precompile-only", action="store_true")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--no-fp64", action="store_true", help="skip the fp64 reference (long rows)")
+    args = ap.parse_args(argv)
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    if args.precompile_only:
+        precompile(rows, args.workers)
+        return 0
+    print(f"device: {torch.cuda.get_device_name()}")
+    res = []
+    for r in rows:
+        try:
+            res.append(run_row(r, not args.no_fp64))
+        except Exception as exc:  # report and go on with the next row
+            print(f"{r}: FAILED {type(exc).__name__}: {exc}", flush=True)
+            continue
+        print(res[-1], flush=True)
+    print("\nper chunk, median over CTAs (cycles): " + "; ".join(
+        d["row"] + ": " + ", ".join(f"{n} {v:.0f}" for n, v in d["clock"].items()) for d in res if "clock" in d))
+    print("\n| row | o err two / fused | state err two / fused | max rel diff o / state | two launches ms | fused ms | fused / two |")
+    print("| --- | --- | --- | --- | ---: | ---: | ---: |")
+    for d in res:
+        e = (f"{d['e_o2']:.2e} / {d['e_of']:.2e} | {d['e_s2']:.2e} / {d['e_sf']:.2e}" if "e_o2" in d else "- | -")
+        print(f"| {d['row']} | {e} | {d['d_o']:.1e} / {d['d_s']:.1e} | {d['ms_two']:.4f} | {d['ms_fused']:.4f} | "
+              f"{d['ms_fused'] / d['ms_two']:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
