@@ -226,7 +226,7 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                         clocks[bx, 6] = T.cast(nchunks, "int64")
             elif tx < PR:
                 # ------------------------------------------------------------------ aux
-                T.set_max_nreg(NREG["aux"], 1)
+                T.set_max_nreg(NREG["aux"], 0)  # 128 -> 104: a decrease
                 kk_f = T.alloc_fragment((C, C), acc)
                 p_f = T.alloc_fragment((C, C), acc)
                 g_row = T.alloc_fragment((C,), acc)
