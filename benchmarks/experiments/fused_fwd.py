@@ -53,12 +53,17 @@ ROWS = "16/32 4x8192,16/64 4x8192,32/32 4x8192,16/32 8x1024,2/8 1x8192"
 CLOCKS = ("chain_total", "chain_wait_load", "chain_wait_aux", "aux_total", "aux_wait_load", "aux_wait_chain",
           "chunks", "unused")
 
+#: the builds compared (`_fused_prim_func` opts)
+VARIANTS = ("", "p")
+
 #: registers per thread of each role (setmaxnreg; sum <= 512 at 512 threads)
 NREG = {"chain": 192, "aux": 104, "producer": 24}
 
 
 def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
-                     clocked: bool = False):
+                     clocked: bool = False, opts: str = ""):
+    """opts: "p" = the aux role loads the next chunk's g and beta into registers during this one."""
+    prefetch = "p" in opts
     import tilelang.language as T
     from tilelang.layout import make_linear_layout, make_swizzled_layout
 
@@ -239,6 +244,15 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                 xcol = T.alloc_local((BS // 2,), acc)
                 bcl = T.alloc_local((1,), acc)
                 cs = T.alloc_local((4,), acc)
+                if prefetch:
+                    gn = T.alloc_local((2,), acc)
+                    bn = T.alloc_local((1,), acc)
+                    la = tx - AX
+                    if la < 32:
+                        gn[0] = T.if_then_else(2 * la < seqlen, g[bidx, bos + 2 * la, hv] * RCP_LN2, T.float32(0))
+                        gn[1] = T.if_then_else(2 * la + 1 < seqlen, g[bidx, bos + 2 * la + 1, hv] * RCP_LN2, T.float32(0))
+                    if la < C:
+                        bn[0] = T.if_then_else(la < seqlen, T.cast(beta[bidx, bos + la, hv], acc), T.float32(0))
                 if clocked:
                     ca = T.alloc_local((4,), "int64")  # start, wait full, wait chain, stamp
                     ca[0] = now()
@@ -259,10 +273,28 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                     # g_cum_log2 by warp 0 (two tokens a lane, a shuffle scan over the pair sums; T.cumsum's
                     # template assumes the block's first threads), beta by lanes 0-63
                     lane = tx - AX
+                    if prefetch:
+                        # this chunk's g (2 a lane) and beta (1 a lane) were loaded during the previous one
+                        if lane < 32:
+                            cs[0] = gn[0]
+                            cs[1] = gn[0] + gn[1]
+                        if lane < C:
+                            bb_s[0, lane] = bn[0]
+                        # the next chunk's, into registers (waited for at its start)
+                        nv1 = T.min(seqlen - c * C - C, C)
+                        if lane < 32:
+                            gn[0] = T.if_then_else(2 * lane < nv1, g[bidx, t0 + C + 2 * lane, hv] * RCP_LN2, T.float32(0))
+                            gn[1] = T.if_then_else(2 * lane + 1 < nv1, g[bidx, t0 + C + 2 * lane + 1, hv] * RCP_LN2, T.float32(0))
+                        if lane < C:
+                            bn[0] = T.if_then_else(lane < nv1, T.cast(beta[bidx, t0 + C + lane, hv], acc), T.float32(0))
+                    else:
+                        if lane < 32:
+                            cs[0] = T.if_then_else(2 * lane < nvalid, g[bidx, t0 + 2 * lane, hv] * RCP_LN2, T.float32(0))
+                            cs[1] = cs[0] + T.if_then_else(2 * lane + 1 < nvalid, g[bidx, t0 + 2 * lane + 1, hv] * RCP_LN2,
+                                                           T.float32(0))
+                        if lane < C:
+                            bb_s[0, lane] = T.if_then_else(lane < nvalid, T.cast(beta[bidx, t0 + lane, hv], acc), T.float32(0))
                     if lane < 32:
-                        cs[0] = T.if_then_else(2 * lane < nvalid, g[bidx, t0 + 2 * lane, hv] * RCP_LN2, T.float32(0))
-                        cs[1] = cs[0] + T.if_then_else(2 * lane + 1 < nvalid, g[bidx, t0 + 2 * lane + 1, hv] * RCP_LN2,
-                                                       T.float32(0))
                         cs[2] = cs[1]
                         for d in T.unroll(5):
                             cs[3] = T.shfl_up(cs[2], 1 << d)
@@ -270,8 +302,6 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                                 cs[2] = cs[2] + cs[3]
                         ga_s[0, 2 * lane] = cs[2] - cs[1] + cs[0]
                         ga_s[0, 2 * lane + 1] = cs[2]
-                    if lane < C:
-                        bb_s[0, lane] = T.if_then_else(lane < nvalid, T.cast(beta[bidx, t0 + lane, hv], acc), T.float32(0))
                     if clocked:
                         ca[3] = now()
                     T.barrier_wait(full[s], ph)
@@ -328,11 +358,11 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
 
 
 @functools.lru_cache(maxsize=None)
-def build_fused_kernel(H, HV, K, V, dtype, beta_dtype, seq_dtype, varlen, clocked=False):
+def build_fused_kernel(H, HV, K, V, dtype, beta_dtype, seq_dtype, varlen, clocked=False, opts=""):
     from flashqla.ops.gdn.kernels.sm90._common import compile_kernel
 
-    return compile_kernel(_fused_prim_func(H, HV, K, V, dtype, beta_dtype, seq_dtype, varlen, clocked),
-                          f"gdn_fused_fwd_H{H}_HV{HV}_{dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}{'_clocked' * clocked}")
+    return compile_kernel(_fused_prim_func(H, HV, K, V, dtype, beta_dtype, seq_dtype, varlen, clocked, opts),
+                          f"gdn_fused_fwd_H{H}_HV{HV}_{dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}{'_clocked' * clocked}_{opts}")
 
 
 def fused_key(q, v, beta, cu_seqlens) -> tuple:
@@ -344,7 +374,7 @@ def fused_key(q, v, beta, cu_seqlens) -> tuple:
     return (H, HV, K, V, tl_dtype(q.dtype), tl_dtype(beta.dtype), seq, cu_seqlens is not None)
 
 
-def fused_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_state=True, cu_seqlens=None, clocks=None):
+def fused_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_state=True, cu_seqlens=None, clocks=None, opts=""):
     """o [B, T, HV, V], final state [N, HV, K, V] fp32 (or None) by the fused kernel; g clamped as
     the op clamps it (`contract.clamp_gates`) by the caller."""
     from flashqla.ops.gdn.kernels.sm90._common import placeholder
@@ -358,7 +388,7 @@ def fused_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_state=Tr
     h0 = initial_state if initial_state is not None else placeholder((1, HV, K, V), torch.float32, q.device)
     ht_arg = ht if ht is not None else placeholder((1, HV, K, V), torch.float32, q.device)
     cu = cu_seqlens if varlen else placeholder((1,), torch.int32, q.device)
-    kernel = build_fused_kernel(*fused_key(q, v, beta, cu_seqlens), clocked=clocks is not None)
+    kernel = build_fused_kernel(*fused_key(q, v, beta, cu_seqlens), clocked=clocks is not None, opts=opts)
     args = (q, k, v, g, beta, h0, cu, float(scale), int(initial_state is not None), int(output_final_state), o, ht_arg)
     kernel(*args, clocks) if clocks is not None else kernel(*args)
     return o, ht
@@ -372,7 +402,7 @@ def _row_key(row: str) -> tuple:
 
 
 def _build(key):
-    build_fused_kernel(*key[:-1], clocked=key[-1])
+    build_fused_kernel(*key[:-2], clocked=key[-2], opts=key[-1])
     return str(key)
 
 
@@ -380,7 +410,7 @@ def precompile(rows, workers):
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    keys = list(dict.fromkeys(_row_key(r) + (ck,) for r in rows for ck in (False, True)))
+    keys = list(dict.fromkeys(_row_key(r) + (ck, op) for r in rows for ck in (False, True) for op in VARIANTS))
     t = time.time()
     with ProcessPoolExecutor(max(1, min(workers, len(keys))), mp_context=mp.get_context("spawn")) as ex:
         for done in ex.map(_build, keys):
@@ -410,34 +440,39 @@ def run_row(row: str, check_fp64: bool, clock: bool = True) -> dict:
         return chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
                                           cu_seqlens=cu, cp="off", block_v=128, for_backward=False)
 
-    def fused():
-        return fused_fwd(q, k, v, gcl, beta, scale, h0, True, cu)
-
     r2 = two()
     o2, s2 = r2[0], r2[1]
-    of, sf = fused()
-    torch.cuda.synchronize()
-    out = dict(row=row, finite=bool(torch.isfinite(of).all() and torch.isfinite(sf).all()),
-               d_o=rel(of, o2), d_s=rel(sf, s2))
+    out = dict(row=row, variants={})
+    ref_out = None
     if check_fp64:
         from reference import chunk_gated_delta_rule as ref
 
-        ro, rs = ref(q.double(), k.double(), v.double(), gcl.double(), beta.double(), scale=scale,
-                     initial_state=h0.double(), output_final_state=True, cu_seqlens=cu)
-        out.update(e_o2=rel(o2, ro), e_s2=rel(s2, rs), e_of=rel(of, ro), e_sf=rel(sf, rs))
+        ref_out = ref(q.double(), k.double(), v.double(), gcl.double(), beta.double(), scale=scale,
+                      initial_state=h0.double(), output_final_state=True, cu_seqlens=cu)
+        out.update(e_o2=rel(o2, ref_out[0]), e_s2=rel(s2, ref_out[1]))
     out["ms_two"] = time_graph(two)
-    out["ms_fused"] = time_graph(fused)
-    if clock:
-        N = cu.numel() - 1
-        clocks = torch.zeros(N * HV, len(CLOCKS), dtype=torch.int64, device="cuda")
-        for _ in range(3):
-            fused_fwd(q, k, v, gcl, beta, scale, h0, True, cu, clocks=clocks)
+    for op in VARIANTS:
+        def fused(op=op):
+            return fused_fwd(q, k, v, gcl, beta, scale, h0, True, cu, opts=op)
+
+        of, sf = fused()
         torch.cuda.synchronize()
-        c = clocks.double()
-        per = c / c[:, 6:7].clamp_min(1)
-        med = per.median(dim=0).values.tolist()
-        out["clock"] = {n: med[i] for i, n in enumerate(CLOCKS[:6])}
-        out["clock"]["aux_busy"] = float((per[:, 3] - per[:, 4] - per[:, 5]).median())
+        d = dict(finite=bool(torch.isfinite(of).all() and torch.isfinite(sf).all()), d_o=rel(of, o2), d_s=rel(sf, s2))
+        if ref_out is not None:
+            d.update(e_of=rel(of, ref_out[0]), e_sf=rel(sf, ref_out[1]))
+        d["ms"] = time_graph(fused)
+        if clock:
+            N = cu.numel() - 1
+            clocks = torch.zeros(N * HV, len(CLOCKS), dtype=torch.int64, device="cuda")
+            for _ in range(3):
+                fused_fwd(q, k, v, gcl, beta, scale, h0, True, cu, clocks=clocks, opts=op)
+            torch.cuda.synchronize()
+            c = clocks.double()
+            per = c / c[:, 6:7].clamp_min(1)
+            med = per.median(dim=0).values.tolist()
+            d["clock"] = {n: med[i] for i, n in enumerate(CLOCKS[:6])}
+            d["clock"]["aux_busy"] = float((per[:, 3] - per[:, 4] - per[:, 5]).median())
+        out["variants"][op or "-"] = d
     return out
 
 
@@ -461,14 +496,18 @@ def main(argv=None) -> int:
             print(f"{r}: FAILED {type(exc).__name__}: {exc}", flush=True)
             continue
         print(res[-1], flush=True)
-    print("\nper chunk, median over CTAs (cycles): " + "; ".join(
-        d["row"] + ": " + ", ".join(f"{n} {v:.0f}" for n, v in d["clock"].items()) for d in res if "clock" in d))
-    print("\n| row | o err two / fused | state err two / fused | max rel diff o / state | two launches ms | fused ms | fused / two |")
-    print("| --- | --- | --- | --- | ---: | ---: | ---: |")
+    print("\nper chunk, median over CTAs (cycles):")
     for d in res:
-        e = (f"{d['e_o2']:.2e} / {d['e_of']:.2e} | {d['e_s2']:.2e} / {d['e_sf']:.2e}" if "e_o2" in d else "- | -")
-        print(f"| {d['row']} | {e} | {d['d_o']:.1e} / {d['d_s']:.1e} | {d['ms_two']:.4f} | {d['ms_fused']:.4f} | "
-              f"{d['ms_fused'] / d['ms_two']:.3f} |")
+        for op, e in d["variants"].items():
+            if "clock" in e:
+                print(f"- {d['row']} [{op}]: " + ", ".join(f"{n} {v:.0f}" for n, v in e["clock"].items()))
+    print("\n| row | variant | o err two / fused | state err two / fused | rel diff o / state | two launches ms | fused ms | fused / two |")
+    print("| --- | --- | --- | --- | --- | ---: | ---: | ---: |")
+    for d in res:
+        for op, e in d["variants"].items():
+            err = (f"{d['e_o2']:.2e} / {e['e_of']:.2e} | {d['e_s2']:.2e} / {e['e_sf']:.2e}" if "e_o2" in d else "- | -")
+            print(f"| {d['row']} | {op} | {err} | {e['d_o']:.1e} / {e['d_s']:.1e} | {d['ms_two']:.4f} | {e['ms']:.4f} | "
+                  f"{e['ms'] / d['ms_two']:.3f} |")
     return 0
 
 
