@@ -54,7 +54,7 @@ CLOCKS = ("chain_total", "chain_wait_load", "chain_wait_aux", "aux_total", "aux_
           "chunks", "unused")
 
 #: the builds compared (`_fused_prim_func` opts)
-VARIANTS = ("", "p")
+VARIANTS = ("", "p", "ps")
 
 #: registers per thread of each role (setmaxnreg; sum <= 512 at 512 threads)
 NREG = {"chain": 192, "aux": 104, "producer": 24}
@@ -62,8 +62,10 @@ NREG = {"chain": 192, "aux": 104, "producer": 24}
 
 def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
                      clocked: bool = False, opts: str = ""):
-    """opts: "p" = the aux role loads the next chunk's g and beta into registers during this one."""
+    """opts: "p" = the aux role loads the next chunk's g and beta into registers during this one;
+    "s" = the chain stores a whole chunk's o by one TMA store (waited before o_s is written again)."""
     prefetch = "p" in opts
+    tma_store = "s" in opts
     import tilelang.language as T
     from tilelang.layout import make_linear_layout, make_swizzled_layout
 
@@ -215,11 +217,24 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                     T.barrier_arrive(empty[s])
                     T.barrier_arrive(x_empty[s])
                     nvalid = T.min(seqlen - c * C, C)
+                    if tma_store:
+                        T.tma_store_wait(0)  # the previous chunk's tile has left o_s
                     for i, t in T.Parallel(BV, C):
                         o_s[t, i] = T.cast(ot[i, t], dtype)
-                    for t, i in T.Parallel(C, BV):
-                        if t < nvalid:
-                            o[bidx, t0 + t, hv, i] = o_s[t, i]
+                    if tma_store:
+                        T.fence_proxy_async()  # every writer's stores, before the barrier ahead of the copy
+                        if nvalid == C:  # a whole chunk inside the sequence: one TMA store, not waited here
+                            T.tma_copy(o_s, o[bidx, t0 : t0 + C, hv, 0:BV])
+                        else:
+                            for t, i in T.Parallel(C, BV):
+                                if t < nvalid:
+                                    o[bidx, t0 + t, hv, i] = o_s[t, i]
+                    else:
+                        for t, i in T.Parallel(C, BV):
+                            if t < nvalid:
+                                o[bidx, t0 + t, hv, i] = o_s[t, i]
+                if tma_store:
+                    T.tma_store_wait(0)
                 if store_ht != 0:
                     for i, j in T.Parallel(BV, K):
                         ht[n, hv, j, i] = st[i, j]
