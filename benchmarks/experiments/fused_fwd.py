@@ -488,6 +488,7 @@ def run_row(row: str, check_fp64: bool, clock: bool = True) -> dict:
             d["clock"] = {n: med[i] for i, n in enumerate(CLOCKS[:6])}
             d["clock"]["aux_busy"] = float((per[:, 3] - per[:, 4] - per[:, 5]).median())
         out["variants"][op or "-"] = d
+        print(f"  {row} [{op or '-'}]: {d}", flush=True)
     return out
 
 
