@@ -27,12 +27,11 @@ for bit.
     python benchmarks/experiments/fused_fwd.py [--rows "16/32 4x8192,16/64 4x8192"]
     TILELANG_CACHE_DIR=/tmp/tlc python benchmarks/experiments/fused_fwd.py --precompile-only [--rows ...]
 
-Prints per row: the errors of o and the final state against fp64 (both paths), the largest
-difference between them, and the CUDA-graph times (median, ms) of the two launches (BV = 128, cp
-off, the op's own launch) and of the fused kernel. Rows: "h_qk/h_v COUNTxLENGTH" (`_gpu.parse_row`).
+Prints per row and build variant (`VARIANTS`): the relative RMS errors of o and the final state
+against fp64 (both paths), their relative difference from the two launches' (BV = 128, cp off, the
+op's own launches), the CUDA-graph times (median, ms), and the clocked build's per-chunk cycles by
+role (`CLOCKS`). Rows: "h_qk/h_v COUNTxLENGTH" (`_gpu.parse_row`).
 """
-
-
 
 import argparse
 import functools
@@ -432,15 +431,11 @@ def precompile(rows, workers):
             print(f"built {done} ({time.time() - t:.0f} s)", flush=True)
 
 
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def run_row(row: str, check_fp64: bool, clock: bool = True) -> dict:
     from _gpu import gen_inputs, parse_row, time_graph
 
     from flashqla.contract import clamp_gates
+    from flashqla.testing import rel_rms as rel
     from flashqla.ops.gdn.fwd import chunk_gated_delta_rule_fwd
 
     H, HV, lengths = parse_row(row)
@@ -449,7 +444,7 @@ def run_row(row: str, check_fp64: bool, clock: bool = True) -> dict:
     x["g"][..., -1] = -30.0  # a strong-decay head
     q, k, v, g, beta, h0, cu = (x[n] for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"))
     gcl = clamp_gates(g)
-    scale = K ** -0.5 if (K := q.shape[-1]) else 1.0
+    scale = q.shape[-1] ** -0.5
 
     def two():
         return chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
