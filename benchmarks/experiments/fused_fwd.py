@@ -51,9 +51,16 @@ ROWS = "16/32 4x8192,16/64 4x8192,32/32 4x8192,16/32 8x1024,2/8 1x8192"
 #: (x_empty); the chunk count
 CLOCKS = ("chain_total", "chain_wait_load", "chain_wait_aux", "aux_total", "aux_wait_load", "aux_wait_chain",
           "chunks", "unused")
+#: the clocked build's aux role, by stage (cycles summed over the CTA's chunks, thread 0 of the role, each
+#: stamp after a barrier of the role's 128 threads): gates (g and beta loads, the cumsum; none with "g"),
+#: wait_full, kkt (K K^T, and Q K^T with "f"), wait_chain (x_empty), then the prepare stages' own
+#: names (L, with Pg beside it with "f"; subst; phase1-3), qkt and pg (without "f"), handoff (the ring
+#: copies and the x_full arrive)
+AUX_STAGES = ("gates", "wait_full", "kkt", "wait_chain", "L", "subst", "phase1", "phase2", "phase3", "qkt", "pg",
+              "handoff")
 
 #: the builds compared (`_fused_prim_func` opts)
-VARIANTS = ("", "p", "ps")
+VARIANTS = ("p", "ps", "pe", "pg", "pge", "pf", "pgf")
 
 #: registers per thread of each role (setmaxnreg; sum <= 512 at 512 threads)
 NREG = {"chain": 192, "aux": 104, "producer": 24}
@@ -62,9 +69,16 @@ NREG = {"chain": 192, "aux": 104, "producer": 24}
 def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
                      clocked: bool = False, opts: str = ""):
     """opts: "p" = the aux role loads the next chunk's g and beta into registers during this one;
-    "s" = the chain stores a whole chunk's o by one TMA store (waited before o_s is written again)."""
-    prefetch = "p" in opts
+    "s" = the chain stores a whole chunk's o by one TMA store (waited before o_s is written again);
+    "g" = the producer's second warp loads g and beta and forms g_cum_log2 into the load ring (the aux
+    role neither loads nor scans the gates, and hands no g_cum_log2 to the chain); "f" = the aux role
+    issues K K^T and Q K^T together and writes Pg inside the L tile's element loop (one exp2 for both,
+    `prepare.value_head_stages`' beside_l), Pg's blocks above the diagonal blocks zeroed once."""
+    prefetch = "p" in opts and "g" not in opts
     tma_store = "s" in opts
+    gates_prod = "g" in opts
+    fused_pg = "f" in opts or "e" in opts
+    early_pg = "e" in opts  # Pg in its own loop before the prepare stages (no shared exp2)
     import tilelang.language as T
     from tilelang.layout import make_linear_layout, make_swizzled_layout
 
@@ -90,7 +104,7 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
     N1 = T.dynamic("N1")
     nseq = (Np1 - 1) if varlen else B
     # the clocked build's extra output: per CTA, SM cycles (clock64) summed over its chunks, `CLOCKS`
-    clock_arg = T.Tensor((HV * nseq, len(CLOCKS)), "int64") if clocked else None
+    clock_arg = T.Tensor((HV * nseq, len(CLOCKS) + len(AUX_STAGES)), "int64") if clocked else None
 
     def now():
         return T.call_extern("int64", "clock64")
@@ -100,6 +114,39 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
         T.clear(c)
         for kk in T.unroll(HB // KS, unroll_factor=1):
             T.gemm(a[a_row0 : a_row0 + HB, kk * KS : (kk + 1) * KS], b[:, kk * KS : (kk + 1) * KS], c, transpose_B=True)
+
+    def no_stamp(name):
+        pass
+
+    def aux_stamper(tx, clk_s):
+        """stamp(name) for the clocked build's aux role: a barrier of the role's 128 threads, then thread
+        AX adds the cycles since its last stamp to stage `name` of `AUX_STAGES` (the prepare stages'
+        store_wait and store_issue go to L and phase3)"""
+        last = len(AUX_STAGES)
+
+        def stamp(name):
+            i = AUX_STAGES.index({"store_wait": "L", "store_issue": "phase3"}.get(name, name))
+
+            @T.macro
+            def emit():
+                T.sync_threads(10, 128)
+                if tx == AX:
+                    clk_s[i] = clk_s[i] + now() - clk_s[last]
+                    clk_s[last] = now()
+
+            emit()
+
+        return stamp
+
+    def pg_writer(pg_s, p_f, slot, scale):
+        """Pg[t, u] = scale (Q K^T)[t, u] exp2(g_t - g_u) for t >= u, else 0, into ring slot `slot`:
+        the element (t, u) of the L tile's loop (`prepare.value_head_stages`' beside_l)"""
+
+        @T.macro
+        def beside(t, u, e):
+            pg_s[slot, t, u] = T.cast(T.if_then_else(t >= u, scale * p_f[t, u] * e, T.float32(0)), dtype)
+
+        return beside
 
     @T.prim_func
     def gdn_fused_fwd(
@@ -129,7 +176,9 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
             v_s = T.alloc_shared((2, C, BV), dtype)
             a_s = T.alloc_shared((2, C, C), dtype)  # A_beta (aux -> chain)
             pg_s = T.alloc_shared((2, C, C), dtype)  # Pg (aux -> chain)
-            gc_s = T.alloc_shared((2, C), acc)  # g_cum_log2 (aux -> chain)
+            gc_s = T.alloc_shared((2, C), acc)  # g_cum_log2 (aux -> chain; with "g" the producer's ring)
+            bq_s = T.alloc_shared((2, C), acc)  # beta (with "g": the producer's ring)
+            clk_s = T.alloc_shared((len(AUX_STAGES) + 1,), "int64") if clocked else None
             o_s = T.alloc_shared((C, BV), dtype)  # O of the chunk, token-major (chain)
             # the aux role's tiles (as the prepare kernel's)
             ast = T.alloc_shared((C, C), dtype)  # A diag(beta) staged; blocks above the diagonal blocks stay 0
@@ -144,7 +193,8 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
             T.annotate_layout({v_s: make_swizzled_layout(v_s), o_s: make_swizzled_layout(o_s)})
             T.annotate_layout({x: make_linear_layout(x) for x in (dm_s, lbt_s, b0t_s, l2t_s, d2t_s, ld_s)})
 
-            full = T.alloc_barrier(arrive_count=[32, 32])  # producer -> chain and aux
+            nprod = 64 if gates_prod else 32
+            full = T.alloc_barrier(arrive_count=[nprod, nprod])  # producer -> chain and aux
             empty = T.alloc_barrier(arrive_count=[CH + 128, CH + 128])  # chain and aux -> producer
             x_full = T.alloc_barrier(arrive_count=[128, 128])  # aux -> chain: a_s, pg_s, gc_s
             x_empty = T.alloc_barrier(arrive_count=[CH, CH])  # chain -> aux
@@ -190,24 +240,29 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                     T.barrier_wait(x_full[s], ph)
                     if clocked:
                         ck[2] = ck[2] + now() - ck[3]
-                    for j in T.Parallel(C):
-                        gam_f[j] = T.exp2(gc_s[s, j])
-                        r_f[j] = T.exp2(T.min(gc_s[s, C - 1] - gc_s[s, j], T.float32(0)))
                     gcl[0] = T.exp2(gc_s[s, C - 1])
                     for i, j in T.Parallel(BV, K):
                         st[i, j] = st[i, j] * gcl[0]
-                    T.wait_wgmma(1)
+                    # both products waited before W^T: the bf16 S^T (the A operand of both) then dies, and
+                    # the registers live beside the next product stay within 192 (with S^T, U^T, O^T and the
+                    # gates live while O^T is in flight, ptxas serialises every wgmma of the kernel)
+                    T.wait_wgmma(0)
                     T.warpgroup_fence_operand(ut, num_regs=BV * C // CH)
+                    T.warpgroup_fence_operand(ot, num_regs=BV * C // CH)
+                    for j in T.Parallel(C):
+                        gam_f[j] = T.exp2(gc_s[s, j])
                     for i, j in T.Parallel(BV, C):
                         wt_b[i, j] = T.cast(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j], dtype)
                     T.wgmma_gemm(wt_b, a_s[s, :, :], nvt, transpose_B=True, clear_accum=True, **chain_kw)
+                    for i, j in T.Parallel(BV, C):
+                        ot[i, j] = ot[i, j] * (scale * gam_f[j])
+                    for j in T.Parallel(C):
+                        r_f[j] = T.exp2(T.min(gc_s[s, C - 1] - gc_s[s, j], T.float32(0)))
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(nvt, num_regs=BV * C // CH)
-                    T.warpgroup_fence_operand(ot, num_regs=BV * C // CH)
                     for i, j in T.Parallel(BV, C):
                         nvt_b[i, j] = T.cast(nvt[i, j], dtype)
                         vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j], dtype)
-                        ot[i, j] = ot[i, j] * (scale * gam_f[j])
                     T.wgmma_gemm(vpt_b, k_s[s, :, :], st, **chain_kw)
                     T.wgmma_gemm(nvt_b, pg_s[s, :, :], ot, transpose_B=True, **chain_kw)
                     T.wait_wgmma(0)
@@ -272,6 +327,11 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                     ca[0] = now()
                     ca[1] = T.int64(0)
                     ca[2] = T.int64(0)
+                    if tx == AX:
+                        for i in T.serial(len(AUX_STAGES) + 1):
+                            clk_s[i] = T.int64(0)
+                        clk_s[len(AUX_STAGES)] = now()
+                stamp = aux_stamper(tx, clk_s) if clocked else no_stamp
                 # constant blocks, zeroed once (as the prepare kernel does per CTA)
                 for t, u in T.Parallel(3 * BS, HB):
                     dm_s[t, u] = T.float32(0)
@@ -279,6 +339,9 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                     b0t_s[t, u] = T.float32(0)
                 for t, u in T.Parallel(C, C):
                     ast[t, u] = T.cast(0, dtype)
+                if fused_pg:  # Pg's blocks above the diagonal 16-blocks, never written in the loop
+                    for r, t, u in T.Parallel(2, C, C):
+                        pg_s[r, t, u] = T.cast(0, dtype)
                 for c in T.serial(nchunks):
                     s = c % 2
                     ph = (c // 2) % 2
@@ -287,7 +350,9 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                     # g_cum_log2 by warp 0 (two tokens a lane, a shuffle scan over the pair sums; T.cumsum's
                     # template assumes the block's first threads), beta by lanes 0-63
                     lane = tx - AX
-                    if prefetch:
+                    if gates_prod:
+                        pass
+                    elif prefetch:
                         # this chunk's g (2 a lane) and beta (1 a lane) were loaded during the previous one
                         if lane < 32:
                             cs[0] = gn[0]
@@ -308,52 +373,107 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                                                            T.float32(0))
                         if lane < C:
                             bb_s[0, lane] = T.if_then_else(lane < nvalid, T.cast(beta[bidx, t0 + lane, hv], acc), T.float32(0))
-                    if lane < 32:
-                        cs[2] = cs[1]
-                        for d in T.unroll(5):
-                            cs[3] = T.shfl_up(cs[2], 1 << d)
-                            if lane >= (1 << d):
-                                cs[2] = cs[2] + cs[3]
-                        ga_s[0, 2 * lane] = cs[2] - cs[1] + cs[0]
-                        ga_s[0, 2 * lane + 1] = cs[2]
+                    if not gates_prod:
+                        if lane < 32:
+                            cs[2] = cs[1]
+                            for d in T.unroll(5):
+                                cs[3] = T.shfl_up(cs[2], 1 << d)
+                                if lane >= (1 << d):
+                                    cs[2] = cs[2] + cs[3]
+                            ga_s[0, 2 * lane] = cs[2] - cs[1] + cs[0]
+                            ga_s[0, 2 * lane + 1] = cs[2]
+                    stamp("gates")
                     if clocked:
                         ca[3] = now()
                     T.barrier_wait(full[s], ph)
                     if clocked:
                         ca[1] = ca[1] + now() - ca[3]
+                    stamp("wait_full")
+                    pg_beside = pg_writer(pg_s, p_f, s, scale) if fused_pg and not early_pg else None
                     T.wgmma_gemm(k_s[s, :, :], k_s[s, :, :], kk_f, transpose_B=True, clear_accum=True)
+                    if fused_pg:
+                        T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
-                    P.value_head_stages(T, j=0, G=1, hk=hv, nvalid=nvalid, row0=0, A=None, dtype=dtype, gemm_nt=gemm_nt,
-                                        kk_f=kk_f, gc_s=ga_s, b_s=bb_s, g_row=g_row, g_col=g_col, b_row=b_row, ld_s=ld_s,
-                                        lbt_s=lbt_s, l2t_s=l2t_s, d2t_s=d2t_s, b0t_s=b0t_s, dm_s=dm_s, y_s=dm_s, zt=ld_s,
-                                        stage=ast, y_f=y_f, w_f=w_f, z_f=z_f, o_f=of, xcol=xcol, bcl=bcl, tx0=AX, store=False)
-                    T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
-                    T.wait_wgmma(0)
-                    T.barrier_arrive(empty[s])  # q and k read
-                    if clocked:
-                        ca[3] = now()
-                    T.barrier_wait(x_empty[s], 1 - ph)
-                    if clocked:
-                        ca[2] = ca[2] + now() - ca[3]
-                    for t, u in T.Parallel(C, C):
-                        pg_s[s, t, u] = T.cast(
-                            T.if_then_else(
-                                t >= u,
-                                scale * p_f[t, u] * T.exp2(T.if_then_else(t >= u, ga_s[0, t] - ga_s[0, u], T.float32(0))),
-                                T.float32(0),
-                            ),
-                            dtype,
-                        )
+                    if not gates_prod:
+                        T.barrier_arrive(empty[s])  # q and k read (with "g" the ring's gates are read until phase 3)
+                    stamp("kkt")
+                    if fused_pg:
+                        if clocked:
+                            ca[3] = now()
+                        T.barrier_wait(x_empty[s], 1 - ph)
+                        if clocked:
+                            ca[2] = ca[2] + now() - ca[3]
+                        stamp("wait_chain")
+                    if early_pg:
+                        for t, u in T.Parallel(C, C):
+                            if t // BS >= u // BS:
+                                if gates_prod:
+                                    pg_s[s, t, u] = T.cast(T.if_then_else(t >= u, scale * p_f[t, u] * T.exp2(T.if_then_else(
+                                        t >= u, gc_s[s, t] - gc_s[s, u], T.float32(0))), T.float32(0)), dtype)
+                                else:
+                                    pg_s[s, t, u] = T.cast(T.if_then_else(t >= u, scale * p_f[t, u] * T.exp2(T.if_then_else(
+                                        t >= u, ga_s[0, t] - ga_s[0, u], T.float32(0))), T.float32(0)), dtype)
+                        stamp("pg")
+                    if gates_prod:
+                        P.value_head_stages(T, j=s, G=1, hk=hv, nvalid=nvalid, row0=0, A=None, dtype=dtype, gemm_nt=gemm_nt,
+                                            kk_f=kk_f, gc_s=gc_s, b_s=bq_s, g_row=g_row, g_col=g_col, b_row=b_row, ld_s=ld_s,
+                                            lbt_s=lbt_s, l2t_s=l2t_s, d2t_s=d2t_s, b0t_s=b0t_s, dm_s=dm_s, y_s=dm_s, zt=ld_s,
+                                            stage=ast, y_f=y_f, w_f=w_f, z_f=z_f, o_f=of, xcol=xcol, bcl=bcl, tx0=AX, store=False,
+                                            stamp=stamp if clocked else None, beside_l=pg_beside)
+                    else:
+                        P.value_head_stages(T, j=0, G=1, hk=hv, nvalid=nvalid, row0=0, A=None, dtype=dtype, gemm_nt=gemm_nt,
+                                            kk_f=kk_f, gc_s=ga_s, b_s=bb_s, g_row=g_row, g_col=g_col, b_row=b_row, ld_s=ld_s,
+                                            lbt_s=lbt_s, l2t_s=l2t_s, d2t_s=d2t_s, b0t_s=b0t_s, dm_s=dm_s, y_s=dm_s, zt=ld_s,
+                                            stage=ast, y_f=y_f, w_f=w_f, z_f=z_f, o_f=of, xcol=xcol, bcl=bcl, tx0=AX, store=False,
+                                            stamp=stamp if clocked else None, beside_l=pg_beside)
+                    if not fused_pg:
+                        T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
+                        T.wait_wgmma(0)
+                        if not gates_prod:
+                            T.barrier_arrive(empty[s])  # q and k read
+                        stamp("qkt")
+                        if clocked:
+                            ca[3] = now()
+                        T.barrier_wait(x_empty[s], 1 - ph)
+                        if clocked:
+                            ca[2] = ca[2] + now() - ca[3]
+                        stamp("wait_chain")
+                        for t, u in T.Parallel(C, C):
+                            if gates_prod:
+                                pg_s[s, t, u] = T.cast(
+                                    T.if_then_else(
+                                        t >= u,
+                                        scale * p_f[t, u] * T.exp2(T.if_then_else(t >= u, gc_s[s, t] - gc_s[s, u], T.float32(0))),
+                                        T.float32(0),
+                                    ),
+                                    dtype,
+                                )
+                            else:
+                                pg_s[s, t, u] = T.cast(
+                                    T.if_then_else(
+                                        t >= u,
+                                        scale * p_f[t, u] * T.exp2(T.if_then_else(t >= u, ga_s[0, t] - ga_s[0, u], T.float32(0))),
+                                        T.float32(0),
+                                    ),
+                                    dtype,
+                                )
+                        stamp("pg")
                     T.copy(ast, a_s[s, :, :])
-                    for t in T.Parallel(C):
-                        gc_s[s, t] = ga_s[0, t]
+                    if not gates_prod:
+                        for t in T.Parallel(C):
+                            gc_s[s, t] = ga_s[0, t]
                     T.fence_proxy_async()
+                    if gates_prod:
+                        T.barrier_arrive(empty[s])  # q, k and the ring's gates read
                     T.barrier_arrive(x_full[s])
+                    stamp("handoff")
                 if clocked:
                     if tx == AX:
                         clocks[bx, 3] = now() - ca[0]
                         clocks[bx, 4] = ca[1]
                         clocks[bx, 5] = ca[2]
+                        for i in T.serial(len(AUX_STAGES)):
+                            clocks[bx, len(CLOCKS) + i] = clk_s[i]
             else:
                 # ------------------------------------------------------------------ producer
                 T.set_max_nreg(NREG["producer"], 0)
@@ -366,6 +486,32 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                         T.tma_copy(q[bidx, t0 : t0 + C, hk, 0:K], q_s[s, :, :], barrier=full[s])
                         T.tma_copy(k[bidx, t0 : t0 + C, hk, 0:K], k_s[s, :, :], barrier=full[s])
                         T.tma_copy(v[bidx, t0 : t0 + C, hv, 0:BV], v_s[s, :, :], barrier=full[s])
+                        T.barrier_arrive(full[s])
+                elif gates_prod and tx < PR + 64:
+                    # g_cum_log2 and beta into the load ring: two tokens a lane, a shuffle scan over the pair sums
+                    gp = T.alloc_local((6,), acc)  # g pair, beta pair, scan
+                    lane = tx - PR - 32
+                    for c in T.serial(nchunks):
+                        s = c % 2
+                        ph = (c // 2) % 2
+                        t0 = bos + c * C
+                        nvalid = T.min(seqlen - c * C, C)
+                        gp[0] = T.if_then_else(2 * lane < nvalid, g[bidx, t0 + 2 * lane, hv] * RCP_LN2, T.float32(0))
+                        gp[1] = T.if_then_else(2 * lane + 1 < nvalid, g[bidx, t0 + 2 * lane + 1, hv] * RCP_LN2, T.float32(0))
+                        gp[2] = T.if_then_else(2 * lane < nvalid, T.cast(beta[bidx, t0 + 2 * lane, hv], acc), T.float32(0))
+                        gp[3] = T.if_then_else(2 * lane + 1 < nvalid, T.cast(beta[bidx, t0 + 2 * lane + 1, hv], acc),
+                                               T.float32(0))
+                        gp[1] = gp[0] + gp[1]
+                        gp[4] = gp[1]
+                        for d in T.unroll(5):
+                            gp[5] = T.shfl_up(gp[4], 1 << d)
+                            if lane >= (1 << d):
+                                gp[4] = gp[4] + gp[5]
+                        T.barrier_wait(empty[s], 1 - ph)
+                        gc_s[s, 2 * lane] = gp[4] - gp[1] + gp[0]
+                        gc_s[s, 2 * lane + 1] = gp[4]
+                        bq_s[s, 2 * lane] = gp[2]
+                        bq_s[s, 2 * lane + 1] = gp[3]
                         T.barrier_arrive(full[s])
 
     return gdn_fused_fwd
@@ -473,7 +619,7 @@ def run_row(row: str, check_fp64: bool, clock: bool = True) -> dict:
         d["ms"] = time_graph(fused)
         if clock:
             N = cu.numel() - 1
-            clocks = torch.zeros(N * HV, len(CLOCKS), dtype=torch.int64, device="cuda")
+            clocks = torch.zeros(N * HV, len(CLOCKS) + len(AUX_STAGES), dtype=torch.int64, device="cuda")
             for _ in range(3):
                 fused_fwd(q, k, v, gcl, beta, scale, h0, True, cu, clocks=clocks, opts=op)
             torch.cuda.synchronize()
@@ -482,6 +628,7 @@ def run_row(row: str, check_fp64: bool, clock: bool = True) -> dict:
             med = per.median(dim=0).values.tolist()
             d["clock"] = {n: med[i] for i, n in enumerate(CLOCKS[:6])}
             d["clock"]["aux_busy"] = float((per[:, 3] - per[:, 4] - per[:, 5]).median())
+            d["aux_stages"] = {n: med[len(CLOCKS) + i] for i, n in enumerate(AUX_STAGES)}
         out["variants"][op or "-"] = d
         print(f"  {row} [{op or '-'}]: {d}", flush=True)
     return out
@@ -493,10 +640,30 @@ def main(argv=None) -> int:
     ap.add_argument("--precompile-only", action="store_true")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--no-fp64", action="store_true", help="skip the fp64 reference (long rows)")
+    ap.add_argument("--ncu", metavar="OPTS", help="one fused call of build variant OPTS on the first row inside "
+                    "cudaProfilerStart/Stop, for `ncu --profile-from-start off -k regex:gdn_fused` (no timing, no check)")
     args = ap.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     if args.precompile_only:
         precompile(rows, args.workers)
+        return 0
+    if args.ncu is not None:
+        from _gpu import gen_inputs, parse_row
+
+        from flashqla.contract import clamp_gates
+
+        H, HV, lengths = parse_row(rows[0])
+        x = gen_inputs(H, HV, lengths, varlen=True, h0=True)
+        args1 = (x["q"], x["k"], x["v"], clamp_gates(x["g"]), x["beta"], x["q"].shape[-1] ** -0.5, x["initial_state"], True,
+                 x["cu_seqlens"])
+        for _ in range(3):
+            fused_fwd(*args1, opts=args.ncu)
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        fused_fwd(*args1, opts=args.ncu)
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        print(f"profiled one fused call [{args.ncu}] on {rows[0]}")
         return 0
     print(f"device: {torch.cuda.get_device_name()}")
     res = []
@@ -512,6 +679,7 @@ def main(argv=None) -> int:
         for op, e in d["variants"].items():
             if "clock" in e:
                 print(f"- {d['row']} [{op}]: " + ", ".join(f"{n} {v:.0f}" for n, v in e["clock"].items()))
+                print(f"  aux stages: " + ", ".join(f"{n} {v:.0f}" for n, v in e["aux_stages"].items()))
     print("\n| row | variant | o err two / fused | state err two / fused | rel diff o / state | two launches ms | fused ms | fused / two |")
     print("| --- | --- | --- | --- | --- | ---: | ---: | ---: |")
     for d in res:

@@ -155,7 +155,7 @@ def _clock_stamper(T, clocks, slot, hk, j=None):
 
 def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_s, b_s, g_row, g_col, b_row, ld_s,
                       lbt_s, l2t_s, d2t_s, b0t_s, dm_s, y_s, zt, stage, y_f, w_f, z_f, o_f, xcol, bcl, stamp=None,
-                      tx0=0, store=True):
+                      tx0=0, store=True, beside_l=None):
     """Emits one value head's stages (L, the forward substitution, phases 1-3, the TMA store of
     A diag(beta)) where it is called inside a kernel body: value head hk * G + j of the slot whose rows
     start at row0, nvalid valid rows; the staging tile is `stage` (its first 64 columns) and -Z_top^T
@@ -164,7 +164,10 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
     build's `stamp(name)`, called at each of CLOCK_HEAD's boundaries. tx0: the first thread of the
     warpgroup that runs the stages (0 in this kernel; a warp-specialised kernel's role passes its own).
     store=False leaves A diag(beta) in `stage` (fenced for the async proxy) with no TMA store and no
-    wait for one; A, row0 and hk are then unused."""
+    wait for one; A, row0 and hk are then unused. beside_l (None: the shipped build): a T.macro
+    (t, s, e) emitted inside the L tile's element loop for each element of the ten lower 16 x 16
+    blocks, e = exp2(g_cum_log2[t] - g_cum_log2[s]) for t >= s (1 above the diagonal), computed once
+    for both: a fused kernel's Q K^T * Gamma uses it."""
     C = CHUNK
     BS = BLOCK
     HB = HALF
@@ -181,11 +184,16 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
             g_col[s] = gc_s[j, s]
         for t, s in T.Parallel(C, C):
             if t // BS >= s // BS:
-                lv = T.if_then_else(
-                    (t > s) & (t < nvalid),
-                    b_row[t] * kk_f[t, s] * T.exp2(T.if_then_else(t > s, g_row[t] - g_col[s], T.float32(0))),
-                    T.float32(0),
-                )
+                if beside_l is None:
+                    lv = T.if_then_else(
+                        (t > s) & (t < nvalid),
+                        b_row[t] * kk_f[t, s] * T.exp2(T.if_then_else(t > s, g_row[t] - g_col[s], T.float32(0))),
+                        T.float32(0),
+                    )
+                else:
+                    e = T.exp2(T.if_then_else(t >= s, g_row[t] - g_col[s], T.float32(0)))
+                    beside_l(t, s, e)
+                    lv = T.if_then_else((t > s) & (t < nvalid), b_row[t] * kk_f[t, s] * e, T.float32(0))
                 if t // BS == s // BS:
                     ld_s[s, t % BS] = lv
                 elif t >= HB and s < HB:
