@@ -394,7 +394,7 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                     if fused_pg:
                         T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
-                    if not gates_prod:
+                    if fused_pg and not gates_prod:
                         T.barrier_arrive(empty[s])  # q and k read (with "g" the ring's gates are read until phase 3)
                     stamp("kkt")
                     if fused_pg:
