@@ -60,7 +60,7 @@ AUX_STAGES = ("gates", "wait_full", "kkt", "wait_chain", "L", "subst", "phase1",
               "handoff")
 
 #: the builds compared (`_fused_prim_func` opts)
-VARIANTS = ("p", "ps", "pe", "pg", "pge", "pf", "pgf")
+VARIANTS = ("pg", "pgl", "pgv", "pglv")
 
 #: registers per thread of each role (setmaxnreg; sum <= 512 at 512 threads)
 NREG = {"chain": 192, "aux": 104, "producer": 24}
@@ -73,12 +73,17 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
     "g" = the producer's second warp loads g and beta and forms g_cum_log2 into the load ring (the aux
     role neither loads nor scans the gates, and hands no g_cum_log2 to the chain); "f" = the aux role
     issues K K^T and Q K^T together and writes Pg inside the L tile's element loop (one exp2 for both,
-    `prepare.value_head_stages`' beside_l), Pg's blocks above the diagonal blocks zeroed once."""
+    `prepare.value_head_stages`' beside_l), Pg's blocks above the diagonal blocks zeroed once; "e" = Pg
+    in its own loop before the prepare stages; "l" = the L tile's elements formed first, then stored
+    (`value_head_stages`' l_split); "v" = Pg formed in a bf16 register fragment, gates read into
+    registers first, then copied into the ring by one T.copy."""
     prefetch = "p" in opts and "g" not in opts
     tma_store = "s" in opts
     gates_prod = "g" in opts
     fused_pg = "f" in opts or "e" in opts
     early_pg = "e" in opts  # Pg in its own loop before the prepare stages (no shared exp2)
+    l_split = "l" in opts  # the L tile's elements, then its stores (`prepare.value_head_stages`' l_split)
+    pg_frag = "v" in opts  # Pg formed in a bf16 fragment (gates from registers), then one copy into the ring
     import tilelang.language as T
     from tilelang.layout import make_linear_layout, make_swizzled_layout
 
@@ -302,6 +307,7 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                 # ------------------------------------------------------------------ aux
                 T.set_max_nreg(NREG["aux"], 0)  # 128 -> 104: a decrease
                 kk_f = T.alloc_fragment((C, C), acc)
+                pgb = T.alloc_fragment((C, C), dtype) if pg_frag else None
                 p_f = T.alloc_fragment((C, C), acc)
                 g_row = T.alloc_fragment((C,), acc)
                 g_col = T.alloc_fragment((C,), acc)
@@ -419,13 +425,13 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                                             kk_f=kk_f, gc_s=gc_s, b_s=bq_s, g_row=g_row, g_col=g_col, b_row=b_row, ld_s=ld_s,
                                             lbt_s=lbt_s, l2t_s=l2t_s, d2t_s=d2t_s, b0t_s=b0t_s, dm_s=dm_s, y_s=dm_s, zt=ld_s,
                                             stage=ast, y_f=y_f, w_f=w_f, z_f=z_f, o_f=of, xcol=xcol, bcl=bcl, tx0=AX, store=False,
-                                            stamp=stamp if clocked else None, beside_l=pg_beside)
+                                            stamp=stamp if clocked else None, beside_l=pg_beside, l_split=l_split)
                     else:
                         P.value_head_stages(T, j=0, G=1, hk=hv, nvalid=nvalid, row0=0, A=None, dtype=dtype, gemm_nt=gemm_nt,
                                             kk_f=kk_f, gc_s=ga_s, b_s=bb_s, g_row=g_row, g_col=g_col, b_row=b_row, ld_s=ld_s,
                                             lbt_s=lbt_s, l2t_s=l2t_s, d2t_s=d2t_s, b0t_s=b0t_s, dm_s=dm_s, y_s=dm_s, zt=ld_s,
                                             stage=ast, y_f=y_f, w_f=w_f, z_f=z_f, o_f=of, xcol=xcol, bcl=bcl, tx0=AX, store=False,
-                                            stamp=stamp if clocked else None, beside_l=pg_beside)
+                                            stamp=stamp if clocked else None, beside_l=pg_beside, l_split=l_split)
                     if not fused_pg:
                         T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
                         T.wait_wgmma(0)
@@ -438,25 +444,41 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                         if clocked:
                             ca[2] = ca[2] + now() - ca[3]
                         stamp("wait_chain")
-                        for t, u in T.Parallel(C, C):
-                            if gates_prod:
-                                pg_s[s, t, u] = T.cast(
-                                    T.if_then_else(
-                                        t >= u,
-                                        scale * p_f[t, u] * T.exp2(T.if_then_else(t >= u, gc_s[s, t] - gc_s[s, u], T.float32(0))),
-                                        T.float32(0),
-                                    ),
-                                    dtype,
-                                )
-                            else:
-                                pg_s[s, t, u] = T.cast(
-                                    T.if_then_else(
-                                        t >= u,
-                                        scale * p_f[t, u] * T.exp2(T.if_then_else(t >= u, ga_s[0, t] - ga_s[0, u], T.float32(0))),
-                                        T.float32(0),
-                                    ),
-                                    dtype,
-                                )
+                        if pg_frag:
+                            for t in T.Parallel(C):
+                                if gates_prod:
+                                    g_row[t] = gc_s[s, t]
+                                else:
+                                    g_row[t] = ga_s[0, t]
+                            for u in T.Parallel(C):
+                                if gates_prod:
+                                    g_col[u] = gc_s[s, u]
+                                else:
+                                    g_col[u] = ga_s[0, u]
+                            for t, u in T.Parallel(C, C):
+                                pgb[t, u] = T.cast(T.if_then_else(t >= u, scale * p_f[t, u] * T.exp2(T.if_then_else(
+                                    t >= u, g_row[t] - g_col[u], T.float32(0))), T.float32(0)), dtype)
+                            T.copy(pgb, pg_s[s, :, :])
+                        if not pg_frag:
+                            for t, u in T.Parallel(C, C):
+                                if gates_prod:
+                                    pg_s[s, t, u] = T.cast(
+                                        T.if_then_else(
+                                            t >= u,
+                                            scale * p_f[t, u] * T.exp2(T.if_then_else(t >= u, gc_s[s, t] - gc_s[s, u], T.float32(0))),
+                                            T.float32(0),
+                                        ),
+                                        dtype,
+                                    )
+                                else:
+                                    pg_s[s, t, u] = T.cast(
+                                        T.if_then_else(
+                                            t >= u,
+                                            scale * p_f[t, u] * T.exp2(T.if_then_else(t >= u, ga_s[0, t] - ga_s[0, u], T.float32(0))),
+                                            T.float32(0),
+                                        ),
+                                        dtype,
+                                    )
                         stamp("pg")
                     T.copy(ast, a_s[s, :, :])
                     if not gates_prod:

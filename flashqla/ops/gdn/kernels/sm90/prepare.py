@@ -155,7 +155,7 @@ def _clock_stamper(T, clocks, slot, hk, j=None):
 
 def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_s, b_s, g_row, g_col, b_row, ld_s,
                       lbt_s, l2t_s, d2t_s, b0t_s, dm_s, y_s, zt, stage, y_f, w_f, z_f, o_f, xcol, bcl, stamp=None,
-                      tx0=0, store=True, beside_l=None):
+                      tx0=0, store=True, beside_l=None, l_split=False):
     """Emits one value head's stages (L, the forward substitution, phases 1-3, the TMA store of
     A diag(beta)) where it is called inside a kernel body: value head hk * G + j of the slot whose rows
     start at row0, nvalid valid rows; the staging tile is `stage` (its first 64 columns) and -Z_top^T
@@ -167,7 +167,10 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
     wait for one; A, row0 and hk are then unused. beside_l (None: the shipped build): a T.macro
     (t, s, e) emitted inside the L tile's element loop for each element of the ten lower 16 x 16
     blocks, e = exp2(g_cum_log2[t] - g_cum_log2[s]) for t >= s (1 above the diagonal), computed once
-    for both: a fused kernel's Q K^T * Gamma uses it."""
+    for both: a fused kernel's Q K^T * Gamma uses it. l_split (False: the shipped build): the L tile
+    in two loops, its elements first (in place over kk_f, no branch: the exp2s independent of each
+    other), then the stores into the three tiles (each a predicated store of a ready value); beside_l
+    is then not used."""
     C = CHUNK
     BS = BLOCK
     HB = HALF
@@ -182,24 +185,41 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
             b_row[t] = b_s[j, t]
         for s in T.Parallel(C):
             g_col[s] = gc_s[j, s]
-        for t, s in T.Parallel(C, C):
-            if t // BS >= s // BS:
-                if beside_l is None:
-                    lv = T.if_then_else(
-                        (t > s) & (t < nvalid),
-                        b_row[t] * kk_f[t, s] * T.exp2(T.if_then_else(t > s, g_row[t] - g_col[s], T.float32(0))),
-                        T.float32(0),
-                    )
-                else:
-                    e = T.exp2(T.if_then_else(t >= s, g_row[t] - g_col[s], T.float32(0)))
-                    beside_l(t, s, e)
-                    lv = T.if_then_else((t > s) & (t < nvalid), b_row[t] * kk_f[t, s] * e, T.float32(0))
+        if l_split:
+            for t, s in T.Parallel(C, C):
+                kk_f[t, s] = T.if_then_else(
+                    (t > s) & (t < nvalid),
+                    b_row[t] * kk_f[t, s] * T.exp2(T.if_then_else(t > s, g_row[t] - g_col[s], T.float32(0))),
+                    T.float32(0),
+                )
+            for t, s in T.Parallel(C, C):
                 if t // BS == s // BS:
-                    ld_s[s, t % BS] = lv
-                elif t >= HB and s < HB:
-                    lbt_s[s, t - HB] = lv
-                else:
-                    l2t_s[s % BS, (t // HB) * BS + t % BS] = lv
+                    ld_s[s, t % BS] = kk_f[t, s]
+            for t, s in T.Parallel(C, C):
+                if (t >= HB) & (s < HB):
+                    lbt_s[s, t - HB] = kk_f[t, s]
+            for t, s in T.Parallel(C, C):
+                if (t // BS == s // BS + 1) & (t // BS % 2 == 1):
+                    l2t_s[s % BS, (t // HB) * BS + t % BS] = kk_f[t, s]
+        if not l_split:
+            for t, s in T.Parallel(C, C):
+                if t // BS >= s // BS:
+                    if beside_l is None:
+                        lv = T.if_then_else(
+                            (t > s) & (t < nvalid),
+                            b_row[t] * kk_f[t, s] * T.exp2(T.if_then_else(t > s, g_row[t] - g_col[s], T.float32(0))),
+                            T.float32(0),
+                        )
+                    else:
+                        e = T.exp2(T.if_then_else(t >= s, g_row[t] - g_col[s], T.float32(0)))
+                        beside_l(t, s, e)
+                        lv = T.if_then_else((t > s) & (t < nvalid), b_row[t] * kk_f[t, s] * e, T.float32(0))
+                    if t // BS == s // BS:
+                        ld_s[s, t % BS] = lv
+                    elif t >= HB and s < HB:
+                        lbt_s[s, t - HB] = lv
+                    else:
+                        l2t_s[s % BS, (t // HB) * BS + t % BS] = lv
         if stamp is not None:
             stamp("L")
         # the previous head's A tile has been read out of the staging tile by the copy engine
