@@ -1,9 +1,9 @@
 """Question: can one kernel do the unsplit inference forward (the prepare kernel's work and the
 recurrent kernel's) faster than the two launches, where sequences x value heads fill the GPU?
 
-An experiment, not the package's code (`benchmarks/journal/forward.md`, entry "The fused forward,
-second draft"). One CTA of 512 threads per (sequence, value head), BV = 128 (the whole value width),
-four warpgroups:
+An experiment, not the package's code (`benchmarks/journal/forward.md`, entries "The fused forward,
+second draft" and "third draft"). One CTA of 512 threads per (sequence, value head), BV = 128 (the
+whole value width), four warpgroups:
 
     chain  (threads 0-255)   two warpgroups, each owning 64 value rows of S^T [V, K] fp32 in
                              registers; per chunk c:
@@ -11,12 +11,14 @@ four warpgroups:
                                W^T = V^T - U^T diag(gamma);  vn^T = W^T A_beta^T
                                S^T = gamma_C S^T + (vn^T diag(r)) K;  O^T = scale diag(gamma) O^T + vn^T Pg^T
                                o <- O^T (through a shared tile, rows inside the sequence)
-    aux    (threads 256-383) one chunk ahead of the chain: g_cum_log2 (chunk-local cumsum of g / ln 2),
-                             K K^T, L, A = (I + L)^-1 and A diag(beta) by the prepare kernel's own stages
-                             (`prepare.value_head_stages`: forward substitution on the 16-blocks, three
-                             tf32 product phases), Pg = scale (Q K^T * Gamma) causal; into two-stage
-                             shared rings the chain reads (A_beta, Pg, g_cum_log2)
-    producer (384-511)       one warp: TMA loads of q, k, v into a two-stage ring
+    aux    (threads 256-383) one chunk ahead of the chain: K K^T, L, A = (I + L)^-1 and A diag(beta) by
+                             the prepare kernel's own stages (`prepare.value_head_stages`: forward
+                             substitution on the 16-blocks, three tf32 product phases), Pg = scale
+                             (Q K^T * Gamma) causal (in a bf16 fragment, one copy); into two-stage
+                             shared rings the chain reads (A_beta, Pg)
+    producer (384-511)       warp 0: TMA loads of q, k, v into a two-stage ring; warp 1: g and beta of
+                             the chunk, g_cum_log2 (chunk-local cumsum of g / ln 2, a shuffle scan)
+                             into the same ring
 
 So A_beta and g_cum_log2 never go through HBM, and the output role of the recurrent kernel is
 folded into the chain warpgroups (FlashInfer's split of the work; registers 192 / 192 / 104 / 24).
@@ -52,15 +54,13 @@ ROWS = "16/32 4x8192,16/64 4x8192,32/32 4x8192,16/32 8x1024,2/8 1x8192"
 CLOCKS = ("chain_total", "chain_wait_load", "chain_wait_aux", "aux_total", "aux_wait_load", "aux_wait_chain",
           "chunks", "unused")
 #: the clocked build's aux role, by stage (cycles summed over the CTA's chunks, thread 0 of the role, each
-#: stamp after a barrier of the role's 128 threads): gates (g and beta loads, the cumsum; none with "g"),
-#: wait_full, kkt (K K^T, and Q K^T with "f"), wait_chain (x_empty), then the prepare stages' own
-#: names (L, with Pg beside it with "f"; subst; phase1-3), qkt and pg (without "f"), handoff (the ring
-#: copies and the x_full arrive)
-AUX_STAGES = ("gates", "wait_full", "kkt", "wait_chain", "L", "subst", "phase1", "phase2", "phase3", "qkt", "pg",
-              "handoff")
+#: stamp after a barrier of the role's 128 threads): wait_full, kkt (K K^T), the prepare stages' own
+#: names (L; subst; phase1-3), qkt (Q K^T), wait_chain (x_empty), pg, handoff (the A_beta ring copy
+#: and the arrives)
+AUX_STAGES = ("wait_full", "kkt", "L", "subst", "phase1", "phase2", "phase3", "qkt", "wait_chain", "pg", "handoff")
 
 #: the builds compared (`_fused_prim_func` opts)
-VARIANTS = ("pg", "pgl", "pgv", "pglv")
+VARIANTS = ("",)
 
 #: registers per thread of each role (setmaxnreg; sum <= 512 at 512 threads)
 NREG = {"chain": 192, "aux": 104, "producer": 24}
@@ -68,22 +68,8 @@ NREG = {"chain": 192, "aux": 104, "producer": 24}
 
 def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
                      clocked: bool = False, opts: str = ""):
-    """opts: "p" = the aux role loads the next chunk's g and beta into registers during this one;
-    "s" = the chain stores a whole chunk's o by one TMA store (waited before o_s is written again);
-    "g" = the producer's second warp loads g and beta and forms g_cum_log2 into the load ring (the aux
-    role neither loads nor scans the gates, and hands no g_cum_log2 to the chain); "f" = the aux role
-    issues K K^T and Q K^T together and writes Pg inside the L tile's element loop (one exp2 for both,
-    `prepare.value_head_stages`' beside_l), Pg's blocks above the diagonal blocks zeroed once; "e" = Pg
-    in its own loop before the prepare stages; "l" = the L tile's elements formed first, then stored
-    (`value_head_stages`' l_split); "v" = Pg formed in a bf16 register fragment, gates read into
-    registers first, then copied into the ring by one T.copy."""
-    prefetch = "p" in opts and "g" not in opts
-    tma_store = "s" in opts
-    gates_prod = "g" in opts
-    fused_pg = "f" in opts or "e" in opts
-    early_pg = "e" in opts  # Pg in its own loop before the prepare stages (no shared exp2)
-    l_split = "l" in opts  # the L tile's elements, then its stores (`prepare.value_head_stages`' l_split)
-    pg_frag = "v" in opts  # Pg formed in a bf16 fragment (gates from registers), then one copy into the ring
+    """opts: none today (the variants measured and dropped are in the journal, entry "The fused
+    forward, third draft")."""
     import tilelang.language as T
     from tilelang.layout import make_linear_layout, make_swizzled_layout
 
@@ -143,16 +129,6 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
 
         return stamp
 
-    def pg_writer(pg_s, p_f, slot, scale):
-        """Pg[t, u] = scale (Q K^T)[t, u] exp2(g_t - g_u) for t >= u, else 0, into ring slot `slot`:
-        the element (t, u) of the L tile's loop (`prepare.value_head_stages`' beside_l)"""
-
-        @T.macro
-        def beside(t, u, e):
-            pg_s[slot, t, u] = T.cast(T.if_then_else(t >= u, scale * p_f[t, u] * e, T.float32(0)), dtype)
-
-        return beside
-
     @T.prim_func
     def gdn_fused_fwd(
         q: T.Tensor((B, Tn, H, K), dtype),
@@ -181,8 +157,8 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
             v_s = T.alloc_shared((2, C, BV), dtype)
             a_s = T.alloc_shared((2, C, C), dtype)  # A_beta (aux -> chain)
             pg_s = T.alloc_shared((2, C, C), dtype)  # Pg (aux -> chain)
-            gc_s = T.alloc_shared((2, C), acc)  # g_cum_log2 (aux -> chain; with "g" the producer's ring)
-            bq_s = T.alloc_shared((2, C), acc)  # beta (with "g": the producer's ring)
+            gc_s = T.alloc_shared((2, C), acc)  # g_cum_log2 (producer's ring)
+            bq_s = T.alloc_shared((2, C), acc)  # beta (producer's ring)
             clk_s = T.alloc_shared((len(AUX_STAGES) + 1,), "int64") if clocked else None
             o_s = T.alloc_shared((C, BV), dtype)  # O of the chunk, token-major (chain)
             # the aux role's tiles (as the prepare kernel's)
@@ -193,15 +169,12 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
             l2t_s = T.alloc_shared((BS, ROW), acc)
             d2t_s = T.alloc_shared((BS, ROW), acc)
             ld_s = T.alloc_shared((C, DROW), acc)
-            ga_s = T.alloc_shared((1, C), acc)
-            bb_s = T.alloc_shared((1, C), acc)
             T.annotate_layout({v_s: make_swizzled_layout(v_s), o_s: make_swizzled_layout(o_s)})
             T.annotate_layout({x: make_linear_layout(x) for x in (dm_s, lbt_s, b0t_s, l2t_s, d2t_s, ld_s)})
 
-            nprod = 64 if gates_prod else 32
-            full = T.alloc_barrier(arrive_count=[nprod, nprod])  # producer -> chain and aux
+            full = T.alloc_barrier(arrive_count=[64, 64])  # producer (TMA warp, gates warp) -> chain and aux
             empty = T.alloc_barrier(arrive_count=[CH + 128, CH + 128])  # chain and aux -> producer
-            x_full = T.alloc_barrier(arrive_count=[128, 128])  # aux -> chain: a_s, pg_s, gc_s
+            x_full = T.alloc_barrier(arrive_count=[128, 128])  # aux -> chain: a_s, pg_s
             x_empty = T.alloc_barrier(arrive_count=[CH, CH])  # chain -> aux
 
             if tx < CH:
@@ -276,24 +249,11 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                     T.barrier_arrive(empty[s])
                     T.barrier_arrive(x_empty[s])
                     nvalid = T.min(seqlen - c * C, C)
-                    if tma_store:
-                        T.tma_store_wait(0)  # the previous chunk's tile has left o_s
                     for i, t in T.Parallel(BV, C):
                         o_s[t, i] = T.cast(ot[i, t], dtype)
-                    if tma_store:
-                        T.fence_proxy_async()  # every writer's stores, before the barrier ahead of the copy
-                        if nvalid == C:  # a whole chunk inside the sequence: one TMA store, not waited here
-                            T.tma_copy(o_s, o[bidx, t0 : t0 + C, hv, 0:BV])
-                        else:
-                            for t, i in T.Parallel(C, BV):
-                                if t < nvalid:
-                                    o[bidx, t0 + t, hv, i] = o_s[t, i]
-                    else:
-                        for t, i in T.Parallel(C, BV):
-                            if t < nvalid:
-                                o[bidx, t0 + t, hv, i] = o_s[t, i]
-                if tma_store:
-                    T.tma_store_wait(0)
+                    for t, i in T.Parallel(C, BV):
+                        if t < nvalid:
+                            o[bidx, t0 + t, hv, i] = o_s[t, i]
                 if store_ht != 0:
                     for i, j in T.Parallel(BV, K):
                         ht[n, hv, j, i] = st[i, j]
@@ -307,8 +267,8 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                 # ------------------------------------------------------------------ aux
                 T.set_max_nreg(NREG["aux"], 0)  # 128 -> 104: a decrease
                 kk_f = T.alloc_fragment((C, C), acc)
-                pgb = T.alloc_fragment((C, C), dtype) if pg_frag else None
                 p_f = T.alloc_fragment((C, C), acc)
+                pgb = T.alloc_fragment((C, C), dtype)
                 g_row = T.alloc_fragment((C,), acc)
                 g_col = T.alloc_fragment((C,), acc)
                 b_row = T.alloc_fragment((C,), acc)
@@ -318,16 +278,6 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                 of = T.alloc_fragment((HB, HB), acc)
                 xcol = T.alloc_local((BS // 2,), acc)
                 bcl = T.alloc_local((1,), acc)
-                cs = T.alloc_local((4,), acc)
-                if prefetch:
-                    gn = T.alloc_local((2,), acc)
-                    bn = T.alloc_local((1,), acc)
-                    la = tx - AX
-                    if la < 32:
-                        gn[0] = T.if_then_else(2 * la < seqlen, g[bidx, bos + 2 * la, hv] * RCP_LN2, T.float32(0))
-                        gn[1] = T.if_then_else(2 * la + 1 < seqlen, g[bidx, bos + 2 * la + 1, hv] * RCP_LN2, T.float32(0))
-                    if la < C:
-                        bn[0] = T.if_then_else(la < seqlen, T.cast(beta[bidx, bos + la, hv], acc), T.float32(0))
                 if clocked:
                     ca = T.alloc_local((4,), "int64")  # start, wait full, wait chain, stamp
                     ca[0] = now()
@@ -345,148 +295,46 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                     b0t_s[t, u] = T.float32(0)
                 for t, u in T.Parallel(C, C):
                     ast[t, u] = T.cast(0, dtype)
-                if fused_pg:  # Pg's blocks above the diagonal 16-blocks, never written in the loop
-                    for r, t, u in T.Parallel(2, C, C):
-                        pg_s[r, t, u] = T.cast(0, dtype)
                 for c in T.serial(nchunks):
                     s = c % 2
                     ph = (c // 2) % 2
-                    t0 = bos + c * C
                     nvalid = T.min(seqlen - c * C, C)
-                    # g_cum_log2 by warp 0 (two tokens a lane, a shuffle scan over the pair sums; T.cumsum's
-                    # template assumes the block's first threads), beta by lanes 0-63
-                    lane = tx - AX
-                    if gates_prod:
-                        pass
-                    elif prefetch:
-                        # this chunk's g (2 a lane) and beta (1 a lane) were loaded during the previous one
-                        if lane < 32:
-                            cs[0] = gn[0]
-                            cs[1] = gn[0] + gn[1]
-                        if lane < C:
-                            bb_s[0, lane] = bn[0]
-                        # the next chunk's, into registers (waited for at its start)
-                        nv1 = T.min(seqlen - c * C - C, C)
-                        if lane < 32:
-                            gn[0] = T.if_then_else(2 * lane < nv1, g[bidx, t0 + C + 2 * lane, hv] * RCP_LN2, T.float32(0))
-                            gn[1] = T.if_then_else(2 * lane + 1 < nv1, g[bidx, t0 + C + 2 * lane + 1, hv] * RCP_LN2, T.float32(0))
-                        if lane < C:
-                            bn[0] = T.if_then_else(lane < nv1, T.cast(beta[bidx, t0 + C + lane, hv], acc), T.float32(0))
-                    else:
-                        if lane < 32:
-                            cs[0] = T.if_then_else(2 * lane < nvalid, g[bidx, t0 + 2 * lane, hv] * RCP_LN2, T.float32(0))
-                            cs[1] = cs[0] + T.if_then_else(2 * lane + 1 < nvalid, g[bidx, t0 + 2 * lane + 1, hv] * RCP_LN2,
-                                                           T.float32(0))
-                        if lane < C:
-                            bb_s[0, lane] = T.if_then_else(lane < nvalid, T.cast(beta[bidx, t0 + lane, hv], acc), T.float32(0))
-                    if not gates_prod:
-                        if lane < 32:
-                            cs[2] = cs[1]
-                            for d in T.unroll(5):
-                                cs[3] = T.shfl_up(cs[2], 1 << d)
-                                if lane >= (1 << d):
-                                    cs[2] = cs[2] + cs[3]
-                            ga_s[0, 2 * lane] = cs[2] - cs[1] + cs[0]
-                            ga_s[0, 2 * lane + 1] = cs[2]
-                    stamp("gates")
                     if clocked:
                         ca[3] = now()
-                    T.barrier_wait(full[s], ph)
+                    T.barrier_wait(full[s], ph)  # q, k and the gates (g_cum_log2 and beta: the producer's second warp)
                     if clocked:
                         ca[1] = ca[1] + now() - ca[3]
                     stamp("wait_full")
-                    pg_beside = pg_writer(pg_s, p_f, s, scale) if fused_pg and not early_pg else None
                     T.wgmma_gemm(k_s[s, :, :], k_s[s, :, :], kk_f, transpose_B=True, clear_accum=True)
-                    if fused_pg:
-                        T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
-                    if fused_pg and not gates_prod:
-                        T.barrier_arrive(empty[s])  # q and k read (with "g" the ring's gates are read until phase 3)
                     stamp("kkt")
-                    if fused_pg:
-                        if clocked:
-                            ca[3] = now()
-                        T.barrier_wait(x_empty[s], 1 - ph)
-                        if clocked:
-                            ca[2] = ca[2] + now() - ca[3]
-                        stamp("wait_chain")
-                    if early_pg:
-                        for t, u in T.Parallel(C, C):
-                            if t // BS >= u // BS:
-                                if gates_prod:
-                                    pg_s[s, t, u] = T.cast(T.if_then_else(t >= u, scale * p_f[t, u] * T.exp2(T.if_then_else(
-                                        t >= u, gc_s[s, t] - gc_s[s, u], T.float32(0))), T.float32(0)), dtype)
-                                else:
-                                    pg_s[s, t, u] = T.cast(T.if_then_else(t >= u, scale * p_f[t, u] * T.exp2(T.if_then_else(
-                                        t >= u, ga_s[0, t] - ga_s[0, u], T.float32(0))), T.float32(0)), dtype)
-                        stamp("pg")
-                    if gates_prod:
-                        P.value_head_stages(T, j=s, G=1, hk=hv, nvalid=nvalid, row0=0, A=None, dtype=dtype, gemm_nt=gemm_nt,
-                                            kk_f=kk_f, gc_s=gc_s, b_s=bq_s, g_row=g_row, g_col=g_col, b_row=b_row, ld_s=ld_s,
-                                            lbt_s=lbt_s, l2t_s=l2t_s, d2t_s=d2t_s, b0t_s=b0t_s, dm_s=dm_s, y_s=dm_s, zt=ld_s,
-                                            stage=ast, y_f=y_f, w_f=w_f, z_f=z_f, o_f=of, xcol=xcol, bcl=bcl, tx0=AX, store=False,
-                                            stamp=stamp if clocked else None, beside_l=pg_beside, l_split=l_split)
-                    else:
-                        P.value_head_stages(T, j=0, G=1, hk=hv, nvalid=nvalid, row0=0, A=None, dtype=dtype, gemm_nt=gemm_nt,
-                                            kk_f=kk_f, gc_s=ga_s, b_s=bb_s, g_row=g_row, g_col=g_col, b_row=b_row, ld_s=ld_s,
-                                            lbt_s=lbt_s, l2t_s=l2t_s, d2t_s=d2t_s, b0t_s=b0t_s, dm_s=dm_s, y_s=dm_s, zt=ld_s,
-                                            stage=ast, y_f=y_f, w_f=w_f, z_f=z_f, o_f=of, xcol=xcol, bcl=bcl, tx0=AX, store=False,
-                                            stamp=stamp if clocked else None, beside_l=pg_beside, l_split=l_split)
-                    if not fused_pg:
-                        T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
-                        T.wait_wgmma(0)
-                        if not gates_prod:
-                            T.barrier_arrive(empty[s])  # q and k read
-                        stamp("qkt")
-                        if clocked:
-                            ca[3] = now()
-                        T.barrier_wait(x_empty[s], 1 - ph)
-                        if clocked:
-                            ca[2] = ca[2] + now() - ca[3]
-                        stamp("wait_chain")
-                        if pg_frag:
-                            for t in T.Parallel(C):
-                                if gates_prod:
-                                    g_row[t] = gc_s[s, t]
-                                else:
-                                    g_row[t] = ga_s[0, t]
-                            for u in T.Parallel(C):
-                                if gates_prod:
-                                    g_col[u] = gc_s[s, u]
-                                else:
-                                    g_col[u] = ga_s[0, u]
-                            for t, u in T.Parallel(C, C):
-                                pgb[t, u] = T.cast(T.if_then_else(t >= u, scale * p_f[t, u] * T.exp2(T.if_then_else(
-                                    t >= u, g_row[t] - g_col[u], T.float32(0))), T.float32(0)), dtype)
-                            T.copy(pgb, pg_s[s, :, :])
-                        if not pg_frag:
-                            for t, u in T.Parallel(C, C):
-                                if gates_prod:
-                                    pg_s[s, t, u] = T.cast(
-                                        T.if_then_else(
-                                            t >= u,
-                                            scale * p_f[t, u] * T.exp2(T.if_then_else(t >= u, gc_s[s, t] - gc_s[s, u], T.float32(0))),
-                                            T.float32(0),
-                                        ),
-                                        dtype,
-                                    )
-                                else:
-                                    pg_s[s, t, u] = T.cast(
-                                        T.if_then_else(
-                                            t >= u,
-                                            scale * p_f[t, u] * T.exp2(T.if_then_else(t >= u, ga_s[0, t] - ga_s[0, u], T.float32(0))),
-                                            T.float32(0),
-                                        ),
-                                        dtype,
-                                    )
-                        stamp("pg")
+                    P.value_head_stages(T, j=s, G=1, hk=hv, nvalid=nvalid, row0=0, A=None, dtype=dtype, gemm_nt=gemm_nt,
+                                        kk_f=kk_f, gc_s=gc_s, b_s=bq_s, g_row=g_row, g_col=g_col, b_row=b_row, ld_s=ld_s,
+                                        lbt_s=lbt_s, l2t_s=l2t_s, d2t_s=d2t_s, b0t_s=b0t_s, dm_s=dm_s, y_s=dm_s, zt=ld_s,
+                                        stage=ast, y_f=y_f, w_f=w_f, z_f=z_f, o_f=of, xcol=xcol, bcl=bcl, tx0=AX, store=False,
+                                        stamp=stamp if clocked else None)
+                    T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    stamp("qkt")
+                    if clocked:
+                        ca[3] = now()
+                    T.barrier_wait(x_empty[s], 1 - ph)
+                    if clocked:
+                        ca[2] = ca[2] + now() - ca[3]
+                    stamp("wait_chain")
+                    # Pg in a bf16 fragment (the gates in registers first), then one copy into the ring
+                    for t in T.Parallel(C):
+                        g_row[t] = gc_s[s, t]
+                    for u in T.Parallel(C):
+                        g_col[u] = gc_s[s, u]
+                    for t, u in T.Parallel(C, C):
+                        pgb[t, u] = T.cast(T.if_then_else(t >= u, scale * p_f[t, u] * T.exp2(T.if_then_else(
+                            t >= u, g_row[t] - g_col[u], T.float32(0))), T.float32(0)), dtype)
+                    T.copy(pgb, pg_s[s, :, :])
+                    stamp("pg")
                     T.copy(ast, a_s[s, :, :])
-                    if not gates_prod:
-                        for t in T.Parallel(C):
-                            gc_s[s, t] = ga_s[0, t]
                     T.fence_proxy_async()
-                    if gates_prod:
-                        T.barrier_arrive(empty[s])  # q, k and the ring's gates read
+                    T.barrier_arrive(empty[s])  # q, k and the ring's gates read
                     T.barrier_arrive(x_full[s])
                     stamp("handoff")
                 if clocked:
@@ -509,7 +357,7 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                         T.tma_copy(k[bidx, t0 : t0 + C, hk, 0:K], k_s[s, :, :], barrier=full[s])
                         T.tma_copy(v[bidx, t0 : t0 + C, hv, 0:BV], v_s[s, :, :], barrier=full[s])
                         T.barrier_arrive(full[s])
-                elif gates_prod and tx < PR + 64:
+                elif tx < PR + 64:
                     # g_cum_log2 and beta into the load ring: two tokens a lane, a shuffle scan over the pair sums
                     gp = T.alloc_local((6,), acc)  # g pair, beta pair, scan
                     lane = tx - PR - 32

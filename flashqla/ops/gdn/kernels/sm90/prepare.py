@@ -33,7 +33,9 @@ Per CTA (128 threads, one warpgroup):
 2. issue the TMA load of the k tile of q/k head hk; load g and beta of its value heads (zero past the
    end); zero the constant blocks; wait for k; g_cum_log2 = cumsum(g) / ln 2;
 3. K K^T on the tensor cores (wgmma), held in registers for the value heads;
-4. per value head j: L (only the ten lower 16 x 16 blocks, one exp2 per element of them) -> D^-1 by
+4. per value head j: L (its elements formed in registers without a branch, one exp2 each, then the ten
+   lower 16 x 16 blocks stored; in a fragment of their own when the CTA has several value heads, whose
+   K K^T the elements would otherwise overwrite) -> D^-1 by
    forward substitution (lanes 0-15 of warp b solve the columns of diagonal block b; writes the diagonal
    blocks of A diag(beta), and copies D^-1 into the product operands: the transposed copies as 16-byte
    stores, four rows at a time) -> phases 1-3 -> TMA store of A diag(beta) from a staging tile (the store
@@ -155,7 +157,7 @@ def _clock_stamper(T, clocks, slot, hk, j=None):
 
 def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_s, b_s, g_row, g_col, b_row, ld_s,
                       lbt_s, l2t_s, d2t_s, b0t_s, dm_s, y_s, zt, stage, y_f, w_f, z_f, o_f, xcol, bcl, stamp=None,
-                      tx0=0, store=True, beside_l=None, l_split=False):
+                      tx0=0, store=True, l_f=None):
     """Emits one value head's stages (L, the forward substitution, phases 1-3, the TMA store of
     A diag(beta)) where it is called inside a kernel body: value head hk * G + j of the slot whose rows
     start at row0, nvalid valid rows; the staging tile is `stage` (its first 64 columns) and -Z_top^T
@@ -164,13 +166,9 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
     build's `stamp(name)`, called at each of CLOCK_HEAD's boundaries. tx0: the first thread of the
     warpgroup that runs the stages (0 in this kernel; a warp-specialised kernel's role passes its own).
     store=False leaves A diag(beta) in `stage` (fenced for the async proxy) with no TMA store and no
-    wait for one; A, row0 and hk are then unused. beside_l (None: the shipped build): a T.macro
-    (t, s, e) emitted inside the L tile's element loop for each element of the ten lower 16 x 16
-    blocks, e = exp2(g_cum_log2[t] - g_cum_log2[s]) for t >= s (1 above the diagonal), computed once
-    for both: a fused kernel's Q K^T * Gamma uses it. l_split (False: the shipped build): the L tile
-    in two loops, its elements first (in place over kk_f, no branch: the exp2s independent of each
-    other), then the stores into the three tiles (each a predicated store of a ready value); beside_l
-    is then not used."""
+    wait for one; A, row0 and hk are then unused. l_f: the register fragment (C x C fp32, kk_f's
+    layout) the L tile's elements are formed in before they are stored; None: kk_f itself (its
+    K K^T then lost: only where one value head reads it)."""
     C = CHUNK
     BS = BLOCK
     HB = HALF
@@ -185,41 +183,24 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
             b_row[t] = b_s[j, t]
         for s in T.Parallel(C):
             g_col[s] = gc_s[j, s]
-        if l_split:
-            for t, s in T.Parallel(C, C):
-                kk_f[t, s] = T.if_then_else(
-                    (t > s) & (t < nvalid),
-                    b_row[t] * kk_f[t, s] * T.exp2(T.if_then_else(t > s, g_row[t] - g_col[s], T.float32(0))),
-                    T.float32(0),
-                )
-            for t, s in T.Parallel(C, C):
-                if t // BS == s // BS:
-                    ld_s[s, t % BS] = kk_f[t, s]
-            for t, s in T.Parallel(C, C):
-                if (t >= HB) & (s < HB):
-                    lbt_s[s, t - HB] = kk_f[t, s]
-            for t, s in T.Parallel(C, C):
-                if (t // BS == s // BS + 1) & (t // BS % 2 == 1):
-                    l2t_s[s % BS, (t // HB) * BS + t % BS] = kk_f[t, s]
-        if not l_split:
-            for t, s in T.Parallel(C, C):
-                if t // BS >= s // BS:
-                    if beside_l is None:
-                        lv = T.if_then_else(
-                            (t > s) & (t < nvalid),
-                            b_row[t] * kk_f[t, s] * T.exp2(T.if_then_else(t > s, g_row[t] - g_col[s], T.float32(0))),
-                            T.float32(0),
-                        )
-                    else:
-                        e = T.exp2(T.if_then_else(t >= s, g_row[t] - g_col[s], T.float32(0)))
-                        beside_l(t, s, e)
-                        lv = T.if_then_else((t > s) & (t < nvalid), b_row[t] * kk_f[t, s] * e, T.float32(0))
-                    if t // BS == s // BS:
-                        ld_s[s, t % BS] = lv
-                    elif t >= HB and s < HB:
-                        lbt_s[s, t - HB] = lv
-                    else:
-                        l2t_s[s % BS, (t // HB) * BS + t % BS] = lv
+        # the elements first, in registers and without a branch (their exp2s independent of each other),
+        # then the stores, each a predicated store of a ready value
+        lf = kk_f if l_f is None else l_f
+        for t, s in T.Parallel(C, C):
+            lf[t, s] = T.if_then_else(
+                (t > s) & (t < nvalid),
+                b_row[t] * kk_f[t, s] * T.exp2(T.if_then_else(t > s, g_row[t] - g_col[s], T.float32(0))),
+                T.float32(0),
+            )
+        for t, s in T.Parallel(C, C):
+            if t // BS == s // BS:
+                ld_s[s, t % BS] = lf[t, s]
+        for t, s in T.Parallel(C, C):
+            if (t >= HB) & (s < HB):
+                lbt_s[s, t - HB] = lf[t, s]
+        for t, s in T.Parallel(C, C):
+            if (t // BS == s // BS + 1) & (t // BS % 2 == 1):
+                l2t_s[s % BS, (t // HB) * BS + t % BS] = lf[t, s]
         if stamp is not None:
             stamp("L")
         # the previous head's A tile has been read out of the staging tile by the copy engine
@@ -414,6 +395,7 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
             b_s = T.alloc_shared((P, C), acc)
             T.annotate_layout({x: make_linear_layout(x) for x in (dm_s, lbt_s, b0t_s, l2t_s, d2t_s, ld_s)})
             kk_f = T.alloc_fragment((C, C), acc)
+            l_f = T.alloc_fragment((C, C), acc) if P > 1 else None  # L of value head j (kk_f serves them all)
             g_row = T.alloc_fragment((C,), acc)  # gc of value head j at the rows of kk_f this thread holds
             g_col = T.alloc_fragment((C,), acc)  # ... at its columns
             b_row = T.alloc_fragment((C,), acc)  # beta of value head j at its rows
@@ -458,7 +440,7 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
                                       gc_s=gc_s, b_s=b_s, g_row=g_row, g_col=g_col, b_row=b_row, ld_s=ld_s, lbt_s=lbt_s,
                                       l2t_s=l2t_s, d2t_s=d2t_s, b0t_s=b0t_s, dm_s=dm_s, y_s=y_s, zt=zt_s, stage=ka_s if adt == dtype else T.view(ka_s, dtype=adt), y_f=y_f,
                                       w_f=w_f, z_f=z_f, o_f=o_f, xcol=xcol, bcl=bcl,
-                                      stamp=_clock_stamper(T, clocks, slot, hk, j) if phase_clock else None)
+                                      stamp=_clock_stamper(T, clocks, slot, hk, j) if phase_clock else None, l_f=l_f)
                 T.tma_store_wait(0)
 
                 for j, t in T.Parallel(P, C):
