@@ -96,7 +96,7 @@ def _head_loop_body(src: str) -> str:
 )
 def test_prepare_kernel_compiles(H, HV, dtype, beta_dtype, seq_dtype, varlen):
     """TMA load of k and store of A, wgmma K K^T, the block-recursive inverse in tf32 mma.sync on
-    32-row tiles (no 64 x 64 fp32 tile), at most nine barriers per value head, shared memory for five
+    32-row tiles (no 64 x 64 fp32 tile), at most ten barriers per value head, shared memory for five
     CTAs per SM up to G = 4 (<= 56 KB at G = 8) and 96 registers without spills."""
     from flashqla.ops.gdn.kernels.sm90._common import ptxas_report
     from flashqla.ops.gdn.kernels.sm90.prepare import build_prepare_kernel
@@ -112,9 +112,10 @@ def test_prepare_kernel_compiles(H, HV, dtype, beta_dtype, seq_dtype, varlen):
     if HV // H > 1:
         body = _head_loop_body(src)
         # five barriers order real hazards (L -> substitution -> phase 1 -> 2 -> 3 -> store), TileLang's
-        # barrier pass adds four after ldmatrix reads; an in-place update of a shared tile once put
-        # one in each iteration of an unrolled element loop
-        assert body.count("__syncthreads") <= 9, "a barrier came into the value-head loop"
+        # barrier pass adds four after ldmatrix reads and one between two of the L tile's three store
+        # loops (each waits for the previous head's last read of its tile); an in-place update of a
+        # shared tile once put one in each iteration of an unrolled element loop
+        assert body.count("__syncthreads") <= 10, "a barrier came into the value-head loop"
     r = ptxas_report(kernel)
     print(r)
     assert r["registers"] <= 96
