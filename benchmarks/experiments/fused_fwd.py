@@ -60,7 +60,7 @@ CLOCKS = ("chain_total", "chain_wait_load", "chain_wait_aux", "aux_total", "aux_
 AUX_STAGES = ("wait_full", "kkt", "L", "subst", "phase1", "phase2", "phase3", "qkt", "wait_chain", "pg", "handoff")
 
 #: the builds compared (`_fused_prim_func` opts)
-VARIANTS = ("",)
+VARIANTS = ("", "q")
 
 #: registers per thread of each role (setmaxnreg; sum <= 512 at 512 threads)
 NREG = {"chain": 192, "aux": 104, "producer": 24}
@@ -68,8 +68,11 @@ NREG = {"chain": 192, "aux": 104, "producer": 24}
 
 def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
                      clocked: bool = False, opts: str = ""):
-    """opts: none today (the variants measured and dropped are in the journal, entry "The fused
-    forward, third draft")."""
+    """opts: "q" = Q K^T issued right after the L tile's stores, so that it runs beside the
+    substitution and the product phases (its accumulator live through them), waited after phase 3.
+    The variants measured and dropped are in the journal (entry "The prepare kernel's L tile formed
+    in registers")."""
+    qk_early = "q" in opts
     import tilelang.language as T
     from tilelang.layout import make_linear_layout, make_swizzled_layout
 
@@ -128,6 +131,15 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
             emit()
 
         return stamp
+
+    def qk_issuer(q_s, k_s, p_f, slot):
+        """a macro issuing P = Q K^T of ring slot `slot` into p_f (not waited)"""
+
+        @T.macro
+        def issue():
+            T.wgmma_gemm(q_s[slot, :, :], k_s[slot, :, :], p_f, transpose_B=True, clear_accum=True)
+
+        return issue
 
     @T.prim_func
     def gdn_fused_fwd(
@@ -312,8 +324,10 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                                         kk_f=kk_f, gc_s=gc_s, b_s=bq_s, g_row=g_row, g_col=g_col, b_row=b_row, ld_s=ld_s,
                                         lbt_s=lbt_s, l2t_s=l2t_s, d2t_s=d2t_s, b0t_s=b0t_s, dm_s=dm_s, y_s=dm_s, zt=ld_s,
                                         stage=ast, y_f=y_f, w_f=w_f, z_f=z_f, o_f=of, xcol=xcol, bcl=bcl, tx0=AX, store=False,
-                                        stamp=stamp if clocked else None)
-                    T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
+                                        stamp=stamp if clocked else None,
+                                        after_l=qk_issuer(q_s, k_s, p_f, s) if qk_early else None)
+                    if not qk_early:
+                        T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
                     stamp("qkt")
                     if clocked:

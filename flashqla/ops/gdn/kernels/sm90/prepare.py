@@ -157,7 +157,7 @@ def _clock_stamper(T, clocks, slot, hk, j=None):
 
 def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_s, b_s, g_row, g_col, b_row, ld_s,
                       lbt_s, l2t_s, d2t_s, b0t_s, dm_s, y_s, zt, stage, y_f, w_f, z_f, o_f, xcol, bcl, stamp=None,
-                      tx0=0, store=True, l_f=None):
+                      tx0=0, store=True, l_f=None, after_l=None):
     """Emits one value head's stages (L, the forward substitution, phases 1-3, the TMA store of
     A diag(beta)) where it is called inside a kernel body: value head hk * G + j of the slot whose rows
     start at row0, nvalid valid rows; the staging tile is `stage` (its first 64 columns) and -Z_top^T
@@ -168,7 +168,9 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
     store=False leaves A diag(beta) in `stage` (fenced for the async proxy) with no TMA store and no
     wait for one; A, row0 and hk are then unused. l_f: the register fragment (C x C fp32, kk_f's
     layout) the L tile's elements are formed in before they are stored; None: kk_f itself (its
-    K K^T then lost: only where one value head reads it)."""
+    K K^T then lost: only where one value head reads it). after_l (None: the shipped build): a T.macro
+    emitted right after the L tile's stores (a fused kernel issues its Q K^T there, to run beside the
+    substitution and the product phases)."""
     C = CHUNK
     BS = BLOCK
     HB = HALF
@@ -201,6 +203,8 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
         for t, s in T.Parallel(C, C):
             if (t // BS == s // BS + 1) & (t // BS % 2 == 1):
                 l2t_s[s % BS, (t // HB) * BS + t % BS] = lf[t, s]
+        if after_l is not None:
+            after_l()
         if stamp is not None:
             stamp("L")
         # the previous head's A tile has been read out of the staging tile by the copy engine
