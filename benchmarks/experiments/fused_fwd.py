@@ -60,7 +60,7 @@ CLOCKS = ("chain_total", "chain_wait_load", "chain_wait_aux", "aux_total", "aux_
 AUX_STAGES = ("wait_full", "kkt", "L", "subst", "phase1", "phase2", "phase3", "qkt", "wait_chain", "pg", "handoff")
 
 #: the builds compared (`_fused_prim_func` opts)
-VARIANTS = ("", "q")
+VARIANTS = ("", "q", "3", "3q")
 
 #: registers per thread of each role (setmaxnreg; sum <= 512 at 512 threads)
 NREG = {"chain": 192, "aux": 104, "producer": 24}
@@ -69,10 +69,14 @@ NREG = {"chain": 192, "aux": 104, "producer": 24}
 def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
                      clocked: bool = False, opts: str = ""):
     """opts: "q" = Q K^T issued right after the L tile's stores, so that it runs beside the
-    substitution and the product phases (its accumulator live through them), waited after phase 3.
+    substitution and the product phases (its accumulator live through them), waited after phase 3;
+    "3" = a load ring of three stages (the aux role, one chunk ahead of the chain, finds its loads
+    issued a chunk earlier), the chain's o staged in the chunk's own v tile (v is dead once W^T is
+    formed; the slot is released after the o store), which frees the 16 KB the third stage needs.
     The variants measured and dropped are in the journal (entry "The prepare kernel's L tile formed
     in registers")."""
     qk_early = "q" in opts
+    NS = 3 if "3" in opts else 2  # stages of the load ring (q, k, v, the gates)
     import tilelang.language as T
     from tilelang.layout import make_linear_layout, make_swizzled_layout
 
@@ -164,15 +168,15 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
             hk = hv // G
             tx = T.get_thread_binding()
 
-            q_s = T.alloc_shared((2, C, K), dtype)
-            k_s = T.alloc_shared((2, C, K), dtype)
-            v_s = T.alloc_shared((2, C, BV), dtype)
+            q_s = T.alloc_shared((NS, C, K), dtype)
+            k_s = T.alloc_shared((NS, C, K), dtype)
+            v_s = T.alloc_shared((NS, C, BV), dtype)
             a_s = T.alloc_shared((2, C, C), dtype)  # A_beta (aux -> chain)
             pg_s = T.alloc_shared((2, C, C), dtype)  # Pg (aux -> chain)
-            gc_s = T.alloc_shared((2, C), acc)  # g_cum_log2 (producer's ring)
-            bq_s = T.alloc_shared((2, C), acc)  # beta (producer's ring)
+            gc_s = T.alloc_shared((NS, C), acc)  # g_cum_log2 (producer's ring)
+            bq_s = T.alloc_shared((NS, C), acc)  # beta (producer's ring)
             clk_s = T.alloc_shared((len(AUX_STAGES) + 1,), "int64") if clocked else None
-            o_s = T.alloc_shared((C, BV), dtype)  # O of the chunk, token-major (chain)
+            o_s = T.alloc_shared((C, BV), dtype) if NS == 2 else None  # O of the chunk, token-major (chain)
             # the aux role's tiles (as the prepare kernel's)
             ast = T.alloc_shared((C, C), dtype)  # A diag(beta) staged; blocks above the diagonal blocks stay 0
             dm_s = T.alloc_shared((3 * BS, ROW), acc)
@@ -181,11 +185,13 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
             l2t_s = T.alloc_shared((BS, ROW), acc)
             d2t_s = T.alloc_shared((BS, ROW), acc)
             ld_s = T.alloc_shared((C, DROW), acc)
-            T.annotate_layout({v_s: make_swizzled_layout(v_s), o_s: make_swizzled_layout(o_s)})
+            T.annotate_layout({v_s: make_swizzled_layout(v_s)})
+            if NS == 2:
+                T.annotate_layout({o_s: make_swizzled_layout(o_s)})
             T.annotate_layout({x: make_linear_layout(x) for x in (dm_s, lbt_s, b0t_s, l2t_s, d2t_s, ld_s)})
 
-            full = T.alloc_barrier(arrive_count=[64, 64])  # producer (TMA warp, gates warp) -> chain and aux
-            empty = T.alloc_barrier(arrive_count=[CH + 128, CH + 128])  # chain and aux -> producer
+            full = T.alloc_barrier(arrive_count=[64] * NS)  # producer (TMA warp, gates warp) -> chain and aux
+            empty = T.alloc_barrier(arrive_count=[CH + 128] * NS)  # chain and aux -> producer
             x_full = T.alloc_barrier(arrive_count=[128, 128])  # aux -> chain: a_s, pg_s
             x_empty = T.alloc_barrier(arrive_count=[CH, CH])  # chain -> aux
 
@@ -214,8 +220,10 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                 else:
                     T.clear(st)
                 for c in T.serial(nchunks):
-                    s = c % 2
-                    ph = (c // 2) % 2
+                    s = c % NS  # load ring slot
+                    ph = (c // NS) % 2
+                    sx = c % 2  # aux ring slot
+                    phx = (c // 2) % 2
                     t0 = bos + c * C
                     if clocked:
                         ck[3] = now()
@@ -227,7 +235,7 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                     T.wgmma_gemm(st_b, q_s[s, :, :], ot, transpose_B=True, clear_accum=True, **chain_kw)
                     if clocked:
                         ck[3] = now()
-                    T.barrier_wait(x_full[s], ph)
+                    T.barrier_wait(x_full[sx], phx)
                     if clocked:
                         ck[2] = ck[2] + now() - ck[3]
                     gcl[0] = T.exp2(gc_s[s, C - 1])
@@ -243,7 +251,7 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                         gam_f[j] = T.exp2(gc_s[s, j])
                     for i, j in T.Parallel(BV, C):
                         wt_b[i, j] = T.cast(T.cast(v_s[s, j, i], acc) - ut[i, j] * gam_f[j], dtype)
-                    T.wgmma_gemm(wt_b, a_s[s, :, :], nvt, transpose_B=True, clear_accum=True, **chain_kw)
+                    T.wgmma_gemm(wt_b, a_s[sx, :, :], nvt, transpose_B=True, clear_accum=True, **chain_kw)
                     for i, j in T.Parallel(BV, C):
                         ot[i, j] = ot[i, j] * (scale * gam_f[j])
                     for j in T.Parallel(C):
@@ -254,18 +262,28 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                         nvt_b[i, j] = T.cast(nvt[i, j], dtype)
                         vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j], dtype)
                     T.wgmma_gemm(vpt_b, k_s[s, :, :], st, **chain_kw)
-                    T.wgmma_gemm(nvt_b, pg_s[s, :, :], ot, transpose_B=True, **chain_kw)
+                    T.wgmma_gemm(nvt_b, pg_s[sx, :, :], ot, transpose_B=True, **chain_kw)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(st, num_regs=BV * K // CH)
                     T.warpgroup_fence_operand(ot, num_regs=BV * C // CH)
-                    T.barrier_arrive(empty[s])
-                    T.barrier_arrive(x_empty[s])
+                    T.barrier_arrive(x_empty[sx])
                     nvalid = T.min(seqlen - c * C, C)
-                    for i, t in T.Parallel(BV, C):
-                        o_s[t, i] = T.cast(ot[i, t], dtype)
-                    for t, i in T.Parallel(C, BV):
-                        if t < nvalid:
-                            o[bidx, t0 + t, hv, i] = o_s[t, i]
+                    if NS == 2:
+                        T.barrier_arrive(empty[s])
+                        for i, t in T.Parallel(BV, C):
+                            o_s[t, i] = T.cast(ot[i, t], dtype)
+                        for t, i in T.Parallel(C, BV):
+                            if t < nvalid:
+                                o[bidx, t0 + t, hv, i] = o_s[t, i]
+                    else:
+                        # o staged in this chunk's v tile (read for the last time into W^T), then the slot released
+                        for i, t in T.Parallel(BV, C):
+                            v_s[s, t, i] = T.cast(ot[i, t], dtype)
+                        for t, i in T.Parallel(C, BV):
+                            if t < nvalid:
+                                o[bidx, t0 + t, hv, i] = v_s[s, t, i]
+                        T.fence_proxy_async()  # the generic writes, before the copy engine refills the slot
+                        T.barrier_arrive(empty[s])
                 if store_ht != 0:
                     for i, j in T.Parallel(BV, K):
                         ht[n, hv, j, i] = st[i, j]
@@ -308,8 +326,10 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                 for t, u in T.Parallel(C, C):
                     ast[t, u] = T.cast(0, dtype)
                 for c in T.serial(nchunks):
-                    s = c % 2
-                    ph = (c // 2) % 2
+                    s = c % NS  # load ring slot
+                    ph = (c // NS) % 2
+                    sx = c % 2  # aux ring slot
+                    phx = (c // 2) % 2
                     nvalid = T.min(seqlen - c * C, C)
                     if clocked:
                         ca[3] = now()
@@ -332,7 +352,7 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                     stamp("qkt")
                     if clocked:
                         ca[3] = now()
-                    T.barrier_wait(x_empty[s], 1 - ph)
+                    T.barrier_wait(x_empty[sx], 1 - phx)
                     if clocked:
                         ca[2] = ca[2] + now() - ca[3]
                     stamp("wait_chain")
@@ -344,12 +364,12 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                     for t, u in T.Parallel(C, C):
                         pgb[t, u] = T.cast(T.if_then_else(t >= u, scale * p_f[t, u] * T.exp2(T.if_then_else(
                             t >= u, g_row[t] - g_col[u], T.float32(0))), T.float32(0)), dtype)
-                    T.copy(pgb, pg_s[s, :, :])
+                    T.copy(pgb, pg_s[sx, :, :])
                     stamp("pg")
-                    T.copy(ast, a_s[s, :, :])
+                    T.copy(ast, a_s[sx, :, :])
                     T.fence_proxy_async()
                     T.barrier_arrive(empty[s])  # q, k and the ring's gates read
-                    T.barrier_arrive(x_full[s])
+                    T.barrier_arrive(x_full[sx])
                     stamp("handoff")
                 if clocked:
                     if tx == AX:
@@ -363,8 +383,8 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                 T.set_max_nreg(NREG["producer"], 0)
                 if tx < PR + 32:
                     for c in T.serial(nchunks):
-                        s = c % 2
-                        ph = (c // 2) % 2
+                        s = c % NS
+                        ph = (c // NS) % 2
                         t0 = bos + c * C
                         T.barrier_wait(empty[s], 1 - ph)
                         T.tma_copy(q[bidx, t0 : t0 + C, hk, 0:K], q_s[s, :, :], barrier=full[s])
@@ -376,8 +396,8 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                     gp = T.alloc_local((6,), acc)  # g pair, beta pair, scan
                     lane = tx - PR - 32
                     for c in T.serial(nchunks):
-                        s = c % 2
-                        ph = (c // 2) % 2
+                        s = c % NS
+                        ph = (c // NS) % 2
                         t0 = bos + c * C
                         nvalid = T.min(seqlen - c * C, C)
                         gp[0] = T.if_then_else(2 * lane < nvalid, g[bidx, t0 + 2 * lane, hv] * RCP_LN2, T.float32(0))
