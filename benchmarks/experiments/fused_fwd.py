@@ -2,7 +2,7 @@
 recurrent kernel's) faster than the two launches, where sequences x value heads fill the GPU?
 
 An experiment, not the package's code (`benchmarks/journal/forward.md`, entries "The fused forward,
-second draft" and "third draft"). One CTA of 512 threads per (sequence, value head), BV = 128 (the
+second draft" and "The prepare kernel's L tile formed in registers", the third draft). One CTA of 512 threads per (sequence, value head), BV = 128 (the
 whole value width), four warpgroups:
 
     chain  (threads 0-255)   two warpgroups, each owning 64 value rows of S^T [V, K] fp32 in
@@ -32,7 +32,7 @@ for bit.
 Prints per row and build variant (`VARIANTS`): the relative RMS errors of o and the final state
 against fp64 (both paths), their relative difference from the two launches' (BV = 128, cp off, the
 op's own launches), the CUDA-graph times (median, ms), and the clocked build's per-chunk cycles by
-role (`CLOCKS`). Rows: "h_qk/h_v COUNTxLENGTH" (`_gpu.parse_row`).
+role (`CLOCKS`) and of the aux role by stage (`AUX_STAGES`). Rows: "h_qk/h_v COUNTxLENGTH" (`_gpu.parse_row`).
 """
 
 import argparse
@@ -583,7 +583,7 @@ def main(argv=None) -> int:
         for op, e in d["variants"].items():
             if "clock" in e:
                 print(f"- {d['row']} [{op}]: " + ", ".join(f"{n} {v:.0f}" for n, v in e["clock"].items()))
-                print(f"  aux stages: " + ", ".join(f"{n} {v:.0f}" for n, v in e["aux_stages"].items()))
+                print("  aux stages: " + ", ".join(f"{n} {v:.0f}" for n, v in e["aux_stages"].items()))
     print("\n| row | variant | o err two / fused | state err two / fused | rel diff o / state | two launches ms | fused ms | fused / two |")
     print("| --- | --- | --- | --- | --- | ---: | ---: | ---: |")
     for d in res:
