@@ -83,6 +83,38 @@ def _head_loop_body(src: str) -> str:
     raise AssertionError("unbalanced head loop")
 
 
+def _assert_store_wait_then_barrier(body: str) -> None:
+    """In the value-head loop, the wait for the previous head's A tile store is followed by a CTA
+    barrier before the staging tile (`ka_s`) is written again: only the thread that issued the TMA
+    store has a bulk group to wait for, so without the barrier the other threads write head j's A
+    over the tile the copy engine may still be reading for head j - 1 (a race that corrupted A on
+    the GPU in about one call in a few, at 16/32 4 x 8192 and 2/8 4 x 8192)."""
+    lines = [ln.strip() for ln in body.splitlines() if ln.strip()]
+    waits = [i for i, ln in enumerate(lines) if ln.startswith("tl::tma_store_wait<")]
+    assert waits, "no wait for the previous head's A tile store in the value-head loop"
+    for i in waits:
+        assert lines[i + 1] == "__syncthreads();", f"no barrier right after the store wait: {lines[i:i + 3]}"
+    first_write = next(i for i, ln in enumerate(lines) if " = " in ln and "ka_s" in ln.split(" = ", 1)[0])
+    assert waits[0] < first_write, "the staging tile is written before the previous head's store is waited for"
+
+
+def test_prepare_store_wait_is_followed_by_a_barrier():
+    """The lowered source (no nvcc) of the builds with several value heads a CTA, both A dtypes:
+    `_assert_store_wait_then_barrier`."""
+    from flashqla.ops.gdn.kernels.sm90._common import _pass_configs, sm90_target
+    from flashqla.ops.gdn.kernels.sm90.prepare import _prepare_prim_func
+
+    import tilelang
+    from tilelang import tvm
+
+    t = sm90_target()
+    for a_dtype in (None, "float16"):
+        func = _prepare_prim_func(2, 8, 128, "bfloat16", "float32", "int32", True, a_dtype=a_dtype)
+        with tvm.transform.PassContext(config=_pass_configs()), tvm.target.Target(t):
+            src = tilelang.lower(func, target=t).kernel_source
+        _assert_store_wait_then_barrier(_head_loop_body(src))
+
+
 @needs_nvcc
 @pytest.mark.parametrize(
     "H,HV,dtype,beta_dtype,seq_dtype,varlen",
@@ -116,6 +148,7 @@ def test_prepare_kernel_compiles(H, HV, dtype, beta_dtype, seq_dtype, varlen):
         # loops (each waits for the previous head's last read of its tile); an in-place update of a
         # shared tile once put one in each iteration of an unrolled element loop
         assert body.count("__syncthreads") <= 10, "a barrier came into the value-head loop"
+        _assert_store_wait_then_barrier(body)
     r = ptxas_report(kernel)
     print(r)
     assert r["registers"] <= 96

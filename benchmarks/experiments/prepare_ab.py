@@ -81,6 +81,10 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=DIR", help="a variant (the first is the base)")
     ap.add_argument("--extract", nargs=2, metavar=("COMMIT", "DIR"), help="write COMMIT's two files into DIR and exit")
     ap.add_argument("--precompile-only", action="store_true", help="build every variant's kernels (CPU machine) and exit")
+    ap.add_argument("--repeat", type=int, default=0, metavar="N",
+                    help="also launch each variant N more times back to back, each into buffers of its own, and count "
+                         "the launches whose A or g_cum_log2 differ bitwise from the variant's first (a race check)")
+    ap.add_argument("--rows", default=None, metavar="I,J", help="only these rows of `rows()` (0-based indices)")
     args = ap.parse_args()
     if args.extract:
         extract(*args.extract)
@@ -97,7 +101,8 @@ def main() -> None:
         ap.error("give at least two --variant NAME=DIR")
     device = "cpu" if args.precompile_only else "cuda"
     results = []
-    for heads, lens in rows():
+    picked = rows() if args.rows is None else [rows()[int(i)] for i in args.rows.split(",")]
+    for heads, lens in picked:
         H, HV = map(int, heads.split("/"))
         inp = make_gdn_inputs(1, sum(lens), H, HV, seqlens=lens, dtype=torch.bfloat16, device=device)
         k, g, beta, cu = inp["k"], inp["g"], inp["beta"], inp["cu_seqlens"].to(torch.int32)
@@ -119,6 +124,20 @@ def main() -> None:
         torch.cuda.synchronize()
         base = outs[next(iter(mods))]
         same = all(torch.equal(a, b) for o in outs.values() for a, b in zip(base, o))
+        if args.repeat:
+            rep = {}
+            for name, m in mods.items():
+                runs = []
+                for _ in range(args.repeat):
+                    A1 = torch.full((HV, S * 64, 64), 7.0, dtype=k.dtype, device=k.device)
+                    g1 = torch.full((HV, S * 64), 7.0, dtype=torch.float32, device=k.device)
+                    runs.append(m.chunk_prepare_fwd(k, g, beta, cu, HV, A=A1, g_cum_log2=g1))
+                torch.cuda.synchronize()
+                bad = [int((r[0] != outs[name][0]).sum()) + int((r[1] != outs[name][1]).sum()) for r in runs]
+                rep[name] = (sum(b > 0 for b in bad), max(bad))
+                del runs
+            print(heads, "repeats (launches differing from the first / most elements differing):", rep, flush=True)
+            same = (same, rep)
         times = {n: [] for n in mods}
         for order in (list(mods), list(reversed(mods))):
             for name in order:

@@ -52,6 +52,8 @@ def tier_specs() -> list:
     specs += op_kernel_specs(16, 32, varlen=True, block_v=128)
     specs += op_kernel_specs(4, 16, varlen=True, seq_dtype="int64")  # test_cp_kernels_gpu.py's dual-launch cases
     specs += op_kernel_specs(4, 16, varlen=True)
+    # test_determinism_gpu.py's prepare repeats (several value heads a CTA)
+    specs += [("prepare", (H, HV, 128, "bfloat16", "float32", "int32", True)) for H, HV in ((16, 32), (8, 32), (16, 64))]
     return list(dict.fromkeys(specs + serving_tier_specs()))
 
 

@@ -154,3 +154,28 @@ def test_cuda_graph_replay_is_bitwise_the_eager_result(name):
         assert bool(torch.isfinite(out[n]).all()), f"{name}: {n} not finite after replay"
     print(f"{name}: graph replays vs eager: {bad or 'all bitwise equal'}")
     assert not bad, f"{name}: " + "; ".join(bad)
+
+
+@pytest.mark.parametrize("H,HV,lengths", [(16, 32, [8192] * 4), (8, 32, [8192] * 4), (16, 64, [8192] * 2)],
+                         ids=["16-32-4x8192", "8-32-4x8192", "16-64-2x8192"])
+def test_prepare_with_several_value_heads_a_cta_is_bitwise_repeatable(H, HV, lengths):
+    """The prepare kernel where a CTA takes all G = HV / H value heads of its chunk (the grid is large
+    enough, `prepare.pick_heads_per_cta`; the op's small cases above take one head a CTA), launched 20
+    times back to back into buffers of their own: A and g_cum_log2 bitwise the same every time. Each
+    head's A tile goes out of one shared staging tile by TMA store while the next head writes it: an
+    ordering bug there showed as A differing on about one launch in a few at these shapes, the error
+    reaching o (1e-3 to 1e-2 relative) and breaking batch invariance."""
+    from flashqla.ops.gdn.kernels.sm90.prepare import chunk_prepare_fwd, pick_heads_per_cta
+    from flashqla.ops.gdn.kernels.sm90._common import num_slots
+
+    x = make_gdn_inputs(B=1, T=sum(lengths), H=H, HV=HV, K=128, V=128, seqlens=lengths, seed=3)
+    k = x["k"].to(DEV, torch.bfloat16)
+    g, beta = x["g"].to(DEV, torch.float32), x["beta"].to(DEV, torch.float32)
+    cu = x["cu_seqlens"].to(DEV, torch.int32)
+    S = num_slots(1, sum(lengths), len(lengths), True)
+    assert pick_heads_per_cta(S, H, HV) is None, "the case must take several value heads a CTA"
+    runs = [chunk_prepare_fwd(k, g, beta, cu, HV) for _ in range(20)]
+    torch.cuda.synchronize()
+    bad = [i for i, (A, gc) in enumerate(runs[1:], 1) if not (torch.equal(A, runs[0][0]) and torch.equal(gc, runs[0][1]))]
+    print(f"{H}/{HV} {len(lengths)}x{lengths[0]}: 20 launches, differing from the first: {bad or 'none'}")
+    assert not bad, f"prepare launches {bad} differ bitwise from the first"

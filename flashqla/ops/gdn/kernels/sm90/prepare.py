@@ -96,8 +96,9 @@ KSLICE = 16
 #: `%globaltimer` (ns) beside start and end; smid: `%smid`.
 CLOCK_FIRST = ("start", "located", "k_ready", "cumsum", "kkt")
 CLOCK_LAST = ("end", "gt_start", "gt_end", "smid")
-#: Stamps of value head j (named "h{j}.NAME"): L: after the L tile's elements; store_wait: after the
-#: wait for head j - 1's A tile store; subst: after the forward substitution; phase1 .. phase3:
+#: Stamps of value head j (named "h{j}.NAME"): L: after the L tile's elements, the wait for head
+#: j - 1's A tile store with the barrier after it, and the L tile's stores; store_wait: right after L
+#: (the wait moved before the stores; the stamp keeps the table's columns); subst: after the forward substitution; phase1 .. phase3:
 #: after each product phase (its epilogue's shared stores included; phase3 after the proxy fence);
 #: store_issue: after the TMA store of head j's A tile is issued.
 CLOCK_HEAD = ("L", "store_wait", "subst", "phase1", "phase2", "phase3", "store_issue")
@@ -194,6 +195,15 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
                 b_row[t] * kk_f[t, s] * T.exp2(T.if_then_else(t > s, g_row[t] - g_col[s], T.float32(0))),
                 T.float32(0),
             )
+        if store:
+            # The previous head's A tile must have been read out of the staging tile by the copy
+            # engine before the substitution below writes it. Only the thread that issued that
+            # store has a bulk group to wait for: the barrier holds the others until it has (TileLang
+            # inserts no barrier for the copy engine's reads; without this one nothing orders them).
+            # Here, before the L tile's stores, it also stands for the barrier those stores need
+            # after the previous head's reads of the same tiles.
+            T.tma_store_wait(0)
+            T.sync_threads()
         for t, s in T.Parallel(C, C):
             if t // BS == s // BS:
                 ld_s[s, t % BS] = lf[t, s]
@@ -207,9 +217,6 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
             after_l()
         if stamp is not None:
             stamp("L")
-        # the previous head's A tile has been read out of the staging tile by the copy engine
-        if store:
-            T.tma_store_wait(0)
         if stamp is not None:
             stamp("store_wait")
 
