@@ -98,24 +98,6 @@ def _assert_store_wait_then_barrier(body: str) -> None:
     assert waits[0] < first_write, "the staging tile is written before the previous head's store is waited for"
 
 
-def test_prepare_store_wait_is_followed_by_a_barrier():
-    """The lowered source (no nvcc) of a build with several value heads a CTA:
-    `_assert_store_wait_then_barrier` (the compiled builds of `test_prepare_kernel_compiles` with
-    G > 1 check it too; the fp16 A_beta product's build runs the same stages with another staging
-    view)."""
-    from flashqla.ops.gdn.kernels.sm90._common import _pass_configs, sm90_target
-    from flashqla.ops.gdn.kernels.sm90.prepare import _prepare_prim_func
-
-    import tilelang
-    from tilelang import tvm
-
-    t = sm90_target()
-    func = _prepare_prim_func(2, 8, 128, "bfloat16", "float32", "int32", True)
-    with tvm.transform.PassContext(config=_pass_configs()), tvm.target.Target(t):
-        src = tilelang.lower(func, target=t).kernel_source
-    _assert_store_wait_then_barrier(_head_loop_body(src))
-
-
 @needs_nvcc
 @pytest.mark.parametrize(
     "H,HV,dtype,beta_dtype,seq_dtype,varlen",

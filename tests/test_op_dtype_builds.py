@@ -39,9 +39,16 @@ def _lowered(func) -> str:
 
 def test_fp16_a_beta_builds_lower():
     """The prepare build stores A in fp16; the plain recurrent build forms both scaled products from
-    fp16 operands and multiplies by each row scale's inverse instead of dividing by the scale."""
+    fp16 operands and multiplies by each row scale's inverse instead of dividing by the scale. The
+    prepare source also gets `test_kernels_compile._assert_store_wait_then_barrier` here, where no
+    nvcc is needed (several value heads a CTA: the staging tile is rewritten only after a barrier that
+    follows the wait for the previous head's TMA store; the compiled bf16 builds of
+    `test_prepare_kernel_compiles` check the same)."""
+    from test_kernels_compile import _assert_store_wait_then_barrier, _head_loop_body
+
     prep = _lowered(P._prepare_prim_func(2, 8, 128, "bfloat16", "float32", "int32", True, a_dtype="float16"))
     assert "half_t" in prep
+    _assert_store_wait_then_barrier(_head_loop_body(prep))
     rec = _lowered(R._recurrent_prim_func(2, 8, 128, 128, "bfloat16", "int32", True, False, 64, "float16"))
     assert "kFloat16" in rec  # the fp16 wgmma of the A_beta and output products
     assert "wsi" in rec and "/wsc" not in rec.replace(" ", "") and "/v__" not in rec.replace(" ", "")
