@@ -59,8 +59,9 @@ CLOCKS = ("chain_total", "chain_wait_load", "chain_wait_aux", "aux_total", "aux_
 #: and the arrives)
 AUX_STAGES = ("wait_full", "kkt", "L", "subst", "phase1", "phase2", "phase3", "qkt", "wait_chain", "pg", "handoff")
 
-#: the builds compared (`_fused_prim_func` opts)
-VARIANTS = ("", "q", "3", "3q")
+#: the builds compared (`_fused_prim_func` opts; "q", "3" and "3q" were timed within 3.5% of "" on the
+#: H100, journal `forward.md`, entry "The fused forward's variants": kept as options, not run by default)
+VARIANTS = ("",)
 
 #: registers per thread of each role (setmaxnreg; sum <= 512 at 512 threads)
 NREG = {"chain": 192, "aux": 104, "producer": 24}
