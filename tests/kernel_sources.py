@@ -11,7 +11,9 @@ the committed record `tests/data/kernel_sources.json`.
     python tests/kernel_sources.py --write --configs NAME[,NAME]   # rewrite those configurations only
 
 `tests/test_kernel_sources.py` checks one build of each kind of one configuration in the CPU tier, and
-every build of every configuration under the `compile_all` marker.
+every build of every configuration under the `compile_all` marker. Every lowered source is also
+scanned by `async_store_hazards` (a TMA-stored tile rewritten with no barrier after the store wait):
+a hit fails the lowering.
 """
 
 from __future__ import annotations
@@ -46,6 +48,41 @@ def digest(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()
 
 
+#: what orders the other threads after one thread's `tma_store_wait` in generated CUDA: a CTA barrier,
+#: a named barrier, or an mbarrier arrive (whose count includes the issuing thread)
+_ORDERING = ("__syncthreads", "tl::__sync_thread_partial", "bar.sync", ".arrive(")
+
+
+def async_store_hazards(source: str) -> list:
+    """Places in a generated CUDA source where a shared-memory tile stored by TMA store
+    (`tl::tma_store(desc, &tile[...], ...)`) is written again by threads after a `tl::tma_store_wait`
+    with no barrier or mbarrier arrive in between. Only the thread that issued a TMA store has a bulk
+    group to wait for (the other threads' wait returns at once), so without the barrier they can
+    overwrite the tile while the copy engine still reads it; TileLang's barrier pass does not model
+    the copy engine. Scans forward from each wait in text order (a loop's next iteration starts
+    textually at the loop's top: the prepare kernel waits at the top of its value-head loop for the
+    store issued at its bottom). Returns one line per hazard (empty: none)."""
+    import re
+
+    lines = source.splitlines()
+    tiles = set(re.findall(r"tl::tma_store\([^,]+,\s*\(&\(\(\([\w ]+\*\)(\w+)\)", source))
+    bad = []
+    for i, ln in enumerate(lines):
+        if "tl::tma_store_wait<" not in ln:
+            continue
+        for j in range(i + 1, len(lines)):
+            cur = lines[j]
+            if any(o in cur for o in _ORDERING):
+                break
+            lhs = cur.split(" = ", 1)[0] if " = " in cur else ""
+            hit = next((t for t in tiles if re.search(rf"\b{t}\b", lhs)), None)
+            if hit:
+                bad.append(f"line {i + 1}: tma_store_wait, then line {j + 1} writes {hit} with no barrier between: "
+                           f"{cur.strip()[:120]}")
+                break
+    return bad
+
+
 def config_sources(name: str, one_per_kind: bool = False, part: tuple[int, int] = (0, 1)) -> list:
     """[(kernel symbol, sha256 of its CUDA source), ...] of every kernel warmup(**CONFIGS[name]) builds,
     sorted; lowers each PrimFunc for sm_90a in this process instead of compiling it. one_per_kind:
@@ -74,6 +111,10 @@ def config_sources(name: str, one_per_kind: bool = False, part: tuple[int, int] 
         with lock, tvm.transform.PassContext(config=pass_configs or {}), tvm.target.Target(target):
             src = tilelang.lower(func, target=target).kernel_source
             found.append((str(func.attrs["global_symbol"]), digest(src)))
+        hazards = async_store_hazards(src)
+        if hazards:
+            raise RuntimeError(f"{func.attrs['global_symbol']}: a TMA-stored tile rewritten without a barrier after "
+                               f"the store wait: {hazards}")
         return _Lowered(src)
 
     tilelang.compile = lower_only

@@ -49,3 +49,17 @@ def test_write_keeps_the_configurations_not_named(tmp_path, monkeypatch):
     assert ks.main(["--write", "--configs", first]) == 0
     got = json.loads(rec.read_text())
     assert set(got) == set(ks.CONFIGS) and got[first] == [["k", "bb"]] and got[second] == [["k", "aa"]]
+
+
+def test_async_store_hazards_finds_a_tile_rewritten_after_the_wait():
+    """`async_store_hazards`: a TMA-stored tile written after `tma_store_wait` with no barrier between
+    is named; a CTA barrier or an mbarrier arrive in between, or a write to another buffer, is not."""
+    store = "tl::tma_store(A_desc, (&(((bfloat16_t*)ka_s)[0])), 0, 0, 0);"
+    racy = "\n".join([store, "tl::tma_store_wait<0, true>();", "x = 1;", "((bfloat16_t*)ka_s)[tid] = v;"])
+    assert len(ks.async_store_hazards(racy)) == 1 and "ka_s" in ks.async_store_hazards(racy)[0]
+    for ordering in ("__syncthreads();", "s_empty[0].arrive();"):
+        ok = "\n".join([store, "tl::tma_store_wait<0, true>();", ordering, "((bfloat16_t*)ka_s)[tid] = v;"])
+        assert ks.async_store_hazards(ok) == []
+    other = "\n".join([store, "tl::tma_store_wait<0, true>();", "g_cum_log2[i] = ((float*)gc_s)[i];"])
+    assert ks.async_store_hazards(other) == []
+
