@@ -48,9 +48,9 @@ def digest(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()
 
 
-#: what orders the other threads after one thread's `tma_store_wait` in generated CUDA: a CTA barrier,
-#: a named barrier, or an mbarrier arrive (whose count includes the issuing thread)
-_ORDERING = ("__syncthreads", "tl::__sync_thread_partial", "bar.sync", ".arrive(")
+#: what orders the other threads after one thread's `tma_store_wait` in TileLang's generated CUDA: a CTA
+#: barrier, a partial (named) barrier, or an mbarrier arrive (whose count includes the issuing thread)
+_ORDERING = ("__syncthreads", "tl::__sync_thread_partial", ".arrive(")
 
 
 def async_store_hazards(source: str) -> list:

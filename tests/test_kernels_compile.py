@@ -88,7 +88,8 @@ def _assert_store_wait_then_barrier(body: str) -> None:
     barrier before the staging tile (`ka_s`) is written again (`kernel_sources.async_store_hazards`):
     only the thread that issued the TMA store has a bulk group to wait for, so without the barrier the
     other threads write head j's A over the tile the copy engine may still be reading for head j - 1
-    (a race that changed A on the H100, seen as o 1e-3 to 1e-2 off and batch invariance broken)."""
+    (the cause found for the serving page's failed gates on the H100: o 1e-3 to 1e-2 off, batch
+    invariance broken)."""
     import kernel_sources as ks
 
     assert "tl::tma_store_wait<" in body, "no wait for the previous head's A tile store in the value-head loop"
@@ -124,10 +125,10 @@ def test_prepare_kernel_compiles(H, HV, dtype, beta_dtype, seq_dtype, varlen):
     assert "tma_store_wait<0, true>" in src, "the A tile's store must be waited for before the tile is rewritten"
     if HV // H > 1:
         body = _head_loop_body(src)
-        # five barriers order real hazards (L -> substitution -> phase 1 -> 2 -> 3 -> store), TileLang's
-        # barrier pass adds four after ldmatrix reads and one between two of the L tile's three store
-        # loops (each waits for the previous head's last read of its tile); an in-place update of a
-        # shared tile once put one in each iteration of an unrolled element loop
+        # the explicit barrier after the wait for the previous head's A store (before the L tile's
+        # stores), the barriers between the L stores, the substitution and phases 1-3 and before the
+        # store, and those TileLang's barrier pass adds after ldmatrix reads: ten; an in-place update
+        # of a shared tile once put one in each iteration of an unrolled element loop
         assert body.count("__syncthreads") <= 10, "a barrier came into the value-head loop"
         _assert_store_wait_then_barrier(body)
     r = ptxas_report(kernel)

@@ -217,7 +217,6 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
             after_l()
         if stamp is not None:
             stamp("L")
-        if stamp is not None:
             stamp("store_wait")
 
         # D^-1: warp blk solves diagonal block blk by forward substitution (WY-3's recursion, each
