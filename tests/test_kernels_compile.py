@@ -118,17 +118,21 @@ def test_prepare_kernel_compiles(H, HV, dtype, beta_dtype, seq_dtype, varlen):
     kernel = build_prepare_kernel(H, HV, 128, dtype, beta_dtype, seq_dtype, varlen)
     src = kernel.get_kernel_source()
     assert "tma_load" in src and "tma_store" in src, "k should be loaded and A stored by the copy engine"
-    assert "wgmma" in src and "kTensorFloat32" in src
+    assert "wgmma" in src and "kTensorFloat32" not in src
     assert "__launch_bounds__(128, 5)" in src
-    # the inverse's products are 32-row tf32 mma: 8 per 16-wide K slice at most, none on 64 x 64 tiles
-    assert src.count("mma_sync<") <= 10
+    # the inverse's products: two m16n8k8 (level 2), three m16n8k16 (level 3), four in level 4's loops
+    f16 = "tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, "
+    assert src.count(f16 + "8, false, true>") == 2 and src.count(f16 + "16, false, true>") == 7
+    assert src.count("mma_sync<") == 9
+    assert "ldmatrix_x4_trans" in src and "__shfl_sync" in src
     assert "tma_store_wait<0, true>" in src, "the A tile's store must be waited for before the tile is rewritten"
     if HV // H > 1:
         body = _head_loop_body(src)
         # the explicit barrier after the wait for the previous head's A store (before the L tile's
-        # stores), the barriers between the L stores, the substitution and phases 1-3 and before the
-        # store, and those TileLang's barrier pass adds after ldmatrix reads: ten; an in-place update
-        # of a shared tile once put one in each iteration of an unrolled element loop
+        # stores), and those TileLang's barrier pass adds: after the L tile's stores, before and after
+        # the stores of levels 2 and 3, around A diag(beta)'s staging stores, before the TMA store:
+        # ten; an in-place update of a shared tile once put one in each iteration of an unrolled
+        # element loop
         assert body.count("__syncthreads") <= 10, "a barrier came into the value-head loop"
         _assert_store_wait_then_barrier(body)
     r = ptxas_report(kernel)

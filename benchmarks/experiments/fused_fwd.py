@@ -12,8 +12,8 @@ whole value width), four warpgroups:
                                S^T = gamma_C S^T + (vn^T diag(r)) K;  O^T = scale diag(gamma) O^T + vn^T Pg^T
                                o <- O^T (through a shared tile, rows inside the sequence)
     aux    (threads 256-383) one chunk ahead of the chain: K K^T, L, A = (I + L)^-1 and A diag(beta) by
-                             the prepare kernel's own stages (`prepare.value_head_stages`: forward
-                             substitution on the 16-blocks, three tf32 product phases), Pg = scale
+                             the prepare kernel's own stages (`prepare.value_head_stages`: the inverse
+                             by recursive doubling in fp16 with warp mma.sync), Pg = scale
                              (Q K^T * Gamma) causal (in a bf16 fragment, one copy); into two-stage
                              shared rings the chain reads (A_beta, Pg)
     producer (384-511)       warp 0: TMA loads of q, k, v into a two-stage ring; warp 1: g and beta of
@@ -55,9 +55,9 @@ CLOCKS = ("chain_total", "chain_wait_load", "chain_wait_aux", "aux_total", "aux_
           "chunks", "unused")
 #: the clocked build's aux role, by stage (cycles summed over the CTA's chunks, thread 0 of the role, each
 #: stamp after a barrier of the role's 128 threads): wait_full, kkt (K K^T), the prepare stages' own
-#: names (L; subst; phase1-3), qkt (Q K^T), wait_chain (x_empty), pg, handoff (the A_beta ring copy
+#: names (L; level12, level3, level4, stage), qkt (Q K^T), wait_chain (x_empty), pg, handoff (the A_beta ring copy
 #: and the arrives)
-AUX_STAGES = ("wait_full", "kkt", "L", "subst", "phase1", "phase2", "phase3", "qkt", "wait_chain", "pg", "handoff")
+AUX_STAGES = ("wait_full", "kkt", "L", "level12", "level3", "level4", "stage", "qkt", "wait_chain", "pg", "handoff")
 
 #: the builds compared (`_fused_prim_func` opts; "q", "3" and "3q" were timed within 3.5% of "" on the
 #: H100, journal `forward.md`, entry "The fused forward's variants": kept as options, not run by default)
@@ -70,7 +70,7 @@ NREG = {"chain": 192, "aux": 104, "producer": 24}
 def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
                      clocked: bool = False, opts: str = ""):
     """opts: "q" = Q K^T issued right after the L tile's stores, so that it runs beside the
-    substitution and the product phases (its accumulator live through them), waited after phase 3;
+    inverse (its accumulator live through it), waited after A diag(beta) is staged;
     "3" = a load ring of three stages (the aux role, one chunk ahead of the chain, finds its loads
     issued a chunk earlier), the chain's o staged in the chunk's own v tile (v is dead once W^T is
     formed; the slot is released after the o store), which frees the 16 KB the third stage needs.
@@ -90,7 +90,7 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
     BV = V
     G = HV // H
     acc = "float32"
-    BS, HB, ROW, DROW, KS = P.BLOCK, P.HALF, P.ROW, P.DROW, P.KSLICE
+    HB = P.HALF
     CH = 256  # chain threads
     AX = CH  # first aux thread
     PR = CH + 128  # first producer thread
@@ -108,23 +108,17 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
     def now():
         return T.call_extern("int64", "clock64")
 
-    @T.macro
-    def gemm_nt(a, b, c, a_row0=0):
-        T.clear(c)
-        for kk in T.unroll(HB // KS, unroll_factor=1):
-            T.gemm(a[a_row0 : a_row0 + HB, kk * KS : (kk + 1) * KS], b[:, kk * KS : (kk + 1) * KS], c, transpose_B=True)
-
     def no_stamp(name):
         pass
 
     def aux_stamper(tx, clk_s):
         """stamp(name) for the clocked build's aux role: a barrier of the role's 128 threads, then thread
         AX adds the cycles since its last stamp to stage `name` of `AUX_STAGES` (the prepare stages'
-        store_wait and store_issue go to L and phase3)"""
+        store_wait and store_issue go to L and stage)"""
         last = len(AUX_STAGES)
 
         def stamp(name):
-            i = AUX_STAGES.index({"store_wait": "L", "store_issue": "phase3"}.get(name, name))
+            i = AUX_STAGES.index({"store_wait": "L", "store_issue": "stage"}.get(name, name))
 
             @T.macro
             def emit():
@@ -180,16 +174,11 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
             o_s = T.alloc_shared((C, BV), dtype) if NS == 2 else None  # O of the chunk, token-major (chain)
             # the aux role's tiles (as the prepare kernel's)
             ast = T.alloc_shared((C, C), dtype)  # A diag(beta) staged; blocks above the diagonal blocks stay 0
-            dm_s = T.alloc_shared((3 * BS, ROW), acc)
-            lbt_s = T.alloc_shared((HB, ROW), acc)
-            b0t_s = T.alloc_shared((HB, ROW), acc)
-            l2t_s = T.alloc_shared((BS, ROW), acc)
-            d2t_s = T.alloc_shared((BS, ROW), acc)
-            ld_s = T.alloc_shared((C, DROW), acc)
+            m_s = T.alloc_shared((C, P.M_ROW), "float16")  # the inverse's tile
             T.annotate_layout({v_s: make_swizzled_layout(v_s)})
             if NS == 2:
                 T.annotate_layout({o_s: make_swizzled_layout(o_s)})
-            T.annotate_layout({x: make_linear_layout(x) for x in (dm_s, lbt_s, b0t_s, l2t_s, d2t_s, ld_s)})
+            T.annotate_layout({m_s: make_linear_layout(m_s)})
 
             full = T.alloc_barrier(arrive_count=[64] * NS)  # producer (TMA warp, gates warp) -> chain and aux
             empty = T.alloc_barrier(arrive_count=[CH + 128] * NS)  # chain and aux -> producer
@@ -303,12 +292,7 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                 g_row = T.alloc_fragment((C,), acc)
                 g_col = T.alloc_fragment((C,), acc)
                 b_row = T.alloc_fragment((C,), acc)
-                y_f = T.alloc_fragment((HB, BS), acc)
-                w_f = T.alloc_fragment((HB, BS), acc)
-                z_f = T.alloc_fragment((HB, HB), acc)
-                of = T.alloc_fragment((HB, HB), acc)
-                xcol = T.alloc_local((BS // 2,), acc)
-                bcl = T.alloc_local((1,), acc)
+                inv = P.alloc_inverse_locals(T)
                 if clocked:
                     ca = T.alloc_local((4,), "int64")  # start, wait full, wait chain, stamp
                     ca[0] = now()
@@ -319,11 +303,7 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                             clk_s[i] = T.int64(0)
                         clk_s[len(AUX_STAGES)] = now()
                 stamp = aux_stamper(tx, clk_s) if clocked else no_stamp
-                # constant blocks, zeroed once (as the prepare kernel does per CTA)
-                for t, u in T.Parallel(3 * BS, HB):
-                    dm_s[t, u] = T.float32(0)
-                for t, u in T.Parallel(HB, HB):
-                    b0t_s[t, u] = T.float32(0)
+                # the staging tile's block above the diagonal 32-blocks, zeroed once (as the prepare kernel does per CTA)
                 for t, u in T.Parallel(C, C):
                     ast[t, u] = T.cast(0, dtype)
                 for c in T.serial(nchunks):
@@ -341,10 +321,9 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                     T.wgmma_gemm(k_s[s, :, :], k_s[s, :, :], kk_f, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
                     stamp("kkt")
-                    P.value_head_stages(T, j=s, G=1, hk=hv, nvalid=nvalid, row0=0, A=None, dtype=dtype, gemm_nt=gemm_nt,
-                                        kk_f=kk_f, gc_s=gc_s, b_s=bq_s, g_row=g_row, g_col=g_col, b_row=b_row, ld_s=ld_s,
-                                        lbt_s=lbt_s, l2t_s=l2t_s, d2t_s=d2t_s, b0t_s=b0t_s, dm_s=dm_s, y_s=dm_s, zt=ld_s,
-                                        stage=ast, y_f=y_f, w_f=w_f, z_f=z_f, o_f=of, xcol=xcol, bcl=bcl, tx0=AX, store=False,
+                    P.value_head_stages(T, j=s, G=1, hk=hv, nvalid=nvalid, row0=0, A=None, dtype=dtype, kk_f=kk_f, gc_s=gc_s,
+                                        b_s=bq_s, g_row=g_row, g_col=g_col, b_row=b_row, m_s=m_s, inv=inv,
+                                        stage=ast, tx0=AX, store=False,
                                         stamp=stamp if clocked else None,
                                         after_l=qk_issuer(q_s, k_s, p_f, s) if qk_early else None)
                     if not qk_early:

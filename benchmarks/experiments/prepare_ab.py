@@ -76,6 +76,28 @@ def load_variant(name: str, folder: str):
     return prep
 
 
+def accuracy(k, g, beta, HV: int, As: dict) -> dict:
+    """Relative RMS error (all chunks together) of each A in `As` ([HV, S * 64, 64], the slots in order:
+    sequences of lengths that are multiples of 64, packed) against A diag(beta) in fp64 from
+    `reference.gdn.fused.prepare_group` on the same inputs."""
+    import torch
+
+    from reference.gdn.fused import prepare_group
+
+    _, T, H, K = k.shape
+    G, S = HV // H, T // 64
+    kc = k[0].double().view(S, 64, H, K).permute(0, 2, 1, 3)  # [S, H, C, K]
+    gc = g[0].double().view(S, 64, H, G).permute(0, 2, 3, 1)  # [S, H, G, C]
+    bc = beta[0].double().view(S, 64, H, G).permute(0, 2, 3, 1)
+    ref = torch.cat([prepare_group(kc[i : i + 64], gc[i : i + 64], bc[i : i + 64])[1] for i in range(0, S, 64)])
+    ref = ref.reshape(S, HV, 64, 64).permute(1, 0, 2, 3)  # [HV, S, C, C]
+    out = {}
+    for name, A in As.items():
+        d = A.double().view(HV, S, 64, 64) - ref
+        out[name] = (d.square().sum() / ref.square().sum()).sqrt().item()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=DIR", help="a variant (the first is the base)")
@@ -85,6 +107,9 @@ def main() -> None:
                     help="also launch each variant N more times back to back, each into buffers of its own, and count "
                          "the launches whose A or g_cum_log2 differ bitwise from the variant's first (a race check)")
     ap.add_argument("--rows", default=None, metavar="I,J", help="only these rows of `rows()` (0-based indices)")
+    ap.add_argument("--accuracy", action="store_true",
+                    help="also each variant's relative RMS error of A diag(beta) against fp64 (`reference.gdn.fused."
+                         "prepare_group`), on rows whose lengths are multiples of 64 (for variants whose inverse differs)")
     args = ap.parse_args()
     if args.extract:
         extract(*args.extract)
@@ -138,6 +163,10 @@ def main() -> None:
                 del runs
             print(heads, "repeats (launches differing from the first / most elements differing):", rep, flush=True)
             same = (same, rep)
+        if args.accuracy and all(n % 64 == 0 for n in lens):
+            err = accuracy(k, g, beta, HV, {n: o[0] for n, o in outs.items()})
+            print(heads, mix, "relative RMS of A diag(beta) against fp64:", {n: f"{e:.3e}" for n, e in err.items()}, flush=True)
+            same = (same, {n: f"{e:.2e}" for n, e in err.items()})
         times = {n: [] for n in mods}
         for order in (list(mods), list(reversed(mods))):
             for name in order:

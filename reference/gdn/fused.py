@@ -673,11 +673,13 @@ def prepare_group(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, nvalid: 
 
 # ----------------------------------------------------------------------------------------------
 # The stage twin of the sm_90 prepare kernel (flashqla/ops/gdn/kernels/sm90/prepare.py):
-# the same chunk-of-a-group computation as `prepare_group`, with the inverse formed block-recursively
-# in the kernel's order of products. Records: WY-3 (diagonal 16 x 16 blocks) and WY-4 with two blocks,
-# applied to the 16-blocks of each half and then to the two 32-blocks (the off-diagonal block of a
-# 2 x 2 block-lower inverse from its diagonal-block inverses; the products below regroup it, no new
-# identity). Twins: `solve_tril_blocks` / `solve_tril_nilpotent` (same inverse), `prepare_group`.
+# the same chunk-of-a-group computation as `prepare_group`, with the inverse formed by recursive
+# doubling in the kernel's order of products (`solve_tril_doubling`: 8 x 8 diagonal blocks, then
+# 16-, 32- and 64-blocks). Records: WY-3 (the diagonal blocks) and WY-4 with two blocks, applied at
+# each level (the off-diagonal block of a 2 x 2 block-lower inverse from its diagonal-block inverses;
+# no new identity). `solve_tril_recursive` is the order of the kernel's earlier form (16-blocks by
+# forward substitution, three product phases). Twins: `solve_tril_blocks` / `solve_tril_nilpotent`
+# (same inverse), `prepare_group`.
 # ----------------------------------------------------------------------------------------------
 
 
@@ -714,10 +716,46 @@ def solve_tril_recursive(L: torch.Tensor, block: int = 16) -> torch.Tensor:
     return A
 
 
+def solve_tril_doubling(L: torch.Tensor, block: int = 8, storage: torch.dtype | None = None) -> torch.Tensor:
+    """(I + L)^-1 for strictly lower L [..., n, n] by recursive doubling, as the sm_90 prepare kernel
+    forms it (n == 8 * block: three doublings):
+
+        level 1  the diagonal block x block blocks, each inverted on its own (WY-3)
+        level 2+ for each pair of neighbouring inverted blocks P^-1, Q^-1 of size m (m = block, 2 block,
+                 4 block): the off-diagonal block of [[P, 0], [C, Q]]^-1, -Q^-1 C P^-1, as the two
+                 products Y = Q^-1 C, then -Y P^-1 (WY-4 with two blocks)
+
+    storage: None (every value in L's dtype, the exact form) or a dtype the kernel stores between steps
+    (torch.float16): L rounded to it first, each level's blocks and the intermediate Y rounded to it,
+    the products and level 1 computed in fp32 from the rounded values (mma.sync with fp32 accumulation).
+    Entries on and above the diagonal of L are ignored. Returns [..., n, n] unit lower triangular (fp32
+    with storage given, else L's dtype). Raises ValueError unless n == 8 * block.
+    """
+    n = L.shape[-1]
+    if n != 8 * block:
+        raise ValueError(f"solve_tril_doubling needs n == 8 * block, got n = {n}, block = {block}")
+    L = torch.where(_causal(n, True, L.device), L, torch.zeros((), dtype=L.dtype, device=L.device))
+    if storage is None:
+        rnd = lambda x: x  # noqa: E731
+    else:
+        rnd = lambda x: x.to(storage).float()  # noqa: E731
+        L = rnd(L)
+    A = rnd(solve_tril_diagonal_blocks(L, block))
+    m = block
+    while m < n:
+        for b in range(n // (2 * m)):
+            p = slice(2 * m * b, 2 * m * b + m)
+            q = slice(2 * m * b + m, 2 * m * (b + 1))
+            Y = rnd(A[..., q, q] @ L[..., q, p])
+            A[..., q, p] = rnd(-(Y @ A[..., p, p]))
+        m *= 2
+    return A
+
+
 def prepare_group_recursive(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, nvalid: int | None = None,
-                            block: int = 16):
+                            block: int = 8, storage: torch.dtype | None = None):
     """What the sm_90 prepare kernel computes for one chunk of one q/k head and its G value heads:
-    `prepare_group`'s inputs and outputs, with A = (I + L)^-1 by `solve_tril_recursive` instead of
+    `prepare_group`'s inputs and outputs, with A = (I + L)^-1 by `solve_tril_doubling` instead of
     WY-5's four products.
 
     Args:
@@ -725,18 +763,20 @@ def prepare_group_recursive(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
         g: [..., G, C], natural-log per-token gates of the G value heads (hv = hk * G + j).
         beta: [..., G, C].
         nvalid: number of valid rows (None: C); g and beta past it are treated as 0.
-        block: diagonal block size (C == 4 * block).
+        block: the doubling's first block size (C == 8 * block).
+        storage: `solve_tril_doubling`'s (None: exact in k's dtype; torch.float16: the kernel's roundings
+            of the inverse's steps; A diag(beta) is then fp32 of those values, not yet rounded to A's dtype).
 
     Returns:
         g_cum_log2 [..., G, C] and A_beta [..., G, C, C] = A diag(beta), lower triangular, rows past
         nvalid 0 (as `prepare_group`).
     """
     C = k.shape[-2]
-    if C != 4 * block:
-        raise ValueError(f"prepare_group_recursive needs C == 4 * block, got C = {C}, block = {block}")
+    if C != 8 * block:
+        raise ValueError(f"prepare_group_recursive needs C == 8 * block, got C = {C}, block = {block}")
     gcl, beta, L = _group_gated_L(k, g, beta, nvalid)
     t = torch.arange(C, device=k.device)
     zero = torch.zeros((), dtype=g.dtype, device=g.device)
-    A = solve_tril_recursive(L, block)
+    A = solve_tril_doubling(L, block, storage).to(L.dtype)
     A_beta = torch.where(t[:, None] >= t[None, :], A * beta[..., None, :], zero)
     return gcl, A_beta

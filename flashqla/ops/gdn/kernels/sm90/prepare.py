@@ -9,45 +9,40 @@ K S) of `reference.gdn.fused` into one GEMM with the stored operand, and g_cum_l
 Stage twin: `reference.gdn.fused.prepare_group_recursive` (one chunk of one q/k head and its G value
 heads, in this kernel's order of products).
 Derivation records (`python -m derivations`): CF-1..CF-3 (chunk form with FLA's gated A), WY-3
-(forward substitution in the 16 x 16 diagonal blocks), WY-4 with two blocks, applied to the 16-blocks
-of each half and then to the two 32-blocks, RW-2 (beta folded into the stored operand), RW-4 (exp2 of
-base-2 differences). Value head hv reads q/k head hv // G, G = HV / H.
+(the 8 x 8 diagonal blocks), WY-4 with two blocks, applied at 16, 32 and 64 (recursive doubling),
+RW-2 (beta folded into the stored operand), RW-4 (exp2 of base-2 differences). Value head hv reads
+q/k head hv // G, G = HV / H.
 
-The inverse. Blocks of 16: D = blockdiag(Ai_00 .. Ai_33), Ai_ii = (I + L_ii)^-1 by forward
-substitution; F_10 = Ai_11 L_10, F_32 = Ai_33 L_32; halves of 32: B_0 = I + L[:32, :32],
-B_1 = I + L[32:, 32:], Lb = L[32:, :32]. Then (WY-4 twice)
-    B_0^-1 = [[Ai_00, 0], [-F_10 Ai_00, Ai_11]],   B_1^-1 = [[Ai_22, 0], [-F_32 Ai_22, Ai_33]],
-    A[32:, :32] = -B_1^-1 Lb B_0^-1 = -Q B_0^-1,   Q = Z - [0; F_32 Z_top],   Z = blockdiag(Ai_22, Ai_33) Lb
-in three barrier-separated product phases after the substitution (tf32 mma.sync, fp32 accumulate):
-    1. [F_32; F_10] (32 x 16 x 32) and Z (32 x 32 x 32)
-    2. [Ai_10; Ai_32] = -blockdiag(F_10, F_32) [Ai_00; Ai_22] (32 x 16 x 32), and Q = Z - [0; F_32 Z_top]
-       accumulated onto Z's registers (32 x 32 x 16)
-    3. A[32:, :32] = -Q B_0^-1 (32 x 32 x 32)
-The block-diagonal operands carry their zero blocks (written once per CTA), so each phase is one or
-two whole-tile products on four warps.
+The inverse, by recursive doubling in an fp16 tile M (I + L, then the inverse, in place; every
+product an mma.sync of fp16 operands with fp32 accumulation, `value_head_stages`): at each level,
+for neighbouring inverted diagonal blocks P^-1, Q^-1,
+    [[P, 0], [C, Q]]^-1 = [[P^-1, 0], [-Q^-1 C P^-1, Q^-1]]
+    level 1  the 8 x 8 diagonal blocks by column elimination (lanes 0-15 of warp w, one row each of
+             rows 16 w .. 16 w + 15, fp32 in registers, shuffles inside each group of 8 lanes)
+    level 2  the 16-blocks: warp w's, two m16n8k8 products (Y = Q^-1 C, then -Y P^-1, Y re-packed in
+             registers as the second's A operand)
+    level 3  the 32-blocks: warps 2b and 2b + 1 both form Y at m16n8k16, each stores its 8 columns
+             of -Y P^-1
+    level 4  A[32:, :32] = -B_1^-1 Lb B_0^-1: each warp a 16 x 16 tile (the products' zero blocks skipped)
+fp16 keeps 3 more mantissa bits than A's bf16 store; the inverse's entries stay within a few units on
+unit keys with beta in (0, 1] (`reference.gdn.fused.solve_tril_doubling`, `storage=torch.float16`,
+is the twin of these roundings).
 
 Per CTA (128 threads, one warpgroup):
 1. map the slot to (sequence, chunk) (packed input: one load of cu_seqlens per thread and one counting
    barrier while N < 128, two such rounds up to 16,256 sequences, else a binary search;
    `_common.locate_slot`);
 2. issue the TMA load of the k tile of q/k head hk; load g and beta of its value heads (zero past the
-   end); zero the constant blocks; wait for k; g_cum_log2 = cumsum(g) / ln 2;
+   end); wait for k; g_cum_log2 = cumsum(g) / ln 2;
 3. K K^T on the tensor cores (wgmma), held in registers for the value heads;
-4. per value head j: L (its elements formed in registers without a branch, one exp2 each, then the ten
-   lower 16 x 16 blocks stored; in a fragment of their own when the CTA has several value heads, whose
-   K K^T the elements would otherwise overwrite) -> D^-1 by
-   forward substitution (lanes 0-15 of warp b solve the columns of diagonal block b; writes the diagonal
-   blocks of A diag(beta), and copies D^-1 into the product operands: the transposed copies as 16-byte
-   stores, four rows at a time) -> phases 1-3 -> TMA store of A diag(beta) from a staging tile (the store
-   of head j overlaps head j + 1's L; waited before the substitution writes the tile again);
+4. per value head j: L (its elements formed in registers without a branch, one exp2 each, in a
+   fragment of their own when the CTA has several value heads, whose K K^T the elements would
+   otherwise overwrite; stored into M in fp16) -> levels 1-4 -> A diag(beta) into a staging tile (the
+   diagonal 32-blocks from M, the block below from level 4's registers) -> its TMA store (the store of
+   head j overlaps head j + 1's L; waited before head j + 1 writes the staging tile);
 5. g_cum_log2 of the value heads (64 contiguous floats per head).
-fp32 operand tiles are 32 x 36 floats, linear (rows 144 B apart: conflict-free ldmatrix), with the K
-loops of the tf32 products kept rolled over 16-wide slices (`gemm_nt`). Two tiles share another's
-memory where their lives do not overlap: blockdiag(F10, F32) (written in phase 1, read in phase 2)
-lies in the first 32 rows of the block-diagonal operand of phase 1, whose zero blocks are the same,
-and -Z_top^T in the diagonal blocks of L (read only by the substitution). Shared memory about
-42-46 KB dynamic (G = 1 to 8) plus 1 KB static; launch bounds (128, 5): five CTAs per SM up to G = 4
-(four at G = 8, by shared memory), 96 registers.
+Shared memory: the k tile (which is also the staging tile), M (64 x 72 halves, rows 144 B apart:
+conflict-free ldmatrix), g_cum and beta of the value heads; launch bounds (128, 5), 96 registers.
 
 With `heads_per_cta=1` (`pick_heads_per_cta`, few chunk slots) the grid has one CTA per chunk slot and
 value head instead: the same stages for that one head, the same outputs bit for bit.
@@ -69,20 +64,13 @@ from flashqla.ops.gdn.kernels.sm90._common import CHUNK, RCP_LN2, SM_COUNT, comp
 __all__ = ["build_prepare_kernel", "build_prepare_kernel_clocked", "chunk_prepare_fwd", "clock_stamps",
            "pick_heads_per_cta", "prepare_kernel_args"]
 
-#: Diagonal block size of the forward substitution (WY-3)
-BLOCK = 16
-#: Half chunk: the two diagonal 32 x 32 blocks of the recursion
-HALF = 2 * BLOCK
-#: Row length of the compact transposed diagonal blocks of L (16 + 4 floats: 16-byte aligned rows for
-#: vector loads in the substitution, conflict-free transposed stores from the K K^T fragment)
-DROW = BLOCK + 4
-#: Row length of the fp32 operand tiles (32 + 4 floats: ldmatrix rows 144 B apart, conflict free)
-ROW = HALF + 4
-#: CTAs per SM the kernel is built for (launch bounds: 96 registers; five CTAs need <= 45.6 KB of
-#: dynamic + static shared memory each, 1 KB an SM reserved per CTA)
+#: Half chunk: the two diagonal 32 x 32 blocks of the inverse's last level
+HALF = CHUNK // 2
+#: Row length of the fp16 tile the inverse is formed in (64 + 8 halves: ldmatrix rows 144 B apart,
+#: conflict free)
+M_ROW = CHUNK + 8
+#: CTAs per SM the kernel is built for (launch bounds: 96 registers)
 MIN_BLOCKS = 5
-#: K slice of the tf32 products (`gemm_nt`)
-KSLICE = 16
 
 # --------------------------------------------------------------------------------------------
 # the phase-clock build (`build_prepare_kernel_clocked`): a measurement tool, never launched by the op
@@ -98,14 +86,15 @@ CLOCK_FIRST = ("start", "located", "k_ready", "cumsum", "kkt")
 CLOCK_LAST = ("end", "gt_start", "gt_end", "smid")
 #: Stamps of value head j (named "h{j}.NAME"): L: after the L tile's elements, the wait for head
 #: j - 1's A tile store with the barrier after it, and the L tile's stores; store_wait: right after L
-#: (the wait moved before the stores; the stamp keeps the table's columns); subst: after the forward substitution; phase1 .. phase3:
-#: after each product phase (its epilogue's shared stores included; phase3 after the proxy fence);
-#: store_issue: after the TMA store of head j's A tile is issued.
-CLOCK_HEAD = ("L", "store_wait", "subst", "phase1", "phase2", "phase3", "store_issue")
+#: (the wait moved before the stores; the stamp keeps the table's columns); level12: after the
+#: inverse's levels 1 and 2 (the barrier before level 3); level3: after level 3 (the barrier before
+#: level 4); level4: after level 4's products (thread 0's); stage: after A diag(beta) is written into
+#: the staging tile and fenced; store_issue: after the TMA store of head j's A tile is issued.
+CLOCK_HEAD = ("L", "store_wait", "level12", "level3", "level4", "stage", "store_issue")
 #: Stamps read right after a CTA barrier of the shipped kernel (made explicit in this build at the
 #: point where TileLang places it: no barrier is added): they time the whole CTA's progress. The
 #: others are thread 0's own progress (no barrier there). Thread 0 writes every stamp.
-CLOCK_ALIGNED = frozenset({"k_ready", "kkt", "store_wait", "subst", "phase1", "phase2", "phase3"})
+CLOCK_ALIGNED = frozenset({"k_ready", "kkt", "store_wait", "level12", "level3"})
 
 #: %smid and %globaltimer (no CUDA builtin reads them), put before the clocked kernel's source
 _CLOCK_PRELUDE = """
@@ -156,13 +145,25 @@ def _clock_stamper(T, clocks, slot, hk, j=None):
     return stamp
 
 
-def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_s, b_s, g_row, g_col, b_row, ld_s,
-                      lbt_s, l2t_s, d2t_s, b0t_s, dm_s, y_s, zt, stage, y_f, w_f, z_f, o_f, xcol, bcl, stamp=None,
-                      tx0=0, store=True, l_f=None, after_l=None):
-    """Emits one value head's stages (L, the forward substitution, phases 1-3, the TMA store of
-    A diag(beta)) where it is called inside a kernel body: value head hk * G + j of the slot whose rows
-    start at row0, nvalid valid rows; the staging tile is `stage` (its first 64 columns) and -Z_top^T
-    is `zt` (its first 32 rows). The buffers, the loop variable and the slot's values reach the stages through a closure (a macro
+def alloc_inverse_locals(T) -> dict:
+    """The per-thread registers of `value_head_stages`' inverse (allocate once where the kernel's other
+    buffers are allocated, pass as `inv`): a row of level 1 (fp16 and fp32), its column scale, and the
+    mma.sync operands and accumulators of levels 2-4."""
+    f16, f32 = "float16", "float32"
+    return dict(fh=T.alloc_local((8,), f16), f=T.alloc_local((8,), f32), sc=T.alloc_local((1,), f32),
+                a8=T.alloc_local((4,), f16), b8=T.alloc_local((2,), f16), y8=T.alloc_local((4,), f32),
+                a16=T.alloc_local((8,), f16), b16=T.alloc_local((8,), f16), y16=T.alloc_local((8,), f32),
+                o16=T.alloc_local((8,), f32))
+
+
+def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, kk_f, gc_s, b_s, g_row, g_col, b_row, m_s, inv, stage,
+                      stamp=None, tx0=0, store=True, l_f=None, after_l=None):
+    """Emits one value head's stages (L, the inverse's four levels, A diag(beta) into the staging tile,
+    its TMA store) where it is called inside a kernel body run by one warpgroup (128 threads): value
+    head hk * G + j of the slot whose rows start at row0, nvalid valid rows; the staging tile is
+    `stage` (its first 64 columns; the block above the diagonal 32-blocks must hold zeros, written by
+    the caller once), m_s the [64, M_ROW] fp16 tile the inverse is formed in, inv the registers of
+    `alloc_inverse_locals`. The buffers, the loop variable and the slot's values reach the stages through a closure (a macro
     argument would rename the TIR variables). stamp: None (the shipped build), or the phase-clock
     build's `stamp(name)`, called at each of CLOCK_HEAD's boundaries. tx0: the first thread of the
     warpgroup that runs the stages (0 in this kernel; a warp-specialised kernel's role passes its own).
@@ -171,23 +172,32 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
     layout) the L tile's elements are formed in before they are stored; None: kk_f itself (its
     K K^T then lost: only where one value head reads it). after_l (None: the shipped build): a T.macro
     emitted right after the L tile's stores (a fused kernel issues its Q K^T there, to run beside the
-    substitution and the product phases)."""
+    inverse)."""
     C = CHUNK
-    BS = BLOCK
     HB = HALF
-    RH = BLOCK // 2  # rows of a diagonal block's column one lane of the substitution holds
+    f16, f32 = "float16", "float32"
+    fh, f, sc = inv["fh"], inv["f"], inv["sc"]
+    a8, b8, y8 = inv["a8"], inv["b8"], inv["y8"]
+    a16, b16, y16, o16 = inv["a16"], inv["b16"], inv["y16"], inv["o16"]
+
+    # (plain Python helpers: each call's value is emitted as a statement by T.evaluate)
+    def mma(shape, a, b, b_off, c, c_off):
+        T.evaluate(T.ptx_mma(f32, shape, "row", "col", "fp16", "fp16", "fp32", a.data, 0, b.data, b_off, c.data, c_off, T.bool(False)))
+
+    def ldsm(trans, num, row, col, dst, n):
+        T.evaluate(T.ptx_ldmatrix(T.bool(trans), num, T.access_ptr(m_s[row, col], "r", extent=8), T.access_ptr(dst[0], "w", extent=n)))
 
     @T.macro
     def stages():
-        # L = beta_t (k_t . k_s) exp2(gc[t] - gc[s]) for s < t < nvalid, lower blocks only:
-        # diagonal blocks -> ld_s, L10 and L32 -> l2t_s, Lb = L[32:, :32] -> lbt_s (transposed)
+        # L = beta_t (k_t . k_s) exp2(gc[t] - gc[s]) for s < t < nvalid, the whole tile (zeros on and
+        # above the diagonal) into m_s in fp16
         for t in T.Parallel(C):
             g_row[t] = gc_s[j, t]
             b_row[t] = b_s[j, t]
         for s in T.Parallel(C):
             g_col[s] = gc_s[j, s]
         # the elements first, in registers and without a branch (their exp2s independent of each other),
-        # then the stores, each a predicated store of a ready value
+        # then the stores
         lf = kk_f if l_f is None else l_f
         for t, s in T.Parallel(C, C):
             lf[t, s] = T.if_then_else(
@@ -197,107 +207,138 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, gemm_nt, kk_f, gc_
             )
         if store:
             # The previous head's A tile must have been read out of the staging tile by the copy
-            # engine before the substitution below writes it. Only the thread that issued that
-            # store has a bulk group to wait for: the barrier holds the others until it has (TileLang
-            # inserts no barrier for the copy engine's reads; without this one nothing orders them).
-            # Here, before the L tile's stores, it also stands for the barrier those stores need
-            # after the previous head's reads of the same tiles.
+            # engine before this head writes it (below). Only the thread that issued that store has a
+            # bulk group to wait for: the barrier holds the others until it has (TileLang inserts no
+            # barrier for the copy engine's reads; without this one nothing orders them). Here,
+            # before m_s's stores, it also stands for the barrier those need after the previous
+            # head's reads of m_s.
             T.tma_store_wait(0)
             T.sync_threads()
         for t, s in T.Parallel(C, C):
-            if t // BS == s // BS:
-                ld_s[s, t % BS] = lf[t, s]
-        for t, s in T.Parallel(C, C):
-            if (t >= HB) & (s < HB):
-                lbt_s[s, t - HB] = lf[t, s]
-        for t, s in T.Parallel(C, C):
-            if (t // BS == s // BS + 1) & (t // BS % 2 == 1):
-                l2t_s[s % BS, (t // HB) * BS + t % BS] = lf[t, s]
+            m_s[t, s] = T.cast(lf[t, s], f16)
         if after_l is not None:
             after_l()
         if stamp is not None:
             stamp("L")
             stamp("store_wait")
 
-        # D^-1: warp blk solves diagonal block blk by forward substitution (WY-3's recursion, each
-        # row's sum taken column by column), lane (hr, col) of the warp holding rows 8 hr .. 8 hr + 7 of
-        # its column col: row m < 8 reaches the lanes of the lower rows by a shuffle; writes the rows where
-        # the products read them, and times beta into the staging tile
         tx = T.get_thread_binding() - tx0 if tx0 else T.get_thread_binding()
-        blk = tx // 32  # diagonal block blk on warp blk: its stores' branches warp-uniform
-        col = tx % BS
-        hr = (tx % 32) // BS
-        for i in T.unroll(RH):
-            xcol[i] = T.if_then_else(hr * RH + i == col, T.float32(1), T.float32(0))
-        for m in T.unroll(BS):
-            if m < RH:
-                xm = T.shfl_sync(xcol[m], col)  # row m of column col, from lane col (hr = 0)
-                for i in T.unroll(RH):
-                    if (hr == 1) | (i > m):
-                        xcol[i] = xcol[i] - ld_s[blk * BS + m, hr * RH + i] * xm
-            else:
-                for i in T.unroll(RH):
-                    if i > m - RH:
-                        if hr == 1:
-                            xcol[i] = xcol[i] - ld_s[blk * BS + m, RH + i] * xcol[m - RH]
-        bcl[0] = b_s[j, blk * BS + col]  # once: read inside the store loop it is re-read after every store
-        # four rows at a time: the copies into the transposed operand tiles (row col, four contiguous
-        # floats) as one 16-byte store each
-        for r4 in T.unroll(RH // 4):
-            for rr in T.unroll(4):
-                r = hr * RH + r4 * 4 + rr
-                stage[blk * BS + r, blk * BS + col] = T.cast(T.if_then_else(r >= col, xcol[r4 * 4 + rr] * bcl[0], T.float32(0)), dtype)
-            if blk == 0:
-                for rr in T.vectorized(4):
-                    d2t_s[col, hr * RH + r4 * 4 + rr] = xcol[r4 * 4 + rr]
-                for rr in T.vectorized(4):
-                    b0t_s[col, hr * RH + r4 * 4 + rr] = xcol[r4 * 4 + rr]
-            elif blk == 1:
-                for rr in T.unroll(4):
-                    dm_s[2 * BS + hr * RH + r4 * 4 + rr, col] = xcol[r4 * 4 + rr]
-                for rr in T.vectorized(4):
-                    b0t_s[BS + col, BS + hr * RH + r4 * 4 + rr] = xcol[r4 * 4 + rr]
-            elif blk == 2:
-                for rr in T.vectorized(4):
-                    d2t_s[col, BS + hr * RH + r4 * 4 + rr] = xcol[r4 * 4 + rr]
-                for rr in T.unroll(4):
-                    dm_s[hr * RH + r4 * 4 + rr, col] = xcol[r4 * 4 + rr]
-            else:
-                for rr in T.unroll(4):
-                    dm_s[BS + hr * RH + r4 * 4 + rr, BS + col] = xcol[r4 * 4 + rr]
-        if stamp is not None:
-            stamp("subst")
+        w = tx // 32
+        lane = tx % 32
+        gq = lane // 4  # the mma fragments' row (and row + 8) ...
+        c2 = (lane % 4) * 2  # ... and column pair of this lane
 
-        # phase 1: [F32; F10] = [[0 | Ai33], [Ai11 | 0]] [L10; L32]  and  Z = blockdiag(Ai22, Ai33) Lb
-        gemm_nt(dm_s, l2t_s, y_f, BS)
-        gemm_nt(dm_s, lbt_s, z_f)
-        for t, s in T.Parallel(HB, BS):
-            y_s[(t + BS) % HB, ((t + BS) % HB // BS) * BS + s] = y_f[t, s]
-        for t, n in T.Parallel(BS, HB):
-            zt[n, t] = -z_f[t, n]
-        if stamp is not None:
-            stamp("phase1")
+        # level 1 (WY-3): the 8 x 8 diagonal blocks; lane i < 16 of warp w holds row r = 16 w + i in
+        # fp32 (1 on the diagonal, 0 above) and eliminates column by column: step s subtracts
+        # L[r, s] x (row s of the inverse, from lane s of its group of 8 by a shuffle); lanes 16-31
+        # take part in the shuffles only (no load, no store)
+        r = 16 * w + lane % 16
+        cb = (r // 8) * 8
+        lr = lane % 8
+        if lane < 16:
+            for jj in T.vectorized(8):
+                fh[jj] = m_s[r, cb + jj]
+        for jj in T.unroll(8):
+            f[jj] = T.if_then_else(jj == lr, T.float32(1), T.if_then_else(jj > lr, T.float32(0), T.cast(fh[jj], f32)))
+        for s in T.unroll(7):
+            sc[0] = -f[s]
+            for i in T.unroll(7):
+                if i < s:
+                    v = T.shfl_sync(f[i], s, 8)
+                    if lr > s:
+                        f[i] = f[i] + sc[0] * v
+            if lr > s:
+                f[s] = sc[0]
+        for jj in T.unroll(8):
+            fh[jj] = T.cast(f[jj], f16)
+        if lane < 16:
+            for jj in T.vectorized(8):
+                m_s[r, cb + jj] = fh[jj]
 
-        # phase 2: [Ai10; Ai32] = -blockdiag(F10, F32) [Ai00; Ai22];  Q = Z - [0; F32 Z_top] onto Z
-        gemm_nt(y_s, d2t_s, w_f)
-        for kk in T.unroll(BS // 8, unroll_factor=1):  # K = 16 in rolled 8-wide slices (as gemm_nt)
-            T.gemm(y_s[0:HB, BS + kk * 8 : BS + kk * 8 + 8], zt[0:HB, kk * 8 : kk * 8 + 8], z_f, transpose_B=True)
-        for t, n in T.Parallel(HB, HB):
-            lbt_s[t, n] = z_f[t, n]  # Q over Lb^T (read for the last time in phase 1)
-        for t, s in T.Parallel(HB, BS):
-            if t < BS:
-                b0t_s[s, BS + t] = -w_f[t, s]
-            stage[BS + t + (t // BS) * BS, s + (t // BS) * HB] = T.cast(-w_f[t, s] * b_s[j, s + (t // BS) * HB], dtype)
-        if stamp is not None:
-            stamp("phase2")
+        # Every store into m_s below follows reads of the same elements by other lanes, and every
+        # level reads what other lanes stored: TileLang's barrier pass puts a barrier of the
+        # warpgroup at each (it cannot see that levels 1 and 2 stay inside a warp; none is written
+        # here, so that a warp-specialised kernel's role gets its own), and no store is inside a
+        # branch that only some warps take (a barrier there would be one those warps never reach).
 
-        # phase 3: A[32:, :32] = -Q B_0^-1
-        gemm_nt(lbt_s, b0t_s, o_f)
-        for t, s in T.Parallel(HB, HB):
-            stage[HB + t, s] = T.cast(-o_f[t, s] * b_s[j, s], dtype)
+        # level 2 (WY-4, two blocks): warp w's 16-block at b2 = 16 w, [[P, 0], [Cl, Q]]: Y = Q^-1 Cl,
+        # then -Y P^-1 into Cl's place (m16n8k8; rows 8-15 of the A operands repeat rows 0-7)
+        b2 = 16 * w
+        ldsm(False, 2, b2 + 8 + lane % 8, b2 + 8, a8, 4)
+        ldsm(True, 1, b2 + 8 + lane % 8, b2, b8, 2)
+        for i in T.unroll(4):
+            y8[i] = T.float32(0)
+        mma("m16n8k8", a8, b8, 0, y8, 0)
+        for i in T.unroll(4):
+            a8[i] = T.cast(y8[i], f16)  # the accumulator's layout is the next A operand's
+            y8[i] = T.float32(0)
+        ldsm(True, 1, b2 + lane % 8, b2, b8, 2)
+        mma("m16n8k8", a8, b8, 0, y8, 0)
+        m_s[b2 + 8 + gq, b2 + c2] = T.cast(-y8[0], f16)
+        m_s[b2 + 8 + gq, b2 + c2 + 1] = T.cast(-y8[1], f16)
+        if stamp is not None:
+            stamp("level12")
+
+        # level 3: the 32-block at b3 = 32 (w // 2) on warps 2 (w // 2) and 2 (w // 2) + 1, both forming
+        # Y = Q^-1 Cl (m16n8k16, two n-tiles), each then its n-tile nq = w % 2 of -Y P^-1
+        b3 = 32 * (w // 2)
+        nq = w % 2
+        ldsm(False, 4, b3 + 16 + lane % 16, b3 + 16 + (lane // 16) * 8, a16, 8)
+        ldsm(True, 4, b3 + 16 + lane % 16, b3 + (lane // 16) * 8, b16, 8)
+        for i in T.unroll(8):
+            y16[i] = T.float32(0)
+        mma("m16n8k16", a16, b16, 0, y16, 0)
+        mma("m16n8k16", a16, b16, 4, y16, 4)
+        for i in T.unroll(8):
+            a16[i] = T.cast(y16[i], f16)
+        for i in T.unroll(4):
+            o16[i] = T.float32(0)
+        ldsm(True, 2, b3 + lane % 16, b3 + 8 * nq, b16, 4)
+        mma("m16n8k16", a16, b16, 0, o16, 0)
+        for h in T.unroll(2):
+            for e in T.unroll(2):
+                m_s[b3 + 16 + gq + 8 * h, b3 + 8 * nq + c2 + e] = T.cast(-o16[2 * h + e], f16)
+        if stamp is not None:
+            stamp("level3")
+
+        # level 4: warp w, the 16 x 16 tile (rows 32 + 16 rb, columns 16 cq) of -B_1^-1 Lb B_0^-1, Lb =
+        # L[32:, :32]: per 16 columns s of Y = B_1^-1 Lb (k over B_1^-1's columns, the zero block of
+        # rows 32-47 skipped), then its share of Y B_0^-1 (s = 0 skipped for cq = 1: B_0^-1 is zero
+        # in rows 0-15 past column 15)
+        rb = w // 2
+        cq = w % 2
+        for i in T.unroll(8):
+            o16[i] = T.float32(0)
+        for s in T.unroll(2):
+            if (cq == 0) | (s == 1):
+                for i in T.unroll(8):
+                    y16[i] = T.float32(0)
+                for kk in T.unroll(2):
+                    if (rb == 1) | (kk == 0):
+                        ldsm(False, 4, HB + 16 * rb + lane % 16, HB + 16 * kk + (lane // 16) * 8, a16, 8)
+                        ldsm(True, 4, HB + 16 * kk + lane % 16, 16 * s + (lane // 16) * 8, b16, 8)
+                        mma("m16n8k16", a16, b16, 0, y16, 0)
+                        mma("m16n8k16", a16, b16, 4, y16, 4)
+                for i in T.unroll(8):
+                    a16[i] = T.cast(y16[i], f16)
+                ldsm(True, 4, 16 * s + lane % 16, 16 * cq + (lane // 16) * 8, b16, 8)
+                mma("m16n8k16", a16, b16, 0, o16, 0)
+                mma("m16n8k16", a16, b16, 4, o16, 4)
+        if stamp is not None:
+            stamp("level4")
+
+        # A diag(beta) (RW-2) into the staging tile: the diagonal 32-blocks from m_s, the block below
+        # them from level 4's registers
+        for t, s in T.Parallel(C, HB):
+            stage[t, (t // HB) * HB + s] = T.cast(T.cast(m_s[t, (t // HB) * HB + s], f32) * b_s[j, (t // HB) * HB + s], dtype)
+        for nt in T.unroll(2):
+            for h in T.unroll(2):
+                for e in T.unroll(2):
+                    stage[HB + 16 * rb + gq + 8 * h, 16 * cq + 8 * nt + c2 + e] = T.cast(
+                        -o16[4 * nt + 2 * h + e] * b_s[j, 16 * cq + 8 * nt + c2 + e], dtype)
         T.fence_proxy_async()
         if stamp is not None:
-            stamp("phase3")
+            stamp("stage")
         if store:
             T.tma_copy(stage[:, 0:C], A[hk * G + j, row0 : row0 + C, 0:C])  # waited before the next head writes the tile
         if stamp is not None:
@@ -335,7 +376,6 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
         raise ValueError(f"the prepare kernel stages the A tile in the k tile's first {CHUNK} columns: needs K >= {CHUNK}, got {K}")
     C = CHUNK
     G = HV // H
-    BS = BLOCK
     HB = HALF
     acc = "float32"
     adt = a_dtype or dtype
@@ -343,16 +383,6 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
     Tn = T.dynamic("T")
     R = T.dynamic("R")  # slot rows = slots * 64
     Np1 = T.dynamic("Np1")
-
-    @T.macro
-    def gemm_nt(a, b, c, a_row0=0):
-        """c = a[a_row0 : a_row0 + 32, :32] b[:, :32]^T in slices of KSLICE, the slice loop kept rolled
-        (unrolled, ptxas hoists the operand addresses of every slice out of the value-head loop and
-        spills them)."""
-        T.clear(c)
-        for kk in T.unroll(HB // KSLICE, unroll_factor=1):
-            T.gemm(a[a_row0 : a_row0 + HB, kk * KSLICE : (kk + 1) * KSLICE], b[:, kk * KSLICE : (kk + 1) * KSLICE], c,
-                   transpose_B=True)
 
     # value heads per CTA (the grid's y extent is HV / P; CTA row hb reads q/k head hb // (G / P))
     P = heads_per_cta or G
@@ -392,29 +422,16 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
 
             # k (before the head loop), then A diag(beta) in k's dtype staged in [:, :64] for the TMA store
             ka_s = T.alloc_shared((C, K), dtype)
-            # fp32 operand tiles ([rows, K] for A operands, [N, K] for B operands; columns 32..35 unused)
-            dm_s = T.alloc_shared((3 * BS, ROW), acc)  # rows: [Ai22 | 0], [0 | Ai33], [Ai11 | 0]
-            lbt_s = T.alloc_shared((HB, ROW), acc)  # Lb^T [s, t - 32]; then Q
-            b0t_s = T.alloc_shared((HB, ROW), acc)  # (B_0^-1)^T
-            l2t_s = T.alloc_shared((BS, ROW), acc)  # [L10; L32]^T
-            d2t_s = T.alloc_shared((BS, ROW), acc)  # [Ai00; Ai22]^T
-            ld_s = T.alloc_shared((C, DROW), acc)  # diagonal blocks of L, transposed: [s, t % 16]
-            y_s = dm_s  # blockdiag(F10, F32) over rows 0..31: the same zero blocks as dm_s's
-            zt_s = ld_s  # -Z_top^T in rows 0..31 (ld_s is dead after the substitution)
+            m_s = T.alloc_shared((C, M_ROW), "float16")  # I + L, then the inverse, in place (`value_head_stages`)
             gc_s = T.alloc_shared((P, C), acc)  # g_cum_log2 of the CTA's value heads, head-major
             b_s = T.alloc_shared((P, C), acc)
-            T.annotate_layout({x: make_linear_layout(x) for x in (dm_s, lbt_s, b0t_s, l2t_s, d2t_s, ld_s)})
+            T.annotate_layout({m_s: make_linear_layout(m_s)})
             kk_f = T.alloc_fragment((C, C), acc)
             l_f = T.alloc_fragment((C, C), acc) if P > 1 else None  # L of value head j (kk_f serves them all)
             g_row = T.alloc_fragment((C,), acc)  # gc of value head j at the rows of kk_f this thread holds
             g_col = T.alloc_fragment((C,), acc)  # ... at its columns
             b_row = T.alloc_fragment((C,), acc)  # beta of value head j at its rows
-            y_f = T.alloc_fragment((HB, BS), acc)
-            w_f = T.alloc_fragment((HB, BS), acc)
-            z_f = T.alloc_fragment((HB, HB), acc)
-            o_f = T.alloc_fragment((HB, HB), acc)
-            xcol = T.alloc_local((BS // 2,), acc)
-            bcl = T.alloc_local((1,), acc)  # beta of the column the substitution solves
+            inv = alloc_inverse_locals(T)
             k_bar = T.alloc_barrier(128)  # every thread arrives; the copy engine completes the bytes
 
             if nvalid > 0:
@@ -425,13 +442,6 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
                 for t, j in T.Parallel(C, P):
                     gc_s[j, t] = T.if_then_else(t < nvalid, g[bidx, t0 + t, hk * P + j] * RCP_LN2, T.float32(0))
                     b_s[j, t] = T.if_then_else(t < nvalid, T.cast(beta[bidx, t0 + t, hk * P + j], acc), T.float32(0))
-                # blocks no value head writes, zeroed once: the off-diagonal blocks of the block-diagonal
-                # operands and the upper block of (B_0^-1)^T
-                for t, s in T.Parallel(3 * BS, HB):
-                    dm_s[t, s] = T.float32(0)
-                for t, s in T.Parallel(HB, HB):
-                    y_s[t, s] = T.float32(0)
-                    b0t_s[t, s] = T.float32(0)
                 T.mbarrier_wait_parity(k_bar, 0)
                 if phase_clock:
                     stamp("k_ready")
@@ -441,15 +451,14 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
                 T.gemm(ka_s, ka_s, kk_f, transpose_B=True, clear_accum=True)
                 if phase_clock:
                     stamp("kkt")
-                # k is dead: the staging tile's blocks above the diagonal blocks stay zero
+                # k is dead: the staging tile's block above the diagonal 32-blocks stays zero
                 for t, s in T.Parallel(C, C):
                     ka_s[t, s] = T.cast(0, dtype)
 
                 for j in T.serial(P):
-                    value_head_stages(T, j=j, G=P, hk=hk, nvalid=nvalid, row0=row0, A=A, dtype=adt, gemm_nt=gemm_nt, kk_f=kk_f,
-                                      gc_s=gc_s, b_s=b_s, g_row=g_row, g_col=g_col, b_row=b_row, ld_s=ld_s, lbt_s=lbt_s,
-                                      l2t_s=l2t_s, d2t_s=d2t_s, b0t_s=b0t_s, dm_s=dm_s, y_s=y_s, zt=zt_s, stage=ka_s if adt == dtype else T.view(ka_s, dtype=adt), y_f=y_f,
-                                      w_f=w_f, z_f=z_f, o_f=o_f, xcol=xcol, bcl=bcl,
+                    value_head_stages(T, j=j, G=P, hk=hk, nvalid=nvalid, row0=row0, A=A, dtype=adt, kk_f=kk_f, gc_s=gc_s,
+                                      b_s=b_s, g_row=g_row, g_col=g_col, b_row=b_row, m_s=m_s, inv=inv,
+                                      stage=ka_s if adt == dtype else T.view(ka_s, dtype=adt),
                                       stamp=_clock_stamper(T, clocks, slot, hk, j) if phase_clock else None, l_f=l_f)
                 T.tma_store_wait(0)
 
