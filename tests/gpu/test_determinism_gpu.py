@@ -163,7 +163,7 @@ def test_prepare_with_several_value_heads_a_cta_is_bitwise_repeatable(H, HV, len
     enough, `prepare.pick_heads_per_cta`; the op's small cases above take one head a CTA), launched 20
     times back to back into buffers of their own: A and g_cum_log2 bitwise the same every time. Each
     head's A tile goes out of one shared staging tile by TMA store while the next head writes it: a
-    missing barrier there (fixed in 3b6d977) lets A differ from launch to launch; the serving page's
+    missing barrier there (journal `reliability.md`, "A race in the prepare kernel") lets A differ from launch to launch; the serving page's
     gates at such shapes saw o off by 1e-3 to 1e-2 relative and batch invariance broken."""
     from flashqla.ops.gdn.kernels.sm90.prepare import chunk_prepare_fwd, pick_heads_per_cta
     from flashqla.ops.gdn.kernels.sm90._common import num_slots
