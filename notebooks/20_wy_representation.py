@@ -12,15 +12,19 @@
 # $F = K^\top \operatorname{diag}(r)\, A B V$ (WY-2). So the whole chunk costs a few GEMMs and one
 # triangular inverse. FLA's `solve_tril` computes that inverse blockwise: forward substitution inside
 # each $16 \times 16$ diagonal block (WY-3), then the off-diagonal blocks from the diagonal ones
-# (WY-4). Our sm_90 prepare kernel uses a product form instead (WY-5): with $D$ the block diagonal of
+# (WY-4). A product form does the same in four GEMMs (WY-5): with $D$ the block diagonal of
 # $I + L$, $E$ the strictly block-lower rest and $F = D^{-1} E$, $F^4 = 0$ for four blocks, so
-# $(I + L)^{-1} = (I - F)(I + F^2) D^{-1}$: four $64 \times 64$ GEMMs on the tensor cores (tf32).
+# $(I + L)^{-1} = (I - F)(I + F^2) D^{-1}$. Our sm_90 prepare kernel doubles instead: the $8 \times 8$
+# diagonal blocks by elimination (WY-3), then WY-4 with two blocks at 16, 32 and 64,
+# $[[P, 0], [C, Q]]^{-1} = [[P^{-1}, 0], [-Q^{-1} C P^{-1}, Q^{-1}]]$, each product an fp16 mma.sync with
+# fp32 accumulation (`solve_tril_doubling`).
 #
 # The second half of the notebook asks how well conditioned $I + L$ is for valid inputs (unit keys,
-# $\beta \in [0, 1]$) and how the inverse's error grows in fp32, in bf16, and in the kernel's tf32 GEMMs.
+# $\beta \in [0, 1]$) and how the inverse's error grows in fp32, in bf16, with tf32 GEMMs and in the
+# kernel's fp16 doubling.
 #
-# reviewed: 2026-11-29 · records WY-1 .. WY-5 · `reference.gdn.fused` (`solve_tril_blocks`,
-# `solve_tril_nilpotent`), `reference.gdn.chunk.solve_tril`, `reference.gdn.numerics`
+# reviewed: 2026-12-07 · records WY-1 .. WY-5 · `reference.gdn.fused` (`solve_tril_blocks`,
+# `solve_tril_nilpotent`, `solve_tril_doubling`), `reference.gdn.chunk.solve_tril`, `reference.gdn.numerics`
 
 # %%
 import os
@@ -141,14 +145,16 @@ assert all(worst(gated, "cond", 0.9, b) <= worst(sweep, "cond", 0.9, b) for b in
 # %% [markdown]
 # ## Error of the inverse in low precision
 # Cast $L$, invert in that precision, compare with the fp64 inverse of the uncast $L$
-# (`numerics.inverse_error`, relative RMS). Three precisions: fp32 and bf16 with FLA's blockwise merge
-# run entirely in that dtype, and the kernel's path: $L$ and $D^{-1}$ in fp32, the four GEMMs with tf32
-# operands ($u = 2^{-11}$) and fp32 accumulation. The classical forward-error bound for a triangular
+# (`numerics.inverse_error`, relative RMS). Four precisions: fp32 and bf16 with FLA's blockwise merge
+# run entirely in that dtype; the product form with $L$ and $D^{-1}$ in fp32 and the four GEMMs with
+# tf32 operands ($u = 2^{-11}$) and fp32 accumulation; and the kernel's doubling, $L$ and every stored
+# step in fp16 ($u = 2^{-11}$), products accumulated in fp32. The classical forward-error bound for a triangular
 # inverse is a small multiple of $u\,\kappa(I + L)$; the plot divides each error by its $u$.
 
 # %%
 PRECISIONS = {"fp32": numerics.UNIT_ROUNDOFF[torch.float32], "bf16": numerics.UNIT_ROUNDOFF[torch.bfloat16],
-              "kernel (tf32 GEMMs)": numerics.UNIT_ROUNDOFF["tf32"]}
+              "tf32 product form": numerics.UNIT_ROUNDOFF["tf32"],
+              "kernel (fp16 mma.sync)": numerics.UNIT_ROUNDOFF["fp16 mma"]}
 conds = [r["cond"] for r in sweep]
 fig, ax = plt.subplots(figsize=(6.5, 4))
 for label, u in PRECISIONS.items():
@@ -173,7 +179,7 @@ for label, u in PRECISIONS.items():
     # and in practice a few units of roundoff: the inverse does not amplify rounding the way cond suggests
     assert max(e) <= 4 * u, label
 # the kernel's inverse is more accurate than the bf16 rounding of A it is stored with
-assert max(r["kernel (tf32 GEMMs)"] for r in sweep) <= PRECISIONS["bf16"]
+assert max(r["kernel (fp16 mma.sync)"] for r in sweep) <= PRECISIONS["bf16"]
 
 # %% [markdown]
 # ## Conclusions (asserted above)
@@ -183,5 +189,5 @@ assert max(r["kernel (tf32 GEMMs)"] for r in sweep) <= PRECISIONS["bf16"]
 #   a decay only lowers it. It grows through $\|I + L\|$: $\|(I + L)^{-1}\|_2$ stayed below 2.5 in every
 #   sample (observed, not proved).
 # - Every inverse is within the classical bound $u\,\kappa$, and in fact within $4u$ of fp64 in fp32, bf16
-#   and the kernel's tf32 GEMMs alike. The kernel's inverse error stays below one bf16 rounding, the
-#   precision A is stored in.
+#   and with tf32 GEMMs alike, and so is the kernel's fp16 doubling. The kernel's inverse error stays
+#   below one bf16 rounding, the precision A is stored in.

@@ -197,6 +197,31 @@ def test_solve_tril_recursive_matches_blockwise_inverse(block):
         solve_tril_recursive(L[:, :-1, :-1], block)
 
 
+@pytest.mark.parametrize("block", [1, 2, 8])
+def test_solve_tril_doubling_matches_blockwise_inverse(block):
+    """The prepare kernel's inverse order (`solve_tril_doubling`: WY-3 on the diagonal blocks, WY-4 with
+    two blocks at three doublings) equals FLA's blockwise merge in fp64; with the kernel's fp16 storage
+    its error on valid-domain L (unit keys, beta in (0, 1]) stays within a few fp16 roundings."""
+    from reference.gdn import numerics
+    from reference.gdn.fused import solve_tril_blocks, solve_tril_doubling
+
+    gen = torch.Generator().manual_seed(block)
+    n = 8 * block
+    L = 0.4 * torch.randn(3, n, n, dtype=torch.float64, generator=gen)
+    A = solve_tril_doubling(L, block)
+    torch.testing.assert_close(A, solve_tril_blocks(L, min(block, 16)), rtol=0, atol=1e-12)
+    eye = torch.eye(n, dtype=torch.float64)
+    torch.testing.assert_close((eye + torch.tril(L, -1)) @ A, eye.expand(3, n, n), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="8 \\* block"):
+        solve_tril_doubling(L[:, :-1, :-1], block)
+    if n == 64:
+        k = numerics.unit_keys(8, 64, 128, rho=0.9, seed=block)
+        Lv = numerics.kkt_matrix(k, torch.rand(8, 64, generator=gen, dtype=torch.float64))
+        err = numerics.inverse_error(Lv, "fp16 mma", "doubling")
+        assert bool((err < 4 * numerics.UNIT_ROUNDOFF["fp16 mma"]).all()), err
+        assert solve_tril_doubling(Lv, block, storage=torch.float16).dtype == torch.float32
+
+
 @pytest.mark.parametrize("nvalid", [64, 37, 1])
 def test_prepare_group_recursive_matches_nilpotent_twin_and_chunk_reference(nvalid):
     """The prepare kernel's stage twin (`reference.gdn.fused.prepare_group_recursive`) equals FLA's

@@ -65,7 +65,8 @@ __all__ = [
 ]
 
 #: Unit roundoff u = 2^-p (p = stored mantissa bits + 1) of the dtypes studied.
-UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, "tf32": 2.0**-11, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, "tf32": 2.0**-11, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11,
+                 "fp16 mma": 2.0**-11}
 
 _ROUNDED = ("q", "k", "v", "do")  # stored in the input dtype by the kernels
 _FP32 = ("g", "beta", "initial_state", "dht")  # kept in fp32
@@ -141,9 +142,9 @@ def round_tf32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _nilpotent_tf32(L: torch.Tensor, block: int) -> torch.Tensor:
-    """`fused.solve_tril_nilpotent` as the sm_90 prepare kernel runs it: L and D^-1 (forward
-    substitution in the diagonal blocks) in fp32, the four n x n GEMMs with tf32 operands and fp32
-    accumulation."""
+    """`fused.solve_tril_nilpotent` with L and D^-1 (forward substitution in the diagonal blocks) in
+    fp32 and the four n x n GEMMs with tf32 operands and fp32 accumulation (an earlier form of the
+    sm_90 prepare kernel's inverse)."""
     n = L.shape[-1]
     L = torch.tril(L.float(), -1)
     Dinv = fused.solve_tril_diagonal_blocks(L, block)
@@ -155,9 +156,10 @@ def _nilpotent_tf32(L: torch.Tensor, block: int) -> torch.Tensor:
     return mm(X - mm(F, X), Dinv)
 
 
-#: The inverse algorithms `inverse_error` can run: FLA's blockwise merge (WY-3, WY-4) and the
-#: product form of the sm_90 prepare kernel (I - F)(I + F^2) D^-1.
-INVERSE_METHODS = ("blocks", "nilpotent")
+#: The inverse algorithms `inverse_error` can run: FLA's blockwise merge (WY-3, WY-4), the product
+#: form (I - F)(I + F^2) D^-1 (WY-5) and the sm_90 prepare kernel's recursive doubling
+#: (`fused.solve_tril_doubling`: WY-3 on 8 x 8 blocks, WY-4 with two blocks at 16, 32, 64).
+INVERSE_METHODS = ("blocks", "nilpotent", "doubling")
 
 
 def inverse_error(L: torch.Tensor, precision, method: str = "blocks") -> torch.Tensor:
@@ -166,11 +168,13 @@ def inverse_error(L: torch.Tensor, precision, method: str = "blocks") -> torch.T
 
     Args:
         L: [..., C, C] strictly lower (any float dtype; the truth is computed from it in fp64).
-        precision: a torch dtype (L cast to it and every operation run in it: fp32, bf16, fp16), or
-            "tf32" (L in fp32, GEMM operands rounded to tf32, fp32 accumulation: the kernel's mma.sync;
-            only with method "nilpotent").
-        method: "blocks" (`fused.solve_tril_blocks`, FLA's merge) or "nilpotent"
-            (`fused.solve_tril_nilpotent`, needs C == 64 with 16-wide blocks).
+        precision: a torch dtype (L cast to it and every operation run in it: fp32, bf16, fp16),
+            "tf32" (L in fp32, GEMM operands rounded to tf32, fp32 accumulation; only with method
+            "nilpotent") or "fp16 mma" (L and every stored step rounded to fp16, products of fp16
+            operands accumulated in fp32: the prepare kernel's mma.sync; only with method "doubling").
+        method: "blocks" (`fused.solve_tril_blocks`, FLA's merge), "nilpotent"
+            (`fused.solve_tril_nilpotent`, needs C == 64 with 16-wide blocks) or "doubling"
+            (`fused.solve_tril_doubling`, 8-wide first blocks, needs C == 64).
 
     Returns:
         float64 tensor of the batch shape. Raises ValueError for an unknown method or precision.
@@ -181,13 +185,18 @@ def inverse_error(L: torch.Tensor, precision, method: str = "blocks") -> torch.T
     ref = fused.solve_tril_blocks(L.double(), block)
     if precision == "tf32":
         if method != "nilpotent":
-            raise ValueError("precision 'tf32' models the kernel's GEMMs: use method='nilpotent'")
+            raise ValueError("precision 'tf32' models the earlier kernel's GEMMs: use method='nilpotent'")
         low = _nilpotent_tf32(L, block)
+    elif precision == "fp16 mma":
+        if method != "doubling":
+            raise ValueError("precision 'fp16 mma' models the kernel's doubling: use method='doubling'")
+        low = fused.solve_tril_doubling(L.float(), L.shape[-1] // 8, storage=torch.float16)
     elif isinstance(precision, torch.dtype):
-        fn = fused.solve_tril_blocks if method == "blocks" else fused.solve_tril_nilpotent
+        fn = {"blocks": fused.solve_tril_blocks, "nilpotent": fused.solve_tril_nilpotent,
+              "doubling": lambda x, b: fused.solve_tril_doubling(x, x.shape[-1] // 8)}[method]
         low = fn(L.to(precision), block)
     else:
-        raise ValueError(f"precision must be a torch dtype or 'tf32', got {precision!r}")
+        raise ValueError(f"precision must be a torch dtype, 'tf32' or 'fp16 mma', got {precision!r}")
     return torch.linalg.matrix_norm(low.double() - ref) / torch.linalg.matrix_norm(ref)
 
 
@@ -195,7 +204,8 @@ def inverse_error(L: torch.Tensor, precision, method: str = "blocks") -> torch.T
 SWEEP_PRECISIONS = (
     ("fp32", torch.float32, "blocks"),
     ("bf16", torch.bfloat16, "blocks"),
-    ("kernel (tf32 GEMMs)", "tf32", "nilpotent"),
+    ("tf32 product form", "tf32", "nilpotent"),
+    ("kernel (fp16 mma.sync)", "fp16 mma", "doubling"),
 )
 
 

@@ -282,7 +282,11 @@ def _wy4(s, lhs_fn, rhs_fn):
     block = 16 if s.C % 16 == 0 else s.C
     L = fused.to_chunks(s.L_fla, s.lay)
     A = fused.to_chunks(rhs_fn(s.L_fla, **s.cs), s.lay)
-    return [TwinPair("A", s.on_valid(lhs_fn(L, block)), s.on_valid(A))]
+    pairs = [TwinPair("A", s.on_valid(lhs_fn(L, block)), s.on_valid(A))]
+    if s.C % 8 == 0:
+        # WY-4 with two blocks applied recursively from 8-wide diagonal blocks (the sm_90 prepare kernel's order)
+        pairs.append(TwinPair("A (recursive doubling)", s.on_valid(fused.solve_tril_doubling(L, s.C // 8)), s.on_valid(A)))
+    return pairs
 
 
 @_driver("WY-5")
