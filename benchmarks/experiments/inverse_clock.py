@@ -21,8 +21,10 @@ Per CTA and level, thread 0's clock64 intervals summed over the CTA's chunks (st
 kernel time by CUDA events over all chunks. Inputs: L = beta K K^T * Gamma, strictly lower
 (`reference.gdn.numerics.unit_keys` / `kkt_matrix`, with decays), fp32. Accuracy: relative RMS of
 the inverse against the fp64 inverse, beside `doubling_model` (the same levels on the CPU: fp16
-storage between levels, fp32 products of fp16 operands) and the fp32 / tf32 kernel model
-(`numerics.inverse_error(L, "tf32", "nilpotent")`).
+storage between levels, fp32 products of fp16 operands) and the earlier kernel's tf32 product form
+(`numerics.inverse_error(L, "tf32", "nilpotent")`). The kernel's level 3 runs on warps 0 and 2 alone
+here (the shipped kernel's on all four: with TileLang's barrier pass on, a store inside that branch
+gets a barrier the other warps never reach; the "manual" build has none there).
 
     python benchmarks/experiments/inverse_clock.py [--chunks-per-cta 64] [--ctas-per-sm 1,4]
     TILELANG_CACHE_DIR=/tmp/tlc python benchmarks/experiments/inverse_clock.py --precompile-only
@@ -238,24 +240,12 @@ def build(n: int, ctas: int, sync: str = "auto"):
 
 
 def doubling_model(L: torch.Tensor) -> torch.Tensor:
-    """The kernel's levels on the CPU: fp16 storage of M between levels, every product of fp16
-    operands accumulated in fp32 (as mma.sync), level 1 in fp32 from fp16 L. L: [..., 64, 64]
-    strictly lower (fp32 or fp64). Returns the inverse [..., 64, 64] in fp32 (fp16 values)."""
-    h = lambda x: x.to(torch.float16).float()  # noqa: E731
-    M = h(torch.tril(L.float(), -1))
-    M = M + torch.eye(C)
-    # level 1: 8 x 8 blocks, fp32 elimination of fp16-rounded entries, rounded once at the store
-    out = torch.zeros_like(M)
-    for b in range(C // 8):
-        s = slice(8 * b, 8 * b + 8)
-        out[..., s, s] = h(torch.linalg.inv(M[..., s, s].double()).float())
-    for lvl in (8, 16, 32):
-        for b in range(C // (2 * lvl)):
-            p = slice(2 * lvl * b, 2 * lvl * b + lvl)
-            q = slice(2 * lvl * b + lvl, 2 * lvl * (b + 1))
-            y = h(out[..., q, q] @ M[..., q, p])
-            out[..., q, p] = h(-(y @ out[..., p, p]))
-    return out
+    """The kernel's levels on the CPU (`reference.gdn.fused.solve_tril_doubling` with fp16 storage:
+    L and each stored step in fp16, products of fp16 operands accumulated in fp32). L: [..., 64, 64]
+    strictly lower. Returns the inverse [..., 64, 64] in fp32."""
+    from reference.gdn.fused import solve_tril_doubling
+
+    return solve_tril_doubling(L.float(), C // 8, storage=torch.float16)
 
 
 def make_inputs(n: int, seed: int = 0):
