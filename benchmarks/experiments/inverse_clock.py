@@ -23,8 +23,9 @@ kernel time by CUDA events over all chunks. Inputs: L = beta K K^T * Gamma, stri
 the inverse against the fp64 inverse, beside `doubling_model` (the same levels on the CPU: fp16
 storage between levels, fp32 products of fp16 operands) and the earlier kernel's tf32 product form
 (`numerics.inverse_error(L, "tf32", "nilpotent")`). The kernel's level 3 runs on warps 0 and 2 alone
-here (the shipped kernel's on all four: with TileLang's barrier pass on, a store inside that branch
-gets a barrier the other warps never reach; the "manual" build has none there).
+here (TileLang's pass splits the branch around its barrier in this build); the shipped kernel's runs on
+all four warps (a draft of it with a __syncwarp before the stores inside that branch got a CTA
+barrier inside it, one the other warps never reach).
 
     python benchmarks/experiments/inverse_clock.py [--chunks-per-cta 64] [--ctas-per-sm 1,4]
     TILELANG_CACHE_DIR=/tmp/tlc python benchmarks/experiments/inverse_clock.py --precompile-only
