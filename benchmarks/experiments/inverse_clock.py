@@ -321,7 +321,7 @@ def main():
             gap = (Xs.double() - model.double()).abs().max().item()
             finite = bool(torch.isfinite(X).all())
             cyc = clocks.double().median(0).values / args.chunks_per_cta
-            ms = time_cuda_graph(lambda: kern(Lg, X, clocks))
+            ms = time_cuda_graph(lambda: kern(Lg, X, clocks)).ms
             rows.append((m, sync, cyc, ms, n, err_k, err_m, err_tf32, gap, finite))
             print(f"ctas/SM {m} sync {sync}: cycles a chunk (median CTA) "
                   + ", ".join(f"{s} {c:.0f}" for s, c in zip(STAMPS[1:], cyc[:4].tolist()))
