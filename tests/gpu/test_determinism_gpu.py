@@ -174,7 +174,11 @@ def test_prepare_with_several_value_heads_a_cta_is_bitwise_repeatable(H, HV, len
     cu = x["cu_seqlens"].to(DEV, torch.int32)
     S = num_slots(1, sum(lengths), len(lengths), True)
     assert pick_heads_per_cta(S, H, HV) is None, "the case must take several value heads a CTA"
-    runs = [chunk_prepare_fwd(k, g, beta, cu, HV) for _ in range(20)]
+    # outputs filled with a constant first: the spare slots past the last sequence (`num_slots` rounds
+    # up) are not written by the kernel, and torch.empty would leave whatever the allocator had there
+    runs = [chunk_prepare_fwd(k, g, beta, cu, HV, A=torch.full((HV, S * 64, 64), 7.0, dtype=k.dtype, device=DEV),
+                              g_cum_log2=torch.full((HV, S * 64), 7.0, dtype=torch.float32, device=DEV))
+            for _ in range(20)]
     torch.cuda.synchronize()
     bad = [i for i, (A, gc) in enumerate(runs[1:], 1) if not (torch.equal(A, runs[0][0]) and torch.equal(gc, runs[0][1]))]
     print(f"{H}/{HV} {len(lengths)}x{lengths[0]}: 20 launches, differing from the first: {bad or 'none'}")
