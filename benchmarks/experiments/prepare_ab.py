@@ -76,12 +76,14 @@ def load_variant(name: str, folder: str):
     return prep
 
 
-def accuracy(k, g, beta, HV: int, As: dict) -> dict:
-    """Relative RMS error (all chunks together) of each A in `As` ([HV, S * 64, 64], the slots in order:
-    sequences of lengths that are multiples of 64, packed) against A diag(beta) in fp64 from
-    `reference.gdn.fused.prepare_group` on the same inputs."""
+def accuracy(k, g, beta, HV: int, lens: list, As: dict) -> dict:
+    """Relative RMS error (all chunks together) of each A in `As` ([HV, slots * 64, 64], the op's slot
+    layout: sequence n's chunks from slot cu[n] / 64 + n, `_common.slot_index`) against A diag(beta) in
+    fp64 from `reference.gdn.fused.prepare_group` on the same inputs (packed sequences of lengths
+    that are multiples of 64)."""
     import torch
 
+    from flashqla.ops.gdn.kernels.sm90._common import slot_index
     from reference.gdn.fused import prepare_group
 
     _, T, H, K = k.shape
@@ -92,8 +94,12 @@ def accuracy(k, g, beta, HV: int, As: dict) -> dict:
     ref = torch.cat([prepare_group(kc[i : i + 64], gc[i : i + 64], bc[i : i + 64])[1] for i in range(0, S, 64)])
     ref = ref.reshape(S, HV, 64, 64).permute(1, 0, 2, 3)  # [HV, S, C, C]
     out = {}
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    used = torch.tensor([slot_index(n, c, T, cu) for n in range(len(lens)) for c in range(lens[n] // 64)], device=k.device)
     for name, A in As.items():
-        d = A[:, : S * 64].double().view(HV, S, 64, 64) - ref  # A has spare slots past the last sequence's
+        d = A.view(HV, -1, 64, 64)[:, used].double() - ref
         out[name] = (d.square().sum() / ref.square().sum()).sqrt().item()
     return out
 
@@ -169,7 +175,7 @@ def main() -> None:
             print(heads, "repeats (launches differing from the first / most elements differing):", rep, flush=True)
             same = (same, rep)
         if args.accuracy and all(n % 64 == 0 for n in lens):
-            err = accuracy(k, g, beta, HV, {n: o[0] for n, o in outs.items()})
+            err = accuracy(k, g, beta, HV, lens, {n: o[0] for n, o in outs.items()})
             print(heads, mix, "relative RMS of A diag(beta) against fp64:", {n: f"{e:.3e}" for n, e in err.items()}, flush=True)
             same = (same, {n: f"{e:.2e}" for n, e in err.items()})
         times = {n: [] for n in mods}
