@@ -11,7 +11,8 @@ groups). M holds I + L on and below the diagonal, zeros above; the levels overwr
 the inverse's blocks ([[P, 0], [C, Q]]^-1 = [[P^-1, 0], [-Q^-1 C P^-1, Q^-1]] at each level):
 
   level 1  8 x 8 diagonal blocks: warp w, lanes 0-15, one row each of rows 16 w .. 16 w + 15, Gauss
-           elimination by columns (7 steps, shuffles inside each group of 8 lanes, fp32 in registers)
+           elimination by columns (7 steps, shuffles inside each group of 8 lanes, fp32 in registers):
+           the prepare kernel's own macro (`prepare.diagonal_blocks_8x8`)
   level 2  16 x 16 blocks: warp w's block, two m16n8k8 fp16 mma.sync (Y = Q^-1 C in fp32, re-packed in
            registers as the second product's A operand, then Y P^-1); after __syncwarp only
   level 3  32 x 32 blocks: warps 0 and 2, the same at m16n8k16 (two n-tiles a product); after a CTA barrier
@@ -50,6 +51,8 @@ STAMPS = ("load", "level1", "level2", "level3", "level4")
 
 def _inverse_prim_func(n: int, ctas: int, manual: bool = False):
     import tilelang.language as T
+
+    from flashqla.ops.gdn.kernels.sm90.prepare import diagonal_blocks_8x8
 
     per_cta = n // ctas
     NS = len(STAMPS)
@@ -90,30 +93,8 @@ def _inverse_prim_func(n: int, ctas: int, manual: bool = False):
                 T.sync_threads()
                 t0[0] = T.call_extern("int64", "clock64")
 
-                # level 1: rows r = 16 w + lane % 16 (lanes 16-31 repeat lanes 0-15 and store nothing)
-                r = 16 * w + lane % 16
-                cb = (r // 8) * 8
-                lr = lane % 8
-                for j in T.vectorized(8):
-                    fh[j] = M[r, cb + j]
-                for j in T.unroll(8):
-                    f[j] = T.if_then_else(j == lr, T.float32(1), T.if_then_else(j > lr, T.float32(0), T.cast(fh[j], f32)))
-                for s in T.unroll(7):
-                    sc[0] = -f[s]
-                    for i in T.unroll(7):
-                        if i < s:
-                            v = T.shfl_sync(f[i], s, 8)
-                            if lr > s:
-                                f[i] = f[i] + sc[0] * v
-                    if lr > s:
-                        f[s] = sc[0]
-                for j in T.unroll(8):
-                    fh[j] = T.cast(f[j], f16)
-                if manual:
-                    T.sync_warp()  # lanes 16-31 read the rows lanes 0-15 write
-                if lane < 16:
-                    for j in T.vectorized(8):
-                        M[r, cb + j] = fh[j]
+                # level 1: the kernel's own (`prepare.diagonal_blocks_8x8`)
+                diagonal_blocks_8x8(T, M, dict(fh=fh, f=f, sc=sc), w, lane)()
                 T.sync_warp()
                 if tx == 0:
                     t1 = T.call_extern("int64", "clock64")

@@ -157,6 +157,45 @@ def alloc_inverse_locals(T) -> dict:
                 o16=T.alloc_local((8,), f32))
 
 
+def diagonal_blocks_8x8(T, m_s, inv, w, lane):
+    """Level 1 of the inverse (WY-3) as a T.macro to call inside a kernel body run by one warpgroup,
+    whose warp w (0-3) and lane are given (TIR expressions): the 8 x 8 diagonal blocks of the unit lower triangular fp16 tile m_s
+    (I + L on and below the diagonal; what is above is ignored) replaced by their inverses, in place.
+    Lane i < 16 of warp w holds row r = 16 w + i in fp32 (1 on the diagonal, 0 above) and eliminates
+    column by column: step s subtracts L[r, s] x (row s of the inverse, from lane s of its group of 8
+    by a shuffle); lanes 16-31 take part in the shuffles only (no load, no store). Each warp reads and
+    writes only its own 16 rows. inv: `alloc_inverse_locals`' registers (fh, f, sc)."""
+    f16, f32 = "float16", "float32"
+    fh, f, sc = inv["fh"], inv["f"], inv["sc"]
+
+    @T.macro
+    def level1():
+        r = 16 * w + lane % 16
+        cb = (r // 8) * 8
+        lr = lane % 8
+        if lane < 16:
+            for jj in T.vectorized(8):
+                fh[jj] = m_s[r, cb + jj]
+        for jj in T.unroll(8):
+            f[jj] = T.if_then_else(jj == lr, T.float32(1), T.if_then_else(jj > lr, T.float32(0), T.cast(fh[jj], f32)))
+        for s in T.unroll(7):
+            sc[0] = -f[s]
+            for i in T.unroll(7):
+                if i < s:
+                    v = T.shfl_sync(f[i], s, 8)
+                    if lr > s:
+                        f[i] = f[i] + sc[0] * v
+            if lr > s:
+                f[s] = sc[0]
+        for jj in T.unroll(8):
+            fh[jj] = T.cast(f[jj], f16)
+        if lane < 16:
+            for jj in T.vectorized(8):
+                m_s[r, cb + jj] = fh[jj]
+
+    return level1
+
+
 def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, kk_f, gc_s, b_s, g_row, g_col, b_row, m_s, inv, stage,
                       stamp=None, tx0=0, store=True, l_f=None, after_l=None):
     """Emits one value head's stages (L, the inverse's four levels, A diag(beta) into the staging tile,
@@ -177,7 +216,6 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, kk_f, gc_s, b_s, g
     C = CHUNK
     HB = HALF
     f16, f32 = "float16", "float32"
-    fh, f, sc = inv["fh"], inv["f"], inv["sc"]
     a8, b8, y8 = inv["a8"], inv["b8"], inv["y8"]
     a16, b16, y16, o16 = inv["a16"], inv["b16"], inv["y16"], inv["o16"]
 
@@ -229,32 +267,7 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, kk_f, gc_s, b_s, g
         gq = lane // 4  # the mma fragments' row (and row + 8) ...
         c2 = (lane % 4) * 2  # ... and column pair of this lane
 
-        # level 1 (WY-3): the 8 x 8 diagonal blocks; lane i < 16 of warp w holds row r = 16 w + i in
-        # fp32 (1 on the diagonal, 0 above) and eliminates column by column: step s subtracts
-        # L[r, s] x (row s of the inverse, from lane s of its group of 8 by a shuffle); lanes 16-31
-        # take part in the shuffles only (no load, no store)
-        r = 16 * w + lane % 16
-        cb = (r // 8) * 8
-        lr = lane % 8
-        if lane < 16:
-            for jj in T.vectorized(8):
-                fh[jj] = m_s[r, cb + jj]
-        for jj in T.unroll(8):
-            f[jj] = T.if_then_else(jj == lr, T.float32(1), T.if_then_else(jj > lr, T.float32(0), T.cast(fh[jj], f32)))
-        for s in T.unroll(7):
-            sc[0] = -f[s]
-            for i in T.unroll(7):
-                if i < s:
-                    v = T.shfl_sync(f[i], s, 8)
-                    if lr > s:
-                        f[i] = f[i] + sc[0] * v
-            if lr > s:
-                f[s] = sc[0]
-        for jj in T.unroll(8):
-            fh[jj] = T.cast(f[jj], f16)
-        if lane < 16:
-            for jj in T.vectorized(8):
-                m_s[r, cb + jj] = fh[jj]
+        diagonal_blocks_8x8(T, m_s, inv, w, lane)()
 
         # Every store into m_s below follows reads of the same elements by other lanes, and every
         # level reads what other lanes stored: TileLang's barrier pass puts a barrier of the
