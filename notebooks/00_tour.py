@@ -86,7 +86,7 @@ else:
 # | notebook | what it shows |
 # | --- | --- |
 # | `10_recurrence_to_chunks` | the chunk-form records (CF) rendered and proved, their twins in fp64, fp32 per token |
-# | `20_wy_representation` | the WY/UT records, conditioning of $I + L$, the inverse's error in fp32, bf16 and the kernel's tf32 |
+# | `20_wy_representation` | the WY/UT records, conditioning of $I + L$, the inverse's error in fp32, bf16, tf32 and the kernel's fp16 doubling |
 # | `30_rewrites` | every hardware-friendly rewrite (RW): proved, and no less accurate than FLA's form in bf16/fp32 |
 # | `40_backward` | the hand-written backward (BWD) against autograd of the recurrence, per gradient, fp64 and fp32 |
 # | `50_context_parallel` | segment maps (CP) and the truncation bound against the measured error |

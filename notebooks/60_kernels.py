@@ -5,7 +5,7 @@
 #
 # | kernel | reference stages it covers | what it leaves in memory |
 # | --- | --- | --- |
-# | `prepare` | `chunk_local_cumsum`, `chunk_scaled_dot_kkt`, `solve_tril` (as the product form, WY-5) | `g_cum_log2` (fp32, base 2, RW-4) and $A \operatorname{diag}(\beta)$ (bf16), per chunk slot |
+# | `prepare` | `chunk_local_cumsum`, `chunk_scaled_dot_kkt`, `solve_tril` (by recursive doubling in fp16, WY-3 and WY-4) | `g_cum_log2` (fp32, base 2, RW-4) and $A \operatorname{diag}(\beta)$ (bf16), per chunk slot |
 # | `recurrent` | `chunk_fwd_h` and `chunk_fwd_o` with the merged $\tilde V$ (RW-2), state on chip | o, final state |
 #
 # Here each is held against the fp64 reference on the same (bf16-rounded) inputs: the prepare kernel's
@@ -114,10 +114,11 @@ else:
 
 # %% [markdown]
 # ## Stage 2 (prepare): the WY inverse
-# The kernel stores $A \operatorname{diag}(\beta)$ in bf16, $A$ FLA's gated inverse computed by the product
-# form (WY-5) with tf32 GEMMs. Against `solve_tril(chunk_scaled_dot_kkt(...))` in fp64 times $\beta$ by
-# column, on every chunk's valid square. Storing the exact $A\operatorname{diag}(\beta)$ in bf16 would
-# already cost one rounding (notebook 20: the tf32 inverse's own error stays below that); the kernel's
+# The kernel stores $A \operatorname{diag}(\beta)$ in bf16, $A$ FLA's gated inverse computed by recursive
+# doubling (WY-3 on the $8 \times 8$ diagonal blocks, WY-4 at 16, 32, 64) with fp16 mma.sync and fp32
+# accumulation. Against `solve_tril(chunk_scaled_dot_kkt(...))` in fp64 times $\beta$ by column, on every
+# chunk's valid square. Storing the exact $A\operatorname{diag}(\beta)$ in bf16 would already cost one
+# rounding (notebook 20: the fp16 doubling's own error stays below that); the kernel's
 # error is held to the budget and to a small multiple of that floor.
 
 # %%
