@@ -13,8 +13,9 @@ diagonal block (WY-3), then the off-diagonal blocks of the inverse from the diag
 
     Ai_ii = (I + L_ii)^-1,   Ai_ij = -Ai_ii sum_{m=j}^{i-1} L_im Ai_mj   (i > j)
 
-The sm_90 prepare kernel merges the four diagonal-block inverses with four dense n x n products
-instead (WY-5): with D the block-diagonal part of I + L and E the strictly block-lower part,
+A product form merges the four diagonal-block inverses with four dense n x n products instead
+(WY-5; an earlier form of the sm_90 prepare kernel's inverse, which now applies WY-4 with two blocks
+recursively from 8 x 8 diagonal blocks): with D the block-diagonal part of I + L and E the strictly block-lower part,
 I + L = D (I + F), F = D^-1 E, and F^4 = 0 for four blocks, so
 
     (I + L)^-1 = (I - F + F^2 - F^3) D^-1 = (I - F)(I + F^2) D^-1          (WY-5)

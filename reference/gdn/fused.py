@@ -575,8 +575,8 @@ def recurrent_deltas(k, v, g, beta, initial_state=None, cu_seqlens=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# Appended for the sm_90 prepare kernel (flashqla/ops/gdn/kernels/sm90/prepare.py): the block
-# inverse it computes. Needs a derivation record (proposed id WY-5):
+# The product form of the block inverse (an earlier form of the sm_90 prepare kernel's inverse;
+# record WY-5):
 #     (I + L)^-1 = (I - F)(I + F^2) D^-1,   D = blockdiag(I + L_ii),  E = L - blocks(L_ii),  F = D^-1 E,
 # exact because F is strictly block-lower with 4 blocks (F^4 = 0), so (I + F)^-1 = I - F + F^2 - F^3.
 # Twins: this function and `solve_tril_blocks` (WY-4).
@@ -584,10 +584,10 @@ def recurrent_deltas(k, v, g, beta, initial_state=None, cu_seqlens=None):
 
 
 def solve_tril_nilpotent(L: torch.Tensor, block: int = 16) -> torch.Tensor:
-    """(I + L)^-1 for strictly lower L [..., n, n] with n == 4 * block, as the sm_90 prepare kernel
-    computes it: D^-1 by forward substitution in the diagonal blocks (WY-3), then four n x n products
-    F = D^-1 E, X = I + F F, G = X - F X, A = G D^-1 (proposed record WY-5: (I + F)^-1 = (I - F)(I + F^2)
-    when F^4 = 0).
+    """(I + L)^-1 for strictly lower L [..., n, n] with n == 4 * block, in the product form (an earlier
+    form of the sm_90 prepare kernel's inverse): D^-1 by forward substitution in the diagonal blocks
+    (WY-3), then four n x n products F = D^-1 E, X = I + F F, G = X - F X, A = G D^-1 (record WY-5:
+    (I + F)^-1 = (I - F)(I + F^2) when F^4 = 0).
 
     Entries on and above the diagonal of L are ignored. Returns [..., n, n], unit lower triangular.
     Raises ValueError unless n == 4 * block.
@@ -607,7 +607,7 @@ def solve_tril_nilpotent(L: torch.Tensor, block: int = 16) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # The grouped prepare stage: one chunk of one q/k head for all G value heads of its group, K K^T
 # formed once, each value head's inverse by WY-5's four products (the sm_90 prepare kernel,
-# flashqla/ops/gdn/kernels/sm90/prepare.py, forms it recursively: `prepare_group_recursive` below).
+# flashqla/ops/gdn/kernels/sm90/prepare.py, forms it by recursive doubling: `prepare_group_recursive` below).
 # Records: CF-1..CF-3 (FLA's gated A), WY-3 (diagonal blocks), WY-5 ((I - F)(I + F^2) D^-1, with
 # G = (I - F) X taken literally as one product), RW-2 (beta folded into the stored columns), RW-4
 # (base 2). No new record: sharing K K^T is the op's GVA definition.
@@ -684,7 +684,8 @@ def prepare_group(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, nvalid: 
 
 
 def solve_tril_recursive(L: torch.Tensor, block: int = 16) -> torch.Tensor:
-    """(I + L)^-1 for strictly lower L [..., n, n] with n == 4 * block, as the sm_90 prepare kernel forms it:
+    """(I + L)^-1 for strictly lower L [..., n, n] with n == 4 * block, as the sm_90 prepare kernel formed it
+    before its inverse became recursive doubling (`solve_tril_doubling`):
 
         Ai_ii = (I + L_ii)^-1 by forward substitution (WY-3), i = 0..3
         F_10 = Ai_11 L_10,  F_32 = Ai_33 L_32,  Z = blockdiag(Ai_22, Ai_33) Lb,  Lb = L[2b:, :2b]

@@ -291,7 +291,7 @@ def _wy4(s, lhs_fn, rhs_fn):
 
 @_driver("WY-5")
 def _wy5(s, lhs_fn, rhs_fn):
-    # the sm_90 prepare kernel's product form needs four blocks: block = C / 4
+    # the product form needs four blocks: block = C / 4
     L = fused.to_chunks(s.L_fla, s.lay)
     A = fused.to_chunks(rhs_fn(s.L_fla, **s.cs), s.lay)
     return [TwinPair("A", s.on_valid(lhs_fn(L, s.C // 4)), s.on_valid(A))]
