@@ -179,24 +179,6 @@ def test_prepare_phase_clock_build_compiles():
     assert r["registers"] <= 96 and r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0
 
 
-@pytest.mark.parametrize("block", [1, 2, 16])
-def test_solve_tril_recursive_matches_blockwise_inverse(block):
-    """The prepare kernel's inverse order (`solve_tril_recursive`: WY-3 blocks, WY-4 with two blocks at
-    two levels) equals FLA's blockwise merge and the nilpotent form in fp64."""
-    from reference.gdn.fused import solve_tril_blocks, solve_tril_nilpotent, solve_tril_recursive
-
-    gen = torch.Generator().manual_seed(block)
-    n = 4 * block
-    L = 0.4 * torch.randn(3, n, n, dtype=torch.float64, generator=gen)
-    A = solve_tril_recursive(L, block)
-    torch.testing.assert_close(A, solve_tril_blocks(L, block), rtol=0, atol=1e-12)
-    torch.testing.assert_close(A, solve_tril_nilpotent(L, block), rtol=0, atol=1e-12)
-    eye = torch.eye(n, dtype=torch.float64)
-    torch.testing.assert_close((eye + torch.tril(L, -1)) @ A, eye.expand(3, n, n), rtol=0, atol=1e-12)
-    with pytest.raises(ValueError, match="4 \\* block"):
-        solve_tril_recursive(L[:, :-1, :-1], block)
-
-
 @pytest.mark.parametrize("block", [1, 2, 8])
 def test_solve_tril_doubling_matches_blockwise_inverse(block):
     """The prepare kernel's inverse order (`solve_tril_doubling`: WY-3 on the diagonal blocks, WY-4 with

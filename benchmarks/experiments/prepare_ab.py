@@ -173,29 +173,30 @@ def main() -> None:
                              f"{same_runs} of the later runs equal the second")
                 del runs
             print(heads, "repeats (launches differing from the first / most elements differing):", rep, flush=True)
-            same = (same, rep)
-        if args.accuracy and all(n % 64 == 0 for n in lens):
+        acc_row = args.accuracy and all(n % 64 == 0 for n in lens)
+        if acc_row:
             err = accuracy(k, g, beta, HV, lens, {n: o[0] for n, o in outs.items()})
             print(heads, mix, "relative RMS of A diag(beta) against fp64:", {n: f"{e:.3e}" for n, e in err.items()}, flush=True)
-            same = (same, {n: f"{e:.2e}" for n, e in err.items()})
         times = {n: [] for n in mods}
         for order in (list(mods), list(reversed(mods))):
             for name in order:
                 m, (A, gc) = mods[name], outs[name]
                 times[name].append(time_cuda_graph(lambda: m.chunk_prepare_fwd(k, g, beta, cu, HV, A=A, g_cum_log2=gc)).ms * 1e3)
-        results.append((heads, mix, same, times))
+        results.append((heads, mix, same, times, rep if args.repeat else None, err if acc_row else None))
         print(heads, mix, "bitwise" if same else "DIFFERENT", {n: [round(x, 1) for x in t] for n, t in times.items()}, flush=True)
     if args.precompile_only:
         return
     names = list(mods)
     print(f"\n{torch.cuda.get_device_name()}")
-    print("| row | bitwise | " + " | ".join(f"{n} us" for n in names) + " | " + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " |")
-    print("| --- | --- |" + " ---: |" * (2 * len(names) - 1))
-    for heads, mix, same, t in results:
+    print("| row | bitwise | " + " | ".join(f"{n} us" for n in names) + " | " + " | ".join(f"{n} / {names[0]}" for n in names[1:])
+          + " | launches differing (repeats) | A vs fp64 |")
+    print("| --- | --- |" + " ---: |" * (2 * len(names) - 1) + " --- | --- |")
+    for heads, mix, same, t, rep, err in results:
         cells = [" / ".join(f"{x:.1f}" for x in t[n]) for n in names]
         ratios = [f"{min(t[n]) / min(t[names[0]]):.3f}" for n in names[1:]]
-        print(f"| {heads} {mix} | {same} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
-
+        reps = " / ".join(str(rep[n][0]) for n in names) if rep else "-"
+        errs = " / ".join(f"{err[n]:.2e}" for n in names) if err else "-"
+        print(f"| {heads} {mix} | {same} | " + " | ".join(cells) + " | " + " | ".join(ratios) + f" | {reps} | {errs} |")
 
 if __name__ == "__main__":
     main()

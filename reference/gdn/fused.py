@@ -677,44 +677,10 @@ def prepare_group(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, nvalid: 
 # doubling in the kernel's order of products (`solve_tril_doubling`: 8 x 8 diagonal blocks, then
 # 16-, 32- and 64-blocks). Records: WY-3 (the diagonal blocks) and WY-4 with two blocks, applied at
 # each level (the off-diagonal block of a 2 x 2 block-lower inverse from its diagonal-block inverses;
-# no new identity). `solve_tril_recursive` is the order of the kernel's earlier form (16-blocks by
-# forward substitution, three product phases). Twins: `solve_tril_blocks` / `solve_tril_nilpotent`
+# no new identity; the kernel's earlier order, 16-blocks by forward substitution and three product
+# phases, is in git history). Twins: `solve_tril_blocks` / `solve_tril_nilpotent`
 # (same inverse), `prepare_group`.
 # ----------------------------------------------------------------------------------------------
-
-
-def solve_tril_recursive(L: torch.Tensor, block: int = 16) -> torch.Tensor:
-    """(I + L)^-1 for strictly lower L [..., n, n] with n == 4 * block, as the sm_90 prepare kernel formed it
-    before its inverse became recursive doubling (`solve_tril_doubling`):
-
-        Ai_ii = (I + L_ii)^-1 by forward substitution (WY-3), i = 0..3
-        F_10 = Ai_11 L_10,  F_32 = Ai_33 L_32,  Z = blockdiag(Ai_22, Ai_33) Lb,  Lb = L[2b:, :2b]
-        Ai_10 = -F_10 Ai_00,  Ai_32 = -F_32 Ai_22,  Q = Z - [0; F_32 Z_top]          (= B_1^-1 Lb)
-        A[2b:, :2b] = -Q B_0^-1,  B_0^-1 = [[Ai_00, 0], [Ai_10, Ai_11]]
-
-    (WY-4 with two blocks, at block and at 2 * block). Entries on and above the diagonal of L are
-    ignored. Returns [..., n, n], unit lower triangular. Raises ValueError unless n == 4 * block.
-    """
-    n = L.shape[-1]
-    if n != 4 * block:
-        raise ValueError(f"solve_tril_recursive needs n == 4 * block, got n = {n}, block = {block}")
-    b, h = block, 2 * block
-    L = torch.where(_causal(n, True, L.device), L, torch.zeros((), dtype=L.dtype, device=L.device))
-    Dinv = solve_tril_diagonal_blocks(L, block)
-    Ai = [Dinv[..., i * b : (i + 1) * b, i * b : (i + 1) * b] for i in range(4)]
-    F10 = Ai[1] @ L[..., b:h, 0:b]
-    F32 = Ai[3] @ L[..., 3 * b :, h : 3 * b]
-    Lb = L[..., h:, :h]
-    Z = torch.cat([Ai[2] @ Lb[..., :b, :], Ai[3] @ Lb[..., b:, :]], dim=-2)
-    Ai10 = -F10 @ Ai[0]
-    Ai32 = -F32 @ Ai[2]
-    Q = torch.cat([Z[..., :b, :], Z[..., b:, :] - F32 @ Z[..., :b, :]], dim=-2)
-    A = Dinv.clone()
-    A[..., b:h, 0:b] = Ai10
-    A[..., 3 * b :, h : 3 * b] = Ai32
-    B0inv = A[..., :h, :h]
-    A[..., h:, :h] = -Q @ B0inv
-    return A
 
 
 def solve_tril_doubling(L: torch.Tensor, block: int = 8, storage: torch.dtype | None = None) -> torch.Tensor:
