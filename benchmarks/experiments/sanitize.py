@@ -98,6 +98,7 @@ CASES = {
     "fp16 cp on": dict(lengths=[200, 0, 600], dtype=torch.float16, cp="on"),
     "serving": dict(lengths=[70, 0, 65, 5, 130], serving=True),
     "serving cp on": dict(lengths=[2000, 0, 65, 5, 4100], serving=True, cp="on"),
+    "serving cp on, small": dict(lengths=[300, 0, 65, 5, 700], serving=True, cp="on"),
     "fwd unsplit, bwd split": dict(lengths=[700, 0, 130, 300], functional=("off", "on")),
     "fwd split kept, bwd unsplit": dict(lengths=[700, 0, 130, 300], functional=("on", "off")),
 }
@@ -105,7 +106,7 @@ CASES = {
 TINY = "empty-middle"
 #: --race: small cases that together launch every kernel kind (racecheck)
 RACE = ("empty-middle", "cp on", "cp on, inference", "cp on, fixed length", "many short (BV 128)", "fp16 cp on", "serving",
-        "fwd unsplit, bwd split", "fwd split kept, bwd unsplit")
+        "serving cp on, small", "fwd unsplit, bwd split", "fwd split kept, bwd unsplit")
 #: --long: one long sequence at 2 q/k and 8 value heads, split path (FLA #733, #740)
 LONG = dict(T=2**21, H=2, HV=8)
 
