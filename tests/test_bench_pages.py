@@ -22,7 +22,7 @@ PLOTS = ("h200-fwd.png", "h200-cp.png", "h200-bwd.png", "h100-80gb-hbm3-fwd.png"
          "h100-80gb-hbm3-bwd.png")
 COMMANDS = (("--report-only", "--prefix", "h200-fwd", "--also-commits", "270a0ff+cp-auto"),
             ("--bwd", "--report-only", "--prefix", "h200-bwd"),
-            ("--report-only", "--prefix", "h100-80gb-hbm3-fwd", "--also-commits", "811dd04+cp-auto,a029fcefa6e0+cp-auto"),
+            ("--report-only", "--prefix", "h100-80gb-hbm3-fwd", "--also-commits", "a029fcefa6e0+cp-auto"),
             ("--bwd", "--report-only", "--prefix", "h100-80gb-hbm3-bwd"))
 NOTEBOOK_FIGURES = ("h200-fwd-times.png", "h200-fwd-roofline.png", "h200-fwd-breakdown.png")
 

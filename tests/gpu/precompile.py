@@ -36,7 +36,8 @@ def tier_specs() -> list:
     for H, HV in TIER_HEADS:
         for N in (1, 2, 3, 5, 6):
             for varlen in (False, True):
-                specs += op_kernel_specs(H, HV, N=N, varlen=varlen)
+                # with the opt-in fp16 A_beta product's builds (test_fwd_gpu.py's _check runs it on every case)
+                specs += op_kernel_specs(H, HV, N=N, varlen=varlen, fp16_products=True)
     for H, HV in ((4, 4), (2, 4), (1, 2), (1, 4)):
         specs += op_kernel_specs(H, HV, N=2, beta_dtype="bfloat16")
         for varlen in (False, True):
