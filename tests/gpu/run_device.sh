@@ -15,6 +15,13 @@
 #   COMPUTE_SANITIZER=<path> if it is not on the PATH. Logs: sanitize.log, sanitize_memcheck.log,
 #   sanitize_racecheck.log (rc 3: the sanitizer reported an error; rc 1: a case failed its check).
 #
+# FLA's Triton kernels (the tier's FLA comparisons) compile and autotune on first use on a fresh
+# machine; their cache is kept in TRITON_CACHE_DIR (default /tmp/triton-cache), unpacked from
+# .device/triton-cache.tar.xz when that exists, and SAVE_TRITON=1 packs it into
+# OUT/triton-cache.tar.xz at the end (xz -3; not written past 16 MB) for the next call's carry.
+# Each test's duration is printed as it ends (`tests/gpu/conftest.py`), so that a file cut by its box
+# still shows where the time went.
+#
 # Why: the tier builds ~6 kernels per (H, HV, N, packed, dtype) configuration, ~40 s when built one
 # after another; the precompile step (tests/gpu/precompile.py --tier) builds every configuration the
 # tier uses in worker processes (TileLang's disk cache), and the tests then only load them. Cheaper
@@ -25,6 +32,10 @@ FILES=("$@")
 [ ${#FILES[@]} -eq 0 ] && FILES=(test_fwd_gpu.py test_bwd_gpu.py test_autograd_gpu.py test_cp_gpu.py test_cp_kernels_gpu.py test_qwen3_next_gpu.py)
 if [ "${SANITIZE:-0}" = only ]; then FILES=(); PRECOMPILE=0; fi
 filter() { grep -v "TileLang:"; }
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+if [ -f .device/triton-cache.tar.xz ] && [ ! -d "$TRITON_CACHE_DIR" ]; then
+  mkdir -p "$TRITON_CACHE_DIR" && tar -xJf .device/triton-cache.tar.xz -C "$TRITON_CACHE_DIR"
+fi
 
 if [ "${PRECOMPILE:-1}" != 0 ]; then
   timeout 200 python tests/gpu/precompile.py --tier --workers 8 2>&1 | filter | tail -3
@@ -73,4 +84,11 @@ if [ "${SANITIZE:-0}" != 0 ]; then
       grep -E "FAILED|never launched" "$OUT/sanitize_$stage.log" | cut -c1-240 | head -4
     done
   fi
+fi
+
+if [ "${SAVE_TRITON:-0}" = 1 ] && [ -d "$TRITON_CACHE_DIR" ]; then
+  tar -cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -3 > "$OUT/triton-cache.tar.xz"
+  size=$(stat -c %s "$OUT/triton-cache.tar.xz")
+  if [ "$size" -gt 16000000 ]; then rm -f "$OUT/triton-cache.tar.xz"; echo "== triton cache $size B: over 16 MB, not saved"
+  else echo "== triton cache saved: $OUT/triton-cache.tar.xz ($size B)"; fi
 fi
