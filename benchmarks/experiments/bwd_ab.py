@@ -28,15 +28,14 @@ reverse order. Prints one line per row and a table (us).
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import os
 import random
-import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ab import ab_parser, extract, load_variant  # noqa: E402
+
 MODULE_FILES = ("states_bwd.py", "chunk_bwd.py", "_common.py")
-KERNEL_PKG = "flashqla/ops/gdn/kernels/sm90"
 
 
 def rows() -> list:
@@ -47,48 +46,11 @@ def rows() -> list:
             ("16/32", [8192]), ("2/4", [32768]), ("16/32", ragged)]
 
 
-def extract(commit: str, folder: str) -> None:
-    """Writes the three files of `commit` into `folder` (git show)."""
-    os.makedirs(folder, exist_ok=True)
-    for name in MODULE_FILES:
-        src = subprocess.run(["git", "show", f"{commit}:{KERNEL_PKG}/{name}"], check=True, capture_output=True, text=True).stdout
-        with open(os.path.join(folder, name), "w") as f:
-            f.write(src)
-
-
-def load_variant(name: str, folder: str) -> tuple:
-    """The variant's (states_bwd, chunk_bwd) modules, their `_common` imports pointed at the folder's copy
-    (module names prefixed by the variant's name; the rewritten modules are written into the folder)."""
-    common_name = f"_ab_{name}_common"
-    spec = importlib.util.spec_from_file_location(common_name, os.path.join(folder, "_common.py"))
-    common = importlib.util.module_from_spec(spec)
-    sys.modules[common_name] = common
-    spec.loader.exec_module(common)
-    mods = []
-    for stem in ("states_bwd", "chunk_bwd"):
-        with open(os.path.join(folder, f"{stem}.py")) as f:
-            src = f.read().replace("from flashqla.ops.gdn.kernels.sm90._common import", f"from {common_name} import")
-        mod_name = f"_ab_{name}_{stem}"
-        path = os.path.join(folder, f"{mod_name}.py")  # a file: TileLang reads the kernel's source back
-        with open(path, "w") as f:
-            f.write(src)
-        spec = importlib.util.spec_from_file_location(mod_name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = mod
-        spec.loader.exec_module(mod)
-        mods.append(mod)
-    return tuple(mods)
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME=DIR", help="a variant (the first is the base)")
-    ap.add_argument("--extract", nargs=2, metavar=("COMMIT", "DIR"), help="write COMMIT's three files into DIR and exit")
-    ap.add_argument("--precompile-only", action="store_true", help="build every variant's kernels (CPU machine) and exit")
-    ap.add_argument("--rows", default=None, metavar="I,J", help="only these rows of `rows()` (0-based indices)")
+    ap = ab_parser(__doc__, MODULE_FILES)
     args = ap.parse_args()
     if args.extract:
-        extract(*args.extract)
+        extract(*args.extract, MODULE_FILES)
         return
     import torch
 
@@ -97,7 +59,7 @@ def main() -> None:
     mods = {}
     for v in args.variant:
         name, folder = v.split("=", 1)
-        mods[name] = load_variant(name, folder)
+        mods[name] = load_variant(name, folder, ("states_bwd", "chunk_bwd"))
     if len(mods) < 2:
         ap.error("give at least two --variant NAME=DIR")
     device = "cpu" if args.precompile_only else "cuda"

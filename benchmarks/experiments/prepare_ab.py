@@ -24,15 +24,14 @@ reverse order. Prints one line per row and a table: times (us) and each variant'
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import os
 import random
-import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ab import ab_parser, extract, load_variant  # noqa: E402
+
 MODULE_FILES = ("prepare.py", "_common.py")
-KERNEL_PKG = "flashqla/ops/gdn/kernels/sm90"
 
 
 def rows() -> list:
@@ -45,35 +44,6 @@ def rows() -> list:
     return [("16/32", [8192] * 4), ("16/64", [8192] * 4), ("32/32", [1024] * 8), ("2/8", [8192]),
             ("16/32", [1024] * 8), ("16/32", [8192]), ("8/32", [8192]), ("16/16", [1024] * 8),
             ("16/32", ragged(126)), ("16/32", ragged(127)), ("16/32", ragged(128)), ("16/32", ragged(300))]
-
-
-def extract(commit: str, folder: str) -> None:
-    """Writes prepare.py and _common.py of `commit` into `folder` (git show)."""
-    os.makedirs(folder, exist_ok=True)
-    for name in MODULE_FILES:
-        src = subprocess.run(["git", "show", f"{commit}:{KERNEL_PKG}/{name}"], check=True, capture_output=True, text=True).stdout
-        with open(os.path.join(folder, name), "w") as f:
-            f.write(src)
-
-
-def load_variant(name: str, folder: str):
-    """The variant's prepare module, its `_common` import pointed at the folder's copy (module names
-    prefixed by the variant's name; the rewritten prepare module is written into the folder)."""
-    common_name, prep_name = f"_ab_{name}_common", f"_ab_{name}_prepare"
-    spec = importlib.util.spec_from_file_location(common_name, os.path.join(folder, "_common.py"))
-    common = importlib.util.module_from_spec(spec)
-    sys.modules[common_name] = common
-    spec.loader.exec_module(common)
-    with open(os.path.join(folder, "prepare.py")) as f:
-        src = f.read().replace("from flashqla.ops.gdn.kernels.sm90._common import", f"from {common_name} import")
-    path = os.path.join(folder, f"{prep_name}.py")  # a file: TileLang reads the kernel's source back
-    with open(path, "w") as f:
-        f.write(src)
-    spec = importlib.util.spec_from_file_location(prep_name, path)
-    prep = importlib.util.module_from_spec(spec)
-    sys.modules[prep_name] = prep
-    spec.loader.exec_module(prep)
-    return prep
 
 
 def accuracy(k, g, beta, HV: int, lens: list, As: dict) -> dict:
@@ -105,21 +75,17 @@ def accuracy(k, g, beta, HV: int, lens: list, As: dict) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME=DIR", help="a variant (the first is the base)")
-    ap.add_argument("--extract", nargs=2, metavar=("COMMIT", "DIR"), help="write COMMIT's two files into DIR and exit")
-    ap.add_argument("--precompile-only", action="store_true", help="build every variant's kernels (CPU machine) and exit")
+    ap = ab_parser(__doc__, MODULE_FILES)
     ap.add_argument("--repeat", type=int, default=0, metavar="N",
                     help="also launch each variant N more times back to back, each into buffers of its own, and count "
                          "the launches whose A or g_cum_log2 differ bitwise from the variant's first (a race check), the "
                          "most elements of A and of g_cum_log2 that differ, and how many later launches equal the second")
-    ap.add_argument("--rows", default=None, metavar="I,J", help="only these rows of `rows()` (0-based indices)")
     ap.add_argument("--accuracy", action="store_true",
                     help="also each variant's relative RMS error of A diag(beta) against fp64 (`reference.gdn.fused."
                          "prepare_group`), on rows whose lengths are multiples of 64 (for variants whose inverse differs)")
     args = ap.parse_args()
     if args.extract:
-        extract(*args.extract)
+        extract(*args.extract, MODULE_FILES)
         return
     import torch
 
@@ -128,7 +94,7 @@ def main() -> None:
     mods = {}
     for v in args.variant:
         name, folder = v.split("=", 1)
-        mods[name] = load_variant(name, folder)
+        mods[name], = load_variant(name, folder, ("prepare",))
     if len(mods) < 2:
         ap.error("give at least two --variant NAME=DIR")
     device = "cpu" if args.precompile_only else "cuda"

@@ -27,15 +27,14 @@ reverse order. Prints one line per row and a table: times (us) and each variant'
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import os
 import random
-import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ab import ab_parser, extract, load_variant  # noqa: E402
+
 MODULE_FILES = ("recurrent.py", "_common.py")
-KERNEL_PKG = "flashqla/ops/gdn/kernels/sm90"
 
 
 def rows() -> list:
@@ -51,44 +50,11 @@ def rows() -> list:
             ("16/32", ragged(300), 64)]
 
 
-def extract(commit: str, folder: str) -> None:
-    """Writes recurrent.py and _common.py of `commit` into `folder` (git show)."""
-    os.makedirs(folder, exist_ok=True)
-    for name in MODULE_FILES:
-        src = subprocess.run(["git", "show", f"{commit}:{KERNEL_PKG}/{name}"], check=True, capture_output=True, text=True).stdout
-        with open(os.path.join(folder, name), "w") as f:
-            f.write(src)
-
-
-def load_variant(name: str, folder: str):
-    """The variant's recurrent module, its `_common` imports pointed at the folder's copy (module names
-    prefixed by the variant's name; the rewritten module is written into the folder)."""
-    common_name, rec_name = f"_ab_{name}_common", f"_ab_{name}_recurrent"
-    spec = importlib.util.spec_from_file_location(common_name, os.path.join(folder, "_common.py"))
-    common = importlib.util.module_from_spec(spec)
-    sys.modules[common_name] = common
-    spec.loader.exec_module(common)
-    with open(os.path.join(folder, "recurrent.py")) as f:
-        src = f.read().replace("from flashqla.ops.gdn.kernels.sm90._common import", f"from {common_name} import")
-    path = os.path.join(folder, f"{rec_name}.py")  # a file: TileLang reads the kernel's source back
-    with open(path, "w") as f:
-        f.write(src)
-    spec = importlib.util.spec_from_file_location(rec_name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[rec_name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME=DIR", help="a variant (the first is the base)")
-    ap.add_argument("--extract", nargs=2, metavar=("COMMIT", "DIR"), help="write COMMIT's two files into DIR and exit")
-    ap.add_argument("--precompile-only", action="store_true", help="build every variant's kernels (CPU machine) and exit")
-    ap.add_argument("--rows", default=None, metavar="I,J", help="only these rows of `rows()` (0-based indices)")
+    ap = ab_parser(__doc__, MODULE_FILES)
     args = ap.parse_args()
     if args.extract:
-        extract(*args.extract)
+        extract(*args.extract, MODULE_FILES)
         return
     import torch
 
@@ -98,7 +64,7 @@ def main() -> None:
     mods = {}
     for v in args.variant:
         name, folder = v.split("=", 1)
-        mods[name] = load_variant(name, folder)
+        mods[name], = load_variant(name, folder, ("recurrent",))
     if len(mods) < 2:
         ap.error("give at least two --variant NAME=DIR")
     device = "cpu" if args.precompile_only else "cuda"
