@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-__all__ = ["KERNEL_PKG", "ab_parser", "extract", "load_variant"]
+__all__ = ["KERNEL_PKG", "ab_parser", "extract", "load_variant", "variants"]
 
 #: the folder of the kernel modules, relative to the repository root
 KERNEL_PKG = "flashqla/ops/gdn/kernels/sm90"
@@ -62,3 +62,19 @@ def ab_parser(doc: str, files: tuple[str, ...]) -> argparse.ArgumentParser:
     ap.add_argument("--precompile-only", action="store_true", help="build every variant's kernels (CPU machine) and exit")
     ap.add_argument("--rows", default=None, metavar="I,J", help="only these rows of the script's `rows()` (0-based indices)")
     return ap
+
+
+def variants(ap: argparse.ArgumentParser, args, files: tuple[str, ...], stems: tuple[str, ...]) -> dict | None:
+    """After `ab_parser`'s parse: None once --extract has written its folder (the script then returns),
+    else {name: the modules `stems` of that variant} (`load_variant`); at least two variants or an
+    argparse error."""
+    if args.extract:
+        extract(*args.extract, files)
+        return None
+    mods = {}
+    for v in args.variant:
+        name, folder = v.split("=", 1)
+        mods[name] = load_variant(name, folder, stems)
+    if len(mods) < 2:
+        ap.error("give at least two --variant NAME=DIR")
+    return mods

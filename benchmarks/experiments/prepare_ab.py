@@ -29,7 +29,7 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ab import ab_parser, extract, load_variant  # noqa: E402
+from _ab import ab_parser, variants  # noqa: E402
 
 MODULE_FILES = ("prepare.py", "_common.py")
 
@@ -84,19 +84,14 @@ def main() -> None:
                     help="also each variant's relative RMS error of A diag(beta) against fp64 (`reference.gdn.fused."
                          "prepare_group`), on rows whose lengths are multiples of 64 (for variants whose inverse differs)")
     args = ap.parse_args()
-    if args.extract:
-        extract(*args.extract, MODULE_FILES)
+    mods = variants(ap, args, MODULE_FILES, ("prepare",))
+    if mods is None:
         return
+    mods = {n: m for n, (m,) in mods.items()}
     import torch
 
     from flashqla.testing import make_gdn_inputs
 
-    mods = {}
-    for v in args.variant:
-        name, folder = v.split("=", 1)
-        mods[name], = load_variant(name, folder, ("prepare",))
-    if len(mods) < 2:
-        ap.error("give at least two --variant NAME=DIR")
     device = "cpu" if args.precompile_only else "cuda"
     results = []
     picked = rows() if args.rows is None else [rows()[int(i)] for i in args.rows.split(",")]

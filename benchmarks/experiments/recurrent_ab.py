@@ -32,7 +32,7 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ab import ab_parser, extract, load_variant  # noqa: E402
+from _ab import ab_parser, variants  # noqa: E402
 
 MODULE_FILES = ("recurrent.py", "_common.py")
 
@@ -53,20 +53,15 @@ def rows() -> list:
 def main() -> None:
     ap = ab_parser(__doc__, MODULE_FILES)
     args = ap.parse_args()
-    if args.extract:
-        extract(*args.extract, MODULE_FILES)
+    mods = variants(ap, args, MODULE_FILES, ("recurrent",))
+    if mods is None:
         return
+    mods = {n: m for n, (m,) in mods.items()}
     import torch
 
     from flashqla.ops.gdn.kernels.sm90 import prepare as P
     from flashqla.testing import make_gdn_inputs
 
-    mods = {}
-    for v in args.variant:
-        name, folder = v.split("=", 1)
-        mods[name], = load_variant(name, folder, ("recurrent",))
-    if len(mods) < 2:
-        ap.error("give at least two --variant NAME=DIR")
     device = "cpu" if args.precompile_only else "cuda"
     results = []
     picked = rows() if args.rows is None else [rows()[int(i)] for i in args.rows.split(",")]
