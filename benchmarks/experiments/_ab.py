@@ -11,10 +11,16 @@ import os
 import subprocess
 import sys
 
-__all__ = ["KERNEL_PKG", "ab_parser", "extract", "load_variant", "variants"]
+__all__ = ["KERNEL_PKG", "ab_parser", "extract", "load_variant", "ragged_lengths", "variants"]
 
 #: the folder of the kernel modules, relative to the repository root
 KERNEL_PKG = "flashqla/ops/gdn/kernels/sm90"
+
+
+def ragged_lengths(rng, n: int) -> list[int]:
+    """n sequence lengths for a packed batch: every seventh from the edge cases 0, 1, 63, 64, 65, the
+    others uniform in [0, 300] (`rng`: a `random.Random`)."""
+    return [rng.choice([0, 1, 63, 64, 65]) if i % 7 == 0 else rng.randint(0, 300) for i in range(n)]
 
 
 def extract(commit: str, folder: str, files: tuple[str, ...]) -> None:

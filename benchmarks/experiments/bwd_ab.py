@@ -33,7 +33,7 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ab import ab_parser, variants  # noqa: E402
+from _ab import ab_parser, ragged_lengths, variants  # noqa: E402
 
 MODULE_FILES = ("states_bwd.py", "chunk_bwd.py", "_common.py")
 
@@ -41,7 +41,7 @@ MODULE_FILES = ("states_bwd.py", "chunk_bwd.py", "_common.py")
 def rows() -> list:
     """(heads "H/HV", sequence lengths) of the A/B."""
     r = random.Random(5)
-    ragged = [r.choice([0, 1, 63, 64, 65]) if i % 7 == 0 else r.randint(0, 300) for i in range(128)]
+    ragged = ragged_lengths(r, 128)
     return [("16/32", [8192] * 4), ("16/64", [8192] * 4), ("8/16", [7212, 25556]), ("4/8", [8192] * 8),
             ("16/32", [8192]), ("2/4", [32768]), ("16/32", ragged)]
 

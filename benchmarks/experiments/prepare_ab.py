@@ -29,7 +29,7 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ab import ab_parser, variants  # noqa: E402
+from _ab import ab_parser, ragged_lengths, variants  # noqa: E402
 
 MODULE_FILES = ("prepare.py", "_common.py")
 
@@ -39,7 +39,7 @@ def rows() -> list:
     r = random.Random(5)
 
     def ragged(n):
-        return [r.choice([0, 1, 63, 64, 65]) if i % 7 == 0 else r.randint(0, 300) for i in range(n)]
+        return ragged_lengths(r, n)
 
     return [("16/32", [8192] * 4), ("16/64", [8192] * 4), ("32/32", [1024] * 8), ("2/8", [8192]),
             ("16/32", [1024] * 8), ("16/32", [8192]), ("8/32", [8192]), ("16/16", [1024] * 8),
