@@ -22,11 +22,14 @@ whole value width), four warpgroups:
 
 So A_beta and g_cum_log2 never go through HBM, and the output role of the recurrent kernel is
 folded into the chain warpgroups (FlashInfer's split of the work; registers 192 / 192 / 104 / 24).
+Build "2" (`_fused2_prim_func`, entry "The fused forward with two aux warpgroups") gives the aux work
+two warpgroups taking alternate chunks (640 threads); "2h" is "2" with the A_beta and output products'
+operands in fp16.
 Same arithmetic as the two launches except where the order of the output's two terms differs (O^T
 is formed transposed): o is compared with the two launches' and with the fp64 recurrence, not bit
 for bit.
 
-    python benchmarks/experiments/fused_fwd.py [--rows "16/32 4x8192,16/64 4x8192"]
+    python benchmarks/experiments/fused_fwd.py [--rows "16/32 4x8192,16/64 4x8192"] [--variants -,2,2h] [--no-clock]
     TILELANG_CACHE_DIR=/tmp/tlc python benchmarks/experiments/fused_fwd.py --precompile-only [--rows ...]
 
 Prints per row and build variant (`VARIANTS`): the relative RMS errors of o and the final state
@@ -59,9 +62,10 @@ CLOCKS = ("chain_total", "chain_wait_load", "chain_wait_aux", "aux_total", "aux_
 #: and the arrives)
 AUX_STAGES = ("wait_full", "kkt", "L", "level12", "level3", "level4", "stage", "qkt", "wait_chain", "pg", "handoff")
 
-#: the builds compared (`_fused_prim_func` opts; "q", "3" and "3q" were timed within 3.5% of "" on the
-#: H100, journal `forward.md`, entry "The fused forward's variants": kept as options, not run by default)
-VARIANTS = ("",)
+#: the builds compared by default (`_fused_prim_func` opts, or "2" / "2h": `_fused2_prim_func`; "q", "3" and "3q"
+#: were timed within 3.5% of "" on the H100, journal `forward.md`, entry "The fused forward's variants":
+#: kept as options, not run by default)
+VARIANTS = ("", "2", "2h")
 
 #: registers per thread of each role (setmaxnreg; sum <= 512 at 512 threads)
 NREG = {"chain": 192, "aux": 104, "producer": 24}
@@ -401,11 +405,357 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
     return gdn_fused_fwd
 
 
+#: registers per thread of each role in the two-aux build ("2"; 640 threads: 256 * (176 + 64) + 128 * 24 <= 65,536;
+#: the chain at 168 makes ptxas serialise its wgmmas, C7512; the aux role spills about 150 B at 64)
+NREG2 = {"chain": 176, "aux": 64, "producer": 24}
+
+
+def _fused2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
+                      clocked: bool = False, fp16_ops: bool = False):
+    """Build "2": two aux warpgroups taking alternate chunks, so that each has two of the chain's
+    steps for one chunk's aux work (one aux warpgroup needs about 1.85 of them).
+
+    640 threads: chain 0-255 (as the one-aux build, but S^T's bf16 copy goes through a shared tile,
+    the A operand of U^T and O^T, so the chain fits 160 registers), aux 0 256-383 (even chunks),
+    aux 1 384-511 (odd chunks), producer 512-639 (warp 0: q, k; warp 1: g_cum_log2 and beta; warp 2:
+    v). q, k and the gates in a three-stage ring (the chain on chunk c, the aux roles on c + 1 and
+    c + 2), v in a two-stage ring of its own (the chain alone reads it; o is staged in its slot).
+    Aux j writes A diag(beta) straight into ring slot j (the slot the chain reads for its chunks
+    c = j mod 2), after waiting there for the chain to release it: no staging copy. Each aux role
+    has its own fp16 inverse tile.
+
+    fp16_ops (build "2h"): the A_beta product's operands (A_beta, W^T) and the output product's
+    (Pg, vn^T) in fp16 instead of bf16 (the rounding model's lever on o's error,
+    `benchmarks/journal/accuracy.md`, "Where the forward's error comes from"); fp16's range then bounds
+    |W| and |vn| by 65504 (v in the thousands). The other products keep the inputs' dtype."""
+    import tilelang.language as T
+    from tilelang.layout import make_linear_layout, make_swizzled_layout
+
+    from flashqla.ops.gdn.kernels.sm90 import prepare as P
+    from flashqla.ops.gdn.kernels.sm90._common import CHUNK, RCP_LN2, sequence_span
+
+    if K != 128 or V != 128:
+        raise ValueError("the fused draft covers K = V = 128")
+    C = CHUNK
+    BV = V
+    G = HV // H
+    acc = "float32"
+    NQ = 3  # stages of the q, k, gates ring
+    CH = 256  # chain threads
+    AXS = (CH, CH + 128)  # first thread of aux 0, aux 1
+    PR = CH + 256  # first producer thread
+    chain_kw = {"policy": T.GemmWarpPolicy.FullRow}
+    pdt = "float16" if fp16_ops else dtype  # the A_beta and output products' operand dtype
+
+    B = T.dynamic("B")
+    Tn = T.dynamic("T")
+    Np1 = T.dynamic("Np1")
+    N0 = T.dynamic("N0")
+    N1 = T.dynamic("N1")
+    nseq = (Np1 - 1) if varlen else B
+    clock_arg = T.Tensor((HV * nseq, len(CLOCKS) + len(AUX_STAGES)), "int64") if clocked else None
+
+    def now():
+        return T.call_extern("int64", "clock64")
+
+    def no_stamp(name):
+        pass
+
+    def aux_stamper(tx, clk_s, ax):
+        last = len(AUX_STAGES)
+
+        def stamp(name):
+            i = AUX_STAGES.index({"store_wait": "L", "store_issue": "stage"}.get(name, name))
+
+            @T.macro
+            def emit():
+                T.sync_threads(10, 128)
+                if tx == ax:
+                    clk_s[i] = clk_s[i] + now() - clk_s[last]
+                    clk_s[last] = now()
+
+            emit()
+
+        return stamp
+
+    def waiter(bar, parity):
+        @T.macro
+        def wait():
+            T.barrier_wait(bar, parity)
+
+        return wait
+
+    def aux_role(jj, m_s, kv):
+        """aux j's body (a macro); kv: the kernel's buffers and values it reads, by name"""
+        q_s, k_s, a_s, pg_s, gc_s, bq_s, clk_s = (kv[x] for x in ("q_s", "k_s", "a_s", "pg_s", "gc_s", "bq_s", "clk_s"))
+        qk_full, qk_empty, x_full, x_empty = (kv[x] for x in ("qk_full", "qk_empty", "x_full", "x_empty"))
+        tx, nchunks, seqlen, hv, bx, scale, clocks = (kv[x] for x in ("tx", "nchunks", "seqlen", "hv", "bx", "scale", "clocks"))
+        ax = AXS[jj]
+
+        @T.macro
+        def body():
+            T.set_max_nreg(NREG2["aux"], 0)
+            kk_f = T.alloc_fragment((C, C), acc)
+            p_f = T.alloc_fragment((C, C), acc)
+            pgb = T.alloc_fragment((C, C), pdt)
+            g_row = T.alloc_fragment((C,), acc)
+            g_col = T.alloc_fragment((C,), acc)
+            b_row = T.alloc_fragment((C,), acc)
+            inv = P.alloc_inverse_locals(T)
+            if clocked and jj == 0:
+                ca = T.alloc_local((4,), "int64")
+                ca[0] = now()
+                ca[1] = T.int64(0)
+                ca[2] = T.int64(0)
+                if tx == ax:
+                    for i in T.serial(len(AUX_STAGES) + 1):
+                        clk_s[i] = T.int64(0)
+                    clk_s[len(AUX_STAGES)] = now()
+            stamp = aux_stamper(tx, clk_s, ax) if clocked and jj == 0 else no_stamp
+            # the slot's block above the diagonal 32-blocks stays zero (the stages never write it)
+            for t, u in T.Parallel(C, C):
+                a_s[jj, t, u] = T.cast(0, pdt)
+            for i in T.serial((nchunks + 1 - jj) // 2):
+                c = 2 * i + jj
+                s = c % NQ
+                ph = (c // NQ) % 2
+                phx = i % 2
+                nvalid = T.min(seqlen - c * C, C)
+                if clocked and jj == 0:
+                    ca[3] = now()
+                T.barrier_wait(qk_full[s], ph)
+                if clocked and jj == 0:
+                    ca[1] = ca[1] + now() - ca[3]
+                stamp("wait_full")
+                T.wgmma_gemm(k_s[s, :, :], k_s[s, :, :], kk_f, transpose_B=True, clear_accum=True)
+                T.wait_wgmma(0)
+                stamp("kkt")
+                P.value_head_stages(T, j=s, G=1, hk=hv, nvalid=nvalid, row0=0, A=None, dtype=pdt, kk_f=kk_f,
+                                    gc_s=gc_s, b_s=bq_s, g_row=g_row, g_col=g_col, b_row=b_row, m_s=m_s,
+                                    inv=inv, stage=a_s, stage_slot=jj, tx0=ax, store=False,
+                                    stamp=stamp if clocked and jj == 0 else None,
+                                    before_stage=waiter(x_empty[jj], 1 - phx))
+                T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
+                T.wait_wgmma(0)
+                stamp("qkt")
+                for t in T.Parallel(C):
+                    g_row[t] = gc_s[s, t]
+                for u in T.Parallel(C):
+                    g_col[u] = gc_s[s, u]
+                for t, u in T.Parallel(C, C):
+                    pgb[t, u] = T.cast(T.if_then_else(t >= u, scale * p_f[t, u] * T.exp2(T.if_then_else(
+                        t >= u, g_row[t] - g_col[u], T.float32(0))), T.float32(0)), pdt)
+                T.copy(pgb, pg_s[jj, :, :])
+                stamp("pg")
+                T.fence_proxy_async()
+                T.barrier_arrive(qk_empty[s])
+                T.barrier_arrive(x_full[jj])
+                stamp("handoff")
+            if clocked and jj == 0:
+                if tx == ax:
+                    clocks[bx, 3] = now() - ca[0]
+                    clocks[bx, 4] = ca[1]
+                    clocks[bx, 5] = ca[2]
+                    for i in T.serial(len(AUX_STAGES)):
+                        clocks[bx, len(CLOCKS) + i] = clk_s[i]
+
+        return body
+
+    @T.prim_func
+    def gdn_fused2_fwd(
+        q: T.Tensor((B, Tn, H, K), dtype),
+        k: T.Tensor((B, Tn, H, K), dtype),
+        v: T.Tensor((B, Tn, HV, V), dtype),
+        g: T.Tensor((B, Tn, HV), "float32"),
+        beta: T.Tensor((B, Tn, HV), beta_dtype),
+        h0: T.Tensor((N0, HV, K, V), "float32"),
+        cu_seqlens: T.Tensor((Np1,), seq_dtype),
+        scale: T.float32,
+        use_h0: T.int32,
+        store_ht: T.int32,
+        o: T.Tensor((B, Tn, HV, V), dtype),
+        ht: T.Tensor((N1, HV, K, V), "float32"),
+        clocks: clock_arg,
+    ):
+        with T.Kernel(HV * nseq, threads=PR + 128) as (bx,):
+            hv = bx % HV
+            n = bx // HV
+            bos, seqlen, bidx, slot0, nchunks = sequence_span(n, cu_seqlens, Tn, varlen)
+            hk = hv // G
+            tx = T.get_thread_binding()
+
+            q_s = T.alloc_shared((NQ, C, K), dtype)
+            k_s = T.alloc_shared((NQ, C, K), dtype)
+            v_s = T.alloc_shared((2, C, BV), dtype)
+            st_s = T.alloc_shared((BV, K), dtype)  # bf16 S^T, the chain's A operand
+            a_s = T.alloc_shared((2, C, C), pdt)  # A_beta of aux j's chunks (aux -> chain)
+            pg_s = T.alloc_shared((2, C, C), pdt)  # Pg (aux -> chain)
+            gc_s = T.alloc_shared((NQ, C), acc)
+            bq_s = T.alloc_shared((NQ, C), acc)
+            m0_s = T.alloc_shared((C, P.M_ROW), "float16")  # aux 0's inverse tile
+            m1_s = T.alloc_shared((C, P.M_ROW), "float16")  # aux 1's
+            clk_s = T.alloc_shared((len(AUX_STAGES) + 1,), "int64") if clocked else None
+            T.annotate_layout({v_s: make_swizzled_layout(v_s)})
+            T.annotate_layout({m0_s: make_linear_layout(m0_s), m1_s: make_linear_layout(m1_s)})
+
+            qk_full = T.alloc_barrier(arrive_count=[64] * NQ)  # producer warps 0 and 1 -> chain and aux
+            qk_empty = T.alloc_barrier(arrive_count=[CH + 128] * NQ)  # chain and the chunk's aux -> producer
+            v_full = T.alloc_barrier(arrive_count=[32, 32])  # producer warp 2 -> chain
+            v_empty = T.alloc_barrier(arrive_count=[CH, CH])  # chain -> producer warp 2
+            x_full = T.alloc_barrier(arrive_count=[128, 128])  # aux j -> chain: a_s[j], pg_s[j]
+            x_empty = T.alloc_barrier(arrive_count=[CH, CH])  # chain -> aux j
+
+
+            if tx < CH:
+                # ------------------------------------------------------------------ chain
+                T.set_max_nreg(NREG2["chain"], 1)
+                st = T.alloc_fragment((BV, K), acc)
+                ut = T.alloc_fragment((BV, C), acc)
+                ot = T.alloc_fragment((BV, C), acc)
+                nvt = T.alloc_fragment((BV, C), acc)
+                wt_b = T.alloc_fragment((BV, C), pdt)
+                nvt_b = T.alloc_fragment((BV, C), pdt)
+                vpt_b = T.alloc_fragment((BV, C), dtype)
+                gam_f = T.alloc_fragment((C,), acc)
+                r_f = T.alloc_fragment((C,), acc)
+                gcl = T.alloc_local((1,), acc)
+                if clocked:
+                    ck = T.alloc_local((4,), "int64")
+                    ck[0] = now()
+                    ck[1] = T.int64(0)
+                    ck[2] = T.int64(0)
+                if use_h0 != 0:
+                    for i, j in T.Parallel(BV, K):
+                        st[i, j] = h0[n, hv, j, i]
+                else:
+                    T.clear(st)
+                for c in T.serial(nchunks):
+                    s = c % NQ
+                    ph = (c // NQ) % 2
+                    sv = c % 2  # v ring slot, and the aux ring's (aux sv's chunk)
+                    phv = (c // 2) % 2
+                    t0 = bos + c * C
+                    for i, j in T.Parallel(BV, K):
+                        st_s[i, j] = T.cast(st[i, j], dtype)
+                    T.fence_proxy_async()
+                    if clocked:
+                        ck[3] = now()
+                    T.barrier_wait(qk_full[s], ph)
+                    if clocked:
+                        ck[1] = ck[1] + now() - ck[3]
+                    T.wgmma_gemm(st_s, k_s[s, :, :], ut, transpose_B=True, clear_accum=True, **chain_kw)
+                    T.wgmma_gemm(st_s, q_s[s, :, :], ot, transpose_B=True, clear_accum=True, **chain_kw)
+                    if clocked:
+                        ck[3] = now()
+                    T.barrier_wait(x_full[sv], phv)
+                    if clocked:
+                        ck[2] = ck[2] + now() - ck[3]
+                    gcl[0] = T.exp2(gc_s[s, C - 1])
+                    for i, j in T.Parallel(BV, K):
+                        st[i, j] = st[i, j] * gcl[0]
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(ut, num_regs=BV * C // CH)
+                    T.warpgroup_fence_operand(ot, num_regs=BV * C // CH)
+                    for j in T.Parallel(C):
+                        gam_f[j] = T.exp2(gc_s[s, j])
+                    T.barrier_wait(v_full[sv], phv)
+                    for i, j in T.Parallel(BV, C):
+                        wt_b[i, j] = T.cast(T.cast(v_s[sv, j, i], acc) - ut[i, j] * gam_f[j], pdt)
+                    T.wgmma_gemm(wt_b, a_s[sv, :, :], nvt, transpose_B=True, clear_accum=True, **chain_kw)
+                    for i, j in T.Parallel(BV, C):
+                        ot[i, j] = ot[i, j] * (scale * gam_f[j])
+                    for j in T.Parallel(C):
+                        r_f[j] = T.exp2(T.min(gc_s[s, C - 1] - gc_s[s, j], T.float32(0)))
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(nvt, num_regs=BV * C // CH)
+                    for i, j in T.Parallel(BV, C):
+                        nvt_b[i, j] = T.cast(nvt[i, j], pdt)
+                        vpt_b[i, j] = T.cast(nvt[i, j] * r_f[j], dtype)
+                    T.wgmma_gemm(vpt_b, k_s[s, :, :], st, **chain_kw)
+                    T.wgmma_gemm(nvt_b, pg_s[sv, :, :], ot, transpose_B=True, **chain_kw)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(st, num_regs=BV * K // CH)
+                    T.warpgroup_fence_operand(ot, num_regs=BV * C // CH)
+                    T.barrier_arrive(x_empty[sv])
+                    T.barrier_arrive(qk_empty[s])
+                    nvalid = T.min(seqlen - c * C, C)
+                    # o staged in this chunk's v tile (read for the last time into W^T), then the slot released
+                    for i, t in T.Parallel(BV, C):
+                        v_s[sv, t, i] = T.cast(ot[i, t], dtype)
+                    for t, i in T.Parallel(C, BV):
+                        if t < nvalid:
+                            o[bidx, t0 + t, hv, i] = v_s[sv, t, i]
+                    T.fence_proxy_async()
+                    T.barrier_arrive(v_empty[sv])
+                if store_ht != 0:
+                    for i, j in T.Parallel(BV, K):
+                        ht[n, hv, j, i] = st[i, j]
+                if clocked:
+                    if tx == 0:
+                        clocks[bx, 0] = now() - ck[0]
+                        clocks[bx, 1] = ck[1]
+                        clocks[bx, 2] = ck[2]
+                        clocks[bx, 6] = T.cast(nchunks, "int64")
+            elif tx < AXS[1]:
+                aux_role(0, m0_s, dict(q_s=q_s, k_s=k_s, a_s=a_s, pg_s=pg_s, gc_s=gc_s, bq_s=bq_s, clk_s=clk_s, qk_full=qk_full, qk_empty=qk_empty, x_full=x_full, x_empty=x_empty, tx=tx, nchunks=nchunks, seqlen=seqlen, hv=hv, bx=bx, scale=scale, clocks=clocks))()
+            elif tx < PR:
+                aux_role(1, m1_s, dict(q_s=q_s, k_s=k_s, a_s=a_s, pg_s=pg_s, gc_s=gc_s, bq_s=bq_s, clk_s=clk_s, qk_full=qk_full, qk_empty=qk_empty, x_full=x_full, x_empty=x_empty, tx=tx, nchunks=nchunks, seqlen=seqlen, hv=hv, bx=bx, scale=scale, clocks=clocks))()
+            else:
+                # ------------------------------------------------------------------ producer
+                T.set_max_nreg(NREG2["producer"], 0)
+                if tx < PR + 32:
+                    for c in T.serial(nchunks):
+                        s = c % NQ
+                        ph = (c // NQ) % 2
+                        t0 = bos + c * C
+                        T.barrier_wait(qk_empty[s], 1 - ph)
+                        T.tma_copy(q[bidx, t0 : t0 + C, hk, 0:K], q_s[s, :, :], barrier=qk_full[s])
+                        T.tma_copy(k[bidx, t0 : t0 + C, hk, 0:K], k_s[s, :, :], barrier=qk_full[s])
+                        T.barrier_arrive(qk_full[s])
+                elif tx < PR + 64:
+                    gp = T.alloc_local((6,), acc)  # g pair, beta pair, scan
+                    lane = tx - PR - 32
+                    for c in T.serial(nchunks):
+                        s = c % NQ
+                        ph = (c // NQ) % 2
+                        t0 = bos + c * C
+                        nvalid = T.min(seqlen - c * C, C)
+                        gp[0] = T.if_then_else(2 * lane < nvalid, g[bidx, t0 + 2 * lane, hv] * RCP_LN2, T.float32(0))
+                        gp[1] = T.if_then_else(2 * lane + 1 < nvalid, g[bidx, t0 + 2 * lane + 1, hv] * RCP_LN2, T.float32(0))
+                        gp[2] = T.if_then_else(2 * lane < nvalid, T.cast(beta[bidx, t0 + 2 * lane, hv], acc), T.float32(0))
+                        gp[3] = T.if_then_else(2 * lane + 1 < nvalid, T.cast(beta[bidx, t0 + 2 * lane + 1, hv], acc),
+                                               T.float32(0))
+                        gp[1] = gp[0] + gp[1]
+                        gp[4] = gp[1]
+                        for d in T.unroll(5):
+                            gp[5] = T.shfl_up(gp[4], 1 << d)
+                            if lane >= (1 << d):
+                                gp[4] = gp[4] + gp[5]
+                        T.barrier_wait(qk_empty[s], 1 - ph)
+                        gc_s[s, 2 * lane] = gp[4] - gp[1] + gp[0]
+                        gc_s[s, 2 * lane + 1] = gp[4]
+                        bq_s[s, 2 * lane] = gp[2]
+                        bq_s[s, 2 * lane + 1] = gp[3]
+                        T.barrier_arrive(qk_full[s])
+                elif tx < PR + 96:
+                    for c in T.serial(nchunks):
+                        sv = c % 2
+                        phv = (c // 2) % 2
+                        t0 = bos + c * C
+                        T.barrier_wait(v_empty[sv], 1 - phv)
+                        T.tma_copy(v[bidx, t0 : t0 + C, hv, 0:BV], v_s[sv, :, :], barrier=v_full[sv])
+                        T.barrier_arrive(v_full[sv])
+
+    return gdn_fused2_fwd
+
+
 @functools.lru_cache(maxsize=None)
 def build_fused_kernel(H, HV, K, V, dtype, beta_dtype, seq_dtype, varlen, clocked=False, opts=""):
     from flashqla.ops.gdn.kernels.sm90._common import compile_kernel
 
-    return compile_kernel(_fused_prim_func(H, HV, K, V, dtype, beta_dtype, seq_dtype, varlen, clocked, opts),
+    fn = (_fused2_prim_func(H, HV, K, V, dtype, beta_dtype, seq_dtype, varlen, clocked, fp16_ops=opts == "2h")
+          if opts in ("2", "2h") else _fused_prim_func(H, HV, K, V, dtype, beta_dtype, seq_dtype, varlen, clocked, opts))
+    return compile_kernel(fn,
                           f"gdn_fused_fwd_H{H}_HV{HV}_{dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}{'_clocked' * clocked}_{opts}")
 
 
@@ -461,7 +811,7 @@ def precompile(rows, workers):
             print(f"built {done} ({time.time() - t:.0f} s)", flush=True)
 
 
-def run_row(row: str, check_fp64: bool, clock: bool = True) -> dict:
+def run_row(row: str, check_fp64: bool, clock: bool = True, variants=VARIANTS) -> dict:
     from _gpu import gen_inputs, parse_row, time_graph
 
     from flashqla.contract import clamp_gates
@@ -491,7 +841,7 @@ def run_row(row: str, check_fp64: bool, clock: bool = True) -> dict:
                       initial_state=h0.double(), output_final_state=True, cu_seqlens=cu)
         out.update(e_o2=rel(o2, ref_out[0]), e_s2=rel(s2, ref_out[1]))
     out["ms_two"] = time_graph(two)
-    for op in VARIANTS:
+    for op in variants:
         def fused(op=op):
             return fused_fwd(q, k, v, gcl, beta, scale, h0, True, cu, opts=op)
 
@@ -524,6 +874,9 @@ def main(argv=None) -> int:
     ap.add_argument("--precompile-only", action="store_true")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--no-fp64", action="store_true", help="skip the fp64 reference (long rows)")
+    ap.add_argument("--variants", default=",".join(v or "-" for v in VARIANTS),
+                    help="builds to run, comma-separated (\"-\": the one-aux build); default: %(default)s")
+    ap.add_argument("--no-clock", action="store_true", help="skip the clocked builds")
     ap.add_argument("--ncu", metavar="OPTS", help="one fused call of build variant OPTS on the first row inside "
                     "cudaProfilerStart/Stop, for `ncu --profile-from-start off -k regex:gdn_fused` (no timing, no check)")
     args = ap.parse_args(argv)
@@ -553,7 +906,8 @@ def main(argv=None) -> int:
     res = []
     for r in rows:
         try:
-            res.append(run_row(r, not args.no_fp64))
+            res.append(run_row(r, not args.no_fp64, clock=not args.no_clock,
+                               variants=[v.strip().replace("-", "") for v in args.variants.split(",")]))
         except Exception as exc:  # report and go on with the next row
             print(f"{r}: FAILED {type(exc).__name__}: {exc}", flush=True)
             continue

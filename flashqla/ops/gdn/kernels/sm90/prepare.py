@@ -197,7 +197,7 @@ def diagonal_blocks_8x8(T, m_s, inv, w, lane):
 
 
 def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, kk_f, gc_s, b_s, g_row, g_col, b_row, m_s, inv, stage,
-                      stamp=None, tx0=0, store=True, l_f=None, after_l=None):
+                      stamp=None, tx0=0, store=True, l_f=None, after_l=None, stage_slot=None, before_stage=None):
     """Emits one value head's stages (L, the inverse's four levels, A diag(beta) into the staging tile,
     its TMA store) where it is called inside a kernel body run by one warpgroup (128 threads): value
     head hk * G + j of the slot whose rows start at row0, nvalid valid rows; the staging tile is
@@ -212,7 +212,9 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, kk_f, gc_s, b_s, g
     layout) the L tile's elements are formed in before they are stored; None: kk_f itself (its
     K K^T then lost: only where one value head reads it). after_l (None: the shipped build): a T.macro
     emitted right after the L tile's stores (a fused kernel issues its Q K^T there, to run beside the
-    inverse)."""
+    inverse). stage_slot (None: the shipped build): `stage` is a ring [slots, 64, >= 64] and A diag(beta)
+    goes to its slot `stage_slot`; before_stage (None: the shipped build): a T.macro emitted right
+    before A diag(beta) is written (a fused kernel waits there until its consumer has released the slot)."""
     C = CHUNK
     HB = HALF
     f16, f32 = "float16", "float32"
@@ -343,13 +345,25 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, kk_f, gc_s, b_s, g
 
         # A diag(beta) (RW-2) into the staging tile: the diagonal 32-blocks from m_s, the block below
         # them from level 4's registers
-        for t, s in T.Parallel(C, HB):
-            stage[t, (t // HB) * HB + s] = T.cast(T.cast(m_s[t, (t // HB) * HB + s], f32) * b_s[j, (t // HB) * HB + s], dtype)
-        for nt in T.unroll(2):
-            for h in T.unroll(2):
-                for e in T.unroll(2):
-                    stage[HB + 16 * rb + gq + 8 * h, 16 * cq + 8 * nt + c2 + e] = T.cast(
-                        -o16[4 * nt + 2 * h + e] * b_s[j, 16 * cq + 8 * nt + c2 + e], dtype)
+        if before_stage is not None:
+            before_stage()
+        if stage_slot is None:
+            for t, s in T.Parallel(C, HB):
+                stage[t, (t // HB) * HB + s] = T.cast(T.cast(m_s[t, (t // HB) * HB + s], f32) * b_s[j, (t // HB) * HB + s], dtype)
+            for nt in T.unroll(2):
+                for h in T.unroll(2):
+                    for e in T.unroll(2):
+                        stage[HB + 16 * rb + gq + 8 * h, 16 * cq + 8 * nt + c2 + e] = T.cast(
+                            -o16[4 * nt + 2 * h + e] * b_s[j, 16 * cq + 8 * nt + c2 + e], dtype)
+        else:
+            for t, s in T.Parallel(C, HB):
+                stage[stage_slot, t, (t // HB) * HB + s] = T.cast(
+                    T.cast(m_s[t, (t // HB) * HB + s], f32) * b_s[j, (t // HB) * HB + s], dtype)
+            for nt in T.unroll(2):
+                for h in T.unroll(2):
+                    for e in T.unroll(2):
+                        stage[stage_slot, HB + 16 * rb + gq + 8 * h, 16 * cq + 8 * nt + c2 + e] = T.cast(
+                            -o16[4 * nt + 2 * h + e] * b_s[j, 16 * cq + 8 * nt + c2 + e], dtype)
         T.fence_proxy_async()
         if stamp is not None:
             stamp("stage")
