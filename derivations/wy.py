@@ -32,6 +32,10 @@ General proofs (every size):
   last block row of [[I + L^(m), 0], [R, I + L_mm]]^-1 [L-blockinv].
 - WY-5: the four-block product at any block size n (4 x 4 block matrices of n x n generators):
   D + E = D (I + F), F^4 = 0 by block multiplication, and (D + E)(I - F)(I + F^2) D^-1 = I.
+- WY-6: a diagonal block of size n <= 8 inverted by products alone (the first level of the sm_90
+  kernels' inverse as mma.sync products, instead of WY-3's row recursion): L strictly lower, L^8 = 0,
+  (I + L)(I - L)(I + L^2)(I + L^4) = I - L^8 = I (a telescoping product; non-commutative reduction
+  with L^8 = 0).
 """
 
 from __future__ import annotations
@@ -230,6 +234,47 @@ WY_5 = register(Identity(
     twins=("reference.gdn.fused.solve_tril_nilpotent", "reference.gdn.chunk.solve_tril"),
     source="flashqla sm_90 prepare kernel (flashqla/ops/gdn/kernels/sm90/prepare.py)",
     general=lambda: _general_nilpotent(),
+))
+
+
+def block_product_inverse(L, I):
+    """(I + L)^-1 for a strictly lower L of size <= 8 by products alone, as the mma level multiplies
+    it: X2 = (I - L)(I + L^2), then X2 (I + L^4); one code for the concrete and the general proof."""
+    L2 = L * L
+    X2 = (I - L) * (I + L2)
+    return X2 * (I + L2 * L2)
+
+
+def _block_product(n):
+    L = _strictly_lower(n)
+    return (sp.eye(n) + L) * block_product_inverse(L, sp.eye(n)), sp.eye(n)
+
+
+def _general_block_product() -> Proof:
+    n = sp.Symbol("n", integer=True, positive=True)
+    L = sym("L", n, n)
+    I = eye(n)
+    L8 = L * L * L * L * L * L * L * L
+    rules = rules_from(L8, zeros(n, n), "def")  # the claim's premise, L^8 = 0
+    return Proof(
+        claim="for every n x n L with L^8 = 0 (every strictly lower L of size n <= 8): "
+              "(I + L)(I - L)(I + L^2)(I + L^4) = I",
+        method="non-commutative reduction with L^8 = 0 (the product telescopes to I - L^8)",
+        uses=(),
+        steps=[Eq("(I + L)(I - L)(I + L^2)(I + L^4) = I", (I + L) * block_product_inverse(L, I), I, rules)],
+    )
+
+
+WY_6 = register(Identity(
+    id="WY-6",
+    statement="a diagonal block of size <= 8 by products: (I+L)^-1 = (I-L)(I+L^2)(I+L^4), L strictly lower",
+    latex=r"L^8 = 0 \;\Rightarrow\; (I + L)^{-1} = (I - L)(I + L^2)(I + L^4)",
+    build=_block_product,
+    sizes=((2,), (4,), (8,)),
+    size_names=("n",),
+    twins=("reference.gdn.fused.solve_tril_block_product", "reference.gdn.fused.solve_tril_diagonal_blocks"),
+    source="flashqla sm_90 inverse, first level by mma (flashqla/ops/gdn/kernels/sm90/prepare.py, diagonal_blocks_8x8_mma)",
+    general=lambda: _general_block_product(),
 ))
 
 

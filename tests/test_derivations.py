@@ -324,6 +324,10 @@ def test_broken_block_inverse_fails_both(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(wy, "fs_row", lambda a, X: a - a * X)
     _both_fail(wy._diagonal_block(4), wy._general_forward_substitution())
+    monkeypatch.undo()
+    # WY-6 without its last factor (I + L^4): exact only for n <= 4, so n = 8 and the general proof fail
+    monkeypatch.setattr(wy, "block_product_inverse", lambda L, I: (I - L) * (I + L * L))
+    _both_fail(wy._block_product(8), wy._general_block_product())
 
 
 def test_broken_base_change_fails_both():

@@ -204,6 +204,31 @@ def test_solve_tril_doubling_matches_blockwise_inverse(block):
         assert solve_tril_doubling(Lv, block, storage=torch.float16).dtype == torch.float32
 
 
+def test_block_product_first_level_matches_substitution():
+    """The inverse's first level by products (WY-6, `solve_tril_block_product`: (I - L)(I + L^2)(I + L^4)
+    on 8 x 8 blocks) equals WY-3's substitution in fp64; in the kernel's fp16 model, with L^2 and L^4 as
+    hi + lo pairs, the whole doubling inverse's error equals the substitution's on valid-domain L up to
+    strongly correlated keys, where one rounding of L^2 and L^4 would double it."""
+    from reference.gdn import numerics
+    from reference.gdn.fused import solve_tril_block_product, solve_tril_diagonal_blocks, solve_tril_doubling
+
+    gen = torch.Generator().manual_seed(3)
+    L = 0.4 * torch.randn(3, 64, 64, dtype=torch.float64, generator=gen)
+    torch.testing.assert_close(solve_tril_block_product(L, 8), solve_tril_diagonal_blocks(torch.tril(L, -1), 8),
+                               rtol=0, atol=1e-13)
+    torch.testing.assert_close(solve_tril_doubling(L, 8, level1="product"), solve_tril_doubling(L, 8), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="block <= 8"):
+        solve_tril_block_product(torch.zeros(2, 32, 32), 16)
+    with pytest.raises(ValueError, match="level1"):
+        solve_tril_doubling(L, 8, level1="shuffle")
+    for rho, beta in ((0.0, 1.0), (0.9, 1.0)):
+        Lv = numerics.kkt_matrix(numerics.unit_keys(8, 64, 128, rho=rho, seed=1), beta)
+        sub = numerics.inverse_error(Lv, "fp16 mma", "doubling")
+        prod = numerics.inverse_error(Lv, "fp16 mma", "doubling product")
+        ratio = float((prod.log().mean() - sub.log().mean()).exp())
+        assert 0.95 < ratio < 1.05, (rho, beta, ratio)
+
+
 @pytest.mark.parametrize("nvalid", [64, 37, 1])
 def test_prepare_group_recursive_matches_nilpotent_twin_and_chunk_reference(nvalid):
     """The prepare kernel's stage twin (`reference.gdn.fused.prepare_group_recursive`) equals FLA's

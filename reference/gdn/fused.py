@@ -59,6 +59,7 @@ __all__ = [
     "decay_mask_exp2",
     "gate_vectors",
     "solve_tril_diagonal_blocks",
+    "solve_tril_block_product",
     "solve_tril_blocks",
     "kkt_solve",
     "regate",
@@ -683,7 +684,53 @@ def prepare_group(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, nvalid: 
 # ----------------------------------------------------------------------------------------------
 
 
-def solve_tril_doubling(L: torch.Tensor, block: int = 8, storage: torch.dtype | None = None) -> torch.Tensor:
+def solve_tril_block_product(L: torch.Tensor, block: int = 8, storage: torch.dtype | None = None) -> torch.Tensor:
+    """Inverses of the diagonal block x block blocks of I + L by the nilpotent product (record WY-6):
+    with L_b strictly lower, L_b^block = 0, so for block <= 8
+
+        (I + L_b)^-1 = (I - L_b)(I + L_b^2)(I + L_b^4)
+
+    formed as an mma level of the sm_90 kernels' inverse would form it (`prepare.diagonal_blocks_8x8_mma`):
+    L2 = L_b L_b, X2 = X1 + X1 L2 with X1 = I - L_b, L4 = L2 L2, X3 = X2 + X2 L4, each product an
+    accumulation onto its fp32 left term.
+
+    L: [..., n, n], strictly lower (entries on and above the diagonal are ignored); n % block == 0,
+    block <= 8. storage: None (exact, in L's dtype) or the dtype of the kernel's mma operands
+    (torch.float16): L rounded to it; L2 and L4 enter their products as a pair hi + lo of that dtype
+    (hi = L2 rounded, lo = the remainder rounded; L4 = hi hi + hi lo + lo hi), since one rounding of
+    them costs up to 2.2x the inverse's error on strongly correlated keys (`benchmarks/journal/forward.md`,
+    "The inverse's first level by mma"); X2 enters the last product rounded, its fp32 accumulator kept
+    for the sum. The result is fp32, not yet rounded. Returns [..., n, n], block diagonal (zero off the
+    diagonal blocks): the diagonal blocks of (I + L)^-1. Raises ValueError when n % block != 0 or block > 8.
+    """
+    n = L.shape[-1]
+    if n % block or block > 8:
+        raise ValueError(f"solve_tril_block_product needs block <= 8 dividing n, got n = {n}, block = {block}")
+    exact = storage is None
+    rnd = (lambda x: x) if exact else (lambda x: x.to(storage).float())  # noqa: E731
+    Lw = L if exact else rnd(L)
+    out = torch.zeros_like(Lw)
+    tri = _causal(block, True, L.device)
+    eye = torch.eye(block, dtype=Lw.dtype, device=L.device)
+
+    def pair(x):
+        hi = rnd(x)
+        return hi, (x - hi if exact else rnd(x - hi))
+
+    for b in range(n // block):
+        sl = slice(b * block, (b + 1) * block)
+        Lb = torch.where(tri, Lw[..., sl, sl], torch.zeros((), dtype=Lw.dtype, device=L.device))
+        h2, l2 = pair(Lb @ Lb)
+        X1 = eye - Lb
+        X2 = X1 + X1 @ h2 + X1 @ l2
+        h4, l4 = pair(h2 @ h2 + h2 @ l2 + l2 @ h2)
+        X2r = rnd(X2)
+        out[..., sl, sl] = X2 + X2r @ h4 + X2r @ l4
+    return out
+
+
+def solve_tril_doubling(L: torch.Tensor, block: int = 8, storage: torch.dtype | None = None,
+                        level1: str = "substitution") -> torch.Tensor:
     """(I + L)^-1 for strictly lower L [..., n, n] by recursive doubling, as the sm_90 prepare kernel
     forms it (n == 8 * block: three doublings):
 
@@ -695,6 +742,8 @@ def solve_tril_doubling(L: torch.Tensor, block: int = 8, storage: torch.dtype | 
     storage: None (every value in L's dtype, the exact form) or a dtype the kernel stores between steps
     (torch.float16): L rounded to it first, each level's blocks and the intermediate Y rounded to it,
     the products and level 1 computed in fp32 from the rounded values (mma.sync with fp32 accumulation).
+    level1: "substitution" (WY-3, the shipped kernels' shuffle elimination, exact in fp32) or "product"
+    (WY-6, `solve_tril_block_product`, the mma form with its own operand roundings; block <= 8).
     Entries on and above the diagonal of L are ignored. Returns [..., n, n] unit lower triangular (fp32
     with storage given, else L's dtype). Raises ValueError unless n == 8 * block.
     """
@@ -707,7 +756,12 @@ def solve_tril_doubling(L: torch.Tensor, block: int = 8, storage: torch.dtype | 
     else:
         rnd = lambda x: x.to(storage).float()  # noqa: E731
         L = rnd(L)
-    A = rnd(solve_tril_diagonal_blocks(L, block))
+    if level1 == "substitution":
+        A = rnd(solve_tril_diagonal_blocks(L, block))
+    elif level1 == "product":
+        A = rnd(solve_tril_block_product(L, block, storage))
+    else:
+        raise ValueError(f"level1 must be 'substitution' or 'product', got {level1!r}")
     m = block
     while m < n:
         for b in range(n // (2 * m)):

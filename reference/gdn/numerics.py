@@ -159,7 +159,7 @@ def _nilpotent_tf32(L: torch.Tensor, block: int) -> torch.Tensor:
 #: The inverse algorithms `inverse_error` can run: FLA's blockwise merge (WY-3, WY-4), the product
 #: form (I - F)(I + F^2) D^-1 (WY-5) and the sm_90 prepare kernel's recursive doubling
 #: (`fused.solve_tril_doubling`: WY-3 on 8 x 8 blocks, WY-4 with two blocks at 16, 32, 64).
-INVERSE_METHODS = ("blocks", "nilpotent", "doubling")
+INVERSE_METHODS = ("blocks", "nilpotent", "doubling", "doubling product")
 
 
 def inverse_error(L: torch.Tensor, precision, method: str = "blocks") -> torch.Tensor:
@@ -173,8 +173,9 @@ def inverse_error(L: torch.Tensor, precision, method: str = "blocks") -> torch.T
             "nilpotent") or "fp16 mma" (L and every stored step rounded to fp16, products of fp16
             operands accumulated in fp32: the prepare kernel's mma.sync; only with method "doubling").
         method: "blocks" (`fused.solve_tril_blocks`, FLA's merge), "nilpotent"
-            (`fused.solve_tril_nilpotent`, needs C == 64 with 16-wide blocks) or "doubling"
-            (`fused.solve_tril_doubling`, 8-wide first blocks, needs C == 64).
+            (`fused.solve_tril_nilpotent`, needs C == 64 with 16-wide blocks), "doubling"
+            (`fused.solve_tril_doubling`, 8-wide first blocks, needs C == 64) or "doubling product" (the
+            same with its first level by the nilpotent product, WY-6: `level1="product"`).
 
     Returns:
         float64 tensor of the batch shape. Raises ValueError for an unknown method or precision.
@@ -188,12 +189,14 @@ def inverse_error(L: torch.Tensor, precision, method: str = "blocks") -> torch.T
             raise ValueError("precision 'tf32' models the earlier kernel's GEMMs: use method='nilpotent'")
         low = _nilpotent_tf32(L, block)
     elif precision == "fp16 mma":
-        if method != "doubling":
-            raise ValueError("precision 'fp16 mma' models the kernel's doubling: use method='doubling'")
-        low = fused.solve_tril_doubling(L.float(), L.shape[-1] // 8, storage=torch.float16)
+        if not method.startswith("doubling"):
+            raise ValueError("precision 'fp16 mma' models the kernel's doubling: use method='doubling' or 'doubling product'")
+        low = fused.solve_tril_doubling(L.float(), L.shape[-1] // 8, storage=torch.float16,
+                                        level1="product" if method == "doubling product" else "substitution")
     elif isinstance(precision, torch.dtype):
         fn = {"blocks": fused.solve_tril_blocks, "nilpotent": fused.solve_tril_nilpotent,
-              "doubling": lambda x, b: fused.solve_tril_doubling(x, x.shape[-1] // 8)}[method]
+              "doubling": lambda x, b: fused.solve_tril_doubling(x, x.shape[-1] // 8),
+              "doubling product": lambda x, b: fused.solve_tril_doubling(x, x.shape[-1] // 8, level1="product")}[method]
         low = fn(L.to(precision), block)
     else:
         raise ValueError(f"precision must be a torch dtype, 'tf32' or 'fp16 mma', got {precision!r}")
@@ -206,6 +209,7 @@ SWEEP_PRECISIONS = (
     ("bf16", torch.bfloat16, "blocks"),
     ("tf32 product form", "tf32", "nilpotent"),
     ("kernel (fp16 mma.sync)", "fp16 mma", "doubling"),
+    ("kernel, level 1 by mma (WY-6)", "fp16 mma", "doubling product"),
 )
 
 

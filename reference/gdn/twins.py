@@ -297,6 +297,20 @@ def _wy5(s, lhs_fn, rhs_fn):
     return [TwinPair("A", s.on_valid(lhs_fn(L, s.C // 4)), s.on_valid(A))]
 
 
+@_driver("WY-6")
+def _wy6(s, lhs_fn, rhs_fn):
+    # the 8-wide diagonal blocks by products (lhs) against WY-3's substitution (rhs), and the whole inverse
+    # by recursive doubling from them against FLA's
+    L = fused.to_chunks(s.L_fla, s.lay)
+    A = fused.to_chunks(chunk.solve_tril(s.L_fla, **s.cs), s.lay)
+    block = 8 if s.C % 8 == 0 else s.C
+    pairs = [TwinPair("8-wide diagonal blocks", s.on_valid(lhs_fn(L, block)), s.on_valid(rhs_fn(L, block)))]
+    if s.C % 8 == 0:
+        pairs.append(TwinPair("A (recursive doubling, first level by products)",
+                              s.on_valid(fused.solve_tril_doubling(L, s.C // 8, level1="product")), s.on_valid(A)))
+    return pairs
+
+
 # ---- RW: the rewrites (left: FLA's formulation, right: ours) ------------------------------------
 
 
