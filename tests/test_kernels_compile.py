@@ -148,6 +148,127 @@ def test_prepare_kernel_compiles(H, HV, dtype, beta_dtype, seq_dtype, varlen):
 
 
 @needs_nvcc
+def test_prepare_level1_mma_build_compiles():
+    """The prepare kernel's measurement build with the inverse's first level by products
+    (`_prepare_prim_func(level1="mma")`, `diagonal_blocks_8x8_mma`, record WY-6) lowers for sm_90a:
+    movmatrix from its prelude, eight m16n8k16 products a warp in place of the shuffle elimination, 96
+    registers without spills; the shipped build (level1="substitution") keeps its recorded source."""
+    import json
+
+    from kernel_sources import QUICK, RECORD, digest
+
+    from flashqla.ops.gdn.kernels.sm90._common import compile_kernel, ptxas_report
+    from flashqla.ops.gdn.kernels.sm90.prepare import _prepare_prim_func, build_prepare_kernel
+
+    key = (2, 4, 128, "bfloat16", "float32", "int32", True)
+    plain = build_prepare_kernel(*key).get_kernel_source()
+    assert digest(plain) in {d for _, d in json.loads(RECORD.read_text())[QUICK]}
+    kernel = compile_kernel(_prepare_prim_func(*key, level1="mma"), "prepare_level1_mma")
+    src = kernel.get_kernel_source()
+    f16 = "tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, "
+    assert "movmatrix.sync.aligned.m8n8.trans.b16" in src and src.count("flashqla_movtrans((") == 8
+    assert src.count(f16 + "16, false, true>") == plain.count(f16 + "16, false, true>") + 8
+    assert "__shfl_sync" not in src and "__shfl_sync" in plain  # level 1 was the only shuffle user
+    r = ptxas_report(kernel)
+    print(r)
+    assert r["registers"] <= 96 and r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0
+    with pytest.raises(ValueError, match="level1"):
+        _prepare_prim_func(*key, level1="shuffle")
+
+
+def test_level1_mma_fragment_plan_inverts_the_diagonal_blocks():
+    """`diagonal_blocks_8x8_mma`'s fragment plan, emulated lane by lane with PTX's layouts (ldmatrix x4
+    and x2.trans, m16n8k16 A / B / C fragments, movmatrix.trans) in fp16 with fp32 accumulation: each
+    warp's two 8 x 8 diagonal blocks come out as WY-6's fp16 model (`solve_tril_block_product`) to
+    fp32 summation order, within fp16 rounding of the exact inverse, and the blocks below them (level
+    2's C) untouched."""
+    import numpy as np
+
+    from reference.gdn import numerics
+    from reference.gdn.fused import solve_tril_block_product
+
+    h = np.float16
+
+    def frag(M, t):
+        return (M[t >> 2, 2 * (t % 4)], M[t >> 2, 2 * (t % 4) + 1])
+
+    def ldmatrix(ms, addr, num, trans):
+        out = [[None] * num for _ in range(32)]
+        for i in range(num):
+            M = np.array([[ms[addr(8 * i + r)[0], addr(8 * i + r)[1] + c] for c in range(8)] for r in range(8)])
+            for t in range(32):
+                out[t][i] = frag(M.T if trans else M, t)
+        return out
+
+    def movtrans(pairs):
+        M = np.zeros((8, 8), dtype=np.float16)
+        for t in range(32):
+            M[t >> 2, 2 * (t % 4)], M[t >> 2, 2 * (t % 4) + 1] = pairs[t]
+        return [frag(M.T, t) for t in range(32)]
+
+    def mma(a, b, c):
+        A, B, Cm = np.zeros((16, 16), np.float32), np.zeros((16, 8), np.float32), np.zeros((16, 8), np.float32)
+        for t in range(32):
+            g, q = t >> 2, 2 * (t % 4)
+            for e in range(2):
+                A[g, q + e], A[g + 8, q + e], A[g, q + 8 + e], A[g + 8, q + 8 + e] = a[t][e], a[t][2 + e], a[t][4 + e], a[t][6 + e]
+                B[q + e, g], B[q + 8 + e, g] = b[t][e], b[t][2 + e]
+                Cm[g, q + e], Cm[g + 8, q + e] = c[t][e], c[t][2 + e]
+        D = A @ B + Cm
+        return [[*frag(D, t), *frag(D[8:], t)] for t in range(32)]
+
+    def warp(ms, w):
+        r0 = 16 * w
+        a4 = ldmatrix(ms, lambda l: (r0 + l % 16, r0 + (l // 16) * 8), 4, False)
+        b2 = ldmatrix(ms, lambda l: (r0 + l % 16, r0 + ((l % 16) // 8) * 8), 2, True)
+        aL = [[*a4[t][0], h(0), h(0), h(0), h(0), *a4[t][3]] for t in range(32)]
+        bL = [[*b2[t][0], *b2[t][1]] for t in range(32)]
+        xa = [[h(0)] * 8 for _ in range(32)]
+        x = [[0.0] * 4 for _ in range(32)]
+        for t in range(32):
+            g, c2 = t // 4, (t % 4) * 2
+            for e in range(2):
+                xa[t][e] = h((g == c2 + e) - np.float32(aL[t][e]))
+                xa[t][6 + e] = h((g == c2 + e) - np.float32(aL[t][6 + e]))
+                x[t][e], x[t][2 + e] = np.float32(xa[t][e]), np.float32(xa[t][6 + e])
+
+        def pairs(z):
+            ha = [[h(z[t][0]), h(z[t][1]), h(0), h(0), h(0), h(0), h(z[t][2]), h(z[t][3])] for t in range(32)]
+            la = [[h(z[t][i] - np.float32(ha[t][j])) if j in (0, 1, 6, 7) else h(0)
+                   for j, i in zip(range(8), (0, 1, 0, 0, 0, 0, 2, 3))] for t in range(32)]
+            hb = [[*p, *q] for p, q in zip(movtrans([(a[0], a[1]) for a in ha]), movtrans([(a[6], a[7]) for a in ha]))]
+            lb = [[*p, *q] for p, q in zip(movtrans([(a[0], a[1]) for a in la]), movtrans([(a[6], a[7]) for a in la]))]
+            return ha, la, hb, lb
+
+        ha, la, hb, lb = pairs(mma(aL, bL, [[0.0] * 4] * 32))
+        x = mma(xa, lb, mma(xa, hb, x))
+        _, _, hb, lb = pairs(mma(la, hb, mma(ha, lb, mma(ha, hb, [[0.0] * 4] * 32))))
+        xa = [[h(x[t][0]), h(x[t][1]), h(0), h(0), h(0), h(0), h(x[t][2]), h(x[t][3])] for t in range(32)]
+        x = mma(xa, lb, mma(xa, hb, x))
+        out = ms.copy()
+        for t in range(32):
+            g, c2 = t // 4, (t % 4) * 2
+            for e in range(2):
+                out[r0 + g, r0 + c2 + e], out[r0 + 8 + g, r0 + 8 + c2 + e] = h(x[t][e]), h(x[t][2 + e])
+        return out
+
+    blk = np.kron(np.eye(8), np.ones((8, 8))).astype(bool)
+    below = np.kron(np.eye(4), np.ones((16, 16))).astype(bool) & ~blk
+    for rho in (0.0, 0.9):
+        L = numerics.kkt_matrix(numerics.unit_keys(1, 64, 128, rho=rho, seed=2), 1.0)[0]
+        ms = torch.tril(L, -1).to(torch.float16).numpy()
+        out = ms.copy()
+        for w in range(4):
+            out[16 * w:16 * w + 16, 16 * w:16 * w + 16] = warp(ms, w)[16 * w:16 * w + 16, 16 * w:16 * w + 16]
+        model = solve_tril_block_product(L[None].float(), 8, storage=torch.float16)[0].to(torch.float16).double().numpy()
+        exact = solve_tril_block_product(L[None], 8)[0].numpy()
+        got = out.astype(np.float64)
+        assert np.abs(got[blk] - model[blk]).max() <= 2.0**-10 * np.abs(model[blk]).max()
+        assert np.abs(got[blk] - exact[blk]).max() <= 2.0**-8 * np.abs(exact[blk]).max()
+        assert np.array_equal(out[below], ms[below])
+
+
+@needs_nvcc
 @pytest.mark.compile_all
 def test_prepare_phase_clock_build_compiles():
     """The phase-clock build (`build_prepare_kernel_clocked`, a measurement tool) compiles: thread 0

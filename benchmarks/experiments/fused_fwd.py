@@ -24,7 +24,7 @@ So A_beta and g_cum_log2 never go through HBM, and the output role of the recurr
 folded into the chain warpgroups (FlashInfer's split of the work; registers 192 / 192 / 104 / 24).
 Build "2" (`_fused2_prim_func`, entry "The fused forward with two aux warpgroups") gives the aux work
 two warpgroups taking alternate chunks (640 threads); "2h" is "2" with the A_beta and output products'
-operands in fp16.
+operands in fp16; "2m" and "2hm" form the inverse's first level by products (WY-6).
 Same arithmetic as the two launches except where the order of the output's two terms differs (O^T
 is formed transposed): o is compared with the two launches' and with the fp64 recurrence, not bit
 for bit.
@@ -65,7 +65,7 @@ AUX_STAGES = ("wait_full", "kkt", "L", "level12", "level3", "level4", "stage", "
 #: the builds compared by default (`_fused_prim_func` opts, or "2" / "2h": `_fused2_prim_func`; "q", "3" and "3q"
 #: were timed within 3.5% of "" on the H100, journal `forward.md`, entry "The fused forward's variants":
 #: kept as options, not run by default)
-VARIANTS = ("", "2", "2h")
+VARIANTS = ("", "2", "2h", "2m", "2hm")
 
 #: registers per thread of each role (setmaxnreg; sum <= 512 at 512 threads)
 NREG = {"chain": 192, "aux": 104, "producer": 24}
@@ -411,7 +411,7 @@ NREG2 = {"chain": 176, "aux": 64, "producer": 24}
 
 
 def _fused2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
-                      clocked: bool = False, fp16_ops: bool = False):
+                      clocked: bool = False, fp16_ops: bool = False, level1: str = "substitution"):
     """Build "2": two aux warpgroups taking alternate chunks, so that each has two of the chain's
     steps for one chunk's aux work (one aux warpgroup needs about 1.85 of them).
 
@@ -427,7 +427,10 @@ def _fused2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: s
     fp16_ops (build "2h"): the A_beta product's operands (A_beta, W^T) and the output product's
     (Pg, vn^T) in fp16 instead of bf16 (the rounding model's lever on o's error,
     `benchmarks/journal/accuracy.md`, "Where the forward's error comes from"); fp16's range then bounds
-    |W| and |vn| by 65504 (v in the thousands). The other products keep the inputs' dtype."""
+    |W| and |vn| by 65504 (v in the thousands). The other products keep the inputs' dtype.
+
+    level1 ("substitution"; "mma" in builds "2m" and "2hm"): the inverse's first level by products
+    (`prepare.diagonal_blocks_8x8_mma`, record WY-6) instead of the shuffle elimination."""
     import tilelang.language as T
     from tilelang.layout import make_linear_layout, make_swizzled_layout
 
@@ -502,6 +505,7 @@ def _fused2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: s
             g_col = T.alloc_fragment((C,), acc)
             b_row = T.alloc_fragment((C,), acc)
             inv = P.alloc_inverse_locals(T)
+            l1 = P.alloc_level1_locals(T) if level1 == "mma" else None
             if clocked and jj == 0:
                 ca = T.alloc_local((4,), "int64")
                 ca[0] = now()
@@ -532,7 +536,7 @@ def _fused2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: s
                 stamp("kkt")
                 P.value_head_stages(T, j=s, G=1, hk=hv, nvalid=nvalid, row0=0, A=None, dtype=pdt, kk_f=kk_f,
                                     gc_s=gc_s, b_s=bq_s, g_row=g_row, g_col=g_col, b_row=b_row, m_s=m_s,
-                                    inv=inv, stage=a_s, stage_slot=jj, tx0=ax, store=False,
+                                    inv=inv, l1=l1, stage=a_s, stage_slot=jj, tx0=ax, store=False,
                                     stamp=stamp if clocked and jj == 0 else None,
                                     before_stage=waiter(x_empty[jj], 1 - phx))
                 T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], p_f, transpose_B=True, clear_accum=True)
@@ -577,7 +581,7 @@ def _fused2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: s
         ht: T.Tensor((N1, HV, K, V), "float32"),
         clocks: clock_arg,
     ):
-        with T.Kernel(HV * nseq, threads=PR + 128) as (bx,):
+        with T.Kernel(HV * nseq, threads=PR + 128, prelude=P.MOVMATRIX_PRELUDE if level1 == "mma" else None) as (bx,):
             hv = bx % HV
             n = bx // HV
             bos, seqlen, bidx, slot0, nchunks = sequence_span(n, cu_seqlens, Tn, varlen)
@@ -753,8 +757,9 @@ def _fused2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: s
 def build_fused_kernel(H, HV, K, V, dtype, beta_dtype, seq_dtype, varlen, clocked=False, opts=""):
     from flashqla.ops.gdn.kernels.sm90._common import compile_kernel
 
-    fn = (_fused2_prim_func(H, HV, K, V, dtype, beta_dtype, seq_dtype, varlen, clocked, fp16_ops=opts == "2h")
-          if opts in ("2", "2h") else _fused_prim_func(H, HV, K, V, dtype, beta_dtype, seq_dtype, varlen, clocked, opts))
+    fn = (_fused2_prim_func(H, HV, K, V, dtype, beta_dtype, seq_dtype, varlen, clocked, fp16_ops="h" in opts,
+                            level1="mma" if "m" in opts else "substitution")
+          if opts in ("2", "2h", "2m", "2hm") else _fused_prim_func(H, HV, K, V, dtype, beta_dtype, seq_dtype, varlen, clocked, opts))
     return compile_kernel(fn,
                           f"gdn_fused_fwd_H{H}_HV{HV}_{dtype}_{beta_dtype}_{seq_dtype}_{int(varlen)}{'_clocked' * clocked}_{opts}")
 

@@ -196,8 +196,121 @@ def diagonal_blocks_8x8(T, m_s, inv, w, lane):
     return level1
 
 
+#: movmatrix (sm_75+): the transpose of an 8 x 8 16-bit matrix held in the mma.sync fragment layout (lane
+#: l: row l / 4, columns 2 (l % 4) and + 1), in registers. Put before a kernel's source (T.Kernel's
+#: prelude) that calls `diagonal_blocks_8x8_mma`.
+MOVMATRIX_PRELUDE = """
+__device__ __forceinline__ void flashqla_movtrans(void* dst, const void* src) {
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;"
+               : "=r"(*reinterpret_cast<unsigned*>(dst)) : "r"(*reinterpret_cast<const unsigned*>(src)));
+}
+"""
+
+
+def alloc_level1_locals(T) -> dict:
+    """The per-thread registers of `diagonal_blocks_8x8_mma` (allocate where the kernel's other buffers
+    are allocated, pass as `l1`): three A fragments (I - L, then X2; hi and lo of L^2) and two B
+    fragments (hi and lo of L^2, then of L^4), fp16; the two 16 x 8 fp32 accumulators."""
+    f16, f32 = "float16", "float32"
+    return dict(xa=T.alloc_local((8,), f16), ha=T.alloc_local((8,), f16), la=T.alloc_local((8,), f16),
+                hb=T.alloc_local((4,), f16), lb=T.alloc_local((4,), f16), x=T.alloc_local((4,), f32),
+                z=T.alloc_local((4,), f32))
+
+
+def diagonal_blocks_8x8_mma(T, m_s, inv, l1, w, lane):
+    """Level 1 of the inverse by products (WY-6) as a T.macro, in place of `diagonal_blocks_8x8` (same
+    call, same result up to the roundings of `reference.gdn.fused.solve_tril_block_product` with
+    storage=torch.float16): warp w's two 8 x 8 diagonal blocks of the fp16 tile m_s (L strictly lower
+    there: 0 on and above the diagonal) replaced by (I + L_b)^-1 = (I - L_b)(I + L_b^2)(I + L_b^4),
+    both blocks at once as m16n8k16 mma.sync products whose A operand is blockdiag(M_b0, M_b1)
+    (16 x 16, the off-diagonal quadrants zero) and whose B operand is [M_b0; M_b1] (16 x 8): the
+    accumulator of such a product is the A operand of the next one as it is (its two row halves are
+    the two blocks' rows) and, transposed by movmatrix, its B operand. L^2 and L^4 enter their products
+    as fp16 pairs hi + lo (one rounding of them costs up to 2.2x the inverse's error on strongly
+    correlated keys). All 32 lanes of the four warps work: eight products and eight movmatrix a warp.
+    Needs `MOVMATRIX_PRELUDE` in the kernel's prelude; inv: `alloc_inverse_locals`' a16, b16 (the L
+    fragments); l1: `alloc_level1_locals`."""
+    f16, f32 = "float16", "float32"
+    aL, bL = inv["a16"], inv["b16"]
+    xa, ha, la, hb, lb, x, z = (l1[n] for n in ("xa", "ha", "la", "hb", "lb", "x", "z"))
+
+    def mma(a, b, c):
+        T.evaluate(T.ptx_mma(f32, "m16n8k16", "row", "col", "fp16", "fp16", "fp32", a.data, 0, b.data, 0, c.data, 0,
+                             T.bool(False)))
+
+    def ldsm(trans, num, row, col, dst, n):
+        T.evaluate(T.ptx_ldmatrix(T.bool(trans), num, T.access_ptr(m_s[row, col], "r", extent=8),
+                                  T.access_ptr(dst[0], "w", extent=n)))
+
+    def movtrans(dst, i, src, j):
+        T.evaluate(T.call_extern("handle", "flashqla_movtrans", T.access_ptr(dst[i], "w", extent=2),
+                                 T.access_ptr(src[j], "r", extent=2)))
+
+    @T.macro
+    def level1():
+        gq = lane // 4
+        c2 = (lane % 4) * 2
+        r0 = 16 * w
+        ldsm(False, 4, r0 + lane % 16, r0 + (lane // 16) * 8, aL, 8)  # the 16 x 16 tile at (r0, r0)
+        ldsm(True, 2, r0 + lane % 16, r0 + ((lane % 16) // 8) * 8, bL, 4)  # [L_b0; L_b1] as a B operand
+        for i in T.unroll(4):
+            aL[2 + i] = T.cast(0, f16)  # blockdiag: the quadrants off the two diagonal blocks
+            xa[2 + i] = T.cast(0, f16)
+            ha[2 + i] = T.cast(0, f16)
+            la[2 + i] = T.cast(0, f16)
+        # X1 = I - L (A operand) and its fp32 copy, the accumulator of X2
+        for e in T.unroll(2):
+            xa[e] = T.cast(T.if_then_else(gq == c2 + e, T.float32(1), T.float32(0)) - T.cast(aL[e], f32), f16)
+            xa[6 + e] = T.cast(T.if_then_else(gq == c2 + e, T.float32(1), T.float32(0)) - T.cast(aL[6 + e], f32), f16)
+            x[e] = T.cast(xa[e], f32)
+            x[2 + e] = T.cast(xa[6 + e], f32)
+        # L^2, then its hi + lo pair as A (blockdiag) and B (transposed) operands
+        for i in T.unroll(4):
+            z[i] = T.float32(0)
+        mma(aL, bL, z)
+        for e in T.unroll(2):
+            ha[e] = T.cast(z[e], f16)
+            ha[6 + e] = T.cast(z[2 + e], f16)
+            la[e] = T.cast(z[e] - T.cast(ha[e], f32), f16)
+            la[6 + e] = T.cast(z[2 + e] - T.cast(ha[6 + e], f32), f16)
+        movtrans(hb, 0, ha, 0)
+        movtrans(hb, 2, ha, 6)
+        movtrans(lb, 0, la, 0)
+        movtrans(lb, 2, la, 6)
+        # X2 = X1 + X1 L^2
+        mma(xa, hb, x)
+        mma(xa, lb, x)
+        # L^4 = L^2 L^2 (hi hi + hi lo + lo hi)
+        for i in T.unroll(4):
+            z[i] = T.float32(0)
+        mma(ha, hb, z)
+        mma(ha, lb, z)
+        mma(la, hb, z)
+        # L^4's pair as B operands (through ha / la's two blocks), X2 as the A operand
+        for e in T.unroll(2):
+            ha[e] = T.cast(z[e], f16)
+            ha[6 + e] = T.cast(z[2 + e], f16)
+            la[e] = T.cast(z[e] - T.cast(ha[e], f32), f16)
+            la[6 + e] = T.cast(z[2 + e] - T.cast(ha[6 + e], f32), f16)
+            xa[e] = T.cast(x[e], f16)
+            xa[6 + e] = T.cast(x[2 + e], f16)
+        movtrans(hb, 0, ha, 0)
+        movtrans(hb, 2, ha, 6)
+        movtrans(lb, 0, la, 0)
+        movtrans(lb, 2, la, 6)
+        # X3 = X2 + X2 L^4 = (I + L_b)^-1, both blocks, into m_s
+        mma(xa, hb, x)
+        mma(xa, lb, x)
+        for e in T.unroll(2):
+            m_s[r0 + gq, r0 + c2 + e] = T.cast(x[e], f16)
+            m_s[r0 + 8 + gq, r0 + 8 + c2 + e] = T.cast(x[2 + e], f16)
+
+    return level1
+
+
 def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, kk_f, gc_s, b_s, g_row, g_col, b_row, m_s, inv, stage,
-                      stamp=None, tx0=0, store=True, l_f=None, after_l=None, stage_slot=None, before_stage=None):
+                      stamp=None, tx0=0, store=True, l_f=None, after_l=None, stage_slot=None, before_stage=None,
+                      l1=None):
     """Emits one value head's stages (L, the inverse's four levels, A diag(beta) into the staging tile,
     its TMA store) where it is called inside a kernel body run by one warpgroup (128 threads): value
     head hk * G + j of the slot whose rows start at row0, nvalid valid rows; the staging tile is
@@ -214,7 +327,9 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, kk_f, gc_s, b_s, g
     emitted right after the L tile's stores (a fused kernel issues its Q K^T there, to run beside the
     inverse). stage_slot (None: the shipped build): `stage` is a ring [slots, 64, >= 64] and A diag(beta)
     goes to its slot `stage_slot`; before_stage (None: the shipped build): a T.macro emitted right
-    before A diag(beta) is written (a fused kernel waits there until its consumer has released the slot)."""
+    before A diag(beta) is written (a fused kernel waits there until its consumer has released the slot).
+    l1 (None: the shipped build, level 1 by `diagonal_blocks_8x8`): `alloc_level1_locals`' registers,
+    level 1 then by `diagonal_blocks_8x8_mma` (the kernel's prelude must hold `MOVMATRIX_PRELUDE`)."""
     C = CHUNK
     HB = HALF
     f16, f32 = "float16", "float32"
@@ -269,7 +384,10 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, kk_f, gc_s, b_s, g
         gq = lane // 4  # the mma fragments' row (and row + 8) ...
         c2 = (lane % 4) * 2  # ... and column pair of this lane
 
-        diagonal_blocks_8x8(T, m_s, inv, w, lane)()
+        if l1 is None:
+            diagonal_blocks_8x8(T, m_s, inv, w, lane)()
+        else:
+            diagonal_blocks_8x8_mma(T, m_s, inv, l1, w, lane)()
 
         # Every store into m_s below follows reads of the same elements by other lanes, and every
         # level reads what other lanes stored: TileLang's barrier pass puts a barrier of the
@@ -376,7 +494,8 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, kk_f, gc_s, b_s, g
 
 
 def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
-                       heads_per_cta: int | None = None, a_dtype: str | None = None, *, phase_clock: bool = False):
+                       heads_per_cta: int | None = None, a_dtype: str | None = None, *, phase_clock: bool = False,
+                       level1: str = "substitution"):
     """The TileLang kernel for one static configuration (arguments as `build_prepare_kernel`).
 
     The L tile's gates are read once per value head into register fragments (g at the rows and at
@@ -396,7 +515,11 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
     phase_clock (False: the shipped kernel, its source unchanged): the measurement build, with one
     more argument after g_cum_log2, clocks [R // 64, HV // heads_per_cta, len(clock_stamps(heads))]
     int64 (one row per CTA: slot, CTA row), where thread 0 writes the stamps of `clock_stamps`
-    (CLOCK_ALIGNED: after a barrier the kernel has anyway). The same A and g_cum_log2 bit for bit."""
+    (CLOCK_ALIGNED: after a barrier the kernel has anyway). The same A and g_cum_log2 bit for bit.
+
+    level1 ("substitution": the shipped kernel): "mma" forms the inverse's first level by products
+    (`diagonal_blocks_8x8_mma`, record WY-6), a measurement build until it is timed against the shipped one.
+    Raises ValueError for another value."""
     import tilelang.language as T
     from tilelang.layout import make_linear_layout
 
@@ -424,7 +547,9 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
     # the clocked build's extra argument; None, no tensor annotation, makes no kernel argument of
     # `clocks` (TileLang passes it as a Python value): the shipped signature
     clock_arg = T.Tensor((R // C, HV // P, len(clock_stamps(P))), "int64") if phase_clock else None
-    prelude = _CLOCK_PRELUDE if phase_clock else None
+    if level1 not in ("substitution", "mma"):
+        raise ValueError(f"level1 must be 'substitution' or 'mma', got {level1!r}")
+    prelude = "".join(p for p in (_CLOCK_PRELUDE if phase_clock else "", MOVMATRIX_PRELUDE if level1 == "mma" else "")) or None
 
     @T.prim_func  # (the kernel's symbol name is part of its generated source: kept as it was)
     def gdn_prepare_v3_fwd(
@@ -460,6 +585,7 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
             g_col = T.alloc_fragment((C,), acc)  # ... at its columns
             b_row = T.alloc_fragment((C,), acc)  # beta of value head j at its rows
             inv = alloc_inverse_locals(T)
+            l1 = alloc_level1_locals(T) if level1 == "mma" else None
             k_bar = T.alloc_barrier(128)  # every thread arrives; the copy engine completes the bytes
 
             if nvalid > 0:
@@ -487,7 +613,8 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
                     value_head_stages(T, j=j, G=P, hk=hk, nvalid=nvalid, row0=row0, A=A, dtype=adt, kk_f=kk_f, gc_s=gc_s,
                                       b_s=b_s, g_row=g_row, g_col=g_col, b_row=b_row, m_s=m_s, inv=inv,
                                       stage=ka_s if adt == dtype else T.view(ka_s, dtype=adt),
-                                      stamp=_clock_stamper(T, clocks, slot, hk, j) if phase_clock else None, l_f=l_f)
+                                      stamp=_clock_stamper(T, clocks, slot, hk, j) if phase_clock else None, l_f=l_f,
+                                      l1=l1)
                 T.tma_store_wait(0)
 
                 for j, t in T.Parallel(P, C):
