@@ -71,6 +71,46 @@ VARIANTS = ("", "2", "2h", "2m", "2hm")
 NREG = {"chain": 192, "aux": 104, "producer": 24}
 
 
+def gates_warp(T, kv):
+    """The producer's gates warp as a T.macro (both builds): per chunk c, its 64 tokens' g / ln 2 and beta,
+    two a lane (0 past the sequence), g_cum_log2 by a shuffle scan over the lanes' pair sums, stored into
+    ring slot c % NS of gc_s / bq_s after waiting on `empty` there, then an arrive on `full`. kv: the
+    kernel's buffers and values, by name (g, beta, gc_s, bq_s, empty, full, lane, nchunks, seqlen, bos,
+    bidx, hv, NS)."""
+    from flashqla.ops.gdn.kernels.sm90._common import CHUNK as C, RCP_LN2
+
+    g, beta, gc_s, bq_s, empty, full = (kv[x] for x in ("g", "beta", "gc_s", "bq_s", "empty", "full"))
+    lane, nchunks, seqlen, bos, bidx, hv, NS = (kv[x] for x in ("lane", "nchunks", "seqlen", "bos", "bidx", "hv", "NS"))
+    acc = "float32"
+
+    @T.macro
+    def body():
+        gp = T.alloc_local((6,), acc)  # g pair, beta pair, scan
+        for c in T.serial(nchunks):
+            s = c % NS
+            ph = (c // NS) % 2
+            t0 = bos + c * C
+            nvalid = T.min(seqlen - c * C, C)
+            gp[0] = T.if_then_else(2 * lane < nvalid, g[bidx, t0 + 2 * lane, hv] * RCP_LN2, T.float32(0))
+            gp[1] = T.if_then_else(2 * lane + 1 < nvalid, g[bidx, t0 + 2 * lane + 1, hv] * RCP_LN2, T.float32(0))
+            gp[2] = T.if_then_else(2 * lane < nvalid, T.cast(beta[bidx, t0 + 2 * lane, hv], acc), T.float32(0))
+            gp[3] = T.if_then_else(2 * lane + 1 < nvalid, T.cast(beta[bidx, t0 + 2 * lane + 1, hv], acc), T.float32(0))
+            gp[1] = gp[0] + gp[1]
+            gp[4] = gp[1]
+            for d in T.unroll(5):
+                gp[5] = T.shfl_up(gp[4], 1 << d)
+                if lane >= (1 << d):
+                    gp[4] = gp[4] + gp[5]
+            T.barrier_wait(empty[s], 1 - ph)
+            gc_s[s, 2 * lane] = gp[4] - gp[1] + gp[0]
+            gc_s[s, 2 * lane + 1] = gp[4]
+            bq_s[s, 2 * lane] = gp[2]
+            bq_s[s, 2 * lane + 1] = gp[3]
+            T.barrier_arrive(full[s])
+
+    return body
+
+
 def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
                      clocked: bool = False, opts: str = ""):
     """opts: "q" = Q K^T issued right after the L tile's stores, so that it runs beside the
@@ -86,7 +126,7 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
     from tilelang.layout import make_linear_layout, make_swizzled_layout
 
     from flashqla.ops.gdn.kernels.sm90 import prepare as P
-    from flashqla.ops.gdn.kernels.sm90._common import CHUNK, RCP_LN2, sequence_span
+    from flashqla.ops.gdn.kernels.sm90._common import CHUNK, sequence_span
 
     if K != 128 or V != 128:
         raise ValueError("the fused draft covers K = V = 128")
@@ -376,31 +416,8 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
                         T.tma_copy(v[bidx, t0 : t0 + C, hv, 0:BV], v_s[s, :, :], barrier=full[s])
                         T.barrier_arrive(full[s])
                 elif tx < PR + 64:
-                    # g_cum_log2 and beta into the load ring: two tokens a lane, a shuffle scan over the pair sums
-                    gp = T.alloc_local((6,), acc)  # g pair, beta pair, scan
-                    lane = tx - PR - 32
-                    for c in T.serial(nchunks):
-                        s = c % NS
-                        ph = (c // NS) % 2
-                        t0 = bos + c * C
-                        nvalid = T.min(seqlen - c * C, C)
-                        gp[0] = T.if_then_else(2 * lane < nvalid, g[bidx, t0 + 2 * lane, hv] * RCP_LN2, T.float32(0))
-                        gp[1] = T.if_then_else(2 * lane + 1 < nvalid, g[bidx, t0 + 2 * lane + 1, hv] * RCP_LN2, T.float32(0))
-                        gp[2] = T.if_then_else(2 * lane < nvalid, T.cast(beta[bidx, t0 + 2 * lane, hv], acc), T.float32(0))
-                        gp[3] = T.if_then_else(2 * lane + 1 < nvalid, T.cast(beta[bidx, t0 + 2 * lane + 1, hv], acc),
-                                               T.float32(0))
-                        gp[1] = gp[0] + gp[1]
-                        gp[4] = gp[1]
-                        for d in T.unroll(5):
-                            gp[5] = T.shfl_up(gp[4], 1 << d)
-                            if lane >= (1 << d):
-                                gp[4] = gp[4] + gp[5]
-                        T.barrier_wait(empty[s], 1 - ph)
-                        gc_s[s, 2 * lane] = gp[4] - gp[1] + gp[0]
-                        gc_s[s, 2 * lane + 1] = gp[4]
-                        bq_s[s, 2 * lane] = gp[2]
-                        bq_s[s, 2 * lane + 1] = gp[3]
-                        T.barrier_arrive(full[s])
+                    gates_warp(T, dict(g=g, beta=beta, gc_s=gc_s, bq_s=bq_s, empty=empty, full=full, lane=tx - PR - 32,
+                                       nchunks=nchunks, seqlen=seqlen, bos=bos, bidx=bidx, hv=hv, NS=NS))()
 
     return gdn_fused_fwd
 
@@ -435,7 +452,7 @@ def _fused2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: s
     from tilelang.layout import make_linear_layout, make_swizzled_layout
 
     from flashqla.ops.gdn.kernels.sm90 import prepare as P
-    from flashqla.ops.gdn.kernels.sm90._common import CHUNK, RCP_LN2, sequence_span
+    from flashqla.ops.gdn.kernels.sm90._common import CHUNK, sequence_span
 
     if K != 128 or V != 128:
         raise ValueError("the fused draft covers K = V = 128")
@@ -717,30 +734,8 @@ def _fused2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: s
                         T.tma_copy(k[bidx, t0 : t0 + C, hk, 0:K], k_s[s, :, :], barrier=qk_full[s])
                         T.barrier_arrive(qk_full[s])
                 elif tx < PR + 64:
-                    gp = T.alloc_local((6,), acc)  # g pair, beta pair, scan
-                    lane = tx - PR - 32
-                    for c in T.serial(nchunks):
-                        s = c % NQ
-                        ph = (c // NQ) % 2
-                        t0 = bos + c * C
-                        nvalid = T.min(seqlen - c * C, C)
-                        gp[0] = T.if_then_else(2 * lane < nvalid, g[bidx, t0 + 2 * lane, hv] * RCP_LN2, T.float32(0))
-                        gp[1] = T.if_then_else(2 * lane + 1 < nvalid, g[bidx, t0 + 2 * lane + 1, hv] * RCP_LN2, T.float32(0))
-                        gp[2] = T.if_then_else(2 * lane < nvalid, T.cast(beta[bidx, t0 + 2 * lane, hv], acc), T.float32(0))
-                        gp[3] = T.if_then_else(2 * lane + 1 < nvalid, T.cast(beta[bidx, t0 + 2 * lane + 1, hv], acc),
-                                               T.float32(0))
-                        gp[1] = gp[0] + gp[1]
-                        gp[4] = gp[1]
-                        for d in T.unroll(5):
-                            gp[5] = T.shfl_up(gp[4], 1 << d)
-                            if lane >= (1 << d):
-                                gp[4] = gp[4] + gp[5]
-                        T.barrier_wait(qk_empty[s], 1 - ph)
-                        gc_s[s, 2 * lane] = gp[4] - gp[1] + gp[0]
-                        gc_s[s, 2 * lane + 1] = gp[4]
-                        bq_s[s, 2 * lane] = gp[2]
-                        bq_s[s, 2 * lane + 1] = gp[3]
-                        T.barrier_arrive(qk_full[s])
+                    gates_warp(T, dict(g=g, beta=beta, gc_s=gc_s, bq_s=bq_s, empty=qk_empty, full=qk_full, lane=tx - PR - 32,
+                                       nchunks=nchunks, seqlen=seqlen, bos=bos, bidx=bidx, hv=hv, NS=NQ))()
                 elif tx < PR + 96:
                     for c in T.serial(nchunks):
                         sv = c % 2

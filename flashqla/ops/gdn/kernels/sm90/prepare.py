@@ -247,6 +247,20 @@ def diagonal_blocks_8x8_mma(T, m_s, inv, l1, w, lane):
                                  T.access_ptr(src[j], "r", extent=2)))
 
     @T.macro
+    def pair_operands():
+        # z (L^2 or L^4, fp32) as the fp16 pair hi + lo: the A operands ha, la (blockdiag: the two row
+        # halves) and, transposed, the B operands hb, lb
+        for e in T.unroll(2):
+            ha[e] = T.cast(z[e], f16)
+            ha[6 + e] = T.cast(z[2 + e], f16)
+            la[e] = T.cast(z[e] - T.cast(ha[e], f32), f16)
+            la[6 + e] = T.cast(z[2 + e] - T.cast(ha[6 + e], f32), f16)
+        movtrans(hb, 0, ha, 0)
+        movtrans(hb, 2, ha, 6)
+        movtrans(lb, 0, la, 0)
+        movtrans(lb, 2, la, 6)
+
+    @T.macro
     def level1():
         gq = lane // 4
         c2 = (lane % 4) * 2
@@ -268,15 +282,7 @@ def diagonal_blocks_8x8_mma(T, m_s, inv, l1, w, lane):
         for i in T.unroll(4):
             z[i] = T.float32(0)
         mma(aL, bL, z)
-        for e in T.unroll(2):
-            ha[e] = T.cast(z[e], f16)
-            ha[6 + e] = T.cast(z[2 + e], f16)
-            la[e] = T.cast(z[e] - T.cast(ha[e], f32), f16)
-            la[6 + e] = T.cast(z[2 + e] - T.cast(ha[6 + e], f32), f16)
-        movtrans(hb, 0, ha, 0)
-        movtrans(hb, 2, ha, 6)
-        movtrans(lb, 0, la, 0)
-        movtrans(lb, 2, la, 6)
+        pair_operands()
         # X2 = X1 + X1 L^2
         mma(xa, hb, x)
         mma(xa, lb, x)
@@ -286,18 +292,11 @@ def diagonal_blocks_8x8_mma(T, m_s, inv, l1, w, lane):
         mma(ha, hb, z)
         mma(ha, lb, z)
         mma(la, hb, z)
-        # L^4's pair as B operands (through ha / la's two blocks), X2 as the A operand
+        # L^4's pair as B operands, X2 as the A operand
+        pair_operands()
         for e in T.unroll(2):
-            ha[e] = T.cast(z[e], f16)
-            ha[6 + e] = T.cast(z[2 + e], f16)
-            la[e] = T.cast(z[e] - T.cast(ha[e], f32), f16)
-            la[6 + e] = T.cast(z[2 + e] - T.cast(ha[6 + e], f32), f16)
             xa[e] = T.cast(x[e], f16)
             xa[6 + e] = T.cast(x[2 + e], f16)
-        movtrans(hb, 0, ha, 0)
-        movtrans(hb, 2, ha, 6)
-        movtrans(lb, 0, la, 0)
-        movtrans(lb, 2, la, 6)
         # X3 = X2 + X2 L^4 = (I + L_b)^-1, both blocks, into m_s
         mma(xa, hb, x)
         mma(xa, lb, x)
