@@ -23,7 +23,7 @@ whole value width), four warpgroups:
 So A_beta and g_cum_log2 never go through HBM, and the output role of the recurrent kernel is
 folded into the chain warpgroups (FlashInfer's split of the work; registers 192 / 192 / 104 / 24).
 Build "2" (`_fused2_prim_func`, entry "The fused forward with two aux warpgroups") gives the aux work
-two warpgroups taking alternate chunks (640 threads); "2h" is "2" with the A_beta and output products'
+two warpgroups taking alternate chunks (512 threads, no producer warpgroup); "2h" is "2" with the A_beta and output products'
 operands in fp16; "2m" and "2hm" form the inverse's first level by products (WY-6).
 Same arithmetic as the two launches except where the order of the output's two terms differs (O^T
 is formed transposed): o is compared with the two launches' and with the fp64 recurrence, not bit
@@ -422,9 +422,13 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
     return gdn_fused_fwd
 
 
-#: registers per thread of each role in the two-aux build ("2"; 640 threads: 256 * (176 + 64) + 128 * 24 <= 65,536;
-#: the chain at 168 makes ptxas serialise its wgmmas, C7512; the aux role spills about 150 B at 64)
-NREG2 = {"chain": 176, "aux": 64, "producer": 24}
+#: registers per thread of each role in the two-aux build ("2"; 512 threads: 256 * (176 + 80) = 65,536, all the
+#: launch gives: setmaxnreg only moves a CTA's own registers, and the sum over roles must not pass the
+#: launch's, 65,536 // threads rounded down to 8 a thread; the chain at 168 makes ptxas serialise its
+#: wgmmas, C7512)
+NREG2 = {"chain": 176, "aux": 80}
+#: False only in register experiments that compile over-budget splits (ptxas reports; such a build hangs on a GPU)
+_CHECK_BUDGET = True
 
 
 def _fused2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
@@ -432,11 +436,15 @@ def _fused2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: s
     """Build "2": two aux warpgroups taking alternate chunks, so that each has two of the chain's
     steps for one chunk's aux work (one aux warpgroup needs about 1.85 of them).
 
-    640 threads: chain 0-255 (as the one-aux build, but S^T's bf16 copy goes through a shared tile,
-    the A operand of U^T and O^T, so the chain fits 160 registers), aux 0 256-383 (even chunks),
-    aux 1 384-511 (odd chunks), producer 512-639 (warp 0: q, k; warp 1: g_cum_log2 and beta; warp 2:
-    v). q, k and the gates in a three-stage ring (the chain on chunk c, the aux roles on c + 1 and
-    c + 2), v in a two-stage ring of its own (the chain alone reads it; o is staged in its slot).
+    512 threads, no producer warpgroup (a fifth warpgroup leaves 96 registers a thread at launch, too
+    few for 176 / 64 / 24: the first 640-thread draft hung in the chain's setmaxnreg): chain 0-255 (as
+    the one-aux build, but S^T's bf16 copy goes through a shared tile, the A operand of U^T and
+    O^T, so the chain fits 176 registers; its warp 0 issues the TMA loads: q and k three chunks ahead
+    once the chunk's aux role has released the slot, v two ahead), aux 0 256-383 (even chunks),
+    aux 1 384-511 (odd chunks; each aux role's warp 0 forms its chunks' g_cum_log2 and beta, the
+    next chunk's gates loaded into registers a chunk ahead). q, k and the gates in a three-stage ring
+    (the chain on chunk c, the aux roles on c + 1 and c + 2), v in a two-stage ring of its own (the
+    chain alone reads it; o is staged in its slot).
     Aux j writes A diag(beta) straight into ring slot j (the slot the chain reads for its chunks
     c = j mod 2), after waiting there for the chain to release it: no staging copy. Each aux role
     has its own fp16 inverse tile.
@@ -452,7 +460,7 @@ def _fused2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: s
     from tilelang.layout import make_linear_layout, make_swizzled_layout
 
     from flashqla.ops.gdn.kernels.sm90 import prepare as P
-    from flashqla.ops.gdn.kernels.sm90._common import CHUNK, sequence_span
+    from flashqla.ops.gdn.kernels.sm90._common import CHUNK, RCP_LN2, sequence_span
 
     if K != 128 or V != 128:
         raise ValueError("the fused draft covers K = V = 128")
@@ -463,7 +471,9 @@ def _fused2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: s
     NQ = 3  # stages of the q, k, gates ring
     CH = 256  # chain threads
     AXS = (CH, CH + 128)  # first thread of aux 0, aux 1
-    PR = CH + 256  # first producer thread
+    NT = CH + 256  # threads
+    if _CHECK_BUDGET and 256 * (NREG2["chain"] + NREG2["aux"]) > (65536 // NT) // 8 * 8 * NT:
+        raise ValueError(f"roles' registers {NREG2} exceed the launch's at {NT} threads")
     chain_kw = {"policy": T.GemmWarpPolicy.FullRow}
     pdt = "float16" if fp16_ops else dtype  # the A_beta and output products' operand dtype
 
@@ -508,9 +518,45 @@ def _fused2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: s
     def aux_role(jj, m_s, kv):
         """aux j's body (a macro); kv: the kernel's buffers and values it reads, by name"""
         q_s, k_s, a_s, pg_s, gc_s, bq_s, clk_s = (kv[x] for x in ("q_s", "k_s", "a_s", "pg_s", "gc_s", "bq_s", "clk_s"))
+        gst_s = kv["gst_s"]
         qk_full, qk_empty, x_full, x_empty = (kv[x] for x in ("qk_full", "qk_empty", "x_full", "x_empty"))
         tx, nchunks, seqlen, hv, bx, scale, clocks = (kv[x] for x in ("tx", "nchunks", "seqlen", "hv", "bx", "scale", "clocks"))
+        g, beta, bos, bidx = (kv[x] for x in ("g", "beta", "bos", "bidx"))
         ax = AXS[jj]
+        lane = tx - ax
+
+        def gate_load(gq, cc):
+            """warp 0: chunk cc's g / ln 2 and beta, two tokens a lane (0 past the sequence), into gq[0:4]"""
+
+            @T.macro
+            def load():
+                t0 = bos + cc * C
+                nv = T.min(seqlen - cc * C, C)
+                gq[0] = T.if_then_else(2 * lane < nv, g[bidx, t0 + 2 * lane, hv] * RCP_LN2, T.float32(0))
+                gq[1] = T.if_then_else(2 * lane + 1 < nv, g[bidx, t0 + 2 * lane + 1, hv] * RCP_LN2, T.float32(0))
+                gq[2] = T.if_then_else(2 * lane < nv, T.cast(beta[bidx, t0 + 2 * lane, hv], acc), T.float32(0))
+                gq[3] = T.if_then_else(2 * lane + 1 < nv, T.cast(beta[bidx, t0 + 2 * lane + 1, hv], acc), T.float32(0))
+
+            return load
+
+        def gate_stage(gq):
+            """warp 0: g_cum_log2 of gq's g pairs by a shuffle scan over the lanes' pair sums, and beta, into
+            this role's staging row gst_s[jj] (the same lanes read it back: no barrier needed)"""
+
+            @T.macro
+            def stage():
+                gq[1] = gq[0] + gq[1]
+                gq[4] = gq[1]
+                for d in T.unroll(5):
+                    gq[5] = T.shfl_up(gq[4], 1 << d)
+                    if lane >= (1 << d):
+                        gq[4] = gq[4] + gq[5]
+                gst_s[jj, 0, 2 * lane] = gq[4] - gq[1] + gq[0]
+                gst_s[jj, 0, 2 * lane + 1] = gq[4]
+                gst_s[jj, 1, 2 * lane] = gq[2]
+                gst_s[jj, 1, 2 * lane + 1] = gq[3]
+
+            return stage
 
         @T.macro
         def body():
@@ -523,6 +569,7 @@ def _fused2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: s
             b_row = T.alloc_fragment((C,), acc)
             inv = P.alloc_inverse_locals(T)
             l1 = P.alloc_level1_locals(T) if level1 == "mma" else None
+            gq = T.alloc_local((6,), acc)  # warp 0: a chunk's g pair and beta pair, the scan
             if clocked and jj == 0:
                 ca = T.alloc_local((4,), "int64")
                 ca[0] = now()
@@ -536,19 +583,35 @@ def _fused2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: s
             # the slot's block above the diagonal 32-blocks stays zero (the stages never write it)
             for t, u in T.Parallel(C, C):
                 a_s[jj, t, u] = T.cast(0, pdt)
+            if lane < 32:
+                if jj < nchunks:
+                    gate_load(gq, jj)()
+                    gate_stage(gq)()
             for i in T.serial((nchunks + 1 - jj) // 2):
                 c = 2 * i + jj
                 s = c % NQ
                 ph = (c // NQ) % 2
                 phx = i % 2
                 nvalid = T.min(seqlen - c * C, C)
+                if lane < 32:
+                    if c + 2 < nchunks:
+                        gate_load(gq, c + 2)()  # chunk c + 2's gates, staged below once K K^T is issued
                 if clocked and jj == 0:
                     ca[3] = now()
                 T.barrier_wait(qk_full[s], ph)
                 if clocked and jj == 0:
                     ca[1] = ca[1] + now() - ca[3]
+                if lane < 32:
+                    # chunk c's g_cum_log2 and beta from the staging row into ring slot s (free: its q and k are
+                    # loaded, which the chain issued after it had read chunk c - 3's gates)
+                    for e in T.unroll(2):
+                        gc_s[s, 2 * lane + e] = gst_s[jj, 0, 2 * lane + e]
+                        bq_s[s, 2 * lane + e] = gst_s[jj, 1, 2 * lane + e]
                 stamp("wait_full")
                 T.wgmma_gemm(k_s[s, :, :], k_s[s, :, :], kk_f, transpose_B=True, clear_accum=True)
+                if lane < 32:
+                    if c + 2 < nchunks:
+                        gate_stage(gq)()
                 T.wait_wgmma(0)
                 stamp("kkt")
                 P.value_head_stages(T, j=s, G=1, hk=hv, nvalid=nvalid, row0=0, A=None, dtype=pdt, kk_f=kk_f,
@@ -598,7 +661,7 @@ def _fused2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: s
         ht: T.Tensor((N1, HV, K, V), "float32"),
         clocks: clock_arg,
     ):
-        with T.Kernel(HV * nseq, threads=PR + 128, prelude=P.MOVMATRIX_PRELUDE if level1 == "mma" else None) as (bx,):
+        with T.Kernel(HV * nseq, threads=NT, prelude=P.MOVMATRIX_PRELUDE if level1 == "mma" else None) as (bx,):
             hv = bx % HV
             n = bx // HV
             bos, seqlen, bidx, slot0, nchunks = sequence_span(n, cu_seqlens, Tn, varlen)
@@ -613,16 +676,16 @@ def _fused2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: s
             pg_s = T.alloc_shared((2, C, C), pdt)  # Pg (aux -> chain)
             gc_s = T.alloc_shared((NQ, C), acc)
             bq_s = T.alloc_shared((NQ, C), acc)
+            gst_s = T.alloc_shared((2, 2, C), acc)  # aux j's next chunk's g_cum_log2 and beta, staged
             m0_s = T.alloc_shared((C, P.M_ROW), "float16")  # aux 0's inverse tile
             m1_s = T.alloc_shared((C, P.M_ROW), "float16")  # aux 1's
             clk_s = T.alloc_shared((len(AUX_STAGES) + 1,), "int64") if clocked else None
             T.annotate_layout({v_s: make_swizzled_layout(v_s)})
             T.annotate_layout({m0_s: make_linear_layout(m0_s), m1_s: make_linear_layout(m1_s)})
 
-            qk_full = T.alloc_barrier(arrive_count=[64] * NQ)  # producer warps 0 and 1 -> chain and aux
-            qk_empty = T.alloc_barrier(arrive_count=[CH + 128] * NQ)  # chain and the chunk's aux -> producer
-            v_full = T.alloc_barrier(arrive_count=[32, 32])  # producer warp 2 -> chain
-            v_empty = T.alloc_barrier(arrive_count=[CH, CH])  # chain -> producer warp 2
+            qk_full = T.alloc_barrier(arrive_count=[32] * NQ)  # the chain's warp 0 (TMA) -> chain and aux
+            qk_empty = T.alloc_barrier(arrive_count=[128] * NQ)  # the chunk's aux -> the chain's warp 0 (its refill)
+            v_full = T.alloc_barrier(arrive_count=[32, 32])  # the chain's warp 0 (TMA) -> chain
             x_full = T.alloc_barrier(arrive_count=[128, 128])  # aux j -> chain: a_s[j], pg_s[j]
             x_empty = T.alloc_barrier(arrive_count=[CH, CH])  # chain -> aux j
 
@@ -645,6 +708,15 @@ def _fused2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: s
                     ck[0] = now()
                     ck[1] = T.int64(0)
                     ck[2] = T.int64(0)
+                if tx < 32:
+                    # the rings' first loads: q, k of chunks 0-2, v of chunks 0-1
+                    for c in T.serial(T.min(nchunks, NQ)):
+                        T.tma_copy(q[bidx, bos + c * C : bos + c * C + C, hk, 0:K], q_s[c, :, :], barrier=qk_full[c])
+                        T.tma_copy(k[bidx, bos + c * C : bos + c * C + C, hk, 0:K], k_s[c, :, :], barrier=qk_full[c])
+                        T.barrier_arrive(qk_full[c])
+                    for c in T.serial(T.min(nchunks, 2)):
+                        T.tma_copy(v[bidx, bos + c * C : bos + c * C + C, hv, 0:BV], v_s[c, :, :], barrier=v_full[c])
+                        T.barrier_arrive(v_full[c])
                 if use_h0 != 0:
                     for i, j in T.Parallel(BV, K):
                         st[i, j] = h0[n, hv, j, i]
@@ -698,16 +770,24 @@ def _fused2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: s
                     T.warpgroup_fence_operand(st, num_regs=BV * K // CH)
                     T.warpgroup_fence_operand(ot, num_regs=BV * C // CH)
                     T.barrier_arrive(x_empty[sv])
-                    T.barrier_arrive(qk_empty[s])
                     nvalid = T.min(seqlen - c * C, C)
-                    # o staged in this chunk's v tile (read for the last time into W^T), then the slot released
+                    # o staged in this chunk's v tile (read for the last time into W^T)
                     for i, t in T.Parallel(BV, C):
                         v_s[sv, t, i] = T.cast(ot[i, t], dtype)
                     for t, i in T.Parallel(C, BV):
                         if t < nvalid:
                             o[bidx, t0 + t, hv, i] = v_s[sv, t, i]
-                    T.fence_proxy_async()
-                    T.barrier_arrive(v_empty[sv])
+                    T.fence_proxy_async()  # the generic accesses, before the copy engine refills the slots
+                    T.sync_threads(8, CH)  # every chain thread is done with q, k slot s and v slot sv
+                    if tx < 32:
+                        if c + NQ < nchunks:
+                            T.barrier_wait(qk_empty[s], ph)  # the chunk's aux role is done with slot s
+                            T.tma_copy(q[bidx, t0 + NQ * C : t0 + NQ * C + C, hk, 0:K], q_s[s, :, :], barrier=qk_full[s])
+                            T.tma_copy(k[bidx, t0 + NQ * C : t0 + NQ * C + C, hk, 0:K], k_s[s, :, :], barrier=qk_full[s])
+                            T.barrier_arrive(qk_full[s])
+                        if c + 2 < nchunks:
+                            T.tma_copy(v[bidx, t0 + 2 * C : t0 + 3 * C, hv, 0:BV], v_s[sv, :, :], barrier=v_full[sv])
+                            T.barrier_arrive(v_full[sv])
                 if store_ht != 0:
                     for i, j in T.Parallel(BV, K):
                         ht[n, hv, j, i] = st[i, j]
@@ -718,33 +798,11 @@ def _fused2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: s
                         clocks[bx, 2] = ck[2]
                         clocks[bx, 6] = T.cast(nchunks, "int64")
             elif tx < AXS[1]:
-                aux_role(0, m0_s, dict(q_s=q_s, k_s=k_s, a_s=a_s, pg_s=pg_s, gc_s=gc_s, bq_s=bq_s, clk_s=clk_s, qk_full=qk_full, qk_empty=qk_empty, x_full=x_full, x_empty=x_empty, tx=tx, nchunks=nchunks, seqlen=seqlen, hv=hv, bx=bx, scale=scale, clocks=clocks))()
-            elif tx < PR:
-                aux_role(1, m1_s, dict(q_s=q_s, k_s=k_s, a_s=a_s, pg_s=pg_s, gc_s=gc_s, bq_s=bq_s, clk_s=clk_s, qk_full=qk_full, qk_empty=qk_empty, x_full=x_full, x_empty=x_empty, tx=tx, nchunks=nchunks, seqlen=seqlen, hv=hv, bx=bx, scale=scale, clocks=clocks))()
+                aux_role(0, m0_s, dict(q_s=q_s, k_s=k_s, a_s=a_s, pg_s=pg_s, gc_s=gc_s, bq_s=bq_s, clk_s=clk_s, qk_full=qk_full, qk_empty=qk_empty, x_full=x_full, x_empty=x_empty, tx=tx, nchunks=nchunks, seqlen=seqlen, hv=hv, bx=bx, scale=scale, clocks=clocks,
+                                       g=g, beta=beta, bos=bos, bidx=bidx, gst_s=gst_s))()
             else:
-                # ------------------------------------------------------------------ producer
-                T.set_max_nreg(NREG2["producer"], 0)
-                if tx < PR + 32:
-                    for c in T.serial(nchunks):
-                        s = c % NQ
-                        ph = (c // NQ) % 2
-                        t0 = bos + c * C
-                        T.barrier_wait(qk_empty[s], 1 - ph)
-                        T.tma_copy(q[bidx, t0 : t0 + C, hk, 0:K], q_s[s, :, :], barrier=qk_full[s])
-                        T.tma_copy(k[bidx, t0 : t0 + C, hk, 0:K], k_s[s, :, :], barrier=qk_full[s])
-                        T.barrier_arrive(qk_full[s])
-                elif tx < PR + 64:
-                    gates_warp(T, dict(g=g, beta=beta, gc_s=gc_s, bq_s=bq_s, empty=qk_empty, full=qk_full, lane=tx - PR - 32,
-                                       nchunks=nchunks, seqlen=seqlen, bos=bos, bidx=bidx, hv=hv, NS=NQ))()
-                elif tx < PR + 96:
-                    for c in T.serial(nchunks):
-                        sv = c % 2
-                        phv = (c // 2) % 2
-                        t0 = bos + c * C
-                        T.barrier_wait(v_empty[sv], 1 - phv)
-                        T.tma_copy(v[bidx, t0 : t0 + C, hv, 0:BV], v_s[sv, :, :], barrier=v_full[sv])
-                        T.barrier_arrive(v_full[sv])
-
+                aux_role(1, m1_s, dict(q_s=q_s, k_s=k_s, a_s=a_s, pg_s=pg_s, gc_s=gc_s, bq_s=bq_s, clk_s=clk_s, qk_full=qk_full, qk_empty=qk_empty, x_full=x_full, x_empty=x_empty, tx=tx, nchunks=nchunks, seqlen=seqlen, hv=hv, bx=bx, scale=scale, clocks=clocks,
+                                       g=g, beta=beta, bos=bos, bidx=bidx, gst_s=gst_s))()
     return gdn_fused2_fwd
 
 
