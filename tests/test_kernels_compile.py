@@ -148,32 +148,23 @@ def test_prepare_kernel_compiles(H, HV, dtype, beta_dtype, seq_dtype, varlen):
 
 
 @needs_nvcc
-def test_prepare_level1_mma_build_compiles():
-    """The prepare kernel's measurement build with the inverse's first level by products
-    (`_prepare_prim_func(level1="mma")`, `diagonal_blocks_8x8_mma`, record WY-6) lowers for sm_90a:
-    movmatrix from its prelude, eight m16n8k16 products a warp in place of the shuffle elimination, 96
-    registers without spills; the shipped build (level1="substitution") keeps its recorded source."""
-    import json
-
-    from kernel_sources import QUICK, RECORD, digest
+def test_level1_mma_macro_lowers():
+    """The inverse's first level by products (`prepare.diagonal_blocks_8x8_mma`, record WY-6; used by the
+    fused forward experiment's builds "2m" / "2hm") lowers for sm_90a in a probe kernel: movmatrix from its
+    prelude, eight m16n8k16 products a warp, no shuffle, no spill."""
+    from _level1_probe import level1_mma_probe
 
     from flashqla.ops.gdn.kernels.sm90._common import compile_kernel, ptxas_report
-    from flashqla.ops.gdn.kernels.sm90.prepare import _prepare_prim_func, build_prepare_kernel
 
-    key = (2, 4, 128, "bfloat16", "float32", "int32", True)
-    plain = build_prepare_kernel(*key).get_kernel_source()
-    assert digest(plain) in {d for _, d in json.loads(RECORD.read_text())[QUICK]}
-    kernel = compile_kernel(_prepare_prim_func(*key, level1="mma"), "prepare_level1_mma")
+    kernel = compile_kernel(level1_mma_probe(), "level1_mma_probe")
     src = kernel.get_kernel_source()
-    f16 = "tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, "
+    f16 = "tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>"
     assert "movmatrix.sync.aligned.m8n8.trans.b16" in src and src.count("flashqla_movtrans((") == 8
-    assert src.count(f16 + "16, false, true>") == plain.count(f16 + "16, false, true>") + 8
-    assert "__shfl_sync" not in src and "__shfl_sync" in plain  # level 1 was the only shuffle user
+    assert src.count(f16) == 8 and "__shfl_sync" not in src
+    assert "ptx_ldmatrix_x4(" in src and "ptx_ldmatrix_x2_trans(" in src
     r = ptxas_report(kernel)
     print(r)
-    assert r["registers"] <= 96 and r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0
-    with pytest.raises(ValueError, match="level1"):
-        _prepare_prim_func(*key, level1="shuffle")
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0
 
 
 def test_level1_mma_fragment_plan_inverts_the_diagonal_blocks():

@@ -328,7 +328,9 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, kk_f, gc_s, b_s, g
     goes to its slot `stage_slot`; before_stage (None: the shipped build): a T.macro emitted right
     before A diag(beta) is written (a fused kernel waits there until its consumer has released the slot).
     l1 (None: the shipped build, level 1 by `diagonal_blocks_8x8`): `alloc_level1_locals`' registers,
-    level 1 then by `diagonal_blocks_8x8_mma` (the kernel's prelude must hold `MOVMATRIX_PRELUDE`)."""
+    level 1 then by `diagonal_blocks_8x8_mma` (the kernel's prelude must hold `MOVMATRIX_PRELUDE`; the
+    fused forward experiment's builds "2m" / "2hm": in this kernel it measured no faster,
+    `benchmarks/journal/forward.md`, "The inverse's first level by products")."""
     C = CHUNK
     HB = HALF
     f16, f32 = "float16", "float32"
@@ -493,8 +495,7 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, kk_f, gc_s, b_s, g
 
 
 def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq_dtype: str, varlen: bool,
-                       heads_per_cta: int | None = None, a_dtype: str | None = None, *, phase_clock: bool = False,
-                       level1: str = "substitution"):
+                       heads_per_cta: int | None = None, a_dtype: str | None = None, *, phase_clock: bool = False):
     """The TileLang kernel for one static configuration (arguments as `build_prepare_kernel`).
 
     The L tile's gates are read once per value head into register fragments (g at the rows and at
@@ -514,11 +515,7 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
     phase_clock (False: the shipped kernel, its source unchanged): the measurement build, with one
     more argument after g_cum_log2, clocks [R // 64, HV // heads_per_cta, len(clock_stamps(heads))]
     int64 (one row per CTA: slot, CTA row), where thread 0 writes the stamps of `clock_stamps`
-    (CLOCK_ALIGNED: after a barrier the kernel has anyway). The same A and g_cum_log2 bit for bit.
-
-    level1 ("substitution": the shipped kernel): "mma" forms the inverse's first level by products
-    (`diagonal_blocks_8x8_mma`, record WY-6), a measurement build until it is timed against the shipped one.
-    Raises ValueError for another value."""
+    (CLOCK_ALIGNED: after a barrier the kernel has anyway). The same A and g_cum_log2 bit for bit."""
     import tilelang.language as T
     from tilelang.layout import make_linear_layout
 
@@ -546,9 +543,7 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
     # the clocked build's extra argument; None, no tensor annotation, makes no kernel argument of
     # `clocks` (TileLang passes it as a Python value): the shipped signature
     clock_arg = T.Tensor((R // C, HV // P, len(clock_stamps(P))), "int64") if phase_clock else None
-    if level1 not in ("substitution", "mma"):
-        raise ValueError(f"level1 must be 'substitution' or 'mma', got {level1!r}")
-    prelude = "".join(p for p in (_CLOCK_PRELUDE if phase_clock else "", MOVMATRIX_PRELUDE if level1 == "mma" else "")) or None
+    prelude = _CLOCK_PRELUDE if phase_clock else None
 
     @T.prim_func  # (the kernel's symbol name is part of its generated source: kept as it was)
     def gdn_prepare_v3_fwd(
@@ -584,7 +579,6 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
             g_col = T.alloc_fragment((C,), acc)  # ... at its columns
             b_row = T.alloc_fragment((C,), acc)  # beta of value head j at its rows
             inv = alloc_inverse_locals(T)
-            l1 = alloc_level1_locals(T) if level1 == "mma" else None
             k_bar = T.alloc_barrier(128)  # every thread arrives; the copy engine completes the bytes
 
             if nvalid > 0:
@@ -612,8 +606,7 @@ def _prepare_prim_func(H: int, HV: int, K: int, dtype: str, beta_dtype: str, seq
                     value_head_stages(T, j=j, G=P, hk=hk, nvalid=nvalid, row0=row0, A=A, dtype=adt, kk_f=kk_f, gc_s=gc_s,
                                       b_s=b_s, g_row=g_row, g_col=g_col, b_row=b_row, m_s=m_s, inv=inv,
                                       stage=ka_s if adt == dtype else T.view(ka_s, dtype=adt),
-                                      stamp=_clock_stamper(T, clocks, slot, hk, j) if phase_clock else None, l_f=l_f,
-                                      l1=l1)
+                                      stamp=_clock_stamper(T, clocks, slot, hk, j) if phase_clock else None, l_f=l_f)
                 T.tma_store_wait(0)
 
                 for j, t in T.Parallel(P, C):
