@@ -697,9 +697,9 @@ def solve_tril_block_product(L: torch.Tensor, block: int = 8, storage: torch.dty
     L: [..., n, n], strictly lower (entries on and above the diagonal are ignored); n % block == 0,
     block <= 8. storage: None (exact, in L's dtype) or the dtype of the kernel's mma operands
     (torch.float16): L rounded to it; L2 and L4 enter their products as a pair hi + lo of that dtype
-    (hi = L2 rounded, lo = the remainder rounded; L4 = hi hi + hi lo + lo hi), since one rounding of
-    them costs up to 2.2x the inverse's error on strongly correlated keys (`benchmarks/journal/forward.md`,
-    "The inverse's first level by mma"); X2 enters the last product rounded, its fp32 accumulator kept
+    (hi = L2 rounded, lo = the remainder rounded; L4 = hi hi + hi lo + lo hi), since a single rounding
+    of them loses accuracy on strongly correlated keys (`benchmarks/journal/forward.md`, "The inverse's
+    first level by products"); X2 enters the last product rounded, its fp32 accumulator kept
     for the sum. The result is fp32, not yet rounded. Returns [..., n, n], block diagonal (zero off the
     diagonal blocks): the diagonal blocks of (I + L)^-1. Raises ValueError when n % block != 0 or block > 8.
     """

@@ -226,8 +226,8 @@ def diagonal_blocks_8x8_mma(T, m_s, inv, l1, w, lane):
     (16 x 16, the off-diagonal quadrants zero) and whose B operand is [M_b0; M_b1] (16 x 8): the
     accumulator of such a product is the A operand of the next one as it is (its two row halves are
     the two blocks' rows) and, transposed by movmatrix, its B operand. L^2 and L^4 enter their products
-    as fp16 pairs hi + lo (one rounding of them costs up to 2.2x the inverse's error on strongly
-    correlated keys). All 32 lanes of the four warps work: eight products and eight movmatrix a warp.
+    as fp16 pairs hi + lo (a single rounding of them loses accuracy on strongly correlated keys, where
+    their entries grow). All 32 lanes of the four warps work: eight products and eight movmatrix a warp.
     Needs `MOVMATRIX_PRELUDE` in the kernel's prelude; inv: `alloc_inverse_locals`' a16, b16 (the L
     fragments); l1: `alloc_level1_locals`."""
     f16, f32 = "float16", "float32"
@@ -328,8 +328,8 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, kk_f, gc_s, b_s, g
     goes to its slot `stage_slot`; before_stage (None: the shipped build): a T.macro emitted right
     before A diag(beta) is written (a fused kernel waits there until its consumer has released the slot).
     l1 (None: the shipped build, level 1 by `diagonal_blocks_8x8`): `alloc_level1_locals`' registers,
-    level 1 then by `diagonal_blocks_8x8_mma` (the kernel's prelude must hold `MOVMATRIX_PRELUDE`; the
-    fused forward experiment's builds "2m" / "2hm": in this kernel it measured no faster,
+    level 1 then by `diagonal_blocks_8x8_mma` (the kernel's prelude must hold `MOVMATRIX_PRELUDE`; used by
+    the fused forward experiment's builds "2m" / "2hm"; the prepare kernel keeps the substitution,
     `benchmarks/journal/forward.md`, "The inverse's first level by products")."""
     C = CHUNK
     HB = HALF
