@@ -71,6 +71,36 @@ VARIANTS = ("", "2", "2h", "2m", "2hm")
 NREG = {"chain": 192, "aux": 104, "producer": 24}
 
 
+def _now(T):
+    """The SM clock (clock64) as a TIR expression, for the clocked builds."""
+    return T.call_extern("int64", "clock64")
+
+
+def _no_stamp(name):
+    """The unclocked builds' stamp: nothing."""
+
+
+def _aux_stamper(T, tx, clk_s, ax):
+    """stamp(name) for a clocked build's aux role: a barrier of the role's 128 threads (named barrier 10),
+    then thread `ax` adds the cycles since its last stamp to stage `name` of `AUX_STAGES` in clk_s (the
+    prepare stages' store_wait and store_issue go to L and stage)."""
+    last = len(AUX_STAGES)
+
+    def stamp(name):
+        i = AUX_STAGES.index({"store_wait": "L", "store_issue": "stage"}.get(name, name))
+
+        @T.macro
+        def emit():
+            T.sync_threads(10, 128)
+            if tx == ax:
+                clk_s[i] = clk_s[i] + _now(T) - clk_s[last]
+                clk_s[last] = _now(T)
+
+        emit()
+
+    return stamp
+
+
 def gates_warp(T, kv):
     """The producer's gates warp as a T.macro (both builds): per chunk c, its 64 tokens' g / ln 2 and beta,
     two a lane (0 past the sequence), g_cum_log2 by a shuffle scan over the lanes' pair sums, stored into
@@ -149,31 +179,11 @@ def _fused_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: st
     # the clocked build's extra output: per CTA, SM cycles (clock64) summed over its chunks, `CLOCKS`
     clock_arg = T.Tensor((HV * nseq, len(CLOCKS) + len(AUX_STAGES)), "int64") if clocked else None
 
-    def now():
-        return T.call_extern("int64", "clock64")
-
-    def no_stamp(name):
-        pass
+    now = functools.partial(_now, T)
+    no_stamp = _no_stamp
 
     def aux_stamper(tx, clk_s):
-        """stamp(name) for the clocked build's aux role: a barrier of the role's 128 threads, then thread
-        AX adds the cycles since its last stamp to stage `name` of `AUX_STAGES` (the prepare stages'
-        store_wait and store_issue go to L and stage)"""
-        last = len(AUX_STAGES)
-
-        def stamp(name):
-            i = AUX_STAGES.index({"store_wait": "L", "store_issue": "stage"}.get(name, name))
-
-            @T.macro
-            def emit():
-                T.sync_threads(10, 128)
-                if tx == AX:
-                    clk_s[i] = clk_s[i] + now() - clk_s[last]
-                    clk_s[last] = now()
-
-            emit()
-
-        return stamp
+        return _aux_stamper(T, tx, clk_s, AX)
 
     def qk_issuer(q_s, k_s, p_f, slot):
         """a macro issuing P = Q K^T of ring slot `slot` into p_f (not waited)"""
@@ -485,28 +495,11 @@ def _fused2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: s
     nseq = (Np1 - 1) if varlen else B
     clock_arg = T.Tensor((HV * nseq, len(CLOCKS) + len(AUX_STAGES)), "int64") if clocked else None
 
-    def now():
-        return T.call_extern("int64", "clock64")
-
-    def no_stamp(name):
-        pass
+    now = functools.partial(_now, T)
+    no_stamp = _no_stamp
 
     def aux_stamper(tx, clk_s, ax):
-        last = len(AUX_STAGES)
-
-        def stamp(name):
-            i = AUX_STAGES.index({"store_wait": "L", "store_issue": "stage"}.get(name, name))
-
-            @T.macro
-            def emit():
-                T.sync_threads(10, 128)
-                if tx == ax:
-                    clk_s[i] = clk_s[i] + now() - clk_s[last]
-                    clk_s[last] = now()
-
-            emit()
-
-        return stamp
+        return _aux_stamper(T, tx, clk_s, ax)
 
     def waiter(bar, parity):
         @T.macro

@@ -745,7 +745,7 @@ def solve_tril_doubling(L: torch.Tensor, block: int = 8, storage: torch.dtype | 
     level1: "substitution" (WY-3, the shipped kernels' shuffle elimination, exact in fp32) or "product"
     (WY-6, `solve_tril_block_product`, the mma form with its own operand roundings; block <= 8).
     Entries on and above the diagonal of L are ignored. Returns [..., n, n] unit lower triangular (fp32
-    with storage given, else L's dtype). Raises ValueError unless n == 8 * block.
+    with storage given, else L's dtype). Raises ValueError unless n == 8 * block, or for another level1.
     """
     n = L.shape[-1]
     if n != 8 * block:

@@ -171,7 +171,8 @@ def inverse_error(L: torch.Tensor, precision, method: str = "blocks") -> torch.T
         precision: a torch dtype (L cast to it and every operation run in it: fp32, bf16, fp16),
             "tf32" (L in fp32, GEMM operands rounded to tf32, fp32 accumulation; only with method
             "nilpotent") or "fp16 mma" (L and every stored step rounded to fp16, products of fp16
-            operands accumulated in fp32: the prepare kernel's mma.sync; only with method "doubling").
+            operands accumulated in fp32: the prepare kernel's mma.sync; only with method "doubling" or
+            "doubling product").
         method: "blocks" (`fused.solve_tril_blocks`, FLA's merge), "nilpotent"
             (`fused.solve_tril_nilpotent`, needs C == 64 with 16-wide blocks), "doubling"
             (`fused.solve_tril_doubling`, 8-wide first blocks, needs C == 64) or "doubling product" (the

@@ -196,6 +196,20 @@ def diagonal_blocks_8x8(T, m_s, inv, w, lane):
     return level1
 
 
+def _mma_f16(T, shape, a, b, b_off, c, c_off):
+    """Emits one fp16 mma.sync (`shape` "m16n8k8" or "m16n8k16", fp32 accumulation) on register arrays:
+    A from a[0:], B from b[b_off:], C / D in place at c[c_off:] (a statement, via T.evaluate)."""
+    T.evaluate(T.ptx_mma("float32", shape, "row", "col", "fp16", "fp16", "fp32", a.data, 0, b.data, b_off, c.data, c_off,
+                         T.bool(False)))
+
+
+def _ldsm(T, m_s, trans, num, row, col, dst, n):
+    """Emits one ldmatrix (x`num`, transposed when `trans`) from m_s[row, col] (each lane's row address)
+    into the register array dst (n halves)."""
+    T.evaluate(T.ptx_ldmatrix(T.bool(trans), num, T.access_ptr(m_s[row, col], "r", extent=8),
+                              T.access_ptr(dst[0], "w", extent=n)))
+
+
 #: movmatrix (sm_75+): the transpose of an 8 x 8 16-bit matrix held in the mma.sync fragment layout (lane
 #: l: row l / 4, columns 2 (l % 4) and + 1), in registers. Put before a kernel's source (T.Kernel's
 #: prelude) that calls `diagonal_blocks_8x8_mma`.
@@ -235,12 +249,10 @@ def diagonal_blocks_8x8_mma(T, m_s, inv, l1, w, lane):
     xa, ha, la, hb, lb, x, z = (l1[n] for n in ("xa", "ha", "la", "hb", "lb", "x", "z"))
 
     def mma(a, b, c):
-        T.evaluate(T.ptx_mma(f32, "m16n8k16", "row", "col", "fp16", "fp16", "fp32", a.data, 0, b.data, 0, c.data, 0,
-                             T.bool(False)))
+        _mma_f16(T, "m16n8k16", a, b, 0, c, 0)
 
     def ldsm(trans, num, row, col, dst, n):
-        T.evaluate(T.ptx_ldmatrix(T.bool(trans), num, T.access_ptr(m_s[row, col], "r", extent=8),
-                                  T.access_ptr(dst[0], "w", extent=n)))
+        _ldsm(T, m_s, trans, num, row, col, dst, n)
 
     def movtrans(dst, i, src, j):
         T.evaluate(T.call_extern("handle", "flashqla_movtrans", T.access_ptr(dst[i], "w", extent=2),
@@ -339,10 +351,10 @@ def value_head_stages(T, *, j, G, hk, nvalid, row0, A, dtype, kk_f, gc_s, b_s, g
 
     # (plain Python helpers: each call's value is emitted as a statement by T.evaluate)
     def mma(shape, a, b, b_off, c, c_off):
-        T.evaluate(T.ptx_mma(f32, shape, "row", "col", "fp16", "fp16", "fp32", a.data, 0, b.data, b_off, c.data, c_off, T.bool(False)))
+        _mma_f16(T, shape, a, b, b_off, c, c_off)
 
     def ldsm(trans, num, row, col, dst, n):
-        T.evaluate(T.ptx_ldmatrix(T.bool(trans), num, T.access_ptr(m_s[row, col], "r", extent=8), T.access_ptr(dst[0], "w", extent=n)))
+        _ldsm(T, m_s, trans, num, row, col, dst, n)
 
     @T.macro
     def stages():
