@@ -591,6 +591,11 @@ def _fused2_prim_func(H: int, HV: int, K: int, V: int, dtype: str, beta_dtype: s
                         gate_load(gq, c + 2)()  # chunk c + 2's gates, staged below once K K^T is issued
                 if clocked and jj == 0:
                     ca[3] = now()
+                if c >= NQ:
+                    # the other aux role's release of chunk c - 3 (slot s's previous load) first: that load
+                    # has then landed, so the parity wait below cannot be passed by its still-open phase
+                    # (this role skips every other phase of the slot)
+                    T.barrier_wait(qk_empty[s], 1 - ph)
                 T.barrier_wait(qk_full[s], ph)
                 if clocked and jj == 0:
                     ca[1] = ca[1] + now() - ca[3]
