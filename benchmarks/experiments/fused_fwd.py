@@ -30,7 +30,8 @@ is formed transposed): o is compared with the two launches' and with the fp64 re
 for bit.
 
     python benchmarks/experiments/fused_fwd.py [--rows "16/32 4x8192,16/64 4x8192"] [--variants -,2,2h] [--no-clock]
-    TILELANG_CACHE_DIR=/tmp/tlc python benchmarks/experiments/fused_fwd.py --precompile-only [--rows ...]
+    TILELANG_CACHE_DIR=/tmp/tlc python benchmarks/experiments/fused_fwd.py --precompile-only [--rows ...] \
+        [--variants=2,2h] [--no-clock] [--workers 16]
 
 Prints per row and build variant (`VARIANTS`): the relative RMS errors of o and the final state
 against fp64 (both paths), their relative difference from the two launches' (BV = 128, cp off, the
@@ -856,7 +857,7 @@ def _build(key):
     return str(key)
 
 
-def precompile(rows, workers):
+def precompile(rows, workers, variants=VARIANTS, clock=True):
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
@@ -864,7 +865,8 @@ def precompile(rows, workers):
 
     from flashqla.ops.gdn.kernels.sm90.registry import op_kernel_specs, precompile as precompile_specs
 
-    keys = list(dict.fromkeys(_row_key(r) + (ck, op) for r in rows for ck in (False, True) for op in VARIANTS))
+    keys = list(dict.fromkeys(_row_key(r) + (ck, op) for r in rows for ck in ((False, True) if clock else (False,))
+                              for op in variants))
     t = time.time()
     # the two launches' kernels of the same rows (run_row compares with them)
     heads = dict.fromkeys(parse_row(r)[:2] for r in rows)
@@ -946,8 +948,9 @@ def main(argv=None) -> int:
                     "cudaProfilerStart/Stop, for `ncu --profile-from-start off -k regex:gdn_fused` (no timing, no check)")
     args = ap.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
-    if args.precompile_only:
-        precompile(rows, args.workers)
+    variants = [v.strip().replace("-", "") for v in args.variants.split(",")]
+    if args.precompile_only:  # the builds of --variants (clocked too unless --no-clock)
+        precompile(rows, args.workers, variants, clock=not args.no_clock)
         return 0
     if args.ncu is not None:
         from _gpu import gen_inputs, parse_row
@@ -971,8 +974,7 @@ def main(argv=None) -> int:
     res = []
     for r in rows:
         try:
-            res.append(run_row(r, not args.no_fp64, clock=not args.no_clock,
-                               variants=[v.strip().replace("-", "") for v in args.variants.split(",")]))
+            res.append(run_row(r, not args.no_fp64, clock=not args.no_clock, variants=variants))
         except Exception as exc:  # report and go on with the next row
             print(f"{r}: FAILED {type(exc).__name__}: {exc}", flush=True)
             continue
